@@ -1,0 +1,158 @@
+"""Your own loop, same rows: measure a stage of any training program into the pilotrun ledger.
+
+Example (a complete script)::
+
+    import torch, pilotrun
+
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(64, 512)
+
+    with pilotrun.session("my-job", ledger="runs/ledger.sqlite") as run:
+        for step in range(3):
+            name = "first_step" if step == 0 else "steady_step"
+            with run.stage(name, inputs={"micro_batch_size": 64}, track=[model, opt]) as st:
+                loss = model(batch).pow(2).mean()
+                loss.backward(); opt.step(); opt.zero_grad()
+                st.check_finite(loss=loss)
+        print(st.row["memory"]["peak_allocated_bytes"], st.row["seconds"])
+
+``pilotrun.stage(...)`` without a session opens one named after the script.
+Each stage resets peaks and synchronises the device on entry and exit, keeps the
+memory counters apart, and writes one row; an exception inside the block writes
+a ``fail`` row with the reason and is re-raised unchanged.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from .gates.base import as_dict
+from .ledger.store import Ledger, now
+from .measure.meter import StageMeter, is_oom, oom_detail
+from .pilot import new_run_id, overall_status
+
+
+def _infer_device(track: Iterable) -> torch.device:
+    for obj in track:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                return p.device
+        if isinstance(obj, torch.Tensor):
+            return obj.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class StageHandle:
+    """Yielded by ``stage()``: set the verdict yourself, or check values; ``row`` is filled on exit."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.verdict = "pass"
+        self.reason = ""
+        self.details: dict = {}
+        self.row: dict = {}
+
+    def warn(self, reason: str) -> None:
+        if self.verdict != "fail":
+            self.verdict, self.reason = "warn", reason
+
+    def fail(self, reason: str) -> None:
+        self.verdict, self.reason = "fail", reason
+
+    def check_finite(self, **values) -> bool:
+        """Fail the stage when any named value (loss=..., grad_norm=...) is inf or NaN."""
+        for key, value in values.items():
+            v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+            if not math.isfinite(v):
+                self.fail(f"{key} is {v}")
+                return False
+        return True
+
+
+class Session:
+    """One run row in the ledger; stages add gate rows to it."""
+
+    def __init__(self, name: str, ledger: str | Path | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        self.name = name
+        self.ledger = Ledger(ledger)
+        self.run_id = new_run_id(name)
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self.rows: list[dict] = []
+        self.ledger.start_run(self.run_id, name, "stage", spec_path=sys.argv[0] if sys.argv else None)
+        self._closed = False
+
+    @contextlib.contextmanager
+    def stage(self, name: str, inputs: dict | None = None, track: Iterable = (), device: torch.device | str | None = None
+              ) -> Iterator[StageHandle]:
+        track = list(track)
+        dev = torch.device(device) if device is not None else _infer_device(track)
+        handle = StageHandle(name)
+        started = now()
+        error: BaseException | None = None
+        with StageMeter(dev, track=track) as meter:
+            try:
+                yield handle
+            except BaseException as exc:
+                error = exc
+        if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            what = oom_detail(dev) if is_oom(error) else f"{type(error).__name__}: {error}"
+            handle.fail(f"{name}: {what}")
+            handle.details["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+        row = as_dict({
+            "gate": name, "verdict": handle.verdict, "reason": handle.reason or handle.verdict,
+            "inputs": {**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
+            "memory": meter.memory, "seconds": meter.seconds, "rank": self.rank, "world_size": self.world_size,
+            "started_at": started, "ended_at": now(), "details": handle.details,
+        })
+        self.ledger.add_gate_row(self.run_id, row)
+        self.rows.append(row)
+        handle.row = row
+        if error is not None:
+            raise error
+
+    def note(self, text: str) -> None:
+        self.ledger.add_note(self.run_id, text)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.ledger.end_run(self.run_id, overall_status(self.rows) if self.rows else "pass")
+            self.ledger.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not self.rows:
+            self.rows.append({"verdict": "fail"})
+        self.close()
+
+
+_default: Session | None = None
+
+
+def session(name: str | None = None, ledger: str | Path | None = None) -> Session:
+    """Open a session (one run in the ledger). Use as a context manager, or call ``close()``."""
+    global _default
+    _default = Session(name or Path(sys.argv[0] or "script").stem or "script", ledger)
+    return _default
+
+
+def stage(name: str, inputs: dict | None = None, track: Iterable = (), device=None):
+    """Measure one stage into the current session (opened on first use, closed at exit)."""
+    global _default
+    if _default is None or _default._closed:
+        _default = session()
+        atexit.register(_default.close)
+    return _default.stage(name, inputs=inputs, track=track, device=device)

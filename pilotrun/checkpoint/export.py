@@ -1,0 +1,47 @@
+"""The inference artifact: safetensors weights plus what is needed to rebuild the model.
+
+Hugging Face models use ``save_pretrained`` (config + safetensors, tied weights
+handled) and the tokenizer beside them. Factory models get ``model.safetensors``
+(shared tensors deduplicated by ``safetensors.torch.save_model``) and
+``export.json`` naming the factory and the mapping it is called with.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .io import AtomicFolder, CheckpointError
+
+
+def export_model(folder: Path, model: torch.nn.Module, *, tokenizer=None, factory: str | None = None,
+                 model_mapping: dict | None = None, spec_folder: str | None = None) -> AtomicFolder:
+    with AtomicFolder(folder, "export", {"kind": "hf" if hasattr(model, "save_pretrained") else "factory"}) as f:
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(str(f.tmp), safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(f.tmp))
+        else:
+            from safetensors.torch import save_model
+
+            save_model(model, str(f.tmp / "model.safetensors"))
+        if factory is not None:
+            f.write_json("export.json", {"factory": factory, "model": model_mapping or {}, "spec_folder": spec_folder})
+        f.adopt_existing()
+    return f
+
+
+def safetensors_tensor_count(folder: Path) -> int:
+    """Open every safetensors file's header (no tensor data is read) and count tensors."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} holds no .safetensors file")
+    total = 0
+    for p in files:
+        try:
+            with safe_open(str(p), framework="pt") as fh:
+                total += len(list(fh.keys()))
+        except Exception as exc:
+            raise CheckpointError(f"{p} is not a readable safetensors file: {exc}") from None
+    return total

@@ -1,0 +1,161 @@
+"""Atomic folders with a sha256 manifest: a crash mid-save never damages the last good one.
+
+A folder is written as ``.NAME.tmp-PID``, every file is flushed and fsynced with
+its sha256 computed while writing, ``manifest.json`` is written last, and the
+folder is renamed into place (then the parent is fsynced). Readers ignore
+``.tmp-`` folders and refuse a folder whose files do not match its manifest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(Exception):
+    """A checkpoint or artifact is missing, incomplete or does not match its manifest."""
+
+
+class HashingWriter:
+    """A binary file that hashes what is written to it (one pass over the bytes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fh = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        mv = memoryview(data)
+        self.sha.update(mv)
+        self.bytes += mv.nbytes
+        return self.fh.write(mv)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicFolder:
+    """``with AtomicFolder(final) as f: f.write_json("a.json", {...}); f.write_with("b.pt", torch.save, obj)``."""
+
+    def __init__(self, final: Path, kind: str, meta: dict | None = None) -> None:
+        self.final = Path(final)
+        self.kind = kind
+        self.meta = meta or {}
+        self.tmp = self.final.parent / f".{self.final.name}.tmp-{os.getpid()}"
+        self.files: dict[str, dict] = {}
+
+    def __enter__(self) -> "AtomicFolder":
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        return self
+
+    def write_with(self, name: str, writer: Callable[[Any, Any], Any], obj: Any) -> None:
+        w = HashingWriter(self.tmp / name)
+        try:
+            writer(obj, w)
+        finally:
+            w.close()
+        self.files[name] = {"sha256": w.sha.hexdigest(), "bytes": w.bytes}
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.write_with(name, lambda d, fh: fh.write(d), data)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self.write_bytes(name, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def adopt_existing(self) -> None:
+        """Hash files that a library wrote into ``tmp`` itself (e.g. save_pretrained)."""
+        for p in sorted(self.tmp.rglob("*")):
+            if p.is_file():
+                rel = str(p.relative_to(self.tmp))
+                if rel in self.files or rel == MANIFEST:
+                    continue
+                with open(p, "rb+") as fh:
+                    h = hashlib.sha256()
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+                    os.fsync(fh.fileno())
+                self.files[rel] = {"sha256": h.hexdigest(), "bytes": p.stat().st_size}
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        manifest = {
+            "format": f"pilotrun-{self.kind}/1",
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "files": self.files,
+            **self.meta,
+        }
+        w = HashingWriter(self.tmp / MANIFEST)
+        w.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
+        w.close()
+        _fsync_dir(self.tmp)
+        old = None
+        if self.final.exists():
+            old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
+            os.rename(self.final, old)
+        os.rename(self.tmp, self.final)
+        _fsync_dir(self.final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f["bytes"] for f in self.files.values())
+
+
+def read_manifest(folder: Path) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{folder} has no {MANIFEST}: not a complete pilotrun checkpoint (an interrupted save?)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}); the checkpoint is damaged") from None
+
+
+def verify_folder(folder: Path) -> dict:
+    """Check every file against the manifest; return the manifest or raise naming the first bad file."""
+    manifest = read_manifest(folder)
+    for name, info in manifest.get("files", {}).items():
+        p = Path(folder) / name
+        if not p.exists():
+            raise CheckpointError(f"{p} is listed in the manifest but missing")
+        size = p.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{p} is {size} bytes, the manifest says {info['bytes']}: truncated or replaced")
+        h = hashlib.sha256()
+        with open(p, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != info["sha256"]:
+            raise CheckpointError(f"{p} does not match its sha256 in the manifest: corrupted or replaced")
+    return manifest

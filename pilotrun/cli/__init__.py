@@ -1,0 +1,79 @@
+"""The ``pilotrun`` command: one module per subcommand, each a thin shell over pure functions.
+
+Exit codes: 0 no gate failed · 1 a gate failed · 2 bad spec, file or usage ·
+3 internal error (a pilotrun bug; the traceback is saved) · 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from ..config.schema import SpecError
+from . import ledger as ledger_cmd
+from . import run as run_cmd
+from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError, err_console
+
+EPILOG = """examples:
+  pilotrun run examples/tiny-sft/pilot.yaml
+  pilotrun run pilot.yaml --gates load,first_step,eval --set train.micro_batch_size=4
+  pilotrun ledger
+  pilotrun ledger --run tiny-sft-2026 --json
+
+exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error, 130 interrupted"""
+
+COMMANDS = {"run": run_cmd, "ledger": ledger_cmd}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default exits 2 with usage; keep 2, add the hint
+        self.print_usage(sys.stderr)
+        err_console().print(f"[bold red]error:[/] {message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = _Parser(prog="pilotrun", description="Prove a PyTorch training job end to end, gate by gate, before renting GPUs.",
+                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pilotrun {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, module in COMMANDS.items():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return int(args.func(args) or 0)
+    except SpecError as exc:
+        console = err_console()
+        where = f" in {exc.source}" if exc.source else ""
+        console.print(f"[bold red]bad spec{where}[/] ({len(exc.problems)} problem{'s' if len(exc.problems) != 1 else ''}):")
+        for field, message in exc.problems:
+            console.print(f"  [bold]{field or '(spec)'}[/]: {message}", highlight=False)
+        return EXIT_BAD_INPUT
+    except UsageError as exc:
+        err_console().print(f"[bold red]error:[/] {exc}", highlight=False)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        err_console().print("[yellow]interrupted[/]: rows written so far are in the ledger")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug in pilotrun: keep the traceback, show one line
+        path = Path("runs") / "pilotrun-crash.txt"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            saved = f"; traceback saved to {path}"
+        except OSError:
+            saved = ""
+        err_console().print(f"[bold red]internal error[/]: {type(exc).__name__}: {exc}{saved}. Please report it.",
+                            highlight=False)
+        return EXIT_INTERNAL

@@ -1,0 +1,32 @@
+"""Shared by the subcommands: exit codes, consoles, errors that become exit 2."""
+from __future__ import annotations
+
+import functools
+
+from rich.console import Console
+
+EXIT_OK, EXIT_GATE_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class UsageError(Exception):
+    """Bad input that is not a spec problem (missing file, unknown run id, bad flag value): exit 2."""
+
+
+# Logs and pipes are not 80 columns wide; without a terminal, do not squeeze tables.
+PIPE_WIDTH = 160
+
+
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console = Console(stderr=stderr, width=PIPE_WIDTH)
+    return console
+
+
+@functools.lru_cache(maxsize=None)
+def err_console() -> Console:
+    return _console(True)
+
+
+def out_console() -> Console:
+    return _console(False)

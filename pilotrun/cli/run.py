@@ -1,0 +1,61 @@
+"""``pilotrun run SPEC``: run the gates, show them live, write the ledger and report.json."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config.schema import SpecError
+from ..config.spec import load_spec
+from ..devices import DeviceUnavailable
+from ..ledger.store import LedgerError
+from ..pilot import PilotOptions, run_pilot
+from ..ui.console import ConsoleObserver
+from .common import UsageError, _console, out_console
+
+HELP = """examples:
+  pilotrun run examples/tiny-sft/pilot.yaml
+  pilotrun run pilot.yaml --gates eval            # eval and what it needs (load)
+  pilotrun run pilot.yaml --set train.micro_batch_size=2 --set train.grad_accum_steps=8
+  pilotrun run pilot.yaml --json > report.json    # the report on stdout, the live table on stderr
+
+exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage"""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("run", help="run the pilot's gates on a spec", description=__doc__, epilog=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", help="path to pilot.yaml")
+    p.add_argument("--out", type=Path, help="output folder (default runs/<run id>)")
+    p.add_argument("--ledger", type=Path, help="ledger file (default runs/ledger.sqlite, or $PILOTRUN_LEDGER)")
+    p.add_argument("--gates", help="comma-separated gates to run (prerequisites are added)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec key, e.g. train.micro_batch_size=4 (repeatable)")
+    p.add_argument("--container-digest", help="image digest of the container this runs in (recorded in the lock)")
+    p.add_argument("--json", action="store_true", help="print report.json to stdout (the table goes to stderr)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
+    options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates, container_digest=args.container_digest)
+    console = _console(True) if args.json else out_console()
+    observer = ConsoleObserver(console, title=spec.name)
+    try:
+        result = run_pilot(spec, options, observer)
+    except ValueError as exc:  # unknown gate names
+        if "unknown gate" in str(exc):
+            raise UsageError(f"--gates: {exc}") from None
+        raise
+    except DeviceUnavailable as exc:
+        raise SpecError([("train.device", str(exc))], spec.source) from None
+    except LedgerError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        if observer.live is not None:
+            observer.live.stop()
+    observer.finish(result.status, result.out_dir, result.ledger_path)
+    if args.json:
+        print((result.out_dir / "report.json").read_text())
+    return result.exit_code

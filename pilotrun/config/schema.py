@@ -1,0 +1,227 @@
+"""A small typed-config validator: dataclasses in, every error out at once.
+
+Each field is declared once, with its type, default and a one-line doc in
+``field(metadata={"doc": ...})``; :func:`build` turns a parsed YAML mapping into
+those dataclasses and collects *all* problems as ``(dotted.field, message)`` pairs
+so a user fixes a spec in one pass instead of one error per run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Literal, Union, get_args, get_origin
+
+
+class SpecError(Exception):
+    """A spec that cannot run. ``problems`` lists ``(field, message)``; exit code 2."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str = "") -> None:
+        self.problems = problems
+        self.source = source
+        lines = [f"{f}: {m}" if f else m for f, m in problems]
+        super().__init__("\n".join(lines))
+
+
+def doc(text: str, default: Any = MISSING, *, extra: dict | None = None) -> Any:
+    """Declare a field with its documentation (shown by ``pilotrun spec-help``)."""
+    meta = {"doc": text, **(extra or {})}
+    if isinstance(default, type):  # a nested section whose every field has a default
+        return field(default_factory=default, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if tp is Any:
+        return "any value"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return f"a list of {len(args)} values"
+        return f"a list of {_type_name(args[0]) if args else 'values'}"
+    if origin is dict:
+        return "a mapping"
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _convert(tp: Any, value: Any, path: str, problems: list) -> Any:
+    """Return ``value`` checked against ``tp``; append problems instead of raising."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            problems.append((path, f"expected {_type_name(tp)}, got nothing (null)"))
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            trial: list = []
+            out = _convert(arg, value, path, trial)
+            if not trial:
+                return out
+        # Report the most specific failure when only one non-None branch exists.
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1:
+            return _convert(real[0], value, path, problems)
+        problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+        return None
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices and type(value) is type(choices[choices.index(value)]):
+            return value
+        hint = ""
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}{hint}"))
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-4" (no dot) as a string; accept it, it is what people write.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = get_args(tp) or (Any,)
+            return [_convert(item, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    elif origin is tuple:
+        args = get_args(tp)
+        if isinstance(value, (list, tuple)) and (
+            (args and args[-1] is Ellipsis) or len(value) == len(args)
+        ):
+            if args and args[-1] is Ellipsis:
+                return tuple(_convert(args[0], v, f"{path}[{i}]", problems) for i, v in enumerate(value))
+            return tuple(_convert(a, v, f"{path}[{i}]", problems) for i, (a, v) in enumerate(zip(args, value)))
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_t, val_t = get_args(tp) or (Any, Any)
+            return {str(k): _convert(val_t, v, f"{path}.{k}", problems) for k, v in value.items()}
+    else:  # pragma: no cover - a schema bug, not a user error
+        raise TypeError(f"unsupported schema type {tp!r} at {path}")
+    problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+    return value
+
+
+def _build(cls: type, data: Any, path: str, problems: list) -> Any:
+    if hasattr(cls, "normalize"):
+        data = cls.normalize(data)
+    if not isinstance(data, dict):
+        problems.append((path or "(top level)", f"expected a mapping, got {_describe(data)}"))
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    allow_extra = getattr(cls, "allow_extra", None)
+    extras_ok = bool(allow_extra(data)) if callable(allow_extra) else bool(allow_extra)
+    kwargs: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        sub = f"{path}.{key}" if path else key
+        if key not in fields or key == "extra":
+            if extras_ok:
+                extras[key] = value
+                continue
+            close = difflib.get_close_matches(key, [k for k in fields if k != "extra"], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            allowed = ", ".join(k for k in fields if k != "extra")
+            problems.append((sub, f"unknown key{hint} (allowed here: {allowed})"))
+            continue
+        kwargs[key] = _convert(hints[key], value, sub, problems)
+    for name, f in fields.items():
+        if name in kwargs or name == "extra":
+            continue
+        if f.default is MISSING and f.default_factory is MISSING:  # type: ignore[misc]
+            sub = f"{path}.{name}" if path else name
+            what = f.metadata.get("doc", "")
+            problems.append((sub, f"missing; expected {_type_name(hints[name])}" + (f" — {what}" if what else "")))
+    if "extra" in fields:
+        kwargs["extra"] = extras
+    try:
+        obj = cls(**{k: v for k, v in kwargs.items()})
+    except TypeError:
+        return None
+    if hasattr(obj, "check"):
+        for sub, message in obj.check():
+            problems.append((f"{path}.{sub}" if path and sub else (sub or path), message))
+    return obj
+
+
+def build(cls: type, data: Any, source: str = "") -> Any:
+    """Validate ``data`` against dataclass ``cls``; raise :class:`SpecError` listing every problem."""
+    problems: list[tuple[str, str]] = []
+    obj = _build(cls, data, "", problems)
+    if problems or obj is None:
+        raise SpecError(problems or [("", "the spec is empty")], source)
+    return obj
+
+
+def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """``(dotted name, type, default, doc)`` for every field, for ``pilotrun spec-help``."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "extra":
+            continue
+        name = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        sub = [a for a in (get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        if f.default is not MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not MISSING:  # type: ignore[misc]
+            default = repr(f.default_factory())  # type: ignore[misc]
+        else:
+            default = "required"
+        if sub:
+            rows.append((name, "mapping", default if default == "required" else "", f.metadata.get("doc", "")))
+            rows.extend(describe_fields(sub[0], name + "."))
+        else:
+            rows.append((name, _type_name(tp), default, f.metadata.get("doc", "")))
+    return rows
+
+
+__all__ = ["SpecError", "build", "doc", "describe_fields", "dataclass"]

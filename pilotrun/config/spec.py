@@ -1,0 +1,377 @@
+"""``pilot.yaml``: every key the pilot reads, declared once with its type and meaning.
+
+The spec is validated here, at the edge, before anything runs; code further in
+receives a :class:`Spec` and never re-parses configuration. Keys fixed by the
+product (``name``, ``seed``, ``model.*``, ``data.*``, ``train.*``, ``eval.*``) keep
+their documented meaning; ``pilot.*`` holds what only the pilot needs.
+
+Example::
+
+    spec = load_spec("examples/tiny-sft/pilot.yaml")
+    spec.train.micro_batch_size, spec.resolve(spec.data.path)
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .schema import SpecError, build, doc
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
+# A Hub id is "name" or "org/name"; anything with more path parts, or that starts
+# like a path, must exist on disk.
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class ModelSpec:
+    factory: str | None = doc('"module:function" called with this mapping; returns an nn.Module whose forward(**batch) returns .loss', None)
+    hf: str | None = doc("Hugging Face model: a local folder, 'pkg:PACKAGE/sub/folder' inside an installed package, or a Hub id", None)
+    revision: str | None = doc("Hub commit for model.hf (a 40-hex commit pins it; a branch name does not)", None)
+    config: dict[str, Any] | None = doc("a transformers config mapping with model_type; the model is built from it with random weights", None)
+    tokenizer: str | None = doc("tokenizer folder or tokenizer.json for built-in tasks (defaults to model.hf)", None)
+    trust_remote_code: bool = doc("let transformers run model code shipped with model.hf", False)
+    extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
+
+    @staticmethod
+    def allow_extra(data: dict) -> bool:
+        # The factory receives the whole mapping, so its own keys are legitimate.
+        return isinstance(data, dict) and data.get("factory") is not None
+
+    def check(self):
+        chosen = [k for k in ("factory", "hf", "config") if getattr(self, k) is not None]
+        if len(chosen) != 1:
+            yield "", (
+                "give exactly one of model.factory, model.hf or model.config"
+                + (f" (got {', '.join(chosen)})" if chosen else "")
+            )
+        if self.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", self.factory):
+            yield "factory", f"expected 'module:function', got {self.factory!r}"
+        if self.config is not None and "model_type" not in self.config:
+            yield "config", "needs a model_type (e.g. llama, bert) so transformers knows which architecture to build"
+        if self.revision is not None and self.hf is None:
+            yield "revision", "only applies to model.hf"
+
+
+@dataclass
+class DataSpec:
+    factory: str | None = doc('"module:function" called with this mapping; returns {"train", "val", "collate", ...} (see SPEC contract)', None)
+    task: Literal["causal-lm", "seq-classification"] | None = doc("built-in task on JSONL data", None)
+    path: str | dict[str, str] | None = doc("JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
+    max_length: int | None = doc("tokens per training example after truncation (the length the long run uses)", None)
+    val_fraction: float = doc("share of groups held out for validation when data.path is one file", 0.1)
+    labels: list[str] | None = doc("class names in index order for seq-classification (default: sorted names found in the data)", None)
+    num_workers: int = doc("DataLoader worker processes", 0)
+    drop_last: bool = doc("drop an epoch's last partial micro batch", False)
+    extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
+
+    @staticmethod
+    def allow_extra(data: dict) -> bool:
+        return isinstance(data, dict) and data.get("factory") is not None
+
+    def check(self):
+        if (self.factory is None) == (self.task is None):
+            yield "", "give exactly one of data.factory or data.task (causal-lm | seq-classification)"
+        if self.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", self.factory):
+            yield "factory", f"expected 'module:function', got {self.factory!r}"
+        if self.task is not None:
+            if self.path is None:
+                yield "path", "missing; built-in tasks read JSONL from data.path"
+            if self.max_length is None:
+                yield "max_length", "missing; built-in tasks truncate to data.max_length"
+        if isinstance(self.path, dict):
+            unknown = set(self.path) - {"train", "val", "test"}
+            if unknown:
+                yield "path", f"unknown split(s) {sorted(unknown)}; use train, val and optionally test"
+            for need in ("train", "val"):
+                if need not in self.path:
+                    yield f"path.{need}", "missing; a split mapping needs train and val"
+        if self.max_length is not None and self.max_length < 2:
+            yield "max_length", f"must be at least 2, got {self.max_length}"
+        if not 0.0 < self.val_fraction < 1.0:
+            yield "val_fraction", f"must be between 0 and 1 (exclusive), got {self.val_fraction}"
+        if self.num_workers < 0:
+            yield "num_workers", "must be 0 or more"
+
+
+@dataclass
+class OptimizerSpec:
+    lr: float = doc("peak learning rate")
+    name: Literal["adamw", "sgd"] = doc("optimizer", "adamw")
+    weight_decay: float = doc("decoupled weight decay (not applied to biases and norm weights)", 0.0)
+    betas: tuple[float, float] = doc("AdamW betas", (0.9, 0.999))
+    eps: float = doc("AdamW epsilon", 1e-8)
+    momentum: float = doc("SGD momentum", 0.0)
+
+    def check(self):
+        if self.lr <= 0:
+            yield "lr", f"must be positive, got {self.lr}"
+        if self.weight_decay < 0:
+            yield "weight_decay", "must be 0 or more"
+
+
+@dataclass
+class SchedulerSpec:
+    name: Literal["constant", "cosine", "linear"] = doc("learning-rate shape after warm-up", "constant")
+    warmup_updates: int = doc("linear warm-up from 0 over this many updates", 0)
+    min_lr_ratio: float = doc("final lr as a fraction of optimizer.lr (cosine, linear)", 0.0)
+
+    @staticmethod
+    def normalize(data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    def check(self):
+        if self.warmup_updates < 0:
+            yield "warmup_updates", "must be 0 or more"
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            yield "min_lr_ratio", "must be between 0 and 1"
+
+
+@dataclass
+class TrainSpec:
+    micro_batch_size: int = doc("examples per forward/backward on one device")
+    updates: int = doc("optimizer updates of the real run; sizes the lr schedule (the pilot runs pilot.updates of them)")
+    optimizer: OptimizerSpec = doc("optimizer and its hyper-parameters")
+    grad_accum_steps: int = doc("micro batches accumulated per optimizer update", 1)
+    precision: Literal["fp32", "bf16", "fp16"] = doc("fp32, bf16 autocast, or fp16 autocast with a grad scaler", "fp32")
+    scheduler: SchedulerSpec = doc("learning-rate schedule (a name or a mapping)", SchedulerSpec)
+    max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
+    activation_checkpointing: bool = doc("recompute activations in backward (Hugging Face models)", False)
+    device: str = doc("auto (first accelerator, else CPU), cpu, cuda, cuda:N or mps", "auto")
+    shuffle: bool = doc("shuffle the training set each epoch (seeded)", True)
+
+    def check(self):
+        for name in ("micro_batch_size", "grad_accum_steps", "updates"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value < 1:
+                yield name, f"must be at least 1, got {value}"
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            yield "max_grad_norm", "must be positive, or null to disable clipping"
+        if not re.match(r"^(auto|cpu|mps|cuda(:\d+)?)$", self.device):
+            yield "device", f"expected auto, cpu, cuda, cuda:N or mps, got {self.device!r}"
+
+
+@dataclass
+class EvalSpec:
+    batch_size: int | None = doc("evaluation batch size (default: train.micro_batch_size)", None)
+    max_length: int | None = doc("longest evaluation length; the eval gate measures a batch padded to it (default: data.max_length)", None)
+    max_batches: int | None = doc("validation batches for the eval metric (null: the whole split)", 20)
+
+    def check(self):
+        for name in ("batch_size", "max_length", "max_batches"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                yield name, f"must be at least 1, got {value}"
+
+
+@dataclass
+class PilotSpec:
+    updates: int = doc("updates the pilot runs: the first (first_step) and the rest (steady_step)", 6)
+    gates: list[str] | None = doc("gates to run (default: all, in order)", None)
+
+    def check(self):
+        if self.updates < 2:
+            yield "updates", f"must be at least 2 (one first_step and at least one steady_step), got {self.updates}"
+
+
+@dataclass
+class Spec:
+    name: str = doc("job name, used in run ids and the ledger (letters, digits, . _ -)")
+    model: ModelSpec = doc("what to train")
+    data: DataSpec = doc("what to train on")
+    train: TrainSpec = doc("how the long run trains")
+    seed: int = doc("seed for python, numpy, torch and the data order", 0)
+    eval: EvalSpec = doc("evaluation sizes", EvalSpec)
+    pilot: PilotSpec = doc("what the pilot itself runs", PilotSpec)
+
+    # Set by load_spec, not by the user.
+    source: str = field(default="", metadata={"internal": True})
+
+    def check(self):
+        if not NAME_RE.match(self.name):
+            yield "name", f"use letters, digits, '.', '_' or '-' (got {self.name!r})"
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.source).resolve().parent if self.source else Path.cwd()
+
+    def resolve(self, path: str) -> Path:
+        """A path from the spec, relative to the spec file's folder; 'pkg:' paths inside packages."""
+        if path.startswith("pkg:"):
+            return resolve_package_path(path)
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else self.folder / p
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.eval.batch_size or self.train.micro_batch_size
+
+    @property
+    def eval_max_length(self) -> int | None:
+        return self.eval.max_length or self.data.max_length
+
+    def canonical(self) -> dict:
+        """The config with every default filled in, as plain JSON types, for hashing and the lock."""
+        out = asdict(self)
+        out.pop("source", None)
+        for section in ("model", "data"):
+            extra = out[section].pop("extra", {}) or {}
+            out[section].update(extra)
+        return json.loads(json.dumps(out, sort_keys=True, default=list))
+
+    def config_hash(self) -> str:
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def model_mapping(self) -> dict:
+        """What model.factory is called with: the spec's model mapping as written."""
+        return {k: v for k, v in self.canonical()["model"].items()}
+
+    def data_mapping(self) -> dict:
+        return {k: v for k, v in self.canonical()["data"].items()}
+
+
+def resolve_package_path(path: str) -> Path:
+    """'pkg:NAME/sub/dir' → that folder inside the installed package NAME."""
+    name, _, rest = path[len("pkg:"):].partition("/")
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name!r} is not installed (pip install it, or give a folder)")
+    return Path(list(spec.submodule_search_locations)[0]) / rest
+
+
+def _looks_local(value: str) -> bool:
+    return value.startswith(("pkg:", ".", "/", "~")) or not HUB_ID_RE.match(value)
+
+
+def _import_factory(target: str, folder: Path) -> Any:
+    module_name, _, func_name = target.partition(":")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    module = importlib.import_module(module_name)
+    obj = module
+    for part in func_name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def import_factory(target: str, folder: Path):
+    """Import 'module:function' relative to the spec folder (SPEC contract)."""
+    return _import_factory(target, folder)
+
+
+def _check_files(spec: Spec) -> list[tuple[str, str]]:
+    problems = []
+
+    def need_file(field_name: str, value: str, kind: str = "file") -> None:
+        try:
+            p = spec.resolve(value)
+        except FileNotFoundError as exc:
+            problems.append((field_name, str(exc)))
+            return
+        if not p.exists():
+            problems.append((field_name, f"{kind} not found: {p} (paths are relative to the spec's folder)"))
+        elif kind == "file" and p.is_dir():
+            problems.append((field_name, f"expected a file, got a folder: {p}"))
+        elif p.is_file():
+            try:
+                with open(p, "rb") as fh:
+                    fh.read(1)
+            except OSError as exc:
+                problems.append((field_name, f"cannot read {p}: {exc.strerror}"))
+
+    if isinstance(spec.data.path, str):
+        need_file("data.path", spec.data.path)
+    elif isinstance(spec.data.path, dict):
+        for split, value in spec.data.path.items():
+            need_file(f"data.path.{split}", value)
+    if spec.model.hf is not None and _looks_local(spec.model.hf):
+        need_file("model.hf", spec.model.hf, kind="folder")
+    if spec.model.tokenizer is not None:
+        need_file("model.tokenizer", spec.model.tokenizer, kind="path")
+    if spec.data.task is not None and spec.model.factory is None:
+        if spec.model.tokenizer is None and spec.model.hf is None:
+            problems.append(("model.tokenizer", "missing; built-in tasks with model.config need a tokenizer folder or tokenizer.json"))
+    if spec.data.task is not None and spec.model.factory is not None and spec.model.tokenizer is None:
+        problems.append(("model.tokenizer", "missing; built-in tasks tokenize text, so a factory model needs model.tokenizer"))
+    for section, target in (("model", spec.model.factory), ("data", spec.data.factory)):
+        if target is None:
+            continue
+        try:
+            fn = _import_factory(target, spec.folder)
+        except ModuleNotFoundError as exc:
+            problems.append((f"{section}.factory", f"cannot import {target!r}: {exc} (modules are imported from {spec.folder})"))
+            continue
+        except AttributeError:
+            problems.append((f"{section}.factory", f"{target!r}: the module has no attribute {target.partition(':')[2]!r}"))
+            continue
+        except Exception as exc:  # the user's module raised while importing
+            problems.append((f"{section}.factory", f"importing {target!r} raised {type(exc).__name__}: {exc}"))
+            continue
+        if not callable(fn):
+            problems.append((f"{section}.factory", f"{target!r} is not callable"))
+    if spec.train.precision == "bf16" and spec.train.device == "mps":
+        problems.append(("train.precision", "bf16 autocast is not supported on mps; use fp16 or fp32"))
+    ml, eml = spec.data.max_length, spec.eval.max_length
+    if ml is not None and eml is not None and eml < ml:
+        problems.append(("eval.max_length", f"{eml} is shorter than data.max_length {ml}; evaluation would not see the training length"))
+    return problems
+
+
+def set_dotted(mapping: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = mapping
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.micro_batch_size=4' → ('train.micro_batch_size', 4); values are YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise SpecError([("--set", f"expected key=value, got {text!r}")])
+    return key.strip(), yaml.safe_load(value) if value.strip() else None
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
+    """Read, validate and check a spec file; raises :class:`SpecError` (exit 2) on any problem."""
+    p = Path(path)
+    if not p.exists():
+        raise SpecError([("", f"spec file not found: {p}")], str(p))
+    if p.is_dir():
+        raise SpecError([("", f"expected a spec file, got a folder: {p} (did you mean {p / 'pilot.yaml'}?)")], str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([("", f"cannot read {p}: {exc}")], str(p)) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        loc = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise SpecError([("", f"{p} is not valid YAML{loc}: {getattr(exc, 'problem', exc)}")], str(p)) from None
+    if raw is None:
+        raise SpecError([("", f"{p} is empty; see examples/tiny-sft/pilot.yaml")], str(p))
+    if not isinstance(raw, dict):
+        raise SpecError([("", f"{p} must be a mapping of keys (name, model, data, train, ...)")], str(p))
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    spec = build(Spec, raw, str(p))
+    spec.source = str(p.resolve())
+    problems = _check_files(spec)
+    if problems:
+        raise SpecError(problems, str(p))
+    return spec

@@ -1,0 +1,151 @@
+"""The data a pilot trains on, from a user's factory or a built-in task, checked against the contract.
+
+Contract (SPEC, "User contract for custom code"): ``data.factory`` returns a mapping
+with ``"train"`` and ``"val"`` (optionally ``"test"``) map-style datasets whose items
+are dicts with an ``"id"``, a ``"collate"`` function from a list of items to a batch
+dict of tensors including ``"labels"``, and optionally ``"decode"``, ``"label_names"``
+and ``"group_key"``. Instead of the splits it may return ``"all"`` with a
+``"group_key"``; pilotrun then splits by group, deterministically.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..config.spec import Spec, import_factory
+from .jsonl import DataError, read_jsonl
+from .split import IndexedSubset, split_by_group
+from .tasks import ClassificationDataset, CausalLMDataset, PadCollate, class_names, label_index
+
+CONTRACT_KEYS = {"train", "val", "test", "all", "collate", "decode", "label_names", "group_key"}
+
+
+@dataclass
+class DataBundle:
+    train: Any
+    val: Any
+    collate: Callable
+    test: Any = None
+    decode: Callable | None = None
+    label_names: list[str] | None = None
+    group_key: str | None = None
+    task: str = "custom"  # causal-lm, seq-classification or custom
+    # Built-in tasks can pad a collated batch to a length: the pilot measures the
+    # long run's worst-case shape with it. User collates cannot be padded from outside.
+    pad_batch: Callable | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def sizes(self) -> dict[str, int]:
+        out = {"train": len(self.train), "val": len(self.val)}
+        if self.test is not None:
+            out["test"] = len(self.test)
+        return out
+
+
+def _split_rows(rows: list[dict], spec: Spec) -> dict[str, list[dict]]:
+    parts = split_by_group([r["group"] for r in rows], {"val": spec.data.val_fraction}, spec.seed)
+    return {name: [rows[i] for i in idx] for name, idx in parts.items()}
+
+
+def builtin_data(spec: Spec, tokenizer) -> DataBundle:
+    task = spec.data.task
+    required = ("id", "group", "prompt", "response") if task == "causal-lm" else ("id", "group", "text", "label")
+    if isinstance(spec.data.path, str):
+        rows_by_split = _split_rows(read_jsonl(spec.resolve(spec.data.path), required), spec)
+        note = f"split {spec.data.path} by group: val_fraction {spec.data.val_fraction}, seed {spec.seed}"
+    else:
+        rows_by_split = {k: read_jsonl(spec.resolve(v), required) for k, v in spec.data.path.items()}
+        note = "splits given by data.path"
+    if tokenizer.pad_token_id is None:
+        raise DataError("the tokenizer has no pad token; set one in its tokenizer_config.json (pad_token)")
+    max_len = spec.data.max_length
+    eval_len = spec.eval_max_length or max_len
+    if task == "causal-lm":
+        sets = {
+            name: CausalLMDataset(rows, tokenizer, max_len if name == "train" else eval_len)
+            for name, rows in rows_by_split.items()
+        }
+        names = None
+        collate = PadCollate(tokenizer.pad_token_id, classification=False)
+    else:
+        names = class_names(rows_by_split, spec.data.labels)
+        index = label_index(names, rows_by_split)
+        sets = {
+            name: ClassificationDataset(rows, tokenizer, max_len if name == "train" else eval_len, index)
+            for name, rows in rows_by_split.items()
+        }
+        collate = PadCollate(tokenizer.pad_token_id, classification=True)
+    return DataBundle(
+        train=sets["train"],
+        val=sets["val"],
+        test=sets.get("test"),
+        collate=collate,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        label_names=names,
+        group_key="group",
+        task=task,
+        pad_batch=collate.pad_batch,
+        notes=[note],
+    )
+
+
+def factory_data(spec: Spec) -> DataBundle:
+    fn = import_factory(spec.data.factory, spec.folder)
+    out = fn(spec.data_mapping())
+    where = f"data.factory {spec.data.factory!r}"
+    if not isinstance(out, dict):
+        raise DataError(f"{where} returned {type(out).__name__}; expected a mapping with 'train', 'val' and 'collate'")
+    unknown = set(out) - CONTRACT_KEYS
+    if unknown:
+        raise DataError(f"{where} returned unknown key(s) {sorted(unknown)}; the contract allows {sorted(CONTRACT_KEYS)}")
+    if "collate" not in out or not callable(out["collate"]):
+        raise DataError(f"{where} must return a callable 'collate' (list of items -> batch dict of tensors with 'labels')")
+    notes = []
+    if "all" in out:
+        if "train" in out or "val" in out:
+            raise DataError(f"{where} returned 'all' together with 'train'/'val'; return one or the other")
+        key = out.get("group_key")
+        if not key:
+            raise DataError(f"{where} returned 'all' without 'group_key'; pilotrun splits by group and needs to know the field")
+        whole = out["all"]
+        groups = []
+        for i in range(len(whole)):
+            item = whole[i]
+            if key not in item:
+                raise DataError(f"{where}: item {i} of 'all' has no field {key!r} (the group_key)")
+            groups.append(item[key])
+        parts = split_by_group(groups, {"val": spec.data.val_fraction}, spec.seed)
+        train, val = IndexedSubset(whole, parts["train"]), IndexedSubset(whole, parts["val"])
+        notes.append(f"split 'all' by {key!r}: val_fraction {spec.data.val_fraction}, seed {spec.seed}")
+    else:
+        for need in ("train", "val"):
+            if need not in out:
+                raise DataError(f"{where} returned no {need!r} split; return 'train' and 'val', or 'all' with 'group_key'")
+        train, val = out["train"], out["val"]
+    for name, ds in (("train", train), ("val", val), ("test", out.get("test"))):
+        if ds is None:
+            continue
+        if not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
+            raise DataError(f"{where}: {name!r} must be a map-style dataset (with __len__ and __getitem__)")
+        if len(ds) == 0:
+            raise DataError(f"{where}: the {name!r} split is empty")
+        first = ds[0]
+        if not isinstance(first, dict) or "id" not in first:
+            raise DataError(f"{where}: items of {name!r} must be dicts with an 'id' (got {type(first).__name__})")
+    return DataBundle(
+        train=train,
+        val=val,
+        test=out.get("test"),
+        collate=out["collate"],
+        decode=out.get("decode"),
+        label_names=list(out["label_names"]) if out.get("label_names") is not None else None,
+        group_key=out.get("group_key"),
+        task="custom",
+        notes=notes,
+    )
+
+
+def build_data(spec: Spec, tokenizer=None) -> DataBundle:
+    if spec.data.factory is not None:
+        return factory_data(spec)
+    return builtin_data(spec, tokenizer)

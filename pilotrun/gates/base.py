@@ -1,0 +1,100 @@
+"""What a gate is, what it returns, and how a failure becomes a reason a person can act on."""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..measure.meter import StageMeter, is_oom, oom_detail
+from ..train.loop import NonFiniteError
+
+if TYPE_CHECKING:
+    from .context import PilotContext
+
+VERDICTS = ("pass", "warn", "fail", "skip")
+
+
+@dataclass
+class Outcome:
+    """What a gate's ``run`` returns; the runner adds memory, seconds and timestamps."""
+
+    verdict: str = "pass"
+    reason: str = ""
+    inputs: dict = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+    metrics: list[dict] = field(default_factory=list)
+
+    def warn(self, reason: str) -> None:
+        if self.verdict == "pass":
+            self.verdict = "warn"
+            self.reason = reason
+        elif self.verdict == "warn":
+            self.reason = f"{self.reason}; {reason}"
+
+
+class GateFailure(Exception):
+    """Raised inside a gate to fail it with a prepared reason (and any inputs/details gathered)."""
+
+    def __init__(self, reason: str, inputs: dict | None = None, details: dict | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.inputs = inputs or {}
+        self.details = details or {}
+
+
+class Gate:
+    """One stage of the pilot. Subclasses set ``name``, ``depends_on`` and implement :meth:`run`."""
+
+    name: ClassVar[str]
+    depends_on: ClassVar[tuple[str, ...]] = ()
+    # "stage": the CPU tensor tracker runs for the whole gate; "manual": the gate
+    # chooses the tracked block (so timed updates run without tracking overhead).
+    tensor_tracking: ClassVar[str] = "stage"
+    progress_total: ClassVar[int | None] = None
+
+    def track(self, ctx: "PilotContext") -> list:
+        """Objects whose tensors are live before the gate starts (model, optimizer)."""
+        return ctx.tracked()
+
+    def run(self, ctx: "PilotContext", meter: StageMeter) -> Outcome:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe_inputs(self, ctx: "PilotContext") -> dict:
+        return ctx.base_inputs()
+
+
+def _user_frame(tb) -> str:
+    """The innermost frame outside pilotrun, torch and transformers: usually the user's bug."""
+    frames = traceback.extract_tb(tb)
+    skip = ("/pilotrun/", "/torch/", "/transformers/", "/site-packages/", "<frozen")
+    for fr in reversed(frames):
+        if not any(s in fr.filename for s in skip):
+            return f" (at {Path(fr.filename).name}:{fr.lineno} in {fr.name})"
+    return ""
+
+
+def failure_reason(gate: str, exc: BaseException, ctx: "PilotContext", inputs: dict) -> str:
+    """A one-line reason naming the stage and the input that caused the failure."""
+    if isinstance(exc, GateFailure):
+        return exc.reason
+    shape = ctx.shape_phrase(gate, inputs)
+    if is_oom(exc):
+        return f"{gate} at {shape}: {oom_detail(ctx.device)}"
+    if isinstance(exc, NonFiniteError):
+        return f"{gate} at {shape}: {exc}"
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if len(message) > 300:
+        message = message[:297] + "..."
+    return f"{gate} at {shape}: {type(exc).__name__}: {message}{_user_frame(exc.__traceback__)}"
+
+
+def as_dict(obj: Any) -> Any:
+    """Rows hold JSON types only."""
+    if isinstance(obj, dict):
+        return {str(k): as_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [as_dict(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)

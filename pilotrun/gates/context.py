@@ -1,0 +1,86 @@
+"""State shared by the gates of one pilot: the spec, the device, and what earlier gates built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config.spec import Spec
+from ..data.bundle import DataBundle, build_data
+from ..models.loading import LoadedModel, load_tokenizer
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def _no_progress(done: int, total: int, text: str) -> None:
+    return None
+
+
+@dataclass
+class PilotContext:
+    spec: Spec
+    run_id: str
+    out_dir: Path
+    device: torch.device
+    device_reason: str
+    ledger: Any = None
+    container_digest: str | None = None
+    rank: int = 0
+    world_size: int = 1
+    progress: ProgressFn = _no_progress
+    # Filled in by gates as they pass.
+    tokenizer: Any = None
+    data: DataBundle | None = None
+    loaded: LoadedModel | None = None
+    trainer: Any = None
+    lock: dict | None = None
+    checkpoint_dir: Path | None = None
+    export_dir: Path | None = None
+    records: dict[str, list] = field(default_factory=dict)
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self.loaded.model if self.loaded is not None else None
+
+    def ensure_data(self) -> DataBundle:
+        """Tokenizer and datasets, built once (built-in tasks need the tokenizer first)."""
+        if self.data is None:
+            if self.spec.data.task is not None and self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.spec)
+            self.data = build_data(self.spec, self.tokenizer)
+        return self.data
+
+    def tracked(self) -> list:
+        objs: list = []
+        if self.model is not None:
+            objs.append(self.model)
+        if self.trainer is not None:
+            objs.append(self.trainer.optimizer)
+        return objs
+
+    def base_inputs(self) -> dict:
+        t = self.spec.train
+        return {
+            "seq_len": self.spec.data.max_length,
+            "micro_batch_size": t.micro_batch_size,
+            "grad_accum_steps": t.grad_accum_steps,
+            "precision": t.precision,
+            "device": str(self.device),
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def shape_phrase(self, gate: str, inputs: dict) -> str:
+        """'length 4096, batch 8, bf16': the input that matters when a gate fails."""
+        length = inputs.get("seq_len")
+        batch = inputs.get("batch_size", inputs.get("micro_batch_size"))
+        parts = []
+        if length:
+            parts.append(f"length {length}")
+        if batch:
+            parts.append(f"batch {batch}")
+        if inputs.get("precision"):
+            parts.append(str(inputs["precision"]))
+        return ", ".join(parts) if parts else "its inputs"

@@ -1,0 +1,128 @@
+"""``eval``: evaluation at the longest evaluation length and batch, then the metric on the val split.
+
+The worst-case batch is the ``eval.batch_size`` longest validation examples,
+padded to ``eval.max_length`` for built-in tasks: often the biggest peak of the
+whole job (no optimizer state, but full-length activations and logits). The metric
+pass never keeps logits on the device across batches.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..train.loop import _loss_of, autocast_for, to_device
+from .base import Gate, GateFailure, Outcome
+
+MAX_SCAN = 5000  # validation items scanned to find the longest ones
+
+
+def _item_length(item, collate) -> int:
+    ids = item.get("input_ids") if isinstance(item, dict) else None
+    if ids is not None:
+        return len(ids)
+    batch = collate([item])
+    dims = [t.shape[1] for t in batch.values() if isinstance(t, torch.Tensor) and t.ndim >= 2]
+    return max(dims) if dims else 0
+
+
+def _seq_len(batch) -> int:
+    dims = [t.shape[1] for t in batch.values() if isinstance(t, torch.Tensor) and t.ndim >= 2]
+    return max(dims) if dims else 0
+
+
+def _metrics_of(out, batch) -> tuple[int, int]:
+    """(correct, counted) for accuracy: class accuracy, or next-token accuracy on supervised positions."""
+    logits = getattr(out, "logits", None) if not isinstance(out, dict) else out.get("logits")
+    labels = batch.get("labels")
+    if logits is None or labels is None:
+        return 0, 0
+    if labels.ndim == 1 and logits.ndim == 2:
+        return int((logits.argmax(-1) == labels).sum()), labels.numel()
+    if labels.ndim == 2 and logits.ndim == 3 and logits.shape[:2] == labels.shape:
+        pred = logits[:, :-1].argmax(-1)
+        tgt = labels[:, 1:]
+        mask = tgt != -100
+        return int(((pred == tgt) & mask).sum()), int(mask.sum())
+    return 0, 0
+
+
+class EvalGate(Gate):
+    name = "eval"
+    depends_on = ("load",)
+
+    def describe_inputs(self, ctx) -> dict:
+        inputs = ctx.base_inputs()
+        inputs.pop("micro_batch_size", None)
+        inputs.pop("grad_accum_steps", None)
+        inputs["batch_size"] = ctx.spec.eval_batch_size
+        inputs["seq_len"] = ctx.spec.eval_max_length
+        return inputs
+
+    def run(self, ctx, meter) -> Outcome:
+        spec, data, model = ctx.spec, ctx.data, ctx.model
+        val = data.val
+        bs = spec.eval_batch_size
+        max_len = spec.eval_max_length
+        inputs = self.describe_inputs(ctx)
+        scan = min(len(val), MAX_SCAN)
+        lengths = sorted(((_item_length(val[i], data.collate), i) for i in range(scan)), reverse=True)
+        worst_idx = [i for _, i in lengths[:bs]]
+        worst = data.collate([val[i] for i in worst_idx])
+        padded = False
+        if data.pad_batch is not None and max_len:
+            worst = data.pad_batch(worst, max_len)
+            padded = True
+        worst_len = _seq_len(worst)
+        inputs["seq_len"] = worst_len
+        inputs["batch_size"] = len(worst_idx)
+        inputs["padded_to_max_length"] = padded
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), autocast_for(ctx.device, spec.train.precision):
+                out = model(**to_device(worst, ctx.device))
+                worst_loss = float(_loss_of(out)) if "labels" in worst else None
+                del out
+            total_loss = 0.0
+            n_batches = n_examples = correct = counted = 0
+            limit = spec.eval.max_batches or math.inf
+            order = list(range(len(val)))
+            ctx.progress(0, min(math.ceil(len(val) / bs), limit), "val batches")
+            with torch.no_grad(), autocast_for(ctx.device, spec.train.precision):
+                for start in range(0, len(order), bs):
+                    if n_batches >= limit:
+                        break
+                    items = [val[i] for i in order[start : start + bs]]
+                    batch = to_device(data.collate(items), ctx.device)
+                    out = model(**batch)
+                    loss = float(_loss_of(out))
+                    if not math.isfinite(loss):
+                        ids = [str(it["id"]) for it in items]
+                        raise GateFailure(f"eval loss is {loss} on validation batch {n_batches + 1} (ids {', '.join(ids[:8])})",
+                                          inputs=inputs)
+                    c, k = _metrics_of(out, batch)
+                    correct, counted = correct + c, counted + k
+                    total_loss += loss * len(items)
+                    n_examples += len(items)
+                    n_batches += 1
+                    del out, batch
+                    ctx.progress(n_batches, min(math.ceil(len(val) / bs), limit), "val batches")
+        finally:
+            model.train(was_training)
+        eval_loss = total_loss / max(n_examples, 1)
+        accuracy = correct / counted if counted else None
+        result = Outcome(inputs=inputs)
+        result.details = {"eval_loss": eval_loss, "accuracy": accuracy, "accuracy_of": "classes" if data.label_names else "next tokens",
+                          "batches": n_batches, "examples": n_examples, "val_examples": len(val),
+                          "worst_case_ids": [str(val[i]["id"]) for i in worst_idx], "worst_case_loss": worst_loss,
+                          "scanned_for_longest": scan}
+        acc = f", accuracy {accuracy:.1%}" if accuracy is not None else ""
+        result.reason = (f"peak batch: {len(worst_idx)} x length {worst_len}; val loss {eval_loss:.4g}{acc} "
+                         f"over {n_examples} examples in {n_batches} batches")
+        if max_len and worst_len < max_len:
+            result.warn(f"the longest validation batch has length {worst_len} < eval.max_length {max_len}: memory at "
+                        f"{max_len} was not measured (the collate is yours: pad it to {max_len}, or lower eval.max_length)")
+        if scan < len(val):
+            result.details["note"] = f"longest examples searched among the first {scan} of {len(val)}"
+        return result

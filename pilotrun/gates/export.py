@@ -1,0 +1,30 @@
+"""``export``: the inference artifact (safetensors + config, or + export.json for factory models)."""
+from __future__ import annotations
+
+from ..checkpoint.export import export_model, safetensors_tensor_count
+from ..ui.format import human_bytes
+from .base import Gate, GateFailure, Outcome
+
+
+class ExportGate(Gate):
+    name = "export"
+    depends_on = ("load",)
+
+    def run(self, ctx, meter) -> Outcome:
+        spec = ctx.spec
+        folder = ctx.out_dir / "export"
+        written = export_model(
+            folder, ctx.model, tokenizer=ctx.tokenizer,
+            factory=spec.model.factory, model_mapping=spec.model_mapping() if spec.model.factory else None,
+            spec_folder=str(spec.folder),
+        )
+        ctx.export_dir = folder
+        n_tensors = safetensors_tensor_count(folder)
+        if n_tensors == 0:
+            raise GateFailure(f"the export in {folder} holds no tensors")
+        weights = {k: v for k, v in written.files.items() if k.endswith(".safetensors")}
+        out = Outcome(inputs={"precision": spec.train.precision, "rank": ctx.rank, "world_size": ctx.world_size})
+        out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes, "tensors": n_tensors}
+        out.reason = (f"{n_tensors} tensors in {len(weights)} safetensors file(s), {human_bytes(written.total_bytes)} "
+                      f"in all, to {folder.name}/ with a sha256 manifest")
+        return out

@@ -1,0 +1,49 @@
+"""``load``: tokenizer, data and model built and moved to the device; time and memory."""
+from __future__ import annotations
+
+from ..models.loading import build_model, parameter_count
+from ..train.loop import Trainer, seed_everything
+from ..ui.format import human_bytes, human_count
+from .base import Gate, Outcome
+
+
+class LoadGate(Gate):
+    name = "load"
+
+    def track(self, ctx):
+        return []
+
+    def run(self, ctx, meter) -> Outcome:
+        spec = ctx.spec
+        seed_everything(spec.seed)
+        data = ctx.ensure_data()
+        loaded = build_model(spec, data.label_names, ctx.tokenizer)
+        model = loaded.model.to(ctx.device)
+        ctx.loaded = loaded
+        meter.register([model])
+        ctx.trainer = Trainer(model, data.train, data.collate, spec, ctx.device, pad_batch=data.pad_batch)
+        total, trainable = parameter_count(model)
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+        param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        out = Outcome(inputs=self.describe_inputs(ctx))
+        out.details = {
+            "model_class": type(model).__name__,
+            "source": loaded.source,
+            "head": loaded.head,
+            "parameters": total,
+            "trainable_parameters": trainable,
+            "parameter_bytes": param_bytes,
+            "parameter_dtypes": dtypes,
+            "device_choice": ctx.device_reason,
+            "loss_normalization": ctx.trainer.policy.reason,
+            "data_sizes": data.sizes(),
+            "label_names": data.label_names,
+            "notes": loaded.notes + data.notes,
+            "updates_per_epoch": ctx.trainer.plan.updates_per_epoch,
+        }
+        sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
+        out.reason = (
+            f"{type(model).__name__}: {human_count(total)} parameters ({human_bytes(param_bytes)} {'/'.join(dtypes)}) "
+            f"from {loaded.source} on {ctx.device}; {sizes} examples"
+        )
+        return out

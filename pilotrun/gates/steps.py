@@ -1,0 +1,129 @@
+"""``first_step`` and ``steady_step``: real updates at the long run's sizes.
+
+The first update allocates optimizer state lazily; from the second on, that state
+is live during forward and backward, which is usually the training peak. Both
+tracked updates are padded to ``data.max_length`` for built-in tasks, so memory
+is measured at the worst shape the long run will meet; the timed updates use the
+natural batches, so time per update is what the long run will see.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+
+from ..ui.format import human_bytes, human_seconds
+from .base import Gate, GateFailure, Outcome
+
+DATA_WAIT_WARN = 0.10  # share of update time spent waiting on data
+
+
+def record_dict(rec) -> dict:
+    d = asdict(rec)
+    d["extra"] = {k: d.pop(k) for k in ("supervised", "micro_batches", "epoch", "seq_len", "scaler_skipped")}
+    return d
+
+
+def worst_case_length(ctx) -> int | None:
+    """The length tracked updates are padded to (built-in tasks), or None when the collate is the user's."""
+    if ctx.data is not None and ctx.data.pad_batch is not None:
+        return ctx.spec.data.max_length
+    return None
+
+
+def _inputs(ctx, rec, padded: int | None) -> dict:
+    inputs = ctx.base_inputs()
+    inputs["seq_len"] = rec.seq_len or inputs.get("seq_len")
+    inputs["examples_per_update"] = rec.examples
+    inputs["padded_to_max_length"] = padded is not None
+    return inputs
+
+
+def _check_params(ctx, step: int) -> None:
+    bad = ctx.trainer.check_parameters_finite()
+    if bad is not None:
+        raise GateFailure(f"parameter {bad!r} holds inf/NaN after update {step}")
+
+
+class FirstStepGate(Gate):
+    name = "first_step"
+    depends_on = ("load",)
+
+    def run(self, ctx, meter) -> Outcome:
+        trainer = ctx.trainer
+        pad = worst_case_length(ctx)
+        rec = trainer.update(pad_to=pad)
+        _check_params(ctx, rec.step)
+        ctx.records.setdefault("train", []).append(rec)
+        opt_bytes = sum(
+            v.numel() * v.element_size()
+            for st in trainer.optimizer.state.values() for v in st.values() if hasattr(v, "numel")
+        )
+        out = Outcome(inputs=_inputs(ctx, rec, pad), metrics=[record_dict(rec)])
+        out.details = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "optimizer_state_bytes": opt_bytes,
+                       "loss_normalization": trainer.policy.reason, "sample_ids": rec.sample_ids,
+                       "supervised_labels": rec.supervised, "tokens": rec.tokens}
+        gn = f"{rec.grad_norm:.3g}" if rec.grad_norm is not None else "n/a"
+        out.reason = (f"update 1 at length {rec.seq_len}, {rec.examples} examples: loss {rec.loss:.4g}, grad norm {gn}, "
+                      f"lr {rec.lr:.3g}; optimizer state {human_bytes(opt_bytes)} allocated")
+        if rec.scaler_skipped:
+            out.warn("the fp16 grad scaler skipped update 1 (inf/NaN gradients at the initial scale): optimizer state "
+                     "was not allocated yet, so steady_step holds the first real peak")
+        elif opt_bytes == 0 and trainer.spec.train.optimizer.name == "adamw":
+            out.warn("AdamW allocated no state on the first update (no gradients reached the parameters?)")
+        if rec.supervised == 0 and rec.tokens:
+            out.warn("the first update had no supervised labels (all -100): its loss teaches nothing")
+        return out
+
+
+class SteadyStepGate(Gate):
+    name = "steady_step"
+    depends_on = ("first_step",)
+    tensor_tracking = "manual"
+
+    def run(self, ctx, meter) -> Outcome:
+        trainer = ctx.trainer
+        n = ctx.spec.pilot.updates - 1
+        pad = worst_case_length(ctx)
+        records = []
+        ctx.progress(0, n, "updates")
+        with meter.track_tensors():
+            records.append(trainer.update(pad_to=pad))
+        ctx.progress(1, n, "updates")
+        for i in range(1, n):
+            records.append(trainer.update())
+            ctx.progress(i + 1, n, "updates")
+        _check_params(ctx, records[-1].step)
+        ctx.records.setdefault("train", []).extend(records)
+        timed = records[1:] or records
+        per_update = [r.seconds for r in timed]
+        total_s = sum(per_update)
+        mean_s = total_s / len(timed)
+        wait_share = sum(r.data_wait_s for r in timed) / total_s if total_s else 0.0
+        examples_s = sum(r.examples for r in timed) / total_s if total_s else 0.0
+        tokens_s = sum(r.tokens for r in timed) / total_s if total_s else 0.0
+        out = Outcome(inputs=_inputs(ctx, records[0], pad), metrics=[record_dict(r) for r in records])
+        out.inputs["timed_updates"] = len(timed)
+        out.details = {
+            "seconds_per_update": mean_s,
+            "median_seconds_per_update": statistics.median(per_update),
+            "examples_per_second": examples_s,
+            "tokens_per_second": tokens_s,
+            "data_wait_seconds_per_update": sum(r.data_wait_s for r in timed) / len(timed),
+            "data_wait_share": wait_share,
+            "memory_measured_on_update": records[0].step,
+            "timed_updates": [r.step for r in timed],
+            "losses": [r.loss for r in records],
+            "timed_seq_len_max": max(r.seq_len for r in timed),
+        }
+        if len(records) == 1:
+            out.details["note"] = "one steady update: its time includes tensor-tracking overhead"
+        out.reason = (f"{human_seconds(mean_s)}/update over {len(timed)} update(s), {examples_s:.1f} examples/s, "
+                      f"{tokens_s:.0f} tokens/s, {wait_share:.0%} waiting on data; memory from update "
+                      f"{records[0].step} at length {records[0].seq_len}")
+        if wait_share > DATA_WAIT_WARN:
+            out.warn(f"{wait_share:.0%} of update time is spent waiting on data: raise data.num_workers or "
+                     "pre-tokenize, or the GPUs will idle")
+        skipped = [r.step for r in records if r.scaler_skipped]
+        if skipped and len(skipped) == len(records):
+            out.warn(f"the fp16 grad scaler skipped every update ({skipped}): gradients overflow; use bf16 or check the loss")
+        return out

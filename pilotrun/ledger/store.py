@@ -1,0 +1,251 @@
+"""The ledger: one SQLite file that keeps every run, gate row, per-update metric and note.
+
+Rows are written in transactions (``BEGIN IMMEDIATE``), so a killed pilot leaves
+complete rows only; WAL mode and a busy timeout let several processes (ranks,
+parallel campaign runs) write to one file without losing or duplicating rows.
+Rows are never updated in place except a run's end status.
+
+Example::
+
+    with Ledger("runs/ledger.sqlite") as led:
+        for run in led.runs(): print(run["run_id"], run["status"])
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id      TEXT PRIMARY KEY,
+    name        TEXT NOT NULL,
+    kind        TEXT NOT NULL,            -- pilot | stage | campaign-run
+    spec_path   TEXT,
+    out_dir     TEXT,
+    config_hash TEXT,
+    lock_json   TEXT,
+    status      TEXT NOT NULL,            -- running | pass | warn | fail | error | interrupted
+    started_at  TEXT NOT NULL,
+    ended_at    TEXT,
+    parent_id   TEXT,
+    meta_json   TEXT
+);
+CREATE TABLE IF NOT EXISTS gate_rows (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id      TEXT NOT NULL REFERENCES runs(run_id),
+    gate        TEXT NOT NULL,
+    verdict     TEXT NOT NULL CHECK (verdict IN ('pass', 'warn', 'fail', 'skip')),
+    reason      TEXT NOT NULL,
+    inputs_json TEXT NOT NULL,
+    memory_json TEXT NOT NULL,
+    seconds     REAL,
+    rank        INTEGER NOT NULL DEFAULT 0,
+    world_size  INTEGER NOT NULL DEFAULT 1,
+    started_at  TEXT NOT NULL,
+    ended_at    TEXT NOT NULL,
+    details_json TEXT
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id      TEXT NOT NULL REFERENCES runs(run_id),
+    gate        TEXT NOT NULL,
+    rank        INTEGER NOT NULL DEFAULT 0,
+    step        INTEGER NOT NULL,
+    loss        REAL,
+    lr          REAL,
+    grad_norm   REAL,
+    examples    INTEGER,
+    tokens      INTEGER,
+    seconds     REAL,
+    data_wait_s REAL,
+    sample_ids_json TEXT,
+    extra_json  TEXT
+);
+CREATE TABLE IF NOT EXISTS notes (
+    id     INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT REFERENCES runs(run_id),
+    at     TEXT NOT NULL,
+    text   TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS gate_rows_run ON gate_rows(run_id);
+CREATE INDEX IF NOT EXISTS metrics_run ON metrics(run_id, gate, step);
+CREATE INDEX IF NOT EXISTS runs_name ON runs(name, started_at);
+"""
+
+DEFAULT_LEDGER = Path("runs") / "ledger.sqlite"
+
+
+class LedgerError(Exception):
+    """The ledger file cannot be opened or is not a pilotrun ledger."""
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def default_ledger_path() -> Path:
+    return Path(os.environ.get("PILOTRUN_LEDGER", str(DEFAULT_LEDGER)))
+
+
+class Ledger:
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else default_ledger_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.conn = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA busy_timeout = 60000")
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            self.conn.execute("PRAGMA synchronous = NORMAL")
+            self.conn.execute("PRAGMA foreign_keys = ON")
+            self._init_schema()
+        except sqlite3.DatabaseError as exc:
+            raise LedgerError(f"{self.path} is not a usable SQLite ledger ({exc}); move it aside or pass --ledger") from None
+
+    def _init_schema(self) -> None:
+        # executescript commits on its own; the statements are idempotent.
+        for attempt in range(50):
+            try:
+                self.conn.executescript(SCHEMA)
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or attempt == 49:
+                    raise
+                time.sleep(0.1)
+        row = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            with self.transaction() as cur:
+                cur.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row["value"]) > SCHEMA_VERSION:
+            raise LedgerError(f"{self.path} was written by a newer pilotrun (schema {row['value']}); upgrade pilotrun")
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Cursor]:
+        cur = self.conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        else:
+            cur.execute("COMMIT")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- writes ---------------------------------------------------------------
+    def start_run(self, run_id: str, name: str, kind: str, *, spec_path: str | None = None, out_dir: str | None = None,
+                  config_hash: str | None = None, lock: dict | None = None, parent_id: str | None = None,
+                  meta: dict | None = None) -> None:
+        with self.transaction() as cur:
+            cur.execute(
+                "INSERT INTO runs (run_id, name, kind, spec_path, out_dir, config_hash, lock_json, status, started_at,"
+                " parent_id, meta_json) VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?)",
+                (run_id, name, kind, spec_path, out_dir, config_hash, _json(lock) if lock is not None else None,
+                 now(), parent_id, _json(meta or {})),
+            )
+
+    def set_lock(self, run_id: str, lock: dict) -> None:
+        with self.transaction() as cur:
+            cur.execute("UPDATE runs SET lock_json = ? WHERE run_id = ?", (_json(lock), run_id))
+
+    def end_run(self, run_id: str, status: str) -> None:
+        with self.transaction() as cur:
+            cur.execute("UPDATE runs SET status = ?, ended_at = ? WHERE run_id = ?", (status, now(), run_id))
+
+    def add_gate_row(self, run_id: str, row: dict, metrics: Iterable[dict] = ()) -> int:
+        """One gate row and its per-update metrics, in one transaction."""
+        with self.transaction() as cur:
+            cur.execute(
+                "INSERT INTO gate_rows (run_id, gate, verdict, reason, inputs_json, memory_json, seconds, rank,"
+                " world_size, started_at, ended_at, details_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, row["gate"], row["verdict"], row["reason"], _json(row.get("inputs", {})),
+                 _json(row.get("memory", {})), row.get("seconds"), int(row.get("rank", 0)),
+                 int(row.get("world_size", 1)), row.get("started_at") or now(), row.get("ended_at") or now(),
+                 _json(row.get("details", {}))),
+            )
+            row_id = cur.lastrowid
+            for m in metrics:
+                cur.execute(
+                    "INSERT INTO metrics (run_id, gate, rank, step, loss, lr, grad_norm, examples, tokens, seconds,"
+                    " data_wait_s, sample_ids_json, extra_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (run_id, row["gate"], int(row.get("rank", 0)), m["step"], m.get("loss"), m.get("lr"),
+                     m.get("grad_norm"), m.get("examples"), m.get("tokens"), m.get("seconds"), m.get("data_wait_s"),
+                     _json(m.get("sample_ids", [])), _json(m.get("extra", {}))),
+                )
+        return int(row_id)
+
+    def add_note(self, run_id: str | None, text: str) -> None:
+        with self.transaction() as cur:
+            cur.execute("INSERT INTO notes (run_id, at, text) VALUES (?, ?, ?)", (run_id, now(), text))
+
+    # -- reads ----------------------------------------------------------------
+    def runs(self, name: str | None = None, limit: int = 50) -> list[dict]:
+        q = "SELECT * FROM runs" + (" WHERE name = ?" if name else "") + " ORDER BY started_at DESC, rowid DESC LIMIT ?"
+        args = (name, limit) if name else (limit,)
+        return [dict(r) for r in self.conn.execute(q, args)]
+
+    def run(self, run_id: str) -> dict | None:
+        r = self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if r is None:
+            # Accept a unique prefix, as git does.
+            rows = self.conn.execute("SELECT * FROM runs WHERE run_id LIKE ? ESCAPE '\\'",
+                                     (run_id.replace("%", "\\%").replace("_", "\\_") + "%",)).fetchall()
+            if len(rows) > 1:
+                ids = ", ".join(x["run_id"] for x in rows[:5])
+                raise LedgerError(f"{run_id!r} matches {len(rows)} runs ({ids}{', ...' if len(rows) > 5 else ''}); give more of the id")
+            r = rows[0] if rows else None
+        return dict(r) if r is not None else None
+
+    def gate_rows(self, run_id: str) -> list[dict]:
+        out = []
+        for r in self.conn.execute("SELECT * FROM gate_rows WHERE run_id = ? ORDER BY id", (run_id,)):
+            d = dict(r)
+            for key in ("inputs", "memory", "details"):
+                d[key] = json.loads(d.pop(f"{key}_json") or "{}")
+            out.append(d)
+        return out
+
+    def metrics(self, run_id: str, gate: str | None = None) -> list[dict]:
+        q = "SELECT * FROM metrics WHERE run_id = ?" + (" AND gate = ?" if gate else "") + " ORDER BY rank, step, id"
+        out = []
+        for r in self.conn.execute(q, (run_id, gate) if gate else (run_id,)):
+            d = dict(r)
+            d["sample_ids"] = json.loads(d.pop("sample_ids_json") or "[]")
+            d["extra"] = json.loads(d.pop("extra_json") or "{}")
+            out.append(d)
+        return out
+
+    def notes(self, run_id: str | None = None) -> list[dict]:
+        q = "SELECT * FROM notes" + (" WHERE run_id = ?" if run_id else "") + " ORDER BY id"
+        return [dict(r) for r in self.conn.execute(q, (run_id,) if run_id else ())]
+
+    def previous_lock(self, name: str, before_run: str) -> tuple[str, dict] | None:
+        """The most recent other run of this name that recorded a lock."""
+        for r in self.conn.execute(
+            "SELECT run_id, lock_json FROM runs WHERE name = ? AND run_id != ? AND lock_json IS NOT NULL"
+            " ORDER BY started_at DESC, rowid DESC LIMIT 1",
+            (name, before_run),
+        ):
+            return r["run_id"], json.loads(r["lock_json"])
+        return None

@@ -1,0 +1,199 @@
+"""What a run depends on (SPEC §1), recorded so a later run can report drift field by field.
+
+:func:`collect_lock` is a function from a spec (and the environment) to a plain
+dict; :func:`diff_locks` compares two of them. Neither prints anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .config.spec import Spec, _looks_local, import_factory
+
+CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
+# Fields that identify the machine, not the job: recorded, never reported as drift.
+NOT_DRIFT = ("created_at", "host.")
+
+
+def sha256_file(path: Path, cache: dict | None = None) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if cache is not None and key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if cache is not None:
+        cache[key] = digest
+    return digest
+
+
+def hash_tree(root: Path, cache: dict | None = None) -> dict:
+    """sha256 per file under ``root`` (or of ``root`` itself) and one combined digest."""
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    per_file = {}
+    for p in files:
+        rel = p.name if root.is_file() else str(p.relative_to(root))
+        per_file[rel] = sha256_file(p, cache)
+    combined = hashlib.sha256(json.dumps(per_file, sort_keys=True).encode()).hexdigest()
+    return {"path": str(root), "files": per_file, "sha256": combined}
+
+
+def _versions() -> dict:
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "cudnn": None,
+        "nccl": None,
+    }
+    try:
+        out["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:
+            pass
+    return out
+
+
+def _distributions() -> dict:
+    out = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata.get("Name")
+        if name:
+            out[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
+    return dict(sorted(out.items()))
+
+
+def _git(folder: Path) -> dict:
+    def run(*args: str) -> str | None:
+        try:
+            res = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    commit = run("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    status = run("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status)}
+
+
+def _factory_source(target: str, folder: Path, cache: dict | None) -> dict:
+    fn = import_factory(target, folder)
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return {"factory": target, "source_sha256": None}
+    return {"factory": target, "file": os.path.relpath(path, folder), "source_sha256": sha256_file(Path(path), cache)}
+
+
+def in_container() -> bool:
+    return Path("/.dockerenv").exists() or Path("/run/.containerenv").exists()
+
+
+def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | None = None) -> dict:
+    """Everything the run depends on, as plain JSON."""
+    from datetime import datetime, timezone
+
+    m = spec.model
+    if m.factory is not None:
+        model = {"source": "factory", **_factory_source(m.factory, spec.folder, cache)}
+    elif m.config is not None:
+        model = {"source": "config", "random_init_seed": spec.seed}
+    elif _looks_local(m.hf):
+        model = {"source": "local", **hash_tree(spec.resolve(m.hf), cache)}
+    else:
+        pinned = bool(m.revision and re.fullmatch(r"[0-9a-f]{40}", m.revision))
+        model = {"source": "hub", "id": m.hf, "revision": m.revision, "pinned": pinned}
+    if m.tokenizer is not None:
+        model["tokenizer"] = hash_tree(spec.resolve(m.tokenizer), cache)
+
+    d = spec.data
+    if d.factory is not None:
+        data = {"source": "factory", **_factory_source(d.factory, spec.folder, cache)}
+        files = {}
+        for key, value in d.extra.items():
+            if isinstance(value, str) and (spec.folder / value).exists():
+                files[key] = hash_tree(spec.folder / value, cache)
+        if files:
+            data["files"] = files
+    elif isinstance(d.path, str):
+        data = {"source": "jsonl", **hash_tree(spec.resolve(d.path), cache)}
+    else:
+        data = {"source": "jsonl", "splits": {k: hash_tree(spec.resolve(v), cache) for k, v in d.path.items()}}
+
+    if container_digest:
+        container = {"digest": container_digest, "from": "--container-digest"}
+    elif os.environ.get(CONTAINER_ENV):
+        container = {"digest": os.environ[CONTAINER_ENV], "from": f"${CONTAINER_ENV}"}
+    else:
+        container = {"digest": None, "from": None, "inside_container": in_container()}
+
+    return {
+        "pilotrun": __version__,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": spec.canonical(),
+        "config_hash": spec.config_hash(),
+        "seeds": {"seed": spec.seed, "python": spec.seed, "numpy": spec.seed % 2**32, "torch": spec.seed,
+                  "data_order": spec.seed, "model_init": spec.seed},
+        "model": model,
+        "data": data,
+        "code": _git(spec.folder),
+        "versions": _versions(),
+        "distributions": _distributions(),
+        "container": container,
+        "host": {"machine": platform.machine(), "system": platform.system(), "node": platform.node()},
+    }
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def diff_locks(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """``(field, old, new)`` for every dotted field that differs (machine identity excluded)."""
+    a, b = _flatten(old), _flatten(new)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key.startswith(NOT_DRIFT):
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            out.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
+    return out
+
+
+def summarize_drift(drift: list[tuple[str, object, object]], limit: int = 6) -> str:
+    parts = []
+    for key, old, new in drift[:limit]:
+        o, n = json.dumps(old, default=str), json.dumps(new, default=str)
+        if len(o) > 24:
+            o = o[:21] + "..."
+        if len(n) > 24:
+            n = n[:21] + "..."
+        parts.append(f"{key}: {o} -> {n}")
+    more = f" (+{len(drift) - limit} more)" if len(drift) > limit else ""
+    return "; ".join(parts) + more

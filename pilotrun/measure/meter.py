@@ -1,0 +1,185 @@
+"""One measured stage: peaks reset and the device synchronised at the same points everywhere.
+
+Counters are kept apart and never added (SPEC §2):
+
+* ``peak_allocated_bytes`` – peak bytes held by live tensors (CUDA/ROCm allocator
+  ``max_memory_allocated``; on CPU the :class:`LiveTensorTracker`).
+* ``peak_reserved_bytes`` – peak bytes the caching allocator held (CUDA/ROCm only).
+* ``device_used_bytes`` – peak device memory in use by everyone, sampled from
+  ``mem_get_info`` (includes the CUDA context and other processes).
+* ``host_rss_peak_bytes`` – peak resident set size of this process, sampled.
+
+A counter that cannot be read on this device is ``None`` and its reason is in
+``not_measured``: never a silent zero.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterable
+
+import psutil
+import torch
+
+from .tensors import LiveTensorTracker, category_bytes
+
+SAMPLE_INTERVAL_S = 0.01
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class _Sampler(threading.Thread):
+    """Samples host RSS (and device-level used bytes on CUDA) until stopped."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(daemon=True, name="pilotrun-memory-sampler")
+        self.device = device
+        self.proc = psutil.Process()
+        self.rss_peak = self.proc.memory_info().rss
+        self.device_used_peak: int | None = None
+        self._stop_event = threading.Event()
+
+    def sample(self) -> None:
+        rss = self.proc.memory_info().rss
+        if rss > self.rss_peak:
+            self.rss_peak = rss
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            if self.device_used_peak is None or used > self.device_used_peak:
+                self.device_used_peak = used
+
+    def run(self) -> None:
+        while not self._stop_event.wait(SAMPLE_INTERVAL_S):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+        self.sample()
+
+
+class StageMeter:
+    """Measure a stage: ``with StageMeter(device, track=[model, opt]) as m: ...``; then ``m.memory``, ``m.seconds``.
+
+    ``tensor_tracking`` (CPU only) chooses whether the dispatch-mode tracker runs for
+    the whole stage (``"stage"``) or only inside ``with m.track_tensors():`` blocks
+    (``"manual"``), so that timed updates are not slowed by tracking.
+    """
+
+    def __init__(self, device: torch.device, track: Iterable = (), tensor_tracking: str = "stage") -> None:
+        self.device = device
+        self.track = list(track)
+        self.tensor_tracking = tensor_tracking
+        self.memory: dict = {}
+        self.seconds = 0.0
+        self._tracked_peak: int | None = None
+        self._tracker: LiveTensorTracker | None = None
+        self._sampler: _Sampler | None = None
+        self._stack = contextlib.ExitStack()
+
+    @property
+    def uses_tensor_tracker(self) -> bool:
+        return self.device.type not in ("cuda",)
+
+    @contextlib.contextmanager
+    def track_tensors(self):
+        """Count live tensors inside this block (CPU/MPS); a no-op where the allocator counts."""
+        if not self.uses_tensor_tracker or self._tracker is not None:
+            yield
+            return
+        tracker = LiveTensorTracker(self.track, device_type=self.device.type)
+        with tracker:
+            yield
+        peak = tracker.peak_bytes
+        self._tracked_peak = peak if self._tracked_peak is None else max(self._tracked_peak, peak)
+
+    def register(self, objs: Iterable) -> None:
+        """Count tensors that appeared without passing through dispatch (e.g. memory-mapped weights)."""
+        if self._tracker is not None:
+            self._tracker.register(objs)
+        self.track.extend(objs)
+
+    def __enter__(self) -> "StageMeter":
+        synchronize(self.device)
+        self.state_before = category_bytes(self.track)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._sampler = _Sampler(self.device)
+        self._sampler.start()
+        if self.uses_tensor_tracker and self.tensor_tracking == "stage":
+            self._tracker = LiveTensorTracker(self.track, device_type=self.device.type)
+            self._stack.enter_context(self._tracker)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            synchronize(self.device)
+        except Exception:  # a failed kernel can poison the sync; the row still gets written
+            pass
+        self.seconds = time.perf_counter() - self._t0
+        self._stack.close()
+        if self._tracker is not None:
+            self._tracked_peak = self._tracker.peak_bytes
+        assert self._sampler is not None
+        self._sampler.stop()
+        self.memory = self._collect()
+        return None
+
+    def _collect(self) -> dict:
+        not_measured: dict[str, str] = {}
+        mem: dict = {
+            "peak_allocated_bytes": None,
+            "peak_reserved_bytes": None,
+            "device_used_bytes": None,
+            "host_rss_peak_bytes": int(self._sampler.rss_peak) if self._sampler else None,
+        }
+        if self.device.type == "cuda":
+            mem["source"] = "cuda-allocator"
+            mem["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+            mem["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(self.device))
+            mem["device_used_bytes"] = self._sampler.device_used_peak if self._sampler else None
+            stats = torch.cuda.memory_stats(self.device)
+            mem["alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+        else:
+            mem["source"] = f"{self.device.type}-live-tensors"
+            mem["peak_allocated_bytes"] = self._tracked_peak
+            if self._tracked_peak is None:
+                not_measured["peak_allocated_bytes"] = "no block of this stage was tracked"
+            not_measured["peak_reserved_bytes"] = f"{self.device.type} has no caching-allocator counter; see host_rss_peak_bytes"
+            not_measured["device_used_bytes"] = f"{self.device.type} has no device-level memory counter"
+        try:
+            state_after = category_bytes(self.track)
+        except Exception:
+            state_after = {}
+        mem["state_bytes_before"] = self.state_before
+        mem["state_bytes_after"] = state_after
+        if not_measured:
+            mem["not_measured"] = not_measured
+        return mem
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        "out of memory" in text.lower() or isinstance(exc, MemoryError) or "DefaultCPUAllocator: can't allocate" in text
+    )
+
+
+def oom_detail(device: torch.device) -> str:
+    """'at 78.2 GiB reserved of 79.1 GiB' on CUDA; host figures on CPU."""
+    if device.type == "cuda":
+        reserved = torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return f"out of memory at {reserved / 2**30:.1f} GiB reserved of {total / 2**30:.1f} GiB"
+    vm = psutil.virtual_memory()
+    return f"out of host memory ({vm.available / 2**30:.1f} GiB available of {vm.total / 2**30:.1f} GiB)"

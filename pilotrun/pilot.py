@@ -1,0 +1,219 @@
+"""Run the gates of one pilot in order; every gate writes one row to the ledger and ``report.json``.
+
+This module decides nothing about presentation: an observer (the terminal UI,
+or nothing in tests) is told when gates start, progress and end.
+
+Example::
+
+    from pilotrun.config import load_spec
+    from pilotrun.pilot import PilotOptions, run_pilot
+    result = run_pilot(load_spec("examples/tiny-sft/pilot.yaml"), PilotOptions())
+    print(result.status, [r["verdict"] for r in result.rows])
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol
+
+from .config.spec import Spec
+from .devices import pick_device
+from .gates import GateFailure, Outcome, select_gates
+from .gates.base import as_dict, failure_reason
+from .gates.context import PilotContext
+from .ledger.store import Ledger, now
+from .measure.meter import StageMeter
+
+
+class Observer(Protocol):
+    def on_start(self, run_id: str, out_dir: Path, gates: list[str], notes: list[str]) -> None: ...
+    def on_gate_start(self, gate: str) -> None: ...
+    def on_progress(self, done: int, total: int, text: str) -> None: ...
+    def on_gate_end(self, row: dict) -> None: ...
+
+
+class _Quiet:
+    def on_start(self, *a) -> None: ...
+    def on_gate_start(self, *a) -> None: ...
+    def on_progress(self, *a) -> None: ...
+    def on_gate_end(self, *a) -> None: ...
+
+
+@dataclass
+class PilotOptions:
+    out_dir: Path | None = None          # default: runs/<run_id>
+    ledger_path: Path | None = None      # default: runs/ledger.sqlite ($PILOTRUN_LEDGER)
+    gates: list[str] | None = None       # default: spec.pilot.gates, else all
+    container_digest: str | None = None
+    run_id: str | None = None
+
+
+@dataclass
+class PilotResult:
+    run_id: str
+    out_dir: Path
+    ledger_path: Path
+    rows: list[dict] = field(default_factory=list)
+    status: str = "running"
+
+    @property
+    def failed(self) -> bool:
+        return any(r["verdict"] == "fail" for r in self.rows)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+
+def new_run_id(name: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def overall_status(rows: list[dict]) -> str:
+    verdicts = {r["verdict"] for r in rows}
+    if "fail" in verdicts:
+        return "fail"
+    if "warn" in verdicts:
+        return "warn"
+    return "pass"
+
+
+def write_report(result: PilotResult, spec: Spec, extra: dict | None = None) -> Path:
+    report = {
+        "run_id": result.run_id,
+        "name": spec.name,
+        "spec": spec.source,
+        "config_hash": spec.config_hash(),
+        "out_dir": str(result.out_dir),
+        "ledger": str(result.ledger_path),
+        "status": result.status,
+        "gates": [
+            {k: r.get(k) for k in ("gate", "verdict", "reason", "inputs", "memory", "seconds", "rank", "world_size",
+                                   "started_at", "ended_at", "details")}
+            for r in result.rows
+        ],
+        **(extra or {}),
+    }
+    path = result.out_dir / "report.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def _skip_row(gate, reason: str, inputs: dict) -> dict:
+    t = now()
+    return {"gate": gate.name, "verdict": "skip", "reason": reason, "inputs": inputs, "memory": {}, "seconds": None,
+            "started_at": t, "ended_at": t, "details": {}}
+
+
+def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observer | None = None) -> PilotResult:
+    """Run the selected gates; never raises for a gate failure (it becomes a row)."""
+    options = options or PilotOptions()
+    observer = observer or _Quiet()
+    gates, notes = select_gates(options.gates or spec.pilot.gates)
+    device, device_reason = pick_device(spec.train.device)
+    run_id = options.run_id or new_run_id(spec.name)
+    out_dir = Path(options.out_dir) if options.out_dir else Path("runs") / run_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(options.ledger_path)
+    result = PilotResult(run_id, out_dir, ledger.path)
+    ledger.start_run(run_id, spec.name, "pilot", spec_path=spec.source, out_dir=str(out_dir.resolve()),
+                     config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes})
+    ctx = PilotContext(spec=spec, run_id=run_id, out_dir=out_dir, device=device, device_reason=device_reason,
+                       ledger=ledger, container_digest=options.container_digest, progress=observer.on_progress)
+    observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [f"device: {device_reason}"])
+    verdicts: dict[str, tuple[str, str]] = {}
+    hf_logger = logging.getLogger("transformers")
+    old_level = hf_logger.level
+    hf_logger.setLevel(logging.ERROR)
+    bars = _hf_progress_bars(False)
+    try:
+        for gate_cls in gates:
+            gate = gate_cls()
+            blockers = [d for d in gate.depends_on if verdicts.get(d, ("skip", ""))[0] in ("fail", "skip")]
+            if blockers:
+                dep = blockers[0]
+                row = _skip_row(gate, f"skipped: needs {dep}, which {'failed' if verdicts[dep][0] == 'fail' else 'was skipped'}"
+                                f" ({verdicts[dep][1][:120]})", gate.describe_inputs(ctx))
+            else:
+                observer.on_gate_start(gate.name)
+                row = _run_gate(gate, ctx)
+            row["rank"], row["world_size"] = ctx.rank, ctx.world_size
+            row = as_dict(row)
+            metrics = row.pop("_metrics", [])
+            verdicts[gate.name] = (row["verdict"], row["reason"])
+            ledger.add_gate_row(run_id, row, metrics)
+            result.rows.append(row)
+            write_report(result, spec)
+            observer.on_gate_end(row)
+        result.status = overall_status(result.rows)
+    except KeyboardInterrupt:
+        result.status = "interrupted"
+        raise
+    finally:
+        hf_logger.setLevel(old_level)
+        _hf_progress_bars(bars)
+        if ctx.trainer is not None:
+            ctx.trainer.close()
+        if result.status == "running":
+            result.status = "error"
+        ledger.end_run(run_id, result.status)
+        write_report(result, spec)
+        ledger.close()
+    return result
+
+
+def _hf_progress_bars(enabled: bool) -> bool:
+    """transformers draws tqdm bars (e.g. while saving); the pilot draws its own. Returns the old setting."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        return True
+    old = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    return old
+
+
+def _run_gate(gate, ctx: PilotContext) -> dict:
+    started = now()
+    outcome: Outcome
+    caught: list[warnings.WarningMessage] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with StageMeter(ctx.device, track=gate.track(ctx), tensor_tracking=gate.tensor_tracking) as meter:
+            try:
+                outcome = gate.run(ctx, meter)
+            except Exception as exc:  # a gate failure is a row, never a crash
+                inputs = gate.describe_inputs(ctx)
+                if isinstance(exc, GateFailure):
+                    inputs.update(exc.inputs)
+                outcome = Outcome("fail", failure_reason(gate.name, exc, ctx, inputs), inputs,
+                                  getattr(exc, "details", {}) or {})
+                tb_path = ctx.out_dir / f"{gate.name}.traceback.txt"
+                tb_path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+                outcome.details["traceback"] = str(tb_path)
+    details = dict(outcome.details)
+    messages = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}" for w in caught})
+    if messages:
+        details["warnings"] = messages[:20]
+    return {
+        "gate": gate.name,
+        "verdict": outcome.verdict,
+        "reason": outcome.reason or outcome.verdict,
+        "inputs": outcome.inputs or gate.describe_inputs(ctx),
+        "memory": meter.memory,
+        "seconds": meter.seconds,
+        "started_at": started,
+        "ended_at": now(),
+        "details": details,
+        "_metrics": outcome.metrics,
+    }

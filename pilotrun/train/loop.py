@@ -1,0 +1,333 @@
+"""The training loop the gates drive: one call to :meth:`Trainer.update` is one optimizer update.
+
+Accumulation follows the SPEC contract: the whole update window is fetched first;
+when the model accepts ``num_items_in_batch`` it receives the number of supervised
+labels in the window and the micro-batch losses are summed; otherwise each
+micro-batch loss is divided by the number of micro batches actually in the window
+(a short last window is not scaled as if it were full). fp16 uses a grad scaler
+stepped once per update, on the real boundary.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config.spec import Spec
+from .optim import build_optimizer, build_scheduler
+from .sampler import DataPlan, PositionedBatchSampler
+
+IGNORE = -100
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or parameter is inf/NaN; the message names the update and the example ids."""
+
+    def __init__(self, what: str, step: int, value: float, ids: list[str]) -> None:
+        self.what, self.step, self.value, self.ids = what, step, value, ids
+        shown = ", ".join(ids[:8]) + (f" (+{len(ids) - 8} more)" if len(ids) > 8 else "")
+        super().__init__(f"{what} is {value} at update {step}; examples in that update: {shown}")
+
+
+@dataclass
+class LossPolicy:
+    pass_num_items: bool
+    shift_labels: bool
+    reason: str
+
+
+def decide_loss_policy(model: torch.nn.Module, declared: str | None = None) -> LossPolicy:
+    """Whether to pass ``num_items_in_batch`` (and how to count it), with the reason recorded."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    explicit = "num_items_in_batch" in params
+    accepts_attr = getattr(model, "accepts_loss_kwargs", None)
+    try:
+        from transformers import PreTrainedModel
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedModel, LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss = (), {}, None, None
+    if isinstance(model, PreTrainedModel) if PreTrainedModel else False:
+        loss_fn = LOSS_MAPPING.get(getattr(model, "loss_type", None))
+        if accepts_attr is False:
+            return LossPolicy(False, False, "the model sets accepts_loss_kwargs = False: loss divided by micro batches in the window")
+        if loss_fn is ForCausalLMLoss and not getattr(model.config, "is_encoder_decoder", False):
+            return LossPolicy(True, True, "Hugging Face causal-LM loss honours num_items_in_batch: supervised next-token labels (labels[:, 1:] != -100) in the window, losses summed")
+        if loss_fn is ForMaskedLMLoss:
+            return LossPolicy(True, False, "Hugging Face masked-LM loss honours num_items_in_batch: labels != -100 in the window, losses summed")
+        if explicit:
+            return LossPolicy(True, False, "forward declares num_items_in_batch: labels != -100 in the window, losses summed")
+        return LossPolicy(False, False, f"{type(model).__name__} computes a per-batch mean and does not use num_items_in_batch: loss divided by micro batches in the window")
+    if explicit:
+        return LossPolicy(True, False, "forward declares num_items_in_batch: labels != -100 in the window, losses summed")
+    return LossPolicy(False, False, "forward does not declare num_items_in_batch: loss divided by micro batches in the window")
+
+
+@dataclass
+class UpdateRecord:
+    step: int  # 1-based index of this update
+    loss: float
+    lr: float
+    grad_norm: float | None
+    sample_ids: list[str]
+    examples: int
+    tokens: int
+    supervised: int
+    micro_batches: int
+    seconds: float
+    data_wait_s: float
+    epoch: int
+    seq_len: int = 0
+    scaler_skipped: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class _WithIds:
+    """Collate wrapper that keeps the example ids next to the user's batch."""
+
+    def __init__(self, collate) -> None:
+        self.collate = collate
+
+    def __call__(self, items):
+        return [str(it["id"]) for it in items], self.collate(items)
+
+
+def _loss_of(out) -> torch.Tensor:
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        loss = out.get("loss") if hasattr(out, "get") else None
+    else:
+        loss = getattr(out, "loss", None)
+    if loss is None:
+        raise TypeError(
+            f"forward returned {type(out).__name__} without a loss; the contract wants an object with .loss "
+            "or a mapping with 'loss' when the batch has 'labels'"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__} of shape {getattr(loss, 'shape', '?')}")
+    return loss.reshape(())
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def autocast_for(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Owns optimizer, scheduler, scaler and data position for one model on one device."""
+
+    def __init__(
+        self, model: torch.nn.Module, train_set, collate, spec: Spec, device: torch.device, pad_batch=None
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.device = device
+        t = spec.train
+        self.precision = t.precision
+        self.optimizer = build_optimizer(model, t.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, t.scheduler, t.updates)
+        self.scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
+        self.policy = decide_loss_policy(model)
+        self.plan = DataPlan(
+            n_examples=len(train_set),
+            micro_batch_size=t.micro_batch_size,
+            grad_accum_steps=t.grad_accum_steps,
+            seed=spec.seed,
+            shuffle=t.shuffle,
+            drop_last=spec.data.drop_last,
+        )
+        self.train_set = train_set
+        self.collate = _WithIds(collate)
+        self.pad_batch = pad_batch
+        self.step = 0
+        self.examples_seen = 0
+        self.epoch = 0
+        self.micro_index = 0
+        self._iter = None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    # -- data -----------------------------------------------------------------
+    def _loader_iter(self):
+        if self._iter is None:
+            sampler = PositionedBatchSampler(self.plan, self.epoch, self.micro_index)
+            workers = self.spec.data.num_workers
+            loader = torch.utils.data.DataLoader(
+                self.train_set,
+                batch_sampler=sampler,
+                collate_fn=self.collate,
+                num_workers=workers,
+                pin_memory=self.device.type == "cuda",
+                persistent_workers=False,
+            )
+            self._iter = iter(loader)
+        return self._iter
+
+    def close(self) -> None:
+        """Stop DataLoader workers (they hold file handles and processes)."""
+        it, self._iter = self._iter, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def _count_items(self, batch: dict) -> int:
+        labels = batch.get("labels") if isinstance(batch, dict) else None
+        if labels is None:
+            return 0
+        if self.policy.shift_labels and labels.ndim >= 2:
+            labels = labels[..., 1:]
+        return int((labels != IGNORE).sum())
+
+    # -- one update -----------------------------------------------------------
+    def update(self, pad_to: int | None = None) -> UpdateRecord:
+        """One optimizer update. ``pad_to`` right-pads every micro batch to that length (built-in
+        tasks only): the loss is unchanged, the memory is the long run's worst case."""
+        t0 = time.perf_counter()
+        n_micro = self.plan.window_size(self.micro_index)
+        it = self._loader_iter()
+        window = []
+        for _ in range(n_micro):
+            ids, batch = next(it)
+            if pad_to is not None and self.pad_batch is not None:
+                batch = self.pad_batch(batch, pad_to)
+            window.append((ids, batch))
+        data_wait = time.perf_counter() - t0
+        epoch = self.epoch
+        self.micro_index += n_micro
+        if self.micro_index >= self.plan.micro_batches_per_epoch:
+            self.epoch, self.micro_index = self.epoch + 1, 0
+
+        step = self.step + 1
+        ids_all = [i for ids, _ in window for i in ids]
+        num_items = sum(self._count_items(b) for _, b in window)
+        lr = float(self.scheduler.get_last_lr()[0])
+        model = self.model
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        tokens = supervised = examples = seq_len = 0
+        for ids, batch in window:
+            if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim >= 2:
+                seq_len = max(seq_len, int(batch["input_ids"].shape[-1]))
+            batch = to_device(batch, self.device)
+            kwargs = {}
+            if self.policy.pass_num_items:
+                kwargs["num_items_in_batch"] = torch.tensor(max(num_items, 1), device=self.device)
+            with autocast_for(self.device, self.precision):
+                out = model(**batch, **kwargs)
+            loss = _loss_of(out).float()
+            if not self.policy.pass_num_items:
+                loss = loss / n_micro
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            total += loss.detach()
+            examples += len(ids)
+            mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+            if mask is not None:
+                tokens += int(mask.sum())
+            elif isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+                tokens += batch["input_ids"].numel()
+            supervised += self._count_items(batch)
+        loss_value = float(total)
+        if not math.isfinite(loss_value):
+            raise NonFiniteError("loss", step, loss_value, ids_all)
+
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.spec.train.max_grad_norm
+        grads = [p for p in self.params if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"))
+            grad_norm = float(norm)
+        else:
+            grad_norm = None
+        skipped = False
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before
+        else:
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                raise NonFiniteError("gradient norm", step, grad_norm, ids_all)
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step = step
+        self.examples_seen += examples
+        seconds = time.perf_counter() - t0
+        return UpdateRecord(
+            step=step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            sample_ids=ids_all,
+            examples=examples,
+            tokens=tokens,
+            supervised=supervised,
+            micro_batches=n_micro,
+            seconds=seconds,
+            data_wait_s=data_wait,
+            epoch=epoch,
+            seq_len=seq_len,
+            scaler_skipped=skipped,
+        )
+
+    def check_parameters_finite(self) -> str | None:
+        """The name of the first parameter holding inf/NaN, or None."""
+        for name, p in self.model.named_parameters():
+            if not torch.isfinite(p.detach()).all():
+                return name
+        return None
+
+    # -- state ----------------------------------------------------------------
+    def position(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "micro_index": self.micro_index,
+            "seed": self.plan.seed,
+            "shuffle": self.plan.shuffle,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "grad_accum_steps": self.plan.grad_accum_steps,
+            "n_examples": self.plan.n_examples,
+        }
+
+    def state(self) -> dict:
+        return {"step": self.step, "examples_seen": self.examples_seen, "data_position": self.position()}
+
+    def load_state(self, state: dict) -> None:
+        self.close()
+        self.step = int(state["step"])
+        self.examples_seen = int(state["examples_seen"])
+        pos = state["data_position"]
+        self.epoch, self.micro_index = int(pos["epoch"]), int(pos["micro_index"])

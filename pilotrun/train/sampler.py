@@ -1,0 +1,74 @@
+"""The data order, as arithmetic: (seed, epoch) fixes the permutation, (epoch, micro index) the position.
+
+Because the position is two integers and the order is recomputed from the seed,
+a restored run continues exactly where the saved one stopped, with or without
+DataLoader workers (which prefetch ahead of what the loop has consumed).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    n_examples: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    seed: int
+    shuffle: bool = True
+    drop_last: bool = False
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        if self.drop_last:
+            return self.n_examples // self.micro_batch_size
+        return math.ceil(self.n_examples / self.micro_batch_size)
+
+    @property
+    def updates_per_epoch(self) -> int:
+        return math.ceil(self.micro_batches_per_epoch / self.grad_accum_steps)
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n_examples))
+        g = torch.Generator()
+        g.manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n_examples, generator=g).tolist()
+
+    def micro_batch(self, epoch: int, index: int, order: list[int] | None = None) -> list[int]:
+        order = self.order(epoch) if order is None else order
+        start = index * self.micro_batch_size
+        return order[start : start + self.micro_batch_size]
+
+    def window_size(self, micro_index: int) -> int:
+        """Micro batches in the update window that starts at ``micro_index`` (the last of an epoch may be short)."""
+        return min(self.grad_accum_steps, self.micro_batches_per_epoch - micro_index)
+
+
+class PositionedBatchSampler(torch.utils.data.Sampler):
+    """Yields micro-batch index lists from (epoch, micro index) onward, epoch after epoch."""
+
+    def __init__(self, plan: DataPlan, epoch: int = 0, micro_index: int = 0) -> None:
+        if plan.micro_batches_per_epoch < 1:
+            raise ValueError(
+                f"{plan.n_examples} training example(s) make no full micro batch of {plan.micro_batch_size} "
+                "with data.drop_last; add data or lower train.micro_batch_size"
+            )
+        self.plan = plan
+        self.epoch = epoch
+        self.micro_index = micro_index
+
+    def __iter__(self):
+        epoch, index = self.epoch, self.micro_index
+        while True:
+            order = self.plan.order(epoch)
+            while index < self.plan.micro_batches_per_epoch:
+                yield self.plan.micro_batch(epoch, index, order)
+                index += 1
+            epoch, index = epoch + 1, 0
+
+    def __len__(self) -> int:  # DataLoader asks; the stream is unbounded
+        return 2**62

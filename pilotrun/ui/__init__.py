@@ -1,0 +1,1 @@
+"""Presentation only: the terminal table, number formats."""

@@ -1,0 +1,158 @@
+"""The terminal: a live table of gates with a progress bar, and a summary readable in five seconds."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from .format import human_bytes, human_seconds
+
+STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip": "dim", "running": "cyan",
+         "pending": "dim"}
+MARK = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–", "running": "…", "pending": "·"}
+
+
+def peak_of(row: dict) -> int | None:
+    mem = row.get("memory") or {}
+    return mem.get("peak_allocated_bytes")
+
+
+def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = None, wrap: bool = False) -> Table:
+    """Gates as rows; counters never measured on this device (reserved on CPU) get no column."""
+    show_reserved = any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows)
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
+    # Fixed columns keep their width; only the reason gives way on a narrow terminal.
+    gate_w = max([len(r["gate"]) for r in rows] + [len(p) for p in pending] + [4])
+    table.add_column("", width=1, no_wrap=True)
+    table.add_column("gate", no_wrap=True, min_width=gate_w)
+    table.add_column("verdict", no_wrap=True, min_width=7)
+    table.add_column("time", justify="right", no_wrap=True, min_width=7)
+    table.add_column("peak alloc", justify="right", no_wrap=True, min_width=10)
+    if show_reserved:
+        table.add_column("peak resv", justify="right", no_wrap=True, min_width=10)
+    table.add_column("host RSS", justify="right", no_wrap=True, min_width=9)
+    table.add_column("reason", overflow="fold" if wrap else "ellipsis", no_wrap=not wrap, min_width=20)
+    for r in rows:
+        v = r["verdict"]
+        mem = r.get("memory") or {}
+        cells = [Text(MARK[v], style=STYLE[v]), r["gate"], Text(v, style=STYLE[v]),
+                 human_seconds(r.get("seconds")) if r.get("seconds") is not None else "",
+                 human_bytes(mem.get("peak_allocated_bytes")) if mem.get("peak_allocated_bytes") is not None else ""]
+        if show_reserved:
+            cells.append(human_bytes(mem.get("peak_reserved_bytes")) if mem.get("peak_reserved_bytes") is not None else "")
+        cells += [human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") is not None else "",
+                  r.get("reason", "")]
+        table.add_row(*cells)
+    for name in pending:
+        state = "running" if name == running else "pending"
+        table.add_row(Text(MARK[state], style=STYLE[state]), name, Text(state, style=STYLE[state]),
+                      *([""] * (5 if show_reserved else 4)))
+    return table
+
+
+def headline(rows: list[dict], status: str) -> Text:
+    counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("pass", "warn", "fail", "skip")}
+    label = {"pass": "PASS", "warn": "PASS with warnings", "fail": "FAIL", "interrupted": "INTERRUPTED",
+             "error": "ERROR"}.get(status, status.upper())
+    text = Text(label, style=STYLE.get(status, "bold"))
+    parts = [f"{counts['pass']} passed"]
+    for v in ("warn", "fail", "skip"):
+        if counts[v]:
+            parts.append(f"{counts[v]} {'warned' if v == 'warn' else v + ('ed' if v == 'fail' else 'ped')}")
+    text.append("  " + ", ".join(parts))
+    measured = [r for r in rows if peak_of(r)]
+    if measured:
+        top = max(measured, key=peak_of)
+        inp = top.get("inputs") or {}
+        shape = ", ".join(x for x in (f"length {inp['seq_len']}" if inp.get("seq_len") else "",
+                                       f"batch {inp.get('batch_size') or inp.get('micro_batch_size')}"
+                                       if inp.get("batch_size") or inp.get("micro_batch_size") else "") if x)
+        text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top['gate']}" + (f" ({shape})" if shape else ""))
+    steady = next((r for r in rows if r["gate"] == "steady_step" and r["verdict"] in ("pass", "warn")), None)
+    if steady:
+        text.append(f" · {human_seconds(steady['details'].get('seconds_per_update'))}/update")
+    return text
+
+
+class ConsoleObserver:
+    """Live table on a terminal; one line per finished gate otherwise (CI logs, pipes)."""
+
+    def __init__(self, console: Console | None = None, title: str = "") -> None:
+        self.console = console or Console(stderr=False)
+        self.title = title
+        self.rows: list[dict] = []
+        self.pending: list[str] = []
+        self.running: str | None = None
+        self.live: Live | None = None
+        self.progress = Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.console, transient=True)
+        self.task = None
+        self._last_plain = 0.0
+
+    # -- observer protocol ------------------------------------------------------
+    def on_start(self, run_id: str, out_dir: Path, gates: list[str], notes: list[str]) -> None:
+        self.pending = list(gates)
+        self.console.print(Text.assemble(("pilotrun ", "bold"), (self.title, "bold cyan"), f" · run {run_id}"))
+        for n in notes:
+            self.console.print(Text(f"  {n}", style="dim"))
+        if self.console.is_terminal:
+            self.live = Live(self._render(), console=self.console, refresh_per_second=8, transient=True)
+            self.live.start()
+
+    def on_gate_start(self, gate: str) -> None:
+        self.running = gate
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+            self.task = None
+        self._refresh()
+
+    def on_progress(self, done: int, total: int, text: str) -> None:
+        if self.task is None:
+            self.task = self.progress.add_task(f"{self.running}: {text}", total=total)
+        self.progress.update(self.task, completed=done, total=total)
+        if self.live is None and time.monotonic() - self._last_plain > 5 and total:
+            self._last_plain = time.monotonic()
+            self.console.print(f"  {self.running}: {done}/{total} {text}")
+        self._refresh()
+
+    def on_gate_end(self, row: dict) -> None:
+        self.rows.append(row)
+        if row["gate"] in self.pending:
+            self.pending.remove(row["gate"])
+        self.running = None
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+            self.task = None
+        if self.live is None:
+            v = row["verdict"]
+            self.console.print(Text.assemble((f"{MARK[v]} ", STYLE[v]), (f"{row['gate']:<12}", "bold"),
+                                             (f"{v:<5}", STYLE[v]), f" {human_seconds(row.get('seconds')):>8}  ",
+                                             row.get("reason", "")))
+        self._refresh()
+
+    # -- rendering ---------------------------------------------------------------
+    def _render(self):
+        return Group(gate_table(self.rows, self.pending, self.running), self.progress)
+
+    def _refresh(self) -> None:
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def finish(self, status: str, out_dir: Path, ledger: Path) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+        self.console.print()
+        self.console.print(gate_table(self.rows))
+        self.console.print()
+        self.console.print(headline(self.rows, status))
+        for r in self.rows:
+            if r["verdict"] in ("fail", "warn"):
+                v = r["verdict"]
+                self.console.print(Text.assemble((f"  {MARK[v]} ", STYLE[v]), (r["gate"], "bold"), f": {r['reason']}"))
+        self.console.print(Text(f"report {out_dir / 'report.json'} · ledger {ledger}", style="dim"))
