@@ -193,7 +193,7 @@ def _run_gate(gate, ctx: PilotContext) -> dict:
             try:
                 outcome = gate.run(ctx, meter)
             except Exception as exc:  # a gate failure is a row, never a crash
-                inputs = gate.describe_inputs(ctx)
+                inputs = gate.failure_inputs(ctx)
                 if isinstance(exc, GateFailure):
                     inputs.update(exc.inputs)
                 outcome = Outcome("fail", failure_reason(gate.name, exc, ctx, inputs), inputs,

@@ -159,3 +159,30 @@ def verify_folder(folder: Path) -> dict:
         if h.hexdigest() != info["sha256"]:
             raise CheckpointError(f"{p} does not match its sha256 in the manifest: corrupted or replaced")
     return manifest
+
+
+def recover_interrupted_swap(root: Path) -> list[str]:
+    """Undo a replace that was killed between its two renames: ``.X.old-PID`` back to ``X``."""
+    restored = []
+    for old in Path(root).glob(".*.old-*"):
+        name = old.name[1:].rsplit(".old-", 1)[0]
+        final = old.parent / name
+        if not final.exists() and (old / MANIFEST).exists():
+            os.rename(old, final)
+            restored.append(name)
+    return restored
+
+
+def latest_checkpoint(root: Path, verify: bool = True) -> Path | None:
+    """The newest complete ``step-*`` folder under ``root``; half-written ``.tmp-`` folders are ignored."""
+    root = Path(root)
+    if not root.exists():
+        return None
+    recover_interrupted_swap(root)
+    for folder in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+        try:
+            verify_folder(folder) if verify else read_manifest(folder)
+        except CheckpointError:
+            continue
+        return folder
+    return None

@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 from ..config.schema import SpecError
+from ..ledger.store import LedgerError
 from . import ledger as ledger_cmd
 from . import run as run_cmd
 from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError, err_console
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         for field, message in exc.problems:
             console.print(f"  [bold]{field or '(spec)'}[/]: {message}", highlight=False)
         return EXIT_BAD_INPUT
-    except UsageError as exc:
+    except (UsageError, LedgerError) as exc:
         err_console().print(f"[bold red]error:[/] {exc}", highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -53,7 +53,7 @@ def main(args) -> int:
                 return 0
             console.print(Text.assemble(("run ", "bold"), run["run_id"], f" · {run['name']} · {run['status']} · "
                                         f"started {run['started_at']}"))
-            console.print(gate_table(rows))
+            console.print(gate_table(rows, width=console.width))
             return 0
         runs = led.runs(args.name, args.limit)
         summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}

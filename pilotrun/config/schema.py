@@ -205,7 +205,7 @@ def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, st
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name == "extra":
+        if f.name == "extra" or not f.init:
             continue
         name = f"{prefix}{f.name}"
         tp = hints[f.name]

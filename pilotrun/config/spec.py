@@ -194,7 +194,7 @@ class Spec:
     pilot: PilotSpec = doc("what the pilot itself runs", PilotSpec)
 
     # Set by load_spec, not by the user.
-    source: str = field(default="", metadata={"internal": True})
+    source: str = field(default="", init=False, metadata={"internal": True})
 
     def check(self):
         if not NAME_RE.match(self.name):

@@ -63,6 +63,11 @@ class Gate:
     def describe_inputs(self, ctx: "PilotContext") -> dict:
         return ctx.base_inputs()
 
+    def failure_inputs(self, ctx: "PilotContext") -> dict:
+        """Inputs for a failure row: what the gate had reached when it failed (set ``self.live_inputs``)."""
+        live = getattr(self, "live_inputs", None)
+        return dict(live) if live else self.describe_inputs(ctx)
+
 
 def _user_frame(tb) -> str:
     """The innermost frame outside pilotrun, torch and transformers: usually the user's bug."""

@@ -77,6 +77,7 @@ class EvalGate(Gate):
         inputs["seq_len"] = worst_len
         inputs["batch_size"] = len(worst_idx)
         inputs["padded_to_max_length"] = padded
+        self.live_inputs = inputs
         was_training = model.training
         model.eval()
         try:

@@ -44,6 +44,6 @@ class LoadGate(Gate):
         sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
         out.reason = (
             f"{type(model).__name__}: {human_count(total)} parameters ({human_bytes(param_bytes)} {'/'.join(dtypes)}) "
-            f"from {loaded.source} on {ctx.device}; {sizes} examples"
+            f"from {loaded.source.split(' (')[0]} on {ctx.device}; {sizes} examples"
         )
         return out

@@ -14,7 +14,10 @@ from dataclasses import asdict
 from ..ui.format import human_bytes, human_seconds
 from .base import Gate, GateFailure, Outcome
 
-DATA_WAIT_WARN = 0.10  # share of update time spent waiting on data
+# Warn when the loop waits on data for more than this share of each update, and
+# for more than an absolute floor: a 2 ms CPU toy update waiting 0.3 ms is noise.
+DATA_WAIT_WARN = 0.10
+DATA_WAIT_FLOOR_S = 0.002
 
 
 def record_dict(rec) -> dict:
@@ -38,6 +41,19 @@ def _inputs(ctx, rec, padded: int | None) -> dict:
     return inputs
 
 
+def _failure_inputs(gate, ctx) -> dict:
+    """The window being processed when the update failed: its length and size."""
+    inputs = ctx.base_inputs()
+    window = getattr(ctx.trainer, "last_window", None) or {}
+    if window.get("seq_len"):
+        inputs["seq_len"] = window["seq_len"]
+    if window.get("examples"):
+        inputs["examples_per_update"] = window["examples"]
+    if window.get("step"):
+        inputs["update"] = window["step"]
+    return inputs
+
+
 def _check_params(ctx, step: int) -> None:
     bad = ctx.trainer.check_parameters_finite()
     if bad is not None:
@@ -47,6 +63,7 @@ def _check_params(ctx, step: int) -> None:
 class FirstStepGate(Gate):
     name = "first_step"
     depends_on = ("load",)
+    failure_inputs = _failure_inputs
 
     def run(self, ctx, meter) -> Outcome:
         trainer = ctx.trainer
@@ -79,6 +96,7 @@ class SteadyStepGate(Gate):
     name = "steady_step"
     depends_on = ("first_step",)
     tensor_tracking = "manual"
+    failure_inputs = _failure_inputs
 
     def run(self, ctx, meter) -> Outcome:
         trainer = ctx.trainer
@@ -120,7 +138,8 @@ class SteadyStepGate(Gate):
         out.reason = (f"{human_seconds(mean_s)}/update over {len(timed)} update(s), {examples_s:.1f} examples/s, "
                       f"{tokens_s:.0f} tokens/s, {wait_share:.0%} waiting on data; memory from update "
                       f"{records[0].step} at length {records[0].seq_len}")
-        if wait_share > DATA_WAIT_WARN:
+        wait_per_update = out.details["data_wait_seconds_per_update"]
+        if wait_share > DATA_WAIT_WARN and wait_per_update > DATA_WAIT_FLOOR_S:
             out.warn(f"{wait_share:.0%} of update time is spent waiting on data: raise data.num_workers or "
                      "pre-tokenize, or the GPUs will idle")
         skipped = [r.step for r in records if r.scaler_skipped]

@@ -128,7 +128,7 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
                 )
             except Exception as exc:
                 raise ModelError(_hub_hint(exc, target)) from None
-            source = src
+            source = target if local is None else f"{target} ({src})" if target != src else src
             if tokenizer is not None and getattr(model.config, "pad_token_id", None) is None:
                 model.config.pad_token_id = tokenizer.pad_token_id
         loaded = LoadedModel(model, "hf", head, source, notes=[f"head: {head} ({why})"])

@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -41,7 +42,7 @@ class LossPolicy:
     reason: str
 
 
-def decide_loss_policy(model: torch.nn.Module, declared: str | None = None) -> LossPolicy:
+def decide_loss_policy(model: torch.nn.Module) -> LossPolicy:
     """Whether to pass ``num_items_in_batch`` (and how to count it), with the reason recorded."""
     forward = getattr(model, "forward", None)
     try:
@@ -50,12 +51,11 @@ def decide_loss_policy(model: torch.nn.Module, declared: str | None = None) -> L
         params = {}
     explicit = "num_items_in_batch" in params
     accepts_attr = getattr(model, "accepts_loss_kwargs", None)
-    try:
-        from transformers import PreTrainedModel
+    # A model can only be a transformers model if transformers is already imported.
+    hf = sys.modules.get("transformers")
+    if hf is not None and isinstance(model, hf.PreTrainedModel):
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedModel, LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss = (), {}, None, None
-    if isinstance(model, PreTrainedModel) if PreTrainedModel else False:
+
         loss_fn = LOSS_MAPPING.get(getattr(model, "loss_type", None))
         if accepts_attr is False:
             return LossPolicy(False, False, "the model sets accepts_loss_kwargs = False: loss divided by micro batches in the window")
@@ -66,8 +66,9 @@ def decide_loss_policy(model: torch.nn.Module, declared: str | None = None) -> L
         if explicit:
             return LossPolicy(True, False, "forward declares num_items_in_batch: labels != -100 in the window, losses summed")
         return LossPolicy(False, False, f"{type(model).__name__} computes a per-batch mean and does not use num_items_in_batch: loss divided by micro batches in the window")
-    if explicit:
-        return LossPolicy(True, False, "forward declares num_items_in_batch: labels != -100 in the window, losses summed")
+    if explicit or accepts_attr is True:
+        why = "forward declares num_items_in_batch" if explicit else "the model sets accepts_loss_kwargs = True"
+        return LossPolicy(True, False, f"{why}: labels != -100 in the window, losses summed")
     return LossPolicy(False, False, "forward does not declare num_items_in_batch: loss divided by micro batches in the window")
 
 
@@ -113,6 +114,11 @@ def _loss_of(out) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__} of shape {getattr(loss, 'shape', '?')}")
     return loss.reshape(())
+
+
+def _seq_dim(batch) -> int:
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else 0
 
 
 def to_device(batch, device: torch.device):
@@ -174,6 +180,7 @@ class Trainer:
         self.epoch = 0
         self.micro_index = 0
         self._iter = None
+        self.last_window: dict = {}
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     # -- data -----------------------------------------------------------------
@@ -228,12 +235,14 @@ class Trainer:
 
         step = self.step + 1
         ids_all = [i for ids, _ in window for i in ids]
+        self.last_window = {"step": step, "examples": len(ids_all), "ids": ids_all,
+                            "seq_len": max((_seq_dim(b) for _, b in window), default=0)}
         num_items = sum(self._count_items(b) for _, b in window)
         lr = float(self.scheduler.get_last_lr()[0])
         model = self.model
         model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.optimizer.zero_grad(set_to_none=True)  # no-op unless an earlier update stopped half-way
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
         tokens = supervised = examples = seq_len = 0
         for ids, batch in window:
             if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim >= 2:
@@ -244,7 +253,9 @@ class Trainer:
                 kwargs["num_items_in_batch"] = torch.tensor(max(num_items, 1), device=self.device)
             with autocast_for(self.device, self.precision):
                 out = model(**batch, **kwargs)
-            loss = _loss_of(out).float()
+            loss = _loss_of(out)
+            if loss.dtype in (torch.float16, torch.bfloat16):
+                loss = loss.float()
             if not self.policy.pass_num_items:
                 loss = loss / n_micro
             if self.scaler is not None:
@@ -283,6 +294,9 @@ class Trainer:
                 raise NonFiniteError("gradient norm", step, grad_norm, ids_all)
             self.optimizer.step()
         self.scheduler.step()
+        # Free gradients right after the step, as HF Trainer and most loops do: they are
+        # not live during the next forward or during evaluation.
+        self.optimizer.zero_grad(set_to_none=True)
         self.step = step
         self.examples_seen += examples
         seconds = time.perf_counter() - t0

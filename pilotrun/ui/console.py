@@ -22,7 +22,13 @@ def peak_of(row: dict) -> int | None:
     return mem.get("peak_allocated_bytes")
 
 
-def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = None, wrap: bool = False) -> Table:
+def _clip(text: str, width: int | None) -> str:
+    if width is None or len(text) <= width:
+        return text
+    return text[: max(1, width - 1)] + "…"
+
+
+def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = None, width: int | None = None) -> Table:
     """Gates as rows; counters never measured on this device (reserved on CPU) get no column."""
     show_reserved = any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows)
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
@@ -35,8 +41,11 @@ def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = 
     table.add_column("peak alloc", justify="right", no_wrap=True, min_width=10)
     if show_reserved:
         table.add_column("peak resv", justify="right", no_wrap=True, min_width=10)
-    table.add_column("host RSS", justify="right", no_wrap=True, min_width=9)
-    table.add_column("reason", overflow="fold" if wrap else "ellipsis", no_wrap=not wrap, min_width=20)
+    table.add_column("host RSS", justify="right", no_wrap=True, min_width=10)
+    table.add_column("reason", no_wrap=True)
+    # Rich collapses fixed columns when one cell is too wide; clip the reason ourselves instead.
+    fixed = 1 + gate_w + 7 + 7 + 10 + (10 if show_reserved else 0) + 10 + 2 * (7 if show_reserved else 6)
+    reason_w = max(20, width - fixed) if width else None
     for r in rows:
         v = r["verdict"]
         mem = r.get("memory") or {}
@@ -46,7 +55,7 @@ def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = 
         if show_reserved:
             cells.append(human_bytes(mem.get("peak_reserved_bytes")) if mem.get("peak_reserved_bytes") is not None else "")
         cells += [human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") is not None else "",
-                  r.get("reason", "")]
+                  _clip(r.get("reason", ""), reason_w)]
         table.add_row(*cells)
     for name in pending:
         state = "running" if name == running else "pending"
@@ -137,7 +146,7 @@ class ConsoleObserver:
 
     # -- rendering ---------------------------------------------------------------
     def _render(self):
-        return Group(gate_table(self.rows, self.pending, self.running), self.progress)
+        return Group(gate_table(self.rows, self.pending, self.running, self.console.width), self.progress)
 
     def _refresh(self) -> None:
         if self.live is not None:
@@ -148,7 +157,7 @@ class ConsoleObserver:
             self.live.stop()
             self.live = None
         self.console.print()
-        self.console.print(gate_table(self.rows))
+        self.console.print(gate_table(self.rows, width=self.console.width))
         self.console.print()
         self.console.print(headline(self.rows, status))
         for r in self.rows:

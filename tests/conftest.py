@@ -1,0 +1,95 @@
+"""Shared fixtures. Every test is checked for leaks: child processes, process groups, files in the repo."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+IGNORED_DIRS = {".venv", ".git", "__pycache__", ".pytest_cache", "pilotrun.egg-info"}
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _repo_files() -> set[str]:
+    out = set()
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in IGNORED_DIRS and not d.endswith(".egg-info")]
+        for f in files:
+            if not f.endswith(".pyc"):
+                out.add(os.path.relpath(os.path.join(root, f), REPO))
+    return out
+
+
+@pytest.fixture(scope="session")
+def repo_files_before():
+    return _repo_files()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(repo_files_before):
+    """Fail a test that leaves child processes, an initialised process group, or new files in the repo."""
+    before_children = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    import torch.distributed as dist
+
+    leaked_pg = dist.is_available() and dist.is_initialized()
+    if leaked_pg:
+        dist.destroy_process_group()
+    children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before_children]
+    alive = []
+    for p in children:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    for p in alive:
+        p.kill()
+    new_files = _repo_files() - repo_files_before
+    assert not leaked_pg, "the test left a torch.distributed process group initialised"
+    assert not alive, f"the test left child processes running: {[p.cmdline() for p in alive]}"
+    assert not new_files, f"the test wrote into the repository: {sorted(new_files)[:10]}"
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """Run in a temporary folder so runs/ and the default ledger land there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PILOTRUN_LEDGER", raising=False)
+    monkeypatch.delenv("PILOTRUN_CONTAINER_DIGEST", raising=False)
+    return tmp_path
+
+
+def copy_example(name: str, dest: Path) -> Path:
+    """A copy of an example outside the git checkout (so its lock is not 'dirty')."""
+    target = dest / name
+    shutil.copytree(EXAMPLES / name, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target / "pilot.yaml"
+
+
+def copy_fixture(name: str, dest: Path) -> Path:
+    target = dest / name
+    shutil.copytree(FIXTURES / name, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target / "pilot.yaml"
+
+
+def write_spec(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def pilotrun_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real command line, in a real subprocess."""
+    full_env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "pilotrun", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)

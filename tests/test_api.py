@@ -1,0 +1,70 @@
+"""Your own loop, same rows: pilotrun.stage() measures a user's step into the same ledger."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pilotrun
+from pilotrun.ledger import Ledger
+
+
+def test_stage_rows_in_a_users_loop(tmp_path):
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(32, 256)
+    with pilotrun.session("my-job", ledger=tmp_path / "l.sqlite") as run:
+        for step in range(3):
+            name = "first_step" if step == 0 else "steady_step"
+            with run.stage(name, inputs={"micro_batch_size": 32}, track=[model, opt]) as st:
+                loss = model(batch).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                st.check_finite(loss=loss)
+            row = st.row
+            assert row["verdict"] == "pass" and row["seconds"] > 0
+            assert row["memory"]["peak_allocated_bytes"] >= sum(p.numel() * 4 for p in model.parameters())
+            assert row["inputs"]["micro_batch_size"] == 32
+    with Ledger(tmp_path / "l.sqlite") as led:
+        (r,) = led.runs()
+        assert r["name"] == "my-job" and r["kind"] == "stage" and r["status"] == "pass"
+        rows = led.gate_rows(r["run_id"])
+        assert [x["gate"] for x in rows] == ["first_step", "steady_step", "steady_step"]
+        # The first update allocates AdamW state; later ones hold it during the whole step.
+        assert rows[1]["memory"]["state_bytes_before"]["optimizer_state"] > 0
+        assert rows[0]["memory"]["state_bytes_before"]["optimizer_state"] == 0
+
+
+def test_exception_writes_a_fail_row_and_is_reraised(tmp_path):
+    with pilotrun.session("oops", ledger=tmp_path / "l.sqlite") as run:
+        with pytest.raises(ValueError, match="bad shape"):
+            with run.stage("eval", inputs={"seq_len": 4096}) as st:
+                raise ValueError("bad shape")
+        assert st.row["verdict"] == "fail" and "ValueError: bad shape" in st.row["reason"]
+        with run.stage("eval") as st2:
+            st2.check_finite(loss=float("nan"))
+        assert st2.row["verdict"] == "fail" and "loss is nan" in st2.row["reason"]
+    with Ledger(tmp_path / "l.sqlite") as led:
+        assert led.runs()[0]["status"] == "fail"
+
+
+def test_module_level_stage_in_a_script(tmp_path):
+    script = textwrap.dedent("""
+        import torch, pilotrun
+        m = torch.nn.Linear(8, 8)
+        with pilotrun.stage("load", track=[m]):
+            pass
+        with pilotrun.stage("first_step", inputs={"micro_batch_size": 2}, track=[m]):
+            m(torch.randn(2, 8)).sum().backward()
+    """)
+    (tmp_path / "train.py").write_text(script)
+    res = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    with Ledger(tmp_path / "runs" / "ledger.sqlite") as led:
+        (r,) = led.runs()
+        assert r["name"] == "train" and r["status"] == "pass" and r["ended_at"]
+        assert [x["gate"] for x in led.gate_rows(r["run_id"])] == ["load", "first_step"]

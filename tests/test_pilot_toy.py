@@ -1,0 +1,131 @@
+"""The pilot on a user's own factories (no transformers): rows, verdicts, skips and reasons."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pilotrun.config import load_spec
+from pilotrun.ledger import Ledger
+from pilotrun.pilot import PilotOptions, run_pilot
+
+from .conftest import copy_fixture
+
+GATES = ["lock", "load", "first_step", "steady_step", "eval", "save", "export"]
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    return copy_fixture("toy", tmp_path)
+
+
+def run(spec_path, tmp_path, overrides=(), gates=None):
+    spec = load_spec(spec_path, list(overrides))
+    opts = PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "ledger.sqlite", gates=gates)
+    return run_pilot(spec, opts)
+
+
+def by_gate(result):
+    return {r["gate"]: r for r in result.rows}
+
+
+def test_correct_setup_passes_every_gate(toy, tmp_path):
+    result = run(toy, tmp_path)
+    rows = by_gate(result)
+    assert list(rows) == GATES
+    assert {g: r["verdict"] for g, r in rows.items()} == {g: "pass" for g in GATES}, [r["reason"] for r in result.rows]
+    assert result.exit_code == 0 and result.status == "pass"
+    for gate in GATES[1:]:
+        mem = rows[gate]["memory"]
+        assert rows[gate]["seconds"] > 0
+        assert mem["peak_allocated_bytes"] > 0, gate
+        assert mem["host_rss_peak_bytes"] > 0
+        assert mem["peak_reserved_bytes"] is None and "no caching-allocator" in mem["not_measured"]["peak_reserved_bytes"]
+    # AdamW state is allocated by the first update: it is live (and counted) from then on.
+    assert rows["first_step"]["details"]["optimizer_state_bytes"] > 0
+    assert rows["steady_step"]["memory"]["peak_allocated_bytes"] >= rows["first_step"]["memory"]["state_bytes_after"]["optimizer_state"]
+    assert rows["first_step"]["inputs"]["examples_per_update"] == 8  # 4 x 2 accumulation
+    assert rows["steady_step"]["details"]["seconds_per_update"] > 0
+    assert len(rows["steady_step"]["details"]["timed_updates"]) == 2  # pilot.updates 4 = 1 first + 1 tracked + 2 timed
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [g["gate"] for g in report["gates"]] == GATES
+    assert set(report["gates"][0]) >= {"gate", "verdict", "reason", "inputs", "memory", "seconds"}
+
+
+def test_rows_survive_in_the_ledger(toy, tmp_path):
+    result = run(toy, tmp_path)
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        stored = led.gate_rows(result.run_id)
+        assert [r["gate"] for r in stored] == GATES
+        assert led.run(result.run_id)["status"] == "pass"
+        metrics = led.metrics(result.run_id)
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+        assert all(len(m["sample_ids"]) == 8 for m in metrics)
+        assert all(m["loss"] is not None and m["lr"] > 0 for m in metrics)
+
+
+def test_lock_reports_drift_field_by_field(toy, tmp_path):
+    run(toy, tmp_path)
+    same = by_gate(run(toy, tmp_path))["lock"]
+    assert same["verdict"] == "pass" and "no drift" in same["reason"]
+    changed = by_gate(run(toy, tmp_path, ["train.optimizer.lr=0.02"]))["lock"]
+    assert changed["verdict"] == "warn"
+    fields = {d["field"] for d in changed["details"]["drift"]}
+    assert "config.train.optimizer.lr" in fields and "config_hash" in fields
+    lock = json.loads((tmp_path / "out" / "lock.json").read_text())
+    assert lock["versions"]["torch"] and "torch" in lock["distributions"]
+    assert lock["model"]["source"] == "factory" and len(lock["model"]["source_sha256"]) == 64
+    assert lock["container"]["digest"] == "sha256:test"
+
+
+def test_inf_loss_fails_first_step_and_stops_dependents(toy, tmp_path):
+    result = run(toy, tmp_path, ["model.bug=inf_loss"])
+    rows = by_gate(result)
+    assert rows["first_step"]["verdict"] == "fail"
+    assert "loss is inf at update 1" in rows["first_step"]["reason"]
+    assert "ex" in rows["first_step"]["reason"]  # names the example ids
+    assert rows["steady_step"]["verdict"] == "skip" and "needs first_step, which failed" in rows["steady_step"]["reason"]
+    assert rows["save"]["verdict"] == "skip"
+    # eval needs only load, so it runs, and meets the same broken loss; export is unaffected.
+    assert rows["eval"]["verdict"] == "fail" and "eval loss is inf" in rows["eval"]["reason"]
+    assert rows["export"]["verdict"] == "pass"
+    assert result.exit_code == 1
+
+
+def test_out_of_memory_names_stage_and_input(toy, tmp_path):
+    rows = by_gate(run(toy, tmp_path, ["model.bug=eval_oom"]))
+    assert rows["eval"]["verdict"] == "fail"
+    reason = rows["eval"]["reason"]
+    assert reason.startswith("eval at length") and "batch 8" in reason and "out of" in reason
+    assert rows["save"]["verdict"] == "pass"
+
+
+def test_contract_violations_fail_load_with_the_contract(toy, tmp_path):
+    rows = by_gate(run(toy, tmp_path, ["data.bug=not_a_mapping"]))
+    assert rows["load"]["verdict"] == "fail"
+    assert "returned list; expected a mapping with 'train', 'val' and 'collate'" in rows["load"]["reason"]
+    assert all(rows[g]["verdict"] == "skip" for g in GATES[2:])
+    rows = by_gate(run(toy, tmp_path, ["model.bug=not_a_module"]))
+    assert "expected a torch.nn.Module" in rows["load"]["reason"]
+    rows = by_gate(run(toy, tmp_path, ["model.bug=no_loss"]))
+    assert rows["first_step"]["verdict"] == "fail" and "without a loss" in rows["first_step"]["reason"]
+
+
+def test_all_split_by_group(toy, tmp_path):
+    rows = by_gate(run(toy, tmp_path, ["data.split=all", "data.val_fraction=0.25"]))
+    assert rows["load"]["verdict"] == "pass"
+    sizes = rows["load"]["details"]["data_sizes"]
+    assert sizes["train"] + sizes["val"] == 96 and sizes["val"] > 0
+
+
+def test_gate_selection_adds_prerequisites(toy, tmp_path):
+    result = run(toy, tmp_path, gates=["save"])
+    assert [r["gate"] for r in result.rows] == ["load", "first_step", "save"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_cpu(toy, tmp_path, precision):
+    rows = by_gate(run(toy, tmp_path, [f"train.precision={precision}"]))
+    assert rows["steady_step"]["verdict"] in ("pass", "warn"), rows["steady_step"]["reason"]
+    assert rows["first_step"]["inputs"]["precision"] == precision
