@@ -109,6 +109,10 @@ def write_report(result: PilotResult, spec: Spec, extra: dict | None = None) -> 
     return path
 
 
+def _short(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _skip_row(gate, reason: str, inputs: dict) -> dict:
     t = now()
     return {"gate": gate.name, "verdict": "skip", "reason": reason, "inputs": inputs, "memory": {}, "seconds": None,
@@ -132,6 +136,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                        ledger=ledger, container_digest=options.container_digest, progress=observer.on_progress)
     observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [f"device: {device_reason}"])
     verdicts: dict[str, tuple[str, str]] = {}
+    root_causes: dict[str, tuple[str, str]] = {}  # skipped gate -> the failed gate behind it
     hf_logger = logging.getLogger("transformers")
     old_level = hf_logger.level
     hf_logger.setLevel(logging.ERROR)
@@ -142,8 +147,10 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
             blockers = [d for d in gate.depends_on if verdicts.get(d, ("skip", ""))[0] in ("fail", "skip")]
             if blockers:
                 dep = blockers[0]
-                row = _skip_row(gate, f"skipped: needs {dep}, which {'failed' if verdicts[dep][0] == 'fail' else 'was skipped'}"
-                                f" ({verdicts[dep][1][:120]})", gate.describe_inputs(ctx))
+                root, root_reason = root_causes.get(dep, (dep, verdicts[dep][1]))
+                via = f"needs {dep}, skipped because " if root != dep else ""
+                row = _skip_row(gate, f"skipped: {via}{root} failed ({_short(root_reason)})", gate.describe_inputs(ctx))
+                root_causes[gate.name] = (root, root_reason)
             else:
                 observer.on_gate_start(gate.name)
                 row = _run_gate(gate, ctx)
@@ -192,11 +199,11 @@ def _run_gate(gate, ctx: PilotContext) -> dict:
         with StageMeter(ctx.device, track=gate.track(ctx), tensor_tracking=gate.tensor_tracking) as meter:
             try:
                 outcome = gate.run(ctx, meter)
-            except Exception as exc:  # a gate failure is a row, never a crash
+            except (Exception, SystemExit) as exc:  # a gate failure is a row, never a crash (sys.exit in user code too)
                 inputs = gate.failure_inputs(ctx)
                 if isinstance(exc, GateFailure):
                     inputs.update(exc.inputs)
-                outcome = Outcome("fail", failure_reason(gate.name, exc, ctx, inputs), inputs,
+                outcome = Outcome("fail", failure_reason(gate, exc, ctx, inputs), inputs,
                                   getattr(exc, "details", {}) or {})
                 tb_path = ctx.out_dir / f"{gate.name}.traceback.txt"
                 tb_path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))

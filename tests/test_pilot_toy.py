@@ -85,7 +85,7 @@ def test_inf_loss_fails_first_step_and_stops_dependents(toy, tmp_path):
     assert rows["first_step"]["verdict"] == "fail"
     assert "loss is inf at update 1" in rows["first_step"]["reason"]
     assert "ex" in rows["first_step"]["reason"]  # names the example ids
-    assert rows["steady_step"]["verdict"] == "skip" and "needs first_step, which failed" in rows["steady_step"]["reason"]
+    assert rows["steady_step"]["verdict"] == "skip" and rows["steady_step"]["reason"].startswith("skipped: first_step failed (")
     assert rows["save"]["verdict"] == "skip"
     # eval needs only load, so it runs, and meets the same broken loss; export is unaffected.
     assert rows["eval"]["verdict"] == "fail" and "eval loss is inf" in rows["eval"]["reason"]
@@ -106,6 +106,8 @@ def test_contract_violations_fail_load_with_the_contract(toy, tmp_path):
     assert rows["load"]["verdict"] == "fail"
     assert "returned list; expected a mapping with 'train', 'val' and 'collate'" in rows["load"]["reason"]
     assert all(rows[g]["verdict"] == "skip" for g in GATES[2:])
+    # A gate skipped behind a skipped gate names the root cause, once.
+    assert rows["steady_step"]["reason"].startswith("skipped: needs first_step, skipped because load failed (")
     rows = by_gate(run(toy, tmp_path, ["model.bug=not_a_module"]))
     assert "expected a torch.nn.Module" in rows["load"]["reason"]
     rows = by_gate(run(toy, tmp_path, ["model.bug=no_loss"]))
@@ -129,3 +131,27 @@ def test_mixed_precision_on_cpu(toy, tmp_path, precision):
     rows = by_gate(run(toy, tmp_path, [f"train.precision={precision}"]))
     assert rows["steady_step"]["verdict"] in ("pass", "warn"), rows["steady_step"]["reason"]
     assert rows["first_step"]["inputs"]["precision"] == precision
+
+
+def test_factory_gets_the_mapping_as_written(toy, tmp_path):
+    # toy.build_model passes every key but "factory" to the constructor: an added default would break it.
+    rows = by_gate(run(toy, tmp_path))
+    assert rows["load"]["verdict"] == "pass"
+    rows = by_gate(run(toy, tmp_path, ["model.bug=class_not_instance"]))
+    assert "returned the class BagClassifier, not an instance" in rows["load"]["reason"]
+
+
+def test_sys_exit_in_a_factory_is_a_failed_gate(toy, tmp_path):
+    result = run(toy, tmp_path, ["data.bug=exit"])
+    rows = by_gate(result)
+    assert rows["load"]["verdict"] == "fail" and "called sys.exit(0)" in rows["load"]["reason"]
+    assert "toy.py" in rows["load"]["reason"] and result.exit_code == 1
+
+
+def test_collate_without_labels_or_supervision_fails_first_step(toy, tmp_path):
+    rows = by_gate(run(toy, tmp_path, ["data.bug=label_key"]))
+    assert rows["first_step"]["verdict"] == "fail"
+    assert "returned no 'labels' (got ['attention_mask', 'input_ids', 'label'])" in rows["first_step"]["reason"]
+    rows = by_gate(run(toy, tmp_path, ["data.bug=all_masked"]))
+    assert rows["first_step"]["verdict"] == "fail"
+    assert "no supervised labels" in rows["first_step"]["reason"]

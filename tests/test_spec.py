@@ -184,3 +184,18 @@ def test_every_field_is_documented():
     undocumented = [r[0] for r in rows if not r[3]]
     assert "source" not in names
     assert not undocumented, undocumented
+
+
+def test_module_shadowed_by_the_standard_library_is_explained(toy_dir):
+    import json  # noqa: F401  (already imported, as in any real process)
+
+    (toy_dir / "json.py").write_text("def build(cfg):\n    return None\n")
+    msg = problems_for(toy_dir, with_change("model.factory", "json:build"))["model.factory"]
+    assert "'json' resolved to" in msg and "rename your file" in msg
+
+
+def test_override_errors_say_they_came_from_set(toy_dir):
+    path = write_spec(toy_dir / "s.yaml", VALID)
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["train.precision=fp8"])
+    assert "(value from --set)" in dict(info.value.problems)["train.precision"]

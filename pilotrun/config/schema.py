@@ -166,7 +166,8 @@ def _build(cls: type, data: Any, path: str, problems: list) -> Any:
             if extras_ok:
                 extras[key] = value
                 continue
-            close = difflib.get_close_matches(key, [k for k in fields if k != "extra"], n=1)
+            known = [k for k in fields if k != "extra"]
+            close = difflib.get_close_matches(key, known, n=1) or [k for k in known if key.startswith(k) or k.startswith(key)][:1]
             hint = f"; did you mean {close[0]!r}?" if close else ""
             allowed = ", ".join(k for k in fields if k != "extra")
             problems.append((sub, f"unknown key{hint} (allowed here: {allowed})"))

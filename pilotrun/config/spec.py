@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -195,6 +196,7 @@ class Spec:
 
     # Set by load_spec, not by the user.
     source: str = field(default="", init=False, metadata={"internal": True})
+    written: dict = field(default_factory=dict, init=False, metadata={"internal": True})  # the YAML as written (+ --set)
 
     def check(self):
         if not NAME_RE.match(self.name):
@@ -223,6 +225,7 @@ class Spec:
         """The config with every default filled in, as plain JSON types, for hashing and the lock."""
         out = asdict(self)
         out.pop("source", None)
+        out.pop("written", None)
         for section in ("model", "data"):
             extra = out[section].pop("extra", {}) or {}
             out[section].update(extra)
@@ -233,11 +236,12 @@ class Spec:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def model_mapping(self) -> dict:
-        """What model.factory is called with: the spec's model mapping as written."""
-        return {k: v for k, v in self.canonical()["model"].items()}
+        """What model.factory is called with: the spec's model mapping as the user wrote it (no defaults added)."""
+        return copy.deepcopy(self.written.get("model") or {})
 
     def data_mapping(self) -> dict:
-        return {k: v for k, v in self.canonical()["data"].items()}
+        """What data.factory is called with: the spec's data mapping as written."""
+        return copy.deepcopy(self.written.get("data") or {})
 
 
 def resolve_package_path(path: str) -> Path:
@@ -253,11 +257,35 @@ def _looks_local(value: str) -> bool:
     return value.startswith(("pkg:", ".", "/", "~")) or not HUB_ID_RE.match(value)
 
 
+class ShadowedModule(ImportError):
+    """A module beside the spec has the name of a module Python already imported from elsewhere."""
+
+
+_FACTORY_MODULES: dict[str, Path] = {}  # top-level module name -> spec folder it was imported from
+
+
 def _import_factory(target: str, folder: Path) -> Any:
     module_name, _, func_name = target.partition(":")
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+    top = module_name.split(".")[0]
+    previous = _FACTORY_MODULES.get(top)
+    if previous is not None and previous != folder:
+        # Another spec's module of the same name (campaigns, tests): import this folder's own.
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[name]
+        if str(previous) in sys.path:
+            sys.path.remove(str(previous))
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
     module = importlib.import_module(module_name)
+    local = [folder / f"{top}.py", folder / top / "__init__.py"]
+    top_file = getattr(sys.modules.get(top), "__file__", None) or "built-in"
+    if any(x.exists() for x in local) and (top_file == "built-in" or not Path(top_file).resolve().is_relative_to(folder.resolve())):
+        raise ShadowedModule(
+            f"{top!r} resolved to {top_file}, not to {next(x for x in local if x.exists())}: a module of that name was "
+            f"already imported (often the standard library); rename your file"
+        )
+    _FACTORY_MODULES[top] = folder
     obj = module
     for part in func_name.split("."):
         obj = getattr(obj, part)
@@ -308,11 +336,16 @@ def _check_files(spec: Spec) -> list[tuple[str, str]]:
             continue
         try:
             fn = _import_factory(target, spec.folder)
+        except ShadowedModule as exc:
+            problems.append((f"{section}.factory", str(exc)))
+            continue
         except ModuleNotFoundError as exc:
             problems.append((f"{section}.factory", f"cannot import {target!r}: {exc} (modules are imported from {spec.folder})"))
             continue
         except AttributeError:
-            problems.append((f"{section}.factory", f"{target!r}: the module has no attribute {target.partition(':')[2]!r}"))
+            mod = sys.modules.get(target.partition(":")[0])
+            where = f" ({getattr(mod, '__file__', None) or 'built-in'})" if mod is not None else ""
+            problems.append((f"{section}.factory", f"{target!r}: the module{where} has no attribute {target.partition(':')[2]!r}"))
             continue
         except Exception as exc:  # the user's module raised while importing
             problems.append((f"{section}.factory", f"importing {target!r} raised {type(exc).__name__}: {exc}"))
@@ -366,12 +399,28 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
         raise SpecError([("", f"{p} is empty; see examples/tiny-sft/pilot.yaml")], str(p))
     if not isinstance(raw, dict):
         raise SpecError([("", f"{p} must be a mapping of keys (name, model, data, train, ...)")], str(p))
+    overridden = []
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
-    spec = build(Spec, raw, str(p))
+        overridden.append(key)
+    try:
+        spec = build(Spec, raw, str(p))
+    except SpecError as exc:
+        raise SpecError(_mark_overrides(exc.problems, overridden), str(p)) from None
     spec.source = str(p.resolve())
+    spec.written = copy.deepcopy(raw)
     problems = _check_files(spec)
     if problems:
-        raise SpecError(problems, str(p))
+        raise SpecError(_mark_overrides(problems, overridden), str(p))
     return spec
+
+
+def _mark_overrides(problems: list[tuple[str, str]], overridden: list[str]) -> list[tuple[str, str]]:
+    """Say when the offending value came from --set rather than from the file."""
+    out = []
+    for f, m in problems:
+        if any(f == k or f.startswith(k + ".") or k.startswith(f + ".") for k in overridden if f):
+            m = f"{m} (value from --set)"
+        out.append((f, m))
+    return out

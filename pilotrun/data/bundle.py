@@ -130,8 +130,11 @@ def factory_data(spec: Spec) -> DataBundle:
         if len(ds) == 0:
             raise DataError(f"{where}: the {name!r} split is empty")
         first = ds[0]
-        if not isinstance(first, dict) or "id" not in first:
-            raise DataError(f"{where}: items of {name!r} must be dicts with an 'id' (got {type(first).__name__})")
+        if not isinstance(first, dict):
+            raise DataError(f"{where}: item 0 of {name!r} is a {type(first).__name__}; items must be dicts with an 'id'")
+        if "id" not in first:
+            raise DataError(f"{where}: item 0 of {name!r} has no 'id' (its keys: {sorted(first)[:10]}); every item needs "
+                            "a unique 'id' so updates can be traced to examples")
     return DataBundle(
         train=train,
         val=val,

@@ -51,6 +51,9 @@ class Gate:
     # "stage": the CPU tensor tracker runs for the whole gate; "manual": the gate
     # chooses the tracked block (so timed updates run without tracking overhead).
     tensor_tracking: ClassVar[str] = "stage"
+    # Whether a failure reason starts with the shape ("eval at length 4096, batch 8"): only
+    # where the shape is what the gate is about.
+    shape_in_reason: ClassVar[bool] = False
     progress_total: ClassVar[int | None] = None
 
     def track(self, ctx: "PilotContext") -> list:
@@ -79,19 +82,29 @@ def _user_frame(tb) -> str:
     return ""
 
 
-def failure_reason(gate: str, exc: BaseException, ctx: "PilotContext", inputs: dict) -> str:
+def failure_reason(gate: "Gate", exc: BaseException, ctx: "PilotContext", inputs: dict) -> str:
     """A one-line reason naming the stage and the input that caused the failure."""
     if isinstance(exc, GateFailure):
         return exc.reason
-    shape = ctx.shape_phrase(gate, inputs)
+    prefix = f"{gate.name} at {ctx.shape_phrase(gate.name, inputs)}: " if gate.shape_in_reason else ""
     if is_oom(exc):
-        return f"{gate} at {shape}: {oom_detail(ctx.device)}"
+        return f"{gate.name} at {ctx.shape_phrase(gate.name, inputs)}: {oom_detail(ctx.device)}"
     if isinstance(exc, NonFiniteError):
-        return f"{gate} at {shape}: {exc}"
+        return f"{prefix}{exc}"
+    if isinstance(exc, SystemExit):
+        return f"{prefix}the code called sys.exit({exc.code!r}){_user_frame(exc.__traceback__)}; raise an exception instead"
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if len(message) > 300:
         message = message[:297] + "..."
-    return f"{gate} at {shape}: {type(exc).__name__}: {message}{_user_frame(exc.__traceback__)}"
+    hint = next((h for k, h in HINTS if k in message), "")
+    return f"{prefix}{type(exc).__name__}: {message}{_user_frame(exc.__traceback__)}{hint}"
+
+
+HINTS = [
+    ("does not require grad", " — the loss is detached from the parameters (computed under no_grad, with .detach() or via .item()?)"),
+    ("unexpected keyword argument", " — forward(**batch) receives every key the collate returns"),
+    ("Target", " — a class index outside the model's output size?"),
+]
 
 
 def as_dict(obj: Any) -> Any:

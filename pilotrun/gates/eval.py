@@ -11,24 +11,18 @@ import math
 
 import torch
 
-from ..train.loop import _loss_of, autocast_for, to_device
+from ..train.loop import _loss_of, _seq_dim, autocast_for, to_device
 from .base import Gate, GateFailure, Outcome
 
 MAX_SCAN = 5000  # validation items scanned to find the longest ones
 
 
 def _item_length(item, collate) -> int:
+    """Sequence length of one item (0 for inputs without a sequence, e.g. images)."""
     ids = item.get("input_ids") if isinstance(item, dict) else None
-    if ids is not None:
+    if isinstance(ids, (list, tuple)) or (isinstance(ids, torch.Tensor) and ids.ndim == 1):
         return len(ids)
-    batch = collate([item])
-    dims = [t.shape[1] for t in batch.values() if isinstance(t, torch.Tensor) and t.ndim >= 2]
-    return max(dims) if dims else 0
-
-
-def _seq_len(batch) -> int:
-    dims = [t.shape[1] for t in batch.values() if isinstance(t, torch.Tensor) and t.ndim >= 2]
-    return max(dims) if dims else 0
+    return _seq_dim(collate([item]))
 
 
 def _metrics_of(out, batch) -> tuple[int, int]:
@@ -37,6 +31,8 @@ def _metrics_of(out, batch) -> tuple[int, int]:
     labels = batch.get("labels")
     if logits is None or labels is None:
         return 0, 0
+    if labels.is_floating_point():
+        return 0, 0  # regression: no accuracy
     if labels.ndim == 1 and logits.ndim == 2:
         return int((logits.argmax(-1) == labels).sum()), labels.numel()
     if labels.ndim == 2 and logits.ndim == 3 and logits.shape[:2] == labels.shape:
@@ -50,6 +46,7 @@ def _metrics_of(out, batch) -> tuple[int, int]:
 class EvalGate(Gate):
     name = "eval"
     depends_on = ("load",)
+    shape_in_reason = True
 
     def describe_inputs(self, ctx) -> dict:
         inputs = ctx.base_inputs()
@@ -73,7 +70,7 @@ class EvalGate(Gate):
         if data.pad_batch is not None and max_len:
             worst = data.pad_batch(worst, max_len)
             padded = True
-        worst_len = _seq_len(worst)
+        worst_len = _seq_dim(worst)
         inputs["seq_len"] = worst_len
         inputs["batch_size"] = len(worst_idx)
         inputs["padded_to_max_length"] = padded
@@ -114,14 +111,16 @@ class EvalGate(Gate):
         eval_loss = total_loss / max(n_examples, 1)
         accuracy = correct / counted if counted else None
         result = Outcome(inputs=inputs)
-        result.details = {"eval_loss": eval_loss, "accuracy": accuracy, "accuracy_of": "classes" if data.label_names else "next tokens",
+        kind = None if accuracy is None else ("next tokens" if data.task == "causal-lm" or worst.get("labels", torch.zeros(1)).ndim >= 2 else "classes")
+        result.details = {"eval_loss": eval_loss, "accuracy": accuracy, "accuracy_of": kind,
                           "batches": n_batches, "examples": n_examples, "val_examples": len(val),
                           "worst_case_ids": [str(val[i]["id"]) for i in worst_idx], "worst_case_loss": worst_loss,
                           "scanned_for_longest": scan}
         acc = f", accuracy {accuracy:.1%}" if accuracy is not None else ""
-        result.reason = (f"peak batch: {len(worst_idx)} x length {worst_len}; val loss {eval_loss:.4g}{acc} "
+        shape = f"{len(worst_idx)} x length {worst_len}" if worst_len else f"{len(worst_idx)} examples"
+        result.reason = (f"peak batch: {shape}; val loss {eval_loss:.4g}{acc} "
                          f"over {n_examples} examples in {n_batches} batches")
-        if max_len and worst_len < max_len:
+        if max_len and worst_len and worst_len < max_len:
             result.warn(f"the longest validation batch has length {worst_len} < eval.max_length {max_len}: memory at "
                         f"{max_len} was not measured (the collate is yours: pad it to {max_len}, or lower eval.max_length)")
         if scan < len(val):

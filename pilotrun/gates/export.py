@@ -25,6 +25,8 @@ class ExportGate(Gate):
         weights = {k: v for k, v in written.files.items() if k.endswith(".safetensors")}
         out = Outcome(inputs={"precision": spec.train.precision, "rank": ctx.rank, "world_size": ctx.world_size})
         out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes, "tensors": n_tensors}
+        trained = ctx.trainer.step if ctx.trainer is not None else 0
+        state = f"after {trained} update(s)" if trained else "as loaded (no update succeeded)"
         out.reason = (f"{n_tensors} tensors in {len(weights)} safetensors file(s), {human_bytes(written.total_bytes)} "
-                      f"in all, to {folder.name}/ with a sha256 manifest")
+                      f"in all, to {folder.name}/ with a sha256 manifest; the model {state}")
         return out

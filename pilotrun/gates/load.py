@@ -42,8 +42,13 @@ class LoadGate(Gate):
             "updates_per_epoch": ctx.trainer.plan.updates_per_epoch,
         }
         sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
+        per_update = spec.train.micro_batch_size * spec.train.grad_accum_steps
         out.reason = (
             f"{type(model).__name__}: {human_count(total)} parameters ({human_bytes(param_bytes)} {'/'.join(dtypes)}) "
             f"from {loaded.source.split(' (')[0]} on {ctx.device}; {sizes} examples"
         )
+        if len(data.train) < per_update:
+            out.warn(f"the train split has {len(data.train)} examples, fewer than one update window "
+                     f"({spec.train.micro_batch_size} x {spec.train.grad_accum_steps} = {per_update}): every update "
+                     "is a short window of the same examples")
         return out

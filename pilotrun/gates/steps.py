@@ -64,12 +64,20 @@ class FirstStepGate(Gate):
     name = "first_step"
     depends_on = ("load",)
     failure_inputs = _failure_inputs
+    shape_in_reason = True
 
     def run(self, ctx, meter) -> Outcome:
         trainer = ctx.trainer
         pad = worst_case_length(ctx)
         rec = trainer.update(pad_to=pad)
         _check_params(ctx, rec.step)
+        if rec.supervised == 0:
+            raise GateFailure(f"update 1 has no supervised labels (every label is -100 in {rec.examples} examples): "
+                              "nothing is learned; check how the collate masks labels",
+                              inputs=_inputs(ctx, rec, pad))
+        if rec.grad_norm == 0.0:
+            raise GateFailure("update 1 has a gradient norm of exactly 0: the loss does not reach the trainable "
+                              "parameters (frozen or detached?)", inputs=_inputs(ctx, rec, pad))
         ctx.records.setdefault("train", []).append(rec)
         opt_bytes = sum(
             v.numel() * v.element_size()
@@ -80,15 +88,14 @@ class FirstStepGate(Gate):
                        "loss_normalization": trainer.policy.reason, "sample_ids": rec.sample_ids,
                        "supervised_labels": rec.supervised, "tokens": rec.tokens}
         gn = f"{rec.grad_norm:.3g}" if rec.grad_norm is not None else "n/a"
-        out.reason = (f"update 1 at length {rec.seq_len}, {rec.examples} examples: loss {rec.loss:.4g}, grad norm {gn}, "
+        at = f"at length {rec.seq_len}, " if rec.seq_len else ""
+        out.reason = (f"update 1 {at}{rec.examples} examples: loss {rec.loss:.4g}, grad norm {gn}, "
                       f"lr {rec.lr:.3g}; optimizer state {human_bytes(opt_bytes)} allocated")
         if rec.scaler_skipped:
             out.warn("the fp16 grad scaler skipped update 1 (inf/NaN gradients at the initial scale): optimizer state "
                      "was not allocated yet, so steady_step holds the first real peak")
         elif opt_bytes == 0 and trainer.spec.train.optimizer.name == "adamw":
             out.warn("AdamW allocated no state on the first update (no gradients reached the parameters?)")
-        if rec.supervised == 0 and rec.tokens:
-            out.warn("the first update had no supervised labels (all -100): its loss teaches nothing")
         return out
 
 
@@ -97,6 +104,7 @@ class SteadyStepGate(Gate):
     depends_on = ("first_step",)
     tensor_tracking = "manual"
     failure_inputs = _failure_inputs
+    shape_in_reason = True
 
     def run(self, ctx, meter) -> Outcome:
         trainer = ctx.trainer
@@ -135,9 +143,13 @@ class SteadyStepGate(Gate):
         }
         if len(records) == 1:
             out.details["note"] = "one steady update: its time includes tensor-tracking overhead"
+        tokens = f"{tokens_s:.0f} tokens/s, " if tokens_s else ""
+        at = f" at length {records[0].seq_len}" if records[0].seq_len else ""
         out.reason = (f"{human_seconds(mean_s)}/update over {len(timed)} update(s), {examples_s:.1f} examples/s, "
-                      f"{tokens_s:.0f} tokens/s, {wait_share:.0%} waiting on data; memory from update "
-                      f"{records[0].step} at length {records[0].seq_len}")
+                      f"{tokens}{wait_share:.0%} waiting on data; memory from update {records[0].step}{at}")
+        empty = [r.step for r in records if r.supervised == 0]
+        if empty:
+            out.warn(f"update(s) {empty} had no supervised labels (all -100): they teach nothing")
         wait_per_update = out.details["data_wait_seconds_per_update"]
         if wait_share > DATA_WAIT_WARN and wait_per_update > DATA_WAIT_FLOOR_S:
             out.warn(f"{wait_share:.0%} of update time is spent waiting on data: raise data.num_workers or "

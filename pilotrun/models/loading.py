@@ -87,6 +87,9 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
     if spec.model.factory is not None:
         fn = import_factory(spec.model.factory, spec.folder)
         model = fn(spec.model_mapping())
+        if isinstance(model, type) and issubclass(model, torch.nn.Module):
+            raise ModelError(f"model.factory {spec.model.factory!r} returned the class {model.__name__}, not an "
+                             "instance: call it and return the module")
         if not isinstance(model, torch.nn.Module):
             raise ModelError(
                 f"model.factory {spec.model.factory!r} returned {type(model).__name__}; expected a torch.nn.Module"

@@ -29,10 +29,14 @@ IGNORE = -100
 class NonFiniteError(RuntimeError):
     """A loss, gradient norm or parameter is inf/NaN; the message names the update and the example ids."""
 
-    def __init__(self, what: str, step: int, value: float, ids: list[str]) -> None:
+    def __init__(self, what: str, step: int, value: float, ids: list[str], hint: str = "") -> None:
         self.what, self.step, self.value, self.ids = what, step, value, ids
         shown = ", ".join(ids[:8]) + (f" (+{len(ids) - 8} more)" if len(ids) > 8 else "")
-        super().__init__(f"{what} is {value} at update {step}; examples in that update: {shown}")
+        super().__init__(f"{what} is {value} at update {step}{hint}; examples in that update: {shown}")
+
+
+class ContractError(TypeError):
+    """User code does not follow the SPEC factory contract; the message says which part."""
 
 
 @dataclass
@@ -224,6 +228,10 @@ class Trainer:
         window = []
         for _ in range(n_micro):
             ids, batch = next(it)
+            if not isinstance(batch, dict) or "labels" not in batch:
+                keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+                raise ContractError(f"the collate returned no 'labels' (got {keys}); the contract needs a dict of "
+                                    "tensors including 'labels'")
             if pad_to is not None and self.pad_batch is not None:
                 batch = self.pad_batch(batch, pad_to)
             window.append((ids, batch))
@@ -245,8 +253,7 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         tokens = supervised = examples = seq_len = 0
         for ids, batch in window:
-            if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim >= 2:
-                seq_len = max(seq_len, int(batch["input_ids"].shape[-1]))
+            seq_len = max(seq_len, _seq_dim(batch))
             batch = to_device(batch, self.device)
             kwargs = {}
             if self.policy.pass_num_items:
@@ -264,15 +271,17 @@ class Trainer:
                 loss.backward()
             total += loss.detach()
             examples += len(ids)
-            mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-            if mask is not None:
+            # Tokens are real tokens (the attention mask), else input_ids positions; images have none.
+            mask = batch.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.ndim >= 2:
                 tokens += int(mask.sum())
-            elif isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+            elif isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim >= 2:
                 tokens += batch["input_ids"].numel()
             supervised += self._count_items(batch)
         loss_value = float(total)
         if not math.isfinite(loss_value):
-            raise NonFiniteError("loss", step, loss_value, ids_all)
+            hint = " (the window has no supervised labels: every label is -100, so its mean is 0/0)" if supervised == 0 else ""
+            raise NonFiniteError("loss", step, loss_value, ids_all, hint)
 
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
