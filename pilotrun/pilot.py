@@ -145,7 +145,11 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
         for gate_cls in gates:
             gate = gate_cls()
             blockers = [d for d in gate.depends_on if verdicts.get(d, ("skip", ""))[0] in ("fail", "skip")]
-            if blockers:
+            if not blockers and gate.needs_data and ctx.data_error is not None:
+                first = next((r["gate"] for r in result.rows if r["verdict"] == "fail"), "an earlier gate")
+                row = _skip_row(gate, f"skipped: the data could not be built in {first} ({_short(ctx.data_error)})",
+                                gate.describe_inputs(ctx))
+            elif blockers:
                 dep = blockers[0]
                 root, root_reason = root_causes.get(dep, (dep, verdicts[dep][1]))
                 via = f"needs {dep}, skipped because " if root != dep else ""
@@ -154,6 +158,9 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
             else:
                 observer.on_gate_start(gate.name)
                 row = _run_gate(gate, ctx)
+            if row["verdict"] == "skip" and gate.name not in root_causes and not blockers:
+                fail = next((r for r in result.rows if r["verdict"] == "fail"), None)
+                root_causes[gate.name] = (fail["gate"], fail["reason"]) if fail else ("data", ctx.data_error or "")
             row["rank"], row["world_size"] = ctx.rank, ctx.world_size
             row = as_dict(row)
             metrics = row.pop("_metrics", [])

@@ -67,7 +67,8 @@ def test_tiny_sft_demo_passes_every_gate(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
     gates = {g["gate"]: g for g in report["gates"]}
-    assert list(gates) == ["lock", "load", "first_step", "steady_step", "eval", "save", "export"]
+    assert list(gates) == ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step",
+                           "accum_equivalence", "eval", "save", "export", "overfit"]
     assert all(g["verdict"] == "pass" for g in gates.values()), [(g["gate"], g["reason"]) for g in report["gates"]]
     for name in ("load", "first_step", "steady_step", "eval", "save", "export"):
         assert gates[name]["memory"]["peak_allocated_bytes"] > 0 and gates[name]["seconds"] > 0
@@ -80,10 +81,10 @@ def test_tiny_sft_demo_passes_every_gate(tmp_path):
     assert (export / "model.safetensors").exists() and (export / "config.json").exists()
     assert (export / "tokenizer.json").exists() and (export / "manifest.json").exists()
     with sqlite3.connect(ledger) as conn:
-        assert conn.execute("SELECT COUNT(*) FROM gate_rows").fetchone()[0] == 7
+        assert conn.execute("SELECT COUNT(*) FROM gate_rows").fetchone()[0] == len(gates)
     # The ledger command reads it back.
     res = pilotrun_cli("ledger", "--ledger", str(ledger), "--run", report["run_id"], "--json", cwd=tmp_path)
-    assert res.returncode == 0 and len(json.loads(res.stdout)["gates"]) == 7
+    assert res.returncode == 0 and len(json.loads(res.stdout)["gates"]) == len(gates)
 
 
 def test_minilm_classification_on_real_weights(tmp_path):
@@ -100,3 +101,14 @@ def test_minilm_classification_on_real_weights(tmp_path):
     assert load["parameters"] > 20_000_000  # the real 22.7M-parameter MiniLM, not a random toy
     assert "does not use num_items_in_batch" in load["loss_normalization"]
     assert gates["eval"]["details"]["accuracy_of"] == "classes"
+
+
+def test_activation_checkpointing_and_bf16_on_the_demo(tmp_path):
+    spec = copy_example("tiny-sft", tmp_path)
+    res = pilotrun_cli("run", str(spec), "--gates", "steady_step", "--set", "train.activation_checkpointing=true",
+                       "--set", "train.precision=bf16", "--set", "pilot.updates=3",
+                       "--ledger", str(tmp_path / "l.sqlite"), "--out", str(tmp_path / "o"), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    gates = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}
+    assert "activation checkpointing on" in " ".join(gates["load"]["details"]["notes"])
+    assert gates["steady_step"]["inputs"]["precision"] == "bf16"

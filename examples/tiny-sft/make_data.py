@@ -44,12 +44,19 @@ def turn(rng: random.Random) -> tuple[str, str]:
 
 
 def conversations(n: int, seed: int = 7) -> list[dict]:
+    """No two conversations open with the same question: an identical prompt in train and val
+    would be leakage (the split gate warns about it)."""
     rng = random.Random(seed)
     rows = []
+    openings: set[str] = set()
     for c in range(n):
         history = ""
         for t in range(rng.randint(1, 3)):
             question, answer = turn(rng)
+            if t == 0:
+                while question in openings:
+                    question, answer = turn(rng)
+                openings.add(question)
             prompt = f"{history}User: {question}\nAssistant:"
             rows.append({"id": f"c{c:03d}-t{t}", "group": f"conv-{c:03d}", "prompt": prompt, "response": f" {answer}"})
             history = f"{prompt} {answer}\n"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from ..config.schema import SpecError
 from ..ledger.store import LedgerError
+from . import batch as batch_cmd
+from . import inspect as inspect_cmd
 from . import ledger as ledger_cmd
 from . import run as run_cmd
 from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError, err_console
@@ -19,12 +21,14 @@ from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError,
 EPILOG = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
   pilotrun run pilot.yaml --gates load,first_step,eval --set train.micro_batch_size=4
+  pilotrun inspect examples/tiny-sft/pilot.yaml -n 5
+  pilotrun batch --micro-batch 2 --grad-accum 8 --replicas 1 --examples 3200
   pilotrun ledger
   pilotrun ledger --run tiny-sft-2026 --json
 
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error, 130 interrupted"""
 
-COMMANDS = {"run": run_cmd, "ledger": ledger_cmd}
+COMMANDS = {"run": run_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "ledger": ledger_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,6 +1,8 @@
 """``pilotrun run SPEC``: run the gates, show them live, write the ledger and report.json."""
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 from ..config.schema import SpecError
@@ -37,6 +39,16 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    if args.json:
+        # stdout carries only the report: anything user code prints goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            code, report = _run(args)
+        print(report)
+        return code
+    return _run(args)[0]
+
+
+def _run(args) -> tuple[int, str | None]:
     spec = load_spec(args.spec, args.overrides)
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
     options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates, container_digest=args.container_digest)
@@ -56,6 +68,5 @@ def main(args) -> int:
         if observer.live is not None:
             observer.live.stop()
     observer.finish(result.status, result.out_dir, result.ledger_path)
-    if args.json:
-        print((result.out_dir / "report.json").read_text())
-    return result.exit_code
+    report = (result.out_dir / "report.json").read_text() if args.json else None
+    return result.exit_code, report

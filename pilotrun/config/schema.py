@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -114,14 +115,20 @@ def _convert(tp: Any, value: Any, path: str, problems: list) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 reads "1e-4" (no dot) as a string; accept it, it is what people write.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if math.isfinite(number):
+                return number
+            problems.append((path, f"expected a finite number, got {_describe(value)}"))
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -159,6 +166,7 @@ def _build(cls: type, data: Any, path: str, problems: list) -> Any:
     extras_ok = bool(allow_extra(data)) if callable(allow_extra) else bool(allow_extra)
     kwargs: dict[str, Any] = {}
     extras: dict[str, Any] = {}
+    problems_before = len(problems)
     for key, value in data.items():
         key = str(key)
         sub = f"{path}.{key}" if path else key
@@ -186,7 +194,8 @@ def _build(cls: type, data: Any, path: str, problems: list) -> Any:
         obj = cls(**{k: v for k, v in kwargs.items()})
     except TypeError:
         return None
-    if hasattr(obj, "check"):
+    # Cross-field checks compare values: run them only on fields that have the right types.
+    if hasattr(obj, "check") and len(problems) == problems_before:
         for sub, message in obj.check():
             problems.append((f"{path}.{sub}" if path and sub else (sub or path), message))
     return obj

@@ -69,7 +69,8 @@ class DataSpec:
     task: Literal["causal-lm", "seq-classification"] | None = doc("built-in task on JSONL data", None)
     path: str | dict[str, str] | None = doc("JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
     max_length: int | None = doc("tokens per training example after truncation (the length the long run uses)", None)
-    val_fraction: float = doc("share of groups held out for validation when data.path is one file", 0.1)
+    val_fraction: float = doc("share of groups held out for validation when the data is one file (or a factory's 'all')", 0.1)
+    test_fraction: float = doc("share of groups held out for test, the same way", 0.0)
     labels: list[str] | None = doc("class names in index order for seq-classification (default: sorted names found in the data)", None)
     num_workers: int = doc("DataLoader worker processes", 0)
     drop_last: bool = doc("drop an epoch's last partial micro batch", False)
@@ -100,6 +101,8 @@ class DataSpec:
             yield "max_length", f"must be at least 2, got {self.max_length}"
         if not 0.0 < self.val_fraction < 1.0:
             yield "val_fraction", f"must be between 0 and 1 (exclusive), got {self.val_fraction}"
+        if not 0.0 <= self.test_fraction < 1.0 or self.val_fraction + self.test_fraction >= 1.0:
+            yield "test_fraction", f"must be 0 or more and leave groups for training (val + test < 1), got {self.test_fraction}"
         if self.num_workers < 0:
             yield "num_workers", "must be 0 or more"
 
@@ -149,6 +152,9 @@ class TrainSpec:
     activation_checkpointing: bool = doc("recompute activations in backward (Hugging Face models)", False)
     device: str = doc("auto (first accelerator, else CPU), cpu, cuda, cuda:N or mps", "auto")
     shuffle: bool = doc("shuffle the training set each epoch (seeded)", True)
+    loss_normalization: Literal["auto", "per_micro_batch"] = doc(
+        "auto: token-exact accumulation via num_items_in_batch when the model accepts it; per_micro_batch: "
+        "declare on purpose that each micro batch's own mean is averaged (accum_equivalence then only reports)", "auto")
 
     def check(self):
         for name in ("micro_batch_size", "grad_accum_steps", "updates"):
@@ -175,9 +181,42 @@ class EvalSpec:
 
 
 @dataclass
+class InspectSpec:
+    examples: int = doc("examples shown by the inspect gate (and pilotrun inspect -n)", 3)
+    max_unsupervised_share: float = doc(
+        "fail when more than this share of training examples has no supervised label left after truncation "
+        "(any at all warns)", 0.05)
+
+    def check(self):
+        if self.examples < 0:
+            yield "examples", "must be 0 or more"
+        if not 0.0 <= self.max_unsupervised_share <= 1.0:
+            yield "max_unsupervised_share", "must be between 0 and 1"
+
+
+@dataclass
+class OverfitSpec:
+    examples: int = doc("training examples in the subset the model must learn", 8)
+    max_updates: int = doc("update budget; stops early once both thresholds are met", 200)
+    micro_batch_size: int = doc("examples per update, drawn in a new order each pass (not one fixed batch)", 4)
+    loss_below: float | None = doc("pass when the subset's loss falls below this (default: a tenth of its loss before training)", None)
+    accuracy_at_least: float = doc("pass when at least this share of the subset's own targets is predicted", 0.95)
+    check_every: int = doc("updates between checks of loss and accuracy", 10)
+
+    def check(self):
+        for name in ("examples", "max_updates", "micro_batch_size", "check_every"):
+            if getattr(self, name) < 1:
+                yield name, "must be at least 1"
+        if not 0.0 <= self.accuracy_at_least <= 1.0:
+            yield "accuracy_at_least", "must be between 0 and 1"
+
+
+@dataclass
 class PilotSpec:
     updates: int = doc("updates the pilot runs: the first (first_step) and the rest (steady_step)", 6)
     gates: list[str] | None = doc("gates to run (default: all, in order)", None)
+    inspect: InspectSpec = doc("the inspect gate", InspectSpec)
+    overfit: OverfitSpec = doc("the overfit gate", OverfitSpec)
 
     def check(self):
         if self.updates < 2:
@@ -347,6 +386,10 @@ def _check_files(spec: Spec) -> list[tuple[str, str]]:
             where = f" ({getattr(mod, '__file__', None) or 'built-in'})" if mod is not None else ""
             problems.append((f"{section}.factory", f"{target!r}: the module{where} has no attribute {target.partition(':')[2]!r}"))
             continue
+        except SystemExit as exc:  # the user's module exits while importing
+            problems.append((f"{section}.factory", f"importing {target!r} called sys.exit({exc.code!r}); a factory "
+                             "module must not exit when imported (raise an exception instead)"))
+            continue
         except Exception as exc:  # the user's module raised while importing
             problems.append((f"{section}.factory", f"importing {target!r} raised {type(exc).__name__}: {exc}"))
             continue
@@ -420,7 +463,7 @@ def _mark_overrides(problems: list[tuple[str, str]], overridden: list[str]) -> l
     """Say when the offending value came from --set rather than from the file."""
     out = []
     for f, m in problems:
-        if any(f == k or f.startswith(k + ".") or k.startswith(f + ".") for k in overridden if f):
+        if any(f == k or f.startswith((k + ".", k + "[")) or k.startswith(f + ".") for k in overridden if f):
             m = f"{m} (value from --set)"
         out.append((f, m))
     return out

@@ -42,8 +42,12 @@ class DataBundle:
         return out
 
 
+def held_out(spec: Spec) -> dict[str, float]:
+    return {"val": spec.data.val_fraction, "test": spec.data.test_fraction}
+
+
 def _split_rows(rows: list[dict], spec: Spec) -> dict[str, list[dict]]:
-    parts = split_by_group([r["group"] for r in rows], {"val": spec.data.val_fraction}, spec.seed)
+    parts = split_by_group([r["group"] for r in rows], held_out(spec), spec.seed)
     return {name: [rows[i] for i in idx] for name, idx in parts.items()}
 
 
@@ -52,7 +56,8 @@ def builtin_data(spec: Spec, tokenizer) -> DataBundle:
     required = ("id", "group", "prompt", "response") if task == "causal-lm" else ("id", "group", "text", "label")
     if isinstance(spec.data.path, str):
         rows_by_split = _split_rows(read_jsonl(spec.resolve(spec.data.path), required), spec)
-        note = f"split {spec.data.path} by group: val_fraction {spec.data.val_fraction}, seed {spec.seed}"
+        note = (f"split {spec.data.path} by group: val_fraction {spec.data.val_fraction}, "
+                f"test_fraction {spec.data.test_fraction}, seed {spec.seed}")
     else:
         rows_by_split = {k: read_jsonl(spec.resolve(v), required) for k, v in spec.data.path.items()}
         note = "splits given by data.path"
@@ -114,9 +119,15 @@ def factory_data(spec: Spec) -> DataBundle:
             if key not in item:
                 raise DataError(f"{where}: item {i} of 'all' has no field {key!r} (the group_key)")
             groups.append(item[key])
-        parts = split_by_group(groups, {"val": spec.data.val_fraction}, spec.seed)
+        try:
+            parts = split_by_group(groups, held_out(spec), spec.seed)
+        except TypeError as exc:
+            raise DataError(f"{where}: the group_key {key!r} values cannot be compared ({exc})") from None
         train, val = IndexedSubset(whole, parts["train"]), IndexedSubset(whole, parts["val"])
-        notes.append(f"split 'all' by {key!r}: val_fraction {spec.data.val_fraction}, seed {spec.seed}")
+        if "test" in parts:
+            out["test"] = IndexedSubset(whole, parts["test"])
+        notes.append(f"split 'all' by {key!r}: val_fraction {spec.data.val_fraction}, "
+                     f"test_fraction {spec.data.test_fraction}, seed {spec.seed}")
     else:
         for need in ("train", "val"):
             if need not in out:

@@ -10,6 +10,7 @@ name (string) or index (integer). Class names are kept and passed to the model a
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ class CausalLMDataset(torch.utils.data.Dataset):
                 "group": str(row["group"]),
                 "input_ids": input_ids[:max_length],
                 "labels": labels[:max_length],
+                "prompt_len": min(len(head) + len(prompt), max_length),
             })
 
     def __len__(self) -> int:
@@ -55,6 +57,10 @@ class CausalLMDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return self.items[i]
+
+    def fingerprint(self, i: int) -> str:
+        """The input (the prompt) for the identical-inputs audit, independent of truncation."""
+        return hashlib.sha1(str(self.rows[i]["prompt"]).encode()).hexdigest()
 
 
 class ClassificationDataset(torch.utils.data.Dataset):
@@ -72,6 +78,9 @@ class ClassificationDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return self.items[i]
+
+    def fingerprint(self, i: int) -> str:
+        return hashlib.sha1(str(self.rows[i]["text"]).encode()).hexdigest()
 
 
 class PadCollate:

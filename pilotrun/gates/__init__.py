@@ -1,13 +1,22 @@
 """The gates, one module each, in the order of SPEC §2."""
+from .accum import AccumEquivalenceGate
 from .base import Gate, GateFailure, Outcome
+from .batch import BatchGate
 from .eval import EvalGate
 from .export import ExportGate
+from .inspect import InspectGate
 from .load import LoadGate
 from .lock import LockGate
+from .overfit import OverfitGate
 from .save import SaveGate
+from .split import SplitGate
 from .steps import FirstStepGate, SteadyStepGate
 
-ALL_GATES: list[type[Gate]] = [LockGate, LoadGate, FirstStepGate, SteadyStepGate, EvalGate, SaveGate, ExportGate]
+# The order of SPEC §2.
+ALL_GATES: list[type[Gate]] = [
+    LockGate, InspectGate, SplitGate, BatchGate, LoadGate, FirstStepGate, SteadyStepGate, AccumEquivalenceGate,
+    EvalGate, SaveGate, ExportGate, OverfitGate,
+]
 GATE_NAMES = [g.name for g in ALL_GATES]
 BY_NAME = {g.name: g for g in ALL_GATES}
 

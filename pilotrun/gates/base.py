@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..measure.meter import StageMeter, is_oom, oom_detail
-from ..train.loop import NonFiniteError
+from ..train.loop import TrainingCheckError
 
 if TYPE_CHECKING:
     from .context import PilotContext
@@ -54,6 +54,8 @@ class Gate:
     # Whether a failure reason starts with the shape ("eval at length 4096, batch 8"): only
     # where the shape is what the gate is about.
     shape_in_reason: ClassVar[bool] = False
+    # Gates that read the datasets: skipped once building the data has failed in an earlier gate.
+    needs_data: ClassVar[bool] = False
     progress_total: ClassVar[int | None] = None
 
     def track(self, ctx: "PilotContext") -> list:
@@ -89,7 +91,7 @@ def failure_reason(gate: "Gate", exc: BaseException, ctx: "PilotContext", inputs
     prefix = f"{gate.name} at {ctx.shape_phrase(gate.name, inputs)}: " if gate.shape_in_reason else ""
     if is_oom(exc):
         return f"{gate.name} at {ctx.shape_phrase(gate.name, inputs)}: {oom_detail(ctx.device)}"
-    if isinstance(exc, NonFiniteError):
+    if isinstance(exc, TrainingCheckError):
         return f"{prefix}{exc}"
     if isinstance(exc, SystemExit):
         return f"{prefix}the code called sys.exit({exc.code!r}){_user_frame(exc.__traceback__)}; raise an exception instead"

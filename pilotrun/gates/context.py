@@ -39,17 +39,25 @@ class PilotContext:
     checkpoint_dir: Path | None = None
     export_dir: Path | None = None
     records: dict[str, list] = field(default_factory=dict)
+    data_error: str | None = None       # why the data could not be built (gates that need it are skipped)
+    scan: dict | None = None            # the inspect gate's counts over the training split
 
     @property
     def model(self) -> torch.nn.Module | None:
         return self.loaded.model if self.loaded is not None else None
 
     def ensure_data(self) -> DataBundle:
-        """Tokenizer and datasets, built once (built-in tasks need the tokenizer first)."""
+        """Tokenizer and datasets, built once (built-in tasks need the tokenizer first).
+
+        A failure is remembered: the gate that hit it fails, later gates that need data are skipped."""
         if self.data is None:
-            if self.spec.data.task is not None and self.tokenizer is None:
-                self.tokenizer = load_tokenizer(self.spec)
-            self.data = build_data(self.spec, self.tokenizer)
+            try:
+                if self.spec.data.task is not None and self.tokenizer is None:
+                    self.tokenizer = load_tokenizer(self.spec)
+                self.data = build_data(self.spec, self.tokenizer)
+            except (Exception, SystemExit) as exc:
+                self.data_error = f"{type(exc).__name__}: {exc}"
+                raise
         return self.data
 
     def tracked(self) -> list:

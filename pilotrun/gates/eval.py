@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from ..train.loop import _loss_of, _seq_dim, autocast_for, to_device
+from ..train.loop import _loss_of, _seq_dim, autocast_for, to_device, token_accuracy
+from .overfit import shift_convention
 from .base import Gate, GateFailure, Outcome
 
 MAX_SCAN = 5000  # validation items scanned to find the longest ones
@@ -25,7 +26,7 @@ def _item_length(item, collate) -> int:
     return _seq_dim(collate([item]))
 
 
-def _metrics_of(out, batch) -> tuple[int, int]:
+def _metrics_of(out, batch, shift: bool | None) -> tuple[int, int]:
     """(correct, counted) for accuracy: class accuracy, or next-token accuracy on supervised positions."""
     logits = getattr(out, "logits", None) if not isinstance(out, dict) else out.get("logits")
     labels = batch.get("labels")
@@ -36,10 +37,8 @@ def _metrics_of(out, batch) -> tuple[int, int]:
     if labels.ndim == 1 and logits.ndim == 2:
         return int((logits.argmax(-1) == labels).sum()), labels.numel()
     if labels.ndim == 2 and logits.ndim == 3 and logits.shape[:2] == labels.shape:
-        pred = logits[:, :-1].argmax(-1)
-        tgt = labels[:, 1:]
-        mask = tgt != -100
-        return int(((pred == tgt) & mask).sum()), int(mask.sum())
+        correct, counted, _ = token_accuracy(logits, labels, shift)
+        return correct, counted
     return 0, 0
 
 
@@ -66,12 +65,16 @@ class EvalGate(Gate):
         lengths = sorted(((_item_length(val[i], data.collate), i) for i in range(scan)), reverse=True)
         worst_idx = [i for _, i in lengths[:bs]]
         worst = data.collate([val[i] for i in worst_idx])
+        if not isinstance(worst, dict) or "labels" not in worst:
+            keys = sorted(worst) if isinstance(worst, dict) else type(worst).__name__
+            raise GateFailure(f"the collate returned no 'labels' for validation items (got {keys}); the contract "
+                              "needs a dict of tensors including 'labels'")
         padded = False
         if data.pad_batch is not None and max_len:
             worst = data.pad_batch(worst, max_len)
             padded = True
         worst_len = _seq_dim(worst)
-        inputs["seq_len"] = worst_len
+        inputs["seq_len"] = worst_len or None
         inputs["batch_size"] = len(worst_idx)
         inputs["padded_to_max_length"] = padded
         self.live_inputs = inputs
@@ -99,7 +102,7 @@ class EvalGate(Gate):
                         ids = [str(it["id"]) for it in items]
                         raise GateFailure(f"eval loss is {loss} on validation batch {n_batches + 1} (ids {', '.join(ids[:8])})",
                                           inputs=inputs)
-                    c, k = _metrics_of(out, batch)
+                    c, k = _metrics_of(out, batch, shift_convention(model, data))
                     correct, counted = correct + c, counted + k
                     total_loss += loss * len(items)
                     n_examples += len(items)

@@ -9,6 +9,7 @@ from .base import Gate, Outcome
 
 class LoadGate(Gate):
     name = "load"
+    needs_data = True
 
     def track(self, ctx):
         return []

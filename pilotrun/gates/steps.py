@@ -35,7 +35,7 @@ def worst_case_length(ctx) -> int | None:
 
 def _inputs(ctx, rec, padded: int | None) -> dict:
     inputs = ctx.base_inputs()
-    inputs["seq_len"] = rec.seq_len or inputs.get("seq_len")
+    inputs["seq_len"] = rec.seq_len or inputs.get("seq_len") or None  # None: inputs without a sequence
     inputs["examples_per_update"] = rec.examples
     inputs["padded_to_max_length"] = padded is not None
     return inputs
@@ -69,15 +69,8 @@ class FirstStepGate(Gate):
     def run(self, ctx, meter) -> Outcome:
         trainer = ctx.trainer
         pad = worst_case_length(ctx)
-        rec = trainer.update(pad_to=pad)
+        rec = trainer.update(pad_to=pad, strict=True)  # a window that teaches nothing is refused before the step
         _check_params(ctx, rec.step)
-        if rec.supervised == 0:
-            raise GateFailure(f"update 1 has no supervised labels (every label is -100 in {rec.examples} examples): "
-                              "nothing is learned; check how the collate masks labels",
-                              inputs=_inputs(ctx, rec, pad))
-        if rec.grad_norm == 0.0:
-            raise GateFailure("update 1 has a gradient norm of exactly 0: the loss does not reach the trainable "
-                              "parameters (frozen or detached?)", inputs=_inputs(ctx, rec, pad))
         ctx.records.setdefault("train", []).append(rec)
         opt_bytes = sum(
             v.numel() * v.element_size()
@@ -94,8 +87,6 @@ class FirstStepGate(Gate):
         if rec.scaler_skipped:
             out.warn("the fp16 grad scaler skipped update 1 (inf/NaN gradients at the initial scale): optimizer state "
                      "was not allocated yet, so steady_step holds the first real peak")
-        elif opt_bytes == 0 and trainer.spec.train.optimizer.name == "adamw":
-            out.warn("AdamW allocated no state on the first update (no gradients reached the parameters?)")
         return out
 
 

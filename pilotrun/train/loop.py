@@ -3,8 +3,9 @@
 Accumulation follows the SPEC contract: the whole update window is fetched first;
 when the model accepts ``num_items_in_batch`` it receives the number of supervised
 labels in the window and the micro-batch losses are summed; otherwise each
-micro-batch loss is divided by the number of micro batches actually in the window
-(a short last window is not scaled as if it were full). fp16 uses a grad scaler
+micro-batch loss (a mean over its own examples) is weighted by its share of the
+window's examples — 1/n for n equal micro batches, less for a short last one — so
+a short last window is a mean over its own examples, never scaled as if full. fp16 uses a grad scaler
 stepped once per update, on the real boundary.
 """
 from __future__ import annotations
@@ -26,7 +27,15 @@ from .sampler import DataPlan, PositionedBatchSampler
 IGNORE = -100
 
 
-class NonFiniteError(RuntimeError):
+class TrainingCheckError(RuntimeError):
+    """A check inside the loop refused an update before it was applied; the message is the reason."""
+
+
+class UpdateRejected(TrainingCheckError):
+    """The window teaches nothing (no supervised label, no gradient); the optimizer did not step."""
+
+
+class NonFiniteError(TrainingCheckError):
     """A loss, gradient norm or parameter is inf/NaN; the message names the update and the example ids."""
 
     def __init__(self, what: str, step: int, value: float, ids: list[str], hint: str = "") -> None:
@@ -46,8 +55,11 @@ class LossPolicy:
     reason: str
 
 
-def decide_loss_policy(model: torch.nn.Module) -> LossPolicy:
+def decide_loss_policy(model: torch.nn.Module, declared: str = "auto") -> LossPolicy:
     """Whether to pass ``num_items_in_batch`` (and how to count it), with the reason recorded."""
+    if declared == "per_micro_batch":
+        return LossPolicy(False, False, "train.loss_normalization is per_micro_batch (declared): each micro batch's "
+                          "own mean, weighted by its share of the window's examples; num_items_in_batch not passed")
     forward = getattr(model, "forward", None)
     try:
         params = inspect.signature(forward).parameters
@@ -62,18 +74,18 @@ def decide_loss_policy(model: torch.nn.Module) -> LossPolicy:
 
         loss_fn = LOSS_MAPPING.get(getattr(model, "loss_type", None))
         if accepts_attr is False:
-            return LossPolicy(False, False, "the model sets accepts_loss_kwargs = False: loss divided by micro batches in the window")
+            return LossPolicy(False, False, "the model sets accepts_loss_kwargs = False: each micro batch's loss weighted by its share of the window's examples")
         if loss_fn is ForCausalLMLoss and not getattr(model.config, "is_encoder_decoder", False):
             return LossPolicy(True, True, "Hugging Face causal-LM loss honours num_items_in_batch: supervised next-token labels (labels[:, 1:] != -100) in the window, losses summed")
         if loss_fn is ForMaskedLMLoss:
             return LossPolicy(True, False, "Hugging Face masked-LM loss honours num_items_in_batch: labels != -100 in the window, losses summed")
         if explicit:
             return LossPolicy(True, False, "forward declares num_items_in_batch: labels != -100 in the window, losses summed")
-        return LossPolicy(False, False, f"{type(model).__name__} computes a per-batch mean and does not use num_items_in_batch: loss divided by micro batches in the window")
+        return LossPolicy(False, False, f"{type(model).__name__} computes a per-batch mean and does not use num_items_in_batch: each micro batch's loss weighted by its share of the window's examples")
     if explicit or accepts_attr is True:
         why = "forward declares num_items_in_batch" if explicit else "the model sets accepts_loss_kwargs = True"
         return LossPolicy(True, False, f"{why}: labels != -100 in the window, losses summed")
-    return LossPolicy(False, False, "forward does not declare num_items_in_batch: loss divided by micro batches in the window")
+    return LossPolicy(False, False, "forward does not declare num_items_in_batch: each micro batch's loss weighted by its share of the window's examples")
 
 
 @dataclass
@@ -95,6 +107,59 @@ class UpdateRecord:
     extra: dict = field(default_factory=dict)
 
 
+def count_items(batch: dict, policy: LossPolicy) -> int:
+    """Supervised labels in a batch (labels != -100), next-token positions only for HF causal LMs."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if labels is None:
+        return 0
+    if policy.shift_labels and labels.ndim >= 2:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE).sum())
+
+
+def window_backward(model, window: list, policy: LossPolicy, device: torch.device, precision: str,
+                    scaler=None) -> dict:
+    """Forward and backward over one update window ``[(ids, batch), ...]``, normalised as the loop does.
+
+    This is the single place where accumulation is normalised: the training loop, the
+    accum_equivalence gate and the overfit gate all call it, so the gate tests the loop.
+    """
+    ids_all = [i for ids, _ in window for i in ids]
+    num_items = sum(count_items(b, policy) for _, b in window)
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = supervised = examples = seq_len = 0
+    for ids, batch in window:
+        seq_len = max(seq_len, _seq_dim(batch))
+        batch = to_device(batch, device)
+        kwargs = {}
+        if policy.pass_num_items:
+            kwargs["num_items_in_batch"] = torch.tensor(max(num_items, 1), device=device)
+        with autocast_for(device, precision):
+            out = model(**batch, **kwargs)
+        loss = _loss_of(out)
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
+        if not policy.pass_num_items:
+            # Each micro batch's mean weighted by its share of the window's examples: equal
+            # micro batches get 1/n_micro, a short last micro batch gets less.
+            loss = loss * (len(ids) / len(ids_all))
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        total += loss.detach()
+        examples += len(ids)
+        # Tokens are real tokens (the attention mask), else input_ids positions; images have none.
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim >= 2:
+            tokens += int(mask.sum())
+        elif isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim >= 2:
+            tokens += batch["input_ids"].numel()
+        supervised += count_items(batch, policy)
+    return {"loss": total, "tokens": tokens, "supervised": supervised, "examples": examples, "seq_len": seq_len,
+            "num_items": num_items}
+
+
 class _WithIds:
     """Collate wrapper that keeps the example ids next to the user's batch."""
 
@@ -102,7 +167,13 @@ class _WithIds:
         self.collate = collate
 
     def __call__(self, items):
-        return [str(it["id"]) for it in items], self.collate(items)
+        ids = []
+        for it in items:
+            if not isinstance(it, dict) or "id" not in it:
+                keys = sorted(it)[:10] if isinstance(it, dict) else type(it).__name__
+                raise ContractError(f"a training item has no 'id' (keys: {keys}); every item needs one")
+            ids.append(str(it["id"]))
+        return ids, self.collate(items)
 
 
 def _loss_of(out) -> torch.Tensor:
@@ -118,6 +189,21 @@ def _loss_of(out) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__} of shape {getattr(loss, 'shape', '?')}")
     return loss.reshape(())
+
+
+def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, shift: bool | None) -> tuple[int, int, bool]:
+    """(correct, counted, shifted) over supervised positions. ``shift=None`` when the model's convention
+    is unknown (a user's own LM): both alignments are scored and the better one is kept."""
+    def score(s: bool) -> tuple[int, int]:
+        pred = (logits[:, :-1] if s else logits).argmax(-1)
+        tgt = labels[:, 1:] if s else labels
+        mask = tgt != IGNORE
+        return int(((pred == tgt) & mask).sum()), int(mask.sum())
+
+    if shift is not None:
+        return (*score(shift), shift)
+    a, b = score(True), score(False)
+    return (*a, True) if a[0] >= b[0] else (*b, False)
 
 
 def _seq_dim(batch) -> int:
@@ -167,7 +253,7 @@ class Trainer:
         self.optimizer = build_optimizer(model, t.optimizer)
         self.scheduler = build_scheduler(self.optimizer, t.scheduler, t.updates)
         self.scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
-        self.policy = decide_loss_policy(model)
+        self.policy = decide_loss_policy(model, t.loss_normalization)
         self.plan = DataPlan(
             n_examples=len(train_set),
             micro_batch_size=t.micro_batch_size,
@@ -210,18 +296,11 @@ class Trainer:
         if shutdown is not None:
             shutdown()
 
-    def _count_items(self, batch: dict) -> int:
-        labels = batch.get("labels") if isinstance(batch, dict) else None
-        if labels is None:
-            return 0
-        if self.policy.shift_labels and labels.ndim >= 2:
-            labels = labels[..., 1:]
-        return int((labels != IGNORE).sum())
-
     # -- one update -----------------------------------------------------------
-    def update(self, pad_to: int | None = None) -> UpdateRecord:
+    def update(self, pad_to: int | None = None, strict: bool = False) -> UpdateRecord:
         """One optimizer update. ``pad_to`` right-pads every micro batch to that length (built-in
-        tasks only): the loss is unchanged, the memory is the long run's worst case."""
+        tasks only): the loss is unchanged, the memory is the long run's worst case. ``strict``
+        refuses, before the optimizer steps, a window with no supervised label or no gradient."""
         t0 = time.perf_counter()
         n_micro = self.plan.window_size(self.micro_index)
         it = self._loader_iter()
@@ -245,39 +324,12 @@ class Trainer:
         ids_all = [i for ids, _ in window for i in ids]
         self.last_window = {"step": step, "examples": len(ids_all), "ids": ids_all,
                             "seq_len": max((_seq_dim(b) for _, b in window), default=0)}
-        num_items = sum(self._count_items(b) for _, b in window)
         lr = float(self.scheduler.get_last_lr()[0])
-        model = self.model
-        model.train()
+        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)  # no-op unless an earlier update stopped half-way
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        tokens = supervised = examples = seq_len = 0
-        for ids, batch in window:
-            seq_len = max(seq_len, _seq_dim(batch))
-            batch = to_device(batch, self.device)
-            kwargs = {}
-            if self.policy.pass_num_items:
-                kwargs["num_items_in_batch"] = torch.tensor(max(num_items, 1), device=self.device)
-            with autocast_for(self.device, self.precision):
-                out = model(**batch, **kwargs)
-            loss = _loss_of(out)
-            if loss.dtype in (torch.float16, torch.bfloat16):
-                loss = loss.float()
-            if not self.policy.pass_num_items:
-                loss = loss / n_micro
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
-            total += loss.detach()
-            examples += len(ids)
-            # Tokens are real tokens (the attention mask), else input_ids positions; images have none.
-            mask = batch.get("attention_mask")
-            if isinstance(mask, torch.Tensor) and mask.ndim >= 2:
-                tokens += int(mask.sum())
-            elif isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].ndim >= 2:
-                tokens += batch["input_ids"].numel()
-            supervised += self._count_items(batch)
+        stats = window_backward(self.model, window, self.policy, self.device, self.precision, self.scaler)
+        total, tokens, supervised, examples = stats["loss"], stats["tokens"], stats["supervised"], stats["examples"]
+        seq_len = stats["seq_len"]
         loss_value = float(total)
         if not math.isfinite(loss_value):
             hint = " (the window has no supervised labels: every label is -100, so its mean is 0/0)" if supervised == 0 else ""
@@ -292,6 +344,20 @@ class Trainer:
             grad_norm = float(norm)
         else:
             grad_norm = None
+        if strict:
+            problem = None
+            if supervised == 0:
+                problem = (f"update {step} has no supervised labels (every label is -100 in {examples} examples): "
+                           "nothing is learned; check how the collate masks labels")
+            elif grad_norm is None:
+                problem = (f"no trainable parameter received a gradient in update {step}: the loss does not depend "
+                           "on the parameters (a constant, or computed under no_grad?)")
+            elif grad_norm == 0.0:
+                problem = (f"update {step} has a gradient norm of exactly 0: the loss does not reach the trainable "
+                           "parameters (frozen or detached?)")
+            if problem:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise UpdateRejected(problem)
         skipped = False
         if self.scaler is not None:
             scale_before = self.scaler.get_scale()

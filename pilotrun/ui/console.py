@@ -17,6 +17,10 @@ STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip"
 MARK = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–", "running": "…", "pending": "·"}
 
 
+# Gates whose memory is the job's own; accum_equivalence and overfit measure their private copies.
+JOB_MEMORY_GATES = ("load", "first_step", "steady_step", "eval", "save", "export", "restore", "resume")
+
+
 def peak_of(row: dict) -> int | None:
     mem = row.get("memory") or {}
     return mem.get("peak_allocated_bytes")
@@ -74,7 +78,7 @@ def headline(rows: list[dict], status: str) -> Text:
         if counts[v]:
             parts.append(f"{counts[v]} {'warned' if v == 'warn' else v + ('ed' if v == 'fail' else 'ped')}")
     text.append("  " + ", ".join(parts))
-    measured = [r for r in rows if peak_of(r)]
+    measured = [r for r in rows if peak_of(r) and r["gate"] in JOB_MEMORY_GATES]
     if measured:
         top = max(measured, key=peak_of)
         inp = top.get("inputs") or {}
@@ -139,7 +143,7 @@ class ConsoleObserver:
             self.task = None
         if self.live is None:
             v = row["verdict"]
-            self.console.print(Text.assemble((f"{MARK[v]} ", STYLE[v]), (f"{row['gate']:<12}", "bold"),
+            self.console.print(Text.assemble((f"{MARK[v]} ", STYLE[v]), (f"{row['gate']:<18}", "bold"),
                                              (f"{v:<5}", STYLE[v]), f" {human_seconds(row.get('seconds')):>8}  ",
                                              row.get("reason", "")))
         self._refresh()

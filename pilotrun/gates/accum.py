@@ -1,0 +1,142 @@
+"""``accum_equivalence``: an accumulated update window has the gradient of the same examples as one batch.
+
+Computed on a float64 copy of the model on CPU, in eval mode (dropout off, batch
+norm on running statistics, so the two computations see the same function), using
+the loop's own normalisation (``window_backward``). Checked on the first window and
+on the last, short window of an epoch when there is one. Fails for a loss averaged
+per micro batch over variable lengths (the model ignores ``num_items_in_batch``)
+unless ``train.loss_normalization: per_micro_batch`` declares it on purpose.
+"""
+from __future__ import annotations
+
+import copy
+
+import psutil
+import torch
+
+from ..train.loop import _loss_of, to_device, window_backward
+from .base import Gate, GateFailure, Outcome
+
+TOL_FLOAT64 = 1e-5  # relative gradient difference; real bugs give 1e-2 and more
+TOL_FLOAT32 = 1e-3
+
+
+def _windows(plan) -> list[tuple[str, list[list[int]]]]:
+    """Index lists of the first window and of epoch 0's last window when it is short."""
+    order = plan.order(0)
+    per_epoch = plan.micro_batches_per_epoch
+    first = [plan.micro_batch(0, i, order) for i in range(plan.window_size(0))]
+    out = [("first window", first)]
+    last_start = (plan.updates_per_epoch - 1) * plan.grad_accum_steps
+    last = [plan.micro_batch(0, i, order) for i in range(last_start, per_epoch)]
+    full = plan.grad_accum_steps * plan.micro_batch_size
+    if last_start > 0 and sum(len(b) for b in last) < full:
+        out.append(("last, short window", last))
+    return out
+
+
+def _grads(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                      for p in model.parameters() if p.requires_grad])
+
+
+def _float64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    clone = copy.deepcopy(model).to("cpu")
+    return clone.to(torch.float64)
+
+
+def _cast_inputs(batch: dict, dtype: torch.dtype) -> dict:
+    return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in batch.items()}
+
+
+def _one_batch(model, batch: dict, policy, device) -> float:
+    """The reference: the model's own loss on all the window's examples as one batch. Deliberately not
+    the loop's code, so a mis-normalising loop cannot agree with itself."""
+    batch = to_device(batch, device)
+    kwargs = {}
+    if policy.pass_num_items:
+        labels = batch["labels"][..., 1:] if policy.shift_labels and batch["labels"].ndim >= 2 else batch["labels"]
+        kwargs["num_items_in_batch"] = (labels != -100).sum().clamp(min=1)
+    loss = _loss_of(model(**batch, **kwargs))
+    loss.backward()
+    return float(loss.detach())
+
+
+class AccumEquivalenceGate(Gate):
+    name = "accum_equivalence"
+    depends_on = ("load",)
+
+    def track(self, ctx):
+        return [ctx.model] if ctx.model is not None else []
+
+    def run(self, ctx, meter) -> Outcome:
+        spec, trainer, data = ctx.spec, ctx.trainer, ctx.data
+        policy = trainer.policy
+        out = Outcome(inputs={**ctx.base_inputs(), "loss_normalization": spec.train.loss_normalization})
+        windows = _windows(trainer.plan)
+        if spec.train.grad_accum_steps == 1 and len(windows) == 1 and len(windows[0][1][0]) == spec.train.micro_batch_size:
+            out.reason = "grad_accum_steps is 1 and every micro batch is full: an update is one batch, nothing to compare"
+            return out
+        n_params = sum(p.numel() for p in ctx.model.parameters())
+        fits = n_params * 8 * 4 < psutil.virtual_memory().available * 0.5
+        if fits:
+            try:
+                model, device, dtype, tol = _float64_copy(ctx.model), torch.device("cpu"), torch.float64, TOL_FLOAT64
+            except (RuntimeError, TypeError):
+                fits = False
+        if not fits:
+            model, device, dtype, tol = copy.deepcopy(ctx.model), ctx.device, torch.float32, TOL_FLOAT32
+        model.eval()
+        results = []
+        try:
+            for label, micro in windows:
+                window = []
+                for idx in micro:
+                    items = [data.train[i] for i in idx]
+                    window.append(([str(it["id"]) for it in items], _cast_inputs(data.collate(items), dtype)))
+                model.zero_grad(set_to_none=True)
+                acc = window_backward(model, window, policy, device, "fp32")
+                g_acc = _grads(model)
+                model.zero_grad(set_to_none=True)
+                all_items = [data.train[i] for idx in micro for i in idx]
+                single = _one_batch(model, _cast_inputs(data.collate(all_items), dtype), policy, device)
+                g_one = _grads(model)
+                denom = float(g_one.norm()) or 1.0
+                rel = float((g_acc - g_one).norm()) / denom
+                loss_rel = abs(float(acc["loss"]) - single) / (abs(single) or 1.0)
+                results.append({"window": label, "micro_batches": len(micro), "examples": len(all_items),
+                                "relative_grad_difference": rel, "relative_loss_difference": loss_rel,
+                                "accumulated_loss": float(acc["loss"]), "one_batch_loss": single,
+                                "micro_batch_sizes": [len(b) for b in micro]})
+        except RuntimeError as exc:
+            if dtype == torch.float64 and "dtype" in str(exc).lower() or "Double" in str(exc):
+                raise GateFailure(f"the model does not run in float64 ({str(exc).splitlines()[0][:150]}); "
+                                  "accum_equivalence needs a float64 copy on CPU") from None
+            raise
+        finally:
+            del model
+        out.details = {"memory_note": "memory of this row is the check's own model copy, not the job's",
+                       "windows": results, "tolerance": tol, "dtype": str(dtype).replace("torch.", ""),
+                       "device": str(device), "mode": "eval (dropout off)", "loss_normalization": policy.reason}
+        worst = max(results, key=lambda r: r["relative_grad_difference"])
+        summary = "; ".join(f"{r['window']} ({'+'.join(map(str, r['micro_batch_sizes']))} examples): relative "
+                            f"gradient difference {r['relative_grad_difference']:.1e}" for r in results)
+        if worst["relative_grad_difference"] <= tol:
+            out.reason = f"{summary} (tolerance {tol:.0e}, {out.details['dtype']} on {device})"
+            return out
+        if spec.train.loss_normalization == "per_micro_batch":
+            out.reason = (f"{summary}: differs beyond {tol:.0e}, accepted because train.loss_normalization is "
+                          "per_micro_batch (declared)")
+            return out
+        cause = ("the model's loss is a mean over its own micro batch, so tokens in short micro batches weigh more "
+                 "than in one big batch: accept num_items_in_batch in forward (sum the token losses and divide by "
+                 "it), or declare train.loss_normalization: per_micro_batch on purpose")
+        if policy.pass_num_items:
+            cause = ("num_items_in_batch is passed but the loss does not use it (it still averages its own micro "
+                     "batch): divide the summed token losses by num_items_in_batch, or declare "
+                     "train.loss_normalization: per_micro_batch on purpose")
+        if worst["window"].startswith("last") and all(r["relative_grad_difference"] <= tol for r in results[:1]):
+            cause = ("only the short last window differs: its loss is scaled as if the window were full "
+                     "(divided by grad_accum_steps instead of its own size)")
+        raise GateFailure(f"accumulated gradient differs from one batch of the same examples: {summary} "
+                          f"(tolerance {tol:.0e}); {cause}", inputs=out.inputs, details=out.details)
