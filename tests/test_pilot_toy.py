@@ -160,3 +160,29 @@ def test_collate_without_labels_or_supervision_fails_first_step(toy, tmp_path):
     rows = by_gate(run(toy, tmp_path, ["data.bug=all_masked"]))
     assert rows["first_step"]["verdict"] == "fail"
     assert "no supervised labels" in rows["first_step"]["reason"]
+
+
+def test_an_update_that_teaches_nothing_is_refused_before_the_step(toy, tmp_path):
+    mod = toy.parent / "toy.py"
+    mod.write_text(mod.read_text().replace(
+        '            if self.bug != "no_loss":',
+        '            if self.bug == "constant_loss":\n'
+        '                loss = torch.tensor(2.0, requires_grad=True)\n'
+        '            if self.bug != "no_loss":'))
+    rows = by_gate(run(toy, tmp_path, ["model.bug=constant_loss"]))
+    assert rows["first_step"]["verdict"] == "fail"
+    assert "no trainable parameter received a gradient in update 1" in rows["first_step"]["reason"]
+    assert "the model as loaded (no update succeeded)" in rows["export"]["reason"]  # the refused update was not applied
+
+
+def test_json_stdout_stays_clean_when_user_code_prints(tmp_path):
+    from .conftest import pilotrun_cli
+
+    spec = copy_fixture("toy", tmp_path)
+    mod = spec.parent / "toy.py"
+    mod.write_text(mod.read_text().replace("def build_data(cfg):\n", "def build_data(cfg):\n    print('loading data ...')\n"))
+    res = pilotrun_cli("run", str(spec), "--gates", "load", "--json", "--ledger", str(tmp_path / "l.sqlite"),
+                       "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["gates"]
+    assert "loading data ..." in res.stderr

@@ -199,3 +199,23 @@ def test_override_errors_say_they_came_from_set(toy_dir):
     with pytest.raises(SpecError) as info:
         load_spec(path, ["train.precision=fp8"])
     assert "(value from --set)" in dict(info.value.problems)["train.precision"]
+
+
+@pytest.mark.parametrize("change, field, words", [
+    (("train.optimizer.lr", "abc"), "train.optimizer.lr", "expected a number, got 'abc'"),
+    (("train.optimizer.lr", None), "train.optimizer.lr", "got nothing"),
+    (("train.optimizer.lr", float("inf")), "train.optimizer.lr", "expected a finite number"),
+    (("train.optimizer.lr", float("nan")), "train.optimizer.lr", "expected a finite number"),
+    (("eval.batch_size", "x"), "eval.batch_size", "expected an integer"),
+    (("name", 2024), "name", "expected a string"),
+])
+def test_wrong_types_never_reach_cross_field_checks(toy_dir, change, field, words):
+    # These used to crash in check() (comparing a string with a number): exit 3 instead of 2.
+    problems = problems_for(toy_dir, with_change(*change))
+    assert words in problems[field], problems
+
+
+def test_factory_module_that_exits_at_import(toy_dir):
+    (toy_dir / "quits.py").write_text("import sys\nprint('not configured')\nsys.exit(0)\n")
+    msg = problems_for(toy_dir, with_change("model.factory", "quits:build"))["model.factory"]
+    assert "called sys.exit(0)" in msg

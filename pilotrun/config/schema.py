@@ -150,7 +150,8 @@ def _convert(tp: Any, value: Any, path: str, problems: list) -> Any:
             return {str(k): _convert(val_t, v, f"{path}.{k}", problems) for k, v in value.items()}
     else:  # pragma: no cover - a schema bug, not a user error
         raise TypeError(f"unsupported schema type {tp!r} at {path}")
-    problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+    got = "nothing (null)" if value is None else _describe(value)
+    problems.append((path, f"expected {_type_name(tp)}, got {got}"))
     return value
 
 
