@@ -30,6 +30,7 @@ from .gates.base import as_dict, failure_reason
 from .gates.context import PilotContext
 from .ledger.store import Ledger, now
 from .measure.meter import StageMeter
+from .resume_plan import plan_resume
 
 
 class Observer(Protocol):
@@ -53,6 +54,8 @@ class PilotOptions:
     gates: list[str] | None = None       # default: spec.pilot.gates, else all
     container_digest: str | None = None
     run_id: str | None = None
+    resume: str | None = None            # "latest" or a run id: continue an interrupted pilot
+    trust: bool = False                  # load a checkpoint whose manifest the ledger did not record
 
 
 @dataclass
@@ -113,6 +116,15 @@ def _short(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _carried_row(parent_row: dict, parent_id: str) -> dict:
+    """A gate the interrupted run already passed: its row, marked as carried, not re-measured."""
+    row = {k: parent_row.get(k) for k in ("gate", "verdict", "reason", "inputs", "memory", "seconds", "started_at",
+                                          "ended_at")}
+    row["reason"] = f"carried from {parent_id}: {parent_row['reason']}"
+    row["details"] = {**(parent_row.get("details") or {}), "carried_from": parent_id}
+    return row
+
+
 def _skip_row(gate, reason: str, inputs: dict) -> dict:
     t = now()
     return {"gate": gate.name, "verdict": "skip", "reason": reason, "inputs": inputs, "memory": {}, "seconds": None,
@@ -129,11 +141,26 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     out_dir = Path(options.out_dir) if options.out_dir else Path("runs") / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(options.ledger_path)
+    try:
+        plan = (plan_resume(ledger, spec.name, options.resume, options.trust, spec.canonical(), spec.config_hash())
+                if options.resume else None)
+    except BaseException:
+        ledger.close()
+        raise
+    if plan is not None:
+        notes = notes + plan.notes
     result = PilotResult(run_id, out_dir, ledger.path)
     ledger.start_run(run_id, spec.name, "pilot", spec_path=spec.source, out_dir=str(out_dir.resolve()),
-                     config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes})
+                     config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes},
+                     parent_id=plan.parent_id if plan else None)
     ctx = PilotContext(spec=spec, run_id=run_id, out_dir=out_dir, device=device, device_reason=device_reason,
                        ledger=ledger, container_digest=options.container_digest, progress=observer.on_progress)
+    if plan is not None and plan.checkpoint is not None:
+        ctx.resume_checkpoint = plan.checkpoint
+        if "save" in plan.carried:
+            ctx.checkpoint_dir, ctx.checkpoint_expect, ctx.checkpoint_manifest = plan.checkpoint, plan.expect, plan.manifest
+        ctx.export_dir = plan.export_dir
+        ctx.scan = plan.scan
     observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [f"device: {device_reason}"])
     verdicts: dict[str, tuple[str, str]] = {}
     root_causes: dict[str, tuple[str, str]] = {}  # skipped gate -> the failed gate behind it
@@ -149,6 +176,8 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                 first = next((r["gate"] for r in result.rows if r["verdict"] == "fail"), "an earlier gate")
                 row = _skip_row(gate, f"skipped: the data could not be built in {first} ({_short(ctx.data_error)})",
                                 gate.describe_inputs(ctx))
+            elif plan is not None and gate.name in plan.carried:
+                row = _carried_row(plan.carried[gate.name], plan.parent_id)
             elif blockers:
                 dep = blockers[0]
                 root, root_reason = root_causes.get(dep, (dep, verdicts[dep][1]))
@@ -224,7 +253,7 @@ def _run_gate(gate, ctx: PilotContext) -> dict:
         "verdict": outcome.verdict,
         "reason": outcome.reason or outcome.verdict,
         "inputs": outcome.inputs or gate.describe_inputs(ctx),
-        "memory": meter.memory,
+        "memory": outcome.memory if outcome.memory is not None else meter.memory,
         "seconds": meter.seconds,
         "started_at": started,
         "ended_at": now(),

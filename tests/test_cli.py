@@ -68,9 +68,9 @@ def test_tiny_sft_demo_passes_every_gate(tmp_path):
     report = json.loads(res.stdout)
     gates = {g["gate"]: g for g in report["gates"]}
     assert list(gates) == ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step",
-                           "accum_equivalence", "eval", "save", "export", "overfit"]
+                           "accum_equivalence", "eval", "save", "export", "restore", "resume", "overfit", "reload_eval"]
     assert all(g["verdict"] == "pass" for g in gates.values()), [(g["gate"], g["reason"]) for g in report["gates"]]
-    for name in ("load", "first_step", "steady_step", "eval", "save", "export"):
+    for name in ("load", "first_step", "steady_step", "eval", "save", "export", "restore"):
         assert gates[name]["memory"]["peak_allocated_bytes"] > 0 and gates[name]["seconds"] > 0
     # Memory is measured at the long run's sizes, not at whatever the first batch happened to be.
     assert gates["first_step"]["inputs"]["seq_len"] == 96 and gates["first_step"]["inputs"]["padded_to_max_length"]

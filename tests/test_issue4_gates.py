@@ -12,7 +12,7 @@ from pilotrun.pilot import PilotOptions, run_pilot
 from .conftest import copy_fixture, pilotrun_cli
 
 ALL = ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step", "accum_equivalence", "eval", "save",
-       "export", "overfit"]
+       "export", "restore", "resume", "overfit", "reload_eval"]
 
 
 @pytest.fixture

@@ -6,12 +6,14 @@ nothing is pickled.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from pathlib import Path
 
 import torch
 
-from .io import AtomicFolder
+from .io import MANIFEST, AtomicFolder, CheckpointError, verify_folder
 
 
 def capture_rng() -> tuple[dict, dict]:
@@ -66,3 +68,141 @@ def save_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None =
         f.write_json("trainer_state.json", trainer.state())
         f.write_json("config.json", config)
     return f
+
+
+# -- loading -----------------------------------------------------------------------------
+
+def load_torch_file(path: Path):
+    """``torch.load(weights_only=True)`` with errors that name the file instead of a deep torch trace."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # corrupted zip, truncated file, or a pickled object that weights_only refuses
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} cannot be loaded safely (weights_only=True): {first}") from None
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON ({exc})") from None
+
+
+def check_trusted(folder: Path, known_manifest_sha256: set[str] | None, trust: bool) -> dict:
+    """Verify every file against the manifest; refuse a manifest nobody recorded unless ``trust``."""
+    manifest = verify_folder(folder)
+    digest = manifest_sha256(folder)
+    if known_manifest_sha256 is not None and digest not in known_manifest_sha256 and not trust:
+        raise CheckpointError(
+            f"{folder}: its manifest (sha256 {digest[:12]}…) is not recorded in the ledger, so pilotrun did not "
+            "write it; pass --trust to load it anyway (still with weights_only=True)"
+        )
+    return manifest
+
+
+def manifest_sha256(folder: Path) -> str:
+    return hashlib.sha256((Path(folder) / MANIFEST).read_bytes()).hexdigest()
+
+
+def restore_training_state(trainer, folder: Path) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` into a freshly built trainer (files already verified)."""
+    folder = Path(folder)
+    trainer.model.load_state_dict(load_torch_file(folder / "model.pt"))
+    trainer.optimizer.load_state_dict(load_torch_file(folder / "optimizer.pt"))
+    trainer.scheduler.load_state_dict(_load_json(folder / "scheduler.json"))
+    if trainer.scaler is not None:
+        if not (folder / "scaler.json").exists():
+            raise CheckpointError(f"{folder} has no scaler.json but the run uses fp16 with a grad scaler")
+        trainer.scaler.load_state_dict(_load_json(folder / "scaler.json"))
+    restore_rng(_load_json(folder / "rng.json"), load_torch_file(folder / "rng.pt"))
+    state = _load_json(folder / "trainer_state.json")
+    trainer.load_state(state)
+    return state
+
+
+# -- fingerprints: what a restore must reproduce --------------------------------------------
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    data = flat.to(torch.uint8) if t.dtype == torch.bool else flat.view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:32] + f":{tuple(t.shape)}:{str(t.dtype)[6:]}"
+
+
+def _json_digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def fingerprint_state(trainer) -> dict:
+    """Digests of everything a resumed run depends on, taken from the live objects (not from disk)."""
+    model = trainer.model
+    persistent = set(model.state_dict().keys())
+    rng_json, rng_tensors = capture_rng()
+    opt_state = trainer.optimizer.state_dict()
+    fp: dict = {
+        "step": trainer.step,
+        "examples_seen": trainer.examples_seen,
+        "data_position": trainer.position(),
+        "lr": [float(x) for x in trainer.scheduler.get_last_lr()],
+        "scheduler": _json_digest({k: v for k, v in trainer.scheduler.state_dict().items() if k != "lr_lambdas"}),
+        "rng.python": _json_digest(rng_json["python"]),
+        "rng.numpy": _json_digest(rng_json.get("numpy")),
+        **{f"rng.{k}": _digest(v) for k, v in rng_tensors.items()},
+        "parameters": {n: _digest(p) for n, p in model.named_parameters()},
+        "buffers": {n: {"digest": _digest(b), "persistent": n in persistent} for n, b in model.named_buffers()},
+        "optimizer.hyperparameters": _json_digest(opt_state["param_groups"]),
+        "optimizer.state": {f"{i}.{k}": (_digest(v) if isinstance(v, torch.Tensor) else repr(v))
+                            for i, st in opt_state["state"].items() for k, v in st.items()},
+    }
+    if trainer.scaler is not None:
+        fp["scaler"] = _json_digest(trainer.scaler.state_dict())
+    return fp
+
+
+HINTS = {
+    "lr": "the learning rate changed across the restore: the scheduler state was not restored, or it was rebuilt with another length",
+    "scheduler": "the scheduler state was not restored",
+    "scaler": "the fp16 grad scaler state (scale, growth tracker) was not restored",
+    "data_position": "the data position was not restored: the next batches would replay or skip examples",
+    "step": "the update counter was not restored",
+    "examples_seen": "the examples-seen counter was not restored",
+    "optimizer": "optimizer state (moments, step counts or hyper-parameters) was not restored",
+    "rng": "a random generator was not restored: dropout masks and augmentation would differ",
+    "parameters": "a parameter differs: the weights were not restored",
+}
+
+
+def compare_fingerprints(expected: dict, actual: dict) -> list[dict]:
+    """Each field that differs, with the name of the tensor or stream and what usually causes it."""
+    out = []
+    for key in expected:
+        a, b = expected[key], actual.get(key)
+        if key == "buffers":
+            for name, info in a.items():
+                got = (b or {}).get(name)
+                if got is None or got["digest"] != info["digest"]:
+                    why = ("it is registered with persistent=False, so state_dict() does not save it: register it as "
+                           "persistent, or recompute it on load") if not info["persistent"] else "the buffer was not restored"
+                    out.append({"field": f"buffer {name!r}", "hint": why})
+            continue
+        if isinstance(a, dict) and key in ("parameters", "optimizer.state"):
+            for name, digest in a.items():
+                if (b or {}).get(name) != digest:
+                    out.append({"field": f"{key.split('.')[0]} {name!r}",
+                                "hint": HINTS["parameters" if key == "parameters" else "optimizer"]})
+            extra = sorted(set(b or {}) - set(a))
+            if extra:
+                out.append({"field": f"{key} has unexpected entries {extra[:3]}", "hint": HINTS["optimizer"]})
+            continue
+        if a != b:
+            family = key.split(".")[0]
+            out.append({"field": key, "saved": a if not isinstance(a, str) else a[:16],
+                        "restored": b if not isinstance(b, str) else (b or "")[:16],
+                        "hint": HINTS.get(key, HINTS.get(family, "differs after restore"))})
+    return out

@@ -10,6 +10,7 @@ from ..config.spec import load_spec
 from ..devices import DeviceUnavailable
 from ..ledger.store import LedgerError
 from ..pilot import PilotOptions, run_pilot
+from ..resume_plan import ResumeError
 from ..ui.console import ConsoleObserver
 from .common import UsageError, _console, out_console
 
@@ -18,6 +19,7 @@ HELP = """examples:
   pilotrun run pilot.yaml --gates eval            # eval and what it needs (load)
   pilotrun run pilot.yaml --set train.micro_batch_size=2 --set train.grad_accum_steps=8
   pilotrun run pilot.yaml --json > report.json    # the report on stdout, the live table on stderr
+  pilotrun run pilot.yaml --resume                # continue the last interrupted pilot of this spec
 
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage"""
 
@@ -34,6 +36,11 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec key, e.g. train.micro_batch_size=4 (repeatable)")
     p.add_argument("--container-digest", help="image digest of the container this runs in (recorded in the lock)")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
+                   help="continue an interrupted pilot from its last good checkpoint (the latest interrupted run of "
+                        "this spec, or RUN); gates it already passed are carried over")
+    p.add_argument("--trust", action="store_true",
+                   help="load a checkpoint whose manifest the ledger did not record (still weights_only=True)")
     p.add_argument("--json", action="store_true", help="print report.json to stdout (the table goes to stderr)")
     p.set_defaults(func=main)
 
@@ -51,7 +58,8 @@ def main(args) -> int:
 def _run(args) -> tuple[int, str | None]:
     spec = load_spec(args.spec, args.overrides)
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
-    options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates, container_digest=args.container_digest)
+    options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates, container_digest=args.container_digest,
+                           resume=args.resume, trust=args.trust)
     console = _console(True) if args.json else out_console()
     observer = ConsoleObserver(console, title=spec.name)
     try:
@@ -62,7 +70,7 @@ def _run(args) -> tuple[int, str | None]:
         raise
     except DeviceUnavailable as exc:
         raise SpecError([("train.device", str(exc))], spec.source) from None
-    except LedgerError as exc:
+    except (LedgerError, ResumeError) as exc:
         raise UsageError(str(exc)) from None
     finally:
         if observer.live is not None:

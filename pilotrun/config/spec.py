@@ -212,11 +212,25 @@ class OverfitSpec:
 
 
 @dataclass
+class ResumeSpec:
+    before: int = doc("updates the interrupted process runs before it saves and is killed", 2)
+    after: int = doc("updates the restored process runs; compared with the control run's", 2)
+    rtol: float = doc("relative tolerance for loss and gradient norm off CPU or in bf16/fp16 (CPU fp32 is bitwise)", 1e-3)
+
+    def check(self):
+        if self.before < 1 or self.after < 1:
+            yield "", "before and after must be at least 1"
+        if self.rtol < 0:
+            yield "rtol", "must be 0 or more"
+
+
+@dataclass
 class PilotSpec:
     updates: int = doc("updates the pilot runs: the first (first_step) and the rest (steady_step)", 6)
     gates: list[str] | None = doc("gates to run (default: all, in order)", None)
     inspect: InspectSpec = doc("the inspect gate", InspectSpec)
     overfit: OverfitSpec = doc("the overfit gate", OverfitSpec)
+    resume: ResumeSpec = doc("the resume gate", ResumeSpec)
 
     def check(self):
         if self.updates < 2:
@@ -447,15 +461,24 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
         overridden.append(key)
+    return spec_from_mapping(raw, p, overridden)
+
+
+def spec_from_mapping(raw: dict, source: str | Path, overridden: list[str] = ()) -> Spec:
+    """Validate a mapping as if it were read from ``source`` (its folder anchors relative paths).
+
+    Child processes (restore, resume) rebuild the exact spec of their parent from its
+    written mapping, overrides included."""
+    p = Path(source)
     try:
-        spec = build(Spec, raw, str(p))
+        spec = build(Spec, copy.deepcopy(raw), str(p))
     except SpecError as exc:
-        raise SpecError(_mark_overrides(exc.problems, overridden), str(p)) from None
+        raise SpecError(_mark_overrides(exc.problems, list(overridden)), str(p)) from None
     spec.source = str(p.resolve())
     spec.written = copy.deepcopy(raw)
     problems = _check_files(spec)
     if problems:
-        raise SpecError(_mark_overrides(problems, overridden), str(p))
+        raise SpecError(_mark_overrides(problems, list(overridden)), str(p))
     return spec
 
 

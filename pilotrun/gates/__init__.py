@@ -8,6 +8,9 @@ from .inspect import InspectGate
 from .load import LoadGate
 from .lock import LockGate
 from .overfit import OverfitGate
+from .reload_eval import ReloadEvalGate
+from .restore import RestoreGate
+from .resume import ResumeGate
 from .save import SaveGate
 from .split import SplitGate
 from .steps import FirstStepGate, SteadyStepGate
@@ -15,7 +18,7 @@ from .steps import FirstStepGate, SteadyStepGate
 # The order of SPEC §2.
 ALL_GATES: list[type[Gate]] = [
     LockGate, InspectGate, SplitGate, BatchGate, LoadGate, FirstStepGate, SteadyStepGate, AccumEquivalenceGate,
-    EvalGate, SaveGate, ExportGate, OverfitGate,
+    EvalGate, SaveGate, ExportGate, RestoreGate, ResumeGate, OverfitGate, ReloadEvalGate,
 ]
 GATE_NAMES = [g.name for g in ALL_GATES]
 BY_NAME = {g.name: g for g in ALL_GATES}

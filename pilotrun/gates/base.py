@@ -24,6 +24,8 @@ class Outcome:
     inputs: dict = field(default_factory=dict)
     details: dict = field(default_factory=dict)
     metrics: list[dict] = field(default_factory=list)
+    # Set when the measured work ran in a child process: its counters replace this process's.
+    memory: dict | None = None
 
     def warn(self, reason: str) -> None:
         if self.verdict == "pass":

@@ -36,7 +36,10 @@ class PilotContext:
     loaded: LoadedModel | None = None
     trainer: Any = None
     lock: dict | None = None
+    resume_checkpoint: Path | None = None     # --resume: restore the trainer from this after load
     checkpoint_dir: Path | None = None
+    checkpoint_expect: Path | None = None     # fingerprints of the live state at save time
+    checkpoint_manifest: str | None = None    # sha256 of the checkpoint's manifest (recorded in the ledger)
     export_dir: Path | None = None
     records: dict[str, list] = field(default_factory=dict)
     data_error: str | None = None       # why the data could not be built (gates that need it are skipped)
@@ -59,6 +62,20 @@ class PilotContext:
                 self.data_error = f"{type(exc).__name__}: {exc}"
                 raise
         return self.data
+
+    def worker_dir(self) -> Path:
+        """Where child processes write their logs and results (created on demand)."""
+        folder = self.out_dir / "workers"
+        folder.mkdir(exist_ok=True)
+        return folder
+
+    def spec_file(self) -> Path:
+        from ..workers.common import write_spec_file
+
+        path = self.worker_dir() / "spec.json"
+        if not path.exists():
+            write_spec_file(self.spec, path)
+        return path
 
     def tracked(self) -> list:
         objs: list = []

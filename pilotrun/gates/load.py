@@ -1,6 +1,7 @@
 """``load``: tokenizer, data and model built and moved to the device; time and memory."""
 from __future__ import annotations
 
+from ..checkpoint.state import restore_training_state
 from ..models.loading import build_model, parameter_count
 from ..train.loop import Trainer, seed_everything
 from ..ui.format import human_bytes, human_count
@@ -23,6 +24,9 @@ class LoadGate(Gate):
         ctx.loaded = loaded
         meter.register([model])
         ctx.trainer = Trainer(model, data.train, data.collate, spec, ctx.device, pad_batch=data.pad_batch)
+        restored = None
+        if ctx.resume_checkpoint is not None:
+            restored = restore_training_state(ctx.trainer, ctx.resume_checkpoint)
         total, trainable = parameter_count(model)
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
@@ -43,11 +47,16 @@ class LoadGate(Gate):
             "updates_per_epoch": ctx.trainer.plan.updates_per_epoch,
         }
         sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
+        if restored is not None:
+            out.details["restored_from"] = str(ctx.resume_checkpoint)
+            out.details["restored_step"] = restored["step"]
         per_update = spec.train.micro_batch_size * spec.train.grad_accum_steps
         out.reason = (
             f"{type(model).__name__}: {human_count(total)} parameters ({human_bytes(param_bytes)} {'/'.join(dtypes)}) "
             f"from {loaded.source.split(' (')[0]} on {ctx.device}; {sizes} examples"
         )
+        if restored is not None:
+            out.reason += f"; training state restored from {ctx.resume_checkpoint.name} (update {restored['step']})"
         if len(data.train) < per_update:
             out.warn(f"the train split has {len(data.train)} examples, fewer than one update window "
                      f"({spec.train.micro_batch_size} x {spec.train.grad_accum_steps} = {per_update}): every update "

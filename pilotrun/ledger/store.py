@@ -217,6 +217,10 @@ class Ledger:
             r = rows[0] if rows else None
         return dict(r) if r is not None else None
 
+    def children(self, run_id: str) -> list[str]:
+        """Runs that continue or retry ``run_id`` (their parent_id)."""
+        return [r["run_id"] for r in self.conn.execute("SELECT run_id FROM runs WHERE parent_id = ?", (run_id,))]
+
     def gate_rows(self, run_id: str) -> list[dict]:
         out = []
         for r in self.conn.execute("SELECT * FROM gate_rows WHERE run_id = ? ORDER BY id", (run_id,)):

@@ -278,6 +278,10 @@ class Trainer:
         if self._iter is None:
             sampler = PositionedBatchSampler(self.plan, self.epoch, self.micro_index)
             workers = self.spec.data.num_workers
+            # A private generator: creating an iterator must not draw from the global RNG (it would
+            # shift every dropout mask after a restore), and worker seeds follow the data position.
+            gen = torch.Generator()
+            gen.manual_seed((self.plan.seed * 1_000_003 + self.epoch) * 1_000_003 + self.micro_index)
             loader = torch.utils.data.DataLoader(
                 self.train_set,
                 batch_sampler=sampler,
@@ -285,6 +289,7 @@ class Trainer:
                 num_workers=workers,
                 pin_memory=self.device.type == "cuda",
                 persistent_workers=False,
+                generator=gen,
             )
             self._iter = iter(loader)
         return self._iter

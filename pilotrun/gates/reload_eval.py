@@ -1,0 +1,70 @@
+"""``reload_eval``: the exported artifact, reloaded in a separate process, reproduces the model's outputs.
+
+Control inputs are the first validation examples. The in-process model runs them
+twice in eval mode without reseeding — different outputs mean it is not
+deterministic in eval mode (dropout applied regardless of ``model.eval()``). A fresh
+process then loads only the artifact (hash-verified) and runs the same inputs.
+"""
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint.state import manifest_sha256
+from ..train.loop import to_device
+from ..workers.launch import run_worker
+from ..workers.reload import outputs_of
+from .base import Gate, GateFailure, Outcome
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class ReloadEvalGate(Gate):
+    name = "reload_eval"
+    depends_on = ("export",)
+
+    def track(self, ctx):
+        return [ctx.model] if ctx.model is not None else []
+
+    def run(self, ctx, meter) -> Outcome:
+        data, model = ctx.data, ctx.model
+        n = min(ctx.spec.eval_batch_size, len(data.val))
+        items = [data.val[i] for i in range(n)]
+        batch = {k: v.contiguous() for k, v in data.collate(items).items() if isinstance(v, torch.Tensor)}
+        work = ctx.worker_dir()
+        inputs_path, outputs_path = work / "reload-inputs.safetensors", work / "reload-outputs.safetensors"
+        save_file(batch, str(inputs_path))
+        was_training = model.training
+        try:
+            first = outputs_of(model, to_device(batch, ctx.device))
+            second = outputs_of(model, to_device(batch, ctx.device))
+        finally:
+            model.train(was_training)
+        out = Outcome(inputs={**ctx.base_inputs(), "control_examples": n, "batch_size": n})
+        out.details = {"control_ids": [str(it["id"]) for it in items], "output_shape": list(first.shape),
+                       "tolerance": {"rtol": RTOL, "atol": ATOL}}
+        if not torch.equal(first, second):
+            diff = float((first - second).abs().max())
+            raise GateFailure(f"the model is not deterministic in eval mode: the same {n} inputs twice, without "
+                              f"reseeding, differ by up to {diff:.3g} — dropout applied regardless of model.eval() "
+                              "(F.dropout without training=self.training?) or another unseeded random op",
+                              inputs=out.inputs, details=out.details)
+        payload = run_worker("pilotrun.workers.reload",
+                             ["--export", str(ctx.export_dir), "--inputs", str(inputs_path), "--outputs",
+                              str(outputs_path), "--known-manifest", manifest_sha256(ctx.export_dir)],
+                             work / "reload.json", work / "reload.log", "reload")
+        reloaded = load_file(str(outputs_path))["outputs"]
+        out.details["reloaded_class"] = payload["model_class"]
+        if reloaded.shape != first.shape:
+            raise GateFailure(f"the reloaded artifact returns outputs of shape {tuple(reloaded.shape)}, the model "
+                              f"{tuple(first.shape)}", inputs=out.inputs, details=out.details)
+        diff = float((reloaded - first).abs().max()) if first.numel() else 0.0
+        out.details["max_abs_difference"] = diff
+        if not torch.allclose(reloaded, first, rtol=RTOL, atol=ATOL):
+            raise GateFailure(f"the reloaded artifact ({payload['model_class']}) does not reproduce the model's outputs "
+                              f"on {n} control inputs: max difference {diff:.3g} (rtol {RTOL:g}, atol {ATOL:g}) — "
+                              "weights missing from the export, or state the artifact does not carry",
+                              inputs=out.inputs, details=out.details)
+        out.reason = (f"{payload['model_class']} reloaded from {ctx.export_dir.name}/ in a fresh process reproduces "
+                      f"the outputs on {n} control inputs (max difference {diff:.2g}); eval mode is deterministic")
+        return out

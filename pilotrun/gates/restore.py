@@ -1,0 +1,43 @@
+"""``restore``: a fresh process loads the checkpoint; its live state must equal what the saving process held.
+
+The save gate records digests of the live objects — parameters, every buffer (those
+registered with ``persistent=False`` too), optimizer tensors and hyper-parameters,
+scheduler, grad scaler, every RNG stream, step and data position. A new Python
+process (not a fork) builds the job from the spec, loads the checkpoint (hash-verified,
+``weights_only=True``) and compares. A mismatch names the field.
+"""
+from __future__ import annotations
+
+from ..workers.launch import run_worker
+from .base import Gate, GateFailure, Outcome
+
+
+class RestoreGate(Gate):
+    name = "restore"
+    depends_on = ("save",)
+
+    def track(self, ctx):
+        return []
+
+    def run(self, ctx, meter) -> Outcome:
+        work = ctx.worker_dir()
+        payload = run_worker(
+            "pilotrun.workers.train_phase",
+            ["--spec", str(ctx.spec_file()), "--phase", "restore", "--checkpoint", str(ctx.checkpoint_dir),
+             "--expect", str(ctx.checkpoint_expect), "--known-manifest", ctx.checkpoint_manifest],
+            work / "restore.json", work / "restore.log", "restore")
+        out = Outcome(inputs={**ctx.base_inputs(), "checkpoint": str(ctx.checkpoint_dir)})
+        mem = dict(payload.get("memory") or {})
+        mem["measured_in"] = "the restore process"
+        out.memory = mem
+        out.details = {"mismatches": payload["mismatches"], "restored_step": payload["step"], "lr": payload["lr"],
+                       "process_peak": payload.get("peak"), "log": str(work / "restore.log")}
+        if payload["mismatches"]:
+            first = payload["mismatches"]
+            shown = "; ".join(f"{m['field']}: {m['hint']}" for m in first[:3])
+            more = f" (+{len(first) - 3} more)" if len(first) > 3 else ""
+            raise GateFailure(f"a fresh process restored step {payload['step']} but {len(first)} field(s) differ from "
+                              f"what was saved: {shown}{more}", inputs=out.inputs, details=out.details)
+        out.reason = (f"a fresh process restored step {payload['step']} (lr {payload['lr'][0]:.3g}): parameters, "
+                      "buffers, optimizer and scheduler state, RNG streams and data position equal what was saved")
+        return out

@@ -1,0 +1,111 @@
+"""``resume``: a restart continues exactly like an uninterrupted run.
+
+Three fresh processes: a control runs N+K updates; a second runs N, saves and is
+killed with SIGKILL; a third restores the checkpoint and runs K more. Update by
+update, sample ids, learning rate, loss and gradient norm must match the control's —
+bitwise on CPU in fp32, within ``pilot.resume.rtol`` on accelerators and in bf16/fp16.
+"""
+from __future__ import annotations
+
+import math
+
+from ..checkpoint.state import manifest_sha256
+from ..workers.launch import run_and_kill, run_worker
+from .base import Gate, GateFailure, Outcome
+
+CAUSES = {
+    "sample_ids": ("the data order differs: the sampler position or its seed was not restored, so the run replays or "
+                   "skips examples"),
+    "lr": "the learning rate differs while the data matches: scheduler state not restored, or rebuilt with another length",
+    "loss": ("losses differ while ids and lr match: state outside state_dict (a buffer registered with "
+             "persistent=False, a Python attribute), or randomness outside the restored generators (an unseeded "
+             "random.Random or numpy Generator, DataLoader workers)"),
+    "grad_norm": ("gradient norms differ while losses match: state that changes gradients but not the loss was not "
+                  "restored (e.g. the grad scaler)"),
+}
+FIELDS = ("sample_ids", "lr", "loss", "grad_norm")
+
+
+def _value(x):
+    if isinstance(x, str) and x.startswith(("0x", "-0x")):
+        return float.fromhex(x)
+    if isinstance(x, str):
+        return float(x)
+    return x
+
+
+def first_difference(a: list[dict], b: list[dict], exact: bool, rtol: float) -> dict | None:
+    """The first update and field where two runs differ, or None."""
+    for ra, rb in zip(a, b):
+        for f in FIELDS:
+            va, vb = ra.get(f), rb.get(f)
+            if f == "sample_ids" or exact:
+                same = va == vb
+            else:
+                xa, xb = _value(va), _value(vb)
+                same = (xa is None and xb is None) or (
+                    xa is not None and xb is not None and (xa == xb or math.isclose(xa, xb, rel_tol=rtol, abs_tol=1e-12)))
+            if not same:
+                show = (lambda v: v) if f == "sample_ids" else _value
+                return {"update": ra["step"], "field": f, "control": show(va), "other": show(vb)}
+    return None
+
+
+class ResumeGate(Gate):
+    name = "resume"
+    depends_on = ("first_step",)
+
+    def track(self, ctx):
+        return []
+
+    def describe_inputs(self, ctx) -> dict:
+        r = ctx.spec.pilot.resume
+        return {**ctx.base_inputs(), "updates_before_kill": r.before, "updates_after_restore": r.after}
+
+    def run(self, ctx, meter) -> Outcome:
+        spec, r = ctx.spec, ctx.spec.pilot.resume
+        work = ctx.worker_dir()
+        ckpts = work / "resume-checkpoints"
+        base = ["--spec", str(ctx.spec_file())]
+        module = "pilotrun.workers.train_phase"
+        ctx.progress(0, 3, "processes")
+        control = run_worker(module, base + ["--phase", "control", "--updates", str(r.before + r.after)],
+                             work / "control.json", work / "control.log", "control")
+        ctx.progress(1, 3, "processes")
+        cut = run_and_kill(module, base + ["--phase", "interrupted", "--updates", str(r.before),
+                                           "--checkpoints", str(ckpts)],
+                           work / "interrupted.json", work / "interrupted.log", "interrupted")
+        ctx.progress(2, 3, "processes")
+        sha = manifest_sha256(cut["checkpoint"])
+        resumed = run_worker(module, base + ["--phase", "resumed", "--updates", str(r.after), "--checkpoints",
+                                             str(ckpts), "--known-manifest", sha],
+                             work / "resumed.json", work / "resumed.log", "resumed")
+        ctx.progress(3, 3, "processes")
+        exact = ctx.device.type == "cpu" and spec.train.precision == "fp32"
+        rule = "bitwise (CPU, fp32)" if exact else f"within rtol {r.rtol:g} ({ctx.device.type}, {spec.train.precision})"
+        out = Outcome(inputs=self.describe_inputs(ctx))
+        out.details = {"control": control["records"], "interrupted": cut["records"], "resumed": resumed["records"],
+                       "checkpoint": cut["checkpoint"], "manifest_sha256": sha, "killed_with": cut.get("killed_with"),
+                       "comparison": rule, "logs": str(work)}
+        out.memory = {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "device_used_bytes": None,
+                      "host_rss_peak_bytes": max(p.get("peak", {}).get("host_rss_peak_bytes", 0)
+                                                 for p in (control, cut, resumed)),
+                      "measured_in": "the three worker processes (largest)",
+                      "not_measured": {"peak_allocated_bytes": "three processes; see the restore row for one restore"}}
+        before = first_difference(control["records"][: r.before], cut["records"], exact, r.rtol)
+        if before is not None:
+            raise GateFailure(
+                f"the run is not reproducible even without a restart: at update {before['update']}, {before['field']} "
+                f"is {before['control']} in one fresh process and {before['other']} in another — randomness that "
+                "the seed does not control (an unseeded generator, nondeterministic kernels)",
+                inputs=out.inputs, details=out.details)
+        after = first_difference(control["records"][r.before:], resumed["records"], exact, r.rtol)
+        if after is not None:
+            raise GateFailure(
+                f"after a kill at update {r.before} and a restore, update {after['update']} differs from the "
+                f"uninterrupted run in {after['field']}: {after['other']} vs {after['control']}; {CAUSES[after['field']]}",
+                inputs=out.inputs, details=out.details)
+        out.reason = (f"killed after update {r.before} (SIGKILL), restored in a fresh process: updates "
+                      f"{r.before + 1}-{r.before + r.after} match the uninterrupted run {rule} in sample ids, lr, loss "
+                      "and gradient norm")
+        return out

@@ -1,0 +1,173 @@
+"""Resume you can trust: full-state checkpoints, a fresh-process restore, proof against an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pilotrun.checkpoint import CheckpointError, fingerprint_state, save_checkpoint
+from pilotrun.config import load_spec
+from pilotrun.gates.resume import first_difference
+from pilotrun.ledger import Ledger
+from pilotrun.pilot import PilotOptions, run_pilot
+from pilotrun.workers.common import build_trainer
+from pilotrun.workers.train_phase import restore_check
+
+from .conftest import copy_fixture, pilotrun_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def toylm(tmp_path, monkeypatch):
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    return copy_fixture("toylm", tmp_path)
+
+
+def rows_of(spec_path, tmp_path, *overrides, gates=None):
+    spec = load_spec(spec_path, list(overrides))
+    result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite", gates=gates))
+    return {r["gate"]: r for r in result.rows}
+
+
+@pytest.mark.parametrize("bug, gate, words", [
+    ("nonpersistent_buffer", "restore", "buffer 'seen': it is registered with persistent=False"),
+    ("unseeded_augment", "resume", "not reproducible even without a restart"),
+    ("eval_dropout", "reload_eval", "not deterministic in eval mode"),
+])
+def test_each_bug_fails_its_gate(toylm, tmp_path, bug, gate, words):
+    rows = rows_of(toylm, tmp_path, f"model.bug={bug}", f"data.bug={bug}", gates=[gate])
+    assert rows[gate]["verdict"] == "fail", rows[gate]["reason"]
+    assert words in rows[gate]["reason"]
+
+
+def test_nonpersistent_buffer_also_breaks_the_resumed_losses(toylm, tmp_path):
+    rows = rows_of(toylm, tmp_path, "model.bug=nonpersistent_buffer", gates=["resume"])
+    reason = rows["resume"]["reason"]
+    assert rows["resume"]["verdict"] == "fail" and "differs from the uninterrupted run in loss" in reason
+    assert "losses differ while ids and lr match" in reason
+
+
+def test_correct_setup_restores_and_resumes_bitwise(toylm, tmp_path):
+    rows = rows_of(toylm, tmp_path, gates=["restore", "resume", "reload_eval"])
+    assert all(r["verdict"] == "pass" for r in rows.values()), {g: r["reason"] for g, r in rows.items()}
+    res = rows["resume"]["details"]
+    assert res["killed_with"] == "SIGKILL" and res["comparison"] == "bitwise (CPU, fp32)"
+    assert [r["step"] for r in res["resumed"]] == [3, 4]
+    assert res["control"][2:] == res["resumed"]
+    assert rows["restore"]["memory"]["measured_in"] == "the restore process"
+    # Everything in a checkpoint loads without pickle: weights_only=True or JSON.
+    (ckpt,) = (tmp_path / "out" / "checkpoints").glob("step-*[0-9]")  # the save gate's (after first_step)
+    for f in ckpt.iterdir():
+        if f.suffix == ".pt":
+            torch.load(f, weights_only=True)
+        else:
+            json.loads(f.read_text())
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 1 and state["examples_seen"] == 12
+    assert state["data_position"] == {**state["data_position"], "epoch": 0, "micro_index": 3, "seed": 5}
+    assert set(json.loads((ckpt / "rng.json").read_text())) == {"python", "numpy"}
+
+
+def _saved(toylm, tmp_path, *overrides):
+    spec = load_spec(toylm, list(overrides))
+    trainer, _, _ = build_trainer(spec)
+    for _ in range(3):
+        trainer.update()
+    expect = fingerprint_state(trainer)
+    folder = tmp_path / "ck" / "step-000003"
+    save_checkpoint(folder, trainer, spec.canonical())
+    trainer.close()
+    fresh, _, _ = build_trainer(spec)
+    return fresh, folder, expect
+
+
+def test_a_scheduler_left_unrestored_is_named(toylm, tmp_path, monkeypatch):
+    """Break pilotrun's own restore on purpose: skip the scheduler."""
+    fresh, folder, expect = _saved(toylm, tmp_path, "train.scheduler=cosine")
+    monkeypatch.setattr(type(fresh.scheduler), "load_state_dict", lambda self, state: None)
+    fields = {m["field"]: m["hint"] for m in restore_check(fresh, folder, expect, None)["mismatches"]}
+    assert "lr" in fields and "scheduler" in fields
+    assert "scheduler state was not restored" in fields["lr"]
+
+
+def test_a_grad_scaler_left_unrestored_is_named(toylm, tmp_path, monkeypatch):
+    fresh, folder, expect = _saved(toylm, tmp_path, "train.precision=fp16")
+    monkeypatch.setattr(type(fresh.scaler), "load_state_dict", lambda self, state: None)
+    fields = {m["field"]: m["hint"] for m in restore_check(fresh, folder, expect, None)["mismatches"]}
+    assert "scaler" in fields and "grad scaler" in fields["scaler"]
+
+
+def test_corrupted_and_untrusted_checkpoints_give_clear_errors(toylm, tmp_path):
+    fresh, folder, expect = _saved(toylm, tmp_path)
+    # A manifest nobody recorded is refused unless trusted.
+    with pytest.raises(CheckpointError, match="not recorded in the ledger.*--trust"):
+        restore_check(fresh, folder, expect, known={"0" * 64})
+    assert restore_check(fresh, folder, expect, known={"0" * 64}, trust=True)["mismatches"] == []
+    # A truncated file is named, before torch ever sees it.
+    opt = folder / "optimizer.pt"
+    opt.write_bytes(opt.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="optimizer.pt is .* bytes, the manifest says"):
+        restore_check(fresh, folder, expect, None)
+
+
+def test_pickled_objects_are_refused(tmp_path):
+    from pilotrun.checkpoint import load_torch_file
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        load_torch_file(tmp_path / "evil.pt")
+
+
+def test_first_difference_names_field_and_update():
+    a = [{"step": 3, "sample_ids": ["a"], "lr": (0.1).hex(), "loss": (1.0).hex(), "grad_norm": (2.0).hex()}]
+    assert first_difference(a, a, exact=True, rtol=0) is None
+    b = [dict(a[0], lr=(0.2).hex())]
+    assert first_difference(a, b, True, 0) == {"update": 3, "field": "lr", "control": 0.1, "other": 0.2}
+    c = [dict(a[0], loss=(1.0000001).hex())]
+    assert first_difference(a, c, exact=True, rtol=1e-3)["field"] == "loss"
+    assert first_difference(a, c, exact=False, rtol=1e-3) is None
+
+
+def test_resume_from_the_cli_after_a_real_kill(toylm, tmp_path):
+    ledger = tmp_path / "l.sqlite"
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "pilotrun", "run", str(toylm), "--ledger", str(ledger)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("✓ export"):
+            proc.send_signal(signal.SIGKILL)  # killed after save and export, before restore/resume/overfit
+            break
+    proc.wait(timeout=60)
+    proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    with Ledger(ledger) as led:
+        parent = led.runs()[0]
+        assert parent["status"] == "running" and parent["ended_at"] is None
+    # A changed config is refused.
+    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--resume", "--set", "train.optimizer.lr=0.5",
+                       cwd=tmp_path)
+    assert res.returncode == 2 and "the spec changed since run" in res.stderr and "train.optimizer.lr" in res.stderr
+    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--resume", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    gates = {g["gate"]: g for g in report["gates"]}
+    assert gates["save"]["details"]["carried_from"] == parent["run_id"]
+    assert gates["first_step"]["reason"].startswith(f"carried from {parent['run_id']}")
+    assert "restored_step" in gates["load"]["details"]
+    for g in ("restore", "resume", "overfit", "reload_eval"):
+        assert gates[g]["verdict"] == "pass" and "carried_from" not in gates[g]["details"], g
+    with Ledger(ledger) as led:
+        assert led.run(report["run_id"])["parent_id"] == parent["run_id"]
+    # Nothing left to resume.
+    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--resume", cwd=tmp_path)
+    assert res.returncode == 2 and "no interrupted pilot" in res.stderr
