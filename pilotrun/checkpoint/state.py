@@ -49,21 +49,68 @@ def restore_rng(js: dict, tensors: dict) -> None:
             torch.cuda.set_rng_state(st, int(key.split("_")[1]))
 
 
-def _torch_save(obj, fh) -> None:
-    torch.save(obj, fh)
+SHARD_BYTES = 64 << 20  # shards let hashing and fsync of one overlap the writing of the next
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def _shards(items: list, limit: int) -> list[list]:
+    out, cur, size = [], [], 0
+    for key, value in items:
+        n = _nbytes(value)
+        if cur and size + n > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((key, value))
+        size += n
+    if cur or not out:
+        out.append(cur)
+    return out
+
+
+def _save_sharded(f: AtomicFolder, prefix: str, state: dict, extra: dict | None = None) -> None:
+    """``prefix-00000-of-00003.pt`` ...; the first shard also carries ``extra`` (e.g. param_groups)."""
+    groups = _shards(list(state.items()), SHARD_BYTES)
+    for i, group in enumerate(groups):
+        payload = {"entries": dict(group), **(extra if i == 0 and extra else {})}
+        f.write_file(f"{prefix}-{i:05d}-of-{len(groups):05d}.pt", lambda p, payload=payload: torch.save(payload, p))
+
+
+def _load_sharded(folder: Path, prefix: str) -> tuple[dict, dict]:
+    files = sorted(Path(folder).glob(f"{prefix}-*-of-*.pt"))
+    if not files:
+        raise CheckpointError(f"{folder} has no {prefix} shards ({prefix}-00000-of-N.pt)")
+    expected = int(files[0].stem.rsplit("-of-", 1)[1])
+    if len(files) != expected:
+        raise CheckpointError(f"{folder} has {len(files)} of {expected} {prefix} shards")
+    entries: dict = {}
+    extra: dict = {}
+    for i, path in enumerate(files):
+        payload = load_torch_file(path)
+        entries.update(payload.pop("entries"))
+        if i == 0:
+            extra = payload
+    return entries, extra
 
 
 def save_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None = None) -> AtomicFolder:
     """Write the trainer's full state to ``folder`` atomically; returns the written folder's record."""
     rng_json, rng_tensors = capture_rng()
     meta = {"step": trainer.step, "config_hash": lock_hash}
+    opt = trainer.optimizer.state_dict()
     with AtomicFolder(folder, "checkpoint", meta) as f:
-        f.write_with("model.pt", _torch_save, trainer.model.state_dict())
-        f.write_with("optimizer.pt", _torch_save, trainer.optimizer.state_dict())
+        _save_sharded(f, "model", trainer.model.state_dict())
+        _save_sharded(f, "optimizer", opt["state"], {"param_groups": opt["param_groups"]})
         f.write_json("scheduler.json", trainer.scheduler.state_dict())
         if trainer.scaler is not None:
             f.write_json("scaler.json", trainer.scaler.state_dict())
-        f.write_with("rng.pt", _torch_save, rng_tensors)
+        f.write_file("rng.pt", lambda p: torch.save(rng_tensors, p))
         f.write_json("rng.json", rng_json)
         f.write_json("trainer_state.json", trainer.state())
         f.write_json("config.json", config)
@@ -111,8 +158,10 @@ def manifest_sha256(folder: Path) -> str:
 def restore_training_state(trainer, folder: Path) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` into a freshly built trainer (files already verified)."""
     folder = Path(folder)
-    trainer.model.load_state_dict(load_torch_file(folder / "model.pt"))
-    trainer.optimizer.load_state_dict(load_torch_file(folder / "optimizer.pt"))
+    model_state, _ = _load_sharded(folder, "model")
+    trainer.model.load_state_dict(model_state)
+    opt_state, opt_extra = _load_sharded(folder, "optimizer")
+    trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": opt_extra["param_groups"]})
     trainer.scheduler.load_state_dict(_load_json(folder / "scheduler.json"))
     if trainer.scaler is not None:
         if not (folder / "scaler.json").exists():
