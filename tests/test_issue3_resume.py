@@ -110,10 +110,15 @@ def test_corrupted_and_untrusted_checkpoints_give_clear_errors(toylm, tmp_path):
         restore_check(fresh, folder, expect, known={"0" * 64})
     assert restore_check(fresh, folder, expect, known={"0" * 64}, trust=True)["mismatches"] == []
     # A truncated file is named, before torch ever sees it.
-    opt = folder / "optimizer.pt"
+    (opt,) = folder.glob("optimizer-*.pt")
     opt.write_bytes(opt.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="optimizer.pt is .* bytes, the manifest says"):
+    with pytest.raises(CheckpointError, match=r"optimizer-00000-of-00001.pt is 100 bytes, the manifest says"):
         restore_check(fresh, folder, expect, None)
+    # Even when the manifest is not consulted, a damaged file is named, never a deep torch trace.
+    from pilotrun.checkpoint import load_torch_file
+
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        load_torch_file(opt)
 
 
 def test_pickled_objects_are_refused(tmp_path):
