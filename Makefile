@@ -26,6 +26,7 @@ test: venv
 
 bench: venv
 	$(PY) bench/steady_step_overhead.py
+	$(PY) bench/save_overhead.py
 
 clean:
 	rm -rf runs .pytest_cache

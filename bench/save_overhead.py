@@ -11,22 +11,20 @@ ratio <= 1.2). Results go to bench/results/ with the machine they ran on.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
+from _common import machine, write_results  # noqa: E402
 from pilotrun.checkpoint.state import capture_rng, save_checkpoint  # noqa: E402
 from pilotrun.train.optim import Schedule  # noqa: E402
 
@@ -125,13 +123,8 @@ def main() -> int:
     print(f"  sha256 of the files alone  {hs:.3f} s  ({size / hs / 2**20:.0f} MiB/s on "
           f"{result['hash_threads']} hashing thread(s): the floor of any hashed save here)")
     print(f"  ratio vs plain {q / p:.2f} · vs plain + fsync {q / d:.2f} (goal <= 1.2)")
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "system": platform.platform(),
-               "python": platform.python_version(), "torch": torch.__version__, "filesystem": str(args.dir or tempfile.gettempdir())}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = args.out / f"save_overhead-cpu-{stamp}.json"
-    path.write_text(json.dumps({"machine": machine, "goal": "ratio <= 1.2", "result": result}, indent=1) + "\n")
-    print(f"written {path.relative_to(REPO)}")
+    write_results("save_overhead", {"machine": machine(filesystem=str(args.dir or tempfile.gettempdir())),
+                                    "goal": "ratio <= 1.2", "result": result}, args.out)
     return 0
 
 

@@ -11,21 +11,18 @@ machine speed hits both. The ratio of medians is the pilot's overhead (goal
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
+from _common import machine, write_results  # noqa: E402
 from pilotrun.config import load_spec  # noqa: E402
 from pilotrun.data.bundle import build_data  # noqa: E402
 from pilotrun.models.loading import build_model, load_tokenizer  # noqa: E402
@@ -108,14 +105,7 @@ def main() -> int:
         rows.append({"case": name, "pilot_s_per_update": p, "bare_s_per_update": b, "ratio": p / b,
                      "rounds": args.rounds, "updates_per_round": args.updates})
         print(f"{name:<20} pilot {p * 1000:8.2f} ms/update   bare {b * 1000:8.2f} ms/update   ratio {p / b:.3f}")
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-               "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-               "torch": torch.__version__, "device": "cpu", "system": platform.platform()}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = args.out / f"steady_step_overhead-cpu-{stamp}.json"
-    path.write_text(json.dumps({"machine": machine, "goal": "ratio <= 1.05", "results": rows}, indent=1) + "\n")
-    print(f"written {path.relative_to(REPO)}")
+    write_results("steady_step_overhead", {"machine": machine(), "goal": "ratio <= 1.05", "results": rows}, args.out)
     return 0
 
 

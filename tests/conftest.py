@@ -88,6 +88,35 @@ def write_spec(path: Path, spec: dict) -> Path:
     return path
 
 
+# The gates in the order of SPEC §2, written out independently of the code under test.
+SPEC_ORDER = ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step", "accum_equivalence", "eval",
+              "save", "export", "restore", "resume", "overfit", "reload_eval"]
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """A user's own classifier and data in plain PyTorch (tests/fixtures/toy)."""
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    return copy_fixture("toy", tmp_path)
+
+
+@pytest.fixture
+def toylm(tmp_path, monkeypatch):
+    """A user's own causal LM and SFT-style data in plain PyTorch (tests/fixtures/toylm)."""
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    return copy_fixture("toylm", tmp_path)
+
+
+def gate_rows(spec_path, tmp_path, *overrides, gates=None) -> dict:
+    """Run a pilot in this process; rows by gate name."""
+    from pilotrun.config import load_spec
+    from pilotrun.pilot import PilotOptions, run_pilot
+
+    spec = load_spec(spec_path, list(overrides))
+    result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite", gates=gates))
+    return {r["gate"]: r for r in result.rows}
+
+
 def pilotrun_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real command line, in a real subprocess."""
     full_env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200", **(env or {})}

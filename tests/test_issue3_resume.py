@@ -14,25 +14,13 @@ from pilotrun.checkpoint import CheckpointError, fingerprint_state, save_checkpo
 from pilotrun.config import load_spec
 from pilotrun.gates.resume import first_difference
 from pilotrun.ledger import Ledger
-from pilotrun.pilot import PilotOptions, run_pilot
 from pilotrun.workers.common import build_trainer
 from pilotrun.workers.train_phase import restore_check
 
-from .conftest import copy_fixture, pilotrun_cli
+from .conftest import gate_rows as rows_of
+from .conftest import pilotrun_cli
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def toylm(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
-    return copy_fixture("toylm", tmp_path)
-
-
-def rows_of(spec_path, tmp_path, *overrides, gates=None):
-    spec = load_spec(spec_path, list(overrides))
-    result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite", gates=gates))
-    return {r["gate"]: r for r in result.rows}
 
 
 @pytest.mark.parametrize("bug, gate, words", [

@@ -4,27 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from pilotrun.config import load_spec
-from pilotrun.pilot import PilotOptions, run_pilot
 
+from .conftest import SPEC_ORDER as ALL
 from .conftest import copy_fixture, pilotrun_cli
-
-ALL = ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step", "accum_equivalence", "eval", "save",
-       "export", "restore", "resume", "overfit", "reload_eval"]
-
-
-@pytest.fixture
-def toylm(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
-    return copy_fixture("toylm", tmp_path)
-
-
-def verdicts(spec_path, tmp_path, *overrides, gates=None):
-    spec = load_spec(spec_path, list(overrides))
-    result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite", gates=gates))
-    return {r["gate"]: r for r in result.rows}
+from .conftest import gate_rows as verdicts
 
 
 def test_correct_user_lm_passes_every_gate(toylm, tmp_path):

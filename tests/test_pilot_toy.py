@@ -9,17 +9,8 @@ from pilotrun.config import load_spec
 from pilotrun.ledger import Ledger
 from pilotrun.pilot import PilotOptions, run_pilot
 
+from .conftest import SPEC_ORDER as GATES
 from .conftest import copy_fixture
-
-GATES = ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step", "accum_equivalence", "eval", "save",
-         "export", "restore", "resume", "overfit", "reload_eval"]
-
-
-@pytest.fixture
-def toy(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
-    return copy_fixture("toy", tmp_path)
-
 
 # Every gate but the three that start worker processes: those have their own tests.
 IN_PROCESS = [g for g in GATES if g not in ("restore", "resume", "reload_eval")]

@@ -21,7 +21,8 @@ IGNORE = -100
 ProgressFn = Callable[[int, int, str], None]
 
 
-def _noop(done: int, total: int, text: str) -> None:
+def no_progress(done: int, total: int, text: str) -> None:
+    """The default progress callback: ``progress(done, total, what)``."""
     return None
 
 
@@ -132,7 +133,7 @@ def _per_row_supervised(labels: torch.Tensor) -> list[int]:
     return (labels != IGNORE).reshape(labels.shape[0], -1).sum(1).tolist()
 
 
-def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progress: ProgressFn = _noop) -> dict:
+def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progress: ProgressFn = no_progress) -> dict:
     """Counts over a whole split, as the collate produces it (truncation and masking included)."""
     ds = getattr(bundle, split)
     n = len(ds)
@@ -225,7 +226,7 @@ def _fingerprint(ds, i: int, item: dict, drop: set[str]) -> str:
     return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def audit_splits(bundle: DataBundle, progress: ProgressFn = _noop) -> dict:
+def audit_splits(bundle: DataBundle, progress: ProgressFn = no_progress) -> dict:
     """Ids, groups and identical inputs across splits. Fails: a group or an id in two splits, a repeated id."""
     key = bundle.group_key
     splits = {name: ds for name, ds in (("train", bundle.train), ("val", bundle.val), ("test", bundle.test)) if ds is not None}

@@ -3,19 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..config.spec import Spec
+from ..data.audit import ProgressFn, no_progress
 from ..data.bundle import DataBundle, build_data
 from ..models.loading import LoadedModel, load_tokenizer
-
-ProgressFn = Callable[[int, int, str], None]
-
-
-def _no_progress(done: int, total: int, text: str) -> None:
-    return None
 
 
 @dataclass
@@ -29,7 +24,7 @@ class PilotContext:
     container_digest: str | None = None
     rank: int = 0
     world_size: int = 1
-    progress: ProgressFn = _no_progress
+    progress: ProgressFn = no_progress
     # Filled in by gates as they pass.
     tokenizer: Any = None
     data: DataBundle | None = None
