@@ -64,3 +64,11 @@ def pick_device(requested: str) -> tuple[torch.device, str]:
 
 class DeviceUnavailable(RuntimeError):
     """The spec asks for a device this machine does not have."""
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's marketing name ("NVIDIA H100 80GB HBM3"), or the device type."""
+    inv = query_devices()
+    if device.type == "cuda" and inv.names:
+        return inv.names[device.index or 0]
+    return inv.names[0] if device.type == "mps" and inv.names else device.type

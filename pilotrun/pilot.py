@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .config.spec import Spec
-from .devices import pick_device
+from .devices import device_name, pick_device
 from .gates import GateFailure, Outcome, select_gates
 from .gates.base import as_dict, failure_reason
 from .gates.context import PilotContext
@@ -155,6 +155,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                      parent_id=plan.parent_id if plan else None)
     ctx = PilotContext(spec=spec, run_id=run_id, out_dir=out_dir, device=device, device_reason=device_reason,
                        ledger=ledger, container_digest=options.container_digest, progress=observer.on_progress)
+    ctx.device_name = device_name(device)
     if plan is not None and plan.checkpoint is not None:
         ctx.resume_checkpoint = plan.checkpoint
         if "save" in plan.carried:

@@ -25,7 +25,7 @@ def test_correct_user_lm_passes_every_gate(toylm, tmp_path):
 
 @pytest.mark.parametrize("bug, gate, words", [
     ("leak_group", "split", "1 group(s) of 'conv' appear in two splits"),
-    ("mean_per_micro", "accum_equivalence", "num_items_in_batch is passed but the loss does not use it"),
+    ("mean_per_micro", "accum_equivalence", "takes num_items_in_batch but ignores it"),
     ("no_num_items", "accum_equivalence", "accept num_items_in_batch in forward"),
     ("truncate", "inspect", "have no supervised label left after truncation"),
     ("neighbour_labels", "overfit", "labels that do not belong to their inputs"),

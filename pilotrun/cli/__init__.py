@@ -13,9 +13,12 @@ from pathlib import Path
 from ..config.schema import SpecError
 from ..ledger.store import LedgerError
 from . import batch as batch_cmd
+from . import estimate as estimate_cmd
 from . import inspect as inspect_cmd
 from . import ledger as ledger_cmd
+from . import plan as plan_cmd
 from . import run as run_cmd
+from . import select as select_cmd
 from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError, err_console
 
 EPILOG = """examples:
@@ -23,12 +26,16 @@ EPILOG = """examples:
   pilotrun run pilot.yaml --gates load,first_step,eval --set train.micro_batch_size=4
   pilotrun inspect examples/tiny-sft/pilot.yaml -n 5
   pilotrun batch --micro-batch 2 --grad-accum 8 --replicas 1 --examples 3200
+  pilotrun estimate examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB --gpus 4
+  pilotrun select examples/llama-7b-estimate/pilot.yaml
+  pilotrun plan examples/llama-7b-estimate/pilot.yaml --runs 6
   pilotrun ledger
   pilotrun ledger --run tiny-sft-2026 --json
 
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error, 130 interrupted"""
 
-COMMANDS = {"run": run_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "ledger": ledger_cmd}
+COMMANDS = {"run": run_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
+            "select": select_cmd, "plan": plan_cmd, "ledger": ledger_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -76,5 +76,38 @@ def _run(args) -> tuple[int, str | None]:
         if observer.live is not None:
             observer.live.stop()
     observer.finish(result.status, result.out_dir, result.ledger_path)
+    _advise_after_oom(spec, result, console)
     report = (result.out_dir / "report.json").read_text() if args.json else None
     return result.exit_code, report
+
+
+def _advise_after_oom(spec, result, console) -> None:
+    """A gate that ran out of accelerator memory gets the advisor's variants, and a note in the ledger."""
+    oom = [r for r in result.rows if r["verdict"] == "fail" and "out of memory at" in r["reason"]]
+    if not oom:
+        return
+    from ..estimate.advise import advise
+    from ..estimate.catalog import load_catalog, local_accelerator
+    from ..estimate.runner import Traces
+    from ..ledger.store import Ledger
+
+    catalog = load_catalog()
+    acc = local_accelerator(catalog)
+    if acc is None:
+        return
+    try:
+        with console.status("out of memory: tracing variants that would fit..."):
+            variants = advise(spec, Traces(spec), acc, "single", 1, catalog)
+    except Exception as exc:  # advice is a help, never a second failure
+        console.print(f"[yellow]no advice: {type(exc).__name__}: {exc}[/]")
+        return
+    console.print(f"[bold yellow]{oom[0]['gate']} ran out of memory on {acc.name}; variants in order "
+                  "(the maximum length is never cut):[/]")
+    lines = []
+    for v in variants:
+        line = (f"{'fits' if v['fits'] else 'no  '}  {v['variant']}: {v['device_used_bytes'] / 2**30:.1f} GiB per GPU"
+                f"{', %.2fx time' % v['time_factor'] if v['time_factor'] else ''}; {v['experiment']}")
+        lines.append(line)
+        console.print("  " + line, highlight=False)
+    with Ledger(result.ledger_path) as led:
+        led.add_note(result.run_id, "advisor after out of memory:\n" + "\n".join(lines))

@@ -98,7 +98,8 @@ class DataSpec:
                 if need not in self.path:
                     yield f"path.{need}", "missing; a split mapping needs train and val"
         if self.max_length is not None and self.max_length < 2:
-            yield "max_length", f"must be at least 2, got {self.max_length}"
+            yield "max_length", (f"must be at least 2, got {self.max_length} (leave it out when the inputs have no "
+                                 "sequence, e.g. images or feature vectors)")
         if not 0.0 < self.val_fraction < 1.0:
             yield "val_fraction", f"must be between 0 and 1 (exclusive), got {self.val_fraction}"
         if not 0.0 <= self.test_fraction < 1.0 or self.val_fraction + self.test_fraction >= 1.0:

@@ -62,6 +62,54 @@ def _one_batch(model, batch: dict, policy, device) -> float:
     return float(loss.detach())
 
 
+def _supervised(batch: dict, policy) -> int:
+    labels = batch["labels"]
+    if policy.shift_labels and labels.ndim >= 2:
+        labels = labels[..., 1:]
+    return int((labels != -100).sum())
+
+
+def _same(a: dict, b: dict) -> bool:
+    if set(a) != set(b):
+        return False
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def _diagnose(model, data, fetched, big, window, policy, device, dtype, tol) -> dict:
+    """Why the two computations differ, tested one cause at a time, so the reason names the right one."""
+    model.zero_grad(set_to_none=True)
+    _one_batch(model, big, policy, device)
+    g1 = _grads(model)
+    model.zero_grad(set_to_none=True)
+    _one_batch(model, big, policy, device)
+    g2 = _grads(model)
+    model.zero_grad(set_to_none=True)
+    if float((g1 - g2).norm()) > tol * (float(g1.norm()) or 1.0):
+        return {"kind": "randomness", "cause": "the model is not deterministic in eval mode (the same batch twice gives "
+                "different gradients): dropout or another random op that ignores model.eval(), so no comparison "
+                "means anything until that is fixed"}
+    again = _cast_inputs(data.collate([it for items in fetched for it in items]), dtype)
+    if not _same(big, again):
+        return {"kind": "randomness", "cause": "the collate is random (the same items collated twice differ): "
+                "augmentation or masking drawn inside the collate"}
+    counts = [_supervised(b, policy) for _, b in window]
+    sizes = [len(ids) for ids, _ in window]
+    if policy.pass_num_items is False and "takes num_items_in_batch but its loss does not change" in policy.reason \
+            and len(set(counts)) > 1:
+        return {"kind": "normalisation", "cause": "the model takes num_items_in_batch but ignores it and averages its "
+                "own micro batch, so tokens in micro batches with fewer supervised labels weigh more than in one big "
+                "batch: divide the summed token losses by num_items_in_batch, or declare train.loss_normalization: "
+                "per_micro_batch on purpose"}
+    if not policy.pass_num_items and len(set(counts)) > 1 and len({c / s for c, s in zip(counts, sizes)}) > 1:
+        return {"kind": "normalisation", "cause": "the loss is a mean over each micro batch's own labels and the "
+                f"micro batches hold different numbers of them ({counts}), so they weigh differently than in one big "
+                "batch: accept num_items_in_batch in forward (sum the token losses and divide by it), or declare "
+                "train.loss_normalization: per_micro_batch on purpose"}
+    return {"kind": "batch-dependence", "cause": "examples influence each other's loss: labels or inputs that depend on "
+            "which examples share a batch (e.g. labels taken from a neighbour), outputs that change with padding, or "
+            "statistics computed across the batch"}
+
+
 class AccumEquivalenceGate(Gate):
     name = "accum_equivalence"
     depends_on = ("load",)
@@ -88,18 +136,21 @@ class AccumEquivalenceGate(Gate):
             model, device, dtype, tol = copy.deepcopy(ctx.model), ctx.device, torch.float32, TOL_FLOAT32
         model.eval()
         results = []
+        diagnosis: dict = {}
         try:
             for label, micro in windows:
-                window = []
-                for idx in micro:
-                    items = [data.train[i] for i in idx]
-                    window.append(([str(it["id"]) for it in items], _cast_inputs(data.collate(items), dtype)))
+                # Each item is fetched once: a dataset that augments from the global RNG gives both
+                # computations the same examples.
+                fetched = [[data.train[i] for i in idx] for idx in micro]
+                window = [([str(it["id"]) for it in items], _cast_inputs(data.collate(items), dtype))
+                          for items in fetched]
                 model.zero_grad(set_to_none=True)
                 acc = window_backward(model, window, policy, device, "fp32")
                 g_acc = _grads(model)
                 model.zero_grad(set_to_none=True)
-                all_items = [data.train[i] for idx in micro for i in idx]
-                single = _one_batch(model, _cast_inputs(data.collate(all_items), dtype), policy, device)
+                all_items = [it for items in fetched for it in items]
+                big = _cast_inputs(data.collate(all_items), dtype)
+                single = _one_batch(model, big, policy, device)
                 g_one = _grads(model)
                 denom = float(g_one.norm()) or 1.0
                 rel = float((g_acc - g_one).norm()) / denom
@@ -107,7 +158,10 @@ class AccumEquivalenceGate(Gate):
                 results.append({"window": label, "micro_batches": len(micro), "examples": len(all_items),
                                 "relative_grad_difference": rel, "relative_loss_difference": loss_rel,
                                 "accumulated_loss": float(acc["loss"]), "one_batch_loss": single,
-                                "micro_batch_sizes": [len(b) for b in micro]})
+                                "micro_batch_sizes": [len(b) for b in micro],
+                                "supervised_per_micro_batch": [_supervised(b, policy) for _, b in window]})
+                if rel > tol and not diagnosis:
+                    diagnosis = _diagnose(model, data, fetched, big, window, policy, device, dtype, tol)
         except RuntimeError as exc:
             if dtype == torch.float64 and "dtype" in str(exc).lower() or "Double" in str(exc):
                 raise GateFailure(f"the model does not run in float64 ({str(exc).splitlines()[0][:150]}); "
@@ -128,14 +182,10 @@ class AccumEquivalenceGate(Gate):
             out.reason = (f"{summary}: differs beyond {tol:.0e}, accepted because train.loss_normalization is "
                           "per_micro_batch (declared)")
             return out
-        cause = ("the model's loss is a mean over its own micro batch, so tokens in short micro batches weigh more "
-                 "than in one big batch: accept num_items_in_batch in forward (sum the token losses and divide by "
-                 "it), or declare train.loss_normalization: per_micro_batch on purpose")
-        if policy.pass_num_items:
-            cause = ("num_items_in_batch is passed but the loss does not use it (it still averages its own micro "
-                     "batch): divide the summed token losses by num_items_in_batch, or declare "
-                     "train.loss_normalization: per_micro_batch on purpose")
-        if worst["window"].startswith("last") and all(r["relative_grad_difference"] <= tol for r in results[:1]):
+        out.details["diagnosis"] = diagnosis
+        cause = diagnosis.get("cause") or "the accumulated and the one-batch computations disagree"
+        if worst["window"].startswith("last") and all(r["relative_grad_difference"] <= tol for r in results[:1]) \
+                and diagnosis.get("kind") != "randomness":
             cause = ("only the short last window differs: its loss is scaled as if the window were full "
                      "(divided by grad_accum_steps instead of its own size)")
         raise GateFailure(f"accumulated gradient differs from one batch of the same examples: {summary} "

@@ -24,6 +24,7 @@ class PilotContext:
     container_digest: str | None = None
     rank: int = 0
     world_size: int = 1
+    device_name: str = "cpu"                  # e.g. "NVIDIA H100 80GB HBM3": estimates calibrate by it
     progress: ProgressFn = no_progress
     # Filled in by gates as they pass.
     tokenizer: Any = None
@@ -88,6 +89,7 @@ class PilotContext:
             "grad_accum_steps": t.grad_accum_steps,
             "precision": t.precision,
             "device": str(self.device),
+            "device_name": self.device_name,
             "world_size": self.world_size,
             "rank": self.rank,
         }

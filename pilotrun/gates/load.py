@@ -24,6 +24,7 @@ class LoadGate(Gate):
         ctx.loaded = loaded
         meter.register([model])
         ctx.trainer = Trainer(model, data.train, data.collate, spec, ctx.device, pad_batch=data.pad_batch)
+        policy = ctx.trainer.probe_policy()
         restored = None
         if ctx.resume_checkpoint is not None:
             restored = restore_training_state(ctx.trainer, ctx.resume_checkpoint)
@@ -53,7 +54,8 @@ class LoadGate(Gate):
         per_update = spec.train.micro_batch_size * spec.train.grad_accum_steps
         out.reason = (
             f"{type(model).__name__}: {human_count(total)} parameters ({human_bytes(param_bytes)} {'/'.join(dtypes)}) "
-            f"from {loaded.source.split(' (')[0]} on {ctx.device}; {sizes} examples"
+            f"from {loaded.source.split(' (')[0]} on {ctx.device}; {sizes} examples; loss over accumulation: "
+            + ("num_items_in_batch passed" if policy.pass_num_items else "per-micro-batch means weighted by examples")
         )
         if restored is not None:
             out.reason += f"; training state restored from {ctx.resume_checkpoint.name} (update {restored['step']})"

@@ -46,6 +46,15 @@ class LockGate(Gate):
             out.details["drift"] = [{"field": k, "before": a, "now": b} for k, a, b in drift]
             if drift:
                 out.warn(f"drift from {prev_id} in {len(drift)} field(s): {summarize_drift(drift)}")
+            cut = [(k, a, b) for k, a, b in drift if k in ("config.data.max_length", "config.eval.max_length")
+                   and isinstance(a, int) and isinstance(b, int) and b < a]
+            if cut:
+                out.details["different_experiment"] = [{"field": k[7:], "before": a, "now": b} for k, a, b in cut]
+                text = "; ".join(f"{k[7:]} was cut from {a} to {b}: outputs change, so this is a different "
+                                 f"experiment from {prev_id}, not the same one made to fit" for k, a, b in cut)
+                out.warn(text)
+                if ctx.ledger is not None:
+                    ctx.ledger.add_note(ctx.run_id, f"different experiment: {text}")
             else:
                 out.reason = f"{head}; no drift from {prev_id}"
         model = lock["model"]

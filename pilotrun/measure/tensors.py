@@ -67,9 +67,15 @@ def category_bytes(objs: Iterable) -> dict[str, int]:
 class LiveTensorTracker(TorchDispatchMode):
     """``with LiveTensorTracker(track=[model, opt]) as t: ...``; then ``t.peak_bytes``."""
 
-    def __init__(self, track: Iterable = (), device_type: str = "cpu") -> None:
+    def __init__(self, track: Iterable = (), device_type: str = "cpu", fake: bool = False,
+                 round_to: int = 0) -> None:
         super().__init__()
         self.device_type = device_type
+        # Under FakeTensorMode storages live on "meta": count them as the device they stand for.
+        self.fake = fake
+        # CUDA's caching allocator rounds every block up to 512 B: the estimator counts that way.
+        self.round_to = round_to
+        self.tensors = 0
         self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: list = []
         self.live_bytes = 0
@@ -84,9 +90,13 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._add(st)
 
     def _add(self, st: torch.UntypedStorage) -> None:
-        if st.device.type != self.device_type or st in self._live:
+        kind = st.device.type
+        if (kind != self.device_type and not (self.fake and kind == "meta")) or st in self._live:
             return
         n = st.nbytes()
+        if self.round_to and n:
+            n = -(-n // self.round_to) * self.round_to
+        self.tensors += 1
         self._live[st] = n
         self.live_bytes += n
         if self.live_bytes > self.peak_bytes:
@@ -108,5 +118,132 @@ class LiveTensorTracker(TorchDispatchMode):
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
         # Drop the callbacks: storages freed later must not touch a finished tracker.
+        self._refs.clear()
+        return result
+
+
+class CategoryTracker(TorchDispatchMode):
+    """Live storage bytes by category, and the breakdown at the peak: what the estimator needs.
+
+    Categories: ``parameters``, ``buffers``, ``gradients`` (re-labelled when autograd
+    accumulates them into ``.grad``), ``optimizer`` (everything ``optimizer.step()``
+    allocates: its state and its foreach temporaries, which shard alike under FSDP),
+    ``weight_casts`` (autocast's bf16/fp16 copies of parameters) and ``activations``
+    (everything else forward and backward allocate). Cheaper per op than
+    ``MemTracker``, whose cost grows with the number of modules. Peaks are kept both
+    unrounded and with every storage rounded up to ``round_to`` bytes.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 fake: bool = False, round_to: int = 512) -> None:
+        super().__init__()
+        self.fake = fake
+        self.round_to = round_to
+        self.model = model
+        self.optimizer = optimizer
+        self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [category, bytes, rounded]
+        self._refs: list = []
+        self.live = {"parameters": 0, "buffers": 0, "gradients": 0, "optimizer": 0, "weight_casts": 0,
+                     "activations": 0}
+        self.live_bytes = self.live_rounded = 0
+        self.peak_bytes = self.peak_rounded = 0
+        self.peak_breakdown: dict[str, int] = dict(self.live)
+        self.tensors = 0
+        self.step_peak = 0  # the largest live total while optimizer.step() ran
+        self._phase: str | None = None
+        self._handles: list = []
+        for p in model.parameters():
+            self._register(p, "parameters")
+            if p.grad is not None:
+                self._register(p.grad, "gradients")
+        for b in model.buffers():
+            self._register(b, "buffers")
+        if optimizer is not None:
+            for st in optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        self._register(v, "optimizer")
+        self.baseline_bytes = self.live_bytes
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _register(self, t: torch.Tensor, category: str) -> None:
+        for st in _storages(t):
+            rec = self._records.get(st)
+            if rec is None:
+                self._add(st, category)
+            elif rec[0] != category:
+                self.live[rec[0]] -= rec[1]
+                self.live[category] += rec[1]
+                rec[0] = category
+
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        kind = st.device.type
+        if kind not in ("cpu", "cuda") and not (self.fake and kind == "meta"):
+            return
+        n = st.nbytes()
+        r = -(-n // self.round_to) * self.round_to if self.round_to and n else n
+        rec = [category, n, r]
+        self._records[st] = rec
+        self.live[category] += n
+        self.live_bytes += n
+        self.live_rounded += r
+        self.tensors += 1
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_breakdown = dict(self.live)
+        if self.live_rounded > self.peak_rounded:
+            self.peak_rounded = self.live_rounded
+        if self._phase == "optimizer" and self.live_bytes > self.step_peak:
+            self.step_peak = self.live_bytes
+
+        def _freed(_ref, rec=rec, self_ref=weakref.ref(self)):
+            me = self_ref()
+            if me is not None:
+                me.live[rec[0]] -= rec[1]
+                me.live_bytes -= rec[1]
+                me.live_rounded -= rec[2]
+
+        self._refs.append(weakref.ref(st, _freed))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = self._phase or "activations"
+        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
+            # autocast's lower-precision copy of a weight: kept for backward, gone under FSDP2's
+            # mixed-precision policy (which gathers the parameters in that dtype instead)
+            src = self._records.get(args[0].untyped_storage()) if args[0].device.type != "meta" or self.fake else None
+            if src is not None and src[0] == "parameters":
+                category = "weight_casts"
+        for st in _storages(out):
+            if st not in self._records:
+                self._add(st, category)
+        return out
+
+    # -- hooks that name what a storage is ------------------------------------------------
+    def __enter__(self):
+        for p in self.model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p: self._register(p.grad, "gradients")))
+        if self.optimizer is not None:
+            def pre(opt, args, kwargs):
+                self._phase = "optimizer"
+
+            def post(opt, args, kwargs):
+                self._phase = None
+                for st_ in opt.state.values():
+                    for v in st_.values():
+                        if isinstance(v, torch.Tensor):
+                            self._register(v, "optimizer")
+
+            self._handles.append(self.optimizer.register_step_pre_hook(pre))
+            self._handles.append(self.optimizer.register_step_post_hook(post))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        result = super().__exit__(*exc)
         self._refs.clear()
         return result

@@ -88,6 +88,73 @@ def decide_loss_policy(model: torch.nn.Module, declared: str = "auto") -> LossPo
     return LossPolicy(False, False, "forward does not declare num_items_in_batch: each micro batch's loss weighted by its share of the window's examples")
 
 
+def _is_hf_causal_lm(model) -> bool:
+    hf = sys.modules.get("transformers")
+    if hf is None or not isinstance(model, hf.PreTrainedModel):
+        return False
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    if getattr(model, "loss_type", None) == "ForCausalLM":
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def probe_loss_policy(model, batch: dict, device: torch.device, precision: str, static: LossPolicy) -> LossPolicy:
+    """Ask the model itself: does its loss follow ``num_items_in_batch``? Two no-grad forwards in eval mode,
+    with N and 2N; a loss that halves honours it. Random states are restored, so the probe leaves no trace."""
+    if static.reason.startswith("train.loss_normalization is per_micro_batch"):
+        return static
+    shift = _is_hf_causal_lm(model)
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if not isinstance(labels, torch.Tensor):
+        return static
+    counted = labels[..., 1:] if shift and labels.ndim >= 2 else labels
+    n = max(int((counted != IGNORE).sum()), 1)
+    py, np_state, cpu = random.getstate(), None, torch.get_rng_state()
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast_for(device, precision):
+            b = to_device(batch, device)
+            one = _loss_of(model(**b, num_items_in_batch=torch.tensor(n, device=device)))
+            two = _loss_of(model(**b, num_items_in_batch=torch.tensor(2 * n, device=device)))
+    except TypeError as exc:
+        if "num_items_in_batch" in str(exc):
+            return LossPolicy(False, False, "forward does not take num_items_in_batch: each micro batch's loss weighted "
+                                            "by its share of the window's examples")
+        return static  # another contract problem: first_step reports it with the update and the ids
+    except Exception:
+        return static
+    finally:
+        model.train(was_training)
+        random.setstate(py)
+        torch.set_rng_state(cpu)
+        if np_state is not None:
+            import numpy as np
+
+            np.random.set_state(np_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+    a, b2 = float(one), float(two)
+    count = "next-token labels (labels[:, 1:] != -100)" if shift else "labels != -100"
+    if math.isfinite(a) and math.isfinite(b2) and a != 0 and math.isclose(a, 2 * b2, rel_tol=1e-2):
+        return LossPolicy(True, shift, f"probed: the loss halves when num_items_in_batch doubles, so pilotrun passes "
+                                       f"the window's {count} and sums the micro-batch losses")
+    return LossPolicy(False, False, "probed: forward takes num_items_in_batch but its loss does not change with it, "
+                                    "so each micro batch's loss is weighted by its share of the window's examples")
+
+
 @dataclass
 class UpdateRecord:
     step: int  # 1-based index of this update
@@ -118,14 +185,15 @@ def count_items(batch: dict, policy: LossPolicy) -> int:
 
 
 def window_backward(model, window: list, policy: LossPolicy, device: torch.device, precision: str,
-                    scaler=None) -> dict:
+                    scaler=None, num_items: int | None = None, stats: bool = True) -> dict:
     """Forward and backward over one update window ``[(ids, batch), ...]``, normalised as the loop does.
 
     This is the single place where accumulation is normalised: the training loop, the
     accum_equivalence gate and the overfit gate all call it, so the gate tests the loop.
     """
     ids_all = [i for ids, _ in window for i in ids]
-    num_items = sum(count_items(b, policy) for _, b in window)
+    if num_items is None:
+        num_items = sum(count_items(b, policy) for _, b in window)
     total = torch.zeros((), device=device, dtype=torch.float64)
     tokens = supervised = examples = seq_len = 0
     for ids, batch in window:
@@ -149,6 +217,8 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
             loss.backward()
         total += loss.detach()
         examples += len(ids)
+        if not stats:  # fake tensors (the estimator): counting would need their values
+            continue
         # Tokens are real tokens (the attention mask), else input_ids positions; images have none.
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim >= 2:
@@ -272,6 +342,14 @@ class Trainer:
         self._iter = None
         self.last_window: dict = {}
         self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def probe_policy(self) -> LossPolicy:
+        """Settle the loss normalisation on the first planned micro batch (see :func:`probe_loss_policy`)."""
+        idx = self.plan.micro_batch(self.epoch, self.micro_index)
+        items = [self.train_set[i] for i in idx]
+        self.policy = probe_loss_policy(self.model, self.collate.collate(items), self.device, self.precision,
+                                        self.policy)
+        return self.policy
 
     # -- data -----------------------------------------------------------------
     def _loader_iter(self):

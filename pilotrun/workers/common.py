@@ -38,6 +38,7 @@ def build_trainer(spec: Spec) -> tuple[Trainer, object, torch.device]:
     loaded = build_model(spec, data.label_names, tokenizer)
     model = loaded.model.to(device)
     trainer = Trainer(model, data.train, data.collate, spec, device, pad_batch=data.pad_batch)
+    trainer.probe_policy()  # the same decision, by the same probe, as the pilot's own process
     return trainer, data, device
 
 

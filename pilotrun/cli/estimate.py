@@ -1,0 +1,158 @@
+"""``pilotrun estimate SPEC``: per-stage peaks traced with fake tensors, and the fit on each accelerator."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from ..config.spec import load_spec
+from ..estimate.advise import advise
+from ..estimate.catalog import CatalogError, find, load_catalog
+from ..estimate.model import estimate_fit
+from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
+from ..estimate.worker import TraceError
+from ..ledger.store import Ledger, default_ledger_path
+from ..ui.format import human_bytes, human_seconds
+from .common import UsageError, out_console
+
+HELP = """examples:
+  pilotrun estimate examples/llama-7b-estimate/pilot.yaml
+  pilotrun estimate pilot.yaml --accelerator H100-80GB --gpus 4 --strategy fsdp
+  pilotrun estimate pilot.yaml --accelerator a100 --json
+  pilotrun estimate pilot.yaml --catalog my-gpus.yaml      # add or override accelerators (prices too)
+
+Nothing is allocated and no weights or data files are read: the model is built on the meta device and
+traced with fake tensors in a separate process. Without --gpus, DDP and FSDP are shown over 2, 4 and 8 GPUs."""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("estimate", help="predict memory and time on accelerators you do not have",
+                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec")
+    p.add_argument("--accelerator", action="append", default=[], help="catalog name or alias (repeatable; default all)")
+    p.add_argument("--gpus", type=int, help="GPUs for ddp/fsdp (default 2, 4 and 8)")
+    p.add_argument("--strategy", choices=["single", "ddp", "fsdp"], action="append", default=[],
+                   help="repeatable; default all three")
+    p.add_argument("--catalog", type=Path, help="a YAML catalog that extends or overrides the built-in one")
+    p.add_argument("--ledger", type=Path, help="for utilisation measured by earlier pilots")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-advice", action="store_true", help="skip the variants for rows that do not fit")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def _ledger(path: Path | None) -> Ledger | None:
+    path = path or default_ledger_path()
+    return Ledger(path) if Path(path).exists() else None
+
+
+def main(args) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    try:
+        catalog = load_catalog(args.catalog)
+        accs = [find(catalog, a) for a in args.accelerator] or list(catalog.values())
+    except CatalogError as exc:
+        raise UsageError(str(exc)) from None
+    if args.gpus is not None and args.gpus < 1:
+        raise UsageError("--gpus must be at least 1")
+    strategies = args.strategy or ["single", "ddp", "fsdp"]
+    gpu_counts = [args.gpus] if args.gpus else [2, 4, 8]
+    console = out_console()
+    traces = Traces(spec)
+    try:
+        with console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json else _null():
+            trace = traces.get()
+    except TraceError as exc:
+        raise UsageError(f"the trace failed: {exc}") from None
+    ledger = _ledger(args.ledger)
+    fits = []
+    for acc in accs:
+        util, source = calibrated_utilisation(ledger, spec.config_hash(), acc, trace["stages"]["steady_step"]["flops"],
+                                              spec.train.precision)
+        for strategy in strategies:
+            for n in ([1] if strategy == "single" else gpu_counts):
+                if strategy != "single" and n == 1:
+                    continue
+                fit = estimate_fit(trace, acc, strategy, n, utilisation=util)
+                fit["utilisation_source"] = source if util else "catalog default"
+                fits.append(fit)
+    advice = {}
+    if not args.no_advice and len(accs) == 1 and not any(f["fits"] for f in fits):
+        first = fits[0]
+        with console.status("working out variants...") if not args.json else _null():
+            advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog)
+    report = {"spec": spec.source, "config_hash": spec.config_hash(), "stages": stage_summary(trace),
+              "model": {k: trace[k] for k in ("parameters", "trainable_parameters", "parameter_bytes",
+                                               "gradient_bytes", "optimizer_state_bytes", "largest_layer",
+                                               "largest_layer_bytes", "layers", "precision",
+                                               "activation_checkpointing")},
+              "trace_seconds": trace["seconds"],
+              "fits": [{k: f[k] for k in ("accelerator", "strategy", "gpus", "precision", "peak_allocated_bytes",
+                                          "peak_reserved_bytes", "device_used_bytes", "capacity_bytes", "fits",
+                                          "limiting_stage", "seconds_per_update", "utilisation_source")}
+                       | {"corrections": f["stages"][f["limiting_stage"]]["corrections"] + f["notes"],
+                          "time": f["time"]} for f in fits],
+              "advice": advice}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    _print(console, spec, trace, report)
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _print(console, spec, trace, report) -> None:
+    st = report["stages"]
+    console.print(Text.assemble(("estimate ", "bold"), (spec.name, "bold cyan"),
+                                f" · {trace['parameters'] / 1e9:.2f}B parameters · {spec.train.precision} · micro batch "
+                                f"{spec.train.micro_batch_size} x {spec.train.grad_accum_steps} at length "
+                                f"{spec.data.max_length} · traced in {trace['seconds']:.1f} s"))
+    t = Table(box=None, header_style="bold", title="per-stage peaks on one device (traced, before target corrections)",
+              title_justify="left")
+    for col in ("stage", "peak", "parameters", "gradients", "optimizer", "activations", "weight casts"):
+        t.add_column(col, justify="right" if col != "stage" else "left")
+    for name in ("first_step", "steady_step", "eval"):
+        b = st[name]["breakdown"]
+        t.add_row(name, human_bytes(st[name]["peak_bytes"]), human_bytes(b.get("parameters")),
+                  human_bytes(b.get("gradients")), human_bytes(b.get("optimizer")), human_bytes(b.get("activations")),
+                  human_bytes(b.get("weight_casts")))
+    t.add_row("save", human_bytes(st["save"]["peak_bytes"]), "", "", "", "", "")
+    console.print(t)
+    f = Table(box=None, header_style="bold", title="fit per accelerator (per-rank device memory incl. context, "
+              "workspaces, collective buffers, allocator margin)", title_justify="left")
+    for col in ("accelerator", "strategy", "GPUs", "allocated", "device used", "capacity", "fits", "worst stage",
+                "time/update"):
+        f.add_column(col, justify="left" if col in ("accelerator", "strategy", "fits", "worst stage") else "right")
+    for r in report["fits"]:
+        f.add_row(r["accelerator"], r["strategy"], str(r["gpus"]), human_bytes(r["peak_allocated_bytes"]),
+                  human_bytes(r["device_used_bytes"]), human_bytes(r["capacity_bytes"]),
+                  Text("yes" if r["fits"] else "no", style="green" if r["fits"] else "red"), r["limiting_stage"],
+                  human_seconds(r["seconds_per_update"]))
+    console.print(f)
+    if report["fits"]:
+        first = report["fits"][0]
+        console.print(Text(f"corrections for {first['accelerator']} ({first['strategy']}, {first['limiting_stage']}):",
+                           style="bold"))
+        for c in first["corrections"]:
+            console.print(f"  {c['name']:<44} {human_bytes(c['bytes']):>10}  {c['reason']}", highlight=False)
+        console.print(Text(f"time assumes {first['time'].get('utilisation', 0):.0%} of the dense "
+                           f"{spec.train.precision} peak ({first['utilisation_source']}); communication is not "
+                           "overlapped", style="dim"))
+    for acc, variants in report["advice"].items():
+        console.print(Text(f"\ndoes not fit on {acc}: variants in order (the maximum length is never cut)", style="bold yellow"))
+        for v in variants:
+            mark = Text("fits", style="green") if v["fits"] else Text("no", style="red")
+            tf = f"{v['time_factor']:.2f}x time" if v["time_factor"] else "time n/a"
+            console.print(Text.assemble("  ", mark, f"  {v['variant']}: {human_bytes(v['device_used_bytes'])} per GPU, "
+                                                    f"{tf}; {v['experiment']}; {v['reason']}"))

@@ -1,0 +1,87 @@
+"""``pilotrun plan SPEC``: the whole pipeline's time and what a 3, 7 or 30-day rental buys."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from ..config.spec import load_spec
+from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
+from .common import UsageError, out_console
+from .estimate import _ledger
+from .select import build_sheet
+
+HELP = """examples:
+  pilotrun plan examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB
+  pilotrun plan pilot.yaml --runs 6 --accelerator a100 --json
+  pilotrun plan pilot.yaml --runs 3 --egress-mb-s 50 --evals 20
+
+Items measured by a pilot of this spec (preprocessing, data wait, evaluation, checkpoint speed) come from the
+ledger; the rest are assumptions printed with their value. 7 days suit compatibility and profiling; 30 days
+are only advised when a measured pilot on that accelerator backs the time estimate."""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("plan", help="pipeline budget and 3/7/30-day rental plans", description=__doc__, epilog=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec")
+    p.add_argument("--runs", type=int, default=1, help="runs of the whole pipeline (a campaign's size)")
+    p.add_argument("--accelerator", action="append", default=[])
+    p.add_argument("--catalog", type=Path)
+    p.add_argument("--ledger", type=Path)
+    p.add_argument("--download-mb-s", type=float, default=Assumptions.download_mb_s)
+    p.add_argument("--egress-mb-s", type=float, default=Assumptions.egress_mb_s)
+    p.add_argument("--evals", type=int, default=Assumptions.evals_per_run, help="evaluations per run")
+    p.add_argument("--checkpoints", type=int, default=Assumptions.checkpoints_per_run, help="checkpoints per run")
+    p.add_argument("--data-gb", type=float, default=0.0, help="dataset to download, GB")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    if args.runs < 1:
+        raise UsageError("--runs must be at least 1")
+    spec = load_spec(args.spec, args.overrides)
+    rows, traces = build_sheet(spec, args.accelerator, args.catalog, args.ledger, None, args.json)
+    ledger = _ledger(args.ledger)
+    a = Assumptions(download_mb_s=args.download_mb_s, egress_mb_s=args.egress_mb_s, evals_per_run=args.evals,
+                    checkpoints_per_run=args.checkpoints, data_bytes=int(args.data_gb * 1e9))
+    out = []
+    for row in rows:
+        trace = traces.get(ac=row["activation_checkpointing"])
+        per_run = pipeline_hours(spec, row, trace, ledger, a)
+        out.append({"accelerator": row["accelerator"], "configuration": row, "per_run": per_run,
+                    "plans": rental_plans(row, per_run, args.runs), "more_gpus": more_gpus_advice(row, per_run)})
+    if args.json:
+        print(json.dumps({"spec": spec.source, "runs": args.runs, "assumptions": a.to_dict(), "accelerators": out},
+                         indent=1, default=str))
+        return 0
+    console = out_console()
+    for item in out:
+        row, per_run = item["configuration"], item["per_run"]
+        console.print(Text.assemble((item["accelerator"], "bold cyan"),
+                                    f" · {row['strategy']} x{row['gpus']}{' + AC' if row['activation_checkpointing'] else ''}"
+                                    f" · micro batch {row['micro_batch_size']} x {row['grad_accum_steps']}"
+                                    f" · {'fits' if row['fits'] else 'DOES NOT FIT'}"))
+        t = Table(box=None, header_style="bold")
+        t.add_column("item")
+        t.add_column("hours", justify="right")
+        t.add_column("from")
+        for i in per_run["items"]:
+            t.add_row(i["item"], f"{i['hours']:.2f}" if i["hours"] is not None else "?", i["from"])
+        t.add_row(Text("one run", style="bold"), Text(f"{per_run['hours']:.1f}", style="bold"),
+                  f"x {args.runs} run(s) = {per_run['hours'] * args.runs:.1f} h")
+        console.print(t)
+        for p in item["plans"]:
+            verdict = Text("fits", style="green") if p["fits_with_margin"] else Text("too short", style="red")
+            console.print(Text.assemble(f"  {p['days']:>2} days on {p['gpus']} GPU(s): ", verdict,
+                                        f" ({p['runs_that_fit']} run(s) fit with a 20% margin)"
+                                        + (f"; {'; '.join(p['advice'])}" if p["advice"] else "")))
+        console.print(Text(f"  more GPUs? {item['more_gpus']}", style="dim"))
+        console.print()
+    return 0

@@ -1,0 +1,109 @@
+"""``pilotrun select SPEC``: the selection sheet — per accelerator, what fits, how, and how long it takes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from ..config.spec import load_spec
+from ..estimate.catalog import CatalogError, find, load_catalog
+from ..estimate.runner import Traces
+from ..estimate.select import sheet_row
+from ..estimate.stack import installed_extensions
+from ..estimate.worker import TraceError
+from ..ui.format import human_bytes, human_seconds
+from .common import UsageError, out_console
+from .estimate import _ledger, _null
+
+HELP = """examples:
+  pilotrun select examples/llama-7b-estimate/pilot.yaml
+  pilotrun select pilot.yaml --markdown > selection.md
+  pilotrun select pilot.yaml --json
+  pilotrun select pilot.yaml --accelerator H100-80GB --accelerator MI300X-192GB --headroom 0.1
+
+For each accelerator: the first configuration that fits with headroom, in SPEC §4's order (single device,
+activation checkpointing, FSDP over 2/4/8, a smaller micro batch with more accumulation holding the examples
+per update), the largest micro batch and length that fit, and the time for train.updates."""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("select", help="the selection sheet: accelerator, strategy, sizes and time",
+                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec")
+    p.add_argument("--accelerator", action="append", default=[])
+    p.add_argument("--catalog", type=Path)
+    p.add_argument("--ledger", type=Path)
+    p.add_argument("--headroom", type=float, help="share of device memory kept free (default from the catalog, 5%%)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--markdown", action="store_true")
+    p.set_defaults(func=main)
+
+
+def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) -> tuple[list[dict], object]:
+    try:
+        catalog = load_catalog(catalog_path)
+        accs = [find(catalog, a) for a in accelerators] or list(catalog.values())
+    except CatalogError as exc:
+        raise UsageError(str(exc)) from None
+    traces = Traces(spec)
+    ledger = _ledger(ledger_path)
+    ext = installed_extensions(spec.folder)
+    console = out_console()
+    try:
+        with (console.status("tracing with fake tensors...") if not quiet else _null()):
+            rows = [sheet_row(spec, traces, acc, ledger, ext, headroom) for acc in accs]
+    except TraceError as exc:
+        raise UsageError(f"the trace failed: {exc}") from None
+    return rows, traces
+
+
+def markdown(spec, rows: list[dict]) -> str:
+    head = ("| accelerator | memory/device | fits | strategy | GPUs | precision | micro batch x accum | largest micro batch "
+            "| largest length | device used | time/update | time for updates | stack |\n|" + "---|" * 13)
+    lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
+             f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, length "
+             f"{spec.data.max_length}, {spec.train.precision}.", "", head]
+    for r in rows:
+        lines.append(
+            f"| {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | {'yes' if r['fits'] else 'no'} | "
+            f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {r['gpus']} | {r['precision']} | "
+            f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {r['largest_length']} | "
+            f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update'])} | "
+            f"{(r['hours_for_planned_updates'] or 0):.1f} h | {r['software_stack']['text']} |")
+    lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
+              "Times use the utilisation each row names."]
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    rows, _ = build_sheet(spec, args.accelerator, args.catalog, args.ledger, args.headroom, args.json or args.markdown)
+    if args.json:
+        print(json.dumps({"spec": spec.source, "rows": rows}, indent=1, default=str))
+        return 0
+    if args.markdown:
+        print(markdown(spec, rows), end="")
+        return 0
+    console = out_console()
+    t = Table(box=None, header_style="bold", title=f"selection sheet · {spec.name}", title_justify="left")
+    for col in ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum", "largest mb", "largest length",
+                "used", "time/update", f"{spec.train.updates} updates", "software stack"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["accelerator"], human_bytes(r["memory_per_device_bytes"]),
+                  Text("yes" if r["fits"] else "no", style="green" if r["fits"] else "red"),
+                  r["strategy"] + (" + AC" if r["activation_checkpointing"] else ""), str(r["gpus"]),
+                  f"{r['micro_batch_size']} x {r['grad_accum_steps']}", str(r["largest_micro_batch"]),
+                  str(r["largest_length"]), human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]),
+                  f"{(r['hours_for_planned_updates'] or 0):.1f} h", r["software_stack"]["text"])
+    console.print(t)
+    console.print(Text(f"{spec.train.precision}; examples per update held at "
+                       f"{spec.train.micro_batch_size * spec.train.grad_accum_steps}; largest sizes assume activations "
+                       "scale linearly (flash attention); utilisation: " + rows[0]["utilisation_source"], style="dim"))
+    return 0

@@ -1,0 +1,121 @@
+"""The accelerator catalog: a YAML table shipped with pilotrun, extended or overridden by the user's.
+
+An accelerator that is in neither is unknown — never guessed.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+
+class CatalogError(Exception):
+    """An unknown accelerator or an unreadable catalog file; the message lists what is known."""
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    vendor: str
+    stack: str                       # cuda or rocm
+    memory_bytes: int                # as the runtime reports it
+    memory_spec_gb: float
+    bandwidth_tb_s: float
+    peak_tflops: dict
+    interconnect: dict
+    context_bytes: int
+    blas_workspace_bytes: int
+    nccl_buffer_bytes: int
+    notes: str = ""
+    price_per_gpu_hour: float | None = None
+    compute_capability: str = ""
+    aliases: tuple = ()
+    defaults: dict = field(default_factory=dict)
+
+    def peak_flops(self, precision: str) -> float | None:
+        tf = self.peak_tflops.get(precision)
+        return None if tf is None else float(tf) * 1e12
+
+
+REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", "interconnect", "context_bytes",
+            "blas_workspace_bytes", "nccl_buffer_bytes")
+
+
+def _read(path: Path | None) -> dict:
+    if path is None:
+        text = resources.files("pilotrun.estimate").joinpath("catalog.yaml").read_text()
+        where = "the built-in catalog"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise CatalogError(f"cannot read catalog {path}: {exc.strerror}") from None
+        where = str(path)
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"{where} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("accelerators", {}), dict):
+        raise CatalogError(f"{where}: expected a mapping with 'accelerators'")
+    return data
+
+
+def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
+    """Built-in entries, then the user's: a user entry with a known name overrides fields, a new one is added."""
+    base = _read(None)
+    defaults = dict(base.get("defaults", {}))
+    entries = copy.deepcopy(base["accelerators"])
+    if user is not None:
+        extra = _read(user)
+        defaults.update(extra.get("defaults", {}) or {})
+        for name, fields in (extra.get("accelerators") or {}).items():
+            entries[name] = {**entries.get(name, {}), **(fields or {})}
+    out = {}
+    for name, f in entries.items():
+        missing = [k for k in REQUIRED if f.get(k) is None]
+        if missing:
+            raise CatalogError(f"catalog entry {name!r} lacks {', '.join(missing)}")
+        out[name] = Accelerator(
+            name=name, vendor=f["vendor"], stack=f["stack"], memory_bytes=int(f["memory_bytes"]),
+            memory_spec_gb=float(f.get("memory_spec_gb", 0)), bandwidth_tb_s=float(f["bandwidth_tb_s"]),
+            peak_tflops=dict(f["peak_tflops"]), interconnect=dict(f["interconnect"]),
+            context_bytes=int(f["context_bytes"]), blas_workspace_bytes=int(f["blas_workspace_bytes"]),
+            nccl_buffer_bytes=int(f["nccl_buffer_bytes"]), notes=str(f.get("notes", "")),
+            price_per_gpu_hour=f.get("price_per_gpu_hour"), compute_capability=str(f.get("compute_capability", "")),
+            aliases=tuple(f.get("aliases", [])), defaults=defaults,
+        )
+    return out
+
+
+def find(catalog: dict[str, Accelerator], name: str) -> Accelerator:
+    """By name or alias, case-insensitively; unknown names are an error that lists the known ones."""
+    key = name.strip().lower()
+    for acc in catalog.values():
+        if key == acc.name.lower() or key in (a.lower() for a in acc.aliases):
+            return acc
+    known = ", ".join(sorted(catalog))
+    raise CatalogError(f"unknown accelerator {name!r}; known: {known} (add it to a catalog file and pass --catalog)")
+
+
+def local_accelerator(catalog: dict[str, Accelerator], device_index: int = 0) -> Accelerator | None:
+    """The accelerator this process runs on: its catalog entry, or one built from what the device reports
+    (capacity known, peaks unknown: no time estimate). None without an accelerator."""
+    from ..devices import query_devices
+    from .runner import matches
+
+    inv = query_devices()
+    if inv.backend not in ("cuda", "rocm") or device_index >= inv.count:
+        return None
+    name = inv.names[device_index]
+    for acc in catalog.values():
+        if matches(acc, name):
+            return acc
+    base = next(iter(catalog.values()))
+    return Accelerator(name=name, vendor="unknown", stack=inv.backend, memory_bytes=inv.total_memory_bytes[device_index],
+                       memory_spec_gb=0, bandwidth_tb_s=0, peak_tflops={}, interconnect={}, context_bytes=base.context_bytes,
+                       blas_workspace_bytes=base.blas_workspace_bytes, nccl_buffer_bytes=base.nccl_buffer_bytes,
+                       notes="not in the catalog: capacity as the device reports it, peaks unknown",
+                       defaults=base.defaults)

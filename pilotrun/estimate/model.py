@@ -1,0 +1,173 @@
+"""From one fake-tensor trace to per-rank memory and time on a target accelerator: pure functions.
+
+The trace is taken on the CPU; everything that differs on the target is a named
+correction with its size, so a person can see what the estimate assumed:
+
+* allocator rounding — each storage rounded up to 512 B (measured in the trace);
+* library workspaces — cuBLAS / hipBLASLt workspace per handle (catalog);
+* reserved-over-allocated margin — fragmentation of the caching allocator (catalog default);
+* runtime context — the CUDA/HIP context outside the allocator (catalog);
+* collective buffers — NCCL/RCCL per communicator, only with more than one GPU (catalog);
+* strategy — DDP's gradient buckets; FSDP2's shards and the unsharded layer in flight;
+* attention kernels, autocast op lists and the optimizer's foreach path — see ``_kernel_notes``.
+
+Example::
+
+    est = estimate_fit(trace, catalog["H100-80GB"], "fsdp", 4)
+    est["peak_allocated_bytes"], est["fits"], est["seconds_per_update"]
+"""
+from __future__ import annotations
+
+import math
+
+from .catalog import Accelerator
+
+STAGES = ("first_step", "steady_step", "eval")
+TRAINING = ("first_step", "steady_step")
+
+
+def _c(name: str, size: float, counted_in: str, reason: str) -> dict:
+    return {"name": name, "bytes": int(size), "counted_in": counted_in, "reason": reason}
+
+
+def _kernel_notes(trace: dict) -> list[dict]:
+    """Corrections that the trace already carries; listed with their size so none is silent."""
+    step = trace["stages"]["steady_step"]
+    foreach = trace.get("foreach", True)
+    return [
+        _c("optimizer foreach path", step.get("optimizer_step_extra_bytes", 0) if foreach else 0, "allocated",
+           "traced with foreach=True as CUDA/ROCm run AdamW by default: the size is its step temporaries, "
+           "already inside the traced peak" if foreach else "traced with the CPU's per-parameter path"),
+        _c("attention kernels", 0, "allocated",
+           "the CPU trace runs SDPA's flash kernel, which keeps the same tensors for backward as CUDA's "
+           "flash/efficient kernels (output + logsumexp); an eager-attention model keeps L×L on both"),
+        _c("autocast op lists", 0, "allocated",
+           "CPU and CUDA autocast run matmul, linear, bmm and attention in the lower precision and keep "
+           "softmax/norm in fp32 alike; the weight-cast cache exists on both"),
+    ]
+
+
+def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus: int,
+                 micro_scale: float = 1.0) -> dict:
+    """Per-rank peak of one stage. ``micro_scale`` rescales activations (a smaller micro batch)."""
+    st = trace["stages"][stage]
+    b = st["breakdown"]
+    act = b.get("activations", 0) * micro_scale
+    casts = b.get("weight_casts", 0)
+    params, grads, opt = b.get("parameters", 0), b.get("gradients", 0), b.get("optimizer", 0)
+    buffers = b.get("buffers", 0)
+    training = stage in TRAINING
+    corrections = [_c("allocator rounding (512 B blocks)", st["peak_bytes_rounded"] - st["peak_bytes"], "allocated",
+                      f"{st.get('tensors', 0)} storages in the stage, each rounded up as the caching allocator does")]
+    base = params + grads + opt + buffers + act + casts
+    if strategy == "ddp" and gpus > 1:
+        buckets = trace["gradient_bytes"]
+        corrections.append(_c("DDP gradient buckets", buckets, "allocated",
+                              "DDP keeps a flat copy of every gradient for all-reduce (gradient_as_bucket_view=False)"))
+        base += buckets
+    elif strategy == "fsdp" and gpus > 1:
+        sharded = (params + grads + opt) / gpus
+        # FSDP2's MixedPrecisionPolicy(param_dtype=bf16/fp16) gathers parameters in the compute dtype:
+        # no separate autocast copies, and the gathered layer is half the size of fp32.
+        low = trace["precision"] in ("bf16", "fp16")
+        scale = 0.5 if low else 1.0
+        layer = trace["largest_layer_bytes"]
+        root = max(0, trace["parameter_bytes"] - layer * max(trace.get("layers", 0), 1))
+        inflight = (root + 2 * layer) * scale + (layer if training else 0)
+        corrections.append(_c("FSDP2 sharding", sharded - (params + grads + opt), "allocated",
+                              f"parameters, gradients and optimizer state split over {gpus} ranks"))
+        corrections.append(_c("FSDP2 unsharded layer in flight", inflight, "allocated",
+                              f"the root's own parameters stay gathered; {trace['largest_layer']} gathered for compute and "
+                              f"the next one prefetched{' in ' + trace['precision'] if low else ''}"
+                              f"{', plus its unsharded fp32 gradient before reduce-scatter' if training else ''}"))
+        if casts:
+            corrections.append(_c("FSDP2 mixed precision instead of autocast copies", -casts, "allocated",
+                                  "MixedPrecisionPolicy gathers parameters in the compute dtype, so the autocast "
+                                  "copies of every weight kept for backward are not made"))
+        base = sharded + buffers + act + inflight
+    workspaces = acc.blas_workspace_bytes * (2 if training else 1)
+    corrections.append(_c("library workspaces", workspaces, "allocated",
+                          f"{'hipBLASLt' if acc.stack == 'rocm' else 'cuBLAS'} workspace per handle: "
+                          f"{'forward and autograd threads' if training else 'one stream'}"))
+    allocated = base + corrections[0]["bytes"] + workspaces
+    margin = float(acc.defaults.get("reserved_margin", 0.10))
+    reserved = allocated * (1 + margin)
+    corrections.append(_c("reserved-over-allocated margin", reserved - allocated, "reserved",
+                          f"{margin:.0%} for caching-allocator fragmentation (a GPU pilot measures the real ratio)"))
+    comm = acc.nccl_buffer_bytes if gpus > 1 and strategy in ("ddp", "fsdp") else 0
+    device_used = reserved + acc.context_bytes + comm
+    corrections.append(_c("runtime context", acc.context_bytes, "device",
+                          f"{acc.stack.upper()} context with lazy module loading, outside the allocator"))
+    if comm:
+        corrections.append(_c("collective buffers", comm, "device",
+                              f"{'RCCL' if acc.stack == 'rocm' else 'NCCL'} buffers for one communicator"))
+    return {"peak_allocated_bytes": int(allocated), "peak_reserved_bytes": int(reserved),
+            "device_used_bytes": int(device_used), "corrections": corrections}
+
+
+def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str,
+                       utilisation: float | None = None) -> dict:
+    """FLOPs per update over the dense datasheet peak × utilisation, plus communication (not overlapped)."""
+    util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
+    flops = trace["stages"]["steady_step"]["flops"]
+    peak = acc.peak_flops(precision)
+    if not peak:
+        return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
+    replicas = gpus if strategy in ("ddp", "fsdp") else 1
+    compute = flops / replicas / (peak * util)
+    bw = float(acc.interconnect.get("per_gpu_gb_s", 0)) * 1e9
+    comm = 0.0
+    if replicas > 1 and bw:
+        frac = (replicas - 1) / replicas
+        if strategy == "ddp":
+            comm = 2 * trace["gradient_bytes"] * frac / bw
+        else:
+            comm = (2 * trace["parameter_bytes"] + trace["gradient_bytes"]) * frac / bw
+    return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
+            "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
+            "bound": "compute" if compute >= comm else "communication"}
+
+
+def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str | None = None,
+                 utilisation: float | None = None, micro_scale: float = 1.0) -> dict:
+    """One row of the ``fits`` table: the largest stage's per-rank peaks against capacity, and time."""
+    if strategy == "single" and gpus != 1:
+        raise ValueError("strategy single uses one GPU")
+    precision = precision or trace["precision"]
+    stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale) for s in STAGES}
+    worst = max(STAGES, key=lambda s: stages[s]["device_used_bytes"])
+    t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation)
+    return {
+        "accelerator": acc.name, "strategy": strategy, "gpus": gpus, "precision": precision,
+        "peak_allocated_bytes": stages[worst]["peak_allocated_bytes"],
+        "peak_reserved_bytes": stages[worst]["peak_reserved_bytes"],
+        "device_used_bytes": stages[worst]["device_used_bytes"],
+        "capacity_bytes": acc.memory_bytes,
+        "fits": stages[worst]["device_used_bytes"] <= acc.memory_bytes,
+        "limiting_stage": worst,
+        "seconds_per_update": t.get("seconds"),
+        "time": t,
+        "stages": stages,
+        "notes": _kernel_notes(trace),
+    }
+
+
+def activation_bytes(trace: dict, stage: str = "steady_step") -> int:
+    return trace["stages"][stage]["breakdown"].get("activations", 0)
+
+
+def largest_scale_that_fits(trace: dict, acc: Accelerator, strategy: str, gpus: int, headroom: float) -> float:
+    """How far activations may grow (micro batch or length, at linear scaling) while the worst stage fits."""
+    budget = acc.memory_bytes * (1 - headroom)
+    lo, hi = 0.0, 1.0
+    while estimate_fit(trace, acc, strategy, gpus, micro_scale=hi)["device_used_bytes"] <= budget and hi < 1024:
+        lo, hi = hi, hi * 2
+    if hi == 1.0 and estimate_fit(trace, acc, strategy, gpus, micro_scale=1e-6)["device_used_bytes"] > budget:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if estimate_fit(trace, acc, strategy, gpus, micro_scale=mid)["device_used_bytes"] <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo if not math.isinf(lo) else 0.0

@@ -1,0 +1,116 @@
+"""The rental plan: the whole pipeline's time on the chosen configuration, and what 3, 7 or 30 days buy.
+
+Every figure says where it came from: measured by a pilot in the ledger, estimated
+from a trace, or an assumption you can change with a flag. Evaluation and export
+time is always reserved.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PLANS_DAYS = (3, 7, 30)
+MARGIN = 0.20  # operational margin a plan must keep free (restarts, queueing, debugging)
+
+
+@dataclass
+class Assumptions:
+    download_mb_s: float = 200.0          # model and data download
+    egress_mb_s: float = 100.0            # copying results off the node
+    disk_mb_s: float = 1000.0             # checkpoint writes when no pilot measured them
+    evals_per_run: int = 10
+    checkpoints_per_run: int = 10
+    data_bytes: int = 0                   # dataset bytes to download (0: already on the node)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _last_rows(ledger, config_hash: str) -> dict[str, dict]:
+    """The most recent passing rows of a pilot of this config (any device): data wait, eval and save costs."""
+    if ledger is None:
+        return {}
+    for run in ledger.runs(limit=500):
+        if run.get("config_hash") != config_hash or run["kind"] != "pilot":
+            continue
+        rows = {r["gate"]: r for r in ledger.gate_rows(run["run_id"]) if r["verdict"] in ("pass", "warn")}
+        if rows:
+            rows["_run_id"] = {"run_id": run["run_id"]}
+            return rows
+    return {}
+
+
+def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | None = None) -> dict:
+    """Hours of one run, item by item, on the sheet row's configuration."""
+    a = a or Assumptions()
+    pilot = _last_rows(ledger, spec.config_hash())
+    source = f"pilot {pilot['_run_id']['run_id']}" if pilot else None
+    items: list[dict] = []
+
+    def add(name, seconds, how):
+        items.append({"item": name, "hours": seconds / 3600 if seconds is not None else None, "from": how})
+
+    weights = trace["parameter_bytes"] // (2 if spec.train.precision != "fp32" else 1)
+    add("download", (weights + a.data_bytes) / (a.download_mb_s * 1e6),
+        f"{weights / 1e9:.1f} GB of weights + {a.data_bytes / 1e9:.1f} GB of data at {a.download_mb_s:g} MB/s (assumed)")
+    prep = sum(pilot[g]["seconds"] for g in ("inspect", "load") if g in pilot) if pilot else None
+    add("preprocessing and load", prep, f"measured by {source} (inspect + load)" if prep is not None else
+        "not measured: run a pilot of this spec")
+    train_s = row["seconds_per_update"] * spec.train.updates if row.get("seconds_per_update") else None
+    add("training", train_s, f"{spec.train.updates} updates x {row['seconds_per_update']:.3g} s "
+        f"({row['utilisation_source']})" if train_s else "no time estimate")
+    wait = pilot.get("steady_step", {}).get("details", {}).get("data_wait_share") if pilot else None
+    add("data loading (not overlapped)", train_s * wait if (train_s and wait is not None) else None,
+        f"{wait:.0%} of update time waited on data in {source}" if wait is not None else "not measured")
+    eval_row = pilot.get("eval") if pilot else None
+    eval_s = eval_row["seconds"] * a.evals_per_run if eval_row else None
+    add("validation", eval_s, f"{a.evals_per_run} evaluations x {eval_row['seconds']:.3g} s measured by {source}"
+        if eval_row else "not measured: run a pilot (eval gate)")
+    ckpt_bytes = trace["parameter_bytes"] + trace["optimizer_state_bytes"]
+    save_row = pilot.get("save") if pilot else None
+    bw = (save_row or {}).get("details", {}).get("bytes_per_second") or a.disk_mb_s * 1e6
+    add("checkpoints", a.checkpoints_per_run * ckpt_bytes / bw,
+        f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {bw / 1e6:.0f} MB/s "
+        f"({'measured by ' + source if save_row else 'assumed'})")
+    add("export", weights / bw, f"{weights / 1e9:.1f} GB of weights at {bw / 1e6:.0f} MB/s")
+    add("copy results off", (ckpt_bytes + weights) / (a.egress_mb_s * 1e6),
+        f"last checkpoint + export at {a.egress_mb_s:g} MB/s (assumed)")
+    known = [i["hours"] for i in items if i["hours"] is not None]
+    return {"items": items, "hours": sum(known), "unknown": [i["item"] for i in items if i["hours"] is None],
+            "measured_by": source}
+
+
+def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
+    """3, 7 and 30 days on the row's GPUs: the runs that fit with the margin kept, and whether to take it."""
+    hours = per_run["hours"] * runs
+    calibrated = "measured by pilot" in (row.get("utilisation_source") or "")
+    out = []
+    for days in PLANS_DAYS:
+        available = days * 24 * (1 - MARGIN)
+        fits = per_run["hours"] > 0 and hours <= available
+        runs_fit = int(available // per_run["hours"]) if per_run["hours"] else 0
+        advice = []
+        if days == 7:
+            advice.append("suits compatibility checks and profiling before a long rental")
+        if days == 30 and not calibrated:
+            advice.append("not recommended yet: no measured pilot on this accelerator backs the time estimate")
+        if per_run["unknown"]:
+            advice.append("unmeasured items: " + ", ".join(per_run["unknown"]))
+        out.append({
+            "days": days, "gpus": row["gpus"], "gpu_hours": days * 24 * row["gpus"],
+            "work_hours": hours, "fits_with_margin": fits, "runs_that_fit": runs_fit,
+            "margin_hours": days * 24 - hours, "advice": advice,
+            "cost": (days * 24 * row["gpus"] * row["price_per_gpu_hour"]) if row.get("price_per_gpu_hour") else None,
+        })
+    return out
+
+
+def more_gpus_advice(row: dict, per_run: dict) -> str:
+    """More GPUs only when compute, not communication or input, is the limit."""
+    wait = next((i for i in per_run["items"] if i["item"].startswith("data loading")), {})
+    wait_share = (wait.get("hours") or 0) / max((next(i for i in per_run["items"] if i["item"] == "training")["hours"]
+                                                 or 1e-9), 1e-9)
+    if row.get("bound") == "communication":
+        return "no: communication already dominates the update; more GPUs would add to it"
+    if wait_share > 0.10:
+        return f"no: the input pipeline takes {wait_share:.0%} of training time; fix it first"
+    return "yes, if the deadline needs it: the update is compute-bound"

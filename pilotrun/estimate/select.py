@@ -1,0 +1,105 @@
+"""The selection sheet: per accelerator, the configuration that fits with headroom and what it costs.
+
+Pure logic over traces and the catalog; the CLI prints it as a table, markdown or JSON.
+"""
+from __future__ import annotations
+
+import math
+
+from .catalog import Accelerator
+from .model import estimate_fit, largest_scale_that_fits
+from .runner import calibrated_utilisation, matches
+
+
+def _divisors_at_most(n: int, limit: int) -> int:
+    best = 1
+    for d in range(1, min(n, max(1, limit)) + 1):
+        if n % d == 0:
+            best = d
+    return best
+
+
+def _verified_by(ledger, acc: Accelerator) -> str | None:
+    if ledger is None:
+        return None
+    for run in ledger.runs(limit=500):
+        for row in ledger.gate_rows(run["run_id"]):
+            if row["gate"] == "steady_step" and row["verdict"] in ("pass", "warn") and \
+                    matches(acc, row["inputs"].get("device_name")):
+                return f"pilot {run['run_id']}"
+    return None
+
+
+def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict, list[str]]:
+    """(trace, fit, steps taken): the first configuration in SPEC §4's order that fits with headroom."""
+    steps: list[str] = []
+    budget = acc.memory_bytes * (1 - headroom)
+    options = [("single", 1, False, None)]
+    options += [("single", 1, True, None)] if not spec.train.activation_checkpointing else []
+    options += [("fsdp", n, ac, None) for n in (2, 4, 8) for ac in ((False, True) if not spec.train.activation_checkpointing else (True,))]
+    for strategy, gpus, ac, precision in options:
+        trace = traces.get(ac=True) if ac else traces.get()
+        fit = estimate_fit(trace, acc, strategy, gpus)
+        label = f"{strategy}{'' if gpus == 1 else f' x{gpus}'}{' + activation checkpointing' if ac else ''}"
+        if fit["device_used_bytes"] <= budget:
+            steps.append(f"{label}: fits ({fit['device_used_bytes'] / 2**30:.1f} of {acc.memory_bytes / 2**30:.0f} GiB)")
+            return trace, fit, steps
+        # a smaller micro batch (examples per update held) before adding GPUs
+        scale = largest_scale_that_fits(trace, acc, strategy, gpus, headroom)
+        mb = spec.train.micro_batch_size
+        if scale * mb >= 1:
+            small = _divisors_at_most(mb * spec.train.grad_accum_steps, int(scale * mb))
+            fit = estimate_fit(trace, acc, strategy, gpus, micro_scale=small / mb)
+            steps.append(f"{label}: fits with micro batch {small}")
+            fit["micro_batch_size"] = small
+            return trace, fit, steps
+        steps.append(f"{label}: does not fit ({fit['device_used_bytes'] / 2**30:.1f} GiB needed)")
+    return trace, fit, steps
+
+
+def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: float | None = None) -> dict:
+    from .stack import stack_status
+
+    headroom = float(acc.defaults.get("headroom", 0.05)) if headroom is None else headroom
+    trace, fit, steps = choose(spec, traces, acc, headroom)
+    t = spec.train
+    gpus, strategy = fit["gpus"], fit["strategy"]
+    replicas = gpus if strategy in ("ddp", "fsdp") else 1
+    examples = t.micro_batch_size * t.grad_accum_steps
+    scale = largest_scale_that_fits(trace, acc, strategy, gpus, headroom)
+    max_mb = max(0, math.floor(t.micro_batch_size * scale))
+    max_len = max(0, math.floor((spec.data.max_length or 0) * scale))
+    mb = fit.get("micro_batch_size") or min(t.micro_batch_size, max(1, max_mb))
+    per_rank = max(1, examples // replicas)
+    mb = _divisors_at_most(per_rank, mb)
+    accum = max(1, per_rank // mb)
+    util, util_source = calibrated_utilisation(ledger, spec.config_hash(), acc,
+                                               trace["stages"]["steady_step"]["flops"], t.precision)
+    fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size)
+    s = fit["seconds_per_update"]
+    verified = _verified_by(ledger, acc)
+    return {
+        "accelerator": acc.name,
+        "memory_per_device_bytes": acc.memory_bytes,
+        "fits": fit["fits"],
+        "strategy": strategy,
+        "gpus": gpus,
+        "precision": t.precision,
+        "activation_checkpointing": trace["activation_checkpointing"],
+        "micro_batch_size": mb,
+        "grad_accum_steps": accum,
+        "examples_per_update": mb * accum * replicas,
+        "examples_per_update_held": mb * accum * replicas == examples,
+        "largest_micro_batch": max_mb,
+        "largest_length": max_len,
+        "largest_sizes_note": "activations scale linearly with micro batch and with length (flash/efficient attention)",
+        "device_used_bytes": fit["device_used_bytes"],
+        "seconds_per_update": s,
+        "hours_for_planned_updates": s * t.updates / 3600 if s else None,
+        "utilisation": fit["time"].get("utilisation"),
+        "utilisation_source": util_source if util else "catalog default (no pilot on this accelerator)",
+        "bound": fit["time"].get("bound"),
+        "software_stack": stack_status(acc, verified, extensions),
+        "steps": steps,
+        "notes": acc.notes,
+    }
