@@ -27,6 +27,7 @@ test: venv
 bench: venv
 	$(PY) bench/steady_step_overhead.py
 	$(PY) bench/save_overhead.py
+	$(PY) bench/estimate_accuracy.py
 
 clean:
 	rm -rf runs .pytest_cache

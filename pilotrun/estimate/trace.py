@@ -204,14 +204,19 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
         # Micro batches after the second repeat the second exactly (gradients already live): trace
         # two per update and scale the FLOPs of one by the accumulation.
         traced = min(t.grad_accum_steps, 2)
-        micro = ([f"s{i}" for i in range(mb)], train_batch)
+        ids = [f"s{i}" for i in range(mb)]
+        # The loop holds its inputs too: the whole window on the CPU (fetched before the forward),
+        # one micro batch at a time on an accelerator (moved just before its forward).
+        held = t.grad_accum_steps if target == "cpu" else 1
         for stage in ("first_step", "steady_step"):
             counter = FlopCounterMode(display=False)
             with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker:
+                inputs = [_clone(train_batch) for _ in range(held)]
                 model.train()
                 for k in range(traced):
                     with counter if k == 0 else contextlib.nullcontext():
-                        window_backward(model, [micro], policy, device, t.precision, num_items=num_items, stats=False)
+                        window_backward(model, [(ids, inputs[min(k, held - 1)])], policy, device, t.precision,
+                                        num_items=num_items, stats=False)
                 before = tracker.live_bytes
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -222,7 +227,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
         with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker, counter:
             model.eval()
             with torch.no_grad(), autocast_for(device, t.precision):
-                model(**eval_batch)
+                model(**_clone(eval_batch))
         stages["eval"] = StageTrace(tracker.peak_bytes, tracker.peak_rounded, dict(tracker.peak_breakdown),
                                     tracker.tensors, counter.get_total_flops(), _seq(eval_batch),
                                     int(eval_batch["input_ids"].shape[0]) if "input_ids" in eval_batch else spec.eval_batch_size)
@@ -263,6 +268,11 @@ def _supervised(batch: dict, policy) -> int:
     if policy.shift_labels and labels.ndim >= 2:
         labels = labels[..., 1:]
     return int((labels != -100).sum())
+
+
+def _clone(batch: dict) -> dict:
+    """The batch as the loop holds it: allocated inside the trace (fake), so its bytes are counted."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
 def _seq(batch: dict) -> int:

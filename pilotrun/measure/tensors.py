@@ -111,8 +111,11 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view of an input (a dataset row, a slice) allocates nothing: skip storages the op was given.
+        given = {id(st) for st in _storages((args, kwargs))}
         for st in _storages(out):
-            self._add(st)
+            if id(st) not in given:
+                self._add(st)
         return out
 
     def __exit__(self, *exc):
@@ -208,6 +211,7 @@ class CategoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         category = self._phase or "activations"
+        given = {id(st) for st in _storages((args, kwargs))}
         if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
             # autocast's lower-precision copy of a weight: kept for backward, gone under FSDP2's
             # mixed-precision policy (which gathers the parameters in that dtype instead)
@@ -215,7 +219,7 @@ class CategoryTracker(TorchDispatchMode):
             if src is not None and src[0] == "parameters":
                 category = "weight_casts"
         for st in _storages(out):
-            if st not in self._records:
+            if st not in self._records and id(st) not in given:
                 self._add(st, category)
         return out
 

@@ -1,0 +1,198 @@
+"""Memory and time without the hardware: the trace, the target model, the catalog, select and plan."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pilotrun.config import load_spec
+from pilotrun.estimate.catalog import CatalogError, find, load_catalog, local_accelerator
+from pilotrun.estimate.model import estimate_fit
+from pilotrun.estimate.plan import Assumptions, rental_plans
+from pilotrun.estimate.worker import trace_in_subprocess
+
+from .conftest import EXAMPLES, copy_example, gate_rows, pilotrun_cli
+
+GiB = 2**30
+
+
+def synthetic_trace(params=4 * GiB, acts=10 * GiB, opt=8 * GiB, precision="bf16", casts=0) -> dict:
+    stage = {"peak_bytes": params * 2 + opt + acts + casts, "peak_bytes_rounded": params * 2 + opt + acts + casts + 1024,
+             "breakdown": {"parameters": params, "gradients": params, "optimizer": opt, "activations": acts,
+                           "weight_casts": casts, "buffers": 0},
+             "tensors": 100, "flops": 1e15, "seq_len": 2048, "batch_size": 1, "optimizer_step_extra_bytes": 0}
+    ev = dict(stage, breakdown={"parameters": params, "gradients": 0, "optimizer": opt, "activations": acts // 4})
+    return {"stages": {"first_step": stage, "steady_step": stage, "eval": ev}, "parameters": params // 4,
+            "trainable_parameters": params // 4, "parameter_bytes": params, "gradient_bytes": params,
+            "optimizer_state_bytes": opt, "buffer_bytes": 0, "largest_layer_bytes": params // 32,
+            "largest_layer": "model.layers.0", "layers": 32, "foreach": True, "precision": precision,
+            "activation_checkpointing": False, "seconds": 1.0}
+
+
+def test_target_model_names_every_correction():
+    cat = load_catalog()
+    h100 = cat["H100-80GB"]
+    fit = estimate_fit(synthetic_trace(), h100, "single", 1)
+    names = [c["name"] for c in fit["stages"]["steady_step"]["corrections"]] + [n["name"] for n in fit["notes"]]
+    for expected in ("allocator rounding (512 B blocks)", "library workspaces", "reserved-over-allocated margin",
+                     "runtime context", "optimizer foreach path", "attention kernels", "autocast op lists"):
+        assert expected in names
+    assert "collective buffers" not in names  # one GPU: no communicator
+    st = fit["stages"]["steady_step"]
+    assert st["peak_reserved_bytes"] > st["peak_allocated_bytes"]
+    assert st["device_used_bytes"] == st["peak_reserved_bytes"] + h100.context_bytes
+    # DDP keeps a copy of the gradients in buckets; FSDP shards and adds the layer in flight.
+    ddp = estimate_fit(synthetic_trace(), h100, "ddp", 4)
+    assert ddp["peak_allocated_bytes"] - fit["peak_allocated_bytes"] == 4 * GiB
+    fsdp = estimate_fit(synthetic_trace(), h100, "fsdp", 4)
+    assert fsdp["peak_allocated_bytes"] < fit["peak_allocated_bytes"] - 8 * GiB
+    fsdp_names = [c["name"] for c in fsdp["stages"]["steady_step"]["corrections"]]
+    assert {"FSDP2 sharding", "FSDP2 unsharded layer in flight", "collective buffers"} <= set(fsdp_names)
+    assert fsdp["seconds_per_update"] < fit["seconds_per_update"]  # four replicas share the window
+
+
+def test_time_from_flops_and_the_datasheet_peak():
+    h100 = load_catalog()["H100-80GB"]
+    fit = estimate_fit(synthetic_trace(), h100, "single", 1, utilisation=0.5)
+    assert fit["seconds_per_update"] == pytest.approx(1e15 / (989e12 * 0.5))
+    assert fit["time"]["bound"] == "compute"
+
+
+def test_catalog_unknown_and_user_override(tmp_path):
+    cat = load_catalog()
+    assert set(cat) >= {"A100-80GB", "H100-80GB", "H200-141GB", "MI300X-192GB"}
+    assert find(cat, "h100").name == "H100-80GB" and find(cat, "NVIDIA H100 80GB HBM3").name == "H100-80GB"
+    with pytest.raises(CatalogError, match="unknown accelerator 'tpu-v5'.*known: A100-80GB"):
+        find(cat, "tpu-v5")
+    user = tmp_path / "mine.yaml"
+    user.write_text("accelerators:\n  H100-80GB: {price_per_gpu_hour: 2.5}\n  L40S-48GB:\n    vendor: nvidia\n"
+                    "    stack: cuda\n    memory_bytes: 48000000000\n    bandwidth_tb_s: 0.86\n"
+                    "    peak_tflops: {fp32: 91.6, bf16: 362, fp16: 362}\n    interconnect: {per_gpu_gb_s: 64}\n"
+                    "    context_bytes: 536870912\n    blas_workspace_bytes: 8519680\n    nccl_buffer_bytes: 536870912\n")
+    merged = load_catalog(user)
+    assert merged["H100-80GB"].price_per_gpu_hour == 2.5 and merged["H100-80GB"].memory_bytes == cat["H100-80GB"].memory_bytes
+    assert merged["L40S-48GB"].memory_bytes == 48000000000
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("accelerators:\n  X: {vendor: nvidia}\n")
+    with pytest.raises(CatalogError, match="lacks stack"):
+        load_catalog(bad)
+
+
+def test_the_local_device_is_found_through_the_one_device_query(monkeypatch):
+    from pilotrun import devices
+
+    cat = load_catalog()
+    monkeypatch.setattr(devices, "query_devices", lambda: devices.DeviceInventory(
+        "cuda", 1, ("NVIDIA H100 80GB HBM3",), (85899345920,)))
+    assert local_accelerator(cat).name == "H100-80GB"
+    monkeypatch.setattr(devices, "query_devices", lambda: devices.DeviceInventory(
+        "cuda", 1, ("NVIDIA RTX 9000",), (25769803776,)))
+    acc = local_accelerator(cat)
+    assert acc.name == "NVIDIA RTX 9000" and acc.memory_bytes == 25769803776 and acc.peak_flops("bf16") is None
+
+
+@pytest.mark.slow
+def test_trace_matches_measured_cpu_peaks_within_5_percent(tmp_path, monkeypatch):
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    spec_path = copy_example("tiny-sft", tmp_path)
+    rows = gate_rows(spec_path, tmp_path, gates=["first_step", "steady_step", "eval"])
+    trace = trace_in_subprocess(load_spec(spec_path), target="cpu")
+    for stage in ("first_step", "steady_step", "eval"):
+        measured = rows[stage]["memory"]["peak_allocated_bytes"]
+        assert abs(trace["stages"][stage]["peak_bytes"] / measured - 1) <= 0.05, stage
+
+
+@pytest.mark.slow
+def test_7b_hand_check_from_the_cli(tmp_path):
+    spec = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
+    res = pilotrun_cli("estimate", str(spec), "--accelerator", "H100-80GB", "--gpus", "4", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert set(out["stages"]) >= {"first_step", "steady_step", "eval", "save"}
+    assert 6.5e9 < out["model"]["parameters"] < 7e9
+    fits = {(f["strategy"], f["gpus"]): f for f in out["fits"]}
+    for f in fits.values():
+        assert {"accelerator", "strategy", "gpus", "peak_allocated_bytes", "peak_reserved_bytes", "capacity_bytes",
+                "fits", "seconds_per_update"} <= set(f)
+    # 6.74B x (4 B weights + 4 B gradients + 8 B AdamW) = 108 GB of state: not on one 80 GB device...
+    assert not fits[("single", 1)]["fits"]
+    assert fits[("single", 1)]["peak_allocated_bytes"] > 108e9
+    # ... but a quarter of it per rank leaves room for the activations.
+    assert fits[("fsdp", 4)]["fits"]
+
+
+# The 7B shapes with four layers: the same width, vocabulary and length, traced in seconds.
+SHALLOW = ["model.config.num_hidden_layers=4"]
+SMALL_CARD = ("accelerators:\n  Card-16GB:\n    vendor: nvidia\n    stack: cuda\n    memory_bytes: 17179869184\n"
+              "    bandwidth_tb_s: 0.3\n    peak_tflops: {fp32: 8, bf16: 65, fp16: 65}\n"
+              "    interconnect: {per_gpu_gb_s: 32, gpus_per_node: 8}\n    context_bytes: 536870912\n"
+              "    blas_workspace_bytes: 8519680\n    nccl_buffer_bytes: 536870912\n")
+
+
+@pytest.mark.slow
+def test_advice_in_spec_order_never_cuts_the_length(tmp_path):
+    (tmp_path / "cards.yaml").write_text(SMALL_CARD)
+    spec = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
+    res = pilotrun_cli("estimate", str(spec), "--set", SHALLOW[0], "--catalog", str(tmp_path / "cards.yaml"),
+                       "--accelerator", "Card-16GB", "--strategy", "single", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert not out["fits"][0]["fits"]
+    advice = out["advice"]["Card-16GB"]
+    order = [v["variant"] for v in advice]
+    assert order.index("activation checkpointing") < min(i for i, n in enumerate(order) if n.startswith("FSDP2 over"))
+    assert any(n.startswith("a larger accelerator") for n in order) or any(v["fits"] for v in advice)
+    ac = next(v for v in advice if v["variant"] == "activation checkpointing")
+    assert ac["device_used_bytes"] < out["fits"][0]["device_used_bytes"] and ac["time_factor"] > 1
+    assert not any("max_length" in json.dumps(v["changes"]) for v in advice)
+
+
+@pytest.mark.slow
+def test_select_and_plan(tmp_path):
+    spec = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
+    res = pilotrun_cli("select", str(spec), "--accelerator", "H100-80GB", "--accelerator", "MI300X-192GB", "--json",
+                       cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = {r["accelerator"]: r for r in json.loads(res.stdout)["rows"]}
+    h100, mi = rows["H100-80GB"], rows["MI300X-192GB"]
+    assert h100["fits"] and h100["strategy"] == "fsdp" and h100["examples_per_update_held"]
+    assert mi["fits"] and mi["strategy"] == "single"  # 192 GB holds the whole job
+    assert "ROCm" in mi["software_stack"]["text"] and "one set" in mi["software_stack"]["text"]
+    assert h100["largest_length"] >= 4096 and h100["hours_for_planned_updates"] > 0
+    res = pilotrun_cli("select", str(spec), "--set", SHALLOW[0], "--accelerator", "H100-80GB", "--markdown", cwd=tmp_path)
+    assert res.stdout.startswith("# Selection sheet: llama-7b-sft") and "| H100-80GB |" in res.stdout
+    res = pilotrun_cli("plan", str(spec), "--set", SHALLOW[0], "--accelerator", "H100-80GB", "--runs", "3", "--json",
+                       cwd=tmp_path)
+    plan = json.loads(res.stdout)["accelerators"][0]
+    assert [p["days"] for p in plan["plans"]] == [3, 7, 30]
+    thirty = plan["plans"][2]
+    assert any("no measured pilot" in a for a in thirty["advice"])
+    items = {i["item"]: i for i in plan["per_run"]["items"]}
+    assert items["training"]["hours"] > 0 and "not measured" in items["validation"]["from"]
+
+
+def test_rental_plans_are_pure_arithmetic():
+    row = {"gpus": 4, "utilisation_source": "catalog default", "price_per_gpu_hour": 2.0}
+    per_run = {"hours": 30.0, "unknown": [], "items": []}
+    plans = rental_plans(row, per_run, runs=2)
+    three, seven = plans[0], plans[1]
+    assert not three["fits_with_margin"] and three["runs_that_fit"] == 1  # 72 h x 0.8 = 57.6 h
+    assert seven["fits_with_margin"] and seven["runs_that_fit"] == 4
+    assert seven["cost"] == 7 * 24 * 4 * 2.0
+    assert Assumptions().download_mb_s > 0
+
+
+def test_unknown_accelerator_is_exit_2(tmp_path):
+    res = pilotrun_cli("estimate", str(EXAMPLES / "tiny-sft" / "pilot.yaml"), "--accelerator", "tpu-v5", cwd=tmp_path)
+    assert res.returncode == 2 and "unknown accelerator 'tpu-v5'" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cutting_the_maximum_length_is_marked_a_different_experiment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    spec_path = copy_example("tiny-sft", tmp_path)
+    gate_rows(spec_path, tmp_path, gates=["lock"])
+    rows = gate_rows(spec_path, tmp_path, "data.max_length=48", "eval.max_length=64", gates=["lock"])
+    lock = rows["lock"]
+    assert lock["verdict"] == "warn" and "data.max_length was cut from 96 to 48" in lock["reason"]
+    assert "different experiment" in lock["reason"]
+    assert {d["field"] for d in lock["details"]["different_experiment"]} == {"data.max_length", "eval.max_length"}
