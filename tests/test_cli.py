@@ -75,7 +75,8 @@ def test_tiny_sft_demo_passes_every_gate(tmp_path):
     # Memory is measured at the long run's sizes, not at whatever the first batch happened to be.
     assert gates["first_step"]["inputs"]["seq_len"] == 96 and gates["first_step"]["inputs"]["padded_to_max_length"]
     assert gates["eval"]["inputs"]["seq_len"] == 128 and gates["eval"]["inputs"]["batch_size"] == 16
-    assert gates["load"]["details"]["loss_normalization"].startswith("Hugging Face causal-LM loss honours num_items_in_batch")
+    assert gates["load"]["details"]["loss_normalization"].startswith("probed: the loss halves when num_items_in_batch")
+    assert "labels[:, 1:]" in gates["load"]["details"]["loss_normalization"]
     assert "PASS" in res.stderr and "steady_step" in res.stderr  # the table went to stderr
     export = tmp_path / "run1" / "export"
     assert (export / "model.safetensors").exists() and (export / "config.json").exists()
@@ -99,7 +100,7 @@ def test_minilm_classification_on_real_weights(tmp_path):
     assert load["model_class"] == "BertForSequenceClassification"
     assert load["label_names"] == ["food", "sports", "technology", "weather"]
     assert load["parameters"] > 20_000_000  # the real 22.7M-parameter MiniLM, not a random toy
-    assert "does not use num_items_in_batch" in load["loss_normalization"]
+    assert "its loss does not change with it" in load["loss_normalization"]
     assert gates["eval"]["details"]["accuracy_of"] == "classes"
 
 
