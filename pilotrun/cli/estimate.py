@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--catalog", type=Path, help="a YAML catalog that extends or overrides the built-in one")
     p.add_argument("--ledger", type=Path, help="for utilisation measured by earlier pilots")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--activation-checkpointing", choices=["on", "off"],
+                   help="trace with activation checkpointing on or off (default: the spec's)")
     p.add_argument("--no-advice", action="store_true", help="skip the variants for rows that do not fit")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
@@ -63,9 +65,10 @@ def main(args) -> int:
     gpu_counts = [args.gpus] if args.gpus else [2, 4, 8]
     console = out_console()
     traces = Traces(spec)
+    ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
     try:
         with console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json else _null():
-            trace = traces.get()
+            trace = traces.get(ac=ac)
     except TraceError as exc:
         raise UsageError(f"the trace failed: {exc}") from None
     ledger = _ledger(args.ledger)
