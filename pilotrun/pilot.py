@@ -23,6 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
+from . import distributed
 from .config.spec import Spec
 from .devices import device_name, pick_device
 from .gates import GateFailure, Outcome, select_gates
@@ -63,12 +66,15 @@ class PilotResult:
     run_id: str
     out_dir: Path
     ledger_path: Path
-    rows: list[dict] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)   # this rank's rows
     status: str = "running"
+    rank: int = 0
+    world_size: int = 1
+    all_rows: list[dict] = field(default_factory=list)  # every rank's rows (rank 0, distributed runs)
 
     @property
     def failed(self) -> bool:
-        return any(r["verdict"] == "fail" for r in self.rows)
+        return any(r["verdict"] == "fail" for r in (self.all_rows or self.rows))
 
     @property
     def exit_code(self) -> int:
@@ -90,6 +96,18 @@ def overall_status(rows: list[dict]) -> str:
 
 
 def write_report(result: PilotResult, spec: Spec, extra: dict | None = None) -> Path:
+    """``report.json``; with several ranks every rank writes ``report-rank{r}.json`` and rank 0 also the
+    combined ``report.json`` with every rank's rows and a per-gate summary over ranks."""
+    if result.world_size > 1:
+        _write_json(result, spec, result.rows, result.out_dir / f"report-rank{result.rank}.json", extra)
+        if result.rank != 0 or not result.all_rows:
+            return result.out_dir / f"report-rank{result.rank}.json"
+        extra = {**(extra or {}), "world_size": result.world_size, "ranks_summary": rank_summary(result.all_rows)}
+        return _write_json(result, spec, result.all_rows, result.out_dir / "report.json", extra)
+    return _write_json(result, spec, result.rows, result.out_dir / "report.json", extra)
+
+
+def _write_json(result: PilotResult, spec: Spec, rows: list[dict], path: Path, extra: dict | None) -> Path:
     report = {
         "run_id": result.run_id,
         "name": spec.name,
@@ -101,11 +119,10 @@ def write_report(result: PilotResult, spec: Spec, extra: dict | None = None) -> 
         "gates": [
             {k: r.get(k) for k in ("gate", "verdict", "reason", "inputs", "memory", "seconds", "rank", "world_size",
                                    "started_at", "ended_at", "details")}
-            for r in result.rows
+            for r in rows
         ],
         **(extra or {}),
     }
-    path = result.out_dir / "report.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str))
     os.replace(tmp, path)
@@ -137,7 +154,17 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     observer = observer or _Quiet()
     gates, notes = select_gates(options.gates or spec.pilot.gates)
     device, device_reason = pick_device(spec.train.device)
-    run_id = options.run_id or new_run_id(spec.name)
+    env = distributed.init(spec.distributed.strategy, device.type)
+    if env.active:
+        if device.type == "cuda":
+            device = torch.device("cuda", env.local_rank)
+            device_reason = f"LOCAL_RANK {env.local_rank} chooses cuda:{env.local_rank}"
+        if not env.is_main:
+            observer = _Quiet()
+        if options.resume:
+            distributed.shutdown(env)
+            raise distributed.LaunchError("--resume continues one process; resume a distributed pilot by running it again")
+    run_id = distributed.broadcast(env, options.run_id or new_run_id(spec.name))
     out_dir = Path(options.out_dir) if options.out_dir else Path("runs") / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(options.ledger_path)
@@ -150,11 +177,18 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     if plan is not None:
         notes = notes + plan.notes
     result = PilotResult(run_id, out_dir, ledger.path)
-    ledger.start_run(run_id, spec.name, "pilot", spec_path=spec.source, out_dir=str(out_dir.resolve()),
-                     config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes},
-                     parent_id=plan.parent_id if plan else None)
+    result.rank, result.world_size = env.rank, env.world_size
+    if env.is_main:
+        ledger.start_run(run_id, spec.name, "pilot", spec_path=spec.source, out_dir=str(out_dir.resolve()),
+                         config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes,
+                                                               "world_size": env.world_size,
+                                                               "strategy": spec.distributed.strategy},
+                         parent_id=plan.parent_id if plan else None)
+    distributed.barrier(env)
     ctx = PilotContext(spec=spec, run_id=run_id, out_dir=out_dir, device=device, device_reason=device_reason,
-                       ledger=ledger, container_digest=options.container_digest, progress=observer.on_progress)
+                       ledger=ledger, container_digest=options.container_digest, progress=observer.on_progress,
+                       rank=env.rank, world_size=env.world_size)
+    ctx.env = env
     ctx.device_name = device_name(device)
     if plan is not None and plan.checkpoint is not None:
         ctx.resume_checkpoint = plan.checkpoint
@@ -194,12 +228,15 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
             row["rank"], row["world_size"] = ctx.rank, ctx.world_size
             row = as_dict(row)
             metrics = row.pop("_metrics", [])
-            verdicts[gate.name] = (row["verdict"], row["reason"])
+            verdicts[gate.name] = _agreed_verdict(env, row)
             ledger.add_gate_row(run_id, row, metrics)
             result.rows.append(row)
             write_report(result, spec)
             observer.on_gate_end(row)
         result.status = overall_status(result.rows)
+        if env.active:
+            result.all_rows = [r for rows in distributed.gather(env, result.rows) for r in rows]
+            result.status = overall_status(result.all_rows)
     except KeyboardInterrupt:
         result.status = "interrupted"
         raise
@@ -210,10 +247,48 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
             ctx.trainer.close()
         if result.status == "running":
             result.status = "error"
-        ledger.end_run(run_id, result.status)
+        if env.is_main:
+            ledger.end_run(run_id, result.status)
         write_report(result, spec)
         ledger.close()
+        if result.status not in ("error", "interrupted"):
+            distributed.shutdown(env)
     return result
+
+
+def _agreed_verdict(env, row: dict) -> tuple[str, str]:
+    """With several ranks a gate counts as its worst rank: every rank then runs or skips the same gates,
+    as the collectives inside them require."""
+    if not env.active:
+        return row["verdict"], row["reason"]
+    order = {"fail": 0, "skip": 1, "warn": 2, "pass": 3}
+    rows = distributed.gather(env, (row["verdict"], row["reason"], env.rank))
+    verdict, reason, rank = min(rows, key=lambda v: order[v[0]])
+    return verdict, (reason if rank == env.rank else f"rank {rank}: {reason}")
+
+
+def rank_summary(rows: list[dict]) -> list[dict]:
+    """Per gate over ranks: the worst verdict, the largest peak and time, and any imbalance worth a look."""
+    by_gate: dict[str, list[dict]] = {}
+    for r in rows:
+        by_gate.setdefault(r["gate"], []).append(r)
+    order = {"fail": 0, "skip": 1, "warn": 2, "pass": 3}
+    out = []
+    for gate, rs in by_gate.items():
+        peaks = [(r.get("memory") or {}).get("peak_allocated_bytes") for r in rs]
+        peaks = [p for p in peaks if p]
+        secs = [r["seconds"] for r in rs if r.get("seconds")]
+        flags = []
+        # Relative and absolute: a few KiB of bookkeeping on one rank is not an imbalance.
+        if len(peaks) > 1 and min(peaks) and max(peaks) / min(peaks) > 1.10 and max(peaks) - min(peaks) > 16 * 2**20:
+            flags.append(f"memory differs across ranks by {max(peaks) / min(peaks) - 1:.0%}")
+        if len(secs) > 1 and min(secs) > 0.05 and max(secs) / min(secs) > 1.25:
+            flags.append(f"time differs across ranks by {max(secs) / min(secs) - 1:.0%}")
+        worst = min(rs, key=lambda r: order[r["verdict"]])
+        out.append({"gate": gate, "verdict": worst["verdict"], "ranks": len(rs),
+                    "max_peak_allocated_bytes": max(peaks) if peaks else None,
+                    "max_seconds": max(secs) if secs else None, "imbalance": flags, "worst_rank": worst.get("rank")})
+    return out
 
 
 def _hf_progress_bars(enabled: bool) -> bool:

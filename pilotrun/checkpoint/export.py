@@ -16,12 +16,20 @@ from .io import AtomicFolder, CheckpointError
 
 
 def export_model(folder: Path, model: torch.nn.Module, *, tokenizer=None, factory: str | None = None,
-                 model_mapping: dict | None = None, spec_folder: str | None = None) -> AtomicFolder:
+                 model_mapping: dict | None = None, spec_folder: str | None = None,
+                 state_dict: dict | None = None) -> AtomicFolder:
+    """``state_dict`` replaces the model's own (the full weights gathered from FSDP shards)."""
     with AtomicFolder(folder, "export", {"kind": "hf" if hasattr(model, "save_pretrained") else "factory"}) as f:
         if hasattr(model, "save_pretrained"):
-            model.save_pretrained(str(f.tmp), safe_serialization=True)
+            model.save_pretrained(str(f.tmp), safe_serialization=True, state_dict=state_dict)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(f.tmp))
+        elif state_dict is not None:
+            from safetensors.torch import save_file
+
+            # Tied parameters arrive as separate entries of one storage: safetensors wants them apart.
+            save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()},
+                      str(f.tmp / "model.safetensors"))
         else:
             from safetensors.torch import save_model
 

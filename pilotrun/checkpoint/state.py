@@ -177,6 +177,8 @@ def restore_training_state(trainer, folder: Path) -> dict:
 
 def _digest(t: torch.Tensor) -> str:
     t = t.detach()
+    if hasattr(t, "to_local"):  # an FSDP2 shard: this rank's part
+        t = t.to_local()
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1)

@@ -13,8 +13,10 @@ from pathlib import Path
 from ..config.schema import SpecError
 from ..ledger.store import LedgerError
 from . import batch as batch_cmd
+from . import convert as convert_cmd
 from . import estimate as estimate_cmd
 from . import inspect as inspect_cmd
+from . import launch as launch_cmd
 from . import ledger as ledger_cmd
 from . import plan as plan_cmd
 from . import run as run_cmd
@@ -24,6 +26,7 @@ from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError,
 EPILOG = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
   pilotrun run pilot.yaml --gates load,first_step,eval --set train.micro_batch_size=4
+  pilotrun launch --nproc-per-node 2 pilot.yaml --set distributed.strategy=fsdp
   pilotrun inspect examples/tiny-sft/pilot.yaml -n 5
   pilotrun batch --micro-batch 2 --grad-accum 8 --replicas 1 --examples 3200
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB --gpus 4
@@ -34,8 +37,8 @@ EPILOG = """examples:
 
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error, 130 interrupted"""
 
-COMMANDS = {"run": run_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
-            "select": select_cmd, "plan": plan_cmd, "ledger": ledger_cmd}
+COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
+            "select": select_cmd, "plan": plan_cmd, "ledger": ledger_cmd, "convert": convert_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

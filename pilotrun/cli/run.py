@@ -1,15 +1,20 @@
 """``pilotrun run SPEC``: run the gates, show them live, write the ledger and report.json."""
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
+
+from rich.console import Console
 
 from ..config.schema import SpecError
 from ..config.spec import load_spec
 from ..devices import DeviceUnavailable
 from ..ledger.store import LedgerError
-from ..pilot import PilotOptions, run_pilot
+from ..distributed import LaunchError
+from ..pilot import PilotOptions, rank_summary, run_pilot
 from ..resume_plan import ResumeError
 from ..ui.console import ConsoleObserver
 from .common import UsageError, _console, out_console
@@ -42,6 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--trust", action="store_true",
                    help="load a checkpoint whose manifest the ledger did not record (still weights_only=True)")
     p.add_argument("--json", action="store_true", help="print report.json to stdout (the table goes to stderr)")
+    p.add_argument("--run-id", help=argparse.SUPPRESS)  # set by `pilotrun launch`: one id for every rank
     p.set_defaults(func=main)
 
 
@@ -59,8 +65,10 @@ def _run(args) -> tuple[int, str | None]:
     spec = load_spec(args.spec, args.overrides)
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
     options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates, container_digest=args.container_digest,
-                           resume=args.resume, trust=args.trust)
+                           resume=args.resume, trust=args.trust, run_id=args.run_id)
     console = _console(True) if args.json else out_console()
+    if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 speaks; every rank writes its rows
+        console = Console(file=open(os.devnull, "w"))
     observer = ConsoleObserver(console, title=spec.name)
     try:
         result = run_pilot(spec, options, observer)
@@ -70,15 +78,19 @@ def _run(args) -> tuple[int, str | None]:
         raise
     except DeviceUnavailable as exc:
         raise SpecError([("train.device", str(exc))], spec.source) from None
-    except (LedgerError, ResumeError) as exc:
+    except (LedgerError, ResumeError, LaunchError) as exc:
         raise UsageError(str(exc)) from None
     finally:
         if observer.live is not None:
             observer.live.stop()
-    observer.finish(result.status, result.out_dir, result.ledger_path)
+    observer.finish(result.status, result.out_dir, result.ledger_path,
+                    rank_summary(result.all_rows) if result.all_rows else None)
     _advise_after_oom(spec, result, console)
     report = (result.out_dir / "report.json").read_text() if args.json else None
-    return result.exit_code, report
+    # Under `pilotrun launch` the launcher reads the status from report.json: a failed gate is not a crashed
+    # worker, and torchrun would report it as one.
+    code = 0 if os.environ.get("PILOTRUN_LAUNCHED") and result.world_size > 1 else result.exit_code
+    return code, report
 
 
 def _advise_after_oom(spec, result, console) -> None:

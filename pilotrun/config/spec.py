@@ -239,6 +239,13 @@ class PilotSpec:
 
 
 @dataclass
+class DistributedSpec:
+    strategy: Literal["none", "ddp", "fsdp"] = doc(
+        "none: one process; ddp: a full replica per process, gradients all-reduced; fsdp: FSDP2 fully_shard of each "
+        "repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)", "none")
+
+
+@dataclass
 class Spec:
     name: str = doc("job name, used in run ids and the ledger (letters, digits, . _ -)")
     model: ModelSpec = doc("what to train")
@@ -247,6 +254,7 @@ class Spec:
     seed: int = doc("seed for python, numpy, torch and the data order", 0)
     eval: EvalSpec = doc("evaluation sizes", EvalSpec)
     pilot: PilotSpec = doc("what the pilot itself runs", PilotSpec)
+    distributed: DistributedSpec = doc("how several processes share the job", DistributedSpec)
 
     # Set by load_spec, not by the user.
     source: str = field(default="", init=False, metadata={"internal": True})

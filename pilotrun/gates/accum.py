@@ -9,7 +9,6 @@ unless ``train.loss_normalization: per_micro_batch`` declares it on purpose.
 """
 from __future__ import annotations
 
-import copy
 
 import psutil
 import torch
@@ -35,14 +34,22 @@ def _windows(plan) -> list[tuple[str, list[list[int]]]]:
     return out
 
 
+def _single_process_plan(plan):
+    """The check runs on one rank: the same windows as one process with a replicas-times larger micro batch."""
+    import dataclasses
+
+    if plan.replicas == 1:
+        return plan
+    return dataclasses.replace(plan, micro_batch_size=plan.global_micro_batch, replicas=1, rank=0)
+
+
 def _grads(model) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
                       for p in model.parameters() if p.requires_grad])
 
 
 def _float64_copy(model: torch.nn.Module) -> torch.nn.Module:
-    clone = copy.deepcopy(model).to("cpu")
-    return clone.to(torch.float64)
+    return model.to("cpu").to(torch.float64)
 
 
 def _cast_inputs(batch: dict, dtype: torch.dtype) -> dict:
@@ -121,7 +128,7 @@ class AccumEquivalenceGate(Gate):
         spec, trainer, data = ctx.spec, ctx.trainer, ctx.data
         policy = trainer.policy
         out = Outcome(inputs={**ctx.base_inputs(), "loss_normalization": spec.train.loss_normalization})
-        windows = _windows(trainer.plan)
+        windows = _windows(_single_process_plan(trainer.plan))
         if spec.train.grad_accum_steps == 1 and len(windows) == 1 and len(windows[0][1][0]) == spec.train.micro_batch_size:
             out.reason = "grad_accum_steps is 1 and every micro batch is full: an update is one batch, nothing to compare"
             return out
@@ -129,11 +136,11 @@ class AccumEquivalenceGate(Gate):
         fits = n_params * 8 * 4 < psutil.virtual_memory().available * 0.5
         if fits:
             try:
-                model, device, dtype, tol = _float64_copy(ctx.model), torch.device("cpu"), torch.float64, TOL_FLOAT64
+                model, device, dtype, tol = _float64_copy(ctx.plain_model_copy()), torch.device("cpu"), torch.float64, TOL_FLOAT64
             except (RuntimeError, TypeError):
                 fits = False
         if not fits:
-            model, device, dtype, tol = copy.deepcopy(ctx.model), ctx.device, torch.float32, TOL_FLOAT32
+            model, device, dtype, tol = ctx.plain_model_copy(), ctx.device, torch.float32, TOL_FLOAT32
         model.eval()
         results = []
         diagnosis: dict = {}

@@ -120,3 +120,34 @@ def as_dict(obj: Any) -> Any:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)
+
+
+def on_main_rank(ctx: "PilotContext", gate: "Gate", work) -> Outcome:
+    """Run ``work()`` on rank 0 only and give every rank its outcome (the others wait at the broadcast).
+
+    For gates whose real work happens in fresh processes or on one full copy (restore, resume,
+    reload_eval, export): rank 0 must never raise before the broadcast, or the others would wait forever.
+    """
+    from .. import distributed
+
+    env = ctx.env
+    if env is None or not env.active:
+        return work()
+    outcome: Outcome | None = None
+    if env.is_main:
+        try:
+            outcome = work()
+        except (Exception, SystemExit) as exc:
+            inputs = gate.failure_inputs(ctx)
+            outcome = Outcome("fail", failure_reason(gate, exc, ctx, inputs), inputs,
+                              dict(getattr(exc, "details", {}) or {}))
+    shared = distributed.broadcast(env, None if outcome is None else
+                                   (outcome.verdict, outcome.reason, outcome.inputs, outcome.details, outcome.memory))
+    if env.is_main:
+        return outcome
+    verdict, reason, inputs, details, memory = shared
+    mine = Outcome(verdict, f"rank 0 ran it for all ranks: {reason}", {**inputs, "rank": ctx.rank},
+                   {"from_rank": 0})
+    if verdict == "fail":
+        raise GateFailure(mine.reason, inputs=mine.inputs)
+    return mine

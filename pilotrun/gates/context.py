@@ -25,6 +25,7 @@ class PilotContext:
     rank: int = 0
     world_size: int = 1
     device_name: str = "cpu"                  # e.g. "NVIDIA H100 80GB HBM3": estimates calibrate by it
+    env: Any = None                           # pilotrun.distributed.DistEnv
     progress: ProgressFn = no_progress
     # Filled in by gates as they pass.
     tokenizer: Any = None
@@ -72,6 +73,17 @@ class PilotContext:
         if not path.exists():
             write_spec_file(self.spec, path)
         return path
+
+    def plain_model_copy(self) -> torch.nn.Module:
+        """A copy of the model outside any distributed wrapper, for checks that run on one rank alone.
+        One process: a deep copy of the trained model. Several: the model rebuilt from the spec (same seed)."""
+        import copy
+
+        if self.env is None or not self.env.active:
+            return copy.deepcopy(self.model)
+        from ..models.loading import build_model
+
+        return build_model(self.spec, self.data.label_names, self.tokenizer).model.to(self.device)
 
     def tracked(self) -> list:
         objs: list = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..checkpoint.export import export_model, safetensors_tensor_count
 from ..ui.format import human_bytes
-from .base import Gate, GateFailure, Outcome
+from .base import Gate, GateFailure, Outcome, on_main_rank
 
 
 class ExportGate(Gate):
@@ -11,12 +11,22 @@ class ExportGate(Gate):
     depends_on = ("load",)
 
     def run(self, ctx, meter) -> Outcome:
+        state_dict = None
+        if ctx.env is not None and ctx.env.active:
+            # Every rank takes part in gathering the full weights; rank 0 alone receives and writes them.
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state_dict = get_model_state_dict(ctx.trainer.model,
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return on_main_rank(ctx, self, lambda: self._export(ctx, state_dict))
+
+    def _export(self, ctx, state_dict) -> Outcome:
         spec = ctx.spec
         folder = ctx.out_dir / "export"
         written = export_model(
             folder, ctx.model, tokenizer=ctx.tokenizer,
             factory=spec.model.factory, model_mapping=spec.model_mapping() if spec.model.factory else None,
-            spec_folder=str(spec.folder),
+            spec_folder=str(spec.folder), state_dict=state_dict,
         )
         ctx.export_dir = folder
         n_tensors = safetensors_tensor_count(folder)

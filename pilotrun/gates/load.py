@@ -1,6 +1,7 @@
 """``load``: tokenizer, data and model built and moved to the device; time and memory."""
 from __future__ import annotations
 
+from .. import distributed
 from ..checkpoint.state import restore_training_state
 from ..models.loading import build_model, parameter_count
 from ..train.loop import Trainer, seed_everything
@@ -23,7 +24,11 @@ class LoadGate(Gate):
         model = loaded.model.to(ctx.device)
         ctx.loaded = loaded
         meter.register([model])
-        ctx.trainer = Trainer(model, data.train, data.collate, spec, ctx.device, pad_batch=data.pad_batch)
+        env = ctx.env or distributed.DistEnv()
+        ratio = distributed.reduction_ratio(env, ctx.device)
+        wrapped, how = distributed.wrap(model, env, ctx.device)
+        ctx.trainer = Trainer(wrapped, data.train, data.collate, spec, ctx.device, pad_batch=data.pad_batch,
+                              env=env, reduction_ratio=ratio)
         policy = ctx.trainer.probe_policy()
         restored = None
         if ctx.resume_checkpoint is not None:
@@ -46,6 +51,11 @@ class LoadGate(Gate):
             "label_names": data.label_names,
             "notes": loaded.notes + data.notes,
             "updates_per_epoch": ctx.trainer.plan.updates_per_epoch,
+            "strategy": how,
+            "gradient_reduction": ("one process" if not env.active else
+                                   f"measured: the {env.strategy} reduction {'averages' if abs(ratio - 1) < 1e-6 else 'sums'}"
+                                   f" gradients over ranks (ratio {ratio:g}); losses scaled by {ctx.trainer.grad_scale:g}"),
+            "examples_per_update": spec.train.micro_batch_size * spec.train.grad_accum_steps * env.world_size,
         }
         sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
         if restored is not None:
@@ -57,6 +67,8 @@ class LoadGate(Gate):
             f"from {loaded.source.split(' (')[0]} on {ctx.device}; {sizes} examples; loss over accumulation: "
             + ("num_items_in_batch passed" if policy.pass_num_items else "per-micro-batch means weighted by examples")
         )
+        if env.active:
+            out.reason += f"; {how}"
         if restored is not None:
             out.reason += f"; training state restored from {ctx.resume_checkpoint.name} (update {restored['step']})"
         if len(data.train) < per_update:

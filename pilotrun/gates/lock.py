@@ -28,10 +28,11 @@ class LockGate(Gate):
         except OSError:
             pass
         path = ctx.out_dir / "lock.json"
-        path.write_text(json.dumps(lock, indent=1, sort_keys=True))
         ctx.lock = lock
-        if ctx.ledger is not None:
-            ctx.ledger.set_lock(ctx.run_id, lock)
+        if ctx.rank == 0:  # one lock per run; every rank compares its own environment with the last run's
+            path.write_text(json.dumps(lock, indent=1, sort_keys=True))
+            if ctx.ledger is not None:
+                ctx.ledger.set_lock(ctx.run_id, lock)
         out = Outcome(inputs=self.describe_inputs(ctx))
         out.details = {"lock_path": str(path), "config_hash": lock["config_hash"],
                        "versions": lock["versions"], "model": _short(lock["model"]), "data": _short(lock["data"])}
@@ -46,6 +47,8 @@ class LockGate(Gate):
             out.details["drift"] = [{"field": k, "before": a, "now": b} for k, a, b in drift]
             if drift:
                 out.warn(f"drift from {prev_id} in {len(drift)} field(s): {summarize_drift(drift)}")
+            else:
+                out.reason = f"{head}; no drift from {prev_id}"
             cut = [(k, a, b) for k, a, b in drift if k in ("config.data.max_length", "config.eval.max_length")
                    and isinstance(a, int) and isinstance(b, int) and b < a]
             if cut:
@@ -53,10 +56,8 @@ class LockGate(Gate):
                 text = "; ".join(f"{k[7:]} was cut from {a} to {b}: outputs change, so this is a different "
                                  f"experiment from {prev_id}, not the same one made to fit" for k, a, b in cut)
                 out.warn(text)
-                if ctx.ledger is not None:
+                if ctx.ledger is not None and ctx.rank == 0:
                     ctx.ledger.add_note(ctx.run_id, f"different experiment: {text}")
-            else:
-                out.reason = f"{head}; no drift from {prev_id}"
         model = lock["model"]
         if model.get("source") == "hub" and not model.get("pinned"):
             out.warn(f"model.hf {model['id']!r} is not pinned to a commit (model.revision): a later run may get other weights")

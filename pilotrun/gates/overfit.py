@@ -7,7 +7,6 @@ cannot be memorised. Targets are then checked one example at a time, in eval mod
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -65,7 +64,7 @@ class OverfitGate(Gate):
         order = ctx.trainer.plan.order(0)
         subset = [data.train[i] for i in order[: o.examples]]
         ids = [str(it["id"]) for it in subset]
-        model = copy.deepcopy(ctx.model)
+        model = ctx.plain_model_copy()
         model.train()
         opt = build_optimizer(model, spec.train.optimizer)  # constant lr: the schedule belongs to the long run
         scaler = torch.amp.GradScaler(ctx.device.type) if spec.train.precision == "fp16" else None

@@ -14,7 +14,7 @@ from ..checkpoint.state import manifest_sha256
 from ..train.loop import to_device
 from ..workers.launch import run_worker
 from ..workers.reload import outputs_of
-from .base import Gate, GateFailure, Outcome
+from .base import Gate, GateFailure, Outcome, on_main_rank
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -27,19 +27,25 @@ class ReloadEvalGate(Gate):
         return [ctx.model] if ctx.model is not None else []
 
     def run(self, ctx, meter) -> Outcome:
-        data, model = ctx.data, ctx.model
+        data = ctx.data
+        # The model as training runs it (FSDP: every rank takes part in these forwards).
+        model = ctx.trainer.model if ctx.trainer is not None else ctx.model
         n = min(ctx.spec.eval_batch_size, len(data.val))
         items = [data.val[i] for i in range(n)]
         batch = {k: v.contiguous() for k, v in data.collate(items).items() if isinstance(v, torch.Tensor)}
-        work = ctx.worker_dir()
-        inputs_path, outputs_path = work / "reload-inputs.safetensors", work / "reload-outputs.safetensors"
-        save_file(batch, str(inputs_path))
         was_training = model.training
         try:
             first = outputs_of(model, to_device(batch, ctx.device))
             second = outputs_of(model, to_device(batch, ctx.device))
         finally:
             model.train(was_training)
+        return on_main_rank(ctx, self, lambda: self._compare(ctx, batch, items, first, second))
+
+    def _compare(self, ctx, batch, items, first, second) -> Outcome:
+        n = len(items)
+        work = ctx.worker_dir()
+        inputs_path, outputs_path = work / "reload-inputs.safetensors", work / "reload-outputs.safetensors"
+        save_file(batch, str(inputs_path))
         out = Outcome(inputs={**ctx.base_inputs(), "control_examples": n, "batch_size": n})
         out.details = {"control_ids": [str(it["id"]) for it in items], "output_shape": list(first.shape),
                        "tolerance": {"rtol": RTOL, "atol": ATOL}}

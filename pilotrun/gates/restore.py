@@ -9,7 +9,7 @@ process (not a fork) builds the job from the spec, loads the checkpoint (hash-ve
 from __future__ import annotations
 
 from ..workers.launch import run_worker
-from .base import Gate, GateFailure, Outcome
+from .base import Gate, GateFailure, Outcome, on_main_rank
 
 
 class RestoreGate(Gate):
@@ -20,12 +20,15 @@ class RestoreGate(Gate):
         return []
 
     def run(self, ctx, meter) -> Outcome:
+        return on_main_rank(ctx, self, lambda: self._restore(ctx))
+
+    def _restore(self, ctx) -> Outcome:
         work = ctx.worker_dir()
         payload = run_worker(
             "pilotrun.workers.train_phase",
             ["--spec", str(ctx.spec_file()), "--phase", "restore", "--checkpoint", str(ctx.checkpoint_dir),
              "--expect", str(ctx.checkpoint_expect), "--known-manifest", ctx.checkpoint_manifest],
-            work / "restore.json", work / "restore.log", "restore")
+            work / "restore.json", work / "restore.log", "restore", nproc=ctx.world_size)
         out = Outcome(inputs={**ctx.base_inputs(), "checkpoint": str(ctx.checkpoint_dir)})
         mem = dict(payload.get("memory") or {})
         mem["measured_in"] = "the restore process"
@@ -34,10 +37,12 @@ class RestoreGate(Gate):
                        "process_peak": payload.get("peak"), "log": str(work / "restore.log")}
         if payload["mismatches"]:
             first = payload["mismatches"]
-            shown = "; ".join(f"{m['field']}: {m['hint']}" for m in first[:3])
+            shown = "; ".join(f"{m['field']}{' on rank %d' % m['rank'] if ctx.world_size > 1 else ''}: {m['hint']}"
+                              for m in first[:3])
             more = f" (+{len(first) - 3} more)" if len(first) > 3 else ""
             raise GateFailure(f"a fresh process restored step {payload['step']} but {len(first)} field(s) differ from "
                               f"what was saved: {shown}{more}", inputs=out.inputs, details=out.details)
-        out.reason = (f"a fresh process restored step {payload['step']} (lr {payload['lr'][0]:.3g}): parameters, "
+        who = "a fresh process" if ctx.world_size == 1 else f"{ctx.world_size} fresh processes (torchrun)"
+        out.reason = (f"{who} restored step {payload['step']} (lr {payload['lr'][0]:.3g}): parameters, "
                       "buffers, optimizer and scheduler state, RNG streams and data position equal what was saved")
         return out

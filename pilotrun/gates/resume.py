@@ -11,7 +11,7 @@ import math
 
 from ..checkpoint.state import manifest_sha256
 from ..workers.launch import run_and_kill, run_worker
-from .base import Gate, GateFailure, Outcome
+from .base import Gate, GateFailure, Outcome, on_main_rank
 
 CAUSES = {
     "sample_ids": ("the data order differs: the sampler position or its seed was not restored, so the run replays or "
@@ -63,23 +63,27 @@ class ResumeGate(Gate):
         return {**ctx.base_inputs(), "updates_before_kill": r.before, "updates_after_restore": r.after}
 
     def run(self, ctx, meter) -> Outcome:
+        return on_main_rank(ctx, self, lambda: self._resume(ctx))
+
+    def _resume(self, ctx) -> Outcome:
         spec, r = ctx.spec, ctx.spec.pilot.resume
+        n = ctx.world_size
         work = ctx.worker_dir()
         ckpts = work / "resume-checkpoints"
         base = ["--spec", str(ctx.spec_file())]
         module = "pilotrun.workers.train_phase"
         ctx.progress(0, 3, "processes")
         control = run_worker(module, base + ["--phase", "control", "--updates", str(r.before + r.after)],
-                             work / "control.json", work / "control.log", "control")
+                             work / "control.json", work / "control.log", "control", nproc=n)
         ctx.progress(1, 3, "processes")
         cut = run_and_kill(module, base + ["--phase", "interrupted", "--updates", str(r.before),
                                            "--checkpoints", str(ckpts)],
-                           work / "interrupted.json", work / "interrupted.log", "interrupted")
+                           work / "interrupted.json", work / "interrupted.log", "interrupted", nproc=n)
         ctx.progress(2, 3, "processes")
         sha = manifest_sha256(cut["checkpoint"])
         resumed = run_worker(module, base + ["--phase", "resumed", "--updates", str(r.after), "--checkpoints",
                                              str(ckpts), "--known-manifest", sha],
-                             work / "resumed.json", work / "resumed.log", "resumed")
+                             work / "resumed.json", work / "resumed.log", "resumed", nproc=n)
         ctx.progress(3, 3, "processes")
         exact = ctx.device.type == "cpu" and spec.train.precision == "fp32"
         rule = "bitwise (CPU, fp32)" if exact else f"within rtol {r.rtol:g} ({ctx.device.type}, {spec.train.precision})"
@@ -92,20 +96,25 @@ class ResumeGate(Gate):
                                                  for p in (control, cut, resumed)),
                       "measured_in": "the three worker processes (largest)",
                       "not_measured": {"peak_allocated_bytes": "three processes; see the restore row for one restore"}}
-        before = first_difference(control["records"][: r.before], cut["records"], exact, r.rtol)
+        ranks = range(len(control.get("records_by_rank") or [control["records"]]))
+        by_rank = lambda p, i: (p.get("records_by_rank") or [p["records"]])[i]  # noqa: E731
+        before = next((dict(d, rank=i) for i in ranks
+                       if (d := first_difference(by_rank(control, i)[: r.before], by_rank(cut, i), exact, r.rtol))), None)
         if before is not None:
             raise GateFailure(
                 f"the run is not reproducible even without a restart: at update {before['update']}, {before['field']} "
                 f"is {before['control']} in one fresh process and {before['other']} in another — randomness that "
                 "the seed does not control (an unseeded generator, nondeterministic kernels)",
                 inputs=out.inputs, details=out.details)
-        after = first_difference(control["records"][r.before:], resumed["records"], exact, r.rtol)
+        after = next((dict(d, rank=i) for i in ranks
+                      if (d := first_difference(by_rank(control, i)[r.before:], by_rank(resumed, i), exact, r.rtol))), None)
         if after is not None:
             raise GateFailure(
                 f"after a kill at update {r.before} and a restore, update {after['update']} differs from the "
                 f"uninterrupted run in {after['field']}: {after['other']} vs {after['control']}; {CAUSES[after['field']]}",
                 inputs=out.inputs, details=out.details)
-        out.reason = (f"killed after update {r.before} (SIGKILL), restored in a fresh process: updates "
+        who = "a fresh process" if n == 1 else f"{n} fresh processes (torchrun)"
+        out.reason = (f"killed after update {r.before} (SIGKILL), restored in {who}: updates "
                       f"{r.before + 1}-{r.before + r.after} match the uninterrupted run {rule} in sample ids, lr, loss "
                       "and gradient norm")
         return out

@@ -36,7 +36,8 @@ def worst_case_length(ctx) -> int | None:
 def _inputs(ctx, rec, padded: int | None) -> dict:
     inputs = ctx.base_inputs()
     inputs["seq_len"] = rec.seq_len or inputs.get("seq_len") or None  # None: inputs without a sequence
-    inputs["examples_per_update"] = rec.examples
+    inputs["examples_per_update"] = rec.examples * ctx.world_size
+    inputs["examples_this_rank"] = rec.examples
     inputs["padded_to_max_length"] = padded is not None
     return inputs
 
@@ -82,7 +83,9 @@ class FirstStepGate(Gate):
                        "supervised_labels": rec.supervised, "tokens": rec.tokens}
         gn = f"{rec.grad_norm:.3g}" if rec.grad_norm is not None else "n/a"
         at = f"at length {rec.seq_len}, " if rec.seq_len else ""
-        out.reason = (f"update 1 {at}{rec.examples} examples: loss {rec.loss:.4g}, grad norm {gn}, "
+        n = (f"{rec.examples} examples" if ctx.world_size == 1 else
+             f"{rec.examples} examples on this rank, {rec.examples * ctx.world_size} per update")
+        out.reason = (f"update 1 {at}{n}: loss {rec.loss:.4g}, grad norm {gn}, "
                       f"lr {rec.lr:.3g}; optimizer state {human_bytes(opt_bytes)} allocated")
         if rec.scaler_skipped:
             out.warn("the fp16 grad scaler skipped update 1 (inf/NaN gradients at the initial scale): optimizer state "

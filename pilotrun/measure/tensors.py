@@ -23,6 +23,8 @@ def _storages(obj) -> list[torch.UntypedStorage]:
     out = []
     for leaf in tree_leaves(obj):
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            if hasattr(leaf, "to_local"):  # a DTensor (FSDP2): this rank's shard is what it holds
+                leaf = leaf.to_local()
             try:
                 out.append(leaf.untyped_storage())
             except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
@@ -55,7 +57,10 @@ def category_bytes(objs: Iterable) -> dict[str, int]:
     for cat, tensors in state_tensors(objs).items():
         total = 0
         for st in _storages(tensors):
-            key = st.data_ptr() if st.nbytes() else id(st)
+            try:
+                key = st.data_ptr() if st.nbytes() else id(st)
+            except RuntimeError:  # a storage FSDP freed (resized to zero)
+                continue
             if key in seen:
                 continue
             seen.add(key)

@@ -185,7 +185,8 @@ def count_items(batch: dict, policy: LossPolicy) -> int:
 
 
 def window_backward(model, window: list, policy: LossPolicy, device: torch.device, precision: str,
-                    scaler=None, num_items: int | None = None, stats: bool = True) -> dict:
+                    scaler=None, num_items: int | None = None, stats: bool = True,
+                    window_examples: int | None = None, grad_scale: float = 1.0) -> dict:
     """Forward and backward over one update window ``[(ids, batch), ...]``, normalised as the loop does.
 
     This is the single place where accumulation is normalised: the training loop, the
@@ -194,6 +195,9 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
     ids_all = [i for ids, _ in window for i in ids]
     if num_items is None:
         num_items = sum(count_items(b, policy) for _, b in window)
+    # With several ranks, the window's examples and labels are counted over all of them and
+    # ``grad_scale`` undoes the strategy's averaging, so the update equals one process's.
+    window_examples = window_examples or len(ids_all)
     total = torch.zeros((), device=device, dtype=torch.float64)
     tokens = supervised = examples = seq_len = 0
     for ids, batch in window:
@@ -210,11 +214,12 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
         if not policy.pass_num_items:
             # Each micro batch's mean weighted by its share of the window's examples: equal
             # micro batches get 1/n_micro, a short last micro batch gets less.
-            loss = loss * (len(ids) / len(ids_all))
+            loss = loss * (len(ids) / window_examples)
+        backward_loss = loss * grad_scale if grad_scale != 1.0 else loss
         if scaler is not None:
-            scaler.scale(loss).backward()
+            scaler.scale(backward_loss).backward()
         else:
-            loss.backward()
+            backward_loss.backward()
         total += loss.detach()
         examples += len(ids)
         if not stats:  # fake tensors (the estimator): counting would need their values
@@ -313,8 +318,14 @@ class Trainer:
     """Owns optimizer, scheduler, scaler and data position for one model on one device."""
 
     def __init__(
-        self, model: torch.nn.Module, train_set, collate, spec: Spec, device: torch.device, pad_batch=None
+        self, model: torch.nn.Module, train_set, collate, spec: Spec, device: torch.device, pad_batch=None,
+        env=None, reduction_ratio: float = 1.0,
     ) -> None:
+        from ..distributed import DistEnv
+
+        self.env = env or DistEnv()
+        # 1.0 when the strategy averages gradients over ranks, world_size when it sums them.
+        self.grad_scale = self.env.world_size / reduction_ratio if self.env.active else 1.0
         self.model = model
         self.spec = spec
         self.device = device
@@ -331,6 +342,8 @@ class Trainer:
             seed=spec.seed,
             shuffle=t.shuffle,
             drop_last=spec.data.drop_last,
+            replicas=self.env.world_size,
+            rank=self.env.rank,
         )
         self.train_set = train_set
         self.collate = _WithIds(collate)
@@ -399,6 +412,7 @@ class Trainer:
             window.append((ids, batch))
         data_wait = time.perf_counter() - t0
         epoch = self.epoch
+        micro_start = self.micro_index
         self.micro_index += n_micro
         if self.micro_index >= self.plan.micro_batches_per_epoch:
             self.epoch, self.micro_index = self.epoch + 1, 0
@@ -410,10 +424,23 @@ class Trainer:
         lr = float(self.scheduler.get_last_lr()[0])
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)  # no-op unless an earlier update stopped half-way
-        stats = window_backward(self.model, window, self.policy, self.device, self.precision, self.scaler)
+        num_items = None
+        window_examples = None
+        if self.env.active:
+            from ..distributed import all_sum
+
+            num_items = int(all_sum(self.env, sum(count_items(b, self.policy) for _, b in window), self.device))
+            window_examples = self.plan.global_window_examples(micro_start, epoch)
+        stats = window_backward(self.model, window, self.policy, self.device, self.precision, self.scaler,
+                                num_items=num_items, window_examples=window_examples, grad_scale=self.grad_scale)
         total, tokens, supervised, examples = stats["loss"], stats["tokens"], stats["supervised"], stats["examples"]
         seq_len = stats["seq_len"]
         loss_value = float(total)
+        if self.env.active:  # the update's loss and label count over all ranks, as one process would see them
+            from ..distributed import all_sum
+
+            loss_value = all_sum(self.env, loss_value, self.device)
+            supervised = int(all_sum(self.env, supervised, self.device))
         if not math.isfinite(loss_value):
             hint = " (the window has no supervised labels: every label is -100, so its mean is 0/0)" if supervised == 0 else ""
             raise NonFiniteError("loss", step, loss_value, ids_all, hint)
@@ -424,7 +451,7 @@ class Trainer:
         grads = [p for p in self.params if p.grad is not None]
         if grads:
             norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"))
-            grad_norm = float(norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         else:
             grad_norm = None
         if strict:

@@ -14,18 +14,31 @@ import torch
 
 @dataclass(frozen=True)
 class DataPlan:
+    """The order of one rank's micro batches. With ``replicas`` > 1 every micro step takes
+    ``micro_batch_size × replicas`` examples from the shared order and gives this ``rank`` its slice,
+    so a window holds the same examples as one process with a ``replicas`` times larger micro batch."""
+
     n_examples: int
     micro_batch_size: int
     grad_accum_steps: int
     seed: int
     shuffle: bool = True
     drop_last: bool = False
+    replicas: int = 1
+    rank: int = 0
+
+    @property
+    def global_micro_batch(self) -> int:
+        return self.micro_batch_size * self.replicas
 
     @property
     def micro_batches_per_epoch(self) -> int:
+        step = self.global_micro_batch
         if self.drop_last:
-            return self.n_examples // self.micro_batch_size
-        return math.ceil(self.n_examples / self.micro_batch_size)
+            return self.n_examples // step
+        full, rest = divmod(self.n_examples, step)
+        # A last step too small to give every rank an example is dropped (all ranks must take part).
+        return full + (1 if rest >= self.replicas else 0)
 
     @property
     def updates_per_epoch(self) -> int:
@@ -40,8 +53,19 @@ class DataPlan:
 
     def micro_batch(self, epoch: int, index: int, order: list[int] | None = None) -> list[int]:
         order = self.order(epoch) if order is None else order
-        start = index * self.micro_batch_size
-        return order[start : start + self.micro_batch_size]
+        step = self.global_micro_batch
+        chunk = order[index * step : (index + 1) * step]
+        if self.replicas == 1:
+            return chunk
+        k = len(chunk)
+        return chunk[self.rank * k // self.replicas : (self.rank + 1) * k // self.replicas]
+
+    def global_window_examples(self, micro_index: int, epoch: int = 0) -> int:
+        """Examples in the whole window (all ranks) that starts at ``micro_index``."""
+        n = self.window_size(micro_index)
+        step = self.global_micro_batch
+        start = micro_index * step
+        return max(0, min(self.n_examples, start + n * step) - start)
 
     def window_size(self, micro_index: int) -> int:
         """Micro batches in the update window that starts at ``micro_index`` (the last of an epoch may be short)."""

@@ -156,12 +156,23 @@ class ConsoleObserver:
         if self.live is not None:
             self.live.update(self._render())
 
-    def finish(self, status: str, out_dir: Path, ledger: Path) -> None:
+    def finish(self, status: str, out_dir: Path, ledger: Path, ranks: list[dict] | None = None) -> None:
         if self.live is not None:
             self.live.stop()
             self.live = None
         self.console.print()
         self.console.print(gate_table(self.rows, width=self.console.width))
+        if ranks:
+            self.console.print()
+            t = Table(box=None, header_style="bold", title=f"over {ranks[0]['ranks']} ranks", title_justify="left")
+            for col in ("gate", "worst", "max peak alloc", "max time", "imbalance"):
+                t.add_column(col)
+            for r in ranks:
+                t.add_row(r["gate"], Text(r["verdict"], style=STYLE[r["verdict"]]),
+                          human_bytes(r["max_peak_allocated_bytes"]) if r["max_peak_allocated_bytes"] else "",
+                          human_seconds(r["max_seconds"]) if r["max_seconds"] else "",
+                          Text("; ".join(r["imbalance"]), style="yellow") if r["imbalance"] else "")
+            self.console.print(t)
         self.console.print()
         self.console.print(headline(self.rows, status))
         for r in self.rows:

@@ -29,15 +29,24 @@ def read_spec_file(path: str | Path) -> Spec:
 
 
 def build_trainer(spec: Spec) -> tuple[Trainer, object, torch.device]:
-    """The same objects, in the same order and with the same seeds, as the pilot's own process builds."""
+    """The same objects, in the same order and with the same seeds, as the pilot's own process builds
+    (under torchrun: the same process group, device per LOCAL_RANK and wrapper)."""
+    from .. import distributed
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
     device, _ = pick_device(spec.train.device)
+    env = distributed.init(spec.distributed.strategy, device.type)
+    if env.active and device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
     seed_everything(spec.seed)
     tokenizer = load_tokenizer(spec) if spec.data.task is not None else None
     data = build_data(spec, tokenizer)
     loaded = build_model(spec, data.label_names, tokenizer)
     model = loaded.model.to(device)
-    trainer = Trainer(model, data.train, data.collate, spec, device, pad_batch=data.pad_batch)
+    ratio = distributed.reduction_ratio(env, device)
+    wrapped, _ = distributed.wrap(model, env, device)
+    trainer = Trainer(wrapped, data.train, data.collate, spec, device, pad_batch=data.pad_batch, env=env,
+                      reduction_ratio=ratio)
     trainer.probe_policy()  # the same decision, by the same probe, as the pilot's own process
     return trainer, data, device
 

@@ -19,10 +19,26 @@ class WorkerError(RuntimeError):
     """A worker process failed; the message carries its own error line and where its log is."""
 
 
+# What torchrun sets for its workers: a worker started from inside a torchrun'd process must not inherit
+# them, or it would try to join its parent's process group.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
 def _env() -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def command(module: str, args: list[str], result: Path, nproc: int = 1) -> list[str]:
+    """``python -m module`` for one process; ``torchrun --standalone`` for several (a fresh process group)."""
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "-m", module, *args, "--result", str(result)]
+    return [sys.executable, "-m", module, *args, "--result", str(result)]
 
 
 def _read_result(result: Path, log: Path, what: str, returncode: int | None) -> dict:
@@ -36,32 +52,39 @@ def _read_result(result: Path, log: Path, what: str, returncode: int | None) -> 
 
 
 def run_worker(module: str, args: list[str], result: Path, log: Path, what: str,
-               timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Run ``python -m module args`` to completion and return its JSON result."""
+               timeout: float = DEFAULT_TIMEOUT_S, nproc: int = 1) -> dict:
+    """Run ``python -m module args`` (or ``nproc`` of them under torchrun) to completion; return the JSON result."""
     result.unlink(missing_ok=True)
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args, "--result", str(result)],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen(command(module, args, result, nproc), stdout=fh, stderr=subprocess.STDOUT,
+                                env=_env(), start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _kill_group(proc)
             raise WorkerError(f"the {what} process took longer than {timeout:.0f} s and was killed (log {log})") from None
         except BaseException:
-            proc.kill()
-            proc.wait()
+            _kill_group(proc)
             raise
     return _read_result(result, log, what, proc.returncode)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the worker and everything it started (torchrun's agent and its ranks)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
 def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: str,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Run a worker until it prints SAVED, then SIGKILL it (a real kill, not a clean exit)."""
+                 timeout: float = DEFAULT_TIMEOUT_S, nproc: int = 1) -> dict:
+    """Run a worker until it prints SAVED, then SIGKILL it and its ranks (a real kill, not a clean exit)."""
     result.unlink(missing_ok=True)
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args, "--result", str(result)],
-                                stdout=subprocess.PIPE, stderr=fh, env=_env(), text=True)
+        proc = subprocess.Popen(command(module, args, result, nproc), stdout=subprocess.PIPE, stderr=fh, env=_env(),
+                                text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
         saved = False
         try:
@@ -74,13 +97,11 @@ def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: st
                 if time.monotonic() > deadline:
                     break
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            _kill_group(proc)
             if proc.stdout is not None:
                 proc.stdout.close()
     payload = _read_result(result, log, what, proc.returncode)
     if not saved:
         raise WorkerError(f"the {what} process ended (code {proc.returncode}) before saving (log {log})")
-    payload["killed_with"] = "SIGKILL" if proc.returncode == -signal.SIGKILL else proc.returncode
+    payload["killed_with"] = "SIGKILL" if proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) else proc.returncode
     return payload

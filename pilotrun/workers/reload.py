@@ -41,6 +41,7 @@ def load_artifact(folder: Path) -> torch.nn.Module:
 
 def outputs_of(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     model.eval()
+    model = getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.no_grad():
         out = model(**batch)
     logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
@@ -48,6 +49,8 @@ def outputs_of(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         logits = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if not isinstance(logits, torch.Tensor):
         raise RuntimeError("the model returned neither logits nor loss to compare")
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
     return logits.detach().float().cpu()
 
 

@@ -1,0 +1,123 @@
+"""Checkpoints of a job spread over several processes, with ``torch.distributed.checkpoint``.
+
+Each rank writes its shards (DCP) and its own RNG streams and data position; rank 0 writes
+the shared pieces (scheduler, scaler, config), then — after every rank is done — hashes every
+file into the manifest and renames the folder into place, so a checkpoint is either whole
+or absent, as in one process. The DCP folder can be read without the original processes:
+:func:`convert` turns it into one file (``.pt`` for ``torch.load(weights_only=True)``, or
+``.safetensors``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .io import MANIFEST, CheckpointError, _fsync_dir, _hash_and_sync, verify_folder
+from .state import _load_json, capture_rng, load_torch_file, restore_rng
+
+
+def _state_dicts(trainer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(trainer.model, trainer.optimizer)
+
+
+def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None) -> dict:
+    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .. import distributed
+
+    folder = Path(folder)
+    tmp = folder.parent / f".{folder.name}.tmp-dist"
+    if env.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "dcp").mkdir(parents=True)
+    distributed.barrier(env)
+    msd, osd = _state_dicts(trainer)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "dcp"))
+    rng_json, rng_tensors = capture_rng()
+    torch.save(rng_tensors, tmp / f"rng-rank{env.rank}.pt")
+    (tmp / f"rng-rank{env.rank}.json").write_text(json.dumps(rng_json))
+    (tmp / f"trainer_state-rank{env.rank}.json").write_text(json.dumps(trainer.state(), sort_keys=True))
+    if env.is_main:
+        (tmp / "scheduler.json").write_text(json.dumps(trainer.scheduler.state_dict(), sort_keys=True))
+        if trainer.scaler is not None:
+            (tmp / "scaler.json").write_text(json.dumps(trainer.scaler.state_dict(), sort_keys=True))
+        (tmp / "config.json").write_text(json.dumps(config, sort_keys=True))
+    distributed.barrier(env)
+    record: dict = {}
+    if env.is_main:
+        files = {str(p.relative_to(tmp)): _hash_and_sync(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {"format": "pilotrun-checkpoint/1", "layout": "dcp", "world_size": env.world_size,
+                    "strategy": env.strategy, "step": trainer.step, "config_hash": config_hash, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        _hash_and_sync(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)
+        _fsync_dir(folder.parent)
+        record = {"files": files, "bytes": sum(f["bytes"] for f in files.values())}
+    distributed.barrier(env)
+    return distributed.broadcast(env, record)
+
+
+def restore_distributed(trainer, folder: Path, env) -> dict:
+    """Load a DCP checkpoint into a freshly built (and wrapped) trainer on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    folder = Path(folder)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    if manifest.get("world_size") != env.world_size:
+        raise CheckpointError(f"{folder} was written by {manifest.get('world_size')} processes, this job has "
+                              f"{env.world_size}: convert it (pilotrun convert) and load the single file instead")
+    msd, osd = _state_dicts(trainer)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=str(folder / "dcp"))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trainer.scheduler.load_state_dict(_load_json(folder / "scheduler.json"))
+    if trainer.scaler is not None:
+        trainer.scaler.load_state_dict(_load_json(folder / "scaler.json"))
+    restore_rng(_load_json(folder / f"rng-rank{env.rank}.json"), load_torch_file(folder / f"rng-rank{env.rank}.pt"))
+    st = _load_json(folder / f"trainer_state-rank{env.rank}.json")
+    trainer.load_state(st)
+    return st
+
+
+def convert(folder: Path, out: Path) -> dict:
+    """A DCP checkpoint as one file that needs none of the original processes: ``.pt`` or ``.safetensors``
+    (model weights only for safetensors; everything for ``.pt``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder, out = Path(folder), Path(out)
+    verify_folder(folder)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    if manifest.get("layout") != "dcp":
+        raise CheckpointError(f"{folder} is a single-process checkpoint already (model-*.pt shards load directly)")
+    tmp_pt = out.with_suffix(".pt.tmp")
+    dcp_to_torch_save(str(folder / "dcp"), str(tmp_pt))
+    state = torch.load(tmp_pt, map_location="cpu", weights_only=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        weights = {k: v.contiguous() for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+        save_file(weights, str(out))
+        tmp_pt.unlink()
+        return {"path": str(out), "tensors": len(weights)}
+    os.replace(tmp_pt, out)
+    return {"path": str(out), "keys": sorted(state)}
+
+
+def is_distributed_checkpoint(folder: Path) -> bool:
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_text()).get("layout") == "dcp"
+    except (OSError, ValueError):
+        return False
+

@@ -1,0 +1,38 @@
+"""``pilotrun convert CHECKPOINT --out FILE``: a distributed checkpoint as one file, no processes needed.
+
+The result loads in a plain script: ``torch.load(FILE, weights_only=True)`` for ``.pt`` (model and
+optimizer state), ``safetensors.torch.load_file(FILE)`` for ``.safetensors`` (model weights)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint.dist import convert
+from ..checkpoint.io import CheckpointError
+from .common import UsageError, out_console
+
+HELP = """examples:
+  pilotrun convert runs/RUN/checkpoints/step-000008 --out step8.pt
+  pilotrun convert runs/RUN/checkpoints/step-000008 --out step8-weights.safetensors"""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("convert", help="a distributed checkpoint as one .pt or .safetensors file",
+                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("--out", type=Path, required=True, help="FILE.pt or FILE.safetensors")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    if args.out.suffix not in (".pt", ".safetensors"):
+        raise UsageError(f"--out must end in .pt or .safetensors, got {args.out.name}")
+    if not args.checkpoint.is_dir():
+        raise UsageError(f"no checkpoint folder at {args.checkpoint}")
+    try:
+        info = convert(args.checkpoint, args.out)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    out_console().print(f"wrote {info['path']} ({', '.join(f'{k} {v}' for k, v in info.items() if k != 'path')})")
+    return 0

@@ -1,0 +1,126 @@
+"""Scale out on torchrun: real two-process gloo runs of the demo under DDP and FSDP2."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from pilotrun.batching import batch_plan
+from pilotrun.pilot import rank_summary
+from pilotrun.train.sampler import DataPlan
+
+from .conftest import SPEC_ORDER, copy_example, gate_rows, pilotrun_cli
+
+
+def test_each_rank_takes_its_slice_of_the_shared_order():
+    one = DataPlan(n_examples=22, micro_batch_size=4, grad_accum_steps=2, seed=3)
+    ranks = [DataPlan(22, 2, 2, 3, replicas=2, rank=r) for r in (0, 1)]
+    assert ranks[0].micro_batches_per_epoch == one.micro_batches_per_epoch == 6
+    for i in range(one.micro_batches_per_epoch):
+        assert ranks[0].micro_batch(0, i) + ranks[1].micro_batch(0, i) == one.micro_batch(0, i)
+    assert ranks[0].global_window_examples(4) == 6  # the last window: 4 + 2 examples over both ranks
+    # A last step that cannot give every rank an example is dropped on all of them.
+    assert DataPlan(21, 2, 2, 3, replicas=2).micro_batches_per_epoch == 5
+    assert DataPlan(9, 4, 1, 0, replicas=2).micro_batches_per_epoch == 1
+    assert batch_plan(2, 8, 4, 3200, model_parallel=2)["examples_per_update"] == 64
+
+
+def test_rank_summary_flags_real_imbalance_only():
+    rows = [{"gate": "steady_step", "verdict": "pass", "rank": 0, "seconds": 1.0,
+             "memory": {"peak_allocated_bytes": 100 * 2**20}},
+            {"gate": "steady_step", "verdict": "warn", "rank": 1, "seconds": 1.6,
+             "memory": {"peak_allocated_bytes": 150 * 2**20}}]
+    (s,) = rank_summary(rows)
+    assert s["verdict"] == "warn" and s["worst_rank"] == 1 and s["max_peak_allocated_bytes"] == 150 * 2**20
+    assert any("memory differs" in f for f in s["imbalance"]) and any("time differs" in f for f in s["imbalance"])
+    rows[1]["memory"]["peak_allocated_bytes"] = 100 * 2**20 + 4096
+    rows[1]["seconds"] = 1.05
+    assert rank_summary(rows)[0]["imbalance"] == []
+
+
+def test_launch_refuses_what_cannot_run(tmp_path, monkeypatch):
+    from pilotrun import devices
+    from pilotrun.cli.common import UsageError
+    from pilotrun.cli.launch import plan_processes
+
+    with pytest.raises(UsageError, match="no accelerator is visible: give --nproc-per-node"):
+        plan_processes(None, 1)
+    monkeypatch.setattr(devices, "query_devices", lambda: devices.DeviceInventory("cuda", 2, ("A", "B"), (1, 1)))
+    import pilotrun.cli.launch as launch
+
+    monkeypatch.setattr(launch, "query_devices", devices.query_devices)
+    assert plan_processes(None, 1)[0] == 2
+    with pytest.raises(UsageError, match="--nproc-per-node 4 but only 2 cuda device"):
+        plan_processes(4, 1)
+    spec = copy_example("tiny-sft", tmp_path)
+    res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), cwd=tmp_path)
+    assert res.returncode == 2 and "need distributed.strategy ddp or fsdp" in res.stderr
+
+
+def _losses(ledger, run_id=None) -> list[tuple[int, float]]:
+    with sqlite3.connect(ledger) as con:
+        q = "SELECT rank, loss FROM metrics WHERE gate IN ('first_step', 'steady_step')"
+        q += " AND run_id = ?" if run_id else ""
+        return [(r, round(x, 9)) for r, x in con.execute(q + " ORDER BY rank, step", (run_id,) if run_id else ())]
+
+
+@pytest.mark.slow
+def test_fsdp_pilot_on_two_processes_passes_every_gate(tmp_path):
+    spec = copy_example("tiny-sft", tmp_path)
+    ledger, out = tmp_path / "l.sqlite", tmp_path / "fsdp"
+    res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=fsdp",
+                       "--out", str(out), "--ledger", str(ledger), cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2
+    by_rank = {(g["gate"], g["rank"]) for g in report["gates"]}
+    assert by_rank == {(g, r) for g in SPEC_ORDER for r in (0, 1)}  # every gate, every rank
+    assert all(g["verdict"] == "pass" for g in report["gates"] if g["gate"] != "lock"), \
+        [(g["gate"], g["rank"], g["reason"]) for g in report["gates"] if g["verdict"] != "pass"]
+    assert [s["gate"] for s in report["ranks_summary"]] == SPEC_ORDER
+    load = next(g for g in report["gates"] if g["gate"] == "load" and g["rank"] == 0)
+    assert "FSDP2 over 2 processes (gloo)" in load["details"]["strategy"]
+    assert load["details"]["examples_per_update"] == 32
+    save = next(g for g in report["gates"] if g["gate"] == "save" and g["rank"] == 0)
+    assert save["details"]["layout"].startswith("torch.distributed.checkpoint")
+    assert "2 fresh processes (torchrun)" in next(g["reason"] for g in report["gates"] if g["gate"] == "restore")
+    # The distributed checkpoint, read by a plain script without the original processes.
+    ckpt = save["details"]["path"]
+    assert pilotrun_cli("convert", ckpt, "--out", str(tmp_path / "c.pt"), cwd=tmp_path).returncode == 0
+    assert pilotrun_cli("convert", ckpt, "--out", str(tmp_path / "c.safetensors"), cwd=tmp_path).returncode == 0
+    script = ("import sys, torch\nfrom safetensors.torch import load_file\n"
+              "s = torch.load(sys.argv[1], weights_only=True)\nw = load_file(sys.argv[2])\n"
+              "assert set(s) == {'model', 'optimizer'} and len(s['model']) == len(w) > 0\n"
+              "assert all(torch.equal(s['model'][k], w[k]) for k in w)\nprint('ok', len(w))\n")
+    check = subprocess.run([sys.executable, "-c", script, str(tmp_path / "c.pt"), str(tmp_path / "c.safetensors")],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and check.stdout.startswith("ok"), check.stderr
+    # Same losses as one process with the same examples per update (2 x 8 per micro step = one micro batch of 16).
+    single = tmp_path / "single"
+    (single).mkdir()
+    gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step"])
+    reference = [x for _, x in _losses(single / "l.sqlite")]
+    fsdp = [x for r, x in _losses(ledger) if r == 0]
+    assert fsdp == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_pilot_matches_one_process(tmp_path):
+    spec = copy_example("tiny-sft", tmp_path)
+    ledger, out = tmp_path / "l.sqlite", tmp_path / "ddp"
+    res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=ddp",
+                       "--gates", "steady_step,save,restore", "--out", str(out), "--ledger", str(ledger),
+                       cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert {g["verdict"] for g in report["gates"]} == {"pass"}
+    assert {g["rank"] for g in report["gates"]} == {0, 1}
+    ddp = _losses(ledger)
+    assert [x for r, x in ddp if r == 0] == [x for r, x in ddp if r == 1]  # both ranks see the global loss
+    single = tmp_path / "single"
+    single.mkdir()
+    gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step"])
+    assert [x for r, x in ddp if r == 0] == pytest.approx([x for _, x in _losses(single / "l.sqlite")], rel=1e-5)
