@@ -28,6 +28,7 @@ bench: venv
 	$(PY) bench/steady_step_overhead.py
 	$(PY) bench/save_overhead.py
 	$(PY) bench/estimate_accuracy.py
+	$(PY) bench/distributed_estimate.py
 
 clean:
 	rm -rf runs .pytest_cache
