@@ -53,7 +53,7 @@ def _ledger(path: Path | None) -> Ledger | None:
 
 
 def main(args) -> int:
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, check_files=False)
     try:
         catalog = load_catalog(args.catalog)
         accs = [find(catalog, a) for a in args.accelerator] or list(catalog.values())
@@ -62,6 +62,8 @@ def main(args) -> int:
     if args.gpus is not None and args.gpus < 1:
         raise UsageError("--gpus must be at least 1")
     strategies = args.strategy or ["single", "ddp", "fsdp"]
+    if args.gpus == 1 and any(s in strategies for s in ("ddp", "fsdp")) and args.strategy:
+        raise UsageError("ddp and fsdp need --gpus 2 or more (one GPU is --strategy single)")
     gpu_counts = [args.gpus] if args.gpus else [2, 4, 8]
     console = out_console()
     traces = Traces(spec)

@@ -46,13 +46,23 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     if args.runs < 1:
         raise UsageError("--runs must be at least 1")
-    spec = load_spec(args.spec, args.overrides)
+    for flag, value in (("--download-mb-s", args.download_mb_s), ("--egress-mb-s", args.egress_mb_s)):
+        if value <= 0:
+            raise UsageError(f"{flag} must be a positive rate, got {value}")
+    for flag, value in (("--evals", args.evals), ("--checkpoints", args.checkpoints), ("--data-gb", args.data_gb)):
+        if value < 0:
+            raise UsageError(f"{flag} must be 0 or more, got {value}")
+    spec = load_spec(args.spec, args.overrides, check_files=False)
     rows, traces = build_sheet(spec, args.accelerator, args.catalog, args.ledger, None, args.json)
     ledger = _ledger(args.ledger)
     a = Assumptions(download_mb_s=args.download_mb_s, egress_mb_s=args.egress_mb_s, evals_per_run=args.evals,
                     checkpoints_per_run=args.checkpoints, data_bytes=int(args.data_gb * 1e9))
     out = []
     for row in rows:
+        if not row["fits"]:
+            out.append({"accelerator": row["accelerator"], "configuration": row, "per_run": None, "plans": [],
+                        "more_gpus": None, "verdict": "does not fit with any configuration tried: no rental plan"})
+            continue
         trace = traces.get(ac=row["activation_checkpointing"])
         per_run = pipeline_hours(spec, row, trace, ledger, a)
         out.append({"accelerator": row["accelerator"], "configuration": row, "per_run": per_run,
@@ -64,6 +74,11 @@ def main(args) -> int:
     console = out_console()
     for item in out:
         row, per_run = item["configuration"], item["per_run"]
+        if per_run is None:
+            console.print(Text.assemble((item["accelerator"], "bold cyan"), " · ", (item["verdict"], "red")))
+            console.print(Text("  " + "; ".join(row["steps"]), style="dim"))
+            console.print()
+            continue
         console.print(Text.assemble((item["accelerator"], "bold cyan"),
                                     f" · {row['strategy']} x{row['gpus']}{' + AC' if row['activation_checkpointing'] else ''}"
                                     f" · micro batch {row['micro_batch_size']} x {row['grad_accum_steps']}"
@@ -79,7 +94,8 @@ def main(args) -> int:
         console.print(t)
         for p in item["plans"]:
             verdict = Text("fits", style="green") if p["fits_with_margin"] else Text("too short", style="red")
-            console.print(Text.assemble(f"  {p['days']:>2} days on {p['gpus']} GPU(s): ", verdict,
+            cost = f", ${p['cost']:,.0f}" if p.get("cost") else ""
+            console.print(Text.assemble(f"  {p['days']:>2} days on {p['gpus']} GPU(s){cost}: ", verdict,
                                         f" ({p['runs_that_fit']} run(s) fit with a 20% margin)"
                                         + (f"; {'; '.join(p['advice'])}" if p["advice"] else "")))
         console.print(Text(f"  more GPUs? {item['more_gpus']}", style="dim"))

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--accelerator", action="append", default=[])
     p.add_argument("--catalog", type=Path)
     p.add_argument("--ledger", type=Path)
-    p.add_argument("--headroom", type=float, help="share of device memory kept free (default from the catalog, 5%%)")
+    p.add_argument("--headroom", type=float, help="share of device memory kept free, 0 to 0.5 (default from the catalog, 5%%)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
 
 
 def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) -> tuple[list[dict], object]:
+    if headroom is not None and not 0.0 <= headroom <= 0.5:
+        raise UsageError(f"--headroom is a share of device memory kept free, from 0 to 0.5; got {headroom}")
     try:
         catalog = load_catalog(catalog_path)
         accs = [find(catalog, a) for a in accelerators] or list(catalog.values())
@@ -74,15 +76,16 @@ def markdown(spec, rows: list[dict]) -> str:
             f"| {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | {'yes' if r['fits'] else 'no'} | "
             f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {r['gpus']} | {r['precision']} | "
             f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {r['largest_length']} | "
-            f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update'])} | "
-            f"{(r['hours_for_planned_updates'] or 0):.1f} h | {r['software_stack']['text']} |")
+            f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if r['fits'] else '—'} | "
+            f"{(str(round(r['hours_for_planned_updates'], 1)) + ' h') if r['hours_for_planned_updates'] else '—'} | "
+            f"{r['software_stack']['text']} |")
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
               "Times use the utilisation each row names."]
     return "\n".join(lines) + "\n"
 
 
 def main(args) -> int:
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, check_files=False)
     rows, _ = build_sheet(spec, args.accelerator, args.catalog, args.ledger, args.headroom, args.json or args.markdown)
     if args.json:
         print(json.dumps({"spec": spec.source, "rows": rows}, indent=1, default=str))
@@ -92,16 +95,21 @@ def main(args) -> int:
         return 0
     console = out_console()
     t = Table(box=None, header_style="bold", title=f"selection sheet · {spec.name}", title_justify="left")
-    for col in ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum", "largest mb", "largest length",
-                "used", "time/update", f"{spec.train.updates} updates", "software stack"):
+    for col in ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum per rank", "largest mb",
+                "largest length", "used", "time/update", f"{spec.train.updates} updates", "cost", "software stack"):
         t.add_column(col)
     for r in rows:
+        ok = r["fits"]
         t.add_row(r["accelerator"], human_bytes(r["memory_per_device_bytes"]),
-                  Text("yes" if r["fits"] else "no", style="green" if r["fits"] else "red"),
-                  r["strategy"] + (" + AC" if r["activation_checkpointing"] else ""), str(r["gpus"]),
-                  f"{r['micro_batch_size']} x {r['grad_accum_steps']}", str(r["largest_micro_batch"]),
-                  str(r["largest_length"]), human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]),
-                  f"{(r['hours_for_planned_updates'] or 0):.1f} h", r["software_stack"]["text"])
+                  Text("yes" if ok else "no", style="green" if ok else "red"),
+                  (r["strategy"] + (" + AC" if r["activation_checkpointing"] else "")) if ok else "—",
+                  str(r["gpus"]) if ok else "—",
+                  f"{r['micro_batch_size']} x {r['grad_accum_steps']}" if ok else "—",
+                  str(r["largest_micro_batch"]) if ok else "—", str(r["largest_length"]) if ok else "—",
+                  human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
+                  f"{r['hours_for_planned_updates']:.1f} h" if r["hours_for_planned_updates"] else "—",
+                  f"${r['cost_for_planned_updates']:,.0f}" if r["cost_for_planned_updates"] else "—",
+                  r["software_stack"]["text"])
     console.print(t)
     console.print(Text(f"{spec.train.precision}; examples per update held at "
                        f"{spec.train.micro_batch_size * spec.train.grad_accum_steps}; largest sizes assume activations "

@@ -359,8 +359,42 @@ def import_factory(target: str, folder: Path):
     return _import_factory(target, folder)
 
 
-def _check_files(spec: Spec) -> list[tuple[str, str]]:
+def _check_model_config(spec: Spec) -> list[tuple[str, str]]:
+    """transformers accepts any key into a config and ignores the misspelt ones: a typo would silently
+    estimate or train another model. Every key must be a field of that architecture's config."""
+    import difflib
+    import inspect as _inspect
+
+    cfg = spec.model.config or {}
+    model_type = cfg.get("model_type")
+    try:
+        from transformers import CONFIG_MAPPING, PretrainedConfig
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return []
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        return [("model.config.model_type", f"unknown architecture {model_type!r}{hint}")]
+    cls = CONFIG_MAPPING[model_type]
+    known = set(_inspect.signature(cls.__init__).parameters) | set(PretrainedConfig().to_dict())
+    try:
+        known |= set(cls().to_dict())
+    except Exception:  # some configs need arguments to build a default
+        pass
+    known |= set(getattr(cls, "attribute_map", {}) or {})
     problems = []
+    for key in cfg:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append((f"model.config.{key}", f"not a field of {cls.__name__}{hint} (transformers would ignore it)"))
+    return problems
+
+
+def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
+    problems = []
+    if spec.model.config is not None:
+        problems += _check_model_config(spec)
 
     def need_file(field_name: str, value: str, kind: str = "file") -> None:
         try:
@@ -379,19 +413,19 @@ def _check_files(spec: Spec) -> list[tuple[str, str]]:
             except OSError as exc:
                 problems.append((field_name, f"cannot read {p}: {exc.strerror}"))
 
-    if isinstance(spec.data.path, str):
+    if isinstance(spec.data.path, str) and data_files:
         need_file("data.path", spec.data.path)
-    elif isinstance(spec.data.path, dict):
+    elif isinstance(spec.data.path, dict) and data_files:
         for split, value in spec.data.path.items():
             need_file(f"data.path.{split}", value)
     if spec.model.hf is not None and _looks_local(spec.model.hf):
         need_file("model.hf", spec.model.hf, kind="folder")
-    if spec.model.tokenizer is not None:
+    if spec.model.tokenizer is not None and data_files:
         need_file("model.tokenizer", spec.model.tokenizer, kind="path")
-    if spec.data.task is not None and spec.model.factory is None:
+    if spec.data.task is not None and spec.model.factory is None and data_files:
         if spec.model.tokenizer is None and spec.model.hf is None:
             problems.append(("model.tokenizer", "missing; built-in tasks with model.config need a tokenizer folder or tokenizer.json"))
-    if spec.data.task is not None and spec.model.factory is not None and spec.model.tokenizer is None:
+    if spec.data.task is not None and spec.model.factory is not None and spec.model.tokenizer is None and data_files:
         problems.append(("model.tokenizer", "missing; built-in tasks tokenize text, so a factory model needs model.tokenizer"))
     for section, target in (("model", spec.model.factory), ("data", spec.data.factory)):
         if target is None:
@@ -444,8 +478,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value) if value.strip() else None
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
-    """Read, validate and check a spec file; raises :class:`SpecError` (exit 2) on any problem."""
+def load_spec(path: str | Path, overrides: list[str] | None = None, check_files: bool = True) -> Spec:
+    """Read, validate and check a spec file; raises :class:`SpecError` (exit 2) on any problem.
+    ``check_files=False`` skips the data and tokenizer files (the estimator reads neither)."""
     p = Path(path)
     if not p.exists():
         raise SpecError([("", f"spec file not found: {p}")], str(p))
@@ -470,10 +505,10 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Spec:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
         overridden.append(key)
-    return spec_from_mapping(raw, p, overridden)
+    return spec_from_mapping(raw, p, overridden, check_files)
 
 
-def spec_from_mapping(raw: dict, source: str | Path, overridden: list[str] = ()) -> Spec:
+def spec_from_mapping(raw: dict, source: str | Path, overridden: list[str] = (), check_files: bool = True) -> Spec:
     """Validate a mapping as if it were read from ``source`` (its folder anchors relative paths).
 
     Child processes (restore, resume) rebuild the exact spec of their parent from its
@@ -485,7 +520,8 @@ def spec_from_mapping(raw: dict, source: str | Path, overridden: list[str] = ())
         raise SpecError(_mark_overrides(exc.problems, list(overridden)), str(p)) from None
     spec.source = str(p.resolve())
     spec.written = copy.deepcopy(raw)
-    problems = _check_files(spec)
+    # ``check_files=False``: estimate/select/plan read no data and no tokenizer, so they need not exist.
+    problems = _check_files(spec, data_files=check_files)
     if problems:
         raise SpecError(_mark_overrides(problems, list(overridden)), str(p))
     return spec

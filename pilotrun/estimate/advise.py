@@ -65,8 +65,9 @@ def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: di
                         "a variant: numerics change, record it as its own experiment",
                         "bf16 autocast with fp32 master weights; on hardware without bf16, fp16 with a grad scaler "
                         "stepped once per update"))
-    # 4. sharding.
+    # 4. sharding, then sharding with activation checkpointing.
     per_node = int(acc.interconnect.get("gpus_per_node", 8))
+    sharded_fits = False
     for n in (2, 4, 8, 16):
         if n > per_node * 2 or (strategy == "fsdp" and n <= gpus):
             continue
@@ -75,10 +76,20 @@ def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: di
                         "same experiment if examples per update are held (accumulation divided by the replicas)",
                         "parameters, gradients and optimizer state sharded; activations per rank unchanged"))
         if fit["fits"]:
+            sharded_fits = True
             break
-    # 5. a larger accelerator.
+    if not sharded_fits and not t.activation_checkpointing:
+        ac = traces.get(ac=True)
+        for n in (2, 4, 8):
+            fit = estimate_fit(ac, acc, "fsdp", n, utilisation=utilisation)
+            out.append(_row(f"FSDP2 over {n} GPUs + activation checkpointing", fit, base_s,
+                            {"distributed.strategy": "fsdp", "gpus": n, "train.activation_checkpointing": True},
+                            "same experiment if examples per update are held", "both savings at once"))
+            if fit["fits"]:
+                break
+    # 5. a larger accelerator: meaningfully larger (10% or more), not a rounding of the same class.
     for other in sorted(catalog.values(), key=lambda a: a.memory_bytes):
-        if other.memory_bytes <= acc.memory_bytes:
+        if other.memory_bytes < acc.memory_bytes * 1.10:
             continue
         fit = estimate_fit(base, other, strategy, gpus, utilisation=None)
         out.append(_row(f"a larger accelerator ({other.name})", fit, base_s, {"accelerator": other.name},

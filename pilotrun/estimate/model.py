@@ -52,11 +52,12 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     """Per-rank peak of one stage. ``micro_scale`` rescales activations (a smaller micro batch)."""
     st = trace["stages"][stage]
     b = st["breakdown"]
-    act = b.get("activations", 0) * micro_scale
+    training = stage in TRAINING
+    # The train micro batch scales training activations only: evaluation keeps eval.batch_size.
+    act = b.get("activations", 0) * (micro_scale if training else 1.0)
     casts = b.get("weight_casts", 0)
     params, grads, opt = b.get("parameters", 0), b.get("gradients", 0), b.get("optimizer", 0)
     buffers = b.get("buffers", 0)
-    training = stage in TRAINING
     corrections = [_c("allocator rounding (512 B blocks)", st["peak_bytes_rounded"] - st["peak_bytes"], "allocated",
                       f"{st.get('tensors', 0)} storages in the stage, each rounded up as the caching allocator does")]
     base = params + grads + opt + buffers + act + casts
@@ -119,11 +120,17 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     comm = 0.0
     if replicas > 1 and bw:
         frac = (replicas - 1) / replicas
+        micro_steps = max(1, math.ceil(trace.get("grad_accum_steps", 1) / replicas))
         if strategy == "ddp":
+            # one all-reduce per update (no_sync on the other micro batches)
             comm = 2 * trace["gradient_bytes"] * frac / bw
         else:
-            comm = (2 * trace["parameter_bytes"] + trace["gradient_bytes"]) * frac / bw
+            # FSDP2 gathers the parameters (in the compute dtype) for forward and again for backward,
+            # and reduce-scatters fp32 gradients, on every micro batch
+            compute_bytes = trace["parameter_bytes"] * (0.5 if precision in ("bf16", "fp16") else 1.0)
+            comm = micro_steps * (2 * compute_bytes + trace["gradient_bytes"]) * frac / bw
     return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
+            "communication_model": "not overlapped with compute (an upper bound)",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
             "bound": "compute" if compute >= comm else "communication"}
 

@@ -91,6 +91,8 @@ def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
         advice = []
         if days == 7:
             advice.append("suits compatibility checks and profiling before a long rental")
+        if fits and days == min(d for d in PLANS_DAYS if per_run["hours"] * runs <= d * 24 * (1 - MARGIN)):
+            advice.insert(0, "the shortest plan that holds the work with the margin")
         if days == 30 and not calibrated:
             advice.append("not recommended yet: no measured pilot on this accelerator backs the time estimate")
         if per_run["unknown"]:
@@ -100,6 +102,7 @@ def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
             "work_hours": hours, "fits_with_margin": fits, "runs_that_fit": runs_fit,
             "margin_hours": days * 24 - hours, "advice": advice,
             "cost": (days * 24 * row["gpus"] * row["price_per_gpu_hour"]) if row.get("price_per_gpu_hour") else None,
+            "cost_note": None if row.get("price_per_gpu_hour") else "no price in the catalog: add price_per_gpu_hour (--catalog)",
         })
     return out
 

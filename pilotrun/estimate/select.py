@@ -69,6 +69,9 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
     scale = largest_scale_that_fits(trace, acc, strategy, gpus, headroom)
     max_mb = max(0, math.floor(t.micro_batch_size * scale))
     max_len = max(0, math.floor((spec.data.max_length or 0) * scale))
+    capped = trace.get("max_positions") and max_len > trace["max_positions"]
+    if capped:
+        max_len = int(trace["max_positions"])
     mb = fit.get("micro_batch_size") or min(t.micro_batch_size, max(1, max_mb))
     per_rank = max(1, examples // replicas)
     mb = _divisors_at_most(per_rank, mb)
@@ -76,7 +79,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
     util, util_source = calibrated_utilisation(ledger, spec.config_hash(), acc,
                                                trace["stages"]["steady_step"]["flops"], t.precision)
     fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size)
-    s = fit["seconds_per_update"]
+    s = fit["seconds_per_update"] if fit["fits"] else None
     verified = _verified_by(ledger, acc)
     return {
         "accelerator": acc.name,
@@ -92,7 +95,11 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "examples_per_update_held": mb * accum * replicas == examples,
         "largest_micro_batch": max_mb,
         "largest_length": max_len,
-        "largest_sizes_note": "activations scale linearly with micro batch and with length (flash/efficient attention)",
+        "largest_sizes_note": ("activations scale linearly with micro batch and with length (flash/efficient attention)"
+                               + (f"; length capped at the model's max_position_embeddings ({max_len})" if capped else "")),
+        "price_per_gpu_hour": acc.price_per_gpu_hour,
+        "cost_for_planned_updates": (s * t.updates / 3600 * gpus * acc.price_per_gpu_hour
+                                     if s and acc.price_per_gpu_hour else None),
         "device_used_bytes": fit["device_used_bytes"],
         "seconds_per_update": s,
         "hours_for_planned_updates": s * t.updates / 3600 if s else None,

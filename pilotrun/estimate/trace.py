@@ -85,6 +85,8 @@ class TraceResult:
     precision: str
     activation_checkpointing: bool
     seconds: float
+    grad_accum_steps: int = 1
+    max_positions: int | None = None     # the model's position limit, when its config has one
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -173,13 +175,10 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     torch.manual_seed(spec.seed)
     meta_model, config, head = _build_meta_model(spec)
     if ac:
-        enable = getattr(meta_model, "gradient_checkpointing_enable", None)
-        if enable is None:
+        from ..models.loading import enable_activation_checkpointing
+
+        if not enable_activation_checkpointing(meta_model):
             notes.append("activation checkpointing requested but the model has no gradient_checkpointing_enable()")
-        else:
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if hasattr(getattr(meta_model, "config", None), "use_cache"):
-                meta_model.config.use_cache = False
     layer_name, layer_bytes, layers = _largest_layer(meta_model)
     foreach = target != "cpu"
     policy = decide_loss_policy(meta_model, t.loss_normalization)
@@ -209,25 +208,34 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
         # one micro batch at a time on an accelerator (moved just before its forward).
         held = t.grad_accum_steps if target == "cpu" else 1
         for stage in ("first_step", "steady_step"):
-            counter = FlopCounterMode(display=False)
             with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker:
                 inputs = [_clone(train_batch) for _ in range(held)]
                 model.train()
                 for k in range(traced):
-                    with counter if k == 0 else contextlib.nullcontext():
-                        window_backward(model, [(ids, inputs[min(k, held - 1)])], policy, device, t.precision,
-                                        num_items=num_items, stats=False)
+                    window_backward(model, [(ids, inputs[min(k, held - 1)])], policy, device, t.precision,
+                                    num_items=num_items, stats=False)
                 before = tracker.live_bytes
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             stages[stage] = StageTrace(tracker.peak_bytes, tracker.peak_rounded, dict(tracker.peak_breakdown),
-                                       tracker.tensors, counter.get_total_flops() * t.grad_accum_steps,
-                                       _seq(train_batch), mb, optimizer_step_extra_bytes=max(0, tracker.step_peak - before))
+                                       tracker.tensors, 0, _seq(train_batch), mb,
+                                       optimizer_step_extra_bytes=max(0, tracker.step_peak - before))
+        # FLOPs in separate passes: FlopCounterMode keeps tensors alive (the recomputed ones under
+        # activation checkpointing), which would inflate a peak measured at the same time.
         counter = FlopCounterMode(display=False)
-        with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker, counter:
+        with counter:
+            window_backward(model, [(ids, _clone(train_batch))], policy, device, t.precision, num_items=num_items,
+                            stats=False)
+        model.zero_grad(set_to_none=True)
+        for stage in ("first_step", "steady_step"):
+            stages[stage].flops = counter.get_total_flops() * t.grad_accum_steps
+        with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker:
             model.eval()
             with torch.no_grad(), autocast_for(device, t.precision):
                 model(**_clone(eval_batch))
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad(), autocast_for(device, t.precision):
+            model(**_clone(eval_batch))
         stages["eval"] = StageTrace(tracker.peak_bytes, tracker.peak_rounded, dict(tracker.peak_breakdown),
                                     tracker.tensors, counter.get_total_flops(), _seq(eval_batch),
                                     int(eval_batch["input_ids"].shape[0]) if "input_ids" in eval_batch else spec.eval_batch_size)
@@ -239,7 +247,8 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
         opt_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor))
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    return TraceResult(stages=stages, parameters=n_params, trainable_parameters=trainable, parameter_bytes=param_bytes,
+    max_pos = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return TraceResult(stages=stages, parameters=n_params, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos, trainable_parameters=trainable, parameter_bytes=param_bytes,
                        gradient_bytes=grad_bytes, optimizer_state_bytes=opt_bytes, buffer_bytes=buffer_bytes,
                        largest_layer_bytes=layer_bytes, largest_layer=layer_name, layers=layers, foreach=foreach,
                        precision=t.precision, activation_checkpointing=bool(ac), seconds=time.perf_counter() - t0,

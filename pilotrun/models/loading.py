@@ -136,20 +136,31 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
                 model.config.pad_token_id = tokenizer.pad_token_id
         loaded = LoadedModel(model, "hf", head, source, notes=[f"head: {head} ({why})"])
     if spec.train.activation_checkpointing:
-        enable = getattr(loaded.model, "gradient_checkpointing_enable", None)
-        if enable is None:
+        if not enable_activation_checkpointing(loaded.model):
             raise ModelError(
                 "train.activation_checkpointing is true but the model has no gradient_checkpointing_enable(); "
                 "wrap its blocks with torch.utils.checkpoint in the factory, or set it to false"
             )
-        try:
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        except TypeError:
-            enable()
-        if hasattr(getattr(loaded.model, "config", None), "use_cache"):
-            loaded.model.config.use_cache = False
         loaded.notes.append("activation checkpointing on (non-reentrant)")
     return loaded
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Non-reentrant activation checkpointing through the model's own switch (transformers 4 or 5)."""
+    new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
+    old = getattr(model, "gradient_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif old is not None:
+        try:
+            old(gradient_checkpointing_kwargs={"use_reentrant": False})
+        except TypeError:  # a user's own switch without the keyword
+            old()
+    else:
+        return False
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = False
+    return True
 
 
 def parameter_count(model: torch.nn.Module) -> tuple[int, int]:
