@@ -219,3 +219,18 @@ def test_factory_module_that_exits_at_import(toy_dir):
     (toy_dir / "quits.py").write_text("import sys\nprint('not configured')\nsys.exit(0)\n")
     msg = problems_for(toy_dir, with_change("model.factory", "quits:build"))["model.factory"]
     assert "called sys.exit(0)" in msg
+
+
+def test_model_config_keys_are_fields_of_the_architecture(tmp_path):
+    spec = {"name": "c", "model": {"config": {"model_type": "llama", "hidden_sise": 64}, "tokenizer": "tok"},
+            "data": {"task": "causal-lm", "path": "d.jsonl", "max_length": 8},
+            "train": {"micro_batch_size": 1, "updates": 1, "optimizer": {"lr": 0.1}}}
+    path = write_spec(tmp_path / "s.yaml", spec)
+    with pytest.raises(SpecError) as info:
+        load_spec(path, check_files=False)  # the estimator needs no data files...
+    problems = dict(info.value.problems)
+    assert "did you mean 'hidden_size'" in problems["model.config.hidden_sise"]  # ...but a typo is still caught
+    assert set(problems) == {"model.config.hidden_sise"}
+    spec["model"]["config"] = {"model_type": "lama"}
+    with pytest.raises(SpecError, match="unknown architecture 'lama' \\(did you mean 'llama'"):
+        load_spec(write_spec(tmp_path / "s.yaml", spec), check_files=False)

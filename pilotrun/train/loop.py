@@ -200,26 +200,30 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
     window_examples = window_examples or len(ids_all)
     total = torch.zeros((), device=device, dtype=torch.float64)
     tokens = supervised = examples = seq_len = 0
-    for ids, batch in window:
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    for k, (ids, batch) in enumerate(window):
         seq_len = max(seq_len, _seq_dim(batch))
         batch = to_device(batch, device)
-        kwargs = {}
-        if policy.pass_num_items:
-            kwargs["num_items_in_batch"] = torch.tensor(max(num_items, 1), device=device)
-        with autocast_for(device, precision):
-            out = model(**batch, **kwargs)
-        loss = _loss_of(out)
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            loss = loss.float()
-        if not policy.pass_num_items:
-            # Each micro batch's mean weighted by its share of the window's examples: equal
-            # micro batches get 1/n_micro, a short last micro batch gets less.
-            loss = loss * (len(ids) / window_examples)
-        backward_loss = loss * grad_scale if grad_scale != 1.0 else loss
-        if scaler is not None:
-            scaler.scale(backward_loss).backward()
-        else:
-            backward_loss.backward()
+        # DDP all-reduces once per update: on the last micro batch, not on every one.
+        # (no_sync must cover the forward as well as the backward.)
+        with model.no_sync() if ddp and k < len(window) - 1 else contextlib.nullcontext():
+            kwargs = {}
+            if policy.pass_num_items:
+                kwargs["num_items_in_batch"] = torch.tensor(max(num_items, 1), device=device)
+            with autocast_for(device, precision):
+                out = model(**batch, **kwargs)
+            loss = _loss_of(out)
+            if loss.dtype in (torch.float16, torch.bfloat16):
+                loss = loss.float()
+            if not policy.pass_num_items:
+                # Each micro batch's mean weighted by its share of the window's examples: equal
+                # micro batches get 1/n_micro, a short last micro batch gets less.
+                loss = loss * (len(ids) / window_examples)
+            backward_loss = loss * grad_scale if grad_scale != 1.0 else loss
+            if scaler is not None:
+                scaler.scale(backward_loss).backward()
+            else:
+                backward_loss.backward()
         total += loss.detach()
         examples += len(ids)
         if not stats:  # fake tensors (the estimator): counting would need their values
