@@ -13,12 +13,15 @@ from pathlib import Path
 from ..config.schema import SpecError
 from ..ledger.store import LedgerError
 from . import batch as batch_cmd
+from . import campaign as campaign_cmd
 from . import convert as convert_cmd
 from . import estimate as estimate_cmd
 from . import inspect as inspect_cmd
 from . import launch as launch_cmd
 from . import ledger as ledger_cmd
+from . import note as note_cmd
 from . import plan as plan_cmd
+from . import report as report_cmd
 from . import run as run_cmd
 from . import select as select_cmd
 from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError, err_console
@@ -38,7 +41,8 @@ EPILOG = """examples:
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error, 130 interrupted"""
 
 COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
-            "select": select_cmd, "plan": plan_cmd, "ledger": ledger_cmd, "convert": convert_cmd}
+            "select": select_cmd, "plan": plan_cmd, "campaign": campaign_cmd, "report": report_cmd,
+            "note": note_cmd, "ledger": ledger_cmd, "convert": convert_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -169,6 +169,11 @@ class Ledger:
         with self.transaction() as cur:
             cur.execute("UPDATE runs SET lock_json = ? WHERE run_id = ?", (_json(lock), run_id))
 
+    def set_status(self, run_id: str, status: str) -> None:
+        """A status that is not an end (planned, running)."""
+        with self.transaction() as cur:
+            cur.execute("UPDATE runs SET status = ? WHERE run_id = ?", (status, run_id))
+
     def end_run(self, run_id: str, status: str) -> None:
         with self.transaction() as cur:
             cur.execute("UPDATE runs SET status = ?, ended_at = ? WHERE run_id = ?", (status, now(), run_id))
@@ -194,6 +199,28 @@ class Ledger:
                      _json(m.get("sample_ids", [])), _json(m.get("extra", {}))),
                 )
         return int(row_id)
+
+    def finish_campaign_run(self, run_id: str, result: dict) -> None:
+        """A campaign run's end: status, why it stopped and where, its final validation point."""
+        row = self.run(run_id) or {}
+        meta = json.loads(row.get("meta_json") or "{}")
+        meta.update({k: result.get(k) for k in ("stop_reason", "stopped_at", "final", "first_loss")})
+        with self.transaction() as cur:
+            cur.execute("UPDATE runs SET status = ?, ended_at = ?, meta_json = ? WHERE run_id = ?",
+                        (result["status"], now(), _json(meta), run_id))
+
+    def campaign_runs(self, campaign_id: str) -> list[dict]:
+        """The runs of a campaign (retries included), in the order they were planned."""
+        rows = []
+        for r in self.conn.execute("SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid"):
+            meta = json.loads(r["meta_json"] or "{}")
+            if meta.get("campaign_id") == campaign_id:
+                rows.append({**dict(r), "meta": meta})
+        return rows
+
+    def set_meta(self, run_id: str, meta: dict) -> None:
+        with self.transaction() as cur:
+            cur.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?", (_json(meta), run_id))
 
     def add_note(self, run_id: str | None, text: str) -> None:
         with self.transaction() as cur:

@@ -1,0 +1,92 @@
+"""The campaign's conclusion: per variant, mean and spread over seeds, diverged runs counted, honest words.
+
+A function from run records to numbers and sentences. The final validation loss is the metric
+(lower is better); a variant "beats" the control only when its mean is lower by more than the
+larger of the two seed spreads. With one seed there is no spread, and the text says so.
+"""
+from __future__ import annotations
+
+import statistics
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def variant_stats(runs: list[dict], value) -> dict:
+    mine = [r for r in runs if r["meta"].get("variant") == value]
+    finished = [r for r in mine if r["status"] == "finished" and not r["meta"].get("lock_drift")
+                and (r["meta"].get("final") or {}).get("val_loss") is not None]
+    losses = [r["meta"]["final"]["val_loss"] for r in finished]
+    accs = [r["meta"]["final"].get("accuracy") for r in finished if r["meta"]["final"].get("accuracy") is not None]
+    return {
+        "variant": value,
+        "runs": len(mine),
+        "finished": len(finished),
+        "diverged": sum(1 for r in mine if r["status"] == "diverged"),
+        "failed": sum(1 for r in mine if r["status"] in ("failed", "refused")),
+        "not_run": sum(1 for r in mine if r["status"] in ("not-run", "stopped")),
+        "retries": sum(1 for r in mine if r.get("parent_id")),
+        "val_loss_mean": statistics.fmean(losses) if losses else None,
+        "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+        "accuracy_mean": statistics.fmean(accs) if accs else None,
+        "seeds": sorted({r["meta"].get("seed") for r in finished}),
+        "stops": [{"run_id": r["run_id"], "status": r["status"], "reason": r["meta"].get("stop_reason"),
+                   "at_update": r["meta"].get("stopped_at")} for r in mine if r["status"] != "finished"],
+    }
+
+
+def conclude(key: str, values: list, runs: list[dict]) -> dict:
+    stats = [variant_stats(runs, v) for v in values]
+    control = stats[0]
+    lines: list[str] = []
+    better = []
+    for s in stats[1:]:
+        if s["val_loss_mean"] is None or control["val_loss_mean"] is None:
+            continue
+        diff = s["val_loss_mean"] - control["val_loss_mean"]
+        spreads = [x for x in (s["val_loss_std"], control["val_loss_std"]) if x is not None]
+        spread = max(spreads) if spreads else None
+        s["difference_vs_control"] = diff
+        s["beats_control"] = spread is not None and diff < 0 and -diff > spread
+        if s["beats_control"]:
+            better.append((diff, s, spread))
+    one_seed = all(len(s["seeds"]) <= 1 for s in stats)
+    if control["val_loss_mean"] is None:
+        lines.append(f"the control ({key} = {control['variant']}) has no finished run, so nothing can be compared "
+                     "to it")
+    elif better:
+        diff, best, spread = min(better, key=lambda b: b[0])
+        lines.append(f"{key} = {best['variant']} beat the control ({control['variant']}) by {-diff:.4g} in final "
+                     f"validation loss, more than the seed spread ({spread:.3g}), over {best['finished']} seed(s)")
+    elif one_seed:
+        lines.append("with one seed per variant there is no seed spread to judge differences against: "
+                     "no variant is declared better than the control")
+    else:
+        lines.append(f"no variant beat the control ({key} = {control['variant']}) beyond seed spread")
+    for s in stats:
+        if s["diverged"]:
+            where = ", ".join(f"update {x['at_update']}" for x in s["stops"] if x["status"] == "diverged")
+            lines.append(f"{key} = {s['variant']} diverged in {s['diverged']} of {s['runs']} run(s) ({where}); "
+                         "those runs are kept with their reason")
+        if s["retries"]:
+            lines.append(f"{key} = {s['variant']} includes {s['retries']} retry run(s), each linked to the run it retried")
+        if s["failed"] or s["not_run"]:
+            lines.append(f"{key} = {s['variant']}: {s['failed']} failed or refused, {s['not_run']} stopped or not run")
+    return {"key": key, "control": control["variant"], "variants": stats, "text": lines,
+            "metric": "final validation loss (lower is better)"}
+
+
+def table(conclusion: dict) -> list[list[str]]:
+    """Rows for a terminal or HTML table."""
+    out = []
+    for s in conclusion["variants"]:
+        mean, std = s["val_loss_mean"], s["val_loss_std"]
+        spread = f" ± {std:.3g}" if std is not None else ""
+        out.append([str(s["variant"]) + (" (control)" if s is conclusion["variants"][0] else ""),
+                    f"{_fmt(mean)}{spread}" if mean is not None else "n/a",
+                    _fmt(s["accuracy_mean"]) if s["accuracy_mean"] is not None else "",
+                    f"{s['finished']}/{s['runs']}", str(s["diverged"]),
+                    "yes" if s.get("beats_control") else ("" if s is conclusion["variants"][0] else "no")])
+    return out
+

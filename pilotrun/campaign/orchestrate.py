@@ -1,0 +1,217 @@
+"""Run a campaign: every planned run gets an id up front, runs execute in worker processes (in parallel
+when asked), the lock is checked before each, and nothing is ever replaced — a retry is a new run
+linked to its parent.
+
+Example::
+
+    result = run_campaign(Path("examples/campaign/lr-sweep.yaml"), Path("runs/ledger.sqlite"), Path("runs"))
+    print(result["conclusion"]["text"])
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..config.schema import SpecError
+from ..ledger.store import Ledger
+from ..lock import collect_lock, diff_locks
+from ..workers.common import write_spec_file
+from ..workers.launch import _env
+from .conclude import conclude
+from .spec import RETRY_KEYS, CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
+
+# What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
+ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")
+
+
+class CampaignError(Exception):
+    """The campaign cannot run as declared: the message names the key or run and the fix."""
+
+
+def _env_drift(a: dict, b: dict) -> list[str]:
+    # Seeds differ between runs on purpose (they are listed in the campaign), so seed fields are not drift.
+    return [k for k, _, _ in diff_locks(a, b) if k.startswith(ENV_FIELDS) and "seed" not in k]
+
+
+def _stamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+
+
+def _plan(c: CampaignSpec) -> dict:
+    return {"updates": c.updates, "eval_every": c.eval.every, "stop": c.canonical()["stop"],
+            "keep": c.canonical()["keep"]}
+
+
+def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None) -> int:
+    cmd = [sys.executable, "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id,
+           "--out", str(out), "--ledger", str(ledger), "--plan", str(plan_file)]
+    if deadline is not None:
+        cmd += ["--deadline", str(deadline)]
+    with open(out / "worker.log", "w") as log:
+        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+
+
+def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
+    """Every planned run's spec, in order (control first); refuses variants that change another key."""
+    runs, problems = [], []
+    controls = {}
+    for i, value in enumerate(c.values):
+        for seed in c.seeds:
+            try:
+                spec = run_spec(c, value, seed)
+            except SpecError as exc:
+                raise CampaignError(f"{c.key} = {value!r} does not give a valid spec: "
+                                    + "; ".join(f"{f}: {m}" for f, m in exc.problems)) from None
+            if i == 0:
+                controls[seed] = spec
+            else:
+                moved = check_only_varied(controls[seed], spec, (c.key,))
+                if moved:
+                    problems.append(f"{c.key} = {value!r} would also change {', '.join(moved)}")
+                if examples_per_update(spec) != examples_per_update(controls[seed]):
+                    problems.append(f"{c.key} = {value!r} changes the examples per update "
+                                    f"({examples_per_update(controls[seed])} -> {examples_per_update(spec)})")
+            runs.append({"variant": value, "variant_index": i, "seed": seed, "control": i == 0, "spec": spec})
+    return runs, problems
+
+
+def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 1, allow_drift: bool = False,
+                 on_event=None) -> dict:
+    c = load_campaign(path)
+    name = c.name or Path(path).stem
+    runs, problems = prepare(c)
+    if problems:
+        raise CampaignError("refused before the start: " + "; ".join(problems) + " (a campaign varies one key only)")
+    campaign_id = f"{name}-{_stamp()}-{secrets.token_hex(2)}"
+    folder = out_root / campaign_id
+    folder.mkdir(parents=True, exist_ok=True)
+    control_lock = collect_lock(runs[0]["spec"])
+    (folder / "campaign.json").write_text(json.dumps(c.canonical(), indent=1))
+    (folder / "lock.json").write_text(json.dumps(control_lock, indent=1, sort_keys=True))
+    plan = _plan(c)
+    (folder / "plan.json").write_text(json.dumps(plan, indent=1))
+    deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
+    with Ledger(ledger_path) as led:
+        led.start_run(campaign_id, name, "campaign", spec_path=str(Path(path).resolve()), out_dir=str(folder.resolve()),
+                      config_hash=c.digest(), lock=control_lock,
+                      meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
+                            "base": str((c.folder / c.base).resolve())})
+        for i, r in enumerate(runs):
+            r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
+            r["out"] = folder / r["run_id"]
+            r["out"].mkdir()
+            led.start_run(r["run_id"], r["spec"].name, "campaign-run", spec_path=r["spec"].source,
+                          out_dir=str(r["out"].resolve()), config_hash=r["spec"].config_hash(),
+                          meta={"campaign_id": campaign_id, "variant": r["variant"], "variant_index": r["variant_index"],
+                                "seed": r["seed"], "control": r["control"], "key": c.key})
+            led.set_status(r["run_id"], "planned")
+    _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event)
+    return finish(campaign_id, ledger_path)
+
+
+def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
+    plan_file = folder / "plan.json"
+
+    def one(r: dict) -> None:
+        with Ledger(ledger_path) as led:
+            if deadline is not None and time.time() > deadline:
+                led.finish_campaign_run(r["run_id"], {"status": "not-run", "stop_reason": "budget: not started before "
+                                                      "the campaign's time budget ran out", "stopped_at": 0})
+                return
+            lock = collect_lock(r["spec"])
+            drift = _env_drift(control_lock, lock)
+            led.set_lock(r["run_id"], lock)
+            if drift and not allow_drift:
+                led.finish_campaign_run(r["run_id"], {"status": "refused", "stop_reason": "the lock drifted from the "
+                                                      f"campaign's ({', '.join(drift[:4])}); rerun with --allow-drift "
+                                                      "to run it, flagged and kept out of comparisons", "stopped_at": 0})
+                return
+            meta = (led.run(r["run_id"]) or {}).get("meta_json")
+            meta = json.loads(meta or "{}")
+            if drift:
+                meta["lock_drift"] = drift
+            led.set_meta(r["run_id"], meta)
+            led.set_status(r["run_id"], "running")
+        spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
+        _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline)
+        with Ledger(ledger_path) as led:
+            row = led.run(r["run_id"])
+            if row["status"] == "running":  # the worker died without recording its end
+                led.finish_campaign_run(r["run_id"], {"status": "failed", "stop_reason": "the run's process ended "
+                                                      f"without a result (log {r['out'] / 'worker.log'})",
+                                                      "stopped_at": None})
+        if on_event:
+            on_event(r["run_id"])
+
+    if parallel > 1:
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            list(pool.map(one, runs))
+    else:
+        for r in runs:
+            one(r)
+
+
+def finish(campaign_id: str, ledger_path: Path) -> dict:
+    with Ledger(ledger_path) as led:
+        row = led.run(campaign_id)
+        meta = json.loads(row["meta_json"])
+        runs = led.campaign_runs(campaign_id)
+        conclusion = conclude(meta["key"], meta["values"], runs)
+        meta["conclusion"] = conclusion
+        led.set_meta(campaign_id, meta)
+        statuses = {r["status"] for r in runs}
+        led.end_run(campaign_id, "finished" if statuses <= {"finished"} else "finished-with-stops")
+        led.add_note(campaign_id, "conclusion: " + " ".join(conclusion["text"]))
+    return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion}
+
+
+def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path: Path) -> dict:
+    """A new run for a parent's variant and seed with some keys changed; linked, never a replacement."""
+    from ..config.spec import parse_override
+
+    with Ledger(ledger_path) as led:
+        camp = led.run(campaign_ref)
+        if camp is None or camp["kind"] != "campaign":
+            raise CampaignError(f"no campaign {campaign_ref!r} in {ledger_path}")
+        parent = led.run(parent_ref)
+        if parent is None or json.loads(parent["meta_json"] or "{}").get("campaign_id") != camp["run_id"]:
+            raise CampaignError(f"{parent_ref!r} is not a run of campaign {camp['run_id']}")
+        pmeta = json.loads(parent["meta_json"])
+        cmeta = json.loads(camp["meta_json"])
+    c = load_campaign(Path(camp["spec_path"]))
+    changes = [parse_override(o) for o in overrides]
+    bad = [k for k, _ in changes if k not in RETRY_KEYS]
+    if bad:
+        raise CampaignError(f"a retry may change {', '.join(RETRY_KEYS)} (the experiment stays the same); "
+                            f"{', '.join(bad)} would make it another experiment: add it as a campaign instead")
+    before = run_spec(c, pmeta["variant"], pmeta["seed"])
+    spec = run_spec(c, pmeta["variant"], pmeta["seed"], changes)
+    if examples_per_update(spec) != examples_per_update(before):
+        raise CampaignError(f"the retry changes the examples per update ({examples_per_update(before)} -> "
+                            f"{examples_per_update(spec)}): change train.grad_accum_steps with the micro batch")
+    folder = Path(camp["out_dir"])
+    n = len(led_runs(ledger_path, camp["run_id"])) + 1
+    run_id = f"{camp['run_id']}-r{n:02d}"
+    out = folder / run_id
+    out.mkdir()
+    with Ledger(ledger_path) as led:
+        led.start_run(run_id, spec.name, "campaign-run", spec_path=spec.source, out_dir=str(out.resolve()),
+                      config_hash=spec.config_hash(), parent_id=parent["run_id"],
+                      meta={"campaign_id": camp["run_id"], "variant": pmeta["variant"],
+                            "variant_index": pmeta["variant_index"], "seed": pmeta["seed"], "control": pmeta["control"],
+                            "key": cmeta["key"], "retry_of": parent["run_id"], "changes": dict(changes)})
+    r = {"run_id": run_id, "out": out, "spec": spec}
+    _execute([r], c, camp["run_id"], ledger_path, folder, _plan(c), None, 1, False,
+             json.loads(camp["lock_json"]), None)
+    return finish(camp["run_id"], ledger_path)
+
+
+def led_runs(ledger_path: Path, campaign_id: str) -> list[dict]:
+    with Ledger(ledger_path) as led:
+        return led.campaign_runs(campaign_id)

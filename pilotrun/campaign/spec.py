@@ -1,0 +1,162 @@
+"""``campaign.yaml``: a control and variants of one key, over seeds, under one budget, declared up front.
+
+Example::
+
+    name: lr-sweep
+    base: ../tiny-sft/pilot.yaml            # a pilot spec: model, data, batch, optimizer
+    vary:
+      train.optimizer.lr: [3.0e-3, 1.0e-3, 1.0e-2]   # the first value is the control
+    seeds: [1, 2]
+    updates: 60                              # the same update budget for every run
+    eval: {every: 20}
+    stop: {non_finite: true, divergence: 3.0, budget_minutes: 60}
+
+Every run's spec is the base with the varied key and the seed set — nothing else may differ;
+:func:`run_specs` checks that on the canonical configs and names any other key that moved.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config.schema import SpecError, build, doc
+from ..config.spec import Spec, set_dotted, spec_from_mapping
+
+
+@dataclass
+class EvalEvery:
+    every: int = doc("updates between validation points (and one at the end)", 20)
+
+    def check(self):
+        if self.every < 1:
+            yield "every", "must be at least 1"
+
+
+@dataclass
+class StopRules:
+    non_finite: bool = doc("stop a run at the first non-finite loss or gradient norm", True)
+    divergence: float | None = doc("stop when the loss exceeds this multiple of the run's first loss", 3.0)
+    budget_minutes: float | None = doc("wall-clock budget for the whole campaign; runs not started are recorded as not run", None)
+
+    def check(self):
+        if self.divergence is not None and self.divergence <= 1.0:
+            yield "divergence", "must be greater than 1 (a multiple of the first loss)"
+        if self.budget_minutes is not None and self.budget_minutes <= 0:
+            yield "budget_minutes", "must be positive"
+
+
+@dataclass
+class Keep:
+    checkpoint: bool = doc("keep each run's final checkpoint", True)
+    control_set: int = doc("validation examples whose predictions are kept for every run", 16)
+
+
+@dataclass
+class CampaignSpec:
+    base: str = doc("the pilot spec every run starts from (relative to this file)")
+    vary: dict[str, list[Any]] = doc("one dotted spec key and its values; the first value is the control")
+    seeds: list[int] = doc("seeds: every value runs once per seed")
+    updates: int = doc("optimizer updates per run (the same budget for every run)")
+    name: str | None = doc("campaign name (default: the file's stem)", None)
+    eval: EvalEvery = doc("validation frequency", EvalEvery)
+    stop: StopRules = doc("stop reasons, declared before the start", StopRules)
+    keep: Keep = doc("what each run keeps", Keep)
+    source: str = field(default="", init=False, metadata={"internal": True})
+
+    def check(self):
+        if len(self.vary) != 1:
+            yield "vary", f"a campaign varies exactly one key, got {len(self.vary)} ({', '.join(self.vary) or 'none'})"
+        for key, values in self.vary.items():
+            if len(values) < 2:
+                yield f"vary.{key}", "needs the control and at least one variant"
+            if key in ("seed",) or key.startswith("pilot."):
+                yield f"vary.{key}", "vary a training key; seeds are listed under seeds"
+        if not self.seeds:
+            yield "seeds", "needs at least one seed"
+        if len(set(self.seeds)) != len(self.seeds):
+            yield "seeds", "seeds repeat"
+        if self.updates < 1:
+            yield "updates", "must be at least 1"
+
+    @property
+    def key(self) -> str:
+        return next(iter(self.vary))
+
+    @property
+    def values(self) -> list:
+        return self.vary[self.key]
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.source).resolve().parent
+
+    def canonical(self) -> dict:
+        out = asdict(self)
+        out.pop("source", None)
+        return json.loads(json.dumps(out, sort_keys=True, default=str))
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.canonical(), sort_keys=True).encode()).hexdigest()
+
+
+def load_campaign(path: str | Path) -> CampaignSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError([("", f"campaign file not found: {p}")], str(p))
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError([("", f"{p} is not valid YAML: {exc}")], str(p)) from None
+    if not isinstance(raw, dict):
+        raise SpecError([("", f"{p} must be a mapping (base, vary, seeds, updates, ...)")], str(p))
+    spec = build(CampaignSpec, raw, str(p))
+    spec.source = str(p.resolve())
+    if not (spec.folder / spec.base).is_file():
+        raise SpecError([("base", f"pilot spec not found: {spec.folder / spec.base}")], str(p))
+    return spec
+
+
+# Keys a retry may change without changing the experiment, provided examples per update are held.
+RETRY_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "train.activation_checkpointing",
+              "data.num_workers", "train.device")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("config",):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def run_spec(campaign: CampaignSpec, value, seed: int, extra: list[tuple[str, Any]] = ()) -> Spec:
+    """The base spec with the varied key, the seed and the campaign's update budget set."""
+    from ..config.spec import load_spec
+
+    base_path = campaign.folder / campaign.base
+    base = load_spec(base_path)
+    raw = copy.deepcopy(base.written)
+    set_dotted(raw, campaign.key, value)
+    raw["seed"] = seed
+    set_dotted(raw, "train.updates", campaign.updates)  # the schedule spans the campaign's budget
+    for key, v in extra:
+        set_dotted(raw, key, v)
+    return spec_from_mapping(raw, base_path)
+
+
+def check_only_varied(control: Spec, variant: Spec, allowed: tuple[str, ...]) -> list[str]:
+    """Keys (other than ``allowed``) whose values differ between two run specs."""
+    a, b = _flat(control.canonical()), _flat(variant.canonical())
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in allowed and k != "seed")
+
+
+def examples_per_update(spec: Spec) -> int:
+    return spec.train.micro_batch_size * spec.train.grad_accum_steps

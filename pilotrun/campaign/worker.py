@@ -1,0 +1,31 @@
+"""One campaign run in its own process.
+
+    python -m pilotrun.campaign.worker --spec SPEC.json --run-id ID --out DIR --ledger L.sqlite --plan PLAN.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..workers.common import read_spec_file
+from .runner import train_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pilotrun.campaign.worker")
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ledger", type=Path, required=True)
+    ap.add_argument("--plan", type=Path, required=True)
+    ap.add_argument("--deadline", type=float)
+    args = ap.parse_args(argv)
+    result = train_run(read_spec_file(args.spec), args.run_id, args.out, args.ledger,
+                       json.loads(args.plan.read_text()), args.deadline)
+    return 0 if result["status"] in ("finished", "diverged", "stopped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

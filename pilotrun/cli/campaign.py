@@ -1,0 +1,89 @@
+"""``pilotrun campaign CAMPAIGN.yaml``: the control and its variants over seeds, every run kept."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from ..campaign.conclude import table
+from ..campaign.orchestrate import CampaignError, retry, run_campaign
+from ..config.schema import SpecError
+from ..ledger.store import default_ledger_path
+from .common import UsageError, out_console
+
+HELP = """examples:
+  pilotrun campaign examples/campaign/lr-sweep.yaml
+  pilotrun campaign examples/campaign/lr-sweep.yaml --parallel 2
+  pilotrun campaign lr-sweep-2026 --retry lr-sweep-2026-r05 --set train.micro_batch_size=4 --set train.grad_accum_steps=4
+  pilotrun report lr-sweep-2026                  # the HTML report
+
+A retry is a new run linked to its parent (never a replacement) and may change only what keeps the
+experiment the same: micro batch with accumulation (examples per update held), activation checkpointing."""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("campaign", help="run a control and variants over seeds", description=__doc__, epilog=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once on this machine")
+    p.add_argument("--ledger", type=Path)
+    p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of the campaign's folder")
+    p.add_argument("--allow-drift", action="store_true",
+                   help="run despite a lock that drifted; such runs are flagged and kept out of comparisons")
+    p.add_argument("--retry", metavar="RUN", help="retry this run of the campaign as a new, linked run")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    ledger = args.ledger or default_ledger_path()
+    console = out_console()
+    try:
+        if args.retry:
+            result = retry(args.campaign, args.retry, args.overrides, ledger)
+        else:
+            if args.parallel < 1:
+                raise UsageError("--parallel must be at least 1")
+            if args.overrides:
+                raise UsageError("--set goes with --retry; to change the campaign, edit its file")
+
+            def event(run_id: str) -> None:
+                if not args.json:
+                    console.print(f"  finished {run_id}", highlight=False)
+
+            result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event)
+    except CampaignError as exc:
+        raise UsageError(str(exc)) from None
+    except SpecError:
+        raise
+    if args.json:
+        print(json.dumps({"campaign_id": result["campaign_id"], "conclusion": result["conclusion"],
+                          "runs": [{k: r[k] for k in ("run_id", "status", "parent_id")} | {"meta": r["meta"]}
+                                   for r in result["runs"]]}, indent=1, default=str))
+        return 0
+    c = result["conclusion"]
+    t = Table(box=None, header_style="bold", title=f"campaign {result['campaign_id']}", title_justify="left")
+    for col in ("run", c["key"], "seed", "status", "stopped", "final val loss", "parent"):
+        t.add_column(col)
+    for r in result["runs"]:
+        m = r["meta"]
+        status_style = {"finished": "green", "diverged": "red", "failed": "red"}.get(r["status"], "yellow")
+        final = (m.get("final") or {}).get("val_loss")
+        t.add_row(r["run_id"], str(m.get("variant")), str(m.get("seed")), Text(r["status"], style=status_style),
+                  (f"update {m['stopped_at']}: {m['stop_reason']}" if m.get("stop_reason") else ""),
+                  f"{final:.4g}" if final is not None and r["status"] == "finished" else "", r.get("parent_id") or "")
+    console.print(t)
+    s = Table(box=None, header_style="bold", title=f"per variant ({c['metric']})", title_justify="left")
+    for col in (c["key"], "mean ± spread", "accuracy", "finished", "diverged", "beats control"):
+        s.add_column(col)
+    for row in table(c):
+        s.add_row(*row)
+    console.print(s)
+    for line in c["text"]:
+        console.print(Text("• " + line, style="bold"))
+    return 0

@@ -1,0 +1,44 @@
+"""``pilotrun report RUN_OR_CAMPAIGN``: one self-contained HTML file people would rather look at than read."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..ledger.store import Ledger, LedgerError, default_ledger_path
+from ..report.html import render
+from .common import UsageError, out_console
+
+HELP = """examples:
+  pilotrun report tiny-sft-2026                    # a pilot: gates, memory per stage vs capacity, curves, lock
+  pilotrun report lr-sweep-2026 --out sweep.html   # a campaign: every run, curves per variant and seed, conclusion
+
+Put `pilotrun select ... --json` / `pilotrun plan ... --json` output as selection.json / plan.json in the run's
+folder to have them in the report too."""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("report", help="write a self-contained HTML report", description=__doc__, epilog=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run or campaign id (a unique prefix is enough)")
+    p.add_argument("--out", type=Path, help="the HTML file (default: report.html in the run's folder)")
+    p.add_argument("--ledger", type=Path)
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    path = args.ledger or default_ledger_path()
+    if not Path(path).exists():
+        raise UsageError(f"no ledger at {path}: run a pilot or a campaign first, or pass --ledger")
+    with Ledger(path) as led:
+        try:
+            page, run = render(led, args.run)
+        except KeyError:
+            raise UsageError(f"no run or campaign {args.run!r} in {path}; see `pilotrun ledger`") from None
+        except LedgerError as exc:
+            raise UsageError(str(exc)) from None
+    out = args.out or Path(run["out_dir"] or ".") / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    out_console().print(f"wrote {out} ({len(page) / 1024:.0f} KiB, self-contained)")
+    return 0
