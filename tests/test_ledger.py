@@ -61,6 +61,18 @@ def test_ambiguous_prefix_is_an_error(tmp_path):
             led.run("job")
 
 
+def test_a_campaign_prefix_means_the_campaign_not_its_runs(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("sweep-1", "sweep", "campaign")
+        for k in (1, 2):
+            led.start_run(f"sweep-1-r0{k}", "sweep", "campaign-run")
+        assert led.run("sweep")["run_id"] == "sweep-1"
+        assert led.run("sweep-1-r02")["run_id"] == "sweep-1-r02"
+        led.start_run("sweep-2", "sweep", "campaign")  # two campaigns: the prefix is ambiguous again
+        with pytest.raises(LedgerError, match="matches 4 runs"):
+            led.run("sweep")
+
+
 def test_concurrent_writers_lose_nothing(tmp_path):
     path = tmp_path / "l.sqlite"
     Ledger(path).close()

@@ -11,7 +11,7 @@ from ..campaign.conclude import table
 from ..campaign.orchestrate import CampaignError, retry, run_campaign
 from ..config.schema import SpecError
 from ..ledger.store import default_ledger_path
-from .common import UsageError, out_console
+from .common import UsageError, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry")
     p.add_argument("--parallel", type=int, default=1, help="runs at once on this machine")
-    p.add_argument("--ledger", type=Path)
+    add_ledger_arg(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of the campaign's folder")
     p.add_argument("--allow-drift", action="store_true",
                    help="run despite a lock that drifted; such runs are flagged and kept out of comparisons")

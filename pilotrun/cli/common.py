@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from rich.console import Console
 
@@ -30,3 +31,21 @@ def err_console() -> Console:
 
 def out_console() -> Console:
     return _console(False)
+
+
+LEDGER_HELP = "ledger file (default runs/ledger.sqlite, or $PILOTRUN_LEDGER)"
+
+
+def add_ledger_arg(p, why: str = "") -> None:
+    """The one ``--ledger`` flag every subcommand shares."""
+    p.add_argument("--ledger", type=Path, help=LEDGER_HELP + (f"; {why}" if why else ""))
+
+
+def existing_ledger(args) -> Path:
+    """The ``--ledger`` path (or the default), which must exist: reading commands never create one."""
+    from ..ledger.store import default_ledger_path
+
+    path = Path(getattr(args, "ledger", None) or default_ledger_path())
+    if not path.exists():
+        raise UsageError(f"no ledger at {path}: run a pilot or a campaign first, or pass --ledger")
+    return path

@@ -15,7 +15,7 @@ from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
 from ..ledger.store import Ledger, default_ledger_path
 from ..ui.format import human_bytes, human_seconds
-from .common import UsageError, out_console
+from .common import UsageError, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--strategy", choices=["single", "ddp", "fsdp"], action="append", default=[],
                    help="repeatable; default all three")
     p.add_argument("--catalog", type=Path, help="a YAML catalog that extends or overrides the built-in one")
-    p.add_argument("--ledger", type=Path, help="for utilisation measured by earlier pilots")
+    add_ledger_arg(p, "for utilisation measured by earlier pilots")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--activation-checkpointing", choices=["on", "off"],
                    help="trace with activation checkpointing on or off (default: the spec's)")

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config.spec import load_spec
 from ..devices import query_devices
 from ..pilot import new_run_id
-from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, out_console
+from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun launch --nproc-per-node 2 examples/tiny-sft/pilot.yaml --set distributed.strategy=ddp
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (several nodes)")
     p.add_argument("spec")
     p.add_argument("--out", type=Path)
-    p.add_argument("--ledger", type=Path)
+    add_ledger_arg(p)
     p.add_argument("--gates")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--container-digest")

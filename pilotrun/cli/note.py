@@ -1,10 +1,9 @@
 """``pilotrun note "text"``: a timestamped decision or observation on a run or campaign, in the ledger."""
 from __future__ import annotations
 
-from pathlib import Path
 
-from ..ledger.store import Ledger, LedgerError, default_ledger_path
-from .common import UsageError, out_console
+from ..ledger.store import Ledger, LedgerError
+from .common import UsageError, existing_ledger, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun note "chose bf16: fp16 overflowed in steady_step"          # on the latest run or campaign
@@ -18,14 +17,12 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("text")
     p.add_argument("--run", help="run or campaign id (default: the latest)")
-    p.add_argument("--ledger", type=Path)
+    add_ledger_arg(p)
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
-    path = args.ledger or default_ledger_path()
-    if not Path(path).exists():
-        raise UsageError(f"no ledger at {path}")
+    path = existing_ledger(args)
     if not args.text.strip():
         raise UsageError("the note is empty")
     with Ledger(path) as led:

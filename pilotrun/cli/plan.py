@@ -9,7 +9,7 @@ from rich.text import Text
 
 from ..config.spec import load_spec
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
-from .common import UsageError, out_console
+from .common import UsageError, out_console, add_ledger_arg
 from .estimate import _ledger
 from .select import build_sheet
 
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--runs", type=int, default=1, help="runs of the whole pipeline (a campaign's size)")
     p.add_argument("--accelerator", action="append", default=[])
     p.add_argument("--catalog", type=Path)
-    p.add_argument("--ledger", type=Path)
+    add_ledger_arg(p)
     p.add_argument("--download-mb-s", type=float, default=Assumptions.download_mb_s)
     p.add_argument("--egress-mb-s", type=float, default=Assumptions.egress_mb_s)
     p.add_argument("--evals", type=int, default=Assumptions.evals_per_run, help="evaluations per run")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..ledger.store import Ledger, LedgerError, default_ledger_path
+from ..ledger.store import Ledger, LedgerError
 from ..report.html import render
-from .common import UsageError, out_console
+from .common import UsageError, existing_ledger, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun report tiny-sft-2026                    # a pilot: gates, memory per stage vs capacity, curves, lock
@@ -22,14 +22,12 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run or campaign id (a unique prefix is enough)")
     p.add_argument("--out", type=Path, help="the HTML file (default: report.html in the run's folder)")
-    p.add_argument("--ledger", type=Path)
+    add_ledger_arg(p)
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
-    path = args.ledger or default_ledger_path()
-    if not Path(path).exists():
-        raise UsageError(f"no ledger at {path}: run a pilot or a campaign first, or pass --ledger")
+    path = existing_ledger(args)
     with Ledger(path) as led:
         try:
             page, run = render(led, args.run)

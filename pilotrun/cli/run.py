@@ -17,7 +17,7 @@ from ..distributed import LaunchError
 from ..pilot import PilotOptions, rank_summary, run_pilot
 from ..resume_plan import ResumeError
 from ..ui.console import ConsoleObserver
-from .common import UsageError, _console, out_console
+from .common import UsageError, _console, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
@@ -30,13 +30,11 @@ exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage"""
 
 
 def add_parser(sub) -> None:
-    import argparse
-
     p = sub.add_parser("run", help="run the pilot's gates on a spec", description=__doc__, epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("spec", help="path to pilot.yaml")
     p.add_argument("--out", type=Path, help="output folder (default runs/<run id>)")
-    p.add_argument("--ledger", type=Path, help="ledger file (default runs/ledger.sqlite, or $PILOTRUN_LEDGER)")
+    add_ledger_arg(p)
     p.add_argument("--gates", help="comma-separated gates to run (prerequisites are added)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec key, e.g. train.micro_batch_size=4 (repeatable)")

@@ -14,7 +14,7 @@ from ..estimate.select import sheet_row
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..ui.format import human_bytes, human_seconds
-from .common import UsageError, out_console
+from .common import UsageError, out_console, add_ledger_arg
 from .estimate import _ledger, _null
 
 HELP = """examples:
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("spec")
     p.add_argument("--accelerator", action="append", default=[])
     p.add_argument("--catalog", type=Path)
-    p.add_argument("--ledger", type=Path)
+    add_ledger_arg(p)
     p.add_argument("--headroom", type=float, help="share of device memory kept free, 0 to 0.5 (default from the catalog, 5%%)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     out = p.add_mutually_exclusive_group()

@@ -239,6 +239,11 @@ class Ledger:
             rows = self.conn.execute("SELECT * FROM runs WHERE run_id LIKE ? ESCAPE '\\'",
                                      (run_id.replace("%", "\\%").replace("_", "\\_") + "%",)).fetchall()
             if len(rows) > 1:
+                # A campaign's prefix also matches its runs (<campaign>-rNN): the one id that
+                # every other match extends is what was meant.
+                heads = [x for x in rows if all(y["run_id"].startswith(x["run_id"]) for y in rows)]
+                if len(heads) == 1:
+                    return dict(heads[0])
                 ids = ", ".join(x["run_id"] for x in rows[:5])
                 raise LedgerError(f"{run_id!r} matches {len(rows)} runs ({ids}{', ...' if len(rows) > 5 else ''}); give more of the id")
             r = rows[0] if rows else None
