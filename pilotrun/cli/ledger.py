@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from rich.table import Table
 from rich.text import Text
 
-from ..ledger.store import Ledger, LedgerError, default_ledger_path
+from ..ledger.store import Ledger, LedgerError
+from ..ledger.tables import TABLES, selected_runs, table, write_csv
 from ..ui.console import STYLE, gate_table
-from .common import UsageError, out_console
+from .common import UsageError, existing_ledger, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun ledger                      # recent runs, newest first
   pilotrun ledger --name tiny-sft      # runs of one job
   pilotrun ledger --run tiny-sft-2026  # one run's gate rows (a unique prefix is enough)
-  pilotrun ledger --run ID --json      # for scripts"""
+  pilotrun ledger --run ID --json      # for scripts
+  pilotrun ledger --csv > runs.csv     # every run, one row each (status, stop reason, final val loss, verdicts)
+  pilotrun ledger --csv metrics --run lr-sweep-2026 --out sweep-metrics.csv   # per-update metrics of a campaign
+  pilotrun ledger --mlflow sqlite:///mlflow.db --run lr-sweep-2026            # optional: pip install mlflow"""
 
 
 def add_parser(sub) -> None:
@@ -23,19 +28,24 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("ledger", help="list runs and gate rows", description=__doc__, epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ledger", type=Path, help="ledger file (default runs/ledger.sqlite, or $PILOTRUN_LEDGER)")
+    add_ledger_arg(p)
     p.add_argument("--run", help="show one run's gate rows (id or unique prefix)")
     p.add_argument("--name", help="only runs with this spec name")
     p.add_argument("--limit", type=int, default=30)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--csv", nargs="?", const="runs", choices=TABLES, metavar="TABLE",
+                   help=f"export a table as CSV ({', '.join(TABLES)}; default runs), for --run/--name or every run")
+    p.add_argument("--out", type=Path, help="with --csv: write this file instead of standard output")
+    p.add_argument("--mlflow", metavar="URI", help="export the selected runs to MLflow (e.g. sqlite:///mlflow.db); "
+                   "diverged and failed runs get status FAILED")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
-    path = args.ledger or default_ledger_path()
-    if not Path(path).exists():
-        raise UsageError(f"no ledger at {path}: run a pilot first, or pass --ledger")
+    path = existing_ledger(args)
     console = out_console()
+    if args.csv or args.mlflow:
+        return _export(args, path, console)
     with Ledger(path) as led:
         if args.run:
             try:
@@ -76,4 +86,34 @@ def main(args) -> int:
         table.add_row(r["run_id"], r["name"], r["kind"], Text(shown, style=STYLE.get(status, "")), r["started_at"][:16].replace("T", " "),
                       " · ".join(f"{n} {v}" for v, n in sorted(counts.items())))
     console.print(table if runs else "no runs yet")
+    return 0
+
+
+def _export(args, path: Path, console) -> int:
+    with Ledger(path) as led:
+        try:
+            runs = selected_runs(led, args.run, args.name)
+        except LedgerError as exc:
+            raise UsageError(str(exc)) from None
+        if args.run and not runs:
+            raise UsageError(f"no run {args.run!r} in {path} ; see `pilotrun ledger`")
+        if args.mlflow:
+            from ..ledger.mlflow_export import MlflowUnavailable, export_runs
+
+            try:
+                done = export_runs(led, runs, args.mlflow)
+            except MlflowUnavailable as exc:
+                raise UsageError(str(exc)) from None
+            console.print(f"exported {len(done)} run(s) to {args.mlflow} (experiment {done[0]['experiment'] if done else '-'})"
+                          + "".join(f"\n  {d['run_id']} -> {d['mlflow_run_id']} {d['status']}" for d in done),
+                          highlight=False)
+            if not args.csv:
+                return 0
+        columns, rows = table(led, args.csv, args.run, args.name)
+    if args.out:
+        with open(args.out, "w", newline="") as fh:
+            n = write_csv(fh, columns, rows)
+        console.print(f"wrote {n} {args.csv} row(s) to {args.out}", highlight=False)
+    else:
+        write_csv(sys.stdout, columns, rows)
     return 0
