@@ -3,6 +3,10 @@
 A function from run records to numbers and sentences. The final validation loss is the metric
 (lower is better); a variant "beats" the control only when its mean is lower by more than the
 larger of the two seed spreads. With one seed there is no spread, and the text says so.
+
+Each seed counts once: its first finished run in planned order (the declared run, or the retry of a
+run that did not finish). A retry of a run that already finished never replaces it, so retrying
+until a seed looks better cannot move the result. Runs on a drifted lock are not compared.
 """
 from __future__ import annotations
 
@@ -15,8 +19,12 @@ def _fmt(x: float | None) -> str:
 
 def variant_stats(runs: list[dict], value) -> dict:
     mine = [r for r in runs if r["meta"].get("variant") == value]
-    finished = [r for r in mine if r["status"] == "finished" and not r["meta"].get("lock_drift")
-                and (r["meta"].get("final") or {}).get("val_loss") is not None]
+    finished, seen = [], set()
+    for r in mine:  # planned order: declared runs first, then retries
+        if (r["status"] == "finished" and not r["meta"].get("lock_drift") and r["meta"].get("seed") not in seen
+                and (r["meta"].get("final") or {}).get("val_loss") is not None):
+            finished.append(r)
+            seen.add(r["meta"].get("seed"))
     losses = [r["meta"]["final"]["val_loss"] for r in finished]
     accs = [r["meta"]["final"].get("accuracy") for r in finished if r["meta"]["final"].get("accuracy") is not None]
     return {
@@ -27,6 +35,7 @@ def variant_stats(runs: list[dict], value) -> dict:
         "failed": sum(1 for r in mine if r["status"] in ("failed", "refused")),
         "not_run": sum(1 for r in mine if r["status"] in ("not-run", "stopped")),
         "retries": sum(1 for r in mine if r.get("parent_id")),
+        "lock_drift": sum(1 for r in mine if r["meta"].get("lock_drift")),
         "val_loss_mean": statistics.fmean(losses) if losses else None,
         "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
         "accuracy_mean": statistics.fmean(accs) if accs else None,
@@ -71,6 +80,9 @@ def conclude(key: str, values: list, runs: list[dict]) -> dict:
                          "those runs are kept with their reason")
         if s["retries"]:
             lines.append(f"{key} = {s['variant']} includes {s['retries']} retry run(s), each linked to the run it retried")
+        if s["lock_drift"]:
+            lines.append(f"{key} = {s['variant']}: {s['lock_drift']} run(s) ran on a drifted lock (--allow-drift) and "
+                         "are left out of the comparison")
         if s["failed"] or s["not_run"]:
             lines.append(f"{key} = {s['variant']}: {s['failed']} failed or refused, {s['not_run']} stopped or not run")
     return {"key": key, "control": control["variant"], "variants": stats, "text": lines,

@@ -78,7 +78,7 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
                     problems.append(f"{c.key} = {value!r} changes the examples per update "
                                     f"({examples_per_update(controls[seed])} -> {examples_per_update(spec)})")
             runs.append({"variant": value, "variant_index": i, "seed": seed, "control": i == 0, "spec": spec})
-    return runs, problems
+    return runs, list(dict.fromkeys(problems))  # once per value, not once per seed
 
 
 def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 1, allow_drift: bool = False,
@@ -167,7 +167,7 @@ def finish(campaign_id: str, ledger_path: Path) -> dict:
         led.set_meta(campaign_id, meta)
         statuses = {r["status"] for r in runs}
         led.end_run(campaign_id, "finished" if statuses <= {"finished"} else "finished-with-stops")
-        led.add_note(campaign_id, "conclusion: " + " ".join(conclusion["text"]))
+        led.add_note(campaign_id, "conclusion: " + "; ".join(conclusion["text"]))
     return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion}
 
 

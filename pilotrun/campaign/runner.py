@@ -13,11 +13,16 @@ from pathlib import Path
 
 import torch
 
+from safetensors.torch import save_file
+
+from ..checkpoint.export import export_model
 from ..checkpoint.state import save_checkpoint
 from ..gates.eval import _metrics_of
 from ..gates.overfit import shift_convention
 from ..ledger.store import Ledger
+from ..models.loading import load_tokenizer
 from ..train.loop import NonFiniteError, _loss_of, autocast_for, to_device
+from ..workers.reload import outputs_of
 
 
 def validate(model, data, spec, device, max_batches: int | None) -> dict:
@@ -43,10 +48,19 @@ def validate(model, data, spec, device, max_batches: int | None) -> dict:
     return {"val_loss": total / max(n, 1), "accuracy": correct / counted if counted else None, "examples": n}
 
 
-def control_predictions(model, data, spec, device, n: int) -> list[dict]:
-    """Per example of the fixed control set: its loss and what the model predicts (class or next tokens)."""
+def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> list[dict]:
+    """Per example of the fixed control set: its loss and what the model predicts (class or next tokens).
+
+    The collated control inputs and the model's outputs on them are written as safetensors
+    (``control-inputs`` / ``control-outputs``), so an archived model can be rerun on exactly them."""
     out_rows = []
     was = model.training
+    items = [data.val[i] for i in range(min(n, len(data.val)))]
+    if items:
+        batch = {k: v.contiguous() for k, v in data.collate(items).items() if isinstance(v, torch.Tensor)}
+        save_file(batch, str(out_dir / "control-inputs.safetensors"))
+        save_file({"outputs": outputs_of(model, to_device(batch, device)).contiguous()},
+                  str(out_dir / "control-outputs.safetensors"))
     model.eval()
     try:
         with torch.no_grad(), autocast_for(device, spec.train.precision):
@@ -122,12 +136,19 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
                     result["val"].append({"step": rec.step, **v})
                     flush("val", [{"step": rec.step, "loss": v["val_loss"], "extra": {"accuracy": v["accuracy"]}}])
             flush("train", pending)
-            preds = control_predictions(trainer.model, data, spec, device, plan["keep"]["control_set"])
+            preds = control_predictions(trainer.model, data, spec, device, plan["keep"]["control_set"], out_dir)
             (out_dir / "predictions.json").write_text(json.dumps(preds, indent=1))
             result["control_predictions"] = str(out_dir / "predictions.json")
             if plan["keep"]["checkpoint"] and result["status"] == "finished":
                 save_checkpoint(out_dir / "checkpoints" / "final", trainer, spec.canonical(), spec.config_hash())
                 result["checkpoint"] = str(out_dir / "checkpoints" / "final")
+            if plan["keep"].get("export", True) and result["status"] == "finished":
+                export_model(out_dir / "export", trainer.model,
+                             tokenizer=load_tokenizer(spec) if spec.data.task is not None else None,
+                             factory=spec.model.factory,
+                             model_mapping=spec.model_mapping() if spec.model.factory else None,
+                             spec_folder=str(spec.folder))
+                result["export"] = str(out_dir / "export")
         except Exception as exc:  # a crashed run keeps its rows and says why
             flush("train", pending)
             result.update(status="failed", stop_reason=f"{type(exc).__name__}: {str(exc)[:300]}",

@@ -53,7 +53,8 @@ class StopRules:
 
 @dataclass
 class Keep:
-    checkpoint: bool = doc("keep each run's final checkpoint", True)
+    checkpoint: bool = doc("keep each finished run's final training checkpoint (resumable)", True)
+    export: bool = doc("keep each finished run's inference artifact (safetensors + config), what `pilotrun archive` packs", True)
     control_set: int = doc("validation examples whose predictions are kept for every run", 16)
 
 
