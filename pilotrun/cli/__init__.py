@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..config.schema import SpecError
 from ..ledger.store import LedgerError
+from . import archive as archive_cmd
 from . import batch as batch_cmd
 from . import campaign as campaign_cmd
 from . import convert as convert_cmd
@@ -35,14 +36,19 @@ EPILOG = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB --gpus 4
   pilotrun select examples/llama-7b-estimate/pilot.yaml
   pilotrun plan examples/llama-7b-estimate/pilot.yaml --runs 6
+  pilotrun campaign examples/campaign/lr-sweep.yaml --parallel 2
+  pilotrun report lr-sweep-2026
+  pilotrun note "kept the control: no variant beat it beyond seed spread"
+  pilotrun archive lr-sweep-2026-r01
   pilotrun ledger
   pilotrun ledger --run tiny-sft-2026 --json
+  pilotrun ledger --csv metrics --run lr-sweep-2026 --out metrics.csv
 
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error, 130 interrupted"""
 
 COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
             "select": select_cmd, "plan": plan_cmd, "campaign": campaign_cmd, "report": report_cmd,
-            "note": note_cmd, "ledger": ledger_cmd, "convert": convert_cmd}
+            "note": note_cmd, "archive": archive_cmd, "ledger": ledger_cmd, "convert": convert_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

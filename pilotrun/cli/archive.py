@@ -1,0 +1,44 @@
+"""``pilotrun archive RUN``: the model, config, lock, raw metrics and a README on reloading it, in one .tar.gz."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..ledger.store import Ledger, LedgerError
+from ..report.archive import ArchiveError, archive_run
+from ..ui.format import human_bytes
+from .common import UsageError, existing_ledger, out_console, add_ledger_arg
+
+HELP = """examples:
+  pilotrun archive lr-sweep-2026-r01                      # writes lr-sweep-2026-r01.tar.gz here
+  pilotrun archive tiny-sft-2026 --out /mnt/keep/pilot.tar.gz
+  tar xzf lr-sweep-2026-r01.tar.gz && python lr-sweep-2026-r01/rerun_control.py   # exit 0: outputs match
+
+A run without a model (diverged, failed) is archived too; its README says why there is no model."""
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("archive", help="pack one run into a .tar.gz", description=__doc__, epilog=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run id (a unique prefix is enough)")
+    p.add_argument("--out", type=Path, help="the archive (default: RUN_ID.tar.gz in the current folder)")
+    add_ledger_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    path = existing_ledger(args)
+    with Ledger(path) as led:
+        try:
+            out, summary = archive_run(led, args.run, args.out)
+        except (ArchiveError, LedgerError) as exc:
+            raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"archive": str(out), **summary}, indent=1))
+        return 0
+    what = "with its model" if summary["model"] else f"without a model ({summary['why_no_model']})"
+    out_console().print(f"wrote {out} ({human_bytes(summary['bytes'])}, {summary['files']} files) {what}", highlight=False)
+    return 0

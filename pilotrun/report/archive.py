@@ -1,0 +1,209 @@
+"""``pilotrun archive RUN``: one .tar.gz that outlives the rented machine.
+
+Inside ``RUN_ID/``: ``model/`` (the safetensors export, hash-verified against its manifest
+before packing), ``config/`` (the spec as written, the spec as run, the campaign file),
+``lock.json``, ``metrics.csv`` / ``gates.csv`` / ``notes.csv`` (raw, from the ledger),
+``run.json``, ``control/`` (the fixed control inputs and the outputs recorded for them),
+``code/`` (a factory model's module), ``rerun_control.py`` (reloads the model with torch,
+safetensors and transformers only — no pilotrun, no pickle — and checks the outputs) and a
+README saying how. A run with no model (diverged, failed, export gate not passed) is still
+archived, and its README says why there is no model.
+
+Example::
+
+    with Ledger("runs/ledger.sqlite") as led:
+        path = archive_run(led, "lr-sweep-2026-r01", Path("lr-sweep-r01.tar.gz"))
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+from ..checkpoint.io import CheckpointError
+from ..checkpoint.state import verify_folder
+from ..ledger.store import Ledger
+from ..ledger.tables import table, write_csv
+
+# Copied as is into the archive: it must run with torch, safetensors and transformers alone.
+RERUN_SCRIPT = Path(__file__).with_name("rerun_control.py")
+
+
+class ArchiveError(Exception):
+    """The run cannot be archived as asked: the message names the run or file and the fix."""
+
+
+def _control_files(run: dict, folder: Path) -> tuple[Path, Path] | None:
+    pairs = [(folder / "control-inputs.safetensors", folder / "control-outputs.safetensors"),  # campaign run
+             (folder / "workers" / "reload-inputs.safetensors", folder / "workers" / "reload-outputs.safetensors")]  # pilot
+    return next(((i, o) for i, o in pairs if i.is_file() and o.is_file()), None)
+
+
+def _why_no_model(run: dict, meta: dict, led: Ledger) -> str:
+    if meta.get("stop_reason"):
+        return f"the run {run['status']} at update {meta.get('stopped_at')}: {meta['stop_reason']}"
+    export = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == "export"]
+    if export and export[-1]["verdict"] != "pass":
+        return f"the export gate did not pass ({export[-1]['verdict']}: {export[-1]['reason']})"
+    if run["kind"] == "campaign-run":
+        return "the campaign kept no export (keep.export: false)"
+    return "no export was written (the export gate did not run)"
+
+
+def _factory_code(model_dir: Path, dest: Path) -> str | None:
+    info = json.loads((model_dir / "export.json").read_text())
+    top = info["factory"].partition(":")[0].split(".")[0]
+    src = Path(info.get("spec_folder") or ".")
+    for cand in (src / f"{top}.py", src / top):
+        if cand.is_file():
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(cand, dest / cand.name)
+            return info["factory"]
+        if cand.is_dir():
+            shutil.copytree(cand, dest / cand.name, ignore=shutil.ignore_patterns("__pycache__"))
+            return info["factory"]
+    raise ArchiveError(f"the model's factory module {top!r} is not in {src} any more; restore it to archive this run")
+
+
+def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: str | None, factory: str | None,
+            files: dict[str, str], control_n: str | None) -> str:
+    lines = [f"# {run['run_id']}", "", f"- name: {run['name']} · kind: {run['kind']} · status: **{run['status']}**",
+             f"- started {run['started_at']} · ended {run['ended_at'] or '(no end recorded)'}"]
+    if "variant" in meta:
+        lines.append(f"- campaign {meta.get('campaign_id')}: {meta.get('key')} = {json.dumps(meta['variant'])}, "
+                     f"seed {meta.get('seed')}{' (control)' if meta.get('control') else ''}"
+                     + (f", retry of {meta['retry_of']} with {json.dumps(meta.get('changes'))}" if meta.get("retry_of") else ""))
+    if meta.get("stop_reason"):
+        lines.append(f"- stopped at update {meta.get('stopped_at')}: {meta['stop_reason']}")
+    final = meta.get("final") or {}
+    if final and run["status"] == "finished":
+        lines.append(f"- final validation loss {final.get('val_loss'):.6g} at update {final.get('step')}")
+    versions = {k: v for k, v in (lock.get("versions") or {}).items() if v is not None}
+    dists = lock.get("distributions") or {}
+    versions.update({k: dists[k] for k in ("transformers", "safetensors", "tokenizers", "accelerate") if k in dists})
+    if versions:
+        lines.append("- lock: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
+    lines += ["", "## Reload the model", ""]
+    if no_model:
+        lines += [f"There is no model in this archive: {no_model}.", ""]
+    elif factory:
+        lines += [f"`model/` holds `model.safetensors` for the factory `{factory}` (its module is in `code/`) and "
+                  "`export.json` with the mapping it is called with:", "", "```python",
+                  "import json, sys; sys.path.insert(0, 'code')", "from safetensors.torch import load_model",
+                  f"from {factory.split(':')[0]} import {factory.split(':')[1].split('.')[0]} as factory",
+                  "info = json.load(open('model/export.json'))", "model = factory(info['model'])",
+                  "load_model(model, 'model/model.safetensors')", "```", ""]
+    else:
+        lines += [f"`model/` is a Hugging Face folder (`{has_model}`, safetensors):", "", "```python",
+                  "import transformers",
+                  f"model = transformers.{has_model}.from_pretrained('model')"]
+        if (files.get("model/tokenizer.json") or files.get("model/tokenizer_config.json")):
+            lines.append("tokenizer = transformers.AutoTokenizer.from_pretrained('model')")
+        lines += ["```", ""]
+    if control_n and not no_model:
+        lines += ["## Rerun the control inputs", "",
+                  f"`control/inputs.safetensors` holds the fixed control inputs ({control_n}), `control/outputs.safetensors` "
+                  "the outputs recorded when the run ended. This reloads the model in a fresh process and compares:", "",
+                  "```", "python rerun_control.py      # exit 0: the outputs match (rtol 1e-4, atol 1e-5)", "```", ""]
+    lines += ["## Rerun the training", "",
+              "`config/` holds the spec as written and as run (`spec.json`: overrides applied). The data files it names "
+              "are not in this archive; with them in place and the versions in `lock.json`:", "", "```",
+              f"pilotrun run config/{Path(run['spec_path'] or 'pilot.yaml').name}    # the pilot gates on the same spec",
+              "```", "",
+              "`metrics.csv` holds every per-update number the ledger recorded (loss, lr, grad norm, throughput, "
+              "validation points); `gates.csv` the gate rows with their reasons; `notes.csv` the decisions noted.", "",
+              "## Files", "", "| file | sha256 |", "|---|---|"]
+    lines += [f"| {k} | `{v[:16]}…` |" for k, v in sorted(files.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def archive_run(led: Ledger, ref: str, out: Path | None = None) -> tuple[Path, dict]:
+    """Write the archive; returns its path and a summary (has model, why not, files)."""
+    run = led.run(ref)
+    if run is None:
+        raise ArchiveError(f"no run {ref!r} in {led.path}; see `pilotrun ledger`")
+    if run["kind"] == "campaign":
+        ids = [r["run_id"] for r in led.campaign_runs(run["run_id"])]
+        raise ArchiveError(f"{run['run_id']} is a campaign; archive one of its runs ({', '.join(ids[:3])}"
+                           f"{', ...' if len(ids) > 3 else ''})")
+    folder = Path(run["out_dir"] or "")
+    if not run["out_dir"] or not folder.is_dir():
+        raise ArchiveError(f"the run's folder {folder} is gone; nothing to archive but its ledger rows "
+                           f"(`pilotrun ledger --csv metrics --run {run['run_id']}`)")
+    meta = json.loads(run.get("meta_json") or "{}")
+    lock = json.loads(run.get("lock_json") or "null") or {}
+    out = Path(out or f"{run['run_id']}.tar.gz")
+    with tempfile.TemporaryDirectory(prefix="pilotrun-archive-") as tmp:
+        root = Path(tmp) / run["run_id"]
+        root.mkdir()
+        model_dir, no_model, factory, model_class = folder / "export", None, None, None
+        if (model_dir / "manifest.json").is_file():
+            try:
+                verify_folder(model_dir)
+            except CheckpointError as exc:
+                raise ArchiveError(f"the run's model does not match its manifest: {exc}") from None
+            shutil.copytree(model_dir, root / "model")
+            if (model_dir / "export.json").is_file():
+                factory = _factory_code(model_dir, root / "code")
+            else:
+                config = json.loads((model_dir / "config.json").read_text())
+                model_class = (config.get("architectures") or ["AutoModel"])[0]
+        else:
+            no_model = _why_no_model(run, meta, led)
+        control, control_n = _control_files(run, folder), None
+        if control and not no_model:
+            (root / "control").mkdir()
+            shutil.copy2(control[0], root / "control" / "inputs.safetensors")
+            shutil.copy2(control[1], root / "control" / "outputs.safetensors")
+            from safetensors import safe_open
+
+            with safe_open(str(control[0]), framework="pt") as fh:
+                first = next(iter(fh.keys()), None)
+                control_n = f"{fh.get_slice(first).get_shape()[0]} examples" if first else "empty"
+            if (folder / "predictions.json").is_file():
+                shutil.copy2(folder / "predictions.json", root / "control" / "predictions.json")
+            shutil.copy2(RERUN_SCRIPT, root / "rerun_control.py")
+        (root / "config").mkdir()
+        if run["spec_path"] and Path(run["spec_path"]).is_file():
+            shutil.copy2(run["spec_path"], root / "config" / Path(run["spec_path"]).name)
+        for cand in (folder / "spec.json", folder / "workers" / "spec.json"):
+            if cand.is_file():
+                shutil.copy2(cand, root / "config" / "spec.json")
+                break
+        if meta.get("campaign_id") and (folder.parent / "campaign.json").is_file():
+            shutil.copy2(folder.parent / "campaign.json", root / "config" / "campaign.json")
+        (root / "lock.json").write_text(json.dumps(lock, indent=1, sort_keys=True))
+        (root / "run.json").write_text(json.dumps({**{k: v for k, v in run.items() if k not in ("lock_json", "meta_json")},
+                                                   "meta": meta}, indent=1, default=str))
+        for which in ("metrics", "gates", "notes"):
+            cols, rows = table(led, which, run=run["run_id"])
+            with open(root / f"{which}.csv", "w", newline="") as fh:
+                write_csv(fh, cols, rows)
+        files = {str(p.relative_to(root)): _sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
+        (root / "README.md").write_text(_readme(run, meta, lock, model_class, no_model, factory, files, control_n))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.name + ".partial")
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(root, arcname=run["run_id"])
+        os.replace(partial, out)
+    return out, {"run_id": run["run_id"], "model": not no_model, "why_no_model": no_model, "files": len(files) + 1,
+                 "bytes": out.stat().st_size}
+
+
+def list_archive(path: Path) -> list[str]:
+    """Member names (for tests and `--json`), without extracting."""
+    with tarfile.open(path, "r:gz") as tar:
+        return tar.getnames()
+
