@@ -27,7 +27,7 @@ th,td{text-align:left;padding:.3rem .5rem;border-bottom:1px solid #eef1f5;vertic
 .verdict{display:inline-block;padding:.1rem .5rem;border-radius:.3rem;background:#f1f3f4}
 img{max-width:100%;border:1px solid #eef1f5;border-radius:.3rem}pre{background:#f6f8fb;padding:.8rem;overflow:auto;
 font-size:.8rem;max-height:30rem}.conclusion li{margin:.3rem 0;font-weight:600}details{margin:.6rem 0}
-.kv td:first-child{color:#5b6474;width:14rem}
+.kv td:first-child{color:#5b6474;width:14rem}.bad{background:#fce8e6;color:#c5221f;padding:.5rem;font-weight:600}
 """
 
 
@@ -64,12 +64,19 @@ def _verdict(v: str) -> str:
     return f'<span class="verdict {_e(v)}">{_e(v)}</span>'
 
 
+# Says so on the page if a plot fails to decode, and leaves the count on <html> for tests that open it.
+CHECK_JS = ("addEventListener('load',()=>{const i=[...document.images],ok=i.filter(x=>x.complete&&x.naturalWidth>0);"
+            "document.documentElement.dataset.images=i.length;document.documentElement.dataset.imagesDecoded=ok.length;"
+            "if(ok.length<i.length){const p=document.createElement('p');p.className='bad';"
+            "p.textContent=(i.length-ok.length)+' plot(s) failed to render in this browser';document.body.prepend(p);}})")
+
+
 def _page(title: str, subtitle: str, body: list[str]) -> str:
     return (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
             f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><style>{CSS}</style></head>"
             f"<body><h1>{_e(title)}</h1><div class=\"sub\">{_e(subtitle)}</div>{''.join(body)}"
             "<p class=\"sub\">Written by pilotrun. Everything above comes from the ledger; nothing was left out.</p>"
-            "</body></html>")
+            f"<script>{CHECK_JS}</script></body></html>")
 
 
 # -- pilot --------------------------------------------------------------------------------------
@@ -113,16 +120,41 @@ def _curve(points: list[tuple[int, float]], title: str, ylabel: str) -> str:
     return _png(fig)
 
 
+def _short(d: dict) -> str:
+    """A lock entry in one line: nested files collapse to their folder's sha256."""
+    parts = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            v = f"sha256 {str(v['sha256'])[:12]}…" if v.get("sha256") else _short({x: y for x, y in v.items() if x != "files"})
+        elif isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+            v = v[:12] + "…"
+        parts.append(f"{k}: {v}")
+    return ", ".join(parts)
+
+
+def _container(c: dict) -> str:
+    if c.get("digest"):
+        return f"{c['digest']} (from {c.get('from')})"
+    return "not recorded" + (" (running inside a container: pass --container-digest)" if c.get("inside_container") else "")
+
+
+def _code(c: dict) -> str:
+    if not c.get("commit"):
+        return "not a git checkout"
+    return c["commit"][:12] + (" with uncommitted changes" if c.get("dirty") else " (clean)")
+
+
 def _lock_section(lock: dict | None) -> str:
     if not lock:
         return "<h2>Lock</h2><p class=\"sub\">No lock recorded.</p>"
     summary = [["config hash", lock.get("config_hash", "")[:16]],
                ["python / torch", f"{lock['versions'].get('python')} / {lock['versions'].get('torch')}"],
-               ["CUDA / HIP / cuDNN / NCCL", " / ".join(str(lock["versions"].get(k)) for k in ("cuda", "hip", "cudnn", "nccl"))],
-               ["model", json.dumps({k: v for k, v in lock.get("model", {}).items() if k != "files"})[:300]],
+               ["CUDA / HIP / cuDNN / NCCL", " / ".join(str(lock["versions"].get(k) or "-")
+                                                        for k in ("cuda", "hip", "cudnn", "nccl"))],
+               ["model", _short(lock.get("model") or {})],
                ["data", f"sha256 {str(lock.get('data', {}).get('sha256', ''))[:16]} ({lock.get('data', {}).get('source')})"],
-               ["container", str(lock.get("container", {}).get("digest"))],
-               ["code", json.dumps(lock.get("code"))]]
+               ["container", _container(lock.get("container") or {})],
+               ["code", _code(lock.get("code") or {})]]
     return ("<h2>Lock</h2>" + _table(["", ""], summary).replace("<table>", '<table class="kv">')
             + f"<details><summary>the whole lock.json</summary><pre>{_e(json.dumps(lock, indent=1, sort_keys=True))}"
             "</pre></details>")
@@ -207,41 +239,104 @@ def render_pilot(led: Ledger, run: dict) -> str:
 
 # -- campaign -----------------------------------------------------------------------------------
 
-def _campaign_curves(led: Ledger, runs: list[dict], key: str, gate: str, title: str) -> str:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4))
-    variants = sorted({str(r["meta"].get("variant")) for r in runs}, key=lambda v: [str(x["meta"].get("variant"))
-                                                                                   for x in runs].index(v))
+def _value(m: dict, field: str) -> float | None:
+    if field == "throughput":
+        # tokens/s for sequence models, examples/s otherwise: whichever the worker counted.
+        n = m.get("tokens") or m.get("examples")
+        return n / m["seconds"] if n and m.get("seconds") else None
+    return m.get(field)
+
+
+def _run_style(runs: list[dict], key: str, plt):
+    """One colour per variant, one line style per seed: the same run looks the same in every plot."""
+    order = [str(x["meta"].get("variant")) for x in runs]
+    variants = sorted(set(order), key=order.index)
+    seeds = sorted({r["meta"].get("seed") for r in runs}, key=str)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]
-    seeds = sorted({r["meta"].get("seed") for r in runs})
-    drawn = 0
-    for r in runs:
-        pts = [(m["step"], m["loss"]) for m in led.metrics(r["run_id"], gate) if m["loss"] is not None]
-        if not pts:
-            continue
+
+    def style(r: dict) -> dict:
         v = str(r["meta"].get("variant"))
-        color = colors[variants.index(v) % len(colors)]
-        style = styles[seeds.index(r["meta"].get("seed")) % len(styles)] if r["meta"].get("seed") in seeds else "-"
         label = f"{key}={v}, seed {r['meta'].get('seed')}"
         if r.get("parent_id"):
             label += " (retry)"
         if r["status"] != "finished":
             label += f" ({r['status']})"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, color=color, label=label,
-                marker="." if gate == "val" else None, alpha=0.9)
+        seed = r["meta"].get("seed")
+        return {"color": colors[variants.index(v) % len(colors)], "label": label,
+                "linestyle": styles[seeds.index(seed) % len(styles)] if seed in seeds else "-"}
+    return style
+
+
+def _plain_log_axis(ax) -> None:
+    """Log scale with 2, 3, 5, 10 on the axis instead of 2 x 10^0: loss values people can read off."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    # Within a decade every integer multiple is a useful tick; across several, 1-2-5 stays legible.
+    ax.yaxis.set_major_locator(LogLocator(subs=tuple(range(1, 10)) if hi / lo < 12 else (1.0, 2.0, 5.0)))
+    plain = ScalarFormatter()
+    plain.set_scientific(False)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _campaign_curves(led: Ledger, runs: list[dict], key: str, gate: str, title: str) -> str:
+    plt = _pyplot()
+    style = _run_style(runs, key, plt)
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    drawn = 0
+    for r in runs:
+        pts = [(m["step"], m["loss"]) for m in led.metrics(r["run_id"], gate) if m["loss"] is not None]
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if gate == "val" else None, alpha=0.9,
+                **style(r))
         if r["status"] == "diverged":
             ax.plot([pts[-1][0]], [pts[-1][1]], marker="x", markersize=10, color="#c5221f")
         drawn += 1
     if not drawn:
         plt.close(fig)
         return "<p class=\"sub\">No points recorded.</p>"
-    ax.set_yscale("log")
+    _plain_log_axis(ax)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("update")
     ax.set_ylabel("loss (log scale)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    # Below the axes: inside, it hides exactly the diverging curves people need to see.
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    return _png(fig)
+
+
+def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
+    """Learning rate, gradient norm and throughput per update: what was kept besides the loss."""
+    plt = _pyplot()
+    style = _run_style(runs, key, plt)
+    panels = (("lr", "learning rate (log scale)", True), ("grad_norm", "gradient norm (log scale)", True),
+              ("throughput", "throughput (tokens or examples / s)", False))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    drawn = 0
+    for r in runs:
+        metrics = led.metrics(r["run_id"], "train")
+        for ax, (field, _, _) in zip(axes, panels):
+            pts = [(m["step"], v) for m in metrics if (v := _value(m, field)) is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], alpha=0.85, linewidth=1.2, **style(r))
+                drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return "<p class=\"sub\">No learning rate, gradient norm or throughput recorded.</p>"
+    for ax, (_, title, log) in zip(axes, panels):
+        if log and ax.has_data():
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("update", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 0.0), frameon=False)
+    fig.tight_layout()
     return _png(fig)
 
 
@@ -270,6 +365,7 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     body.append("<h2>Training loss</h2>" + _campaign_curves(led, runs, key, "train",
                                                            "training loss per update (x: where a run diverged)"))
     body.append("<h2>Validation</h2>" + _campaign_curves(led, runs, key, "val", "validation loss"))
+    body.append("<h2>Learning rate, gradient norm, throughput</h2>" + _campaign_dynamics(led, runs, key))
     body.append(_attachments(Path(camp["out_dir"] or ".")))
     body.append(_lock_section(json.loads(camp["lock_json"]) if camp.get("lock_json") else None))
     body.append(_notes(led, camp["run_id"]))
