@@ -122,3 +122,26 @@ def pilotrun_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None =
     full_env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "pilotrun", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def open_in_chromium(html: Path, work: Path) -> tuple[str, list[str], Path]:
+    """Open a file in real headless Chromium: the DOM after scripts ran, the page's console errors, a screenshot.
+
+    Skips the test, saying how to install it, when no Chromium is on PATH (Debian: apt-get install chromium;
+    .ci/run installs it when it can)."""
+    exe = next((shutil.which(n) for n in CHROMIUM_NAMES if shutil.which(n)), None)
+    if exe is None:
+        pytest.skip("no Chromium on PATH: the HTML report was NOT opened in a browser "
+                    "(install Debian's `chromium` package: apt-get install chromium)")
+    flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={work / 'chromium-profile'}",
+             "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000"]
+    dom = subprocess.run(flags + ["--dump-dom", html.resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    shot = work / (html.stem + ".png")
+    subprocess.run(flags + [f"--screenshot={shot}", "--window-size=1200,2400", html.resolve().as_uri()],
+                   capture_output=True, text=True, timeout=120)
+    console = [line for line in (dom.stderr or "").splitlines() if ":CONSOLE" in line]
+    return dom.stdout, console, shot

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
-from .conftest import copy_example, copy_fixture, pilotrun_cli
+from .conftest import copy_example, copy_fixture, open_in_chromium, pilotrun_cli
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +89,25 @@ def test_tiny_sft_demo_passes_every_gate(tmp_path):
     # The ledger command reads it back.
     res = pilotrun_cli("ledger", "--ledger", str(ledger), "--run", report["run_id"], "--json", cwd=tmp_path)
     assert res.returncode == 0 and len(json.loads(res.stdout)["gates"]) == len(gates)
+    # The HTML report of the pilot, opened in a real browser.
+    html = tmp_path / "pilot.html"
+    res = pilotrun_cli("report", report["run_id"], "--ledger", str(ledger), "--out", str(html), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    page = html.read_text()
+    assert all(name in page for name in gates) and "H100-80GB" in page  # every gate; memory against capacities
+    dom, console, _ = open_in_chromium(html, tmp_path)
+    assert 'data-images-decoded="' in dom
+    assert dom.split('data-images="')[1].split('"')[0] == dom.split('data-images-decoded="')[1].split('"')[0] != "0"
+    assert not [c for c in console if "Uncaught" in c], console
+    # Its archive reloads the exported model in a fresh interpreter and reproduces the reload_eval outputs.
+    res = pilotrun_cli("archive", report["run_id"], "--ledger", str(ledger), "--out", str(tmp_path / "a.tar.gz"),
+                       cwd=tmp_path)
+    assert res.returncode == 0 and "with its model" in res.stdout, res.stdout + res.stderr
+    with tarfile.open(tmp_path / "a.tar.gz") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    rerun = subprocess.run([sys.executable, "-I", str(tmp_path / "unpacked" / report["run_id"] / "rerun_control.py")],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert rerun.returncode == 0 and rerun.stdout.startswith("match: LlamaForCausalLM"), rerun.stdout + rerun.stderr
 
 
 def test_minilm_classification_on_real_weights(tmp_path):

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
@@ -52,6 +56,20 @@ def test_correct_setup_passes_every_gate(toy, tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [g["gate"] for g in report["gates"]] == GATES
     assert set(report["gates"][0]) >= {"gate", "verdict", "reason", "inputs", "memory", "seconds"}
+    # The archive carries the factory's module: the model reloads without the spec folder or pilotrun.
+    from pilotrun.report.archive import archive_run
+
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        path, summary = archive_run(led, result.run_id, tmp_path / "toy.tar.gz")
+    assert summary["model"]
+    with tarfile.open(path) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    root = tmp_path / "unpacked" / result.run_id
+    assert (root / "code" / "toy.py").is_file() and (root / "model" / "export.json").is_file()
+    shutil.rmtree(toy.parent)  # the user's folder is gone; the archive must not need it
+    rerun = subprocess.run([sys.executable, "-I", str(root / "rerun_control.py")], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+    assert rerun.returncode == 0 and rerun.stdout.startswith("match:"), rerun.stdout + rerun.stderr
 
 
 def test_rows_survive_in_the_ledger(toy, tmp_path):

@@ -1,0 +1,373 @@
+"""Campaigns: declared up front, every run kept with its reason, retries linked, an honest conclusion.
+
+The pure parts (the conclusion, the campaign file's checks) are unit tests; one real campaign of
+three learning rates x two seeds on the demo model runs once for the module (worker processes,
+two at a time, one shared SQLite ledger) and the rest reads what it left.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sqlite3
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pilotrun.campaign.conclude import conclude
+from pilotrun.campaign.orchestrate import CampaignError, prepare
+from pilotrun.campaign.spec import load_campaign
+from pilotrun.config.schema import SpecError
+
+from .conftest import copy_example, open_in_chromium, pilotrun_cli
+
+LRS = [3.0e-3, 1.0e-3, 1.0]  # control, a plausible variant, one that diverges
+
+
+def _run(variant, seed, status="finished", loss=None, parent=None, drift=None):
+    meta = {"variant": variant, "seed": seed, "final": {"val_loss": loss, "step": 10} if loss is not None else None,
+            "stop_reason": None if status == "finished" else "loss 40 > 3 x the first loss 6", "stopped_at": 7}
+    if drift:
+        meta["lock_drift"] = drift
+    return {"run_id": f"r-{variant}-{seed}-{status}-{parent}", "status": status, "parent_id": parent, "meta": meta}
+
+
+# -- the conclusion (pure) ----------------------------------------------------------------------
+
+def test_a_lower_mean_within_seed_spread_does_not_beat_the_control():
+    runs = [_run("a", 1, loss=2.00), _run("a", 2, loss=2.20), _run("b", 1, loss=1.95), _run("b", 2, loss=2.15)]
+    c = conclude("lr", ["a", "b"], runs)
+    assert c["variants"][1]["beats_control"] is False
+    assert c["text"][0] == "no variant beat the control (lr = a) beyond seed spread"
+    # The best single seed of b (1.95) beats the control's mean; the conclusion uses means, not best seeds.
+    assert c["variants"][1]["val_loss_mean"] == pytest.approx(2.05)
+
+
+def test_a_variant_beyond_seed_spread_is_named_with_its_margin():
+    runs = [_run("a", 1, loss=2.0), _run("a", 2, loss=2.02), _run("b", 1, loss=1.5), _run("b", 2, loss=1.52)]
+    c = conclude("lr", ["a", "b"], runs)
+    assert c["variants"][1]["beats_control"] is True
+    assert c["text"][0].startswith("lr = b beat the control (a) by 0.5")
+
+
+def test_diverged_runs_are_counted_and_one_seed_declares_no_winner():
+    runs = [_run("a", 1, loss=2.0), _run("b", 1, loss=1.0), _run("c", 1, status="diverged")]
+    c = conclude("lr", ["a", "b", "c"], runs)
+    assert "no seed spread" in c["text"][0] and not c["variants"][1]["beats_control"]
+    assert c["variants"][2]["diverged"] == 1 and c["variants"][2]["val_loss_mean"] is None
+    assert any("lr = c diverged in 1 of 1 run(s) (update 7)" in line for line in c["text"])
+
+
+def test_retrying_a_finished_seed_cannot_move_the_result():
+    runs = [_run("a", 1, loss=2.0), _run("a", 2, loss=2.02), _run("b", 1, loss=2.0), _run("b", 2, loss=2.04),
+            _run("b", 2, loss=0.1, parent="r-b-2-finished-None")]  # a lucky retry of a seed that had finished
+    c = conclude("lr", ["a", "b"], runs)
+    b = c["variants"][1]
+    assert b["val_loss_mean"] == pytest.approx(2.02) and b["finished"] == 2 and b["retries"] == 1
+    assert not b["beats_control"]
+
+
+def test_the_retry_of_a_diverged_seed_counts_and_drifted_runs_do_not():
+    runs = [_run("a", 1, loss=2.0), _run("a", 2, loss=2.02), _run("b", 1, status="diverged"),
+            _run("b", 1, loss=1.0, parent="r-b-1-diverged-None"), _run("b", 2, loss=1.0, drift=["versions.torch"])]
+    b = conclude("lr", ["a", "b"], runs)["variants"][1]
+    assert b["finished"] == 1 and b["val_loss_mean"] == pytest.approx(1.0) and b["lock_drift"] == 1
+    assert b["diverged"] == 1 and b["retries"] == 1
+
+
+# -- the campaign file (parsed and checked before anything runs) ----------------------------------
+
+def _campaign(tmp_path, **over) -> Path:
+    copy_example("tiny-sft", tmp_path)
+    body = {"name": "sweep", "base": "tiny-sft/pilot.yaml", "vary": {"train.optimizer.lr": LRS}, "seeds": [1, 2],
+            "updates": 12, "eval": {"every": 6}, "stop": {"non_finite": True, "divergence": 3.0, "budget_minutes": 20},
+            "keep": {"checkpoint": False, "export": True, "control_set": 4}}
+    body.update(over)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"vary": {"train.optimizer.lr": [1e-3, 2e-3], "seed": [1, 2]}}, "vary"),
+    ({"vary": {"train.optimizer.lr": [1e-3]}}, "vary.train.optimizer.lr"),
+    ({"stop": {"divergence": 0.5}}, "stop.divergence"),
+    ({"seeds": [1, 1]}, "seeds"),
+    ({"updates": 0}, "updates"),
+    ({"stop": {"budget": 3}}, "stop.budget"),
+])
+def test_a_wrong_campaign_file_names_the_field(tmp_path, over, field):
+    with pytest.raises(SpecError) as err:
+        load_campaign(_campaign(tmp_path, **over))
+    assert field in [f for f, _ in err.value.problems], err.value.problems
+
+
+def test_a_variant_that_changes_the_examples_per_update_is_refused_before_the_start(tmp_path):
+    c = load_campaign(_campaign(tmp_path, vary={"train.micro_batch_size": [8, 4]}))
+    _, problems = prepare(c)
+    assert problems == ["train.micro_batch_size = 4 changes the examples per update (16 -> 8)"]
+
+
+def test_a_variant_that_is_not_a_valid_spec_names_the_key(tmp_path):
+    c = load_campaign(_campaign(tmp_path, vary={"train.optimiser.lr": [1e-3, 2e-3]}))
+    with pytest.raises(CampaignError, match="train.optimiser.lr = 0.001 does not give a valid spec: train.optimiser"):
+        prepare(c)
+
+
+# -- one real campaign ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory):
+    work = tmp_path_factory.mktemp("campaign")
+    spec = _campaign(work)
+    ledger = work / "ledger.sqlite"
+    res = pilotrun_cli("campaign", str(spec), "--parallel", "2", "--ledger", str(ledger), "--out", str(work / "runs"),
+                       "--json", cwd=work, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    runs = {r["meta"]["variant"]: [] for r in out["runs"]}
+    for r in out["runs"]:
+        runs[r["meta"]["variant"]].append(r)
+    return {"work": work, "ledger": ledger, "id": out["campaign_id"], "out": out, "by_lr": runs}
+
+
+def _ledger(path, sql, *args):
+    with sqlite3.connect(path) as conn:
+        conn.row_factory = sqlite3.Row
+        return [dict(r) for r in conn.execute(sql, args)]
+
+
+pytestmark_slow = pytest.mark.slow
+
+
+@pytestmark_slow
+def test_every_run_is_kept_with_its_reason_and_the_conclusion_is_honest(campaign):
+    out, by_lr = campaign["out"], campaign["by_lr"]
+    assert [r["run_id"] for r in out["runs"]] == [f"{campaign['id']}-r{i:02d}" for i in range(1, 7)]
+    assert [(r["meta"]["variant"], r["meta"]["seed"]) for r in out["runs"]] == [(lr, s) for lr in LRS for s in (1, 2)]
+    assert all(r["status"] == "finished" for lr in LRS[:2] for r in by_lr[lr])
+    for r in by_lr[1.0]:  # the diverged variant: kept, with why and where
+        assert r["status"] == "diverged", r
+        assert "x the first loss" in r["meta"]["stop_reason"] and 1 <= r["meta"]["stopped_at"] <= 12
+    text = out["conclusion"]["text"]
+    assert text[0] == "no variant beat the control (train.optimizer.lr = 0.003) beyond seed spread", text
+    assert any(line.startswith("train.optimizer.lr = 1.0 diverged in 2 of 2 run(s)") for line in text)
+    control = out["conclusion"]["variants"][0]
+    assert control["finished"] == 2 and control["val_loss_std"] is not None
+    # Declared before the start and stored: the campaign row holds the whole declaration.
+    camp = _ledger(campaign["ledger"], "SELECT * FROM runs WHERE run_id = ?", campaign["id"])[0]
+    declared = json.loads(camp["meta_json"])["campaign"]
+    assert declared["stop"] == {"non_finite": True, "divergence": 3.0, "budget_minutes": 20}
+    assert declared["vary"] == {"train.optimizer.lr": LRS} and declared["updates"] == 12
+
+
+@pytestmark_slow
+def test_parallel_runs_wrote_every_update_once_and_kept_what_was_asked(campaign):
+    for r in campaign["out"]["runs"]:
+        rows = _ledger(campaign["ledger"], "SELECT * FROM metrics WHERE run_id = ? AND gate = 'train' ORDER BY step",
+                       r["run_id"])
+        last = r["meta"]["stopped_at"] if r["status"] == "diverged" else 12
+        assert [m["step"] for m in rows] == list(range(1, last + 1)), r["run_id"]  # no lost, no duplicated rows
+        assert all(m["lr"] > 0 and m["grad_norm"] is not None and json.loads(m["extra_json"])["examples_per_second"] > 0
+                   for m in rows)
+        val = _ledger(campaign["ledger"], "SELECT step FROM metrics WHERE run_id = ? AND gate = 'val'", r["run_id"])
+        folder = campaign["work"] / "runs" / campaign["id"] / r["run_id"]
+        preds = json.loads((folder / "predictions.json").read_text())
+        assert len(preds) == 4 and all("predicted_tokens" in p for p in preds)
+        if r["status"] == "finished":
+            assert [v["step"] for v in val] == [6, 12]
+            assert (folder / "export" / "model.safetensors").is_file()
+            assert r["meta"]["final"]["step"] == 12
+        else:
+            assert not (folder / "export").exists()  # a diverged model is not kept as an artifact
+
+
+@pytestmark_slow
+def test_a_retry_is_a_new_run_linked_to_its_parent(campaign):
+    parent = campaign["by_lr"][1.0][0]
+    res = pilotrun_cli("campaign", campaign["id"], "--retry", parent["run_id"], "--set", "train.micro_batch_size=4",
+                       "--set", "train.grad_accum_steps=4", "--ledger", str(campaign["ledger"]), "--json",
+                       cwd=campaign["work"], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs = json.loads(res.stdout)["runs"]
+    assert len(runs) == 7 and runs[-1]["run_id"] == f"{campaign['id']}-r07"
+    assert runs[-1]["parent_id"] == parent["run_id"]
+    assert runs[-1]["meta"]["changes"] == {"train.micro_batch_size": 4, "train.grad_accum_steps": 4}
+    assert runs[-1]["meta"]["variant"] == 1.0 and runs[-1]["meta"]["seed"] == parent["meta"]["seed"]
+    assert runs[-1]["status"] in ("finished", "diverged")
+    before = next(r for r in runs if r["run_id"] == parent["run_id"])
+    assert before["status"] == "diverged" and before["meta"]["stop_reason"] == parent["meta"]["stop_reason"]
+    # A retry that would change the experiment is refused, naming the key.
+    res = pilotrun_cli("campaign", campaign["id"], "--retry", parent["run_id"], "--set", "train.optimizer.lr=0.5",
+                       "--ledger", str(campaign["ledger"]), cwd=campaign["work"])
+    assert res.returncode == 2 and "train.optimizer.lr would make it another experiment" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = pilotrun_cli("campaign", campaign["id"], "--retry", parent["run_id"], "--set", "train.micro_batch_size=4",
+                       "--ledger", str(campaign["ledger"]), cwd=campaign["work"])
+    assert res.returncode == 2 and "examples per update (16 -> 8)" in res.stderr
+    assert len(_ledger(campaign["ledger"], "SELECT * FROM runs WHERE kind = 'campaign-run'")) == 7
+
+
+@pytestmark_slow
+def test_the_report_renders_in_a_real_browser(campaign):
+    work = campaign["work"]
+    res = pilotrun_cli("note", "kept the control: 1e-3 is slower, 1.0 diverges", "--run", campaign["id"],
+                       "--ledger", str(campaign["ledger"]), cwd=work)
+    assert res.returncode == 0, res.stderr
+    html = work / "campaign.html"
+    res = pilotrun_cli("report", campaign["id"], "--ledger", str(campaign["ledger"]), "--out", str(html), cwd=work)
+    assert res.returncode == 0, res.stdout + res.stderr
+    page = html.read_text()
+    assert "src=\"http" not in page and "<script src" not in page  # self-contained
+    for run in campaign["out"]["runs"]:
+        assert run["run_id"] in page
+    assert "kept the control: 1e-3 is slower, 1.0 diverges" in page
+    dom, console, shot = open_in_chromium(html, work)
+    assert 'data-images-decoded="' in dom, dom[:500]
+    images = int(dom.split('data-images="')[1].split('"')[0])
+    decoded = int(dom.split('data-images-decoded="')[1].split('"')[0])
+    assert images >= 2 and decoded == images  # train and validation curves, each decoded by the browser
+    assert "diverged" in dom and "beyond seed spread" in dom
+    assert not [c for c in console if "Uncaught" in c or "rror" in c], console
+    from PIL import Image
+
+    with Image.open(shot) as img:  # the page painted: not one flat colour
+        colours = img.convert("RGB").resize((120, 240)).getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 50
+
+
+@pytestmark_slow
+def test_archive_reloads_in_a_fresh_process_and_says_why_a_diverged_run_has_no_model(campaign):
+    work = campaign["work"]
+    good, bad = campaign["by_lr"][LRS[0]][0], campaign["by_lr"][1.0][0]
+    for r in (good, bad):
+        res = pilotrun_cli("archive", r["run_id"], "--ledger", str(campaign["ledger"]),
+                           "--out", str(work / f"{r['run_id']}.tar.gz"), "--json", cwd=work)
+        assert res.returncode == 0, res.stdout + res.stderr
+    dest = work / "unpacked"
+    with tarfile.open(work / f"{good['run_id']}.tar.gz") as tar:
+        tar.extractall(dest, filter="data")
+    root = dest / good["run_id"]
+    for name in ("model/model.safetensors", "model/config.json", "model/tokenizer.json", "config/pilot.yaml",
+                 "config/spec.json", "config/campaign.json", "lock.json", "metrics.csv", "gates.csv", "run.json",
+                 "control/inputs.safetensors", "control/outputs.safetensors", "rerun_control.py", "README.md"):
+        assert (root / name).is_file(), name
+    metrics = list(csv.DictReader(io.StringIO((root / "metrics.csv").read_text())))
+    assert [int(m["step"]) for m in metrics if m["gate"] == "train"] == list(range(1, 13))
+    readme = (root / "README.md").read_text()
+    assert "python rerun_control.py" in readme and "LlamaForCausalLM" in readme
+    # The archive stands alone: a fresh interpreter in another folder, no pilotrun import.
+    rerun = subprocess.run([sys.executable, "-I", str(root / "rerun_control.py")], cwd=dest, capture_output=True,
+                           text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert rerun.returncode == 0 and "match: LlamaForCausalLM reproduces the recorded outputs on 4" in rerun.stdout, \
+        rerun.stdout + rerun.stderr
+    with tarfile.open(work / f"{bad['run_id']}.tar.gz") as tar:
+        names = tar.getnames()
+        readme = tar.extractfile(f"{bad['run_id']}/README.md").read().decode()
+    assert not any("/model/" in n for n in names) and f"{bad['run_id']}/metrics.csv" in names
+    assert f"There is no model in this archive: the run diverged at update {bad['meta']['stopped_at']}" in readme
+    # A campaign id is not a run: the message says which runs to archive.
+    res = pilotrun_cli("archive", campaign["id"], "--ledger", str(campaign["ledger"]), cwd=work)
+    assert res.returncode == 2 and "is a campaign; archive one of its runs" in res.stderr
+
+
+@pytestmark_slow
+def test_archive_refuses_a_model_that_no_longer_matches_its_manifest(campaign, tmp_path):
+    r = campaign["by_lr"][LRS[1]][1]
+    weights = campaign["work"] / "runs" / campaign["id"] / r["run_id"] / "export" / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(original[:-8] + b"\0" * 8)
+        res = pilotrun_cli("archive", r["run_id"], "--ledger", str(campaign["ledger"]),
+                           "--out", str(tmp_path / "x.tar.gz"), cwd=tmp_path)
+        assert res.returncode == 2 and "model.safetensors" in res.stderr and "Traceback" not in res.stderr
+        assert not (tmp_path / "x.tar.gz").exists()
+    finally:
+        weights.write_bytes(original)
+
+
+@pytestmark_slow
+def test_ledger_exports_csv_and_mlflow(campaign, tmp_path):
+    res = pilotrun_cli("ledger", "--csv", "--run", campaign["id"], "--ledger", str(campaign["ledger"]), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    runs = [r for r in rows if r["kind"] == "campaign-run"]
+    assert len(runs) >= 6 and rows[0]["run_id"] == campaign["id"]
+    diverged = [r for r in runs if r["status"] == "diverged"]
+    assert len(diverged) >= 2 and all("first loss" in r["stop_reason"] and int(r["stopped_at"]) >= 1 for r in diverged)
+    assert all(float(r["final_val_loss"]) > 0 for r in runs if r["status"] == "finished")
+    out = tmp_path / "metrics.csv"
+    res = pilotrun_cli("ledger", "--csv", "metrics", "--run", campaign["id"], "--out", str(out),
+                       "--ledger", str(campaign["ledger"]), cwd=tmp_path)
+    assert res.returncode == 0
+    n = _ledger(campaign["ledger"], "SELECT COUNT(*) AS n FROM metrics WHERE run_id LIKE ?", campaign["id"] + "-r%")[0]["n"]
+    assert len(list(csv.DictReader(out.open()))) == n
+
+    pytest.importorskip("mlflow", reason="MLflow not installed (pip install 'pilotrun[mlflow]'): export not tested")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for _ in range(2):  # the second export finds every run already there
+        res = pilotrun_cli("ledger", "--mlflow", uri, "--run", campaign["id"], "--ledger", str(campaign["ledger"]),
+                           cwd=tmp_path, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(campaign["id"])
+    found = {r.data.tags["pilotrun.run_id"]: r for r in client.search_runs([exp.experiment_id])}
+    assert len(found) == len(rows)  # no duplicates after two exports
+    for row in runs:
+        mr = found[row["run_id"]]
+        assert mr.info.status == ("FAILED" if row["status"] == "diverged" else "FINISHED")
+        assert mr.data.tags["mlflow.parentRunId"] == found[campaign["id"]].info.run_id
+        history = client.get_metric_history(mr.info.run_id, "train/loss")
+        assert len(history) == (int(row["stopped_at"]) if row["status"] == "diverged" else 12)
+    assert found[diverged[0]["run_id"]].data.tags["pilotrun.stop_reason"] == diverged[0]["stop_reason"]
+
+
+def _small(tmp_path, **over):
+    body = {"vary": {"train.optimizer.lr": LRS[:2]}, "seeds": [1], "updates": 2, "eval": {"every": 2},
+            "keep": {"checkpoint": False, "export": False, "control_set": 0}}
+    return _campaign(tmp_path, **{**body, **over})
+
+
+@pytestmark_slow
+def test_a_drifted_lock_is_refused_unless_flagged_and_then_kept_out_of_the_comparison(tmp_path, monkeypatch):
+    from pilotrun.campaign import orchestrate
+
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    real = orchestrate.collect_lock
+
+    def drifting(spec):  # the variant's environment moved (another torch) between runs
+        lock = real(spec)
+        if spec.train.optimizer.lr == LRS[1]:
+            lock["versions"]["torch"] = "2.99.0"
+        return lock
+
+    monkeypatch.setattr(orchestrate, "collect_lock", drifting)
+    path, ledger = _small(tmp_path), tmp_path / "l.sqlite"
+    res = orchestrate.run_campaign(path, ledger, tmp_path / "runs")
+    assert [r["status"] for r in res["runs"]] == ["finished", "refused"]
+    reason = res["runs"][1]["meta"]["stop_reason"]
+    assert "versions.torch" in reason and "--allow-drift" in reason
+    res = orchestrate.run_campaign(path, ledger, tmp_path / "runs", allow_drift=True)
+    assert [r["status"] for r in res["runs"]] == ["finished", "finished"]
+    assert res["runs"][1]["meta"]["lock_drift"] == ["versions.torch"]
+    variant = res["conclusion"]["variants"][1]
+    assert variant["finished"] == 0 and variant["val_loss_mean"] is None  # run, flagged, not compared
+    assert any("drifted lock" in line for line in res["conclusion"]["text"])
+
+
+@pytestmark_slow
+def test_a_spent_budget_leaves_every_run_recorded_with_the_reason(tmp_path, monkeypatch):
+    from pilotrun.campaign.orchestrate import run_campaign
+
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    path = _small(tmp_path, updates=200, stop={"budget_minutes": 0.0005})
+    res = run_campaign(path, tmp_path / "l.sqlite", tmp_path / "runs")
+    assert len(res["runs"]) == 2
+    for r in res["runs"]:
+        assert r["status"] in ("not-run", "stopped") and r["meta"]["stop_reason"].startswith("budget"), r
