@@ -270,9 +270,24 @@ def test_archive_reloads_in_a_fresh_process_and_says_why_a_diverged_run_has_no_m
         readme = tar.extractfile(f"{bad['run_id']}/README.md").read().decode()
     assert not any("/model/" in n for n in names) and f"{bad['run_id']}/metrics.csv" in names
     assert f"There is no model in this archive: the run diverged at update {bad['meta']['stopped_at']}" in readme
-    # A campaign id is not a run: the message says which runs to archive.
-    res = pilotrun_cli("archive", campaign["id"], "--ledger", str(campaign["ledger"]), cwd=work)
-    assert res.returncode == 2 and "is a campaign; archive one of its runs" in res.stderr
+    # The whole campaign: every run (the diverged ones without a model, saying why), the conclusion, the report.
+    res = pilotrun_cli("archive", campaign["id"], "--ledger", str(campaign["ledger"]), "--out",
+                       str(work / "campaign.tar.gz"), "--json", cwd=work)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout)
+    rows = _ledger(campaign["ledger"], "SELECT status FROM runs WHERE run_id LIKE ?", campaign["id"] + "-r%")
+    assert summary["runs"] == len(rows) >= 6  # retries from other tests included
+    assert summary["models"] == sum(r["status"] == "finished" for r in rows) >= 4
+    with tarfile.open(work / "campaign.tar.gz") as tar:
+        names = set(tar.getnames())
+        readme = tar.extractfile(f"{campaign['id']}/README.md").read().decode()
+    top = campaign["id"]
+    for name in ("README.md", "report.html", "conclusion.json", "config/campaign.json", "runs.csv", "metrics.csv",
+                 f"runs/{good['run_id']}/model/model.safetensors", f"runs/{good['run_id']}/rerun_control.py",
+                 f"runs/{bad['run_id']}/README.md"):
+        assert f"{top}/{name}" in names, name
+    assert not any(n.startswith(f"{top}/runs/{bad['run_id']}/model") for n in names)
+    assert "no variant beat the control" in readme and f"| {bad['run_id']} |" in readme and "diverged" in readme
 
 
 @pytestmark_slow

@@ -1,4 +1,4 @@
-"""``pilotrun archive RUN``: the model, config, lock, raw metrics and a README on reloading it, in one .tar.gz."""
+"""``pilotrun archive RUN_OR_CAMPAIGN``: the model, config, lock, raw metrics and a README on reloading it, in one .tar.gz."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ from .common import UsageError, existing_ledger, out_console, add_ledger_arg
 
 HELP = """examples:
   pilotrun archive lr-sweep-2026-r01                      # writes lr-sweep-2026-r01.tar.gz here
+  pilotrun archive lr-sweep-2026                          # the campaign: every run, conclusion, report.html
   pilotrun archive tiny-sft-2026 --out /mnt/keep/pilot.tar.gz
   tar xzf lr-sweep-2026-r01.tar.gz && python lr-sweep-2026-r01/rerun_control.py   # exit 0: outputs match
 
@@ -20,9 +21,9 @@ A run without a model (diverged, failed) is archived too; its README says why th
 def add_parser(sub) -> None:
     import argparse
 
-    p = sub.add_parser("archive", help="pack one run into a .tar.gz", description=__doc__, epilog=HELP,
+    p = sub.add_parser("archive", help="pack a run or a whole campaign into a .tar.gz", description=__doc__, epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", help="a run id (a unique prefix is enough)")
+    p.add_argument("run", help="a run or campaign id (a unique prefix is enough)")
     p.add_argument("--out", type=Path, help="the archive (default: RUN_ID.tar.gz in the current folder)")
     add_ledger_arg(p)
     p.add_argument("--json", action="store_true")
@@ -39,6 +40,11 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"archive": str(out), **summary}, indent=1))
         return 0
-    what = "with its model" if summary["model"] else f"without a model ({summary['why_no_model']})"
+    if summary["kind"] == "campaign":
+        what = f"{summary['runs']} runs, {summary['models']} with a model"
+        if summary["runs_without_folder"]:
+            what += f"; folders gone (rows kept in the CSVs): {', '.join(summary['runs_without_folder'])}"
+    else:
+        what = "with its model" if summary["model"] else f"without a model ({summary['why_no_model']})"
     out_console().print(f"wrote {out} ({human_bytes(summary['bytes'])}, {summary['files']} files) {what}", highlight=False)
     return 0

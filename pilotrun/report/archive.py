@@ -1,4 +1,4 @@
-"""``pilotrun archive RUN``: one .tar.gz that outlives the rented machine.
+"""``pilotrun archive RUN_OR_CAMPAIGN``: one .tar.gz that outlives the rented machine.
 
 Inside ``RUN_ID/``: ``model/`` (the safetensors export, hash-verified against its manifest
 before packing), ``config/`` (the spec as written, the spec as run, the campaign file),
@@ -7,7 +7,9 @@ before packing), ``config/`` (the spec as written, the spec as run, the campaign
 ``code/`` (a factory model's module), ``rerun_control.py`` (reloads the model with torch,
 safetensors and transformers only — no pilotrun, no pickle — and checks the outputs) and a
 README saying how. A run with no model (diverged, failed, export gate not passed) is still
-archived, and its README says why there is no model.
+archived, and its README says why there is no model. A campaign's archive holds every run
+that way under ``runs/``, with the campaign file, the conclusion, the raw rows of all runs
+and the HTML report.
 
 Example::
 
@@ -129,77 +131,152 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
+def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
+    """Fill ``root`` with one run's model, config, lock, raw metrics, control set and README."""
+    folder = Path(run["out_dir"] or "")
+    meta = json.loads(run.get("meta_json") or "{}")
+    lock = json.loads(run.get("lock_json") or "null") or {}
+    root.mkdir(parents=True)
+    model_dir, no_model, factory, model_class = folder / "export", None, None, None
+    if (model_dir / "manifest.json").is_file():
+        try:
+            verify_folder(model_dir)
+        except CheckpointError as exc:
+            raise ArchiveError(f"the model of {run['run_id']} does not match its manifest: {exc}") from None
+        shutil.copytree(model_dir, root / "model")
+        if (model_dir / "export.json").is_file():
+            factory = _factory_code(model_dir, root / "code")
+        else:
+            config = json.loads((model_dir / "config.json").read_text())
+            model_class = (config.get("architectures") or ["AutoModel"])[0]
+    else:
+        no_model = _why_no_model(run, meta, led)
+    control, control_n = _control_files(run, folder), None
+    if control and not no_model:
+        (root / "control").mkdir()
+        shutil.copy2(control[0], root / "control" / "inputs.safetensors")
+        shutil.copy2(control[1], root / "control" / "outputs.safetensors")
+        from safetensors import safe_open
+
+        with safe_open(str(control[0]), framework="pt") as fh:
+            first = next(iter(fh.keys()), None)
+            control_n = f"{fh.get_slice(first).get_shape()[0]} examples" if first else "empty"
+        if (folder / "predictions.json").is_file():
+            shutil.copy2(folder / "predictions.json", root / "control" / "predictions.json")
+        shutil.copy2(RERUN_SCRIPT, root / "rerun_control.py")
+    (root / "config").mkdir()
+    if run["spec_path"] and Path(run["spec_path"]).is_file():
+        shutil.copy2(run["spec_path"], root / "config" / Path(run["spec_path"]).name)
+    for cand in (folder / "spec.json", folder / "workers" / "spec.json"):
+        if cand.is_file():
+            shutil.copy2(cand, root / "config" / "spec.json")
+            break
+    if meta.get("campaign_id") and (folder.parent / "campaign.json").is_file():
+        shutil.copy2(folder.parent / "campaign.json", root / "config" / "campaign.json")
+    (root / "lock.json").write_text(json.dumps(lock, indent=1, sort_keys=True))
+    (root / "run.json").write_text(json.dumps({**{k: v for k, v in run.items() if k not in ("lock_json", "meta_json")},
+                                               "meta": meta}, indent=1, default=str))
+    _write_tables(led, run["run_id"], root, ("metrics", "gates", "notes"))
+    files = _hashes(root)
+    (root / "README.md").write_text(_readme(run, meta, lock, model_class, no_model, factory, files, control_n))
+    return {"run_id": run["run_id"], "model": not no_model, "why_no_model": no_model, "files": len(files) + 1}
+
+
+def _write_tables(led: Ledger, ref: str, root: Path, which: tuple[str, ...]) -> None:
+    for name in which:
+        cols, rows = table(led, name, run=ref)
+        with open(root / f"{name}.csv", "w", newline="") as fh:
+            write_csv(fh, cols, rows)
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): _sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _tar(root: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")  # a crash mid-write never leaves a plausible archive
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(root, arcname=root.name)
+    os.replace(partial, out)
+
+
+def _campaign_readme(camp: dict, meta: dict, packed: list[dict], gone: dict[str, str], runs: list[dict]) -> str:
+    conclusion = meta.get("conclusion") or {}
+    by_id = {p["run_id"]: p for p in packed}
+    lines = [f"# {camp['run_id']}", "",
+             f"Campaign `{camp['name']}`: {meta.get('key')} over {json.dumps(meta.get('values'))} (the first is the "
+             f"control) x seeds {meta.get('seeds')}, status **{camp['status']}**.", "", "## Conclusion", ""]
+    lines += [f"- {t}" for t in conclusion.get("text") or ["no conclusion was recorded (the campaign did not end)"]]
+    lines += ["", "`report.html` shows it with every curve; `conclusion.json` holds the numbers.", "",
+              "## Every run", "", f"| run | {meta.get('key')} | seed | status | stopped | model |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        m = r["meta"]
+        if r["run_id"] in gone:
+            model = f"folder gone: {gone[r['run_id']]}"
+        else:
+            p = by_id[r["run_id"]]
+            model = "yes" if p["model"] else ("no (stopped)" if m.get("stop_reason") else f"no: {p['why_no_model']}")
+        stopped = f"update {m.get('stopped_at')}: {m.get('stop_reason')}" if m.get("stop_reason") else ""
+        lines.append(f"| {r['run_id']} | {json.dumps(m.get('variant'))} | {m.get('seed')} | {r['status']} | "
+                     f"{stopped} | {model} |")
+    lines += ["", "## Files", "",
+              "- `runs/RUN_ID/`: one run as `pilotrun archive RUN_ID` writes it (its README says how to reload the "
+              "model; `python runs/RUN_ID/rerun_control.py` reruns its control inputs in a fresh process)",
+              "- `config/`: the campaign file as written and as run (`campaign.json`)",
+              "- `runs.csv`, `metrics.csv`, `gates.csv`, `notes.csv`: the campaign's raw ledger rows, every run included",
+              "- `lock.json`: what the campaign ran on", ""]
+    return "\n".join(lines)
+
+
+def _archive_campaign(led: Ledger, camp: dict, out: Path) -> tuple[Path, dict]:
+    from .html import render_campaign
+
+    meta = json.loads(camp.get("meta_json") or "{}")
+    runs = led.campaign_runs(camp["run_id"])
+    packed, gone = [], {}
+    with tempfile.TemporaryDirectory(prefix="pilotrun-archive-") as tmp:
+        root = Path(tmp) / camp["run_id"]
+        (root / "config").mkdir(parents=True)
+        cands = ([Path(camp["spec_path"])] if camp["spec_path"] else []) + \
+            ([Path(camp["out_dir"]) / "campaign.json"] if camp["out_dir"] else [])
+        for cand in cands:
+            if cand.is_file():
+                shutil.copy2(cand, root / "config" / cand.name)
+        (root / "lock.json").write_text(json.dumps(json.loads(camp.get("lock_json") or "null") or {}, indent=1,
+                                                   sort_keys=True))
+        (root / "conclusion.json").write_text(json.dumps(meta.get("conclusion"), indent=1, default=str))
+        _write_tables(led, camp["run_id"], root, ("runs", "metrics", "gates", "notes"))
+        (root / "report.html").write_text(render_campaign(led, camp))
+        for r in runs:
+            if not r["out_dir"] or not Path(r["out_dir"]).is_dir():
+                gone[r["run_id"]] = f"{r['out_dir']} no longer exists; its ledger rows are in the CSV files"
+                continue
+            packed.append(_pack_run(led, r, root / "runs" / r["run_id"]))
+        (root / "README.md").write_text(_campaign_readme(camp, meta, packed, gone, runs))
+        files = len(_hashes(root))
+        _tar(root, out)
+    return out, {"run_id": camp["run_id"], "kind": "campaign", "runs": len(runs),
+                 "models": sum(p["model"] for p in packed), "runs_without_folder": sorted(gone), "files": files,
+                 "bytes": out.stat().st_size}
+
+
 def archive_run(led: Ledger, ref: str, out: Path | None = None) -> tuple[Path, dict]:
-    """Write the archive; returns its path and a summary (has model, why not, files)."""
+    """Write the archive of a run or a whole campaign; returns its path and a summary."""
     run = led.run(ref)
     if run is None:
         raise ArchiveError(f"no run {ref!r} in {led.path}; see `pilotrun ledger`")
+    out = Path(out or f"{run['run_id']}.tar.gz")
     if run["kind"] == "campaign":
-        ids = [r["run_id"] for r in led.campaign_runs(run["run_id"])]
-        raise ArchiveError(f"{run['run_id']} is a campaign; archive one of its runs ({', '.join(ids[:3])}"
-                           f"{', ...' if len(ids) > 3 else ''})")
+        return _archive_campaign(led, run, out)
     folder = Path(run["out_dir"] or "")
     if not run["out_dir"] or not folder.is_dir():
         raise ArchiveError(f"the run's folder {folder} is gone; nothing to archive but its ledger rows "
                            f"(`pilotrun ledger --csv metrics --run {run['run_id']}`)")
-    meta = json.loads(run.get("meta_json") or "{}")
-    lock = json.loads(run.get("lock_json") or "null") or {}
-    out = Path(out or f"{run['run_id']}.tar.gz")
     with tempfile.TemporaryDirectory(prefix="pilotrun-archive-") as tmp:
-        root = Path(tmp) / run["run_id"]
-        root.mkdir()
-        model_dir, no_model, factory, model_class = folder / "export", None, None, None
-        if (model_dir / "manifest.json").is_file():
-            try:
-                verify_folder(model_dir)
-            except CheckpointError as exc:
-                raise ArchiveError(f"the run's model does not match its manifest: {exc}") from None
-            shutil.copytree(model_dir, root / "model")
-            if (model_dir / "export.json").is_file():
-                factory = _factory_code(model_dir, root / "code")
-            else:
-                config = json.loads((model_dir / "config.json").read_text())
-                model_class = (config.get("architectures") or ["AutoModel"])[0]
-        else:
-            no_model = _why_no_model(run, meta, led)
-        control, control_n = _control_files(run, folder), None
-        if control and not no_model:
-            (root / "control").mkdir()
-            shutil.copy2(control[0], root / "control" / "inputs.safetensors")
-            shutil.copy2(control[1], root / "control" / "outputs.safetensors")
-            from safetensors import safe_open
-
-            with safe_open(str(control[0]), framework="pt") as fh:
-                first = next(iter(fh.keys()), None)
-                control_n = f"{fh.get_slice(first).get_shape()[0]} examples" if first else "empty"
-            if (folder / "predictions.json").is_file():
-                shutil.copy2(folder / "predictions.json", root / "control" / "predictions.json")
-            shutil.copy2(RERUN_SCRIPT, root / "rerun_control.py")
-        (root / "config").mkdir()
-        if run["spec_path"] and Path(run["spec_path"]).is_file():
-            shutil.copy2(run["spec_path"], root / "config" / Path(run["spec_path"]).name)
-        for cand in (folder / "spec.json", folder / "workers" / "spec.json"):
-            if cand.is_file():
-                shutil.copy2(cand, root / "config" / "spec.json")
-                break
-        if meta.get("campaign_id") and (folder.parent / "campaign.json").is_file():
-            shutil.copy2(folder.parent / "campaign.json", root / "config" / "campaign.json")
-        (root / "lock.json").write_text(json.dumps(lock, indent=1, sort_keys=True))
-        (root / "run.json").write_text(json.dumps({**{k: v for k, v in run.items() if k not in ("lock_json", "meta_json")},
-                                                   "meta": meta}, indent=1, default=str))
-        for which in ("metrics", "gates", "notes"):
-            cols, rows = table(led, which, run=run["run_id"])
-            with open(root / f"{which}.csv", "w", newline="") as fh:
-                write_csv(fh, cols, rows)
-        files = {str(p.relative_to(root)): _sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
-        (root / "README.md").write_text(_readme(run, meta, lock, model_class, no_model, factory, files, control_n))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_name(out.name + ".partial")
-        with tarfile.open(partial, "w:gz") as tar:
-            tar.add(root, arcname=run["run_id"])
-        os.replace(partial, out)
-    return out, {"run_id": run["run_id"], "model": not no_model, "why_no_model": no_model, "files": len(files) + 1,
-                 "bytes": out.stat().st_size}
+        summary = _pack_run(led, run, Path(tmp) / run["run_id"])
+        _tar(Path(tmp) / run["run_id"], out)
+    return out, {**summary, "kind": run["kind"], "bytes": out.stat().st_size}
 
 
 def list_archive(path: Path) -> list[str]:
