@@ -35,17 +35,35 @@ def repo_files_before():
     return _repo_files()
 
 
+# Every process a test starts inherits this mark, even one that escaped into its own session and
+# was orphaned to init (torchrun starts each rank that way): the leak check finds it by the mark.
+LEAK_MARK = "PILOTRUN_TEST_SESSION"
+os.environ[LEAK_MARK] = str(os.getpid())
+
+
+def _marked() -> dict[int, psutil.Process]:
+    out = {}
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(LEAK_MARK) == os.environ[LEAK_MARK]:
+                out[p.pid] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(repo_files_before):
-    """Fail a test that leaves child processes, an initialised process group, or new files in the repo."""
-    before_children = {p.pid for p in psutil.Process().children(recursive=True)}
+    """Fail a test that leaves processes (children or orphans it started), a process group, or repo files."""
+    before_children = {p.pid for p in psutil.Process().children(recursive=True)} | set(_marked())
     yield
     import torch.distributed as dist
 
     leaked_pg = dist.is_available() and dist.is_initialized()
     if leaked_pg:
         dist.destroy_process_group()
-    children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before_children]
+    found = {p.pid: p for p in psutil.Process().children(recursive=True)} | _marked()
+    children = [p for pid, p in found.items() if pid not in before_children]
     alive = []
     for p in children:
         try:

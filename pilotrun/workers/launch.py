@@ -70,12 +70,39 @@ def run_worker(module: str, args: list[str], result: Path, log: Path, what: str,
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the worker and everything it started (torchrun's agent and its ranks)."""
+    """SIGKILL the worker and everything it started: torchrun's agent and its ranks.
+
+    The ranks are not in the agent's process group: torch elastic starts each one in a session
+    of its own, so killing the agent's group alone would orphan them, still holding their
+    memory and waiting on collectives. The tree is read before anything dies (after, the
+    orphans hang off init and cannot be found), then every group in it is killed.
+    """
+    import psutil
+
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    groups = {proc.pid}
+    for p in tree:
+        try:
+            groups.add(os.getpgid(p.pid))  # a rank's group also holds its DataLoader workers
+        except (ProcessLookupError, PermissionError):
+            pass
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if proc.poll() is None:
         proc.kill()
     proc.wait()
+    psutil.wait_procs(tree, timeout=30)
 
 
 def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: str,
