@@ -62,6 +62,17 @@ def test_diverged_runs_are_counted_and_one_seed_declares_no_winner():
     assert any("lr = c diverged in 1 of 1 run(s) (update 7)" in line for line in c["text"])
 
 
+def test_a_variant_that_never_finished_is_said_to_be_not_compared_not_beaten():
+    from pilotrun.campaign.conclude import table
+
+    runs = [_run("a", 1, loss=2.0), _run("a", 2, loss=2.1), _run("b", 1, status="stopped"),
+            _run("b", 2, status="not-run"), _run("c", 1, loss=2.05), _run("c", 2, loss=2.06)]
+    c = conclude("lr", ["a", "b", "c"], runs)
+    assert c["text"][:2] == ["no variant beat the control (lr = a) beyond seed spread",
+                             "not compared (no comparable finished run): lr = b"]
+    assert [row[-1] for row in table(c)] == ["", "not compared", "no"]
+
+
 def test_retrying_a_finished_seed_cannot_move_the_result():
     runs = [_run("a", 1, loss=2.0), _run("a", 2, loss=2.02), _run("b", 1, loss=2.0), _run("b", 2, loss=2.04),
             _run("b", 2, loss=0.1, parent="r-b-2-finished-None")]  # a lucky retry of a seed that had finished
@@ -386,3 +397,46 @@ def test_a_spent_budget_leaves_every_run_recorded_with_the_reason(tmp_path, monk
     assert len(res["runs"]) == 2
     for r in res["runs"]:
         assert r["status"] in ("not-run", "stopped") and r["meta"]["stop_reason"].startswith("budget"), r
+
+
+@pytestmark_slow
+def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path):
+    import os
+    import signal
+    import time
+
+    path, ledger = _small(tmp_path, seeds=[1, 2], updates=2000, eval={"every": 5}), tmp_path / "l.sqlite"
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(path), "--parallel", "2", "--ledger",
+                             str(ledger), "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # both runs are training: their first points are in the ledger
+            time.sleep(0.5)
+            if ledger.exists() and len(_ledger(ledger, "SELECT DISTINCT run_id FROM metrics")) == 2:
+                break
+        else:
+            pytest.fail("the runs never wrote a point")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and "every run is recorded" in err and "Traceback" not in err, out + err
+    camp = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
+    assert camp["status"] == "interrupted" and camp["ended_at"]
+    runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
+    assert [r["status"] for r in runs] == ["stopped", "stopped", "not-run", "not-run"], runs
+    for r in runs[:2]:  # stopped where it was, every update before that kept once
+        meta = json.loads(r["meta_json"])
+        assert meta["stop_reason"] == "interrupted (Ctrl-C)" and 5 <= meta["stopped_at"] < 2000
+        steps = [m["step"] for m in _ledger(ledger, "SELECT step FROM metrics WHERE run_id = ? AND gate = 'train' "
+                                                    "ORDER BY step", r["run_id"])]
+        assert steps == list(range(1, meta["stopped_at"] + 1))
+    for r in runs[2:]:
+        assert "interrupted before this run started" in json.loads(r["meta_json"])["stop_reason"]
+    conclusion = json.loads(camp["meta_json"])["conclusion"]["text"]
+    assert conclusion[0] == "the campaign was interrupted: 0 run(s) finished, 2 stopped where they were, 2 not run"
+    assert conclusion[1].startswith("the control (train.optimizer.lr = 0.003) has no finished run")

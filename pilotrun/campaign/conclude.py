@@ -73,6 +73,10 @@ def conclude(key: str, values: list, runs: list[dict]) -> dict:
                      "no variant is declared better than the control")
     else:
         lines.append(f"no variant beat the control ({key} = {control['variant']}) beyond seed spread")
+    # A variant that never finished (stopped, not run, failed) lost nothing and won nothing: say it was not compared.
+    missing = [s for s in stats[1:] if s["val_loss_mean"] is None and s["diverged"] < s["runs"]]
+    if missing and control["val_loss_mean"] is not None:
+        lines.append(f"not compared (no comparable finished run): {key} = " + ", ".join(str(s["variant"]) for s in missing))
     for s in stats:
         if s["diverged"]:
             where = ", ".join(f"update {x['at_update']}" for x in s["stops"] if x["status"] == "diverged")
@@ -89,6 +93,14 @@ def conclude(key: str, values: list, runs: list[dict]) -> dict:
             "metric": "final validation loss (lower is better)"}
 
 
+def stop_text(meta: dict) -> str:
+    """Where and why a run stopped, in one cell ("" for a run that finished)."""
+    reason = meta.get("stop_reason")
+    if not reason:
+        return ""
+    return f"update {meta['stopped_at']}: {reason}" if meta.get("stopped_at") else reason
+
+
 def table(conclusion: dict) -> list[list[str]]:
     """Rows for a terminal or HTML table."""
     out = []
@@ -99,6 +111,7 @@ def table(conclusion: dict) -> list[list[str]]:
                     f"{_fmt(mean)}{spread}" if mean is not None else "n/a",
                     _fmt(s["accuracy_mean"]) if s["accuracy_mean"] is not None else "",
                     f"{s['finished']}/{s['runs']}", str(s["diverged"]),
-                    "yes" if s.get("beats_control") else ("" if s is conclusion["variants"][0] else "no")])
+                    "" if s is conclusion["variants"][0] else "yes" if s.get("beats_control") else
+                    "not compared" if mean is None and s["diverged"] < s["runs"] else "no"])
     return out
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -34,6 +36,14 @@ class CampaignError(Exception):
     """The campaign cannot run as declared: the message names the key or run and the fix."""
 
 
+class CampaignInterrupted(KeyboardInterrupt):
+    """Ctrl-C: every run is recorded (stopped where it was, or not run) and the campaign ended; ``result`` says so."""
+
+    def __init__(self, result: dict) -> None:
+        super().__init__(result["campaign_id"])
+        self.result = result
+
+
 def _env_drift(a: dict, b: dict) -> list[str]:
     # Seeds differ between runs on purpose (they are listed in the campaign), so seed fields are not drift.
     return [k for k, _, _ in diff_locks(a, b) if k.startswith(ENV_FIELDS) and "seed" not in k]
@@ -48,13 +58,55 @@ def _plan(c: CampaignSpec) -> dict:
             "keep": c.canonical()["keep"]}
 
 
-def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None) -> int:
+# A worker told to stop (SIGINT) records where it stopped; it gets this long before SIGKILL.
+STOP_GRACE_S = 60
+
+
+class _Running:
+    """The worker processes in flight, so an interrupt reaches every one of them, and the flag that stops new ones."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def stop_all(self) -> None:
+        self.stopping.set()
+        with self.lock:
+            procs = list(self.procs.values())
+        for p in procs:  # a terminal's Ctrl-C already reached them; `kill -INT` on pilotrun alone did not
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
+            running: _Running) -> int | None:
+    """The worker's exit code; None when it was never started because the campaign is stopping."""
     cmd = [sys.executable, "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id,
            "--out", str(out), "--ledger", str(ledger), "--plan", str(plan_file)]
     if deadline is not None:
         cmd += ["--deadline", str(deadline)]
     with open(out / "worker.log", "w") as log:
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        with running.lock:
+            if running.stopping.is_set():  # the interrupt came while this run was being prepared
+                return None
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+            running.procs[run_id] = proc
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # only when runs go one at a time: the main thread waits here
+            running.stop_all()
+            raise
+        finally:
+            with running.lock:
+                running.procs.pop(run_id, None)
 
 
 def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
@@ -116,10 +168,16 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
 
 
 def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
+    """Run every planned run; on Ctrl-C, stop the running ones where they are and start no more."""
     plan_file = folder / "plan.json"
+    running = _Running()
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:
+            if running.stopping.is_set():
+                led.finish_campaign_run(r["run_id"], {"status": "not-run", "stop_reason": "the campaign was "
+                                                      "interrupted before this run started", "stopped_at": 0})
+                return
             if deadline is not None and time.time() > deadline:
                 led.finish_campaign_run(r["run_id"], {"status": "not-run", "stop_reason": "budget: not started before "
                                                       "the campaign's time budget ran out", "stopped_at": 0})
@@ -139,34 +197,68 @@ def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel
             led.set_meta(r["run_id"], meta)
             led.set_status(r["run_id"], "running")
         spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
-        _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline)
-        with Ledger(ledger_path) as led:
-            row = led.run(r["run_id"])
-            if row["status"] == "running":  # the worker died without recording its end
-                led.finish_campaign_run(r["run_id"], {"status": "failed", "stop_reason": "the run's process ended "
-                                                      f"without a result (log {r['out'] / 'worker.log'})",
-                                                      "stopped_at": None})
+        started = False
+        try:
+            started = _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running) is not None
+        finally:
+            _record_lost_end(r, ledger_path, running.stopping.is_set(), started)
         if on_event:
-            on_event(r["run_id"])
+            with Ledger(ledger_path) as led:
+                on_event(led.run(r["run_id"]))
 
-    if parallel > 1:
-        with ThreadPoolExecutor(max_workers=parallel) as pool:
-            list(pool.map(one, runs))
-    else:
+    try:
+        if parallel > 1:
+            with ThreadPoolExecutor(max_workers=parallel) as pool:
+                futures = [pool.submit(one, r) for r in runs]
+                try:
+                    for f in futures:
+                        f.result()
+                except KeyboardInterrupt:
+                    running.stop_all()  # the pool then drains: queued runs see the flag and record not-run
+                    raise
+        else:
+            for r in runs:
+                one(r)
+    except KeyboardInterrupt:
+        running.stopping.set()
         for r in runs:
-            one(r)
+            _record_lost_end(r, ledger_path, True, True)
+        raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True)) from None
 
 
-def finish(campaign_id: str, ledger_path: Path) -> dict:
+def _record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: bool) -> None:
+    """A run whose worker died without recording its end, or that never started, still gets a row that says so."""
+    with Ledger(ledger_path) as led:
+        row = led.run(r["run_id"])
+        if row["status"] not in ("running", "planned"):
+            return
+        if interrupted and (row["status"] == "planned" or not started):
+            result = {"status": "not-run", "stop_reason": "the campaign was interrupted before this run started",
+                      "stopped_at": 0}
+        elif interrupted:
+            result = {"status": "stopped", "stop_reason": "interrupted (Ctrl-C); the run's process ended before "
+                      f"recording where (log {r['out'] / 'worker.log'})", "stopped_at": None}
+        else:
+            result = {"status": "failed", "stop_reason": "the run's process ended without a result "
+                      f"(log {r['out'] / 'worker.log'})", "stopped_at": None}
+        led.finish_campaign_run(r["run_id"], result)
+
+
+def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False) -> dict:
     with Ledger(ledger_path) as led:
         row = led.run(campaign_id)
         meta = json.loads(row["meta_json"])
         runs = led.campaign_runs(campaign_id)
         conclusion = conclude(meta["key"], meta["values"], runs)
+        if interrupted:
+            n = {k: sum(r["status"] == k for r in runs) for k in ("finished", "stopped", "not-run")}
+            conclusion["text"].insert(0, f"the campaign was interrupted: {n['finished']} run(s) finished, "
+                                         f"{n['stopped']} stopped where they were, {n['not-run']} not run")
         meta["conclusion"] = conclusion
         led.set_meta(campaign_id, meta)
         statuses = {r["status"] for r in runs}
-        led.end_run(campaign_id, "finished" if statuses <= {"finished"} else "finished-with-stops")
+        led.end_run(campaign_id, "interrupted" if interrupted else
+                    "finished" if statuses <= {"finished"} else "finished-with-stops")
         led.add_note(campaign_id, "conclusion: " + "; ".join(conclusion["text"]))
     return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion}
 

@@ -85,8 +85,16 @@ def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> lis
     return out_rows
 
 
-def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, deadline: float | None) -> dict:
-    """Train one run and record it; returns its final state. ``plan`` holds updates, eval_every, stop, keep."""
+INTERRUPTED = "interrupted (Ctrl-C)"
+
+
+def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, deadline: float | None,
+              stop_requested=lambda: False) -> dict:
+    """Train one run and record it; returns its final state. ``plan`` holds updates, eval_every, stop, keep.
+
+    ``stop_requested`` is polled between updates: a Ctrl-C stops the run at an update boundary, so
+    no ledger write is cut in half and every update before it is kept exactly once.
+    """
     from ..workers.common import build_trainer
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +112,9 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
 
         try:
             for step in range(1, plan["updates"] + 1):
+                if stop_requested():
+                    result.update(status="stopped", stop_reason=INTERRUPTED, stopped_at=trainer.step)
+                    break
                 if deadline is not None and time.time() > deadline:
                     result.update(status="stopped", stop_reason="budget: the campaign's time budget ran out",
                                   stopped_at=trainer.step)
@@ -149,10 +160,16 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
                              model_mapping=spec.model_mapping() if spec.model.factory else None,
                              spec_folder=str(spec.folder))
                 result["export"] = str(out_dir / "export")
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was written
+            result.update(status="stopped", stop_reason=INTERRUPTED, stopped_at=trainer.step)
         except Exception as exc:  # a crashed run keeps its rows and says why
             flush("train", pending)
-            result.update(status="failed", stop_reason=f"{type(exc).__name__}: {str(exc)[:300]}",
-                          stopped_at=trainer.step)
+            if stop_requested():  # e.g. DataLoader workers that took the Ctrl-C themselves and exited
+                result.update(status="stopped", stop_reason=f"{INTERRUPTED}; then {type(exc).__name__}: "
+                              f"{str(exc)[:200]}", stopped_at=trainer.step)
+            else:
+                result.update(status="failed", stop_reason=f"{type(exc).__name__}: {str(exc)[:300]}",
+                              stopped_at=trainer.step)
         finally:
             trainer.close()
         result["final"] = result["val"][-1] if result["val"] else None

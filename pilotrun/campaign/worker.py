@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..workers.common import read_spec_file
@@ -22,8 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", type=Path, required=True)
     ap.add_argument("--deadline", type=float)
     args = ap.parse_args(argv)
+    stop = threading.Event()
+
+    def on_sigint(signum, frame) -> None:
+        if stop.is_set():  # the second Ctrl-C: now, not at the next update
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_sigint)
     result = train_run(read_spec_file(args.spec), args.run_id, args.out, args.ledger,
-                       json.loads(args.plan.read_text()), args.deadline)
+                       json.loads(args.plan.read_text()), args.deadline, stop.is_set)
+    if stop.is_set():
+        return 130
     return 0 if result["status"] in ("finished", "diverged", "stopped") else 1
 
 

@@ -7,11 +7,10 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from ..campaign.conclude import table
-from ..campaign.orchestrate import CampaignError, retry, run_campaign
-from ..config.schema import SpecError
+from ..campaign.conclude import stop_text, table
+from ..campaign.orchestrate import CampaignError, CampaignInterrupted, retry, run_campaign
 from ..ledger.store import default_ledger_path
-from .common import UsageError, out_console, add_ledger_arg
+from .common import EXIT_INTERRUPTED, UsageError, add_ledger_arg, err_console, out_console
 
 HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml
@@ -52,20 +51,31 @@ def main(args) -> int:
             if args.overrides:
                 raise UsageError("--set goes with --retry; to change the campaign, edit its file")
 
-            def event(run_id: str) -> None:
+            def event(run: dict) -> None:
                 if not args.json:
-                    console.print(f"  finished {run_id}", highlight=False)
+                    why = stop_text(json.loads(run.get("meta_json") or "{}"))
+                    console.print(f"  {run['status']:<9} {run['run_id']}" + (f"  ({why})" if why else ""),
+                                  highlight=False)
 
             result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event)
     except CampaignError as exc:
         raise UsageError(str(exc)) from None
-    except SpecError:
-        raise
+    except CampaignInterrupted as exc:
+        _show(args, exc.result)
+        err_console().print(f"[yellow]interrupted[/]: every run is recorded (stopped where it was, or not run); "
+                            f"`pilotrun report {exc.result['campaign_id']}` shows them")
+        return EXIT_INTERRUPTED
+    _show(args, result)
+    return 0
+
+
+def _show(args, result: dict) -> None:
+    console = out_console()
     if args.json:
         print(json.dumps({"campaign_id": result["campaign_id"], "conclusion": result["conclusion"],
                           "runs": [{k: r[k] for k in ("run_id", "status", "parent_id")} | {"meta": r["meta"]}
                                    for r in result["runs"]]}, indent=1, default=str))
-        return 0
+        return
     c = result["conclusion"]
     t = Table(box=None, header_style="bold", title=f"campaign {result['campaign_id']}", title_justify="left")
     for col in ("run", c["key"], "seed", "status", "stopped", "final val loss", "parent"):
@@ -75,7 +85,7 @@ def main(args) -> int:
         status_style = {"finished": "green", "diverged": "red", "failed": "red"}.get(r["status"], "yellow")
         final = (m.get("final") or {}).get("val_loss")
         t.add_row(r["run_id"], str(m.get("variant")), str(m.get("seed")), Text(r["status"], style=status_style),
-                  (f"update {m['stopped_at']}: {m['stop_reason']}" if m.get("stop_reason") else ""),
+                  stop_text(m),
                   f"{final:.4g}" if final is not None and r["status"] == "finished" else "", r.get("parent_id") or "")
     console.print(t)
     s = Table(box=None, header_style="bold", title=f"per variant ({c['metric']})", title_justify="left")
@@ -86,4 +96,3 @@ def main(args) -> int:
     console.print(s)
     for line in c["text"]:
         console.print(Text("• " + line, style="bold"))
-    return 0

@@ -26,6 +26,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from ..campaign.conclude import stop_text
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.state import verify_folder
 from ..ledger.store import Ledger
@@ -217,7 +218,7 @@ def _campaign_readme(camp: dict, meta: dict, packed: list[dict], gone: dict[str,
         else:
             p = by_id[r["run_id"]]
             model = "yes" if p["model"] else ("no (stopped)" if m.get("stop_reason") else f"no: {p['why_no_model']}")
-        stopped = f"update {m.get('stopped_at')}: {m.get('stop_reason')}" if m.get("stop_reason") else ""
+        stopped = stop_text(m)
         lines.append(f"| {r['run_id']} | {json.dumps(m.get('variant'))} | {m.get('seed')} | {r['status']} | "
                      f"{stopped} | {model} |")
     lines += ["", "## Files", "",

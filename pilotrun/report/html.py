@@ -341,7 +341,7 @@ def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
 
 
 def render_campaign(led: Ledger, camp: dict) -> str:
-    from ..campaign.conclude import conclude, table
+    from ..campaign.conclude import conclude, stop_text, table
 
     meta = json.loads(camp["meta_json"] or "{}")
     runs = led.campaign_runs(camp["run_id"])
@@ -357,7 +357,7 @@ def render_campaign(led: Ledger, camp: dict) -> str:
         m = r["meta"]
         final = (m.get("final") or {}).get("val_loss")
         rows.append([r["run_id"], m.get("variant"), m.get("seed"), f'<span class="{_e(r["status"])}">{_e(r["status"])}</span>',
-                     (f"update {m.get('stopped_at')}: {m.get('stop_reason')}" if m.get("stop_reason") else ""),
+                     stop_text(m),
                      f"{final:.4g}" if final is not None and r["status"] == "finished" else "",
                      r.get("parent_id") or "", json.dumps(m.get("changes")) if m.get("changes") else ""])
     body.append("<h2>Every run</h2>" + _table(["run", key, "seed", "status", "stopped", "final val loss", "retry of",
