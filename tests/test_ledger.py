@@ -106,3 +106,29 @@ def test_sigkill_mid_write_leaves_complete_rows_only(tmp_path):
         assert len(metrics) == 40 * len(rows)  # every row came with all its metrics, or not at all
         run = led.run("victim")
         assert run["status"] == "running" and run["ended_at"] is None  # honest: no end was recorded
+
+
+def test_an_mlflow_export_taken_mid_run_is_brought_up_to_date_not_duplicated(tmp_path):
+    pytest.importorskip("mlflow", reason="MLflow not installed (pip install 'pilotrun[mlflow]'): export not tested")
+    from mlflow.tracking import MlflowClient
+
+    from pilotrun.ledger.mlflow_export import export_runs
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("job-1", "job", "pilot")
+        train = {"gate": "train", "verdict": "pass", "reason": "3 point(s)", "inputs": {}, "memory": {}}
+        led.add_gate_row("job-1", train, [{"step": s, "loss": 4.0 - s, "lr": 0.1} for s in (1, 2, 3)])
+        (first,) = export_runs(led, [led.run("job-1")], uri)
+        assert first["status"] == "RUNNING"
+        led.add_gate_row("job-1", train, [{"step": s, "loss": 4.0 - s, "lr": 0.1} for s in (4, 5)])
+        led.end_run("job-1", "fail")
+        (second,) = export_runs(led, [led.run("job-1")], uri)
+        assert second["mlflow_run_id"] == first["mlflow_run_id"]
+        assert second["status"] == "updated: 4 new points, now FAILED"  # loss and lr at steps 4 and 5
+        (third,) = export_runs(led, [led.run("job-1")], uri)
+        assert third["status"] == "already exported"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(first["mlflow_run_id"])
+    assert run.info.status == "FAILED" and run.data.tags["pilotrun.status"] == "fail"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5]

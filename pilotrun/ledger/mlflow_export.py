@@ -92,9 +92,40 @@ def _params_tags(run: dict, meta: dict, led: Ledger) -> tuple[dict, dict]:
     return {k: str(v)[:500] for k, v in params.items()}, {k: str(v) for k, v in tags.items()}
 
 
+def _points(led: Ledger, run: dict, meta: dict) -> list[tuple[str, float, int]]:
+    points = metric_points(led, run["run_id"])
+    final = meta.get("final") or {}
+    if final.get("val_loss") is not None and run["status"] == "finished":
+        points.append(("final/val_loss", float(final["val_loss"]), int(final.get("step") or 0)))
+    return points
+
+
+def _log_points(client, rid: str, points: list[tuple[str, float, int]], t0: int = 0) -> None:
+    from mlflow.entities import Metric
+
+    metrics = [Metric(name, value, t0, step) for name, value, step in points]
+    for i in range(0, len(metrics), BATCH):
+        client.log_batch(rid, metrics=metrics[i:i + BATCH])  # NaN and inf are kept: they are the divergence
+
+
+def _catch_up(client, mlrun, run: dict, meta: dict, led: Ledger) -> str:
+    """Log the points after the last step already there, refresh the tags, end it if the ledger has."""
+    rid = mlrun.info.run_id
+    last = {k: max((m.step for m in client.get_metric_history(rid, k)), default=-1) for k in mlrun.data.metrics}
+    new = [p for p in _points(led, run, meta) if p[2] > last.get(p[0], -1)]
+    _log_points(client, rid, new, _ms(run["started_at"]) or 0)
+    for k, v in _params_tags(run, meta, led)[1].items():
+        if k != "mlflow.runName":
+            client.set_tag(rid, k, v)
+    status = STATUS.get(run["status"])
+    if status:
+        client.set_terminated(rid, status=status, end_time=_ms(run["ended_at"]))
+    return f"updated: {len(new)} new points" + (f", now {status}" if status else "")
+
+
 def export_runs(led: Ledger, runs: list[dict], uri: str) -> list[dict]:
     """Copy ``runs`` (ledger rows) into MLflow at ``uri``; returns what was written or skipped, per run."""
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Param
 
     client = _client(uri)
     done, parents = [], {}
@@ -106,8 +137,11 @@ def export_runs(led: Ledger, runs: list[dict], uri: str) -> list[dict]:
         existing = client.search_runs([exp_id], filter_string=f"tags.`pilotrun.run_id` = '{run['run_id']}'")
         if existing:
             parents[run["run_id"]] = existing[0].info.run_id
+            note = "already exported"
+            if existing[0].info.status == "RUNNING":  # exported mid-run: bring it up to date, in place
+                note = _catch_up(client, existing[0], run, meta, led)
             done.append({"run_id": run["run_id"], "mlflow_run_id": existing[0].info.run_id, "experiment": experiment,
-                         "status": "already exported"})
+                         "status": note})
             continue
         params, tags = _params_tags(run, meta, led)
         if meta.get("campaign_id") in parents:
@@ -115,14 +149,8 @@ def export_runs(led: Ledger, runs: list[dict], uri: str) -> list[dict]:
         created = client.create_run(exp_id, start_time=_ms(run["started_at"]), tags=tags)
         rid = created.info.run_id
         parents[run["run_id"]] = rid
-        t0 = _ms(run["started_at"]) or 0
-        points = [Metric(name, value, t0, step) for name, value, step in metric_points(led, run["run_id"])]
-        final = (meta.get("final") or {})
-        if final.get("val_loss") is not None and run["status"] == "finished":
-            points.append(Metric("final/val_loss", float(final["val_loss"]), t0, int(final.get("step") or 0)))
         client.log_batch(rid, params=[Param(k, v) for k, v in params.items()])
-        for i in range(0, len(points), BATCH):
-            client.log_batch(rid, metrics=points[i:i + BATCH])  # NaN and inf are kept: they are the divergence
+        _log_points(client, rid, _points(led, run, meta), _ms(run["started_at"]) or 0)
         status = STATUS.get(run["status"])
         if status:
             client.set_terminated(rid, status=status, end_time=_ms(run["ended_at"]))
