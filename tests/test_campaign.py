@@ -440,3 +440,8 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path):
     conclusion = json.loads(camp["meta_json"])["conclusion"]["text"]
     assert conclusion[0] == "the campaign was interrupted: 0 run(s) finished, 2 stopped where they were, 2 not run"
     assert conclusion[1].startswith("the control (train.optimizer.lr = 0.003) has no finished run")
+    res = pilotrun_cli("report", camp["run_id"], "--ledger", str(ledger), "--out", str(tmp_path / "r.html"),
+                       cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert "· interrupted ·" in page and conclusion[0] in page and page.count("interrupted (Ctrl-C)") == 2

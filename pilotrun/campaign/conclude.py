@@ -45,10 +45,14 @@ def variant_stats(runs: list[dict], value) -> dict:
     }
 
 
-def conclude(key: str, values: list, runs: list[dict]) -> dict:
+def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False) -> dict:
     stats = [variant_stats(runs, v) for v in values]
     control = stats[0]
     lines: list[str] = []
+    if interrupted:
+        n = {k: sum(r["status"] == k for r in runs) for k in ("finished", "stopped", "not-run")}
+        lines.append(f"the campaign was interrupted: {n['finished']} run(s) finished, {n['stopped']} stopped where "
+                     f"they were, {n['not-run']} not run")
     better = []
     for s in stats[1:]:
         if s["val_loss_mean"] is None or control["val_loss_mean"] is None:

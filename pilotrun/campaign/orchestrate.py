@@ -249,11 +249,7 @@ def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False) -> di
         row = led.run(campaign_id)
         meta = json.loads(row["meta_json"])
         runs = led.campaign_runs(campaign_id)
-        conclusion = conclude(meta["key"], meta["values"], runs)
-        if interrupted:
-            n = {k: sum(r["status"] == k for r in runs) for k in ("finished", "stopped", "not-run")}
-            conclusion["text"].insert(0, f"the campaign was interrupted: {n['finished']} run(s) finished, "
-                                         f"{n['stopped']} stopped where they were, {n['not-run']} not run")
+        conclusion = conclude(meta["key"], meta["values"], runs, interrupted)
         meta["conclusion"] = conclusion
         led.set_meta(campaign_id, meta)
         statuses = {r["status"] for r in runs}

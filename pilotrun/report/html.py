@@ -346,7 +346,7 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     meta = json.loads(camp["meta_json"] or "{}")
     runs = led.campaign_runs(camp["run_id"])
     key = meta.get("key", "")
-    conclusion = conclude(key, meta.get("values", []), runs)
+    conclusion = conclude(key, meta.get("values", []), runs, interrupted=camp["status"] == "interrupted")
     body = ["<h2>Conclusion</h2><ul class=\"conclusion\">" + "".join(f"<li>{_e(t)}</li>" for t in conclusion["text"])
             + "</ul>", _table([key, "final val loss, mean ± spread", "accuracy", "finished", "diverged",
                                "beats control"], table(conclusion)),
@@ -369,7 +369,7 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     body.append(_attachments(Path(camp["out_dir"] or ".")))
     body.append(_lock_section(json.loads(camp["lock_json"]) if camp.get("lock_json") else None))
     body.append(_notes(led, camp["run_id"]))
-    sub = (f"campaign {camp['run_id']} · {len(runs)} runs · {key} over {meta.get('values')} × seeds "
+    sub = (f"campaign {camp['run_id']} · {camp['status']} · {len(runs)} runs · {key} over {meta.get('values')} × seeds "
            f"{meta.get('seeds')} · {meta.get('campaign', {}).get('updates')} updates each")
     return _page(f"Campaign: {camp['name']}", sub, body)
 
