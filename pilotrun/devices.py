@@ -72,3 +72,24 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda" and inv.names:
         return inv.names[device.index or 0]
     return inv.names[0] if device.type == "mps" and inv.names else device.type
+
+
+@dataclass(frozen=True)
+class HostInventory:
+    """This machine's CPU cores (those this process may run on) and the memory available now."""
+
+    cpus: int
+    memory_available_bytes: int
+
+
+def query_host() -> HostInventory:
+    """The single place that asks how many cores and how much host memory there are."""
+    import os
+
+    import psutil
+
+    try:
+        cpus = len(os.sched_getaffinity(0))  # a container's CPU set, not the host's
+    except AttributeError:  # macOS
+        cpus = os.cpu_count() or 1
+    return HostInventory(cpus=cpus, memory_available_bytes=int(psutil.virtual_memory().available))

@@ -73,6 +73,46 @@ def test_a_variant_that_never_finished_is_said_to_be_not_compared_not_beaten():
     assert [row[-1] for row in table(c)] == ["", "not compared", "no"]
 
 
+def test_parallel_runs_are_capped_by_cores_and_measured_memory_with_reasons():
+    from pilotrun.campaign.resources import PerRun, plan_parallel
+
+    gib = 2**30
+    p = plan_parallel(4, cpus=2, host_available_bytes=20 * gib, accelerator=None, per_run=None)
+    assert (p["parallel"], p["threads_per_run"]) == (2, 1) and "2 CPU core(s)" in p["reasons"][0]
+    assert "no pilot of the base spec" in p["not_checked"][0] and p["text"] == "2 run(s) at once (asked 4), 1 CPU thread(s) each"
+    p = plan_parallel(8, cpus=16, host_available_bytes=10 * gib, accelerator=None,
+                      per_run=PerRun(host_bytes=3 * gib, device_bytes=None, source="pilot-1"))
+    assert p["parallel"] == 3 and "one run peaked at 3.0 GiB in pilot pilot-1" in p["reasons"][0]  # 0.9 x 10 / 3
+    assert (p["threads_per_run"], p["not_checked"]) == (5, [])
+    assert p["checked"] == ["16 CPU core(s): more CPU runs than cores only makes each slower: room for 16",
+                            "host memory: 10.0 GiB available, one run peaked at 3.0 GiB in pilot pilot-1: room for 3"]
+    p = plan_parallel(4, cpus=16, host_available_bytes=100 * gib, accelerator=("NVIDIA H100 80GB HBM3", 80 * gib),
+                      per_run=PerRun(host_bytes=2 * gib, device_bytes=30 * gib, source="pilot-2"))
+    assert p["parallel"] == 2 and "NVIDIA H100 80GB HBM3: 80.0 GiB, one run reserved 30.0 GiB" in p["reasons"][0]
+    p = plan_parallel(2, cpus=16, host_available_bytes=100 * gib, accelerator=("NVIDIA H100 80GB HBM3", 80 * gib),
+                      per_run=PerRun(host_bytes=2 * gib, device_bytes=None, source="cpu-pilot"))
+    assert p["parallel"] == 2 and "memory not checked: pilot cpu-pilot has no device measurement" in p["not_checked"][0]
+    p = plan_parallel(2, cpus=4, host_available_bytes=1 * gib, accelerator=None,
+                      per_run=PerRun(host_bytes=2 * gib, device_bytes=None, source="big"))
+    assert p["parallel"] == 1 and p["reasons"][-1] == "even one run may not fit; running one at a time"
+
+
+def test_the_memory_one_run_needs_comes_from_a_pilot_of_the_same_spec(tmp_path):
+    from pilotrun.campaign.resources import pilot_memory
+    from pilotrun.ledger import Ledger
+
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("p1", "job", "pilot", config_hash="h")
+        for gate, rss, dev in (("load", 100, None), ("steady_step", 300, 7000), ("resume", 900, 9000)):
+            led.add_gate_row("p1", {"gate": gate, "verdict": "pass", "reason": "", "inputs": {},
+                                    "memory": {"host_rss_peak_bytes": rss, "peak_reserved_bytes": dev}})
+        led.start_run("p2", "job", "pilot", config_hash="other")
+        got = pilot_memory(led, "h")
+        # resume runs three processes: not what one campaign run needs
+        assert (got.host_bytes, got.device_bytes, got.source) == (300, 7000, "p1")
+        assert pilot_memory(led, "nothing") is None
+
+
 def test_retrying_a_finished_seed_cannot_move_the_result():
     runs = [_run("a", 1, loss=2.0), _run("a", 2, loss=2.02), _run("b", 1, loss=2.0), _run("b", 2, loss=2.04),
             _run("b", 2, loss=0.1, parent="r-b-2-finished-None")]  # a lucky retry of a seed that had finished
@@ -195,6 +235,15 @@ def test_parallel_runs_wrote_every_update_once_and_kept_what_was_asked(campaign)
             assert r["meta"]["final"]["step"] == 12
         else:
             assert not (folder / "export").exists()  # a diverged model is not kept as an artifact
+    # --parallel 2 on this machine: capped by its cores only, memory unchecked (no pilot of the base spec here).
+    from pilotrun.devices import query_host
+
+    at_once = campaign["out"]["parallel"]
+    cpus = query_host().cpus
+    assert at_once["parallel"] == min(2, cpus) and at_once["threads_per_run"] == max(1, cpus // min(2, cpus))
+    assert at_once["not_checked"] and "no pilot of the base spec" in at_once["not_checked"][0]
+    plan = json.loads((campaign["work"] / "runs" / campaign["id"] / "plan.json").read_text())
+    assert plan["threads"] == at_once["threads_per_run"]  # what each worker set torch to
 
 
 @pytestmark_slow

@@ -21,11 +21,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..config.schema import SpecError
+from ..devices import query_devices, query_host
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import _env
 from .conclude import conclude
+from .resources import pilot_memory, plan_parallel
 from .spec import RETRY_KEYS, CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
@@ -87,7 +89,7 @@ class _Running:
 
 
 def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
-            running: _Running) -> int | None:
+            running: _Running, threads: int | None = None) -> int | None:
     """The worker's exit code; None when it was never started because the campaign is stopping."""
     cmd = [sys.executable, "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id,
            "--out", str(out), "--ledger", str(ledger), "--plan", str(plan_file)]
@@ -97,7 +99,8 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
         with running.lock:
             if running.stopping.is_set():  # the interrupt came while this run was being prepared
                 return None
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+            env = {**_env(), **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
         try:
             return proc.wait()
@@ -133,8 +136,29 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
     return runs, list(dict.fromkeys(problems))  # once per value, not once per seed
 
 
+def _accelerator(spec) -> tuple[str, int] | None:
+    """The accelerator the runs will share (name, memory), or None when they run on the CPU."""
+    inv = query_devices()
+    if spec.train.device == "cpu" or inv.backend not in ("cuda", "rocm") or not inv.count:
+        return None
+    index = int(spec.train.device.split(":")[1]) if spec.train.device.startswith("cuda:") else 0
+    return (inv.names[index], inv.total_memory_bytes[index]) if index < inv.count else None
+
+
+def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path) -> dict:
+    """How many runs at once, from this machine and a pilot of the base spec in the ledger (see resources.py)."""
+    from ..config.spec import load_spec
+
+    with Ledger(ledger_path) as led:
+        per_run = pilot_memory(led, load_spec(c.folder / c.base).config_hash())
+    host = query_host()
+    return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
+                         accelerator=_accelerator(control_spec), per_run=per_run)
+
+
 def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 1, allow_drift: bool = False,
-                 on_event=None) -> dict:
+                 on_event=None, on_start=None) -> dict:
+    """Run every planned run; ``on_start(campaign_id, parallel_plan)`` and ``on_event(run_row)`` report progress."""
     c = load_campaign(path)
     name = c.name or Path(path).stem
     runs, problems = prepare(c)
@@ -146,14 +170,15 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     control_lock = collect_lock(runs[0]["spec"])
     (folder / "campaign.json").write_text(json.dumps(c.canonical(), indent=1))
     (folder / "lock.json").write_text(json.dumps(control_lock, indent=1, sort_keys=True))
-    plan = _plan(c)
+    at_once = parallel_plan(c, runs[0]["spec"], parallel, ledger_path)
+    plan = {**_plan(c), "threads": at_once["threads_per_run"]}
     (folder / "plan.json").write_text(json.dumps(plan, indent=1))
     deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
     with Ledger(ledger_path) as led:
         led.start_run(campaign_id, name, "campaign", spec_path=str(Path(path).resolve()), out_dir=str(folder.resolve()),
                       config_hash=c.digest(), lock=control_lock,
                       meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
-                            "base": str((c.folder / c.base).resolve())})
+                            "base": str((c.folder / c.base).resolve()), "parallel": at_once})
         for i, r in enumerate(runs):
             r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
             r["out"] = folder / r["run_id"]
@@ -163,7 +188,10 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
                           meta={"campaign_id": campaign_id, "variant": r["variant"], "variant_index": r["variant_index"],
                                 "seed": r["seed"], "control": r["control"], "key": c.key})
             led.set_status(r["run_id"], "planned")
-    _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event)
+    if on_start:
+        on_start(campaign_id, at_once)
+    _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift, control_lock,
+             on_event)
     return finish(campaign_id, ledger_path)
 
 
@@ -199,7 +227,8 @@ def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel
         spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
         started = False
         try:
-            started = _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running) is not None
+            started = _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running,
+                              plan.get("threads")) is not None
         finally:
             _record_lost_end(r, ledger_path, running.stopping.is_set(), started)
         if on_event:
@@ -256,7 +285,7 @@ def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False) -> di
         led.end_run(campaign_id, "interrupted" if interrupted else
                     "finished" if statuses <= {"finished"} else "finished-with-stops")
         led.add_note(campaign_id, "conclusion: " + "; ".join(conclusion["text"]))
-    return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion}
+    return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion, "parallel": meta.get("parallel")}
 
 
 def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path: Path) -> dict:

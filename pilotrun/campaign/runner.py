@@ -98,6 +98,8 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
     from ..workers.common import build_trainer
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if plan.get("threads"):  # runs side by side share the cores instead of each taking all of them
+        torch.set_num_threads(plan["threads"])
     stop = plan["stop"]
     result = {"run_id": run_id, "status": "finished", "stop_reason": None, "stopped_at": None, "val": []}
     with Ledger(ledger_path) as led:

@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("campaign", help="run a control and variants over seeds", description=__doc__, epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry")
-    p.add_argument("--parallel", type=int, default=1, help="runs at once on this machine")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="runs at once on this machine, at most; fewer when the cores or the memory a pilot of "
+                        "the base spec measured do not allow it (the reason is printed and kept)")
     add_ledger_arg(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of the campaign's folder")
     p.add_argument("--allow-drift", action="store_true",
@@ -57,7 +59,14 @@ def main(args) -> int:
                     console.print(f"  {run['status']:<9} {run['run_id']}" + (f"  ({why})" if why else ""),
                                   highlight=False)
 
-            result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event)
+            def start(campaign_id: str, at_once: dict) -> None:
+                if not args.json:
+                    console.print(f"campaign {campaign_id}: {at_once['text']}", highlight=False)
+                    for line in at_once["checked"] + at_once["not_checked"]:
+                        console.print(f"  {line}", style="dim", highlight=False)
+
+            result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event,
+                                  start)
     except CampaignError as exc:
         raise UsageError(str(exc)) from None
     except CampaignInterrupted as exc:
@@ -72,7 +81,8 @@ def main(args) -> int:
 def _show(args, result: dict) -> None:
     console = out_console()
     if args.json:
-        print(json.dumps({"campaign_id": result["campaign_id"], "conclusion": result["conclusion"],
+        print(json.dumps({"campaign_id": result["campaign_id"], "parallel": result.get("parallel"),
+                          "conclusion": result["conclusion"],
                           "runs": [{k: r[k] for k in ("run_id", "status", "parent_id")} | {"meta": r["meta"]}
                                    for r in result["runs"]]}, indent=1, default=str))
         return

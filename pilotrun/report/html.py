@@ -370,7 +370,8 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     body.append(_lock_section(json.loads(camp["lock_json"]) if camp.get("lock_json") else None))
     body.append(_notes(led, camp["run_id"]))
     sub = (f"campaign {camp['run_id']} · {camp['status']} · {len(runs)} runs · {key} over {meta.get('values')} × seeds "
-           f"{meta.get('seeds')} · {meta.get('campaign', {}).get('updates')} updates each")
+           f"{meta.get('seeds')} · {meta.get('campaign', {}).get('updates')} updates each"
+           + (f" · {meta['parallel']['text']}" if meta.get("parallel") else ""))
     return _page(f"Campaign: {camp['name']}", sub, body)
 
 

@@ -1,0 +1,93 @@
+"""How many campaign runs go at once on this machine: cores, host memory, accelerator memory.
+
+``plan_parallel`` is pure: numbers in (what was asked, what the machine has, what one run
+needs as a pilot measured it), a decision with its reasons out. The caller asks the machine
+through :mod:`pilotrun.devices` and the ledger through :func:`pilot_memory`. Nothing is
+guessed: without a pilot of the base spec, memory is "not checked" and the reason says how
+to have it checked.
+
+Example::
+
+    plan = plan_parallel(4, cpus=2, host_available_bytes=20 << 30, accelerator=None, per_run=None)
+    plan["parallel"], plan["reasons"]   # 2, ['2 CPU cores: ...']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ledger.store import Ledger
+
+# Share of the available host / accelerator memory parallel runs may take together; the rest is
+# for the orchestrator, the page cache and the allocator's fragmentation.
+HEADROOM = 0.9
+# The stages a campaign run goes through: their peaks are what one run needs.
+RUN_STAGES = ("load", "first_step", "steady_step", "eval", "save", "export")
+
+
+@dataclass(frozen=True)
+class PerRun:
+    """What one run needed, measured by a pilot of the same spec."""
+
+    host_bytes: int | None
+    device_bytes: int | None
+    source: str  # the pilot's run id
+
+
+def pilot_memory(led: Ledger, config_hash: str) -> PerRun | None:
+    """Peaks of the latest pilot whose config hash is the base spec's, or None when there is none."""
+    rows = led.conn.execute("SELECT run_id FROM runs WHERE kind = 'pilot' AND config_hash = ? "
+                            "ORDER BY started_at DESC, rowid DESC", (config_hash,)).fetchall()
+    for (run_id,) in rows:
+        host, device = [], []
+        for g in led.gate_rows(run_id):
+            mem = g.get("memory") or {}
+            if g["gate"] not in RUN_STAGES:
+                continue
+            if mem.get("host_rss_peak_bytes"):
+                host.append(mem["host_rss_peak_bytes"])
+            dev = mem.get("peak_reserved_bytes") or mem.get("device_used_bytes")
+            if dev:
+                device.append(dev)
+        if host or device:
+            return PerRun(max(host) if host else None, max(device) if device else None, run_id)
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def plan_parallel(requested: int, *, cpus: int, host_available_bytes: int, accelerator: tuple[str, int] | None,
+                  per_run: PerRun | None) -> dict:
+    """Runs at once and torch threads per run. ``accelerator`` is (name, memory bytes) of the device the runs share."""
+    limits: list[tuple[int, str]] = []
+    not_checked: list[str] = []
+    if accelerator is None:
+        limits.append((cpus, f"{cpus} CPU core(s): more CPU runs than cores only makes each slower"))
+    if per_run is None:
+        not_checked.append("memory not checked: no pilot of the base spec in the ledger (run `pilotrun run BASE` "
+                           "with the same ledger to have it checked)")
+    else:
+        if per_run.host_bytes:
+            n = int(HEADROOM * host_available_bytes // per_run.host_bytes)
+            limits.append((n, f"host memory: {_gib(host_available_bytes)} available, one run peaked at "
+                              f"{_gib(per_run.host_bytes)} in pilot {per_run.source}"))
+        if accelerator is not None:
+            name, total = accelerator
+            if per_run.device_bytes:
+                n = int(HEADROOM * total // per_run.device_bytes)
+                limits.append((n, f"{name}: {_gib(total)}, one run reserved {_gib(per_run.device_bytes)} in pilot "
+                                  f"{per_run.source}; the runs share this device"))
+            else:
+                not_checked.append(f"{name} memory not checked: pilot {per_run.source} has no device measurement "
+                                   "(it ran on another device)")
+    allowed = min([requested] + [n for n, _ in limits])
+    reasons = [why for n, why in limits if n < requested]
+    if allowed < 1:
+        reasons.append("even one run may not fit; running one at a time")
+        allowed = 1
+    return {"requested": requested, "parallel": allowed, "threads_per_run": max(1, cpus // allowed),
+            "reasons": reasons, "checked": [f"{why}: room for {max(n, 0)}" for n, why in limits],
+            "not_checked": not_checked,
+            "text": (f"{allowed} run(s) at once" + (f" (asked {requested})" if allowed != requested else "")
+                     + f", {max(1, cpus // allowed)} CPU thread(s) each")}
