@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+from html import escape as html_escape
 import json
 import sqlite3
 import subprocess
@@ -69,7 +70,7 @@ def test_a_variant_that_never_finished_is_said_to_be_not_compared_not_beaten():
             _run("b", 2, status="not-run"), _run("c", 1, loss=2.05), _run("c", 2, loss=2.06)]
     c = conclude("lr", ["a", "b", "c"], runs)
     assert c["text"][:2] == ["no variant beat the control (lr = a) beyond seed spread",
-                             "not compared (no comparable finished run): lr = b"]
+                             "not compared (fewer than 2 seeds finished alongside the control): lr = b"]
     assert [row[-1] for row in table(c)] == ["", "not compared", "no"]
 
 
@@ -111,6 +112,32 @@ def test_the_memory_one_run_needs_comes_from_a_pilot_of_the_same_spec(tmp_path):
         # resume runs three processes: not what one campaign run needs
         assert (got.host_bytes, got.device_bytes, got.source) == (300, 7000, "p1")
         assert pilot_memory(led, "nothing") is None
+
+
+def test_one_finished_seed_or_unmatched_seeds_never_declare_a_winner():
+    # The variant finished only seed 1 (seed 2 stopped): a huge difference on one seed is no verdict.
+    runs = [_run("a", 1, loss=5.0), _run("a", 2, loss=5.1), _run("b", 1, loss=1.0), _run("b", 2, status="stopped")]
+    c = conclude("lr", ["a", "b"], runs)
+    assert not c["variants"][1]["beats_control"]
+    assert c["text"][0] == ("no variant could be compared to the control (lr = a): none finished 2 or more of the "
+                            "seeds the control finished")
+    # Seeds {2, 3} against the control's {1, 2}: only seed 2 pairs, so again no verdict.
+    runs = [_run("a", 1, loss=5.0), _run("a", 2, loss=5.1), _run("b", 2, loss=1.0), _run("b", 3, loss=1.1)]
+    assert conclude("lr", ["a", "b"], runs)["variants"][1]["paired_seeds"] == [2]
+    # Paired over the common seeds only: seed 3 of the control (finished alone) does not enter the comparison.
+    runs = [_run("a", 1, loss=5.0), _run("a", 2, loss=5.2), _run("a", 3, loss=9.0),
+            _run("b", 1, loss=1.0), _run("b", 2, loss=1.1), _run("b", 3, status="diverged")]
+    c = conclude("lr", ["a", "b"], runs)
+    b = c["variants"][1]
+    assert b["paired_seeds"] == [1, 2] and b["beats_control"] and abs(b["difference_vs_control"] + 4.05) < 1e-9
+    assert c["text"][0].endswith("over 2 paired seeds")
+
+
+def test_every_variant_diverged_is_said_plainly():
+    runs = [_run("a", 1, loss=5.0), _run("a", 2, loss=5.1), _run("b", 1, status="diverged"),
+            _run("b", 2, status="diverged")]
+    c = conclude("lr", ["a", "b"], runs)
+    assert c["text"][0] == "no variant beat the control (lr = a): every variant diverged"
 
 
 def test_retrying_a_finished_seed_cannot_move_the_result():
@@ -157,10 +184,40 @@ def test_a_wrong_campaign_file_names_the_field(tmp_path, over, field):
     assert field in [f for f, _ in err.value.problems], err.value.problems
 
 
-def test_a_variant_that_changes_the_examples_per_update_is_refused_before_the_start(tmp_path):
-    c = load_campaign(_campaign(tmp_path, vary={"train.micro_batch_size": [8, 4]}))
-    _, problems = prepare(c)
-    assert problems == ["train.micro_batch_size = 4 changes the examples per update (16 -> 8)"]
+@pytest.mark.parametrize("key, values, why", [
+    ("train.micro_batch_size", [8, 4], "examples per update are fixed"),
+    ("train.updates", [10, 20], "the same update budget"),
+    ("data.val_fraction", [0.1, 0.3], "a campaign fixes the data"),
+    ("data.path", ["a.jsonl", "b.jsonl"], "a campaign fixes the data"),
+    ("eval.max_batches", [20, 1], "the yardstick every run is judged by"),
+    ("model.config", [{"model_type": "llama"}, {"model_type": "gpt2"}], "a campaign fixes the model"),
+    ("model.config.hidden_size", [64, 128], "a campaign fixes the model"),
+    ("seed", [1, 2], "seeds are listed under seeds"),
+    ("train.optimizer.lr", [3.0e-3, 3.0e-3], "values repeat"),
+])
+def test_a_variant_that_would_change_what_the_campaign_fixes_is_refused_before_the_start(tmp_path, key, values, why):
+    with pytest.raises(SpecError) as exc:
+        load_campaign(_campaign(tmp_path, vary={key: values}))
+    assert exc.value.problems[0][0] == f"vary.{key}" and why in exc.value.problems[0][1], exc.value.problems
+
+
+def test_a_dict_valued_key_and_a_dropout_can_be_varied(tmp_path):
+    c = load_campaign(_campaign(tmp_path, vary={"train.scheduler": [{"name": "cosine", "warmup_updates": 2},
+                                                                    {"name": "constant"}]}))
+    assert prepare(c)[1] == []  # the scheduler's own sub-keys are the varied key, not "also changed"
+    (tmp_path / "b").mkdir()
+    c = load_campaign(_campaign(tmp_path / "b", vary={"model.config.attention_dropout": [0.0, 0.1]}))
+    assert prepare(c)[1] == []
+
+
+def test_a_broken_base_is_blamed_on_the_base(tmp_path):
+    path = _campaign(tmp_path)
+    base = tmp_path / "tiny-sft" / "pilot.yaml"
+    base.write_text(base.read_text().replace("micro_batch_size:", "micro_batch_sise:"))
+    with pytest.raises(SpecError) as exc:
+        load_campaign(path)
+    field, msg = exc.value.problems[0]
+    assert field == "base" and msg.startswith("tiny-sft/pilot.yaml is not a valid pilot spec: ") and "sise" in msg
 
 
 def test_a_variant_that_is_not_a_valid_spec_names_the_key(tmp_path):
@@ -249,10 +306,21 @@ def test_parallel_runs_wrote_every_update_once_and_kept_what_was_asked(campaign)
 @pytestmark_slow
 def test_a_retry_is_a_new_run_linked_to_its_parent(campaign):
     parent = campaign["by_lr"][1.0][0]
-    res = pilotrun_cli("campaign", campaign["id"], "--retry", parent["run_id"], "--set", "train.micro_batch_size=4",
-                       "--set", "train.grad_accum_steps=4", "--ledger", str(campaign["ledger"]), "--json",
-                       cwd=campaign["work"], timeout=300)
+    # The base spec and the campaign file were edited since the start: the retry must not pick that up.
+    base = campaign["work"] / "tiny-sft" / "pilot.yaml"
+    written = base.read_text()
+    try:
+        base.write_text(written.replace("weight_decay: 0.01", "weight_decay: 0.5"))
+        assert "weight_decay: 0.5" in base.read_text()
+        res = pilotrun_cli("campaign", campaign["id"], "--retry", parent["run_id"].rsplit("-", 1)[1],  # "r05"
+                           "--set", "train.micro_batch_size=4", "--set", "train.grad_accum_steps=4",
+                           "--ledger", str(campaign["ledger"]), "--json", cwd=campaign["work"], timeout=300)
+    finally:
+        base.write_text(written)
     assert res.returncode == 0, res.stdout + res.stderr
+    retry_spec = json.loads((campaign["work"] / "runs" / campaign["id"] / f"{campaign['id']}-r07" / "spec.json")
+                            .read_text())
+    assert retry_spec["written"]["train"]["optimizer"]["weight_decay"] == 0.01, retry_spec["written"]["train"]
     runs = json.loads(res.stdout)["runs"]
     assert len(runs) == 7 and runs[-1]["run_id"] == f"{campaign['id']}-r07"
     assert runs[-1]["parent_id"] == parent["run_id"]
@@ -269,6 +337,10 @@ def test_a_retry_is_a_new_run_linked_to_its_parent(campaign):
     res = pilotrun_cli("campaign", campaign["id"], "--retry", parent["run_id"], "--set", "train.micro_batch_size=4",
                        "--ledger", str(campaign["ledger"]), cwd=campaign["work"])
     assert res.returncode == 2 and "examples per update (16 -> 8)" in res.stderr
+    finished = campaign["by_lr"][LRS[0]][0]["run_id"]
+    res = pilotrun_cli("campaign", campaign["id"], "--retry", finished, "--ledger", str(campaign["ledger"]),
+                       cwd=campaign["work"])
+    assert res.returncode == 2 and "an identical rerun would not count" in res.stderr
     assert len(_ledger(campaign["ledger"], "SELECT * FROM runs WHERE kind = 'campaign-run'")) == 7
 
 
@@ -298,6 +370,16 @@ def test_the_report_renders_in_a_real_browser(campaign):
     with Image.open(shot) as img:  # the page painted: not one flat colour
         colours = img.convert("RGB").resize((120, 240)).getcolors(maxcolors=1 << 16)
     assert colours is None or len(colours) > 50
+    # One run of it: its own page (what it varied, where it stopped, its curves), not a pilot's gate table.
+    bad = campaign["by_lr"][1.0][0]
+    res = pilotrun_cli("report", bad["run_id"], "--ledger", str(campaign["ledger"]), "--out", str(work / "r.html"),
+                       cwd=work)
+    assert res.returncode == 0, res.stderr
+    page = (work / "r.html").read_text()
+    assert f"Campaign run: {bad['run_id']}" in page and html_escape(bad["meta"]["stop_reason"]) in page
+    assert "Pilot:" not in page and page.count("data:image/png") == 3
+    res = pilotrun_cli("ledger", "--ledger", str(campaign["ledger"]), cwd=work)
+    assert res.returncode == 0 and f"seed {bad['meta']['seed']} · update {bad['meta']['stopped_at']}:" in res.stdout
 
 
 @pytestmark_slow
@@ -449,16 +531,21 @@ def test_a_spent_budget_leaves_every_run_recorded_with_the_reason(tmp_path, monk
 
 
 @pytestmark_slow
-def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, how):
+    """ctrl-c: SIGINT to the whole group, as a terminal does. sigterm: what `timeout` or a scheduler sends, to
+    pilotrun alone, started with SIGINT ignored (as a script's background job is)."""
     import os
     import signal
     import time
 
     path, ledger = _small(tmp_path, seeds=[1, 2], updates=2000, eval={"every": 5}), tmp_path / "l.sqlite"
     env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    ignore_int = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if how == "sigterm" else None
     proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(path), "--parallel", "2", "--ledger",
                              str(ledger), "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=ignore_int)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:  # both runs are training: their first points are in the ledger
@@ -467,7 +554,10 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path):
                 break
         else:
             pytest.fail("the runs never wrote a point")
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:

@@ -1,8 +1,9 @@
 """The campaign's conclusion: per variant, mean and spread over seeds, diverged runs counted, honest words.
 
 A function from run records to numbers and sentences. The final validation loss is the metric
-(lower is better); a variant "beats" the control only when its mean is lower by more than the
-larger of the two seed spreads. With one seed there is no spread, and the text says so.
+(lower is better); a variant "beats" the control only when, over the seeds both finished (at
+least two), its mean is lower by more than the larger of the two seed spreads. With fewer
+paired seeds there is no spread to judge by, and the text says so.
 
 Each seed counts once: its first finished run in planned order (the declared run, or the retry of a
 run that did not finish). A retry of a run that already finished never replaces it, so retrying
@@ -26,6 +27,7 @@ def variant_stats(runs: list[dict], value) -> dict:
             finished.append(r)
             seen.add(r["meta"].get("seed"))
     losses = [r["meta"]["final"]["val_loss"] for r in finished]
+    by_seed = {r["meta"].get("seed"): r["meta"]["final"]["val_loss"] for r in finished}
     accs = [r["meta"]["final"].get("accuracy") for r in finished if r["meta"]["final"].get("accuracy") is not None]
     return {
         "variant": value,
@@ -39,7 +41,9 @@ def variant_stats(runs: list[dict], value) -> dict:
         "val_loss_mean": statistics.fmean(losses) if losses else None,
         "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
         "accuracy_mean": statistics.fmean(accs) if accs else None,
-        "seeds": sorted({r["meta"].get("seed") for r in finished}),
+        "seeds": sorted({r["meta"].get("seed") for r in finished}, key=str),
+        "by_seed": by_seed,
+        "declared_seeds": len({r["meta"].get("seed") for r in mine}),
         "stops": [{"run_id": r["run_id"], "status": r["status"], "reason": r["meta"].get("stop_reason"),
                    "at_update": r["meta"].get("stopped_at")} for r in mine if r["status"] != "finished"],
     }
@@ -53,34 +57,47 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
         n = {k: sum(r["status"] == k for r in runs) for k in ("finished", "stopped", "not-run")}
         lines.append(f"the campaign was interrupted: {n['finished']} run(s) finished, {n['stopped']} stopped where "
                      f"they were, {n['not-run']} not run")
-    better = []
+    better, judged, unjudged = [], [], []
     for s in stats[1:]:
-        if s["val_loss_mean"] is None or control["val_loss_mean"] is None:
+        # Paired: only seeds both the variant and the control finished (the seed also draws the validation
+        # split, so unpaired means would compare different yardsticks). Fewer than two: no spread, no verdict.
+        common = sorted(set(s["seeds"]) & set(control["seeds"]), key=str)
+        s["paired_seeds"] = common
+        s["beats_control"] = False
+        if len(common) < 2:
+            if s["finished"] or s["diverged"] < s["runs"]:
+                unjudged.append(s)
             continue
-        diff = s["val_loss_mean"] - control["val_loss_mean"]
-        spreads = [x for x in (s["val_loss_std"], control["val_loss_std"]) if x is not None]
-        spread = max(spreads) if spreads else None
-        s["difference_vs_control"] = diff
-        s["beats_control"] = spread is not None and diff < 0 and -diff > spread
+        mine = [s["by_seed"][k] for k in common]
+        theirs = [control["by_seed"][k] for k in common]
+        diff = statistics.fmean(mine) - statistics.fmean(theirs)
+        spread = max(statistics.stdev(mine), statistics.stdev(theirs))
+        s["difference_vs_control"], s["paired_spread"] = diff, spread
+        s["beats_control"] = diff < 0 and -diff > spread
+        judged.append(s)
         if s["beats_control"]:
             better.append((diff, s, spread))
-    one_seed = all(len(s["seeds"]) <= 1 for s in stats)
     if control["val_loss_mean"] is None:
         lines.append(f"the control ({key} = {control['variant']}) has no finished run, so nothing can be compared "
                      "to it")
     elif better:
         diff, best, spread = min(better, key=lambda b: b[0])
         lines.append(f"{key} = {best['variant']} beat the control ({control['variant']}) by {-diff:.4g} in final "
-                     f"validation loss, more than the seed spread ({spread:.3g}), over {best['finished']} seed(s)")
-    elif one_seed:
+                     f"validation loss, more than the seed spread ({spread:.3g}), over {len(best['paired_seeds'])} "
+                     "paired seeds")
+    elif judged:
+        lines.append(f"no variant beat the control ({key} = {control['variant']}) beyond seed spread")
+    elif all(len(s["seeds"]) <= 1 for s in stats):
         lines.append("with one seed per variant there is no seed spread to judge differences against: "
                      "no variant is declared better than the control")
+    elif unjudged:
+        lines.append(f"no variant could be compared to the control ({key} = {control['variant']}): none finished "
+                     "2 or more of the seeds the control finished")
     else:
-        lines.append(f"no variant beat the control ({key} = {control['variant']}) beyond seed spread")
-    # A variant that never finished (stopped, not run, failed) lost nothing and won nothing: say it was not compared.
-    missing = [s for s in stats[1:] if s["val_loss_mean"] is None and s["diverged"] < s["runs"]]
-    if missing and control["val_loss_mean"] is not None:
-        lines.append(f"not compared (no comparable finished run): {key} = " + ", ".join(str(s["variant"]) for s in missing))
+        lines.append(f"no variant beat the control ({key} = {control['variant']}): every variant diverged")
+    if unjudged and control["val_loss_mean"] is not None and (judged or better):
+        lines.append(f"not compared (fewer than 2 seeds finished alongside the control): {key} = "
+                     + ", ".join(str(s["variant"]) for s in unjudged))
     for s in stats:
         if s["diverged"]:
             where = ", ".join(f"update {x['at_update']}" for x in s["stops"] if x["status"] == "diverged")
@@ -114,8 +131,8 @@ def table(conclusion: dict) -> list[list[str]]:
         out.append([str(s["variant"]) + (" (control)" if s is conclusion["variants"][0] else ""),
                     f"{_fmt(mean)}{spread}" if mean is not None else "n/a",
                     _fmt(s["accuracy_mean"]) if s["accuracy_mean"] is not None else "",
-                    f"{s['finished']}/{s['runs']}", str(s["diverged"]),
+                    f"{s['finished']}/{s['declared_seeds']}", str(s["diverged"]),
                     "" if s is conclusion["variants"][0] else "yes" if s.get("beats_control") else
-                    "not compared" if mean is None and s["diverged"] < s["runs"] else "no"])
+                    "not compared" if len(s.get("paired_seeds") or []) < 2 and s["diverged"] < s["runs"] else "no"])
     return out
 

@@ -9,7 +9,10 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
+import re
 import secrets
 import signal
 import subprocess
@@ -21,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..config.schema import SpecError
+from ..config.spec import load_spec
 from ..devices import query_devices, query_host
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
@@ -28,7 +32,9 @@ from ..workers.common import write_spec_file
 from ..workers.launch import _env
 from .conclude import conclude
 from .resources import pilot_memory, plan_parallel
-from .spec import RETRY_KEYS, CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
+from .runner import STOP_SIGNAL
+from .spec import (RETRY_KEYS, CampaignSpec, campaign_from_stored, check_only_varied, examples_per_update,
+                   load_campaign, run_spec)
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
 ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")
@@ -78,7 +84,7 @@ class _Running:
             procs = list(self.procs.values())
         for p in procs:  # a terminal's Ctrl-C already reached them; `kill -INT` on pilotrun alone did not
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                p.send_signal(STOP_SIGNAL)
         deadline = time.monotonic() + STOP_GRACE_S
         for p in procs:
             try:
@@ -121,8 +127,10 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
             try:
                 spec = run_spec(c, value, seed)
             except SpecError as exc:
-                raise CampaignError(f"{c.key} = {value!r} does not give a valid spec: "
-                                    + "; ".join(f"{f}: {m}" for f, m in exc.problems)) from None
+                msgs = "; ".join(f"{f}: {m}" if f else m for f, m in exc.problems)
+                if any(f == c.key for f, _ in exc.problems):
+                    raise CampaignError(f"vary: {c.key} is not a valid key of the base spec ({msgs})") from None
+                raise CampaignError(f"{c.key} = {value!r} does not give a valid spec: {msgs}") from None
             if i == 0:
                 controls[seed] = spec
             else:
@@ -147,8 +155,6 @@ def _accelerator(spec) -> tuple[str, int] | None:
 
 def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path) -> dict:
     """How many runs at once, from this machine and a pilot of the base spec in the ledger (see resources.py)."""
-    from ..config.spec import load_spec
-
     with Ledger(ledger_path) as led:
         per_run = pilot_memory(led, load_spec(c.folder / c.base).config_hash())
     host = query_host()
@@ -178,7 +184,8 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
         led.start_run(campaign_id, name, "campaign", spec_path=str(Path(path).resolve()), out_dir=str(folder.resolve()),
                       config_hash=c.digest(), lock=control_lock,
                       meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
-                            "base": str((c.folder / c.base).resolve()), "parallel": at_once})
+                            "base": str((c.folder / c.base).resolve()), "parallel": at_once,
+                            "base_written": load_spec(c.folder / c.base).written})
         for i, r in enumerate(runs):
             r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
             r["out"] = folder / r["run_id"]
@@ -195,8 +202,37 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     return finish(campaign_id, ledger_path)
 
 
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C and SIGTERM both stop the campaign cleanly, even when started with SIGINT ignored.
+
+    A shell script's background job inherits SIGINT as ignored; ``timeout`` and schedulers send
+    SIGTERM. Either way the runs must be recorded as stopped, not left "running" forever.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+
+
 def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
     """Run every planned run; on Ctrl-C, stop the running ones where they are and start no more."""
+    with _interruptible():
+        _execute_runs(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock,
+                      on_event)
+
+
+def _execute_runs(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock,
+                  on_event):
     plan_file = folder / "plan.json"
     running = _Running()
 
@@ -296,19 +332,30 @@ def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path:
         camp = led.run(campaign_ref)
         if camp is None or camp["kind"] != "campaign":
             raise CampaignError(f"no campaign {campaign_ref!r} in {ledger_path}")
-        parent = led.run(parent_ref)
+        # "r05" means this campaign's r05
+        short = f"{camp['run_id']}-{parent_ref}" if re.fullmatch(r"r\d+", parent_ref) else parent_ref
+        parent = led.run(short)
         if parent is None or json.loads(parent["meta_json"] or "{}").get("campaign_id") != camp["run_id"]:
-            raise CampaignError(f"{parent_ref!r} is not a run of campaign {camp['run_id']}")
+            raise CampaignError(f"{parent_ref!r} is not a run of campaign {camp['run_id']}; its runs are "
+                                f"{camp['run_id']}-r01, -r02, ... (`pilotrun ledger --run {camp['run_id']}`)")
         pmeta = json.loads(parent["meta_json"])
         cmeta = json.loads(camp["meta_json"])
-    c = load_campaign(Path(camp["spec_path"]))
     changes = [parse_override(o) for o in overrides]
     bad = [k for k, _ in changes if k not in RETRY_KEYS]
     if bad:
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, RETRY_KEYS, 1)) else k
+                 for k in bad]
         raise CampaignError(f"a retry may change {', '.join(RETRY_KEYS)} (the experiment stays the same); "
-                            f"{', '.join(bad)} would make it another experiment: add it as a campaign instead")
-    before = run_spec(c, pmeta["variant"], pmeta["seed"])
-    spec = run_spec(c, pmeta["variant"], pmeta["seed"], changes)
+                            f"{', '.join(hints)} would make it another experiment: add it as a campaign instead")
+    if not changes and parent["status"] == "finished":
+        raise CampaignError(f"{parent['run_id']} finished; an identical rerun would not count (each seed counts "
+                            "once). A retry changes how it runs: --set train.micro_batch_size=... with "
+                            "train.grad_accum_steps, train.activation_checkpointing or train.device")
+    # The campaign and its base as declared at the start (stored in the ledger), not as the files read now.
+    c = campaign_from_stored(cmeta["campaign"], camp["spec_path"])
+    base_written = cmeta.get("base_written")
+    before = run_spec(c, pmeta["variant"], pmeta["seed"], base_written=base_written)
+    spec = run_spec(c, pmeta["variant"], pmeta["seed"], changes, base_written=base_written)
     if examples_per_update(spec) != examples_per_update(before):
         raise CampaignError(f"the retry changes the examples per update ({examples_per_update(before)} -> "
                             f"{examples_per_update(spec)}): change train.grad_accum_steps with the micro batch")

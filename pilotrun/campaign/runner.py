@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -86,6 +87,8 @@ def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> lis
 
 
 INTERRUPTED = "interrupted (Ctrl-C)"
+# What the campaign sends a worker to stop it at the next update (SIGINT where there is no SIGUSR1).
+STOP_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGINT)
 
 
 def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, deadline: float | None,
@@ -164,6 +167,10 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
                 result["export"] = str(out_dir / "export")
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was written
             result.update(status="stopped", stop_reason=INTERRUPTED, stopped_at=trainer.step)
+            try:
+                flush("train", pending)
+            except KeyboardInterrupt:
+                pass
         except Exception as exc:  # a crashed run keeps its rows and says why
             flush("train", pending)
             if stop_requested():  # e.g. DataLoader workers that took the Ctrl-C themselves and exited

@@ -76,8 +76,13 @@ class CampaignSpec:
         for key, values in self.vary.items():
             if len(values) < 2:
                 yield f"vary.{key}", "needs the control and at least one variant"
-            if key in ("seed",) or key.startswith("pilot."):
-                yield f"vary.{key}", "vary a training key; seeds are listed under seeds"
+            why = fixed_reason(key)
+            if why:
+                yield f"vary.{key}", f"cannot be varied: {why}"
+            seen = [json.dumps(v, sort_keys=True) for v in values]
+            repeated = sorted({v for v in seen if seen.count(v) > 1})
+            if repeated:
+                yield f"vary.{key}", f"values repeat ({', '.join(repeated)}): each value is one variant"
         if not self.seeds:
             yield "seeds", "needs at least one seed"
         if len(set(self.seeds)) != len(self.seeds):
@@ -106,6 +111,32 @@ class CampaignSpec:
         return hashlib.sha256(json.dumps(self.canonical(), sort_keys=True).encode()).hexdigest()
 
 
+# What a campaign holds fixed (SPEC §6): the model, the data, the yardstick, the examples per update
+# and the update budget. Varying one of them is another experiment, not a variant.
+FIXED = (
+    ("seed", "seeds are listed under seeds"),
+    ("name", "the name does not change a run"),
+    ("pilot.", "pilot settings do not change a training run"),
+    ("train.updates", "the campaign gives every run the same update budget (updates:)"),
+    ("train.micro_batch_size", "examples per update are fixed; a retry may trade micro batch for accumulation"),
+    ("train.grad_accum_steps", "examples per update are fixed; a retry may trade micro batch for accumulation"),
+    ("train.device", "the device does not change the experiment; a retry may move a run (--set train.device=...)"),
+    ("data", "a campaign fixes the data: every run sees the same examples and the same validation set"),
+    ("eval", "the validation set and its metric are the yardstick every run is judged by"),
+    ("model", "a campaign fixes the model (architecture and weights); compare models in separate campaigns"),
+)
+
+
+def fixed_reason(key: str) -> str | None:
+    """Why ``key`` cannot be a campaign's varied key, or None when it can."""
+    if key.startswith("model.config.") and "dropout" in key.rsplit(".", 1)[-1]:
+        return None  # a regularisation knob of the same architecture: a fair variant
+    for prefix, why in FIXED:
+        if key == prefix or key.startswith(prefix + ".") or (prefix.endswith(".") and key.startswith(prefix)):
+            return why
+    return None
+
+
 def load_campaign(path: str | Path) -> CampaignSpec:
     p = Path(path)
     if not p.is_file():
@@ -118,8 +149,26 @@ def load_campaign(path: str | Path) -> CampaignSpec:
         raise SpecError([("", f"{p} must be a mapping (base, vary, seeds, updates, ...)")], str(p))
     spec = build(CampaignSpec, raw, str(p))
     spec.source = str(p.resolve())
-    if not (spec.folder / spec.base).is_file():
-        raise SpecError([("base", f"pilot spec not found: {spec.folder / spec.base}")], str(p))
+    base = spec.folder / spec.base
+    if base.is_dir():
+        raise SpecError([("base", f"expected a pilot spec file, got a folder: {base} (did you mean "
+                                  f"{spec.base.rstrip('/')}/pilot.yaml?)")], str(p))
+    if not base.is_file():
+        raise SpecError([("base", f"pilot spec not found: {base}")], str(p))
+    from ..config.spec import load_spec
+
+    try:  # a broken base is the base's fault, not the varied value's
+        load_spec(base)
+    except SpecError as exc:
+        raise SpecError([("base", f"{spec.base} is not a valid pilot spec: " + "; ".join(
+            f"{f}: {m}" if f else m for f, m in exc.problems))], str(p)) from None
+    return spec
+
+
+def campaign_from_stored(canonical: dict, source: str) -> CampaignSpec:
+    """The campaign as declared at its start (the ledger's copy), whatever its file says now."""
+    spec = build(CampaignSpec, copy.deepcopy(canonical), source)
+    spec.source = source
     return spec
 
 
@@ -131,20 +180,24 @@ RETRY_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "train.activat
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k not in ("config",):
+        if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
-def run_spec(campaign: CampaignSpec, value, seed: int, extra: list[tuple[str, Any]] = ()) -> Spec:
-    """The base spec with the varied key, the seed and the campaign's update budget set."""
+def run_spec(campaign: CampaignSpec, value, seed: int, extra: list[tuple[str, Any]] = (),
+             base_written: dict | None = None) -> Spec:
+    """The base spec with the varied key, the seed and the campaign's update budget set.
+
+    ``base_written``: the base as written when the campaign started (a retry uses it, so an
+    edit to the file since cannot slip into the retry).
+    """
     from ..config.spec import load_spec
 
     base_path = campaign.folder / campaign.base
-    base = load_spec(base_path)
-    raw = copy.deepcopy(base.written)
+    raw = copy.deepcopy(base_written if base_written is not None else load_spec(base_path).written)
     set_dotted(raw, campaign.key, value)
     raw["seed"] = seed
     set_dotted(raw, "train.updates", campaign.updates)  # the schedule spans the campaign's budget
@@ -156,7 +209,9 @@ def run_spec(campaign: CampaignSpec, value, seed: int, extra: list[tuple[str, An
 def check_only_varied(control: Spec, variant: Spec, allowed: tuple[str, ...]) -> list[str]:
     """Keys (other than ``allowed``) whose values differ between two run specs."""
     a, b = _flat(control.canonical()), _flat(variant.canonical())
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in allowed and k != "seed")
+    # A key whose value is a mapping (train.scheduler) moves its sub-keys: those are the varied key too.
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "seed"
+                  and not any(k == x or k.startswith(x + ".") for x in allowed))
 
 
 def examples_per_update(spec: Spec) -> int:

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from ..workers.common import read_spec_file
-from .runner import train_run
+from .runner import STOP_SIGNAL, train_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     signal.signal(signal.SIGINT, on_sigint)
+    # The campaign's own stop request: only ever sets the flag, so that arriving on top of a terminal's
+    # Ctrl-C (which reached this process too) it does not count as a second, "stop now" Ctrl-C.
+    signal.signal(STOP_SIGNAL, lambda signum, frame: stop.set())
     result = train_run(read_spec_file(args.spec), args.run_id, args.out, args.ledger,
                        json.loads(args.plan.read_text()), args.deadline, stop.is_set)
     if stop.is_set():

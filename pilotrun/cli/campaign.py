@@ -60,7 +60,7 @@ def main(args) -> int:
                                   highlight=False)
 
             def start(campaign_id: str, at_once: dict) -> None:
-                if not args.json:
+                if not args.json and at_once["requested"] > 1:  # one at a time needs no explaining
                     console.print(f"campaign {campaign_id}: {at_once['text']}", highlight=False)
                     for line in at_once["checked"] + at_once["not_checked"]:
                         console.print(f"  {line}", style="dim", highlight=False)

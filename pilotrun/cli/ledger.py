@@ -63,7 +63,14 @@ def main(args) -> int:
                 return 0
             console.print(Text.assemble(("run ", "bold"), run["run_id"], f" · {run['name']} · {run['status']} · "
                                         f"started {run['started_at']}"))
-            console.print(gate_table(rows, width=console.width))
+            if run["kind"] == "campaign":  # a campaign has runs, not gates
+                runs = [{**r, "meta_json": json.dumps(r["meta"])} for r in led.campaign_runs(run["run_id"])]
+                summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
+                console.print(_run_table(runs, summaries))
+            elif run["kind"] == "campaign-run":
+                console.print(_result(run, rows), highlight=False)
+            else:
+                console.print(gate_table(rows, width=console.width))
             return 0
         runs = led.runs(args.name, args.limit)
         summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
@@ -72,21 +79,39 @@ def main(args) -> int:
                           {"verdicts": {g["gate"]: g["verdict"] for g in summaries[r["run_id"]]}} for r in runs],
                          indent=1, default=str))
         return 0
+    console.print(_run_table(runs, summaries) if runs else "no runs yet")
+    return 0
+
+
+def _result(r: dict, gate_rows: list[dict]) -> str:
+    """What a run came to: gate verdicts for a pilot; variant, seed, stop or final loss for a campaign run."""
+    if r["kind"] == "campaign-run":  # its rows are per-update points, not gates with verdicts
+        from ..campaign.conclude import stop_text
+
+        meta = json.loads(r.get("meta_json") or "{}")
+        final = (meta.get("final") or {}).get("val_loss")
+        what = stop_text(meta) or (f"final val loss {final:.4g}" if final is not None else "")
+        return f"{meta.get('key')}={json.dumps(meta.get('variant'))} seed {meta.get('seed')}" + (f" · {what}" if what else "")
+    if r["kind"] == "campaign":
+        return "see `pilotrun ledger --run " + r["run_id"] + "`"
+    counts: dict[str, int] = {}
+    for g in gate_rows:
+        counts[g["verdict"]] = counts.get(g["verdict"], 0) + 1
+    return " · ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+
+
+def _run_table(runs: list[dict], summaries: dict[str, list[dict]]) -> Table:
     table = Table(box=None, header_style="bold")
     id_w = max([len(r["run_id"]) for r in runs] + [3])
     table.add_column("run", no_wrap=True, min_width=id_w)
-    for col in ("name", "kind", "status", "started", "gates"):
-        table.add_column(col, no_wrap=True)
+    for col in ("name", "kind", "status", "started", "gates / result"):
+        table.add_column(col, no_wrap=col != "gates / result")
     for r in runs:
         status = r["status"]
         shown = status if status != "running" or r["ended_at"] else "running (no end recorded)"
-        counts = {}
-        for g in summaries[r["run_id"]]:
-            counts[g["verdict"]] = counts.get(g["verdict"], 0) + 1
-        table.add_row(r["run_id"], r["name"], r["kind"], Text(shown, style=STYLE.get(status, "")), r["started_at"][:16].replace("T", " "),
-                      " · ".join(f"{n} {v}" for v, n in sorted(counts.items())))
-    console.print(table if runs else "no runs yet")
-    return 0
+        table.add_row(r["run_id"], r["name"], r["kind"], Text(shown, style=STYLE.get(status, "")),
+                      r["started_at"][:16].replace("T", " "), _result(r, summaries[r["run_id"]]))
+    return table
 
 
 def _export(args, path: Path, console) -> int:

@@ -59,8 +59,10 @@ def run_rows(led: Ledger, runs: Iterable[dict]) -> list[dict]:
                                      "config_hash", "spec_path", "out_dir")},
             "campaign_id": meta.get("campaign_id"), "variant": _j(meta["variant"]) if "variant" in meta else None,
             "seed": meta.get("seed"), "control": meta.get("control"), "stop_reason": meta.get("stop_reason"),
-            "stopped_at": meta.get("stopped_at"), "final_val_loss": final.get("val_loss"),
-            "final_accuracy": final.get("accuracy"), "lock_drift": ";".join(meta.get("lock_drift") or []) or None,
+            # Only a finished run has a final value; a stopped one's last point is in metrics.csv.
+            "stopped_at": meta.get("stopped_at"),
+            "final_val_loss": final.get("val_loss") if r.get("status") == "finished" else None,
+            "final_accuracy": final.get("accuracy") if r.get("status") == "finished" else None, "lock_drift": ";".join(meta.get("lock_drift") or []) or None,
             "verdicts": " ".join(f"{v}={n}" for v, n in sorted(verdicts.items())) or None,
         })
     return out

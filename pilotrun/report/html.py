@@ -144,7 +144,7 @@ def _code(c: dict) -> str:
     return c["commit"][:12] + (" with uncommitted changes" if c.get("dirty") else " (clean)")
 
 
-def _lock_section(lock: dict | None) -> str:
+def _lock_section(lock: dict | None, what: str = "") -> str:
     if not lock:
         return "<h2>Lock</h2><p class=\"sub\">No lock recorded.</p>"
     summary = [["config hash", lock.get("config_hash", "")[:16]],
@@ -155,7 +155,8 @@ def _lock_section(lock: dict | None) -> str:
                ["data", f"sha256 {str(lock.get('data', {}).get('sha256', ''))[:16]} ({lock.get('data', {}).get('source')})"],
                ["container", _container(lock.get("container") or {})],
                ["code", _code(lock.get("code") or {})]]
-    return ("<h2>Lock</h2>" + _table(["", ""], summary).replace("<table>", '<table class="kv">')
+    return ("<h2>Lock</h2>" + (f'<p class="sub">{_e(what)}</p>' if what else "")
+            + _table(["", ""], summary).replace("<table>", '<table class="kv">')
             + f"<details><summary>the whole lock.json</summary><pre>{_e(json.dumps(lock, indent=1, sort_keys=True))}"
             "</pre></details>")
 
@@ -293,7 +294,7 @@ def _campaign_curves(led: Ledger, runs: list[dict], key: str, gate: str, title: 
             continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if gate == "val" else None, alpha=0.9,
                 **style(r))
-        if r["status"] == "diverged":
+        if r["status"] == "diverged" and gate == "train":  # the last validation point is not where it diverged
             ax.plot([pts[-1][0]], [pts[-1][1]], marker="x", markersize=10, color="#c5221f")
         drawn += 1
     if not drawn:
@@ -367,12 +368,42 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     body.append("<h2>Validation</h2>" + _campaign_curves(led, runs, key, "val", "validation loss"))
     body.append("<h2>Learning rate, gradient norm, throughput</h2>" + _campaign_dynamics(led, runs, key))
     body.append(_attachments(Path(camp["out_dir"] or ".")))
-    body.append(_lock_section(json.loads(camp["lock_json"]) if camp.get("lock_json") else None))
+    body.append(_lock_section(json.loads(camp["lock_json"]) if camp.get("lock_json") else None,
+                              "taken from the control's first run at the start; each run's own lock is "
+                              "checked against it before the run starts"))
     body.append(_notes(led, camp["run_id"]))
     sub = (f"campaign {camp['run_id']} · {camp['status']} · {len(runs)} runs · {key} over {meta.get('values')} × seeds "
            f"{meta.get('seeds')} · {meta.get('campaign', {}).get('updates')} updates each"
            + (f" · {meta['parallel']['text']}" if meta.get("parallel") else ""))
     return _page(f"Campaign: {camp['name']}", sub, body)
+
+
+def render_campaign_run(led: Ledger, run: dict) -> str:
+    """One run of a campaign: what it varied, where it stopped, its curves; the campaign has the comparison."""
+    from ..campaign.conclude import stop_text
+
+    meta = json.loads(run["meta_json"] or "{}")
+    r = {**run, "meta": meta}
+    key = meta.get("key", "")
+    final = (meta.get("final") or {}).get("val_loss")
+    facts = [["campaign", meta.get("campaign_id")], [key, json.dumps(meta.get("variant"))
+                                                     + (" (control)" if meta.get("control") else "")],
+             ["seed", meta.get("seed")], ["status", f'<span class="{_e(run["status"])}">{_e(run["status"])}</span>'],
+             ["stopped", _e(stop_text(meta))],
+             ["final validation loss", f"{final:.4g}" if final is not None and run["status"] == "finished" else ""],
+             ["retry of", _e(run.get("parent_id") or "")], ["changed", _e(json.dumps(meta.get("changes") or {}))]]
+    if meta.get("lock_drift"):
+        facts.append(["lock drift", _e(", ".join(meta["lock_drift"]))])
+    body = ["<h2>Run</h2>" + _table(["", ""], [[_e(a), b] for a, b in facts], raw_cols=(0, 1))
+            .replace("<table>", '<table class="kv">'),
+            f"<p class=\"sub\">Compared with the other runs in <code>pilotrun report {_e(meta.get('campaign_id'))}"
+            "</code>.</p>",
+            "<h2>Training loss</h2>" + _campaign_curves(led, [r], key, "train", "training loss per update"),
+            "<h2>Validation</h2>" + _campaign_curves(led, [r], key, "val", "validation loss"),
+            "<h2>Learning rate, gradient norm, throughput</h2>" + _campaign_dynamics(led, [r], key),
+            _lock_section(json.loads(run["lock_json"]) if run.get("lock_json") else None), _notes(led, run["run_id"])]
+    return _page(f"Campaign run: {run['run_id']}", f"{key} = {json.dumps(meta.get('variant'))} · seed "
+                 f"{meta.get('seed')} · {run['status']}", body)
 
 
 def render(led: Ledger, ref: str) -> tuple[str, dict]:
@@ -381,4 +412,6 @@ def render(led: Ledger, ref: str) -> tuple[str, dict]:
         raise KeyError(ref)
     if run["kind"] == "campaign":
         return render_campaign(led, run), run
+    if run["kind"] == "campaign-run":
+        return render_campaign_run(led, run), run
     return render_pilot(led, run), run
