@@ -309,7 +309,7 @@ def _record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: boo
         led.finish_campaign_run(r["run_id"], result)
 
 
-def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False) -> dict:
+def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False, after: str = "") -> dict:
     with Ledger(ledger_path) as led:
         row = led.run(campaign_id)
         meta = json.loads(row["meta_json"])
@@ -320,7 +320,7 @@ def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False) -> di
         statuses = {r["status"] for r in runs}
         led.end_run(campaign_id, "interrupted" if interrupted else
                     "finished" if statuses <= {"finished"} else "finished-with-stops")
-        led.add_note(campaign_id, "conclusion: " + "; ".join(conclusion["text"]))
+        led.add_note(campaign_id, f"conclusion{f' after {after}' if after else ''}: " + "; ".join(conclusion["text"]))
     return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion, "parallel": meta.get("parallel")}
 
 
@@ -373,7 +373,7 @@ def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path:
     r = {"run_id": run_id, "out": out, "spec": spec}
     _execute([r], c, camp["run_id"], ledger_path, folder, _plan(c), None, 1, False,
              json.loads(camp["lock_json"]), None)
-    return finish(camp["run_id"], ledger_path)
+    return finish(camp["run_id"], ledger_path, after=f"retry {run_id} of {parent['run_id']}")
 
 
 def led_runs(ledger_path: Path, campaign_id: str) -> list[dict]:

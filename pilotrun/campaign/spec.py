@@ -144,7 +144,9 @@ def load_campaign(path: str | Path) -> CampaignSpec:
     try:
         raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise SpecError([("", f"{p} is not valid YAML: {exc}")], str(p)) from None
+        where = getattr(exc, "problem_mark", None)
+        loc = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise SpecError([("", f"{p} is not valid YAML{loc}: {getattr(exc, 'problem', None) or exc}")], str(p)) from None
     if not isinstance(raw, dict):
         raise SpecError([("", f"{p} must be a mapping (base, vary, seeds, updates, ...)")], str(p))
     spec = build(CampaignSpec, raw, str(p))

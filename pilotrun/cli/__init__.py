@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f" in {exc.source}" if exc.source else ""
         console.print(f"[bold red]bad spec{where}[/] ({len(exc.problems)} problem{'s' if len(exc.problems) != 1 else ''}):")
         for field, message in exc.problems:
-            console.print(f"  [bold]{field or '(spec)'}[/]: {message}", highlight=False)
+            # A problem with the whole file (missing, not YAML) has no field: its message names the file.
+            console.print(f"  [bold]{field}[/]: {message}" if field else f"  {message}", highlight=False)
         return EXIT_BAD_INPUT
     except (UsageError, LedgerError) as exc:
         err_console().print(f"[bold red]error:[/] {exc}", highlight=False)

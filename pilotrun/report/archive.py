@@ -112,11 +112,19 @@ def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: 
                   f"`control/inputs.safetensors` holds the fixed control inputs ({control_n}), `control/outputs.safetensors` "
                   "the outputs recorded when the run ended. This reloads the model in a fresh process and compares:", "",
                   "```", "python rerun_control.py      # exit 0: the outputs match (rtol 1e-4, atol 1e-5)", "```", ""]
-    lines += ["## Rerun the training", "",
-              "`config/` holds the spec as written and as run (`spec.json`: overrides applied). The data files it names "
-              "are not in this archive; with them in place and the versions in `lock.json`:", "", "```",
-              f"pilotrun run config/{Path(run['spec_path'] or 'pilot.yaml').name}    # the pilot gates on the same spec",
-              "```", "",
+    spec_name = Path(run["spec_path"] or "pilot.yaml").name
+    if "variant" in meta:
+        rerun = ["`config/spec.json` is this run's spec as run (`written`: the campaign's base with the varied key, "
+                 f"the seed and the update budget set); `config/{spec_name}` is the base as it is on disk when "
+                 "archived and `config/campaign.json` the campaign as declared. The data files are not in this "
+                 "archive; with them in place and the versions in `lock.json`, the original campaign file (its "
+                 "`base` path is relative to it) reruns this run among the others:", "", "```",
+                 "pilotrun campaign CAMPAIGN.yaml", "```", ""]
+    else:
+        rerun = ["`config/` holds the spec as written and as run (`spec.json`: overrides applied). The data files it "
+                 "names are not in this archive; with them in place and the versions in `lock.json`:", "", "```",
+                 f"pilotrun run config/{spec_name}    # the pilot gates on the same spec", "```", ""]
+    lines += ["## Rerun the training", "", *rerun,
               "`metrics.csv` holds every per-update number the ledger recorded (loss, lr, grad norm, throughput, "
               "validation points); `gates.csv` the gate rows with their reasons; `notes.csv` the decisions noted.", "",
               "## Files", "", "| file | sha256 |", "|---|---|"]
@@ -210,7 +218,8 @@ def _campaign_readme(camp: dict, meta: dict, packed: list[dict], gone: dict[str,
              f"control) x seeds {meta.get('seeds')}, status **{camp['status']}**.", "", "## Conclusion", ""]
     lines += [f"- {t}" for t in conclusion.get("text") or ["no conclusion was recorded (the campaign did not end)"]]
     lines += ["", "`report.html` shows it with every curve; `conclusion.json` holds the numbers.", "",
-              "## Every run", "", f"| run | {meta.get('key')} | seed | status | stopped | model |", "|---|---|---|---|---|---|"]
+              "## Every run", "", f"| run | {meta.get('key')} | seed | status | stopped | retry of | model |",
+              "|---|---|---|---|---|---|---|"]
     for r in runs:
         m = r["meta"]
         if r["run_id"] in gone:
@@ -220,7 +229,7 @@ def _campaign_readme(camp: dict, meta: dict, packed: list[dict], gone: dict[str,
             model = "yes" if p["model"] else ("no (stopped)" if m.get("stop_reason") else f"no: {p['why_no_model']}")
         stopped = stop_text(m)
         lines.append(f"| {r['run_id']} | {json.dumps(m.get('variant'))} | {m.get('seed')} | {r['status']} | "
-                     f"{stopped} | {model} |")
+                     f"{stopped} | {r.get('parent_id') or ''} | {model} |")
     lines += ["", "## Files", "",
               "- `runs/RUN_ID/`: one run as `pilotrun archive RUN_ID` writes it (its README says how to reload the "
               "model; `python runs/RUN_ID/rerun_control.py` reruns its control inputs in a fresh process)",
