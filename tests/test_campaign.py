@@ -210,6 +210,18 @@ def test_a_dict_valued_key_and_a_dropout_can_be_varied(tmp_path):
     assert prepare(c)[1] == []
 
 
+def test_a_warm_up_longer_than_the_runs_is_warned_before_the_start_and_kept_as_a_caveat(tmp_path):
+    from pilotrun.campaign.orchestrate import warnings_for
+
+    c = load_campaign(_campaign(tmp_path, vary={"train.scheduler.warmup_updates": [2, 20]}, updates=10))
+    runs, problems = prepare(c)
+    assert problems == []
+    (w,) = warnings_for(c, runs)
+    assert w.startswith("train.scheduler.warmup_updates = 20: the warm-up (20 updates) is not over by the campaign's 10")
+    text = conclude("k", ["a"], [_run("a", 1, loss=1.0)], caveats=[w])["text"]
+    assert text[-1] == "caveat: " + w
+
+
 def test_a_broken_base_is_blamed_on_the_base(tmp_path):
     path = _campaign(tmp_path)
     base = tmp_path / "tiny-sft" / "pilot.yaml"

@@ -49,7 +49,8 @@ def variant_stats(runs: list[dict], value) -> dict:
     }
 
 
-def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False) -> dict:
+def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False, caveats: list[str] = ()) -> dict:
+    """``caveats``: what was warned before the start (e.g. a warm-up longer than the runs), repeated at the end."""
     stats = [variant_stats(runs, v) for v in values]
     control = stats[0]
     lines: list[str] = []
@@ -110,6 +111,7 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
                          "are left out of the comparison")
         if s["failed"] or s["not_run"]:
             lines.append(f"{key} = {s['variant']}: {s['failed']} failed or refused, {s['not_run']} stopped or not run")
+    lines += [f"caveat: {c}" for c in caveats]
     return {"key": key, "control": control["variant"], "variants": stats, "text": lines,
             "metric": "final validation loss (lower is better)"}
 

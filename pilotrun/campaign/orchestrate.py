@@ -162,6 +162,17 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
                          accelerator=_accelerator(control_spec), per_run=per_run)
 
 
+def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:
+    """What runs but will not measure what it seems to: said before the start and kept on the campaign's row."""
+    out = []
+    for r in runs:
+        w = r["spec"].train.scheduler.warmup_updates
+        if w >= c.updates:
+            out.append(f"{c.key} = {r['variant']!r}: the warm-up ({w} updates) is not over by the campaign's "
+                       f"{c.updates} updates, so the peak learning rate is never reached; the runs compare warm-ups")
+    return list(dict.fromkeys(out))
+
+
 def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 1, allow_drift: bool = False,
                  on_event=None, on_start=None) -> dict:
     """Run every planned run; ``on_start(campaign_id, parallel_plan)`` and ``on_event(run_row)`` report progress."""
@@ -177,6 +188,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     (folder / "campaign.json").write_text(json.dumps(c.canonical(), indent=1))
     (folder / "lock.json").write_text(json.dumps(control_lock, indent=1, sort_keys=True))
     at_once = parallel_plan(c, runs[0]["spec"], parallel, ledger_path)
+    at_once["warnings"] = warnings_for(c, runs)
     plan = {**_plan(c), "threads": at_once["threads_per_run"]}
     (folder / "plan.json").write_text(json.dumps(plan, indent=1))
     deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
@@ -314,7 +326,8 @@ def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False, after
         row = led.run(campaign_id)
         meta = json.loads(row["meta_json"])
         runs = led.campaign_runs(campaign_id)
-        conclusion = conclude(meta["key"], meta["values"], runs, interrupted)
+        conclusion = conclude(meta["key"], meta["values"], runs, interrupted,
+                              (meta.get("parallel") or {}).get("warnings", []))
         meta["conclusion"] = conclusion
         led.set_meta(campaign_id, meta)
         statuses = {r["status"] for r in runs}

@@ -60,6 +60,8 @@ def main(args) -> int:
                                   highlight=False)
 
             def start(campaign_id: str, at_once: dict) -> None:
+                for line in [] if args.json else at_once["warnings"]:
+                    err_console().print(f"[yellow]warning[/]: {line}", highlight=False)
                 if not args.json and at_once["requested"] > 1:  # one at a time needs no explaining
                     console.print(f"campaign {campaign_id}: {at_once['text']}", highlight=False)
                     for line in at_once["checked"] + at_once["not_checked"]:

@@ -347,7 +347,8 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     meta = json.loads(camp["meta_json"] or "{}")
     runs = led.campaign_runs(camp["run_id"])
     key = meta.get("key", "")
-    conclusion = conclude(key, meta.get("values", []), runs, interrupted=camp["status"] == "interrupted")
+    conclusion = conclude(key, meta.get("values", []), runs, interrupted=camp["status"] == "interrupted",
+                          caveats=(meta.get("parallel") or {}).get("warnings", []))
     body = ["<h2>Conclusion</h2><ul class=\"conclusion\">" + "".join(f"<li>{_e(t)}</li>" for t in conclusion["text"])
             + "</ul>", _table([key, "final val loss, mean ± spread", "accuracy", "finished", "diverged",
                                "beats control"], table(conclusion)),
