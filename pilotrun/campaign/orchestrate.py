@@ -66,7 +66,7 @@ def _plan(c: CampaignSpec) -> dict:
             "keep": c.canonical()["keep"]}
 
 
-# A worker told to stop (SIGINT) records where it stopped; it gets this long before SIGKILL.
+# A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
 STOP_GRACE_S = 60
 
 
@@ -75,6 +75,7 @@ class _Running:
 
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
+        self.started: set[str] = set()  # run ids whose worker was started (a lost end is "stopped", not "not-run")
         self.lock = threading.Lock()
         self.stopping = threading.Event()
 
@@ -108,6 +109,7 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
             env = {**_env(), **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
+            running.started.add(run_id)
         try:
             return proc.wait()
         except KeyboardInterrupt:  # only when runs go one at a time: the main thread waits here
@@ -273,12 +275,10 @@ def _execute_runs(runs, c, campaign_id, ledger_path, folder, plan, deadline, par
             led.set_meta(r["run_id"], meta)
             led.set_status(r["run_id"], "running")
         spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
-        started = False
         try:
-            started = _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running,
-                              plan.get("threads")) is not None
+            _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"))
         finally:
-            _record_lost_end(r, ledger_path, running.stopping.is_set(), started)
+            _record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started)
         if on_event:
             with Ledger(ledger_path) as led:
                 on_event(led.run(r["run_id"]))
@@ -299,7 +299,7 @@ def _execute_runs(runs, c, campaign_id, ledger_path, folder, plan, deadline, par
     except KeyboardInterrupt:
         running.stopping.set()
         for r in runs:
-            _record_lost_end(r, ledger_path, True, True)
+            _record_lost_end(r, ledger_path, True, r["run_id"] in running.started)
         raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True)) from None
 
 
