@@ -116,6 +116,11 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
             "metric": "final validation loss (lower is better)"}
 
 
+def final_val_loss(status: str, meta: dict) -> float | None:
+    """A run's final validation loss: only a finished run has one (a stopped run's last point is not it)."""
+    return (meta.get("final") or {}).get("val_loss") if status == "finished" else None
+
+
 def stop_text(meta: dict) -> str:
     """Where and why a run stopped, in one cell ("" for a run that finished)."""
     reason = meta.get("stop_reason")

@@ -67,6 +67,8 @@ def _plan(c: CampaignSpec) -> dict:
 
 
 # A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
+NOT_STARTED = {"status": "not-run", "stop_reason": "the campaign was interrupted before this run started",
+               "stopped_at": 0}
 STOP_GRACE_S = 60
 
 
@@ -238,23 +240,16 @@ def _interruptible():
         signal.signal(signal.SIGTERM, old[1])
 
 
+@_interruptible()
 def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
-    """Run every planned run; on Ctrl-C, stop the running ones where they are and start no more."""
-    with _interruptible():
-        _execute_runs(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock,
-                      on_event)
-
-
-def _execute_runs(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock,
-                  on_event):
+    """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more."""
     plan_file = folder / "plan.json"
     running = _Running()
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:
             if running.stopping.is_set():
-                led.finish_campaign_run(r["run_id"], {"status": "not-run", "stop_reason": "the campaign was "
-                                                      "interrupted before this run started", "stopped_at": 0})
+                led.finish_campaign_run(r["run_id"], NOT_STARTED)
                 return
             if deadline is not None and time.time() > deadline:
                 led.finish_campaign_run(r["run_id"], {"status": "not-run", "stop_reason": "budget: not started before "
@@ -310,8 +305,7 @@ def _record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: boo
         if row["status"] not in ("running", "planned"):
             return
         if interrupted and (row["status"] == "planned" or not started):
-            result = {"status": "not-run", "stop_reason": "the campaign was interrupted before this run started",
-                      "stopped_at": 0}
+            result = NOT_STARTED
         elif interrupted:
             result = {"status": "stopped", "stop_reason": "interrupted (Ctrl-C); the run's process ended before "
                       f"recording where (log {r['out'] / 'worker.log'})", "stopped_at": None}

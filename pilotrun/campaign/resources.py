@@ -86,8 +86,9 @@ def plan_parallel(requested: int, *, cpus: int, host_available_bytes: int, accel
     if allowed < 1:
         reasons.append("even one run may not fit; running one at a time")
         allowed = 1
-    return {"requested": requested, "parallel": allowed, "threads_per_run": max(1, cpus // allowed),
+    threads = max(1, cpus // allowed)
+    return {"requested": requested, "parallel": allowed, "threads_per_run": threads,
             "reasons": reasons, "checked": [f"{why}: room for {max(n, 0)}" for n, why in limits],
             "not_checked": not_checked,
             "text": (f"{allowed} run(s) at once" + (f" (asked {requested})" if allowed != requested else "")
-                     + f", {max(1, cpus // allowed)} CPU thread(s) each")}
+                     + f", {threads} CPU thread(s) each")}

@@ -18,35 +18,11 @@ from safetensors.torch import save_file
 
 from ..checkpoint.export import export_model
 from ..checkpoint.state import save_checkpoint
-from ..gates.eval import _metrics_of
-from ..gates.overfit import shift_convention
+from ..gates.eval import val_metrics
 from ..ledger.store import Ledger
 from ..models.loading import load_tokenizer
 from ..train.loop import NonFiniteError, _loss_of, autocast_for, to_device
 from ..workers.reload import outputs_of
-
-
-def validate(model, data, spec, device, max_batches: int | None) -> dict:
-    """Loss and accuracy over the validation split (or its first ``max_batches`` batches)."""
-    bs = spec.eval_batch_size
-    total = n = correct = counted = batches = 0
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), autocast_for(device, spec.train.precision):
-            for start in range(0, len(data.val), bs):
-                if max_batches and batches >= max_batches:
-                    break
-                items = [data.val[i] for i in range(start, min(len(data.val), start + bs))]
-                batch = to_device(data.collate(items), device)
-                out = model(**batch)
-                total += float(_loss_of(out)) * len(items)
-                n += len(items)
-                c, k = _metrics_of(out, batch, shift_convention(model, data))
-                correct, counted, batches = correct + c, counted + k, batches + 1
-    finally:
-        model.train(was)
-    return {"val_loss": total / max(n, 1), "accuracy": correct / counted if counted else None, "examples": n}
 
 
 def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> list[dict]:
@@ -148,7 +124,7 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
                 if step % plan["eval_every"] == 0 or step == plan["updates"]:
                     flush("train", pending)
                     pending = []
-                    v = validate(trainer.model, data, spec, device, spec.eval.max_batches)
+                    v = val_metrics(trainer.model, data, spec, device)
                     result["val"].append({"step": rec.step, **v})
                     flush("val", [{"step": rec.step, "loss": v["val_loss"], "extra": {"accuracy": v["accuracy"]}}])
             flush("train", pending)

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from ..campaign.conclude import stop_text, table
+from ..campaign.conclude import final_val_loss, stop_text, table
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, retry, run_campaign
 from ..ledger.store import default_ledger_path
 from .common import EXIT_INTERRUPTED, UsageError, add_ledger_arg, err_console, out_console
@@ -95,10 +95,10 @@ def _show(args, result: dict) -> None:
     for r in result["runs"]:
         m = r["meta"]
         status_style = {"finished": "green", "diverged": "red", "failed": "red"}.get(r["status"], "yellow")
-        final = (m.get("final") or {}).get("val_loss")
+        final = final_val_loss(r["status"], m)
         t.add_row(r["run_id"], str(m.get("variant")), str(m.get("seed")), Text(r["status"], style=status_style),
                   stop_text(m),
-                  f"{final:.4g}" if final is not None and r["status"] == "finished" else "", r.get("parent_id") or "")
+                  f"{final:.4g}" if final is not None else "", r.get("parent_id") or "")
     console.print(t)
     s = Table(box=None, header_style="bold", title=f"per variant ({c['metric']})", title_justify="left")
     for col in (c["key"], "mean ± spread", "accuracy", "finished", "diverged", "beats control"):

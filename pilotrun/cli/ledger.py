@@ -64,7 +64,7 @@ def main(args) -> int:
             console.print(Text.assemble(("run ", "bold"), run["run_id"], f" · {run['name']} · {run['status']} · "
                                         f"started {run['started_at']}"))
             if run["kind"] == "campaign":  # a campaign has runs, not gates
-                runs = [{**r, "meta_json": json.dumps(r["meta"])} for r in led.campaign_runs(run["run_id"])]
+                runs = led.campaign_runs(run["run_id"])
                 summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
                 console.print(_run_table(runs, summaries))
             elif run["kind"] == "campaign-run":
@@ -86,10 +86,10 @@ def main(args) -> int:
 def _result(r: dict, gate_rows: list[dict]) -> str:
     """What a run came to: gate verdicts for a pilot; variant, seed, stop or final loss for a campaign run."""
     if r["kind"] == "campaign-run":  # its rows are per-update points, not gates with verdicts
-        from ..campaign.conclude import stop_text
+        from ..campaign.conclude import final_val_loss, stop_text
 
         meta = json.loads(r.get("meta_json") or "{}")
-        final = (meta.get("final") or {}).get("val_loss")
+        final = final_val_loss(r["status"], meta)
         what = stop_text(meta) or (f"final val loss {final:.4g}" if final is not None else "")
         return f"{meta.get('key')}={json.dumps(meta.get('variant'))} seed {meta.get('seed')}" + (f" · {what}" if what else "")
     if r["kind"] == "campaign":

@@ -1,7 +1,6 @@
 """``pilotrun note "text"``: a timestamped decision or observation on a run or campaign, in the ledger."""
 from __future__ import annotations
 
-
 from ..ledger.store import Ledger, LedgerError
 from .common import UsageError, existing_ledger, out_console, add_ledger_arg
 

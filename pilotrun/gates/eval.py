@@ -42,6 +42,43 @@ def _metrics_of(out, batch, shift: bool | None) -> tuple[int, int]:
     return 0, 0
 
 
+def val_metrics(model, data, spec, device, on_batch=None) -> dict:
+    """Loss and accuracy over the validation split (its first ``eval.max_batches`` batches when set).
+
+    The one metric pass of pilotrun: the eval gate and every campaign validation point use it.
+    ``on_batch(index, items, loss)`` sees each batch's loss before it is counted (the gate stops
+    at a non-finite one and reports progress). The model is left in the mode it came in.
+    """
+    bs = spec.eval_batch_size
+    total_loss = 0.0
+    n_batches = n_examples = correct = counted = 0
+    limit = spec.eval.max_batches or math.inf
+    val = data.val
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast_for(device, spec.train.precision):
+            for start in range(0, len(val), bs):
+                if n_batches >= limit:
+                    break
+                items = [val[i] for i in range(start, min(len(val), start + bs))]
+                batch = to_device(data.collate(items), device)
+                out = model(**batch)
+                loss = float(_loss_of(out))
+                if on_batch is not None:
+                    on_batch(n_batches, items, loss)
+                c, k = _metrics_of(out, batch, shift_convention(model, data))
+                correct, counted = correct + c, counted + k
+                total_loss += loss * len(items)
+                n_examples += len(items)
+                n_batches += 1
+                del out, batch
+    finally:
+        model.train(was_training)
+    return {"val_loss": total_loss / max(n_examples, 1), "accuracy": correct / counted if counted else None,
+            "examples": n_examples, "batches": n_batches}
+
+
 class EvalGate(Gate):
     name = "eval"
     depends_on = ("load",)
@@ -85,34 +122,20 @@ class EvalGate(Gate):
                 out = model(**to_device(worst, ctx.device))
                 worst_loss = float(_loss_of(out)) if "labels" in worst else None
                 del out
-            total_loss = 0.0
-            n_batches = n_examples = correct = counted = 0
-            limit = spec.eval.max_batches or math.inf
-            order = list(range(len(val)))
-            ctx.progress(0, min(math.ceil(len(val) / bs), limit), "val batches")
-            with torch.no_grad(), autocast_for(ctx.device, spec.train.precision):
-                for start in range(0, len(order), bs):
-                    if n_batches >= limit:
-                        break
-                    items = [val[i] for i in order[start : start + bs]]
-                    batch = to_device(data.collate(items), ctx.device)
-                    out = model(**batch)
-                    loss = float(_loss_of(out))
-                    if not math.isfinite(loss):
-                        ids = [str(it["id"]) for it in items]
-                        raise GateFailure(f"eval loss is {loss} on validation batch {n_batches + 1} (ids {', '.join(ids[:8])})",
-                                          inputs=inputs)
-                    c, k = _metrics_of(out, batch, shift_convention(model, data))
-                    correct, counted = correct + c, counted + k
-                    total_loss += loss * len(items)
-                    n_examples += len(items)
-                    n_batches += 1
-                    del out, batch
-                    ctx.progress(n_batches, min(math.ceil(len(val) / bs), limit), "val batches")
         finally:
             model.train(was_training)
-        eval_loss = total_loss / max(n_examples, 1)
-        accuracy = correct / counted if counted else None
+        n_total = min(math.ceil(len(val) / bs), spec.eval.max_batches or math.inf)
+        ctx.progress(0, n_total, "val batches")
+
+        def check(index: int, items: list, loss: float) -> None:
+            if not math.isfinite(loss):
+                ids = [str(it["id"]) for it in items]
+                raise GateFailure(f"eval loss is {loss} on validation batch {index + 1} (ids {', '.join(ids[:8])})",
+                                  inputs=inputs)
+            ctx.progress(index + 1, n_total, "val batches")
+
+        m = val_metrics(model, data, spec, ctx.device, on_batch=check)
+        eval_loss, accuracy, n_examples, n_batches = m["val_loss"], m["accuracy"], m["examples"], m["batches"]
         result = Outcome(inputs=inputs)
         kind = None if accuracy is None else ("next tokens" if data.task == "causal-lm" or worst.get("labels", torch.zeros(1)).ndim >= 2 else "classes")
         result.details = {"eval_loss": eval_loss, "accuracy": accuracy, "accuracy_of": kind,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
+from ..campaign.conclude import final_val_loss
 from .store import Ledger
 
 # pilotrun status -> MLflow RunStatus name. Anything not listed is still running.
@@ -94,9 +95,9 @@ def _params_tags(run: dict, meta: dict, led: Ledger) -> tuple[dict, dict]:
 
 def _points(led: Ledger, run: dict, meta: dict) -> list[tuple[str, float, int]]:
     points = metric_points(led, run["run_id"])
-    final = meta.get("final") or {}
-    if final.get("val_loss") is not None and run["status"] == "finished":
-        points.append(("final/val_loss", float(final["val_loss"]), int(final.get("step") or 0)))
+    final = final_val_loss(run["status"], meta)
+    if final is not None:
+        points.append(("final/val_loss", float(final), int(meta["final"].get("step") or 0)))
     return points
 
 

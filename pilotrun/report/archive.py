@@ -18,7 +18,6 @@ Example::
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,11 +25,12 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..campaign.conclude import stop_text
+from ..campaign.conclude import final_val_loss, stop_text
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.state import verify_folder
 from ..ledger.store import Ledger
 from ..ledger.tables import table, write_csv
+from ..lock import sha256_file
 
 # Copied as is into the archive: it must run with torch, safetensors and transformers alone.
 RERUN_SCRIPT = Path(__file__).with_name("rerun_control.py")
@@ -82,9 +82,9 @@ def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: 
                      + (f", retry of {meta['retry_of']} with {json.dumps(meta.get('changes'))}" if meta.get("retry_of") else ""))
     if meta.get("stop_reason"):
         lines.append(f"- stopped at update {meta.get('stopped_at')}: {meta['stop_reason']}")
-    final = meta.get("final") or {}
-    if final and run["status"] == "finished":
-        lines.append(f"- final validation loss {final.get('val_loss'):.6g} at update {final.get('step')}")
+    final = final_val_loss(run["status"], meta)
+    if final is not None:
+        lines.append(f"- final validation loss {final:.6g} at update {meta['final'].get('step')}")
     versions = {k: v for k, v in (lock.get("versions") or {}).items() if v is not None}
     dists = lock.get("distributions") or {}
     versions.update({k: dists[k] for k in ("transformers", "safetensors", "tokenizers", "accelerate") if k in dists})
@@ -130,14 +130,6 @@ def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: 
               "## Files", "", "| file | sha256 |", "|---|---|"]
     lines += [f"| {k} | `{v[:16]}…` |" for k, v in sorted(files.items())]
     return "\n".join(lines) + "\n"
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
@@ -199,7 +191,7 @@ def _write_tables(led: Ledger, ref: str, root: Path, which: tuple[str, ...]) -> 
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): _sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _tar(root: Path, out: Path) -> None:

@@ -342,7 +342,7 @@ def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
 
 
 def render_campaign(led: Ledger, camp: dict) -> str:
-    from ..campaign.conclude import conclude, stop_text, table
+    from ..campaign.conclude import conclude, final_val_loss, stop_text, table
 
     meta = json.loads(camp["meta_json"] or "{}")
     runs = led.campaign_runs(camp["run_id"])
@@ -357,10 +357,10 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     rows = []
     for r in runs:
         m = r["meta"]
-        final = (m.get("final") or {}).get("val_loss")
+        final = final_val_loss(r["status"], m)
         rows.append([r["run_id"], m.get("variant"), m.get("seed"), f'<span class="{_e(r["status"])}">{_e(r["status"])}</span>',
                      stop_text(m),
-                     f"{final:.4g}" if final is not None and r["status"] == "finished" else "",
+                     f"{final:.4g}" if final is not None else "",
                      r.get("parent_id") or "", json.dumps(m.get("changes")) if m.get("changes") else ""])
     body.append("<h2>Every run</h2>" + _table(["run", key, "seed", "status", "stopped", "final val loss", "retry of",
                                                "changed"], rows, raw_cols=(3,)))
@@ -381,17 +381,17 @@ def render_campaign(led: Ledger, camp: dict) -> str:
 
 def render_campaign_run(led: Ledger, run: dict) -> str:
     """One run of a campaign: what it varied, where it stopped, its curves; the campaign has the comparison."""
-    from ..campaign.conclude import stop_text
+    from ..campaign.conclude import final_val_loss, stop_text
 
     meta = json.loads(run["meta_json"] or "{}")
     r = {**run, "meta": meta}
     key = meta.get("key", "")
-    final = (meta.get("final") or {}).get("val_loss")
+    final = final_val_loss(run["status"], meta)
     facts = [["campaign", meta.get("campaign_id")], [key, json.dumps(meta.get("variant"))
                                                      + (" (control)" if meta.get("control") else "")],
              ["seed", meta.get("seed")], ["status", f'<span class="{_e(run["status"])}">{_e(run["status"])}</span>'],
              ["stopped", _e(stop_text(meta))],
-             ["final validation loss", f"{final:.4g}" if final is not None and run["status"] == "finished" else ""],
+             ["final validation loss", f"{final:.4g}" if final is not None else ""],
              ["retry of", _e(run.get("parent_id") or "")], ["changed", _e(json.dumps(meta.get("changes") or {}))]]
     if meta.get("lock_drift"):
         facts.append(["lock drift", _e(", ".join(meta["lock_drift"]))])
