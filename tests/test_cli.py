@@ -52,6 +52,22 @@ def test_bad_usage_exits_2(tmp_path):
     assert res.returncode == 2 and "not a usable SQLite ledger" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_text_with_square_brackets_is_printed_not_parsed_as_markup(tmp_path):
+    # gloo's errors start "[/__w/pytorch/.../pair.cc:553]"; rich read that as a closing tag and crashed the
+    # error handler itself (a CI failure). Paths, run ids and gate reasons can hold brackets too.
+    from rich.console import Console
+
+    from pilotrun.ui.console import gate_table
+
+    res = pilotrun_cli("run", "[/nope]/pilot.yaml", cwd=tmp_path)
+    assert res.returncode == 2 and "spec file not found: [/nope]/pilot.yaml" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    console = Console(record=True, width=200)
+    reason = "RuntimeError: [/__w/pytorch/third_party/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    console.print(gate_table([{"gate": "first_step", "verdict": "fail", "reason": reason, "memory": {}}]))
+    assert "[/__w/pytorch/third_party/gloo/transport/tcp/pair.cc:553]" in console.export_text()
+
+
 def test_bad_jsonl_fails_load_naming_file_and_line(tmp_path):
     spec = copy_example("tiny-sft", tmp_path)
     data = spec.parent / "data.jsonl"

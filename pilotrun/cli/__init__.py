@@ -10,6 +10,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from rich.markup import escape
+
 from ..config.schema import SpecError
 from ..ledger.store import LedgerError
 from . import archive as archive_cmd
@@ -54,7 +56,7 @@ COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's default exits 2 with usage; keep 2, add the hint
         self.print_usage(sys.stderr)
-        err_console().print(f"[bold red]error:[/] {message} (see {self.prog} --help)")
+        err_console().print(f"[bold red]error:[/] {escape(message)} (see {self.prog} --help)", highlight=False)
         raise SystemExit(EXIT_BAD_INPUT)
 
 
@@ -80,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SpecError as exc:
         console = err_console()
-        where = f" in {exc.source}" if exc.source else ""
+        where = f" in {escape(str(exc.source))}" if exc.source else ""
         console.print(f"[bold red]bad spec{where}[/] ({len(exc.problems)} problem{'s' if len(exc.problems) != 1 else ''}):")
         for field, message in exc.problems:
             # A problem with the whole file (missing, not YAML) has no field: its message names the file.
-            console.print(f"  [bold]{field}[/]: {message}" if field else f"  {message}", highlight=False)
+            console.print(f"  [bold]{escape(field)}[/]: {escape(message)}" if field else f"  {escape(message)}", highlight=False)
         return EXIT_BAD_INPUT
     except (UsageError, LedgerError) as exc:
-        err_console().print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console().print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         err_console().print("[yellow]interrupted[/]: rows written so far are in the ledger")
@@ -100,6 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             saved = f"; traceback saved to {path}"
         except OSError:
             saved = ""
-        err_console().print(f"[bold red]internal error[/]: {type(exc).__name__}: {exc}{saved}. Please report it.",
+        err_console().print(f"[bold red]internal error[/]: {type(exc).__name__}: {escape(str(exc))}{escape(saved)}. Please report it.",
                             highlight=False)
         return EXIT_INTERNAL

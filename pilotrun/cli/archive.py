@@ -46,5 +46,6 @@ def main(args) -> int:
             what += f"; folders gone (rows kept in the CSVs): {', '.join(summary['runs_without_folder'])}"
     else:
         what = "with its model" if summary["model"] else f"without a model ({summary['why_no_model']})"
-    out_console().print(f"wrote {out} ({human_bytes(summary['bytes'])}, {summary['files']} files) {what}", highlight=False)
+    out_console().print(f"wrote {out} ({human_bytes(summary['bytes'])}, {summary['files']} files) {what}", highlight=False,
+                        markup=False)
     return 0

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 from rich.text import Text
+from rich.markup import escape
 
 from ..campaign.conclude import final_val_loss, stop_text, table
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, retry, run_campaign
@@ -57,15 +58,15 @@ def main(args) -> int:
                 if not args.json:
                     why = stop_text(json.loads(run.get("meta_json") or "{}"))
                     console.print(f"  {run['status']:<9} {run['run_id']}" + (f"  ({why})" if why else ""),
-                                  highlight=False)
+                                  highlight=False, markup=False)
 
             def start(campaign_id: str, at_once: dict) -> None:
                 for line in [] if args.json else at_once["warnings"]:
-                    err_console().print(f"[yellow]warning[/]: {line}", highlight=False)
+                    err_console().print(f"[yellow]warning[/]: {escape(line)}", highlight=False)
                 if not args.json and at_once["requested"] > 1:  # one at a time needs no explaining
-                    console.print(f"campaign {campaign_id}: {at_once['text']}", highlight=False)
+                    console.print(f"campaign {campaign_id}: {at_once['text']}", highlight=False, markup=False)
                     for line in at_once["checked"] + at_once["not_checked"]:
-                        console.print(f"  {line}", style="dim", highlight=False)
+                        console.print(f"  {line}", style="dim", highlight=False, markup=False)
 
             result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event,
                                   start)
@@ -96,15 +97,15 @@ def _show(args, result: dict) -> None:
         m = r["meta"]
         status_style = {"finished": "green", "diverged": "red", "failed": "red"}.get(r["status"], "yellow")
         final = final_val_loss(r["status"], m)
-        t.add_row(r["run_id"], str(m.get("variant")), str(m.get("seed")), Text(r["status"], style=status_style),
-                  stop_text(m),
+        t.add_row(r["run_id"], Text(str(m.get("variant"))), str(m.get("seed")), Text(r["status"], style=status_style),
+                  Text(stop_text(m)),
                   f"{final:.4g}" if final is not None else "", r.get("parent_id") or "")
     console.print(t)
     s = Table(box=None, header_style="bold", title=f"per variant ({c['metric']})", title_justify="left")
     for col in (c["key"], "mean ± spread", "accuracy", "finished", "diverged", "beats control"):
         s.add_column(col)
     for row in table(c):
-        s.add_row(*row)
+        s.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in row))
     console.print(s)
     for line in c["text"]:
         console.print(Text("• " + line, style="bold"))

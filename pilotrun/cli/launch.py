@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rich.markup import escape
+
 from ..config.spec import load_spec
 from ..devices import query_devices
 from ..pilot import new_run_id
@@ -86,7 +88,7 @@ def main(args) -> int:
     for item in args.overrides:
         cmd += ["--set", item]
     console = out_console()
-    console.print(f"[bold]launch[/] {world} process(es): {why}; strategy {spec.distributed.strategy}; run {run_id}")
+    console.print(f"[bold]launch[/] {escape(f'{world} process(es): {why}; strategy {spec.distributed.strategy}; run {run_id}')}")
     env = {**os.environ, "PILOTRUN_LAUNCHED": "1"}
     code = subprocess.call(cmd, env=env)
     report = Path(out) / "report.json"

@@ -109,8 +109,8 @@ def _run_table(runs: list[dict], summaries: dict[str, list[dict]]) -> Table:
     for r in runs:
         status = r["status"]
         shown = status if status != "running" or r["ended_at"] else "running (no end recorded)"
-        table.add_row(r["run_id"], r["name"], r["kind"], Text(shown, style=STYLE.get(status, "")),
-                      r["started_at"][:16].replace("T", " "), _result(r, summaries[r["run_id"]]))
+        table.add_row(r["run_id"], Text(r["name"]), r["kind"], Text(shown, style=STYLE.get(status, "")),
+                      r["started_at"][:16].replace("T", " "), Text(_result(r, summaries[r["run_id"]])))
     return table
 
 
@@ -131,14 +131,14 @@ def _export(args, path: Path, console) -> int:
                 raise UsageError(str(exc)) from None
             console.print(f"exported {len(done)} run(s) to {args.mlflow} (experiment {done[0]['experiment'] if done else '-'})"
                           + "".join(f"\n  {d['run_id']} -> {d['mlflow_run_id']} {d['status']}" for d in done),
-                          highlight=False)
+                          highlight=False, markup=False)
             if not args.csv:
                 return 0
         columns, rows = table(led, args.csv, args.run, args.name)
     if args.out:
         with open(args.out, "w", newline="") as fh:
             n = write_csv(fh, columns, rows)
-        console.print(f"wrote {n} {args.csv} row(s) to {args.out}", highlight=False)
+        console.print(f"wrote {n} {args.csv} row(s) to {args.out}", highlight=False, markup=False)
     else:
         write_csv(sys.stdout, columns, rows)
     return 0

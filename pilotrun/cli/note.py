@@ -33,5 +33,5 @@ def main(args) -> int:
         if run is None:
             raise UsageError(f"no run {args.run!r}" if args.run else "no run or campaign in the ledger yet")
         led.add_note(run["run_id"], args.text.strip())
-    out_console().print(f"noted on {run['run_id']}")
+    out_console().print(f"noted on {run['run_id']}", markup=False)
     return 0

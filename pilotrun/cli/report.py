@@ -38,5 +38,5 @@ def main(args) -> int:
     out = args.out or Path(run["out_dir"] or ".") / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
-    out_console().print(f"wrote {out} ({len(page) / 1024:.0f} KiB, self-contained)")
+    out_console().print(f"wrote {out} ({len(page) / 1024:.0f} KiB, self-contained)", markup=False)
     return 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..config.schema import SpecError
 from ..config.spec import load_spec
@@ -109,7 +110,7 @@ def _advise_after_oom(spec, result, console) -> None:
         with console.status("out of memory: tracing variants that would fit..."):
             variants = advise(spec, Traces(spec), acc, "single", 1, catalog)
     except Exception as exc:  # advice is a help, never a second failure
-        console.print(f"[yellow]no advice: {type(exc).__name__}: {exc}[/]")
+        console.print(f"[yellow]no advice: {type(exc).__name__}: {escape(str(exc))}[/]")
         return
     console.print(f"[bold yellow]{oom[0]['gate']} ran out of memory on {acc.name}; variants in order "
                   "(the maximum length is never cut):[/]")

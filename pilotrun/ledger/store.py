@@ -100,6 +100,18 @@ def default_ledger_path() -> Path:
     return Path(os.environ.get("PILOTRUN_LEDGER", str(DEFAULT_LEDGER)))
 
 
+def _retry_locked(statement, wait_s: float = 60.0):
+    """Run a statement that SQLite refuses with "locked" without consulting the busy timeout, until it succeeds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return statement()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class Ledger:
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else default_ledger_path()
@@ -108,7 +120,9 @@ class Ledger:
             self.conn = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
             self.conn.row_factory = sqlite3.Row
             self.conn.execute("PRAGMA busy_timeout = 60000")
-            self.conn.execute("PRAGMA journal_mode = WAL")
+            # Switching a fresh file to WAL takes an exclusive lock and SQLite answers "locked" at once instead of
+            # waiting in the busy handler, so two ranks opening a new ledger together would fail ~1 time in 10.
+            _retry_locked(lambda: self.conn.execute("PRAGMA journal_mode = WAL"))
             self.conn.execute("PRAGMA synchronous = NORMAL")
             self.conn.execute("PRAGMA foreign_keys = ON")
             self._init_schema()
@@ -117,14 +131,7 @@ class Ledger:
 
     def _init_schema(self) -> None:
         # executescript commits on its own; the statements are idempotent.
-        for attempt in range(50):
-            try:
-                self.conn.executescript(SCHEMA)
-                break
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or attempt == 49:
-                    raise
-                time.sleep(0.1)
+        _retry_locked(lambda: self.conn.executescript(SCHEMA))
         row = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is None:
             with self.transaction() as cur:

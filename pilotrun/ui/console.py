@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -59,7 +60,7 @@ def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = 
         if show_reserved:
             cells.append(human_bytes(mem.get("peak_reserved_bytes")) if mem.get("peak_reserved_bytes") is not None else "")
         cells += [human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") is not None else "",
-                  _clip(r.get("reason", ""), reason_w)]
+                  Text(_clip(r.get("reason", ""), reason_w))]  # a reason may quote "[...]" from an error
         table.add_row(*cells)
     for name in pending:
         state = "running" if name == running else "pending"
@@ -126,11 +127,11 @@ class ConsoleObserver:
 
     def on_progress(self, done: int, total: int, text: str) -> None:
         if self.task is None:
-            self.task = self.progress.add_task(f"{self.running}: {text}", total=total)
+            self.task = self.progress.add_task(escape(f"{self.running}: {text}"), total=total)
         self.progress.update(self.task, completed=done, total=total)
         if self.live is None and time.monotonic() - self._last_plain > 5 and total:
             self._last_plain = time.monotonic()
-            self.console.print(f"  {self.running}: {done}/{total} {text}")
+            self.console.print(f"  {self.running}: {done}/{total} {text}", markup=False)
         self._refresh()
 
     def on_gate_end(self, row: dict) -> None:
