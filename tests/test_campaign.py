@@ -34,6 +34,8 @@ def _run(variant, seed, status="finished", loss=None, parent=None, drift=None):
             "stop_reason": None if status == "finished" else "loss 40 > 3 x the first loss 6", "stopped_at": 7}
     if drift:
         meta["lock_drift"] = drift
+    if parent:
+        meta["retry_of"] = parent
     return {"run_id": f"r-{variant}-{seed}-{status}-{parent}", "status": status, "parent_id": parent, "meta": meta}
 
 
@@ -155,6 +157,33 @@ def test_the_retry_of_a_diverged_seed_counts_and_drifted_runs_do_not():
     b = conclude("lr", ["a", "b"], runs)["variants"][1]
     assert b["finished"] == 1 and b["val_loss_mean"] == pytest.approx(1.0) and b["lock_drift"] == 1
     assert b["diverged"] == 1 and b["retries"] == 1
+
+
+def test_a_resume_continues_only_runs_cut_short_and_they_stop_counting_as_not_run():
+    from pilotrun.campaign.followup import cut_short
+
+    def row(rid, index, seed, status, continues=None):
+        meta = {"variant": ["a", "b"][index], "variant_index": index, "seed": seed, "stop_reason": "why", "stopped_at": 7,
+                "final": {"val_loss": 2.0 + index + seed / 100} if status == "finished" else None}
+        if continues:
+            meta["continues"] = continues
+        return {"run_id": rid, "status": status, "parent_id": continues, "meta": meta}
+
+    runs = [row("r1", 0, 1, "finished"), row("r2", 0, 2, "stopped"), row("r3", 1, 1, "diverged"),
+            row("r4", 1, 2, "not-run")]
+    assert [r["run_id"] for r in cut_short(runs)] == ["r2", "r4"]  # a divergence is a result: --retry, not resume
+    runs += [row("r5", 0, 2, "finished", continues="r2"), row("r6", 1, 2, "stopped", continues="r4")]
+    assert [r["run_id"] for r in cut_short(runs)] == ["r6"]  # interrupted again: its latest attempt goes next
+    runs.append(row("r7", 1, 2, "finished", continues="r6"))
+    assert cut_short(runs) == []
+    c = conclude("lr", ["a", "b"], runs)
+    a, b = c["variants"]
+    assert (a["finished"], a["not_run"], a["continued"], a["retries"]) == (2, 0, 1, 0)
+    assert (b["runs"], b["finished"], b["not_run"], b["continued"], b["diverged"]) == (2, 1, 0, 1, 1)
+    assert "lr = b: 1 seed(s) cut short by an interruption ran again from the start (--resume), each run linked " \
+           "to the one it continues" in c["text"]
+    assert "lr = b diverged in 1 of 2 run(s) (update 7); those runs are kept with their reason" in c["text"]
+    assert not any("stopped or not run" in line for line in c["text"])
 
 
 # -- the campaign file (parsed and checked before anything runs) ----------------------------------
@@ -596,3 +625,58 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, ho
     assert res.returncode == 0, res.stderr
     page = (tmp_path / "r.html").read_text()
     assert "· interrupted ·" in page and conclusion[0] in page and page.count("interrupted (Ctrl-C)") == 2
+
+
+@pytestmark_slow
+def test_an_interrupted_campaign_resumes_its_cut_short_runs_as_new_linked_runs(tmp_path, monkeypatch):
+    import shutil
+
+    from pilotrun.campaign.orchestrate import CampaignInterrupted, run_campaign
+
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    path, ledger = _small(tmp_path, seeds=[1, 2]), tmp_path / "l.sqlite"
+
+    def interrupt_after_the_first_run(run):
+        raise KeyboardInterrupt  # as a Ctrl-C between two runs
+
+    with pytest.raises(CampaignInterrupted) as info:
+        run_campaign(path, ledger, tmp_path / "runs", on_event=interrupt_after_the_first_run)
+    cid = info.value.result["campaign_id"]
+    assert [r["status"] for r in info.value.result["runs"]] == ["finished", "not-run", "not-run", "not-run"]
+
+    spent = tmp_path / "spent.sqlite"  # the same campaign with its 20-minute budget used up
+    shutil.copy(ledger, spent)
+    meta = json.loads(_ledger(spent, "SELECT meta_json FROM runs WHERE run_id = ?", cid)[0]["meta_json"])
+    con = sqlite3.connect(spent)
+    with con:
+        con.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?", (json.dumps({**meta, "budget_spent_s": 1300}), cid))
+    con.close()
+    res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(spent), cwd=tmp_path)
+    assert res.returncode == 2 and "has spent its budget (21.7 of 20 minutes)" in res.stderr, res.stderr
+
+    path.write_text(path.read_text().replace("0.003", "0.5"))  # an edit after the start must not leak in
+    res = pilotrun_cli("campaign", cid, "--resume", "--parallel", "2", "--ledger", str(ledger), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
+    assert [(r["run_id"][-3:], r["status"], (r["parent_id"] or "")[-3:]) for r in runs] == [
+        ("r01", "finished", ""), ("r02", "not-run", ""), ("r03", "not-run", ""), ("r04", "not-run", ""),
+        ("r05", "finished", "r02"), ("r06", "finished", "r03"), ("r07", "finished", "r04")]
+    for old, new in zip(runs[1:4], runs[4:]):
+        old_meta, new_meta = json.loads(old["meta_json"]), json.loads(new["meta_json"])
+        assert new_meta["continues"] == old["run_id"] and "retry_of" not in new_meta
+        assert (new_meta["variant"], new_meta["seed"]) == (old_meta["variant"], old_meta["seed"])
+        assert new["config_hash"] == old["config_hash"]  # the stored declaration, not the edited file
+    camp = _ledger(ledger, "SELECT * FROM runs WHERE run_id = ?", cid)[0]
+    assert camp["status"] == "finished"
+    cmeta = json.loads(camp["meta_json"])
+    text = cmeta["conclusion"]["text"]
+    assert not any("interrupted" in line or "stopped or not run" in line for line in text), text
+    assert [v["finished"] for v in cmeta["conclusion"]["variants"]] == [2, 2]
+    assert cmeta["budget_spent_s"] > 0
+    assert any("conclusion after resume (3 run(s) continued)" in n["text"]
+               for n in _ledger(ledger, "SELECT text FROM notes WHERE run_id = ?", cid))
+
+    res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), cwd=tmp_path)
+    assert res.returncode == 2 and "was not interrupted (it ended finished)" in res.stderr
+    res = pilotrun_cli("campaign", cid, "--ledger", str(ledger), cwd=tmp_path)
+    assert res.returncode == 2 and "give --resume" in res.stderr

@@ -53,6 +53,15 @@ def test_invalid_verdict_is_refused(tmp_path):
         assert led.gate_rows("r") == []  # the failed transaction left nothing
 
 
+def test_a_claim_moves_a_status_once(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as led, Ledger(tmp_path / "l.sqlite") as other:
+        led.start_run("c", "j", "campaign")
+        led.set_status("c", "interrupted")
+        assert led.claim("c", "interrupted", "running")
+        assert not other.claim("c", "interrupted", "running")  # a second resume finds it taken
+        assert other.run("c")["status"] == "running"
+
+
 def test_ambiguous_prefix_is_an_error(tmp_path):
     with Ledger(tmp_path / "l.sqlite") as led:
         led.start_run("job-1", "j", "pilot")

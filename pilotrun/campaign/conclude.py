@@ -18,8 +18,15 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
 
+def continued_ids(runs: list[dict]) -> set[str]:
+    """Runs cut short by an interruption that a ``--resume`` ran again (the new run is linked to them)."""
+    return {r["meta"]["continues"] for r in runs if r["meta"].get("continues")}
+
+
 def variant_stats(runs: list[dict], value) -> dict:
-    mine = [r for r in runs if r["meta"].get("variant") == value]
+    continued = continued_ids(runs)
+    # A row cut short by an interruption and run again by --resume is history, not another attempt.
+    mine = [r for r in runs if r["meta"].get("variant") == value and r["run_id"] not in continued]
     finished, seen = [], set()
     for r in mine:  # planned order: declared runs first, then retries
         if (r["status"] == "finished" and not r["meta"].get("lock_drift") and r["meta"].get("seed") not in seen
@@ -36,7 +43,8 @@ def variant_stats(runs: list[dict], value) -> dict:
         "diverged": sum(1 for r in mine if r["status"] == "diverged"),
         "failed": sum(1 for r in mine if r["status"] in ("failed", "refused")),
         "not_run": sum(1 for r in mine if r["status"] in ("not-run", "stopped")),
-        "retries": sum(1 for r in mine if r.get("parent_id")),
+        "retries": sum(1 for r in mine if r["meta"].get("retry_of")),
+        "continued": sum(1 for r in mine if r["meta"].get("continues")),
         "lock_drift": sum(1 for r in mine if r["meta"].get("lock_drift")),
         "val_loss_mean": statistics.fmean(losses) if losses else None,
         "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
@@ -55,7 +63,9 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
     control = stats[0]
     lines: list[str] = []
     if interrupted:
-        n = {k: sum(r["status"] == k for r in runs) for k in ("finished", "stopped", "not-run")}
+        continued = continued_ids(runs)
+        n = {k: sum(r["status"] == k and r["run_id"] not in continued for r in runs)
+             for k in ("finished", "stopped", "not-run")}
         lines.append(f"the campaign was interrupted: {n['finished']} run(s) finished, {n['stopped']} stopped where "
                      f"they were, {n['not-run']} not run")
     better, judged, unjudged = [], [], []
@@ -106,6 +116,9 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
                          "those runs are kept with their reason")
         if s["retries"]:
             lines.append(f"{key} = {s['variant']} includes {s['retries']} retry run(s), each linked to the run it retried")
+        if s["continued"]:
+            lines.append(f"{key} = {s['variant']}: {s['continued']} seed(s) cut short by an interruption ran again "
+                         "from the start (--resume), each run linked to the one it continues")
         if s["lock_drift"]:
             lines.append(f"{key} = {s['variant']}: {s['lock_drift']} run(s) ran on a drifted lock (--allow-drift) and "
                          "are left out of the comparison")
@@ -127,6 +140,17 @@ def stop_text(meta: dict) -> str:
     if not reason:
         return ""
     return f"update {meta['stopped_at']}: {reason}" if meta.get("stopped_at") else reason
+
+
+def link_text(meta: dict) -> str:
+    """How a run follows an earlier one ("" for a declared run)."""
+    def short(run_id: str) -> str:  # "<campaign>-r05" -> "r05": the campaign is on the page already
+        prefix = f"{meta.get('campaign_id')}-"
+        return run_id[len(prefix):] if run_id.startswith(prefix) else run_id
+
+    if meta.get("retry_of"):
+        return f"retry of {short(meta['retry_of'])}"
+    return f"continues {short(meta['continues'])} (resume)" if meta.get("continues") else ""
 
 
 def table(conclusion: dict) -> list[list[str]]:

@@ -10,9 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
-import re
 import secrets
 import signal
 import subprocess
@@ -30,11 +28,10 @@ from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import _env
-from .conclude import conclude
+from .conclude import conclude, continued_ids
 from .resources import pilot_memory, plan_parallel
 from .runner import STOP_SIGNAL
-from .spec import (RETRY_KEYS, CampaignSpec, campaign_from_stored, check_only_varied, examples_per_update,
-                   load_campaign, run_spec)
+from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
 ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")
@@ -157,10 +154,12 @@ def _accelerator(spec) -> tuple[str, int] | None:
     return (inv.names[index], inv.total_memory_bytes[index]) if index < inv.count else None
 
 
-def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path) -> dict:
-    """How many runs at once, from this machine and a pilot of the base spec in the ledger (see resources.py)."""
+def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path, base_hash: str | None = None) -> dict:
+    """How many runs at once, from this machine and a pilot of the base spec in the ledger (see resources.py).
+
+    ``base_hash``: the base spec's config hash when it is not the file on disk (a resume uses the stored base)."""
     with Ledger(ledger_path) as led:
-        per_run = pilot_memory(led, load_spec(c.folder / c.base).config_hash())
+        per_run = pilot_memory(led, base_hash or load_spec(c.folder / c.base).config_hash())
     host = query_host()
     return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
                          accelerator=_accelerator(control_spec), per_run=per_run)
@@ -324,63 +323,12 @@ def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False, after
                               (meta.get("parallel") or {}).get("warnings", []))
         meta["conclusion"] = conclusion
         led.set_meta(campaign_id, meta)
-        statuses = {r["status"] for r in runs}
+        continued = continued_ids(runs)  # cut short, then run again by --resume: the new run speaks for them
+        statuses = {r["status"] for r in runs if r["run_id"] not in continued}
         led.end_run(campaign_id, "interrupted" if interrupted else
                     "finished" if statuses <= {"finished"} else "finished-with-stops")
         led.add_note(campaign_id, f"conclusion{f' after {after}' if after else ''}: " + "; ".join(conclusion["text"]))
     return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion, "parallel": meta.get("parallel")}
-
-
-def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path: Path) -> dict:
-    """A new run for a parent's variant and seed with some keys changed; linked, never a replacement."""
-    from ..config.spec import parse_override
-
-    with Ledger(ledger_path) as led:
-        camp = led.run(campaign_ref)
-        if camp is None or camp["kind"] != "campaign":
-            raise CampaignError(f"no campaign {campaign_ref!r} in {ledger_path}")
-        # "r05" means this campaign's r05
-        short = f"{camp['run_id']}-{parent_ref}" if re.fullmatch(r"r\d+", parent_ref) else parent_ref
-        parent = led.run(short)
-        if parent is None or json.loads(parent["meta_json"] or "{}").get("campaign_id") != camp["run_id"]:
-            raise CampaignError(f"{parent_ref!r} is not a run of campaign {camp['run_id']}; its runs are "
-                                f"{camp['run_id']}-r01, -r02, ... (`pilotrun ledger --run {camp['run_id']}`)")
-        pmeta = json.loads(parent["meta_json"])
-        cmeta = json.loads(camp["meta_json"])
-    changes = [parse_override(o) for o in overrides]
-    bad = [k for k, _ in changes if k not in RETRY_KEYS]
-    if bad:
-        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, RETRY_KEYS, 1)) else k
-                 for k in bad]
-        raise CampaignError(f"a retry may change {', '.join(RETRY_KEYS)} (the experiment stays the same); "
-                            f"{', '.join(hints)} would make it another experiment: add it as a campaign instead")
-    if not changes and parent["status"] == "finished":
-        raise CampaignError(f"{parent['run_id']} finished; an identical rerun would not count (each seed counts "
-                            "once). A retry changes how it runs: --set train.micro_batch_size=... with "
-                            "train.grad_accum_steps, train.activation_checkpointing or train.device")
-    # The campaign and its base as declared at the start (stored in the ledger), not as the files read now.
-    c = campaign_from_stored(cmeta["campaign"], camp["spec_path"])
-    base_written = cmeta.get("base_written")
-    before = run_spec(c, pmeta["variant"], pmeta["seed"], base_written=base_written)
-    spec = run_spec(c, pmeta["variant"], pmeta["seed"], changes, base_written=base_written)
-    if examples_per_update(spec) != examples_per_update(before):
-        raise CampaignError(f"the retry changes the examples per update ({examples_per_update(before)} -> "
-                            f"{examples_per_update(spec)}): change train.grad_accum_steps with the micro batch")
-    folder = Path(camp["out_dir"])
-    n = len(led_runs(ledger_path, camp["run_id"])) + 1
-    run_id = f"{camp['run_id']}-r{n:02d}"
-    out = folder / run_id
-    out.mkdir()
-    with Ledger(ledger_path) as led:
-        led.start_run(run_id, spec.name, "campaign-run", spec_path=spec.source, out_dir=str(out.resolve()),
-                      config_hash=spec.config_hash(), parent_id=parent["run_id"],
-                      meta={"campaign_id": camp["run_id"], "variant": pmeta["variant"],
-                            "variant_index": pmeta["variant_index"], "seed": pmeta["seed"], "control": pmeta["control"],
-                            "key": cmeta["key"], "retry_of": parent["run_id"], "changes": dict(changes)})
-    r = {"run_id": run_id, "out": out, "spec": spec}
-    _execute([r], c, camp["run_id"], ledger_path, folder, _plan(c), None, 1, False,
-             json.loads(camp["lock_json"]), None)
-    return finish(camp["run_id"], ledger_path, after=f"retry {run_id} of {parent['run_id']}")
 
 
 def led_runs(ledger_path: Path, campaign_id: str) -> list[dict]:

@@ -8,19 +8,23 @@ from rich.table import Table
 from rich.text import Text
 from rich.markup import escape
 
-from ..campaign.conclude import final_val_loss, stop_text, table
-from ..campaign.orchestrate import CampaignError, CampaignInterrupted, retry, run_campaign
+from ..campaign.conclude import final_val_loss, link_text, stop_text, table
+from ..campaign.followup import resume, retry
+from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..ledger.store import default_ledger_path
 from .common import EXIT_INTERRUPTED, UsageError, add_ledger_arg, err_console, out_console
 
 HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml
   pilotrun campaign examples/campaign/lr-sweep.yaml --parallel 2
-  pilotrun campaign lr-sweep-2026 --retry lr-sweep-2026-r05 --set train.micro_batch_size=4 --set train.grad_accum_steps=4
+  pilotrun campaign lr-sweep-2026 --retry r05 --set train.micro_batch_size=4 --set train.grad_accum_steps=4
+  pilotrun campaign lr-sweep-2026 --resume --parallel 2   # after Ctrl-C: run what was stopped or not run
   pilotrun report lr-sweep-2026                  # the HTML report
 
 A retry is a new run linked to its parent (never a replacement) and may change only what keeps the
-experiment the same: micro batch with accumulation (examples per update held), activation checkpointing."""
+experiment the same: micro batch with accumulation (examples per update held), activation checkpointing.
+A resume runs each run the interrupt cut short again from the start, as a new run linked to it, within
+the budget the campaign had left; runs with a result (finished, diverged, failed) are left as they are."""
 
 
 def add_parser(sub) -> None:
@@ -28,7 +32,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("campaign", help="run a control and variants over seeds", description=__doc__, epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry")
+    p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry or --resume")
     p.add_argument("--parallel", type=int, default=1,
                    help="runs at once on this machine, at most; fewer when the cores or the memory a pilot of "
                         "the base spec measured do not allow it (the reason is printed and kept)")
@@ -37,6 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-drift", action="store_true",
                    help="run despite a lock that drifted; such runs are flagged and kept out of comparisons")
     p.add_argument("--retry", metavar="RUN", help="retry this run of the campaign as a new, linked run")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted campaign: its stopped and not-run runs, as new linked runs")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
@@ -46,6 +52,9 @@ def main(args) -> int:
     ledger = args.ledger or default_ledger_path()
     console = out_console()
     try:
+        if args.retry and args.resume:
+            raise UsageError("--retry reruns one run differently, --resume continues an interrupted campaign: "
+                             "give one of them")
         if args.retry:
             result = retry(args.campaign, args.retry, args.overrides, ledger)
         else:
@@ -53,6 +62,9 @@ def main(args) -> int:
                 raise UsageError("--parallel must be at least 1")
             if args.overrides:
                 raise UsageError("--set goes with --retry; to change the campaign, edit its file")
+            if not args.resume and not Path(args.campaign).is_file() and not args.campaign.endswith((".yaml", ".yml")):
+                raise UsageError(f"{args.campaign!r} is not a campaign file; to continue an interrupted campaign "
+                                 f"give --resume, to rerun one run --retry RUN")
 
             def event(run: dict) -> None:
                 if not args.json:
@@ -68,8 +80,11 @@ def main(args) -> int:
                     for line in at_once["checked"] + at_once["not_checked"]:
                         console.print(f"  {line}", style="dim", highlight=False, markup=False)
 
-            result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event,
-                                  start)
+            if args.resume:
+                result = resume(args.campaign, ledger, args.parallel, args.allow_drift, event, start)
+            else:
+                result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event,
+                                      start)
     except CampaignError as exc:
         raise UsageError(str(exc)) from None
     except CampaignInterrupted as exc:
@@ -91,7 +106,7 @@ def _show(args, result: dict) -> None:
         return
     c = result["conclusion"]
     t = Table(box=None, header_style="bold", title=f"campaign {result['campaign_id']}", title_justify="left")
-    for col in ("run", c["key"], "seed", "status", "stopped", "final val loss", "parent"):
+    for col in ("run", c["key"], "seed", "status", "stopped", "final val loss", "follows"):
         t.add_column(col)
     for r in result["runs"]:
         m = r["meta"]
@@ -99,7 +114,7 @@ def _show(args, result: dict) -> None:
         final = final_val_loss(r["status"], m)
         t.add_row(r["run_id"], Text(str(m.get("variant"))), str(m.get("seed")), Text(r["status"], style=status_style),
                   Text(stop_text(m)),
-                  f"{final:.4g}" if final is not None else "", r.get("parent_id") or "")
+                  f"{final:.4g}" if final is not None else "", Text(link_text(m)))
     console.print(t)
     s = Table(box=None, header_style="bold", title=f"per variant ({c['metric']})", title_justify="left")
     for col in (c["key"], "mean ± spread", "accuracy", "finished", "diverged", "beats control"):

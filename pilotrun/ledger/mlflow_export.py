@@ -74,7 +74,7 @@ def _params_tags(run: dict, meta: dict, led: Ledger) -> tuple[dict, dict]:
     if run["kind"] == "campaign":
         params.update({"vary": meta.get("key"), "values": json.dumps(meta.get("values")), "seeds": json.dumps(meta.get("seeds"))})
     tags = {"pilotrun.run_id": run["run_id"], "pilotrun.status": run["status"], "mlflow.runName": run["run_id"]}
-    for k in ("stop_reason", "stopped_at", "retry_of"):
+    for k in ("stop_reason", "stopped_at", "retry_of", "continues"):
         if meta.get(k) is not None:
             tags[f"pilotrun.{k}"] = str(meta[k])
     if meta.get("lock_drift"):

@@ -176,6 +176,12 @@ class Ledger:
         with self.transaction() as cur:
             cur.execute("UPDATE runs SET lock_json = ? WHERE run_id = ?", (_json(lock), run_id))
 
+    def claim(self, run_id: str, expected: str, status: str) -> bool:
+        """Move a run from ``expected`` to ``status`` unless another process got there first (then False)."""
+        with self.transaction() as cur:
+            cur.execute("UPDATE runs SET status = ? WHERE run_id = ? AND status = ?", (status, run_id, expected))
+            return cur.rowcount == 1
+
     def set_status(self, run_id: str, status: str) -> None:
         """A status that is not an end (planned, running)."""
         with self.transaction() as cur:

@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..campaign.conclude import final_val_loss, stop_text
+from ..campaign.conclude import final_val_loss, link_text, stop_text
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.state import verify_folder
 from ..ledger.store import Ledger
@@ -79,7 +79,8 @@ def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: 
     if "variant" in meta:
         lines.append(f"- campaign {meta.get('campaign_id')}: {meta.get('key')} = {json.dumps(meta['variant'])}, "
                      f"seed {meta.get('seed')}{' (control)' if meta.get('control') else ''}"
-                     + (f", retry of {meta['retry_of']} with {json.dumps(meta.get('changes'))}" if meta.get("retry_of") else ""))
+                     + (f", retry of {meta['retry_of']} with {json.dumps(meta.get('changes'))}" if meta.get("retry_of")
+                        else f", {link_text(meta)}" if meta.get("continues") else ""))
     if meta.get("stop_reason"):
         lines.append(f"- stopped at update {meta.get('stopped_at')}: {meta['stop_reason']}")
     final = final_val_loss(run["status"], meta)
@@ -210,7 +211,7 @@ def _campaign_readme(camp: dict, meta: dict, packed: list[dict], gone: dict[str,
              f"control) x seeds {meta.get('seeds')}, status **{camp['status']}**.", "", "## Conclusion", ""]
     lines += [f"- {t}" for t in conclusion.get("text") or ["no conclusion was recorded (the campaign did not end)"]]
     lines += ["", "`report.html` shows it with every curve; `conclusion.json` holds the numbers.", "",
-              "## Every run", "", f"| run | {meta.get('key')} | seed | status | stopped | retry of | model |",
+              "## Every run", "", f"| run | {meta.get('key')} | seed | status | stopped | follows | model |",
               "|---|---|---|---|---|---|---|"]
     for r in runs:
         m = r["meta"]
@@ -221,7 +222,7 @@ def _campaign_readme(camp: dict, meta: dict, packed: list[dict], gone: dict[str,
             model = "yes" if p["model"] else ("no (stopped)" if m.get("stop_reason") else f"no: {p['why_no_model']}")
         stopped = stop_text(m)
         lines.append(f"| {r['run_id']} | {json.dumps(m.get('variant'))} | {m.get('seed')} | {r['status']} | "
-                     f"{stopped} | {r.get('parent_id') or ''} | {model} |")
+                     f"{stopped} | {link_text(m)} | {model} |")
     lines += ["", "## Files", "",
               "- `runs/RUN_ID/`: one run as `pilotrun archive RUN_ID` writes it (its README says how to reload the "
               "model; `python runs/RUN_ID/rerun_control.py` reruns its control inputs in a fresh process)",

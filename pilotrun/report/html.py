@@ -260,7 +260,7 @@ def _run_style(runs: list[dict], key: str, plt):
         v = str(r["meta"].get("variant"))
         label = f"{key}={v}, seed {r['meta'].get('seed')}"
         if r.get("parent_id"):
-            label += " (retry)"
+            label += " (resumed)" if r["meta"].get("continues") else " (retry)"
         if r["status"] != "finished":
             label += f" ({r['status']})"
         seed = r["meta"].get("seed")
@@ -342,7 +342,7 @@ def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
 
 
 def render_campaign(led: Ledger, camp: dict) -> str:
-    from ..campaign.conclude import conclude, final_val_loss, stop_text, table
+    from ..campaign.conclude import conclude, final_val_loss, link_text, stop_text, table
 
     meta = json.loads(camp["meta_json"] or "{}")
     runs = led.campaign_runs(camp["run_id"])
@@ -361,8 +361,8 @@ def render_campaign(led: Ledger, camp: dict) -> str:
         rows.append([r["run_id"], m.get("variant"), m.get("seed"), f'<span class="{_e(r["status"])}">{_e(r["status"])}</span>',
                      stop_text(m),
                      f"{final:.4g}" if final is not None else "",
-                     r.get("parent_id") or "", json.dumps(m.get("changes")) if m.get("changes") else ""])
-    body.append("<h2>Every run</h2>" + _table(["run", key, "seed", "status", "stopped", "final val loss", "retry of",
+                     link_text(m), json.dumps(m.get("changes")) if m.get("changes") else ""])
+    body.append("<h2>Every run</h2>" + _table(["run", key, "seed", "status", "stopped", "final val loss", "follows",
                                                "changed"], rows, raw_cols=(3,)))
     body.append("<h2>Training loss</h2>" + _campaign_curves(led, runs, key, "train",
                                                            "training loss per update (x: where a run diverged)"))
@@ -381,7 +381,7 @@ def render_campaign(led: Ledger, camp: dict) -> str:
 
 def render_campaign_run(led: Ledger, run: dict) -> str:
     """One run of a campaign: what it varied, where it stopped, its curves; the campaign has the comparison."""
-    from ..campaign.conclude import final_val_loss, stop_text
+    from ..campaign.conclude import final_val_loss, link_text, stop_text
 
     meta = json.loads(run["meta_json"] or "{}")
     r = {**run, "meta": meta}
@@ -392,7 +392,7 @@ def render_campaign_run(led: Ledger, run: dict) -> str:
              ["seed", meta.get("seed")], ["status", f'<span class="{_e(run["status"])}">{_e(run["status"])}</span>'],
              ["stopped", _e(stop_text(meta))],
              ["final validation loss", f"{final:.4g}" if final is not None else ""],
-             ["retry of", _e(run.get("parent_id") or "")], ["changed", _e(json.dumps(meta.get("changes") or {}))]]
+             ["follows", _e(link_text(meta))], ["changed", _e(json.dumps(meta.get("changes") or {}))]]
     if meta.get("lock_drift"):
         facts.append(["lock drift", _e(", ".join(meta["lock_drift"]))])
     body = ["<h2>Run</h2>" + _table(["", ""], [[_e(a), b] for a, b in facts], raw_cols=(0, 1))

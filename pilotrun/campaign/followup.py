@@ -1,0 +1,168 @@
+"""After a campaign: retry one run differently, or continue an interrupted campaign.
+
+Both add new runs linked to the run they follow (``parent_id``); neither replaces a row. Both
+rebuild the runs from the campaign and base *as stored in the ledger at the start*, so editing
+the files afterwards cannot leak into a campaign that is already under way.
+
+Example::
+
+    retry("lr-sweep", "r05", ["train.micro_batch_size=4", "train.grad_accum_steps=4"], ledger)
+    resume("lr-sweep", ledger, parallel=2)   # after Ctrl-C: the runs that did not finish, as new linked runs
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+
+from ..config.spec import parse_override, spec_from_mapping
+from ..ledger.store import Ledger
+from .orchestrate import (CampaignError, CampaignInterrupted, _execute, _plan, _record_lost_end, finish, led_runs,
+                          parallel_plan)
+from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, run_spec
+
+# An attempt with one of these ends is a result (a retry is a deliberate choice); the others were cut short.
+RESULTS = ("finished", "diverged", "failed", "refused")
+CUT_SHORT = ("not-run", "stopped")
+
+
+def _campaign(led: Ledger, campaign_ref: str, ledger_path: Path) -> dict:
+    camp = led.run(campaign_ref)
+    if camp is None or camp["kind"] != "campaign":
+        raise CampaignError(f"no campaign {campaign_ref!r} in {ledger_path}")
+    return camp
+
+
+def _new_run(camp: dict, cmeta: dict, parent: dict, spec, ledger_path: Path, **extra) -> dict:
+    """A new row for ``parent``'s variant and seed, numbered after every run the campaign has."""
+    pmeta = parent.get("meta") or json.loads(parent["meta_json"] or "{}")
+    folder = Path(camp["out_dir"])
+    run_id = f"{camp['run_id']}-r{len(led_runs(ledger_path, camp['run_id'])) + 1:02d}"
+    out = folder / run_id
+    out.mkdir()
+    with Ledger(ledger_path) as led:
+        led.start_run(run_id, spec.name, "campaign-run", spec_path=spec.source, out_dir=str(out.resolve()),
+                      config_hash=spec.config_hash(), parent_id=parent["run_id"],
+                      meta={"campaign_id": camp["run_id"], "variant": pmeta["variant"],
+                            "variant_index": pmeta["variant_index"], "seed": pmeta["seed"],
+                            "control": pmeta["control"], "key": cmeta["key"], **extra})
+        led.set_status(run_id, "planned")
+    return {"run_id": run_id, "out": out, "spec": spec}
+
+
+def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path: Path) -> dict:
+    """A new run for a parent's variant and seed with some keys changed; linked, never a replacement."""
+    with Ledger(ledger_path) as led:
+        camp = _campaign(led, campaign_ref, ledger_path)
+        # "r05" means this campaign's r05
+        short = f"{camp['run_id']}-{parent_ref}" if re.fullmatch(r"r\d+", parent_ref) else parent_ref
+        parent = led.run(short)
+        if parent is None or json.loads(parent["meta_json"] or "{}").get("campaign_id") != camp["run_id"]:
+            raise CampaignError(f"{parent_ref!r} is not a run of campaign {camp['run_id']}; its runs are "
+                                f"{camp['run_id']}-r01, -r02, ... (`pilotrun ledger --run {camp['run_id']}`)")
+        pmeta = json.loads(parent["meta_json"])
+        cmeta = json.loads(camp["meta_json"])
+    changes = [parse_override(o) for o in overrides]
+    bad = [k for k, _ in changes if k not in RETRY_KEYS]
+    if bad:
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, RETRY_KEYS, 1)) else k
+                 for k in bad]
+        raise CampaignError(f"a retry may change {', '.join(RETRY_KEYS)} (the experiment stays the same); "
+                            f"{', '.join(hints)} would make it another experiment: add it as a campaign instead")
+    if not changes and parent["status"] == "finished":
+        raise CampaignError(f"{parent['run_id']} finished; an identical rerun would not count (each seed counts "
+                            "once). A retry changes how it runs: --set train.micro_batch_size=... with "
+                            "train.grad_accum_steps, train.activation_checkpointing or train.device")
+    # The campaign and its base as declared at the start (stored in the ledger), not as the files read now.
+    c = campaign_from_stored(cmeta["campaign"], camp["spec_path"])
+    base_written = cmeta.get("base_written")
+    before = run_spec(c, pmeta["variant"], pmeta["seed"], base_written=base_written)
+    spec = run_spec(c, pmeta["variant"], pmeta["seed"], changes, base_written=base_written)
+    if examples_per_update(spec) != examples_per_update(before):
+        raise CampaignError(f"the retry changes the examples per update ({examples_per_update(before)} -> "
+                            f"{examples_per_update(spec)}): change train.grad_accum_steps with the micro batch")
+    r = _new_run(camp, cmeta, parent, spec, ledger_path, retry_of=parent["run_id"], changes=dict(changes))
+    _execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), _plan(c), None, 1, False,
+             json.loads(camp["lock_json"]), None)
+    return finish(camp["run_id"], ledger_path, after=f"retry {r['run_id']} of {parent['run_id']}")
+
+
+def cut_short(runs: list[dict]) -> list[dict]:
+    """Per declared variant and seed with no result yet, its latest attempt, when that was stopped or not run.
+
+    A pair that finished, diverged, failed or was refused has its answer (changing it is a ``--retry``).
+    """
+    attempts: dict[tuple, list[dict]] = {}
+    for r in runs:  # planned order: declared runs, then retries
+        attempts.setdefault((r["meta"].get("variant_index"), json.dumps(r["meta"].get("seed"))), []).append(r)
+    return [tries[-1] for tries in attempts.values()
+            if not any(t["status"] in RESULTS for t in tries) and tries[-1]["status"] in CUT_SHORT]
+
+
+def _seconds(a: str, b: str | None) -> float:
+    return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds() if b else 0.0
+
+
+def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift: bool = False,
+           on_event=None, on_start=None) -> dict:
+    """Continue an interrupted campaign: each run it stopped or never started runs again, from the start,
+    as a new run linked to the one it continues. The time budget is what the campaign had left."""
+    with Ledger(ledger_path) as led:
+        camp = _campaign(led, campaign_ref, ledger_path)
+        runs = led.campaign_runs(camp["run_id"])
+    cid, status = camp["run_id"], camp["status"]
+    if status == "running":
+        raise CampaignError(f"{cid} has no recorded end: it is still running, or its process was killed before it "
+                            "could record one. Wait for it, or stop it with Ctrl-C (which records every run), "
+                            "then --resume")
+    if status != "interrupted":
+        raise CampaignError(f"{cid} was not interrupted (it ended {status}); --resume continues an interrupted "
+                            f"campaign. To run one of its runs differently: --retry RUN --set KEY=VALUE")
+    todo = cut_short(runs)
+    if not todo:
+        raise CampaignError(f"nothing to continue in {cid}: every declared run has a result (finished, diverged, "
+                            "failed or refused); to run one differently: --retry RUN --set KEY=VALUE")
+    cmeta = json.loads(camp["meta_json"])
+    c = campaign_from_stored(cmeta["campaign"], camp["spec_path"])
+    base_written = cmeta.get("base_written")
+    spent = cmeta.get("budget_spent_s", _seconds(camp["started_at"], camp["ended_at"]))
+    deadline = None
+    if c.stop.budget_minutes:
+        left = c.stop.budget_minutes * 60 - spent
+        if left <= 0:
+            raise CampaignError(f"{cid} has spent its budget ({spent / 60:.1f} of {c.stop.budget_minutes:g} minutes); "
+                                "raise stop.budget_minutes in a new campaign to run more")
+        deadline = time.time() + left
+    specs = [run_spec(c, parent["meta"]["variant"], parent["meta"]["seed"], base_written=base_written)
+             for parent in todo]
+    base_hash = spec_from_mapping(base_written, c.folder / c.base).config_hash() if base_written else None
+    at_once = parallel_plan(c, specs[0], parallel, ledger_path, base_hash=base_hash)
+    at_once["warnings"] = (cmeta.get("parallel") or {}).get("warnings", [])  # said at the start; said again
+    plan = {**_plan(c), "threads": at_once["threads_per_run"]}
+    with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins
+        if not led.claim(cid, "interrupted", "running"):
+            raise CampaignError(f"{cid} is being resumed by another pilotrun process")
+    began, new = time.time(), []
+    try:
+        for parent, spec in zip(todo, specs):
+            new.append(_new_run(camp, cmeta, parent, spec, ledger_path, continues=parent["run_id"]))
+        if on_start:
+            on_start(cid, at_once)
+        _execute(new, c, cid, ledger_path, Path(camp["out_dir"]), plan, deadline, at_once["parallel"], allow_drift,
+                 json.loads(camp["lock_json"]), on_event)
+    except CampaignInterrupted:
+        raise
+    except BaseException:  # leave it resumable, not "running" for ever, and every new row with an end
+        for r in new:
+            _record_lost_end(r, ledger_path, True, False)
+        finish(cid, ledger_path, interrupted=True)
+        raise
+    finally:
+        with Ledger(ledger_path) as led:
+            meta = json.loads(led.run(cid)["meta_json"])
+            meta["budget_spent_s"] = spent + time.time() - began
+            led.set_meta(cid, meta)
+    return finish(cid, ledger_path, after=f"resume ({len(new)} run(s) continued)")
