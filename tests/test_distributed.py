@@ -58,6 +58,11 @@ def test_launch_refuses_what_cannot_run(tmp_path, monkeypatch):
     spec = copy_example("tiny-sft", tmp_path)
     res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), cwd=tmp_path)
     assert res.returncode == 2 and "need distributed.strategy ddp or fsdp" in res.stderr
+    (tmp_path / "bad.sqlite").write_text("not a ledger")  # one clear error before any rank starts
+    res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=ddp",
+                       "--ledger", str(tmp_path / "bad.sqlite"), cwd=tmp_path)
+    assert res.returncode == 2 and "bad.sqlite is not a usable SQLite ledger" in res.stderr, res.stderr
+    assert "rank" not in res.stdout + res.stderr
 
 
 def _losses(ledger, run_id=None) -> list[tuple[int, float]]:

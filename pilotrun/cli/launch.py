@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from ..config.spec import load_spec
 from ..devices import query_devices
+from ..ledger.store import Ledger
 from ..pilot import new_run_id
 from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, out_console, add_ledger_arg
 
@@ -73,6 +74,8 @@ def main(args) -> int:
                          "(or --set distributed.strategy=ddp)")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+    # Create the ledger before the ranks start: a broken one is one clear error here, not one per rank.
+    Ledger(args.ledger).close()
     run_id = args.run_id or new_run_id(spec.name)
     out = args.out or Path("runs") / run_id
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
