@@ -680,3 +680,56 @@ def test_an_interrupted_campaign_resumes_its_cut_short_runs_as_new_linked_runs(t
     assert res.returncode == 2 and "was not interrupted (it ended finished)" in res.stderr
     res = pilotrun_cli("campaign", cid, "--ledger", str(ledger), cwd=tmp_path)
     assert res.returncode == 2 and "give --resume" in res.stderr
+
+
+@pytestmark_slow
+def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp_path):
+    """SIGKILL (the OOM killer, a reboot) leaves no end: --resume tells a live campaign from a dead one."""
+    import os
+    import signal
+    import time
+
+    path, ledger = _small(tmp_path, seeds=[1, 2], updates=400, eval={"every": 200}), tmp_path / "l.sqlite"
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(path), "--parallel", "2", "--ledger",
+                             str(ledger), "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (
+                ledger.exists() and _ledger(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'")):
+            time.sleep(0.3)
+        cid = _ledger(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'")[0]["run_id"]
+        res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), cwd=tmp_path)
+        assert res.returncode == 2 and f"is still running (pid {proc.pid})" in res.stderr, res.stderr
+        while time.monotonic() < deadline:  # both runs are training
+            time.sleep(0.3)
+            if len(_ledger(ledger, "SELECT DISTINCT run_id FROM metrics WHERE gate = 'train'")) == 2:
+                break
+        else:
+            pytest.fail("the runs never wrote a point")
+        os.killpg(proc.pid, signal.SIGKILL)  # the campaign and its workers, with no chance to record anything
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert _ledger(ledger, "SELECT status FROM runs WHERE run_id = ?", cid)[0]["status"] == "running"
+    # An hour-old start: the recovery happens, then the budget check stops the resume before any run starts.
+    con = sqlite3.connect(ledger)
+    with con:
+        con.execute("UPDATE runs SET started_at = '2026-01-01T00:00:00.000+00:00' WHERE run_id = ?", (cid,))
+    con.close()
+    res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), cwd=tmp_path)
+    assert res.returncode == 2 and "has spent its budget" in res.stderr, res.stderr
+    runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
+    assert [r["status"] for r in runs] == ["stopped", "stopped", "not-run", "not-run"]
+    for r in runs[:2]:
+        meta = json.loads(r["meta_json"])
+        last = _ledger(ledger, "SELECT MAX(step) AS s FROM metrics WHERE run_id = ? AND gate = 'train'", r["run_id"])
+        assert meta["stopped_at"] == last[0]["s"] >= 1 and meta["stop_reason"] == (
+            f"the campaign's process (pid {proc.pid}) was killed; the last update this run recorded is {last[0]['s']}")
+    assert "killed before this run started" in json.loads(runs[2]["meta_json"])["stop_reason"]
+    camp = _ledger(ledger, "SELECT * FROM runs WHERE run_id = ?", cid)[0]
+    assert camp["status"] == "interrupted" and camp["ended_at"]
+    assert json.loads(camp["meta_json"])["conclusion"]["text"][0].startswith("the campaign was interrupted")

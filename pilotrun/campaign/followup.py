@@ -22,6 +22,7 @@ from ..config.spec import parse_override, spec_from_mapping
 from ..ledger.store import Ledger
 from .orchestrate import (CampaignError, CampaignInterrupted, _execute, _plan, _record_lost_end, finish, led_runs,
                           parallel_plan)
+from .procs import is_alive, process_mark
 from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, run_spec
 
 # An attempt with one of these ends is a result (a retry is a deliberate choice); the others were cut short.
@@ -102,6 +103,47 @@ def cut_short(runs: list[dict]) -> list[dict]:
             if not any(t["status"] in RESULTS for t in tries) and tries[-1]["status"] in CUT_SHORT]
 
 
+def _record_a_killed_campaign(camp: dict, runs: list[dict], ledger_path: Path) -> None:
+    """A campaign with no recorded end whose process is gone (SIGKILL, OOM killer, reboot): give every run
+    left "running" or "planned" an end that says so, and end the campaign as interrupted."""
+    cid, cmeta = camp["run_id"], json.loads(camp["meta_json"] or "{}")
+    orch = cmeta.get("orchestrator")
+    alive = is_alive(orch)
+    if alive is None:
+        where = f" on {orch['host']}" if orch else ""
+        raise CampaignError(f"{cid} has no recorded end and its process{where} cannot be checked from here: if it "
+                            "still runs, wait for it or stop it with Ctrl-C (which records every run), then --resume")
+    if alive:
+        raise CampaignError(f"{cid} is still running (pid {orch['pid']}): wait for it, or stop it with Ctrl-C "
+                            "(which records every run), then --resume")
+    open_runs = [r for r in runs if r["status"] in ("running", "planned")]
+    live = [r for r in open_runs if is_alive(r["meta"].get("worker"))]
+    if live:
+        raise CampaignError(f"{cid}'s own process (pid {orch['pid']}) is gone but "
+                            + ", ".join(f"{r['run_id']} (pid {r['meta']['worker']['pid']})" for r in live)
+                            + " still train: let them finish, or stop them with kill -INT PID (each records "
+                            "where it stopped), then --resume")
+    killed = f"the campaign's process (pid {orch['pid']}) was killed"
+    with Ledger(ledger_path) as led:
+        for r in open_runs:
+            steps = [m["step"] for m in led.metrics(r["run_id"], "train")]
+            if r["status"] == "running":
+                last = max(steps, default=0)
+                led.finish_campaign_run(r["run_id"], {"status": "stopped", "stopped_at": last, "stop_reason":
+                                                      f"{killed}; the last update this run recorded is {last}"})
+            else:
+                led.finish_campaign_run(r["run_id"], {"status": "not-run", "stopped_at": 0,
+                                                      "stop_reason": f"{killed} before this run started"})
+        # When it died is unknown: count the budget up to the last thing it is known to have done.
+        seen = [datetime.fromisoformat(r["ended_at"]).timestamp() for r in runs if r["ended_at"]]
+        seen += [r["meta"]["worker"]["started"] for r in runs if r["meta"].get("worker")]
+        start = datetime.fromisoformat(camp["started_at"]).timestamp()
+        led.merge_meta(cid, {"budget_spent_s": max(seen, default=start) - start})
+        led.add_note(cid, f"{killed} without recording its end (found by --resume): {len(open_runs)} run(s) it left "
+                          "open were recorded as stopped or not run")
+    finish(cid, ledger_path, interrupted=True, after="a killed campaign was found")
+
+
 def _seconds(a: str, b: str | None) -> float:
     return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds() if b else 0.0
 
@@ -115,9 +157,10 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
         runs = led.campaign_runs(camp["run_id"])
     cid, status = camp["run_id"], camp["status"]
     if status == "running":
-        raise CampaignError(f"{cid} has no recorded end: it is still running, or its process was killed before it "
-                            "could record one. Wait for it, or stop it with Ctrl-C (which records every run), "
-                            "then --resume")
+        _record_a_killed_campaign(camp, runs, ledger_path)  # or say why it cannot be resumed yet
+        with Ledger(ledger_path) as led:
+            camp, runs = led.run(cid), led.campaign_runs(cid)
+        status = camp["status"]
     if status != "interrupted":
         raise CampaignError(f"{cid} was not interrupted (it ended {status}); --resume continues an interrupted "
                             f"campaign. To run one of its runs differently: --retry RUN --set KEY=VALUE")
@@ -145,6 +188,7 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
     with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins
         if not led.claim(cid, "interrupted", "running"):
             raise CampaignError(f"{cid} is being resumed by another pilotrun process")
+        led.merge_meta(cid, {"orchestrator": process_mark()})  # this process runs it now
     began, new = time.time(), []
     try:
         for parent, spec in zip(todo, specs):
@@ -162,7 +206,5 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
         raise
     finally:
         with Ledger(ledger_path) as led:
-            meta = json.loads(led.run(cid)["meta_json"])
-            meta["budget_spent_s"] = spent + time.time() - began
-            led.set_meta(cid, meta)
+            led.merge_meta(cid, {"budget_spent_s": spent + time.time() - began})
     return finish(cid, ledger_path, after=f"resume ({len(new)} run(s) continued)")

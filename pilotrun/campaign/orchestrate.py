@@ -29,6 +29,7 @@ from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import _env
 from .conclude import conclude, continued_ids
+from .procs import process_mark
 from .resources import pilot_memory, plan_parallel
 from .runner import STOP_SIGNAL
 from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
@@ -109,6 +110,8 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
             running.started.add(run_id)
+        with Ledger(ledger) as led:  # so a resume after this process was killed can tell a live run from a dead one
+            led.merge_meta(run_id, {"worker": process_mark(proc.pid)})
         try:
             return proc.wait()
         except KeyboardInterrupt:  # only when runs go one at a time: the main thread waits here
@@ -200,6 +203,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
                       config_hash=c.digest(), lock=control_lock,
                       meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
                             "base": str((c.folder / c.base).resolve()), "parallel": at_once,
+                            "orchestrator": process_mark(),
                             "base_written": load_spec(c.folder / c.base).written})
         for i, r in enumerate(runs):
             r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
@@ -219,10 +223,11 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
 
 @contextlib.contextmanager
 def _interruptible():
-    """Ctrl-C and SIGTERM both stop the campaign cleanly, even when started with SIGINT ignored.
+    """Ctrl-C, SIGTERM and SIGHUP all stop the campaign cleanly, even when started with SIGINT ignored.
 
     A shell script's background job inherits SIGINT as ignored; ``timeout`` and schedulers send
-    SIGTERM. Either way the runs must be recorded as stopped, not left "running" forever.
+    SIGTERM; a closed SSH session sends SIGHUP. Either way the runs must be recorded as stopped,
+    not left "running" forever.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -231,12 +236,13 @@ def _interruptible():
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, on_term)
+    handled = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    old = {sig: signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else on_term) for sig in handled}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old[0])
-        signal.signal(signal.SIGTERM, old[1])
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 @_interruptible()

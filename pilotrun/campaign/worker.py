@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     # The campaign's own stop request: only ever sets the flag, so that arriving on top of a terminal's
     # Ctrl-C (which reached this process too) it does not count as a second, "stop now" Ctrl-C.
     signal.signal(STOP_SIGNAL, lambda signum, frame: stop.set())
+    if hasattr(signal, "SIGHUP"):  # the terminal or SSH session went away: stop where we are, recorded
+        signal.signal(signal.SIGHUP, lambda signum, frame: stop.set())
     result = train_run(read_spec_file(args.spec), args.run_id, args.out, args.ledger,
                        json.loads(args.plan.read_text()), args.deadline, stop.is_set)
     if stop.is_set():

@@ -215,12 +215,19 @@ class Ledger:
 
     def finish_campaign_run(self, run_id: str, result: dict) -> None:
         """A campaign run's end: status, why it stopped and where, its final validation point."""
-        row = self.run(run_id) or {}
-        meta = json.loads(row.get("meta_json") or "{}")
-        meta.update({k: result.get(k) for k in ("stop_reason", "stopped_at", "final", "first_loss")})
-        with self.transaction() as cur:
+        with self.transaction() as cur:  # read and write in one transaction: another process may merge meta too
+            row = cur.execute("SELECT meta_json FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            meta = json.loads((row["meta_json"] if row else None) or "{}")
+            meta.update({k: result.get(k) for k in ("stop_reason", "stopped_at", "final", "first_loss")})
             cur.execute("UPDATE runs SET status = ?, ended_at = ?, meta_json = ? WHERE run_id = ?",
                         (result["status"], now(), _json(meta), run_id))
+
+    def merge_meta(self, run_id: str, fields: dict) -> None:
+        """Set some meta fields, keeping the rest, atomically against other writers."""
+        with self.transaction() as cur:
+            row = cur.execute("SELECT meta_json FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            meta = {**json.loads((row["meta_json"] if row else None) or "{}"), **fields}
+            cur.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?", (_json(meta), run_id))
 
     def campaign_runs(self, campaign_id: str) -> list[dict]:
         """The runs of a campaign (retries included), in the order they were planned."""
