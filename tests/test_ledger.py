@@ -1,6 +1,7 @@
 """The ledger is a real SQLite file: rows survive, concurrent writers lose nothing, a kill leaves whole rows."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -57,9 +58,9 @@ def test_a_claim_moves_a_status_once(tmp_path):
     with Ledger(tmp_path / "l.sqlite") as led, Ledger(tmp_path / "l.sqlite") as other:
         led.start_run("c", "j", "campaign")
         led.set_status("c", "interrupted")
-        assert led.claim("c", "interrupted", "running")
-        assert not other.claim("c", "interrupted", "running")  # a second resume finds it taken
-        assert other.run("c")["status"] == "running"
+        assert led.claim("c", "interrupted", "running", {"by": 1})
+        assert not other.claim("c", "interrupted", "running", {"by": 2})  # a second resume finds it taken
+        assert other.run("c")["status"] == "running" and json.loads(other.run("c")["meta_json"]) == {"by": 1}
 
 
 def test_ambiguous_prefix_is_an_error(tmp_path):

@@ -186,9 +186,10 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
     at_once["warnings"] = (cmeta.get("parallel") or {}).get("warnings", [])  # said at the start; said again
     plan = {**_plan(c), "threads": at_once["threads_per_run"]}
     with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins
-        if not led.claim(cid, "interrupted", "running"):
+        # With the status, the mark of the process that runs it now: in one transaction, so another resume
+        # never sees "running" under the old, dead process and takes it for a killed campaign.
+        if not led.claim(cid, "interrupted", "running", {"orchestrator": process_mark()}):
             raise CampaignError(f"{cid} is being resumed by another pilotrun process")
-        led.merge_meta(cid, {"orchestrator": process_mark()})  # this process runs it now
     began, new = time.time(), []
     try:
         for parent, spec in zip(todo, specs):

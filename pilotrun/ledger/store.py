@@ -176,11 +176,17 @@ class Ledger:
         with self.transaction() as cur:
             cur.execute("UPDATE runs SET lock_json = ? WHERE run_id = ?", (_json(lock), run_id))
 
-    def claim(self, run_id: str, expected: str, status: str) -> bool:
-        """Move a run from ``expected`` to ``status`` unless another process got there first (then False)."""
+    def claim(self, run_id: str, expected: str, status: str, meta: dict | None = None) -> bool:
+        """Move a run from ``expected`` to ``status`` (merging ``meta``) unless another process got there first."""
         with self.transaction() as cur:
             cur.execute("UPDATE runs SET status = ? WHERE run_id = ? AND status = ?", (status, run_id, expected))
-            return cur.rowcount == 1
+            if cur.rowcount != 1:
+                return False
+            if meta:
+                row = cur.execute("SELECT meta_json FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                cur.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?",
+                            (_json({**json.loads(row["meta_json"] or "{}"), **meta}), run_id))
+            return True
 
     def set_status(self, run_id: str, status: str) -> None:
         """A status that is not an end (planned, running)."""
