@@ -239,6 +239,37 @@ def test_a_dict_valued_key_and_a_dropout_can_be_varied(tmp_path):
     assert prepare(c)[1] == []
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_reaches_the_campaign_as_an_interrupt_and_the_old_handlers_come_back(sig):
+    # SIGTERM from `timeout` or a scheduler, SIGHUP from a dropped SSH session: both must end in the
+    # interrupt path that records every run, not kill the campaign with its rows left "running".
+    import os
+    import signal
+    import time
+
+    from pilotrun.campaign.orchestrate import _interruptible
+
+    signum = getattr(signal, sig)
+
+    def unhandled(*_):  # what would otherwise end the test process: a plain failure instead
+        raise RuntimeError(f"{sig} was not handled by the campaign")
+
+    outer = signal.signal(signum, unhandled)
+
+    @_interruptible()
+    def campaign_body():
+        os.kill(os.getpid(), signum)
+        time.sleep(10)  # the handler raises before this ends
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            campaign_body()
+        assert time.monotonic() - started < 5 and signal.getsignal(signum) is unhandled
+    finally:
+        signal.signal(signum, outer)
+
+
 def test_a_warm_up_longer_than_the_runs_is_warned_before_the_start_and_kept_as_a_caveat(tmp_path):
     from pilotrun.campaign.orchestrate import warnings_for
 
