@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
-from rich.markup import escape
 
 from ..campaign.conclude import final_val_loss, link_text, stop_text, table
 from ..campaign.followup import resume, retry
