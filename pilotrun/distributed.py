@@ -12,6 +12,7 @@ examples either way.
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -59,7 +60,21 @@ def init(strategy: str, device_type: str) -> DistEnv:
 
 
 def shutdown(env: DistEnv) -> None:
+    """Destroy the process group, after every DDP Reducer is gone.
+
+    A DDP Reducer that holds the group's last reference destroys it with the GIL held, joining gloo
+    threads that may need the GIL to free a finished collective's tensors: a deadlock (pytorch#56297),
+    seen as a rank that never exits. So the Reducers go first, while the group is still registered
+    (callers drop their wrapped models; a DDP module still referenced somewhere loses its Reducer here,
+    which only ends its use for training), and the group is destroyed from Python.
+    """
     if env.active and dist.is_initialized():
+        gc.collect()
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                for attr in ("logger", "reducer"):  # the C++ Logger holds the Reducer too
+                    obj.__dict__.pop(attr, None)
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -245,6 +245,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
         _hf_progress_bars(bars)
         if ctx.trainer is not None:
             ctx.trainer.close()
+        ctx.trainer = ctx.loaded = None  # the DDP/FSDP model goes before the process group (distributed.shutdown)
         if result.status == "running":
             result.status = "error"
         if env.is_main:

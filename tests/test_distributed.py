@@ -65,6 +65,44 @@ def test_launch_refuses_what_cannot_run(tmp_path, monkeypatch):
     assert "rank" not in res.stdout + res.stderr
 
 
+SHUTDOWN_LOOP = """
+import sys, torch
+import torch.distributed as dist
+from pilotrun import distributed
+
+rank, store = int(sys.argv[1]), sys.argv[2]
+torch.set_num_threads(1)
+for i in range(20):
+    dist.init_process_group("gloo", init_method=f"file://{store}.{i}", rank=rank, world_size=2)
+    env = distributed.DistEnv(rank, rank, 2, "ddp")
+    model = distributed.wrap(torch.nn.Linear(4, 4), env, torch.device("cpu"))[0]
+    model(torch.ones(2, 4)).sum().backward()
+    distributed.gather(env, {"rank": rank, "rows": list(range(50))})
+    distributed.shutdown(env)  # the model is still referenced here, as it once was in the pilot
+    del model                  # before: its Reducer destroyed the group here, holding the GIL
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_shutdown_after_ddp_does_not_deadlock(tmp_path):
+    # A DDP Reducer holding the process group's last reference destroys it with the GIL held while a
+    # gloo thread waits for the GIL to free a finished collective's tensors: a rank that never exits
+    # (it hung a CI run). shutdown() frees every Reducer while the group is still registered.
+    procs = [subprocess.Popen([sys.executable, "-c", SHUTDOWN_LOOP, str(rank), str(tmp_path / "store")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank deadlocked in the process group's destruction")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0] and all("done" in o for o, _ in outs), outs
+
+
 def _losses(ledger, run_id=None) -> list[tuple[int, float]]:
     with sqlite3.connect(ledger) as con:
         q = "SELECT rank, loss FROM metrics WHERE gate IN ('first_step', 'steady_step')"

@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             payload["seconds"] = meter.seconds
         payload["peak"] = peak_memory(device)
         trainer.close()
+        if args.phase != "interrupted":
+            del trainer  # the DDP/FSDP model goes before the process group (see distributed.shutdown)
         per_rank = distributed.gather(env, payload)
         if env.is_main:
             combined = dict(per_rank[0])
