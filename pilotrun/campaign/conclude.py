@@ -18,15 +18,15 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
 
-def continued_ids(runs: list[dict]) -> set[str]:
-    """Runs cut short by an interruption that a ``--resume`` ran again (the new run is linked to them)."""
-    return {r["meta"]["continues"] for r in runs if r["meta"].get("continues")}
+def current(runs: list[dict]) -> list[dict]:
+    """The runs that speak for the campaign: a row cut short by an interruption and run again by --resume
+    is history, not another attempt (the new run, linked to it, speaks for it)."""
+    continued = {r["meta"]["continues"] for r in runs if r["meta"].get("continues")}
+    return [r for r in runs if r["run_id"] not in continued]
 
 
 def variant_stats(runs: list[dict], value) -> dict:
-    continued = continued_ids(runs)
-    # A row cut short by an interruption and run again by --resume is history, not another attempt.
-    mine = [r for r in runs if r["meta"].get("variant") == value and r["run_id"] not in continued]
+    mine = [r for r in runs if r["meta"].get("variant") == value]
     finished, seen = [], set()
     for r in mine:  # planned order: declared runs first, then retries
         if (r["status"] == "finished" and not r["meta"].get("lock_drift") and r["meta"].get("seed") not in seen
@@ -59,13 +59,12 @@ def variant_stats(runs: list[dict], value) -> dict:
 
 def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False, caveats: list[str] = ()) -> dict:
     """``caveats``: what was warned before the start (e.g. a warm-up longer than the runs), repeated at the end."""
+    runs = current(runs)
     stats = [variant_stats(runs, v) for v in values]
     control = stats[0]
     lines: list[str] = []
     if interrupted:
-        continued = continued_ids(runs)
-        n = {k: sum(r["status"] == k and r["run_id"] not in continued for r in runs)
-             for k in ("finished", "stopped", "not-run")}
+        n = {k: sum(r["status"] == k for r in runs) for k in ("finished", "stopped", "not-run")}
         lines.append(f"the campaign was interrupted: {n['finished']} run(s) finished, {n['stopped']} stopped where "
                      f"they were, {n['not-run']} not run")
     better, judged, unjudged = [], [], []

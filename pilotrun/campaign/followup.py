@@ -21,7 +21,7 @@ from pathlib import Path
 from ..config.spec import parse_override, spec_from_mapping
 from ..ledger.store import Ledger
 from .orchestrate import (CampaignError, CampaignInterrupted, _execute, _plan, _record_lost_end, finish, led_runs,
-                          parallel_plan)
+                          parallel_plan, plan_run_row)
 from .procs import is_alive, process_mark
 from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, run_spec
 
@@ -40,17 +40,10 @@ def _campaign(led: Ledger, campaign_ref: str, ledger_path: Path) -> dict:
 def _new_run(camp: dict, cmeta: dict, parent: dict, spec, ledger_path: Path, **extra) -> dict:
     """A new row for ``parent``'s variant and seed, numbered after every run the campaign has."""
     pmeta = parent.get("meta") or json.loads(parent["meta_json"] or "{}")
-    folder = Path(camp["out_dir"])
     run_id = f"{camp['run_id']}-r{len(led_runs(ledger_path, camp['run_id'])) + 1:02d}"
-    out = folder / run_id
-    out.mkdir()
+    out = Path(camp["out_dir"]) / run_id
     with Ledger(ledger_path) as led:
-        led.start_run(run_id, spec.name, "campaign-run", spec_path=spec.source, out_dir=str(out.resolve()),
-                      config_hash=spec.config_hash(), parent_id=parent["run_id"],
-                      meta={"campaign_id": camp["run_id"], "variant": pmeta["variant"],
-                            "variant_index": pmeta["variant_index"], "seed": pmeta["seed"],
-                            "control": pmeta["control"], "key": cmeta["key"], **extra})
-        led.set_status(run_id, "planned")
+        plan_run_row(led, camp["run_id"], cmeta["key"], run_id, spec, out, pmeta, parent_id=parent["run_id"], **extra)
     return {"run_id": run_id, "out": out, "spec": spec}
 
 

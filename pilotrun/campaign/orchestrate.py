@@ -28,7 +28,7 @@ from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import _env
-from .conclude import conclude, continued_ids
+from .conclude import conclude, current
 from .procs import process_mark
 from .resources import pilot_memory, plan_parallel
 from .runner import STOP_SIGNAL
@@ -179,6 +179,18 @@ def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def plan_run_row(led: Ledger, campaign_id: str, key: str, run_id: str, spec, out: Path, of: dict,
+                 parent_id: str | None = None, **extra) -> None:
+    """A campaign run's folder and its ledger row, planned. Variant, seed and control come from ``of``:
+    the planned run, or the run that a retry or a resume follows."""
+    out.mkdir()
+    led.start_run(run_id, spec.name, "campaign-run", spec_path=spec.source, out_dir=str(out.resolve()),
+                  config_hash=spec.config_hash(), parent_id=parent_id,
+                  meta={"campaign_id": campaign_id, "key": key,
+                        **{k: of[k] for k in ("variant", "variant_index", "seed", "control")}, **extra})
+    led.set_status(run_id, "planned")
+
+
 def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 1, allow_drift: bool = False,
                  on_event=None, on_start=None) -> dict:
     """Run every planned run; ``on_start(campaign_id, parallel_plan)`` and ``on_event(run_row)`` report progress."""
@@ -208,12 +220,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
         for i, r in enumerate(runs):
             r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
             r["out"] = folder / r["run_id"]
-            r["out"].mkdir()
-            led.start_run(r["run_id"], r["spec"].name, "campaign-run", spec_path=r["spec"].source,
-                          out_dir=str(r["out"].resolve()), config_hash=r["spec"].config_hash(),
-                          meta={"campaign_id": campaign_id, "variant": r["variant"], "variant_index": r["variant_index"],
-                                "seed": r["seed"], "control": r["control"], "key": c.key})
-            led.set_status(r["run_id"], "planned")
+            plan_run_row(led, campaign_id, c.key, r["run_id"], r["spec"], r["out"], r)
     if on_start:
         on_start(campaign_id, at_once)
     _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift, control_lock,
@@ -268,11 +275,8 @@ def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel
                                                       f"campaign's ({', '.join(drift[:4])}); rerun with --allow-drift "
                                                       "to run it, flagged and kept out of comparisons", "stopped_at": 0})
                 return
-            meta = (led.run(r["run_id"]) or {}).get("meta_json")
-            meta = json.loads(meta or "{}")
             if drift:
-                meta["lock_drift"] = drift
-            led.set_meta(r["run_id"], meta)
+                led.merge_meta(r["run_id"], {"lock_drift": drift})
             led.set_status(r["run_id"], "running")
         spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
         try:
@@ -329,8 +333,7 @@ def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False, after
                               (meta.get("parallel") or {}).get("warnings", []))
         meta["conclusion"] = conclusion
         led.set_meta(campaign_id, meta)
-        continued = continued_ids(runs)  # cut short, then run again by --resume: the new run speaks for them
-        statuses = {r["status"] for r in runs if r["run_id"] not in continued}
+        statuses = {r["status"] for r in current(runs)}
         led.end_run(campaign_id, "interrupted" if interrupted else
                     "finished" if statuses <= {"finished"} else "finished-with-stops")
         led.add_note(campaign_id, f"conclusion{f' after {after}' if after else ''}: " + "; ".join(conclusion["text"]))

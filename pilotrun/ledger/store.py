@@ -100,6 +100,14 @@ def default_ledger_path() -> Path:
     return Path(os.environ.get("PILOTRUN_LEDGER", str(DEFAULT_LEDGER)))
 
 
+def _merge_meta(cur: sqlite3.Cursor, run_id: str, fields: dict) -> None:
+    """Inside a write transaction: read the run's meta and write it back with ``fields`` set, so another
+    process merging its own fields in between cannot be overwritten."""
+    row = cur.execute("SELECT meta_json FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    meta = {**json.loads((row["meta_json"] if row else None) or "{}"), **fields}
+    cur.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?", (_json(meta), run_id))
+
+
 def _retry_locked(statement, wait_s: float = 60.0):
     """Run a statement that SQLite refuses with "locked" without consulting the busy timeout, until it succeeds."""
     deadline = time.monotonic() + wait_s
@@ -183,9 +191,7 @@ class Ledger:
             if cur.rowcount != 1:
                 return False
             if meta:
-                row = cur.execute("SELECT meta_json FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-                cur.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?",
-                            (_json({**json.loads(row["meta_json"] or "{}"), **meta}), run_id))
+                _merge_meta(cur, run_id, meta)
             return True
 
     def set_status(self, run_id: str, status: str) -> None:
@@ -221,19 +227,14 @@ class Ledger:
 
     def finish_campaign_run(self, run_id: str, result: dict) -> None:
         """A campaign run's end: status, why it stopped and where, its final validation point."""
-        with self.transaction() as cur:  # read and write in one transaction: another process may merge meta too
-            row = cur.execute("SELECT meta_json FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            meta = json.loads((row["meta_json"] if row else None) or "{}")
-            meta.update({k: result.get(k) for k in ("stop_reason", "stopped_at", "final", "first_loss")})
-            cur.execute("UPDATE runs SET status = ?, ended_at = ?, meta_json = ? WHERE run_id = ?",
-                        (result["status"], now(), _json(meta), run_id))
+        with self.transaction() as cur:
+            _merge_meta(cur, run_id, {k: result.get(k) for k in ("stop_reason", "stopped_at", "final", "first_loss")})
+            cur.execute("UPDATE runs SET status = ?, ended_at = ? WHERE run_id = ?", (result["status"], now(), run_id))
 
     def merge_meta(self, run_id: str, fields: dict) -> None:
         """Set some meta fields, keeping the rest, atomically against other writers."""
         with self.transaction() as cur:
-            row = cur.execute("SELECT meta_json FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            meta = {**json.loads((row["meta_json"] if row else None) or "{}"), **fields}
-            cur.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?", (_json(meta), run_id))
+            _merge_meta(cur, run_id, fields)
 
     def campaign_runs(self, campaign_id: str) -> list[dict]:
         """The runs of a campaign (retries included), in the order they were planned."""
