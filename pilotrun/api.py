@@ -35,10 +35,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .gates.base import as_dict
-from .ledger.store import Ledger, now
+from .ledger.records import Failure, GateRow, RunKind, RunStatus, Verdict, new_run_id, now
+from .ledger.store import Ledger
 from .measure.meter import StageMeter, is_oom, oom_detail
-from .pilot import new_run_id, overall_status
 
 
 def _infer_device(track: Iterable) -> torch.device:
@@ -56,24 +55,25 @@ class StageHandle:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.verdict = "pass"
+        self.verdict = Verdict.PASS
         self.reason = ""
         self.details: dict = {}
+        self.failure: Failure | None = None
         self.row: dict = {}
 
     def warn(self, reason: str) -> None:
-        if self.verdict != "fail":
-            self.verdict, self.reason = "warn", reason
+        if self.verdict != Verdict.FAIL:
+            self.verdict, self.reason = Verdict.WARN, reason
 
-    def fail(self, reason: str) -> None:
-        self.verdict, self.reason = "fail", reason
+    def fail(self, reason: str, failure: Failure = Failure.CHECK) -> None:
+        self.verdict, self.reason, self.failure = Verdict.FAIL, reason, failure
 
     def check_finite(self, **values) -> bool:
         """Fail the stage when any named value (loss=..., grad_norm=...) is inf or NaN."""
         for key, value in values.items():
             v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
             if not math.isfinite(v):
-                self.fail(f"{key} is {v}")
+                self.fail(f"{key} is {v}", Failure.NON_FINITE)
                 return False
         return True
 
@@ -89,7 +89,7 @@ class Session:
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.rows: list[dict] = []
-        self.ledger.start_run(self.run_id, name, "stage", spec_path=sys.argv[0] if sys.argv else None)
+        self.ledger.start_run(self.run_id, name, RunKind.STAGE, spec_path=sys.argv[0] if sys.argv else None)
         self._closed = False
 
     @contextlib.contextmanager
@@ -106,15 +106,14 @@ class Session:
             except BaseException as exc:
                 error = exc
         if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-            what = oom_detail(dev) if is_oom(error) else f"{type(error).__name__}: {error}"
-            handle.fail(f"{name}: {what}")
+            oom = is_oom(error)
+            what = oom_detail(dev) if oom else f"{type(error).__name__}: {error}"
+            handle.fail(f"{name}: {what}", Failure.OUT_OF_MEMORY if oom else Failure.ERROR)
             handle.details["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
-        row = as_dict({
-            "gate": name, "verdict": handle.verdict, "reason": handle.reason or handle.verdict,
-            "inputs": {**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
-            "memory": meter.memory, "seconds": meter.seconds, "rank": self.rank, "world_size": self.world_size,
-            "started_at": started, "ended_at": now(), "details": handle.details,
-        })
+        row = GateRow(name, handle.verdict, handle.reason, seconds=meter.seconds, started_at=started, ended_at=now(),
+                      inputs={**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
+                      memory=meter.memory, rank=self.rank, world_size=self.world_size, details=handle.details,
+                      failure=handle.failure).to_dict()
         self.ledger.add_gate_row(self.run_id, row)
         self.rows.append(row)
         handle.row = row
@@ -127,7 +126,7 @@ class Session:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.ledger.end_run(self.run_id, overall_status(self.rows) if self.rows else "pass")
+            self.ledger.end_run(self.run_id, RunStatus.of_pilot(self.rows))
             self.ledger.close()
 
     def __enter__(self) -> "Session":
@@ -135,7 +134,7 @@ class Session:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and not self.rows:
-            self.rows.append({"verdict": "fail"})
+            self.rows.append({"verdict": Verdict.FAIL})
         self.close()
 
 

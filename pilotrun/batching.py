@@ -1,4 +1,4 @@
-"""Examples-per-update arithmetic (SPEC §6): a function from sizes to numbers, no terminal, no GPU.
+"""Examples-per-update arithmetic (docs/architecture.md, "Contracts": examples per update): a function from sizes to numbers, no terminal, no GPU.
 
     >>> plan = batch_plan(micro_batch_size=2, grad_accum_steps=8, replicas=1, examples=3200)
     >>> plan["examples_per_update"], plan["updates_per_epoch"], plan["last_window"]

@@ -1,14 +1,9 @@
-"""Several processes, one job: the process group, the device of each rank, and the model wrappers.
+"""Several processes, one job: the process group, each rank's place in it, and the collectives pilotrun uses.
 
 Launched by ``pilotrun launch`` or ``torchrun -m pilotrun run``: one process per device,
-``LOCAL_RANK`` picks the device, gloo on CPU and NCCL on GPUs. Two strategies, as in
-Fabric's ``strategies/``: DDP (a full replica per rank, gradients all-reduced) and FSDP2
-(``fully_shard`` on every block of the model's largest ``ModuleList``, then the root).
-
-Gradient reduction is not taken on trust: :func:`reduction_ratio` measures, once, whether the
-wrapper averages or sums across ranks on this backend (gloo's AVG has had bugs, pytorch#162338),
-and the loss is scaled so that one update equals the single-process update over the same
-examples either way.
+``LOCAL_RANK`` picks the device, gloo on CPU and NCCL on GPUs. How the model is wrapped and
+its gradients reduced is a strategy's business (:mod:`pilotrun.strategies`); this module only
+knows processes.
 """
 from __future__ import annotations
 
@@ -25,7 +20,7 @@ class DistEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    strategy: str = "none"
+    strategy: str = "single"  # the strategy's name (pilotrun.strategies) that runs these processes
 
     @property
     def active(self) -> bool:
@@ -46,11 +41,10 @@ class LaunchError(RuntimeError):
 
 
 def init(strategy: str, device_type: str) -> DistEnv:
+    """Join torchrun's process group when there is one (``strategy`` is the name recorded for it)."""
     rank, local_rank, world = env_from_os()
-    if world > 1 and strategy == "none":
-        raise LaunchError(f"{world} processes were launched but distributed.strategy is 'none': set it to ddp or fsdp")
     if world == 1:
-        return DistEnv(strategy="none" if strategy == "none" else strategy)
+        return DistEnv(strategy=strategy)
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
@@ -107,55 +101,3 @@ def gather(env: DistEnv, obj) -> list:
     dist.all_gather_object(out, obj)
     return out
 
-
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The children of the model's largest ModuleList: the unit FSDP2 gathers at once."""
-    best: list = []
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > len(best):
-            best = list(mod)
-    return best
-
-
-def wrap(model: torch.nn.Module, env: DistEnv, device: torch.device) -> tuple[torch.nn.Module, str]:
-    """The model as the strategy runs it, and a sentence saying how it was wrapped."""
-    if not env.active:
-        return model, "one process"
-    if env.strategy == "ddp":
-        ids = [device.index] if device.type == "cuda" else None
-        return (torch.nn.parallel.DistributedDataParallel(model, device_ids=ids),
-                f"DDP over {env.world_size} processes ({dist.get_backend()})")
-    from torch.distributed.fsdp import fully_shard
-
-    blocks = _blocks(model)
-    for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model, f"FSDP2 over {env.world_size} processes ({dist.get_backend()}): {len(blocks)} blocks and the root sharded"
-
-
-def reduction_ratio(env: DistEnv, device: torch.device) -> float:
-    """Measure what the strategy's gradient reduction does: 1.0 averages over ranks, world_size sums."""
-    if not env.active:
-        return 1.0
-    probe = torch.nn.Linear(4, 4, bias=False).to(device)
-    with torch.no_grad():
-        probe.weight.fill_(0.5)
-    x = torch.ones(2, 4, device=device)
-    if env.strategy == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(probe, device_ids=[device.index] if device.type == "cuda" else None)
-        wrapped(x).sum().backward()
-        grad = probe.weight.grad
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        holder = torch.nn.Sequential(probe)
-        fully_shard(holder)
-        holder(x).sum().backward()
-        grad = probe.weight.grad.full_tensor()
-    single = 2.0  # d/dW of sum(x @ W.T) with x = ones(2, 4): every entry is 2
-    return float(grad.mean()) / single
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

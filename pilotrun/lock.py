@@ -1,4 +1,4 @@
-"""What a run depends on (SPEC §1), recorded so a later run can report drift field by field.
+"""What a run depends on (docs/architecture.md, "Contracts": lock), recorded so a later run can report drift field by field.
 
 :func:`collect_lock` is a function from a spec (and the environment) to a plain
 dict; :func:`diff_locks` compares two of them. Neither prints anything.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .config.spec import Spec, _looks_local, import_factory
+from .config.spec import Spec, import_factory, looks_local
 
 CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
 # Fields that identify the machine, not the job: recorded, never reported as drift.
@@ -119,7 +119,7 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
         model = {"source": "factory", **_factory_source(m.factory, spec.folder, cache)}
     elif m.config is not None:
         model = {"source": "config", "random_init_seed": spec.seed}
-    elif _looks_local(m.hf):
+    elif looks_local(m.hf):
         model = {"source": "local", **hash_tree(spec.resolve(m.hf), cache)}
     else:
         pinned = bool(m.revision and re.fullmatch(r"[0-9a-f]{40}", m.revision))

@@ -14,7 +14,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-IGNORED_DIRS = {".venv", ".git", "__pycache__", ".pytest_cache", "pilotrun.egg-info"}
+IGNORED_DIRS = {".venv", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", "pilotrun.egg-info"}
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

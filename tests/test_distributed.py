@@ -68,14 +68,14 @@ def test_launch_refuses_what_cannot_run(tmp_path, monkeypatch):
 SHUTDOWN_LOOP = """
 import sys, torch
 import torch.distributed as dist
-from pilotrun import distributed
+from pilotrun import distributed, strategies
 
 rank, store = int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)
 for i in range(20):
     dist.init_process_group("gloo", init_method=f"file://{store}.{i}", rank=rank, world_size=2)
     env = distributed.DistEnv(rank, rank, 2, "ddp")
-    model = distributed.wrap(torch.nn.Linear(4, 4), env, torch.device("cpu"))[0]
+    model = strategies.get("ddp").wrap(torch.nn.Linear(4, 4), env, torch.device("cpu"))[0]
     model(torch.ones(2, 4)).sum().backward()
     distributed.gather(env, {"rank": rank, "rows": list(range(50))})
     distributed.shutdown(env)  # the model is still referenced here, as it once was in the pilot

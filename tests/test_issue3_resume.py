@@ -14,7 +14,7 @@ from pilotrun.checkpoint import CheckpointError, fingerprint_state, save_checkpo
 from pilotrun.config import load_spec
 from pilotrun.gates.resume import first_difference
 from pilotrun.ledger import Ledger
-from pilotrun.workers.common import build_trainer
+from pilotrun.drivers import build_job
 from pilotrun.workers.train_phase import restore_check
 
 from .conftest import gate_rows as rows_of
@@ -64,14 +64,14 @@ def test_correct_setup_restores_and_resumes_bitwise(toylm, tmp_path):
 
 def _saved(toylm, tmp_path, *overrides):
     spec = load_spec(toylm, list(overrides))
-    trainer, _, _ = build_trainer(spec)
+    trainer = build_job(spec)
     for _ in range(3):
         trainer.update()
     expect = fingerprint_state(trainer)
     folder = tmp_path / "ck" / "step-000003"
     save_checkpoint(folder, trainer, spec.canonical())
     trainer.close()
-    fresh, _, _ = build_trainer(spec)
+    fresh = build_job(spec)
     return fresh, folder, expect
 
 

@@ -7,8 +7,13 @@ import pytest
 import torch
 from torch import nn
 
+from pilotrun import strategies
 from pilotrun.config.spec import Spec, build
-from pilotrun.train.loop import NonFiniteError, Trainer, decide_loss_policy
+from pilotrun.data.bundle import DataBundle
+from pilotrun.distributed import DistEnv
+from pilotrun.drivers import LoopDriver, NonFiniteError
+from pilotrun.models.loading import LoadedModel
+from pilotrun.train.loss import decide_loss_policy
 from pilotrun.train.optim import Schedule
 from pilotrun.train.sampler import DataPlan, PositionedBatchSampler
 
@@ -97,6 +102,13 @@ def make_spec(micro, accum, **train):
         "train": {"micro_batch_size": micro, "grad_accum_steps": accum, "updates": 10, "shuffle": False,
                   "max_grad_norm": None, "optimizer": {"name": "sgd", "lr": 1.0}, **train},
     })
+
+
+def Trainer(model, train_set, collate_fn, spec, device) -> LoopDriver:
+    """pilotrun's loop on a model and dataset of the test's own, in one process."""
+    data = DataBundle(train=train_set, val=train_set, collate=collate_fn)
+    return LoopDriver(model, LoadedModel(model, "factory", "custom", "test"), data, None, spec, device, DistEnv(),
+                      strategies.get("single"))
 
 
 def one_update(model_cls, micro, accum, lengths):

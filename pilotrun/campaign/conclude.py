@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import statistics
 
+from ..ledger.records import RunStatus
+
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
@@ -29,7 +31,7 @@ def variant_stats(runs: list[dict], value) -> dict:
     mine = [r for r in runs if r["meta"].get("variant") == value]
     finished, seen = [], set()
     for r in mine:  # planned order: declared runs first, then retries
-        if (r["status"] == "finished" and not r["meta"].get("lock_drift") and r["meta"].get("seed") not in seen
+        if (r["status"] == RunStatus.FINISHED and not r["meta"].get("lock_drift") and r["meta"].get("seed") not in seen
                 and (r["meta"].get("final") or {}).get("val_loss") is not None):
             finished.append(r)
             seen.add(r["meta"].get("seed"))
@@ -40,9 +42,9 @@ def variant_stats(runs: list[dict], value) -> dict:
         "variant": value,
         "runs": len(mine),
         "finished": len(finished),
-        "diverged": sum(1 for r in mine if r["status"] == "diverged"),
-        "failed": sum(1 for r in mine if r["status"] in ("failed", "refused")),
-        "not_run": sum(1 for r in mine if r["status"] in ("not-run", "stopped")),
+        "diverged": sum(1 for r in mine if r["status"] == RunStatus.DIVERGED),
+        "failed": sum(1 for r in mine if r["status"] in (RunStatus.FAILED, RunStatus.REFUSED)),
+        "not_run": sum(1 for r in mine if r["status"] in (RunStatus.NOT_RUN, RunStatus.STOPPED)),
         "retries": sum(1 for r in mine if r["meta"].get("retry_of")),
         "continued": sum(1 for r in mine if r["meta"].get("continues")),
         "lock_drift": sum(1 for r in mine if r["meta"].get("lock_drift")),
@@ -53,7 +55,7 @@ def variant_stats(runs: list[dict], value) -> dict:
         "by_seed": by_seed,
         "declared_seeds": len({r["meta"].get("seed") for r in mine}),
         "stops": [{"run_id": r["run_id"], "status": r["status"], "reason": r["meta"].get("stop_reason"),
-                   "at_update": r["meta"].get("stopped_at")} for r in mine if r["status"] != "finished"],
+                   "at_update": r["meta"].get("stopped_at")} for r in mine if r["status"] != RunStatus.FINISHED],
     }
 
 
@@ -64,9 +66,10 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
     control = stats[0]
     lines: list[str] = []
     if interrupted:
-        n = {k: sum(r["status"] == k for r in runs) for k in ("finished", "stopped", "not-run")}
-        lines.append(f"the campaign was interrupted: {n['finished']} run(s) finished, {n['stopped']} stopped where "
-                     f"they were, {n['not-run']} not run")
+        n = {k: sum(r["status"] == k for r in runs) for k in (RunStatus.FINISHED, RunStatus.STOPPED,
+                                                                  RunStatus.NOT_RUN)}
+        lines.append(f"the campaign was interrupted: {n[RunStatus.FINISHED]} run(s) finished, {n[RunStatus.STOPPED]} "
+                     f"stopped where they were, {n[RunStatus.NOT_RUN]} not run")
     better, judged, unjudged = [], [], []
     for s in stats[1:]:
         # Paired: only seeds both the variant and the control finished (the seed also draws the validation
@@ -110,7 +113,7 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
                      + ", ".join(str(s["variant"]) for s in unjudged))
     for s in stats:
         if s["diverged"]:
-            where = ", ".join(f"update {x['at_update']}" for x in s["stops"] if x["status"] == "diverged")
+            where = ", ".join(f"update {x['at_update']}" for x in s["stops"] if x["status"] == RunStatus.DIVERGED)
             lines.append(f"{key} = {s['variant']} diverged in {s['diverged']} of {s['runs']} run(s) ({where}); "
                          "those runs are kept with their reason")
         if s["retries"]:
@@ -126,11 +129,6 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
     lines += [f"caveat: {c}" for c in caveats]
     return {"key": key, "control": control["variant"], "variants": stats, "text": lines,
             "metric": "final validation loss (lower is better)"}
-
-
-def final_val_loss(status: str, meta: dict) -> float | None:
-    """A run's final validation loss: only a finished run has one (a stopped run's last point is not it)."""
-    return (meta.get("final") or {}).get("val_loss") if status == "finished" else None
 
 
 def stop_text(meta: dict) -> str:

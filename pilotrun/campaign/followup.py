@@ -19,20 +19,26 @@ from datetime import datetime
 from pathlib import Path
 
 from ..config.spec import parse_override, spec_from_mapping
+from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
-from .orchestrate import (CampaignError, CampaignInterrupted, _execute, _plan, _record_lost_end, finish, led_runs,
-                          parallel_plan, plan_run_row)
+from .orchestrate import (
+    CampaignError,
+    CampaignInterrupted,
+    execute,
+    finish,
+    led_runs,
+    parallel_plan,
+    plan_run_row,
+    record_lost_end,
+    run_plan,
+)
 from .procs import is_alive, process_mark
 from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, run_spec
-
-# An attempt with one of these ends is a result (a retry is a deliberate choice); the others were cut short.
-RESULTS = ("finished", "diverged", "failed", "refused")
-CUT_SHORT = ("not-run", "stopped")
 
 
 def _campaign(led: Ledger, campaign_ref: str, ledger_path: Path) -> dict:
     camp = led.run(campaign_ref)
-    if camp is None or camp["kind"] != "campaign":
+    if camp is None or camp["kind"] != RunKind.CAMPAIGN:
         raise CampaignError(f"no campaign {campaign_ref!r} in {ledger_path}")
     return camp
 
@@ -66,7 +72,7 @@ def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path:
                  for k in bad]
         raise CampaignError(f"a retry may change {', '.join(RETRY_KEYS)} (the experiment stays the same); "
                             f"{', '.join(hints)} would make it another experiment: add it as a campaign instead")
-    if not changes and parent["status"] == "finished":
+    if not changes and parent["status"] == RunStatus.FINISHED:
         raise CampaignError(f"{parent['run_id']} finished; an identical rerun would not count (each seed counts "
                             "once). A retry changes how it runs: --set train.micro_batch_size=... with "
                             "train.grad_accum_steps, train.activation_checkpointing or train.device")
@@ -79,7 +85,7 @@ def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path:
         raise CampaignError(f"the retry changes the examples per update ({examples_per_update(before)} -> "
                             f"{examples_per_update(spec)}): change train.grad_accum_steps with the micro batch")
     r = _new_run(camp, cmeta, parent, spec, ledger_path, retry_of=parent["run_id"], changes=dict(changes))
-    _execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), _plan(c), None, 1, False,
+    execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), run_plan(c), None, 1, False,
              json.loads(camp["lock_json"]), None)
     return finish(camp["run_id"], ledger_path, after=f"retry {r['run_id']} of {parent['run_id']}")
 
@@ -109,7 +115,7 @@ def _record_a_killed_campaign(camp: dict, runs: list[dict], ledger_path: Path) -
     if alive:
         raise CampaignError(f"{cid} is still running (pid {orch['pid']}): wait for it, or stop it with Ctrl-C "
                             "(which records every run), then --resume")
-    open_runs = [r for r in runs if r["status"] in ("running", "planned")]
+    open_runs = [r for r in runs if r["status"] in (RunStatus.RUNNING, RunStatus.PLANNED)]
     live = [r for r in open_runs if is_alive(r["meta"].get("worker"))]
     if live:
         raise CampaignError(f"{cid}'s own process (pid {orch['pid']}) is gone but "
@@ -119,14 +125,15 @@ def _record_a_killed_campaign(camp: dict, runs: list[dict], ledger_path: Path) -
     killed = f"the campaign's process (pid {orch['pid']}) was killed"
     with Ledger(ledger_path) as led:
         for r in open_runs:
-            steps = [m["step"] for m in led.metrics(r["run_id"], "train")]
-            if r["status"] == "running":
+            steps = [m["step"] for m in led.metrics(r["run_id"], Series.TRAIN)]
+            if r["status"] == RunStatus.RUNNING:
                 last = max(steps, default=0)
-                led.finish_campaign_run(r["run_id"], {"status": "stopped", "stopped_at": last, "stop_reason":
-                                                      f"{killed}; the last update this run recorded is {last}"})
+                led.finish_campaign_run(r["run_id"], RunEnd(RunStatus.STOPPED, StopKind.CAMPAIGN_KILLED,
+                                                            f"{killed}; the last update this run recorded is {last}",
+                                                            last))
             else:
-                led.finish_campaign_run(r["run_id"], {"status": "not-run", "stopped_at": 0,
-                                                      "stop_reason": f"{killed} before this run started"})
+                led.finish_campaign_run(r["run_id"], RunEnd(RunStatus.NOT_RUN, StopKind.CAMPAIGN_KILLED,
+                                                            f"{killed} before this run started", 0))
         # When it died is unknown: count the budget up to the last thing it is known to have done.
         seen = [datetime.fromisoformat(r["ended_at"]).timestamp() for r in runs if r["ended_at"]]
         seen += [r["meta"]["worker"]["started"] for r in runs if r["meta"].get("worker")]
@@ -149,12 +156,12 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
         camp = _campaign(led, campaign_ref, ledger_path)
         runs = led.campaign_runs(camp["run_id"])
     cid, status = camp["run_id"], camp["status"]
-    if status == "running":
+    if status == RunStatus.RUNNING:
         _record_a_killed_campaign(camp, runs, ledger_path)  # or say why it cannot be resumed yet
         with Ledger(ledger_path) as led:
             camp, runs = led.run(cid), led.campaign_runs(cid)
         status = camp["status"]
-    if status != "interrupted":
+    if status != RunStatus.INTERRUPTED:
         raise CampaignError(f"{cid} was not interrupted (it ended {status}); --resume continues an interrupted "
                             f"campaign. To run one of its runs differently: --retry RUN --set KEY=VALUE")
     todo = cut_short(runs)
@@ -177,11 +184,11 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
     base_hash = spec_from_mapping(base_written, c.folder / c.base).config_hash() if base_written else None
     at_once = parallel_plan(c, specs[0], parallel, ledger_path, base_hash=base_hash)
     at_once["warnings"] = (cmeta.get("parallel") or {}).get("warnings", [])  # said at the start; said again
-    plan = {**_plan(c), "threads": at_once["threads_per_run"]}
+    plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
     with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins
         # With the status, the mark of the process that runs it now: in one transaction, so another resume
         # never sees "running" under the old, dead process and takes it for a killed campaign.
-        if not led.claim(cid, "interrupted", "running", {"orchestrator": process_mark()}):
+        if not led.claim(cid, RunStatus.INTERRUPTED, RunStatus.RUNNING, {"orchestrator": process_mark()}):
             raise CampaignError(f"{cid} is being resumed by another pilotrun process")
     began, new = time.time(), []
     try:
@@ -189,13 +196,13 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
             new.append(_new_run(camp, cmeta, parent, spec, ledger_path, continues=parent["run_id"]))
         if on_start:
             on_start(cid, at_once)
-        _execute(new, c, cid, ledger_path, Path(camp["out_dir"]), plan, deadline, at_once["parallel"], allow_drift,
+        execute(new, c, cid, ledger_path, Path(camp["out_dir"]), plan, deadline, at_once["parallel"], allow_drift,
                  json.loads(camp["lock_json"]), on_event)
     except CampaignInterrupted:
         raise
     except BaseException:  # leave it resumable, not "running" for ever, and every new row with an end
         for r in new:
-            _record_lost_end(r, ledger_path, True, False)
+            record_lost_end(r, ledger_path, True, False)
         finish(cid, ledger_path, interrupted=True)
         raise
     finally:

@@ -24,10 +24,11 @@ from pathlib import Path
 from ..config.schema import SpecError
 from ..config.spec import load_spec
 from ..devices import query_devices, query_host
+from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
-from ..workers.launch import _env
+from ..workers.launch import worker_env
 from .conclude import conclude, current
 from .procs import process_mark
 from .resources import pilot_memory, plan_parallel
@@ -59,14 +60,14 @@ def _stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
 
 
-def _plan(c: CampaignSpec) -> dict:
+def run_plan(c: CampaignSpec) -> dict:
+    """What every run of the campaign is told: updates, validation frequency, stop rules, what to keep."""
     return {"updates": c.updates, "eval_every": c.eval.every, "stop": c.canonical()["stop"],
             "keep": c.canonical()["keep"]}
 
 
 # A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
-NOT_STARTED = {"status": "not-run", "stop_reason": "the campaign was interrupted before this run started",
-               "stopped_at": 0}
+NOT_STARTED = RunEnd(RunStatus.NOT_RUN, StopKind.INTERRUPTED, "the campaign was interrupted before this run started", 0)
 STOP_GRACE_S = 60
 
 
@@ -106,7 +107,7 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
         with running.lock:
             if running.stopping.is_set():  # the interrupt came while this run was being prepared
                 return None
-            env = {**_env(), **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+            env = {**worker_env(), **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
             running.started.add(run_id)
@@ -184,11 +185,11 @@ def plan_run_row(led: Ledger, campaign_id: str, key: str, run_id: str, spec, out
     """A campaign run's folder and its ledger row, planned. Variant, seed and control come from ``of``:
     the planned run, or the run that a retry or a resume follows."""
     out.mkdir()
-    led.start_run(run_id, spec.name, "campaign-run", spec_path=spec.source, out_dir=str(out.resolve()),
+    led.start_run(run_id, spec.name, RunKind.CAMPAIGN_RUN, spec_path=spec.source, out_dir=str(out.resolve()),
                   config_hash=spec.config_hash(), parent_id=parent_id,
                   meta={"campaign_id": campaign_id, "key": key,
                         **{k: of[k] for k in ("variant", "variant_index", "seed", "control")}, **extra})
-    led.set_status(run_id, "planned")
+    led.set_status(run_id, RunStatus.PLANNED)
 
 
 def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 1, allow_drift: bool = False,
@@ -207,11 +208,11 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     (folder / "lock.json").write_text(json.dumps(control_lock, indent=1, sort_keys=True))
     at_once = parallel_plan(c, runs[0]["spec"], parallel, ledger_path)
     at_once["warnings"] = warnings_for(c, runs)
-    plan = {**_plan(c), "threads": at_once["threads_per_run"]}
+    plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
     (folder / "plan.json").write_text(json.dumps(plan, indent=1))
     deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
     with Ledger(ledger_path) as led:
-        led.start_run(campaign_id, name, "campaign", spec_path=str(Path(path).resolve()), out_dir=str(folder.resolve()),
+        led.start_run(campaign_id, name, RunKind.CAMPAIGN, spec_path=str(Path(path).resolve()), out_dir=str(folder.resolve()),
                       config_hash=c.digest(), lock=control_lock,
                       meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
                             "base": str((c.folder / c.base).resolve()), "parallel": at_once,
@@ -223,7 +224,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
             plan_run_row(led, campaign_id, c.key, r["run_id"], r["spec"], r["out"], r)
     if on_start:
         on_start(campaign_id, at_once)
-    _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift, control_lock,
+    execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift, control_lock,
              on_event)
     return finish(campaign_id, ledger_path)
 
@@ -253,7 +254,7 @@ def _interruptible():
 
 
 @_interruptible()
-def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
+def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
     """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more."""
     plan_file = folder / "plan.json"
     running = _Running()
@@ -264,25 +265,26 @@ def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel
                 led.finish_campaign_run(r["run_id"], NOT_STARTED)
                 return
             if deadline is not None and time.time() > deadline:
-                led.finish_campaign_run(r["run_id"], {"status": "not-run", "stop_reason": "budget: not started before "
-                                                      "the campaign's time budget ran out", "stopped_at": 0})
+                led.finish_campaign_run(r["run_id"], RunEnd(RunStatus.NOT_RUN, StopKind.BUDGET, "budget: not started "
+                                                            "before the campaign's time budget ran out", 0))
                 return
             lock = collect_lock(r["spec"])
             drift = _env_drift(control_lock, lock)
             led.set_lock(r["run_id"], lock)
             if drift and not allow_drift:
-                led.finish_campaign_run(r["run_id"], {"status": "refused", "stop_reason": "the lock drifted from the "
-                                                      f"campaign's ({', '.join(drift[:4])}); rerun with --allow-drift "
-                                                      "to run it, flagged and kept out of comparisons", "stopped_at": 0})
+                led.finish_campaign_run(r["run_id"], RunEnd(
+                    RunStatus.REFUSED, StopKind.LOCK_DRIFT, f"the lock drifted from the campaign's "
+                    f"({', '.join(drift[:4])}); rerun with --allow-drift to run it, flagged and kept out of comparisons",
+                    0))
                 return
             if drift:
                 led.merge_meta(r["run_id"], {"lock_drift": drift})
-            led.set_status(r["run_id"], "running")
+            led.set_status(r["run_id"], RunStatus.RUNNING)
         spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
         try:
             _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"))
         finally:
-            _record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started)
+            record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started)
         if on_event:
             with Ledger(ledger_path) as led:
                 on_event(led.run(r["run_id"]))
@@ -303,30 +305,31 @@ def _execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel
     except KeyboardInterrupt:
         running.stopping.set()
         for r in runs:
-            _record_lost_end(r, ledger_path, True, r["run_id"] in running.started)
+            record_lost_end(r, ledger_path, True, r["run_id"] in running.started)
         raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True)) from None
 
 
-def _record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: bool) -> None:
+def record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: bool) -> None:
     """A run whose worker died without recording its end, or that never started, still gets a row that says so."""
     with Ledger(ledger_path) as led:
         row = led.run(r["run_id"])
-        if row["status"] not in ("running", "planned"):
+        if row is None or row["status"] not in (RunStatus.RUNNING, RunStatus.PLANNED):
             return
-        if interrupted and (row["status"] == "planned" or not started):
-            result = NOT_STARTED
+        log = r["out"] / "worker.log"
+        if interrupted and (row["status"] == RunStatus.PLANNED or not started):
+            end = NOT_STARTED
         elif interrupted:
-            result = {"status": "stopped", "stop_reason": "interrupted (Ctrl-C); the run's process ended before "
-                      f"recording where (log {r['out'] / 'worker.log'})", "stopped_at": None}
+            end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, "interrupted (Ctrl-C); the run's process ended "
+                         f"before recording where (log {log})")
         else:
-            result = {"status": "failed", "stop_reason": "the run's process ended without a result "
-                      f"(log {r['out'] / 'worker.log'})", "stopped_at": None}
-        led.finish_campaign_run(r["run_id"], result)
+            end = RunEnd(RunStatus.FAILED, StopKind.PROCESS_LOST, f"the run's process ended without a result (log {log})")
+        led.finish_campaign_run(r["run_id"], end)
 
 
 def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False, after: str = "") -> dict:
     with Ledger(ledger_path) as led:
         row = led.run(campaign_id)
+        assert row is not None
         meta = json.loads(row["meta_json"])
         runs = led.campaign_runs(campaign_id)
         conclusion = conclude(meta["key"], meta["values"], runs, interrupted,
@@ -334,8 +337,8 @@ def finish(campaign_id: str, ledger_path: Path, interrupted: bool = False, after
         meta["conclusion"] = conclusion
         led.set_meta(campaign_id, meta)
         statuses = {r["status"] for r in current(runs)}
-        led.end_run(campaign_id, "interrupted" if interrupted else
-                    "finished" if statuses <= {"finished"} else "finished-with-stops")
+        led.end_run(campaign_id, RunStatus.INTERRUPTED if interrupted else
+                    RunStatus.FINISHED if statuses <= {RunStatus.FINISHED} else RunStatus.FINISHED_WITH_STOPS)
         led.add_note(campaign_id, f"conclusion{f' after {after}' if after else ''}: " + "; ".join(conclusion["text"]))
     return {"campaign_id": campaign_id, "runs": runs, "conclusion": conclusion, "parallel": meta.get("parallel")}
 

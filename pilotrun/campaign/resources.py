@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..gates.registry import job_memory_gates
+from ..ledger.records import RunKind
 from ..ledger.store import Ledger
 
 # Share of the available host / accelerator memory parallel runs may take together; the rest is
 # for the orchestrator, the page cache and the allocator's fragmentation.
 HEADROOM = 0.9
-# The stages a campaign run goes through: their peaks are what one run needs.
-RUN_STAGES = ("load", "first_step", "steady_step", "eval", "save", "export")
+# A campaign run is one process doing what the job's own gates measure (load, updates, eval, save, export, a
+# restore): their peaks are what one run needs.
+RUN_STAGES = job_memory_gates()
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class PerRun:
 
 def pilot_memory(led: Ledger, config_hash: str) -> PerRun | None:
     """Peaks of the latest pilot whose config hash is the base spec's, or None when there is none."""
-    rows = led.conn.execute("SELECT run_id FROM runs WHERE kind = 'pilot' AND config_hash = ? "
-                            "ORDER BY started_at DESC, rowid DESC", (config_hash,)).fetchall()
+    rows = led.conn.execute("SELECT run_id FROM runs WHERE kind = ? AND config_hash = ? "
+                            "ORDER BY started_at DESC, rowid DESC", (str(RunKind.PILOT), config_hash)).fetchall()
     for (run_id,) in rows:
         host, device = [], []
         for g in led.gate_rows(run_id):

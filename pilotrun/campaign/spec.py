@@ -111,7 +111,7 @@ class CampaignSpec:
         return hashlib.sha256(json.dumps(self.canonical(), sort_keys=True).encode()).hexdigest()
 
 
-# What a campaign holds fixed (SPEC §6): the model, the data, the yardstick, the examples per update
+# What a campaign holds fixed (docs/architecture.md, "Contracts": campaigns): the model, the data, the yardstick, the examples per update
 # and the update budget. Varying one of them is another experiment, not a variant.
 FIXED = (
     ("seed", "seeds are listed under seeds"),

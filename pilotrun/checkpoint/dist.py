@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .io import MANIFEST, CheckpointError, _fsync_dir, _hash_and_sync, verify_folder
-from .state import _load_json, capture_rng, load_torch_file, restore_rng
+from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, verify_folder
+from .state import load_json, capture_rng, load_torch_file, restore_rng
 
 
 def _state_dicts(trainer):
@@ -53,19 +53,26 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
     distributed.barrier(env)
     record: dict = {}
     if env.is_main:
-        files = {str(p.relative_to(tmp)): _hash_and_sync(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): hash_and_sync(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"format": "pilotrun-checkpoint/1", "layout": "dcp", "world_size": env.world_size,
                     "strategy": env.strategy, "step": trainer.step, "config_hash": config_hash, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _hash_and_sync(tmp / MANIFEST)
-        _fsync_dir(tmp)
+        hash_and_sync(tmp / MANIFEST)
+        fsync_dir(tmp)
         if folder.exists():
             shutil.rmtree(folder)
         os.rename(tmp, folder)
-        _fsync_dir(folder.parent)
+        fsync_dir(folder.parent)
         record = {"files": files, "bytes": sum(f["bytes"] for f in files.values())}
     distributed.barrier(env)
     return distributed.broadcast(env, record)
+
+
+def full_model_state_dict(model) -> dict:
+    """The complete weights gathered from every rank (each rank calls this; they land on CPU)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def restore_distributed(trainer, folder: Path, env) -> dict:
@@ -82,11 +89,11 @@ def restore_distributed(trainer, folder: Path, env) -> dict:
     state = {"model": msd, "optimizer": osd}
     dcp.load(state, checkpoint_id=str(folder / "dcp"))
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    trainer.scheduler.load_state_dict(_load_json(folder / "scheduler.json"))
+    trainer.scheduler.load_state_dict(load_json(folder / "scheduler.json"))
     if trainer.scaler is not None:
-        trainer.scaler.load_state_dict(_load_json(folder / "scaler.json"))
-    restore_rng(_load_json(folder / f"rng-rank{env.rank}.json"), load_torch_file(folder / f"rng-rank{env.rank}.pt"))
-    st = _load_json(folder / f"trainer_state-rank{env.rank}.json")
+        trainer.scaler.load_state_dict(load_json(folder / "scaler.json"))
+    restore_rng(load_json(folder / f"rng-rank{env.rank}.json"), load_torch_file(folder / f"rng-rank{env.rank}.pt"))
+    st = load_json(folder / f"trainer_state-rank{env.rank}.json")
     trainer.load_state(st)
     return st
 

@@ -48,7 +48,7 @@ class HashingWriter:
         self.fh.close()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:
@@ -61,7 +61,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _hash_and_sync(path: Path) -> dict:
+def hash_and_sync(path: Path) -> dict:
     """sha256 of a file just written (read back from the page cache) and an fsync; runs in a thread."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -111,7 +111,7 @@ class AtomicFolder:
             # One hashing thread per spare core (up to 4): shards hash in parallel on big nodes.
             workers = max(1, min(4, (os.cpu_count() or 2) - 1))
             self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pilotrun-hash")
-        self._pending[name] = self._pool.submit(_hash_and_sync, path)
+        self._pending[name] = self._pool.submit(hash_and_sync, path)
 
     def _finish_pending(self) -> None:
         for name, fut in self._pending.items():
@@ -157,13 +157,13 @@ class AtomicFolder:
         w = HashingWriter(self.tmp / MANIFEST)
         w.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
         w.close()
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         old = None
         if self.final.exists():
             old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
             os.rename(self.final, old)
         os.rename(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 

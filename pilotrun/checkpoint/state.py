@@ -130,7 +130,7 @@ def load_torch_file(path: Path):
         raise CheckpointError(f"{path} cannot be loaded safely (weights_only=True): {first}") from None
 
 
-def _load_json(path: Path) -> dict:
+def load_json(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -162,13 +162,13 @@ def restore_training_state(trainer, folder: Path) -> dict:
     trainer.model.load_state_dict(model_state)
     opt_state, opt_extra = _load_sharded(folder, "optimizer")
     trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": opt_extra["param_groups"]})
-    trainer.scheduler.load_state_dict(_load_json(folder / "scheduler.json"))
+    trainer.scheduler.load_state_dict(load_json(folder / "scheduler.json"))
     if trainer.scaler is not None:
         if not (folder / "scaler.json").exists():
             raise CheckpointError(f"{folder} has no scaler.json but the run uses fp16 with a grad scaler")
-        trainer.scaler.load_state_dict(_load_json(folder / "scaler.json"))
-    restore_rng(_load_json(folder / "rng.json"), load_torch_file(folder / "rng.pt"))
-    state = _load_json(folder / "trainer_state.json")
+        trainer.scaler.load_state_dict(load_json(folder / "scaler.json"))
+    restore_rng(load_json(folder / "rng.json"), load_torch_file(folder / "rng.pt"))
+    state = load_json(folder / "trainer_state.json")
     trainer.load_state(state)
     return state
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..ledger.store import Ledger, LedgerError
 from ..report.archive import ArchiveError, archive_run
-from ..ui.format import human_bytes
+from ..humanize import human_bytes
 from .common import UsageError, existing_ledger, out_console, add_ledger_arg
 
 HELP = """examples:

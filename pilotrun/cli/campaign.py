@@ -8,7 +8,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ..campaign.conclude import final_val_loss, link_text, stop_text, table
+from ..campaign.conclude import link_text, stop_text, table
+from ..ledger.records import final_val_loss
 from ..campaign.followup import resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..ledger.store import default_ledger_path

@@ -17,20 +17,20 @@ class UsageError(Exception):
 PIPE_WIDTH = 160
 
 
-def _console(stderr: bool) -> Console:
+def console_for(stderr: bool) -> Console:
     console = Console(stderr=stderr)
     if not console.is_terminal:
         console = Console(stderr=stderr, width=PIPE_WIDTH)
     return console
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def err_console() -> Console:
-    return _console(True)
+    return console_for(True)
 
 
 def out_console() -> Console:
-    return _console(False)
+    return console_for(False)
 
 
 LEDGER_HELP = "ledger file (default runs/ledger.sqlite, or $PILOTRUN_LEDGER)"
@@ -49,3 +49,11 @@ def existing_ledger(args) -> Path:
     if not path.exists():
         raise UsageError(f"no ledger at {path}: run a pilot or a campaign first, or pass --ledger")
     return path
+
+
+def ledger_if_present(path: Path | None):
+    """The ledger (``--ledger`` or the default) when the file exists, else None: estimates read it, never create it."""
+    from ..ledger.store import Ledger, default_ledger_path
+
+    path = Path(path or default_ledger_path())
+    return Ledger(path) if path.exists() else None

@@ -1,21 +1,22 @@
 """``pilotrun estimate SPEC``: per-stage peaks traced with fake tensors, and the fit on each accelerator."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 from rich.table import Table
 from rich.text import Text
 
+from .. import strategies
 from ..config.spec import load_spec
 from ..estimate.advise import advise
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.model import estimate_fit
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
-from ..ledger.store import Ledger, default_ledger_path
-from ..ui.format import human_bytes, human_seconds
-from .common import UsageError, out_console, add_ledger_arg
+from ..humanize import human_bytes, human_seconds
+from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
 
 HELP = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml
@@ -35,8 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("spec")
     p.add_argument("--accelerator", action="append", default=[], help="catalog name or alias (repeatable; default all)")
     p.add_argument("--gpus", type=int, help="GPUs for ddp/fsdp (default 2, 4 and 8)")
-    p.add_argument("--strategy", choices=["single", "ddp", "fsdp"], action="append", default=[],
-                   help="repeatable; default all three")
+    p.add_argument("--strategy", choices=strategies.names(), action="append", default=[],
+                   help=f"repeatable; default all: {', '.join(strategies.names())}")
     p.add_argument("--catalog", type=Path, help="a YAML catalog that extends or overrides the built-in one")
     add_ledger_arg(p, "for utilisation measured by earlier pilots")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -45,11 +46,6 @@ def add_parser(sub) -> None:
     p.add_argument("--no-advice", action="store_true", help="skip the variants for rows that do not fit")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
-
-
-def _ledger(path: Path | None) -> Ledger | None:
-    path = path or default_ledger_path()
-    return Ledger(path) if Path(path).exists() else None
 
 
 def main(args) -> int:
@@ -61,34 +57,35 @@ def main(args) -> int:
         raise UsageError(str(exc)) from None
     if args.gpus is not None and args.gpus < 1:
         raise UsageError("--gpus must be at least 1")
-    strategies = args.strategy or ["single", "ddp", "fsdp"]
-    if args.gpus == 1 and any(s in strategies for s in ("ddp", "fsdp")) and args.strategy:
-        raise UsageError("ddp and fsdp need --gpus 2 or more (one GPU is --strategy single)")
+    chosen = [strategies.get(s) for s in (args.strategy or strategies.names())]
+    multi = [s.name for s in chosen if s.multi_process]
+    if args.gpus == 1 and multi and args.strategy:
+        raise UsageError(f"{' and '.join(multi)} need --gpus 2 or more (one GPU is --strategy single)")
     gpu_counts = [args.gpus] if args.gpus else [2, 4, 8]
     console = out_console()
     traces = Traces(spec)
     ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
     try:
-        with console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json else _null():
+        with console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json else contextlib.nullcontext():
             trace = traces.get(ac=ac)
     except TraceError as exc:
         raise UsageError(f"the trace failed: {exc}") from None
-    ledger = _ledger(args.ledger)
+    ledger = ledger_if_present(args.ledger)
     fits = []
     for acc in accs:
         util, source = calibrated_utilisation(ledger, spec.config_hash(), acc, trace["stages"]["steady_step"]["flops"],
                                               spec.train.precision)
-        for strategy in strategies:
-            for n in ([1] if strategy == "single" else gpu_counts):
-                if strategy != "single" and n == 1:
+        for strategy in chosen:
+            for n in (gpu_counts if strategy.multi_process else [1]):
+                if strategy.multi_process and n == 1:
                     continue
-                fit = estimate_fit(trace, acc, strategy, n, utilisation=util)
+                fit = estimate_fit(trace, acc, strategy.name, n, utilisation=util)
                 fit["utilisation_source"] = source if util else "catalog default"
                 fits.append(fit)
     advice = {}
     if not args.no_advice and len(accs) == 1 and not any(f["fits"] for f in fits):
         first = fits[0]
-        with console.status("working out variants...") if not args.json else _null():
+        with console.status("working out variants...") if not args.json else contextlib.nullcontext():
             advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog)
     report = {"spec": spec.source, "config_hash": spec.config_hash(), "stages": stage_summary(trace),
               "model": {k: trace[k] for k in ("parameters", "trainable_parameters", "parameter_bytes",
@@ -107,14 +104,6 @@ def main(args) -> int:
         return 0
     _print(console, spec, trace, report)
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _print(console, spec, trace, report) -> None:

@@ -17,7 +17,8 @@ from rich.markup import escape
 from ..config.spec import load_spec
 from ..devices import query_devices
 from ..ledger.store import Ledger
-from ..pilot import new_run_id
+from .. import strategies
+from ..ledger.records import RunStatus, new_run_id
 from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, out_console, add_ledger_arg
 
 HELP = """examples:
@@ -69,9 +70,10 @@ def main(args) -> int:
     spec = load_spec(args.spec, args.overrides)
     nproc, why = plan_processes(args.nproc_per_node, args.nnodes)
     world = nproc * args.nnodes
-    if world > 1 and spec.distributed.strategy == "none":
-        raise UsageError(f"{world} processes need distributed.strategy ddp or fsdp in the spec "
-                         "(or --set distributed.strategy=ddp)")
+    if world > 1 and not strategies.get(spec.distributed.strategy).multi_process:
+        several = strategies.multi_process_names()
+        raise UsageError(f"{world} processes need distributed.strategy {' or '.join(several)} in the spec "
+                         f"(or --set distributed.strategy={several[0]})")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
     # Create the ledger before the ranks start: a broken one is one clear error here, not one per rank.
@@ -99,6 +101,6 @@ def main(args) -> int:
         console.print(f"[bold red]the processes ended (code {code}) without a report[/]")
         return EXIT_INTERNAL if code else EXIT_BAD_INPUT
     status = json.loads(report.read_text()).get("status")
-    if code and status not in ("fail",):
+    if code and status != RunStatus.FAIL:
         return EXIT_INTERNAL
-    return EXIT_GATE_FAILED if status == "fail" else 0
+    return EXIT_GATE_FAILED if status == RunStatus.FAIL else 0

@@ -86,7 +86,8 @@ def main(args) -> int:
 def _result(r: dict, gate_rows: list[dict]) -> str:
     """What a run came to: gate verdicts for a pilot; variant, seed, stop or final loss for a campaign run."""
     if r["kind"] == "campaign-run":  # its rows are per-update points, not gates with verdicts
-        from ..campaign.conclude import final_val_loss, stop_text
+        from ..campaign.conclude import stop_text
+        from ..ledger.records import final_val_loss
 
         meta = json.loads(r.get("meta_json") or "{}")
         final = final_val_loss(r["status"], meta)

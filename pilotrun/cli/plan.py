@@ -9,8 +9,7 @@ from rich.text import Text
 
 from ..config.spec import load_spec
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
-from .common import UsageError, out_console, add_ledger_arg
-from .estimate import _ledger
+from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
 from .select import build_sheet
 
 HELP = """examples:
@@ -54,7 +53,7 @@ def main(args) -> int:
             raise UsageError(f"{flag} must be 0 or more, got {value}")
     spec = load_spec(args.spec, args.overrides, check_files=False)
     rows, traces = build_sheet(spec, args.accelerator, args.catalog, args.ledger, None, args.json)
-    ledger = _ledger(args.ledger)
+    ledger = ledger_if_present(args.ledger)
     a = Assumptions(download_mb_s=args.download_mb_s, egress_mb_s=args.egress_mb_s, evals_per_run=args.evals,
                     checkpoints_per_run=args.checkpoints, data_bytes=int(args.data_gb * 1e9))
     out = []

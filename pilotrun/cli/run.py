@@ -15,10 +15,12 @@ from ..config.spec import load_spec
 from ..devices import DeviceUnavailable
 from ..ledger.store import LedgerError
 from ..distributed import LaunchError
-from ..pilot import PilotOptions, rank_summary, run_pilot
-from ..resume_plan import ResumeError
+from ..gates import UnknownGate
+from ..ledger.records import Failure, Verdict
+from ..pilot import PilotOptions, ResumeError, rank_summary, run_pilot
+from ..strategies import UnknownStrategy
 from ..ui.console import ConsoleObserver
-from .common import UsageError, _console, out_console, add_ledger_arg
+from .common import UsageError, add_ledger_arg, console_for, out_console
 
 HELP = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
@@ -65,16 +67,16 @@ def _run(args) -> tuple[int, str | None]:
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
     options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates, container_digest=args.container_digest,
                            resume=args.resume, trust=args.trust, run_id=args.run_id)
-    console = _console(True) if args.json else out_console()
+    console = console_for(stderr=True) if args.json else out_console()
     if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 speaks; every rank writes its rows
         console = Console(file=open(os.devnull, "w"))
     observer = ConsoleObserver(console, title=spec.name)
     try:
         result = run_pilot(spec, options, observer)
-    except ValueError as exc:  # unknown gate names
-        if "unknown gate" in str(exc):
-            raise UsageError(f"--gates: {exc}") from None
-        raise
+    except UnknownGate as exc:
+        raise UsageError(f"--gates: {exc}") from None
+    except UnknownStrategy as exc:
+        raise SpecError([("distributed.strategy", str(exc))], spec.source) from None
     except DeviceUnavailable as exc:
         raise SpecError([("train.device", str(exc))], spec.source) from None
     except (LedgerError, ResumeError, LaunchError) as exc:
@@ -94,7 +96,8 @@ def _run(args) -> tuple[int, str | None]:
 
 def _advise_after_oom(spec, result, console) -> None:
     """A gate that ran out of accelerator memory gets the advisor's variants, and a note in the ledger."""
-    oom = [r for r in result.rows if r["verdict"] == "fail" and "out of memory at" in r["reason"]]
+    oom = [r for r in result.rows if r["verdict"] == Verdict.FAIL
+           and (r.get("details") or {}).get("failure") == Failure.OUT_OF_MEMORY]
     if not oom:
         return
     from ..estimate.advise import advise

@@ -1,6 +1,7 @@
 """``pilotrun select SPEC``: the selection sheet — per accelerator, what fits, how, and how long it takes."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -13,9 +14,8 @@ from ..estimate.runner import Traces
 from ..estimate.select import sheet_row
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
-from ..ui.format import human_bytes, human_seconds
-from .common import UsageError, out_console, add_ledger_arg
-from .estimate import _ledger, _null
+from ..humanize import human_bytes, human_seconds
+from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
 
 HELP = """examples:
   pilotrun select examples/llama-7b-estimate/pilot.yaml
@@ -23,7 +23,7 @@ HELP = """examples:
   pilotrun select pilot.yaml --json
   pilotrun select pilot.yaml --accelerator H100-80GB --accelerator MI300X-192GB --headroom 0.1
 
-For each accelerator: the first configuration that fits with headroom, in SPEC §4's order (single device,
+For each accelerator: the first configuration that fits with headroom, in the fix order (single device,
 activation checkpointing, FSDP over 2/4/8, a smaller micro batch with more accumulation holding the examples
 per update), the largest micro batch and length that fit, and the time for train.updates."""
 
@@ -54,11 +54,11 @@ def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) 
     except CatalogError as exc:
         raise UsageError(str(exc)) from None
     traces = Traces(spec)
-    ledger = _ledger(ledger_path)
+    ledger = ledger_if_present(ledger_path)
     ext = installed_extensions(spec.folder)
     console = out_console()
     try:
-        with (console.status("tracing with fake tensors...") if not quiet else _null()):
+        with (console.status("tracing with fake tensors...") if not quiet else contextlib.nullcontext()):
             rows = [sheet_row(spec, traces, acc, ledger, ext, headroom) for acc in accs]
     except TraceError as exc:
         raise UsageError(f"the trace failed: {exc}") from None

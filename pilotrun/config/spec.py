@@ -65,7 +65,7 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    factory: str | None = doc('"module:function" called with this mapping; returns {"train", "val", "collate", ...} (see SPEC contract)', None)
+    factory: str | None = doc('"module:function" called with this mapping; returns {"train", "val", "collate", ...} (README, "Your own model and data")', None)
     task: Literal["causal-lm", "seq-classification"] | None = doc("built-in task on JSONL data", None)
     path: str | dict[str, str] | None = doc("JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
     max_length: int | None = doc("tokens per training example after truncation (the length the long run uses)", None)
@@ -240,9 +240,17 @@ class PilotSpec:
 
 @dataclass
 class DistributedSpec:
-    strategy: Literal["none", "ddp", "fsdp"] = doc(
-        "none: one process; ddp: a full replica per process, gradients all-reduced; fsdp: FSDP2 fully_shard of each "
-        "repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)", "none")
+    # The names of pilotrun.strategies.STRATEGIES (a test keeps them equal); `none` is read as `single`.
+    strategy: Literal["single", "ddp", "fsdp"] = doc(
+        "single: one process; ddp: a full replica per process, gradients all-reduced; fsdp: FSDP2 fully_shard of "
+        "each repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)", "single")
+
+    @staticmethod
+    def normalize(data: Any) -> Any:
+        # Specs written before the spec, the CLI and the estimator shared one vocabulary said `none`.
+        if isinstance(data, dict) and data.get("strategy") == "none":
+            return {**data, "strategy": "single"}
+        return data
 
 
 @dataclass
@@ -315,7 +323,7 @@ def resolve_package_path(path: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / rest
 
 
-def _looks_local(value: str) -> bool:
+def looks_local(value: str) -> bool:
     return value.startswith(("pkg:", ".", "/", "~")) or not HUB_ID_RE.match(value)
 
 
@@ -355,7 +363,7 @@ def _import_factory(target: str, folder: Path) -> Any:
 
 
 def import_factory(target: str, folder: Path):
-    """Import 'module:function' relative to the spec folder (SPEC contract)."""
+    """Import 'module:function' relative to the spec folder (README, "Your own model and data")."""
     return _import_factory(target, folder)
 
 
@@ -418,7 +426,7 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
     elif isinstance(spec.data.path, dict) and data_files:
         for split, value in spec.data.path.items():
             need_file(f"data.path.{split}", value)
-    if spec.model.hf is not None and _looks_local(spec.model.hf):
+    if spec.model.hf is not None and looks_local(spec.model.hf):
         need_file("model.hf", spec.model.hf, kind="folder")
     if spec.model.tokenizer is not None and data_files:
         need_file("model.tokenizer", spec.model.tokenizer, kind="path")

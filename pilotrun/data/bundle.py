@@ -1,6 +1,6 @@
 """The data a pilot trains on, from a user's factory or a built-in task, checked against the contract.
 
-Contract (SPEC, "User contract for custom code"): ``data.factory`` returns a mapping
+Contract (README, "Your own model and data"): ``data.factory`` returns a mapping
 with ``"train"`` and ``"val"`` (optionally ``"test"``) map-style datasets whose items
 are dicts with an ``"id"``, a ``"collate"`` function from a list of items to a batch
 dict of tensors including ``"labels"``, and optionally ``"decode"``, ``"label_names"``

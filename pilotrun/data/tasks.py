@@ -91,9 +91,6 @@ class PadCollate:
         self.classification = classification
         self.pad_to = pad_to
 
-    def with_pad_to(self, length: int | None) -> "PadCollate":
-        return PadCollate(self.pad_id, self.classification, length)
-
     def pad_batch(self, batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
         """Right-pad a collated batch to ``length``: the worst-case shape of the long run."""
         cur = batch["input_ids"].shape[1]

@@ -1,4 +1,4 @@
-"""What to change when a stage does not fit, in SPEC §4's order, each variant with its predicted memory and time.
+"""What to change when a stage does not fit, in the fix order of docs/architecture.md ("Contracts"), each variant with its predicted memory and time.
 
 1. smaller micro batch, more accumulation (examples per update held: the same experiment);
 2. activation checkpointing (memory saved vs time added, both predicted);

@@ -100,11 +100,18 @@ def find(catalog: dict[str, Accelerator], name: str) -> Accelerator:
     raise CatalogError(f"unknown accelerator {name!r}; known: {known} (add it to a catalog file and pass --catalog)")
 
 
+def matches(acc: Accelerator, device_name: str | None) -> bool:
+    """Whether a device's reported name ("NVIDIA H100 80GB HBM3") is this catalog entry."""
+    if not device_name:
+        return False
+    name = device_name.lower()
+    return acc.name.lower() in name or any(a.lower() == name or (len(a) > 4 and a.lower() in name) for a in acc.aliases)
+
+
 def local_accelerator(catalog: dict[str, Accelerator], device_index: int = 0) -> Accelerator | None:
     """The accelerator this process runs on: its catalog entry, or one built from what the device reports
     (capacity known, peaks unknown: no time estimate). None without an accelerator."""
     from ..devices import query_devices
-    from .runner import matches
 
     inv = query_devices()
     if inv.backend not in ("cuda", "rocm") or device_index >= inv.count:

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import math
 
+from .. import strategies
+from ..strategies import StageBytes, correction
 from .catalog import Accelerator
 
 STAGES = ("first_step", "steady_step", "eval")
 TRAINING = ("first_step", "steady_step")
-
-
-def _c(name: str, size: float, counted_in: str, reason: str) -> dict:
-    return {"name": name, "bytes": int(size), "counted_in": counted_in, "reason": reason}
 
 
 def _kernel_notes(trace: dict) -> list[dict]:
@@ -35,13 +33,13 @@ def _kernel_notes(trace: dict) -> list[dict]:
     step = trace["stages"]["steady_step"]
     foreach = trace.get("foreach", True)
     return [
-        _c("optimizer foreach path", step.get("optimizer_step_extra_bytes", 0) if foreach else 0, "allocated",
+        correction("optimizer foreach path", step.get("optimizer_step_extra_bytes", 0) if foreach else 0, "allocated",
            "traced with foreach=True as CUDA/ROCm run AdamW by default: the size is its step temporaries, "
            "already inside the traced peak" if foreach else "traced with the CPU's per-parameter path"),
-        _c("attention kernels", 0, "allocated",
+        correction("attention kernels", 0, "allocated",
            "the CPU trace runs SDPA's flash kernel, which keeps the same tensors for backward as CUDA's "
            "flash/efficient kernels (output + logsumexp); an eager-attention model keeps L×L on both"),
-        _c("autocast op lists", 0, "allocated",
+        correction("autocast op lists", 0, "allocated",
            "CPU and CUDA autocast run matmul, linear, bmm and attention in the lower precision and keep "
            "softmax/norm in fp32 alike; the weight-cast cache exists on both"),
     ]
@@ -54,54 +52,33 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     b = st["breakdown"]
     training = stage in TRAINING
     # The train micro batch scales training activations only: evaluation keeps eval.batch_size.
-    act = b.get("activations", 0) * (micro_scale if training else 1.0)
-    casts = b.get("weight_casts", 0)
-    params, grads, opt = b.get("parameters", 0), b.get("gradients", 0), b.get("optimizer", 0)
-    buffers = b.get("buffers", 0)
-    corrections = [_c("allocator rounding (512 B blocks)", st["peak_bytes_rounded"] - st["peak_bytes"], "allocated",
-                      f"{st.get('tensors', 0)} storages in the stage, each rounded up as the caching allocator does")]
-    base = params + grads + opt + buffers + act + casts
-    if strategy == "ddp" and gpus > 1:
-        buckets = trace["gradient_bytes"]
-        corrections.append(_c("DDP gradient buckets", buckets, "allocated",
-                              "DDP keeps a flat copy of every gradient for all-reduce (gradient_as_bucket_view=False)"))
-        base += buckets
-    elif strategy == "fsdp" and gpus > 1:
-        sharded = (params + grads + opt) / gpus
-        # FSDP2's MixedPrecisionPolicy(param_dtype=bf16/fp16) gathers parameters in the compute dtype:
-        # no separate autocast copies, and the gathered layer is half the size of fp32.
-        low = trace["precision"] in ("bf16", "fp16")
-        scale = 0.5 if low else 1.0
-        layer = trace["largest_layer_bytes"]
-        root = max(0, trace["parameter_bytes"] - layer * max(trace.get("layers", 0), 1))
-        inflight = (root + 2 * layer) * scale + (layer if training else 0)
-        corrections.append(_c("FSDP2 sharding", sharded - (params + grads + opt), "allocated",
-                              f"parameters, gradients and optimizer state split over {gpus} ranks"))
-        corrections.append(_c("FSDP2 unsharded layer in flight", inflight, "allocated",
-                              f"the root's own parameters stay gathered; {trace['largest_layer']} gathered for compute and "
-                              f"the next one prefetched{' in ' + trace['precision'] if low else ''}"
-                              f"{', plus its unsharded fp32 gradient before reduce-scatter' if training else ''}"))
-        if casts:
-            corrections.append(_c("FSDP2 mixed precision instead of autocast copies", -casts, "allocated",
-                                  "MixedPrecisionPolicy gathers parameters in the compute dtype, so the autocast "
-                                  "copies of every weight kept for backward are not made"))
-        base = sharded + buffers + act + inflight
+    parts = StageBytes(parameters=b.get("parameters", 0), gradients=b.get("gradients", 0),
+                       optimizer=b.get("optimizer", 0), buffers=b.get("buffers", 0),
+                       activations=b.get("activations", 0) * (micro_scale if training else 1.0),
+                       weight_casts=b.get("weight_casts", 0))
+    corrections = [correction("allocator rounding (512 B blocks)", st["peak_bytes_rounded"] - st["peak_bytes"],
+                              "allocated", f"{st.get('tensors', 0)} storages in the stage, each rounded up as the "
+                              "caching allocator does")]
+    chosen = strategies.get(strategy)
+    base, by_strategy = chosen.estimate_memory(parts, trace, gpus, training)
+    corrections += by_strategy
     workspaces = acc.blas_workspace_bytes * (2 if training else 1)
-    corrections.append(_c("library workspaces", workspaces, "allocated",
-                          f"{'hipBLASLt' if acc.stack == 'rocm' else 'cuBLAS'} workspace per handle: "
-                          f"{'forward and autograd threads' if training else 'one stream'}"))
+    corrections.append(correction("library workspaces", workspaces, "allocated",
+                                  f"{'hipBLASLt' if acc.stack == 'rocm' else 'cuBLAS'} workspace per handle: "
+                                  f"{'forward and autograd threads' if training else 'one stream'}"))
     allocated = base + corrections[0]["bytes"] + workspaces
     margin = float(acc.defaults.get("reserved_margin", 0.10))
     reserved = allocated * (1 + margin)
-    corrections.append(_c("reserved-over-allocated margin", reserved - allocated, "reserved",
-                          f"{margin:.0%} for caching-allocator fragmentation (a GPU pilot measures the real ratio)"))
-    comm = acc.nccl_buffer_bytes if gpus > 1 and strategy in ("ddp", "fsdp") else 0
+    corrections.append(correction("reserved-over-allocated margin", reserved - allocated, "reserved",
+                                  f"{margin:.0%} for caching-allocator fragmentation (a GPU pilot measures the real "
+                                  "ratio)"))
+    comm = acc.nccl_buffer_bytes if chosen.uses_collectives(gpus) else 0
     device_used = reserved + acc.context_bytes + comm
-    corrections.append(_c("runtime context", acc.context_bytes, "device",
-                          f"{acc.stack.upper()} context with lazy module loading, outside the allocator"))
+    corrections.append(correction("runtime context", acc.context_bytes, "device",
+                                  f"{acc.stack.upper()} context with lazy module loading, outside the allocator"))
     if comm:
-        corrections.append(_c("collective buffers", comm, "device",
-                              f"{'RCCL' if acc.stack == 'rocm' else 'NCCL'} buffers for one communicator"))
+        corrections.append(correction("collective buffers", comm, "device",
+                                      f"{'RCCL' if acc.stack == 'rocm' else 'NCCL'} buffers for one communicator"))
     return {"peak_allocated_bytes": int(allocated), "peak_reserved_bytes": int(reserved),
             "device_used_bytes": int(device_used), "corrections": corrections}
 
@@ -114,21 +91,10 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     peak = acc.peak_flops(precision)
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
-    replicas = gpus if strategy in ("ddp", "fsdp") else 1
-    compute = flops / replicas / (peak * util)
+    chosen = strategies.get(strategy)
+    compute = flops / chosen.compute_replicas(gpus) / (peak * util)
     bw = float(acc.interconnect.get("per_gpu_gb_s", 0)) * 1e9
-    comm = 0.0
-    if replicas > 1 and bw:
-        frac = (replicas - 1) / replicas
-        micro_steps = max(1, math.ceil(trace.get("grad_accum_steps", 1) / replicas))
-        if strategy == "ddp":
-            # one all-reduce per update (no_sync on the other micro batches)
-            comm = 2 * trace["gradient_bytes"] * frac / bw
-        else:
-            # FSDP2 gathers the parameters (in the compute dtype) for forward and again for backward,
-            # and reduce-scatters fp32 gradients, on every micro batch
-            compute_bytes = trace["parameter_bytes"] * (0.5 if precision in ("bf16", "fp16") else 1.0)
-            comm = micro_steps * (2 * compute_bytes + trace["gradient_bytes"]) * frac / bw
+    comm = chosen.communication_seconds(trace, gpus, precision, bw)
     return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
             "communication_model": "not overlapped with compute (an upper bound)",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
@@ -138,8 +104,8 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
 def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str | None = None,
                  utilisation: float | None = None, micro_scale: float = 1.0) -> dict:
     """One row of the ``fits`` table: the largest stage's per-rank peaks against capacity, and time."""
-    if strategy == "single" and gpus != 1:
-        raise ValueError("strategy single uses one GPU")
+    if not strategies.get(strategy).multi_process and gpus != 1:
+        raise ValueError(f"strategy {strategy} uses one GPU")
     precision = precision or trace["precision"]
     stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale) for s in STAGES}
     worst = max(STAGES, key=lambda s: stages[s]["device_used_bytes"])
@@ -157,10 +123,6 @@ def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precis
         "stages": stages,
         "notes": _kernel_notes(trace),
     }
-
-
-def activation_bytes(trace: dict, stage: str = "steady_step") -> int:
-    return trace["stages"][stage]["breakdown"].get("activations", 0)
 
 
 def largest_scale_that_fits(trace: dict, acc: Accelerator, strategy: str, gpus: int, headroom: float) -> float:

@@ -13,7 +13,7 @@ import json
 
 from ..config.spec import Spec
 from ..ledger.store import Ledger
-from .catalog import Accelerator
+from .catalog import Accelerator, matches
 from .worker import trace_in_subprocess
 
 
@@ -29,13 +29,6 @@ class Traces:
         if key not in self._cache:
             self._cache[key] = trace_in_subprocess(self.spec, self.target, ac=key[0], precision=key[1])
         return self._cache[key]
-
-
-def matches(acc: Accelerator, device_name: str | None) -> bool:
-    if not device_name:
-        return False
-    name = device_name.lower()
-    return acc.name.lower() in name or any(a.lower() == name or (len(a) > 4 and a.lower() in name) for a in acc.aliases)
 
 
 def calibrated_utilisation(ledger: Ledger | None, config_hash: str, acc: Accelerator, flops_per_update: float,

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 
-from .catalog import Accelerator
+from .. import strategies
+from .catalog import Accelerator, matches
 from .model import estimate_fit, largest_scale_that_fits
-from .runner import calibrated_utilisation, matches
+from .runner import calibrated_utilisation
 
 
 def _divisors_at_most(n: int, limit: int) -> int:
@@ -31,7 +32,7 @@ def _verified_by(ledger, acc: Accelerator) -> str | None:
 
 
 def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict, list[str]]:
-    """(trace, fit, steps taken): the first configuration in SPEC §4's order that fits with headroom."""
+    """(trace, fit, steps taken): the first configuration in the fix order (docs/architecture.md, "Contracts") that fits with headroom."""
     steps: list[str] = []
     budget = acc.memory_bytes * (1 - headroom)
     options = [("single", 1, False, None)]
@@ -64,7 +65,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
     trace, fit, steps = choose(spec, traces, acc, headroom)
     t = spec.train
     gpus, strategy = fit["gpus"], fit["strategy"]
-    replicas = gpus if strategy in ("ddp", "fsdp") else 1
+    replicas = strategies.get(strategy).data_replicas(gpus)
     examples = t.micro_batch_size * t.grad_accum_steps
     scale = largest_scale_that_fits(trace, acc, strategy, gpus, headroom)
     max_mb = max(0, math.floor(t.micro_batch_size * scale))

@@ -26,7 +26,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config.spec import Spec
 from ..measure.tensors import CategoryTracker
-from ..train.loop import autocast_for, decide_loss_policy, window_backward
+from ..models.loading import build_model
+from ..models.structure import largest_block
+from ..train.batches import autocast_for, item_length, seq_len, supervised_count
+from ..train.loss import LossPolicy, decide_loss_policy, window_backward
 from ..train.optim import build_optimizer
 
 ROUND = 512  # bytes: the CUDA caching allocator's block granularity
@@ -109,56 +112,107 @@ def _synthetic_batch(spec: Spec, config, batch: int, length: int, head: str) -> 
 def _factory_batches(spec: Spec, batch: int, split: str) -> dict:
     """A user's data factory, collated over its longest items (real tensors, used as fake inputs)."""
     from ..data.bundle import build_data
-    from ..gates.eval import _item_length
 
     data = build_data(spec, None)
     ds = data.train if split == "train" else data.val
     scan = min(len(ds), 5000)
-    longest = sorted(((_item_length(ds[i], data.collate), i) for i in range(scan)), reverse=True)[:batch]
+    longest = sorted(((item_length(ds[i], data.collate), i) for i in range(scan)), reverse=True)[:batch]
     return data.collate([ds[i] for _, i in longest])
 
 
-def _build_meta_model(spec: Spec):
-    """The model on the meta device: shapes only, no weights read, no memory."""
-    from ..models.loading import _head_for, _hf_classes, _local
+@dataclass
+class _Job:
+    """What a trace runs: the model as the estimator builds it, its loss policy and its real input batches."""
 
-    labels = spec.data.labels
-    if spec.model.factory is not None:
-        from ..config.spec import import_factory
+    model: torch.nn.Module   # on the meta device until materialised under the fake mode
+    config: object
+    policy: LossPolicy
+    train_batch: dict
+    eval_batch: dict
+    micro_batch: int
+    notes: list[str]
 
-        with torch.device("meta"):
-            model = import_factory(spec.model.factory, spec.folder)(spec.model_mapping())
-        return model, getattr(model, "config", None), "custom"
-    import transformers
 
-    head, _ = _head_for(spec, labels)
-    extra = {"num_labels": len(labels)} if head == "seq-classification" and labels else {}
-    if spec.model.config is not None:
-        cfg = dict(spec.model.config)
-        config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg, **extra)
+def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
+    t = spec.train
+    length = seq or spec.data.max_length or 0
+    eval_len = max(spec.eval_max_length or length, length) if seq is None else max(seq, spec.eval_max_length or 0)
+    loaded = build_model(spec, spec.data.labels, meta=True, activation_checkpointing=ac)
+    notes = [n for n in loaded.notes if n.startswith("activation checkpointing requested")]
+    policy = decide_loss_policy(loaded.model, t.loss_normalization)
+    # Inputs are real tensors made before the fake mode starts: their values (label counts) are known.
+    if spec.data.factory is not None:
+        train_batch = _factory_batches(spec, mb, "train")
+        eval_batch = _factory_batches(spec, spec.eval_batch_size, "val")
     else:
-        local = _local(spec, spec.model.hf)
-        config = transformers.AutoConfig.from_pretrained(str(local) if local else spec.model.hf,
-                                                         revision=spec.model.revision,
-                                                         trust_remote_code=spec.model.trust_remote_code, **extra)
-    with torch.device("meta"):
-        model = _hf_classes(head).from_config(config)
-    return model, config, head
+        train_batch = _synthetic_batch(spec, loaded.config, mb, length, loaded.head)
+        eval_batch = _synthetic_batch(spec, loaded.config, spec.eval_batch_size, eval_len, loaded.head)
+    return _Job(loaded.model, loaded.config, policy, train_batch, eval_batch, mb, notes)
 
 
-def _largest_layer(model: torch.nn.Module) -> tuple[str, int, int]:
-    """The largest block among repeated layers (a ModuleList's children): what FSDP unshards at once."""
-    best, best_bytes, count = "", 0, 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 1:
-            for i, child in enumerate(mod):
-                n = sum(p.numel() * p.element_size() for p in child.parameters())
-                if n > best_bytes:
-                    best, best_bytes = f"{name}.{i}", n
-            count = max(count, len(mod))
-    if not best:
-        best, best_bytes = "(whole model)", sum(p.numel() * p.element_size() for p in model.parameters())
-    return best, best_bytes, count
+def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: int) -> dict[str, StageTrace]:
+    """first_step and steady_step: two micro batches per update, two updates (the second with optimizer state)."""
+    t = spec.train
+    device = torch.device("cpu")
+    # Micro batches after the second repeat the second exactly (gradients already live): trace two per
+    # update and scale the FLOPs of one by the accumulation.
+    traced = min(t.grad_accum_steps, 2)
+    ids = [f"s{i}" for i in range(job.micro_batch)]
+    # The loop holds its inputs too: the whole window on the CPU (fetched before the forward), one micro
+    # batch at a time on an accelerator (moved just before its forward).
+    held = t.grad_accum_steps if target == "cpu" else 1
+    stages: dict[str, StageTrace] = {}
+    for stage in ("first_step", "steady_step"):
+        with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker:
+            inputs = [_clone(job.train_batch) for _ in range(held)]
+            model.train()
+            for k in range(traced):
+                window_backward(model, [(ids, inputs[min(k, held - 1)])], job.policy, device, t.precision,
+                                num_items=num_items, stats=False)
+            before = tracker.live_bytes
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        stages[stage] = StageTrace(tracker.peak_bytes, tracker.peak_rounded, dict(tracker.peak_breakdown),
+                                   tracker.tensors, 0, seq_len(job.train_batch), job.micro_batch,
+                                   optimizer_step_extra_bytes=max(0, tracker.step_peak - before))
+    # FLOPs in a separate pass: FlopCounterMode keeps tensors alive (the recomputed ones under activation
+    # checkpointing), which would inflate a peak measured at the same time.
+    counter = FlopCounterMode(display=False)
+    with counter:
+        window_backward(model, [(ids, _clone(job.train_batch))], job.policy, device, t.precision,
+                        num_items=num_items, stats=False)
+    model.zero_grad(set_to_none=True)
+    for stage in stages.values():
+        stage.flops = counter.get_total_flops() * t.grad_accum_steps
+    return stages
+
+
+def _trace_eval(job: _Job, model, opt, spec: Spec) -> StageTrace:
+    device = torch.device("cpu")
+    with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker:
+        model.eval()
+        with torch.no_grad(), autocast_for(device, spec.train.precision):
+            model(**_clone(job.eval_batch))
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad(), autocast_for(device, spec.train.precision):
+        model(**_clone(job.eval_batch))
+    ids = job.eval_batch.get("input_ids")
+    batch = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else spec.eval_batch_size
+    return StageTrace(tracker.peak_bytes, tracker.peak_rounded, dict(tracker.peak_breakdown), tracker.tensors,
+                      counter.get_total_flops(), seq_len(job.eval_batch), batch)
+
+
+def _state_bytes(model, opt) -> dict:
+    params = list({id(p): p for p in model.parameters()}.values())
+    return {
+        "parameters": sum(p.numel() for p in params),
+        "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "optimizer_state_bytes": sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                                     if isinstance(v, torch.Tensor)),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+    }
 
 
 def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool | None = None,
@@ -168,91 +222,26 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     _register_cpu_attention_flops()
     t = spec.train
     ac = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-    mb = micro_batch_size or t.micro_batch_size
-    length = seq_len or spec.data.max_length or 0
-    eval_len = max(spec.eval_max_length or length, length) if seq_len is None else max(seq_len, spec.eval_max_length or 0)
-    notes: list[str] = []
     torch.manual_seed(spec.seed)
-    meta_model, config, head = _build_meta_model(spec)
-    if ac:
-        from ..models.loading import enable_activation_checkpointing
-
-        if not enable_activation_checkpointing(meta_model):
-            notes.append("activation checkpointing requested but the model has no gradient_checkpointing_enable()")
-    layer_name, layer_bytes, layers = _largest_layer(meta_model)
+    job = _prepare(spec, bool(ac), micro_batch_size or t.micro_batch_size, seq_len)
+    layer_name, layer_bytes, layers = largest_block(job.model)
     foreach = target != "cpu"
-    policy = decide_loss_policy(meta_model, t.loss_normalization)
-    # Inputs are real tensors made before the fake mode starts: their values (label counts) are known.
-    if spec.data.factory is not None:
-        train_batch = _factory_batches(spec, mb, "train")
-        eval_batch = _factory_batches(spec, spec.eval_batch_size, "val")
-    else:
-        train_batch = _synthetic_batch(spec, config, mb, length, head)
-        eval_batch = _synthetic_batch(spec, config, spec.eval_batch_size, eval_len, head)
-    num_items = t.grad_accum_steps * _supervised(train_batch, policy)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    shared = _shared_parameters(meta_model)
-    with mode:
-        model = meta_model.to_empty(device="cpu")
+    num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
+    shared = _shared_parameters(job.model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = job.model.to_empty(device="cpu")
         _retie(model, shared)
         opt = build_optimizer(model, t.optimizer)
         for group in opt.param_groups:
             group["foreach"] = foreach  # CUDA's default multi-tensor path, with its temporaries
-        device = torch.device("cpu")
-        stages: dict[str, StageTrace] = {}
-        # Micro batches after the second repeat the second exactly (gradients already live): trace
-        # two per update and scale the FLOPs of one by the accumulation.
-        traced = min(t.grad_accum_steps, 2)
-        ids = [f"s{i}" for i in range(mb)]
-        # The loop holds its inputs too: the whole window on the CPU (fetched before the forward),
-        # one micro batch at a time on an accelerator (moved just before its forward).
-        held = t.grad_accum_steps if target == "cpu" else 1
-        for stage in ("first_step", "steady_step"):
-            with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker:
-                inputs = [_clone(train_batch) for _ in range(held)]
-                model.train()
-                for k in range(traced):
-                    window_backward(model, [(ids, inputs[min(k, held - 1)])], policy, device, t.precision,
-                                    num_items=num_items, stats=False)
-                before = tracker.live_bytes
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            stages[stage] = StageTrace(tracker.peak_bytes, tracker.peak_rounded, dict(tracker.peak_breakdown),
-                                       tracker.tensors, 0, _seq(train_batch), mb,
-                                       optimizer_step_extra_bytes=max(0, tracker.step_peak - before))
-        # FLOPs in separate passes: FlopCounterMode keeps tensors alive (the recomputed ones under
-        # activation checkpointing), which would inflate a peak measured at the same time.
-        counter = FlopCounterMode(display=False)
-        with counter:
-            window_backward(model, [(ids, _clone(train_batch))], policy, device, t.precision, num_items=num_items,
-                            stats=False)
-        model.zero_grad(set_to_none=True)
-        for stage in ("first_step", "steady_step"):
-            stages[stage].flops = counter.get_total_flops() * t.grad_accum_steps
-        with CategoryTracker(model, opt, fake=True, round_to=ROUND) as tracker:
-            model.eval()
-            with torch.no_grad(), autocast_for(device, t.precision):
-                model(**_clone(eval_batch))
-        counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad(), autocast_for(device, t.precision):
-            model(**_clone(eval_batch))
-        stages["eval"] = StageTrace(tracker.peak_bytes, tracker.peak_rounded, dict(tracker.peak_breakdown),
-                                    tracker.tensors, counter.get_total_flops(), _seq(eval_batch),
-                                    int(eval_batch["input_ids"].shape[0]) if "input_ids" in eval_batch else spec.eval_batch_size)
-        params = list({id(p): p for p in model.parameters()}.values())
-        n_params = sum(p.numel() for p in params)
-        trainable = sum(p.numel() for p in params if p.requires_grad)
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        opt_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor))
-        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    max_pos = getattr(config, "max_position_embeddings", None) if config is not None else None
-    return TraceResult(stages=stages, parameters=n_params, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos, trainable_parameters=trainable, parameter_bytes=param_bytes,
-                       gradient_bytes=grad_bytes, optimizer_state_bytes=opt_bytes, buffer_bytes=buffer_bytes,
+        stages = _trace_training(job, model, opt, spec, target, num_items)
+        stages["eval"] = _trace_eval(job, model, opt, spec)
+        totals = _state_bytes(model, opt)
+    max_pos = getattr(job.config, "max_position_embeddings", None) if job.config is not None else None
+    return TraceResult(stages=stages, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos,
                        largest_layer_bytes=layer_bytes, largest_layer=layer_name, layers=layers, foreach=foreach,
                        precision=t.precision, activation_checkpointing=bool(ac), seconds=time.perf_counter() - t0,
-                       notes=notes)
+                       notes=job.notes, **totals)
 
 
 def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
@@ -271,26 +260,13 @@ def _retie(model: torch.nn.Module, shared: list[list[str]]) -> None:
             setattr(model.get_submodule(owner) if owner else model, attr, first)
 
 
-def _supervised(batch: dict, policy) -> int:
-    """Counted on the real input tensors (before they meet fake ones)."""
-    labels = batch["labels"]
-    if policy.shift_labels and labels.ndim >= 2:
-        labels = labels[..., 1:]
-    return int((labels != -100).sum())
-
-
 def _clone(batch: dict) -> dict:
     """The batch as the loop holds it: allocated inside the trace (fake), so its bytes are counted."""
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
-def _seq(batch: dict) -> int:
-    ids = batch.get("input_ids")
-    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else 0
-
-
 @contextlib.contextmanager
-def _quiet():
+def quiet_transformers():
     import logging
 
     logger = logging.getLogger("transformers")

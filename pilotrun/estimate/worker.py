@@ -30,13 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int)
     args = ap.parse_args(argv)
     try:
-        from .trace import _quiet, trace_job
+        from .trace import quiet_transformers, trace_job
 
         spec = read_spec_file(args.spec)
         if args.precision:
             spec.train.precision = args.precision
         ac = None if args.ac == "spec" else args.ac == "on"
-        with _quiet():
+        with quiet_transformers():
             result = trace_job(spec, target=args.target, activation_checkpointing=ac,
                                micro_batch_size=args.micro_batch, seq_len=args.seq_len)
         write_result(args.result, result.to_dict())

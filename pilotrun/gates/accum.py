@@ -13,8 +13,10 @@ from __future__ import annotations
 import psutil
 import torch
 
-from ..train.loop import _loss_of, to_device, window_backward
-from .base import Gate, GateFailure, Outcome
+from ..drivers import Capability
+from ..train.batches import IGNORE, loss_of, supervised_count, to_device
+from ..train.loss import PolicySource, window_backward
+from .base import Gate, GateFailure, Outcome, Product
 
 TOL_FLOAT64 = 1e-5  # relative gradient difference; real bugs give 1e-2 and more
 TOL_FLOAT32 = 1e-3
@@ -63,17 +65,10 @@ def _one_batch(model, batch: dict, policy, device) -> float:
     kwargs = {}
     if policy.pass_num_items:
         labels = batch["labels"][..., 1:] if policy.shift_labels and batch["labels"].ndim >= 2 else batch["labels"]
-        kwargs["num_items_in_batch"] = (labels != -100).sum().clamp(min=1)
-    loss = _loss_of(model(**batch, **kwargs))
+        kwargs["num_items_in_batch"] = (labels != IGNORE).sum().clamp(min=1)
+    loss = loss_of(model(**batch, **kwargs))
     loss.backward()
     return float(loss.detach())
-
-
-def _supervised(batch: dict, policy) -> int:
-    labels = batch["labels"]
-    if policy.shift_labels and labels.ndim >= 2:
-        labels = labels[..., 1:]
-    return int((labels != -100).sum())
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -99,10 +94,9 @@ def _diagnose(model, data, fetched, big, window, policy, device, dtype, tol) -> 
     if not _same(big, again):
         return {"kind": "randomness", "cause": "the collate is random (the same items collated twice differ): "
                 "augmentation or masking drawn inside the collate"}
-    counts = [_supervised(b, policy) for _, b in window]
+    counts = [supervised_count(b, policy.shift_labels) for _, b in window]
     sizes = [len(ids) for ids, _ in window]
-    if policy.pass_num_items is False and "takes num_items_in_batch but its loss does not change" in policy.reason \
-            and len(set(counts)) > 1:
+    if policy.source is PolicySource.PROBED_IGNORES and len(set(counts)) > 1:
         return {"kind": "normalisation", "cause": "the model takes num_items_in_batch but ignores it and averages its "
                 "own micro batch, so tokens in micro batches with fewer supervised labels weigh more than in one big "
                 "batch: divide the summed token losses by num_items_in_batch, or declare train.loss_normalization: "
@@ -117,30 +111,38 @@ def _diagnose(model, data, fetched, big, window, policy, device, dtype, tol) -> 
             "statistics computed across the batch"}
 
 
+def _is_dtype_error(exc: RuntimeError) -> bool:
+    """torch's words for an op that does not run in the dtype given (its message, the only signal it gives)."""
+    text = str(exc)
+    return "dtype" in text.lower() or "Double" in text
+
+
 class AccumEquivalenceGate(Gate):
     name = "accum_equivalence"
-    depends_on = ("load",)
+    needs = (Product.DRIVER,)
+    requires = (Capability.MODEL,)
+    carry = True
 
     def track(self, ctx):
         return [ctx.model] if ctx.model is not None else []
 
     def run(self, ctx, meter) -> Outcome:
-        spec, trainer, data = ctx.spec, ctx.trainer, ctx.data
+        spec, trainer, data = ctx.spec, ctx.model_driver(), ctx.ensure_data()
         policy = trainer.policy
         out = Outcome(inputs={**ctx.base_inputs(), "loss_normalization": spec.train.loss_normalization})
         windows = _windows(_single_process_plan(trainer.plan))
         if spec.train.grad_accum_steps == 1 and len(windows) == 1 and len(windows[0][1][0]) == spec.train.micro_batch_size:
             out.reason = "grad_accum_steps is 1 and every micro batch is full: an update is one batch, nothing to compare"
             return out
-        n_params = sum(p.numel() for p in ctx.model.parameters())
+        n_params = sum(p.numel() for p in trainer.plain_model.parameters())
         fits = n_params * 8 * 4 < psutil.virtual_memory().available * 0.5
         if fits:
             try:
-                model, device, dtype, tol = _float64_copy(ctx.plain_model_copy()), torch.device("cpu"), torch.float64, TOL_FLOAT64
+                model, device, dtype, tol = _float64_copy(trainer.plain_model_copy()), torch.device("cpu"), torch.float64, TOL_FLOAT64
             except (RuntimeError, TypeError):
                 fits = False
         if not fits:
-            model, device, dtype, tol = ctx.plain_model_copy(), ctx.device, torch.float32, TOL_FLOAT32
+            model, device, dtype, tol = trainer.plain_model_copy(), ctx.device, torch.float32, TOL_FLOAT32
         model.eval()
         results = []
         diagnosis: dict = {}
@@ -166,11 +168,12 @@ class AccumEquivalenceGate(Gate):
                                 "relative_grad_difference": rel, "relative_loss_difference": loss_rel,
                                 "accumulated_loss": float(acc["loss"]), "one_batch_loss": single,
                                 "micro_batch_sizes": [len(b) for b in micro],
-                                "supervised_per_micro_batch": [_supervised(b, policy) for _, b in window]})
+                                "supervised_per_micro_batch": [supervised_count(b, policy.shift_labels)
+                                                               for _, b in window]})
                 if rel > tol and not diagnosis:
                     diagnosis = _diagnose(model, data, fetched, big, window, policy, device, dtype, tol)
         except RuntimeError as exc:
-            if dtype == torch.float64 and "dtype" in str(exc).lower() or "Double" in str(exc):
+            if dtype == torch.float64 and _is_dtype_error(exc):
                 raise GateFailure(f"the model does not run in float64 ({str(exc).splitlines()[0][:150]}); "
                                   "accum_equivalence needs a float64 copy on CPU") from None
             raise

@@ -1,79 +1,107 @@
-"""What a gate is, what it returns, and how a failure becomes a reason a person can act on."""
+"""What a gate is: a stage of the job that declares what it needs and produces, and returns an outcome.
+
+A gate class declares, in one place:
+
+* ``needs`` — products that must exist before it runs; the gates producing them are its
+  dependencies (a failed or skipped producer skips it, naming the root cause);
+* ``uses`` — products it reads when present, without depending on them;
+* ``produces`` — what it leaves in the context for later gates;
+* ``requires`` — the driver capabilities it needs (a driver without them gets a ``skip`` row);
+* ``job_memory`` — whether its memory row is the job's own (summary peak, report chart, campaign sizing)
+  rather than a private copy's;
+* ``carry`` — whether ``pilotrun run --resume`` may keep a parent run's row instead of re-running it
+  (:meth:`Gate.recover` then restores what it produced).
+
+The pilot, ``--resume``, the console, the HTML report and campaign sizing read these declarations
+(:mod:`pilotrun.gates.registry`); none of them keeps its own list of gate names.
+"""
 from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from ..drivers.base import Capability, NonFiniteError, TrainingCheckError
+from ..ledger.records import Failure, Verdict
 from ..measure.meter import StageMeter, is_oom, oom_detail
-from ..train.loop import TrainingCheckError
+from .products import CONTEXT_PRODUCTS, Product
 
 if TYPE_CHECKING:
     from .context import PilotContext
 
-VERDICTS = ("pass", "warn", "fail", "skip")
-
 
 @dataclass
 class Outcome:
-    """What a gate's ``run`` returns; the runner adds memory, seconds and timestamps."""
+    """What a gate's ``run`` returns; the pilot adds memory, seconds and timestamps to make the row."""
 
-    verdict: str = "pass"
+    verdict: Verdict = Verdict.PASS
     reason: str = ""
     inputs: dict = field(default_factory=dict)
     details: dict = field(default_factory=dict)
     metrics: list[dict] = field(default_factory=list)
     # Set when the measured work ran in a child process: its counters replace this process's.
     memory: dict | None = None
+    failure: Failure | None = None
 
     def warn(self, reason: str) -> None:
-        if self.verdict == "pass":
-            self.verdict = "warn"
+        if self.verdict == Verdict.PASS:
+            self.verdict = Verdict.WARN
             self.reason = reason
-        elif self.verdict == "warn":
+        elif self.verdict == Verdict.WARN:
             self.reason = f"{self.reason}; {reason}"
 
 
 class GateFailure(Exception):
     """Raised inside a gate to fail it with a prepared reason (and any inputs/details gathered)."""
 
-    def __init__(self, reason: str, inputs: dict | None = None, details: dict | None = None) -> None:
+    def __init__(self, reason: str, inputs: dict | None = None, details: dict | None = None,
+                 failure: Failure = Failure.CHECK) -> None:
         super().__init__(reason)
         self.reason = reason
         self.inputs = inputs or {}
         self.details = details or {}
+        self.failure = failure
 
 
 class Gate:
-    """One stage of the pilot. Subclasses set ``name``, ``depends_on`` and implement :meth:`run`."""
+    """One stage of the pilot. Subclasses set ``name`` and their declarations and implement :meth:`run`."""
 
     name: ClassVar[str]
-    depends_on: ClassVar[tuple[str, ...]] = ()
-    # "stage": the CPU tensor tracker runs for the whole gate; "manual": the gate
-    # chooses the tracked block (so timed updates run without tracking overhead).
+    needs: ClassVar[tuple[Product, ...]] = ()
+    uses: ClassVar[tuple[Product, ...]] = ()
+    produces: ClassVar[tuple[Product, ...]] = ()
+    requires: ClassVar[tuple[Capability, ...]] = ()
+    job_memory: ClassVar[bool] = False
+    carry: ClassVar[bool] = False
+    # "stage": the CPU tensor tracker runs for the whole gate; "manual": the gate chooses the tracked
+    # block (so timed updates run without tracking overhead).
     tensor_tracking: ClassVar[str] = "stage"
-    # Whether a failure reason starts with the shape ("eval at length 4096, batch 8"): only
-    # where the shape is what the gate is about.
+    # Whether a failure reason starts with the shape ("eval at length 4096, batch 8"): only where the
+    # shape is what the gate is about.
     shape_in_reason: ClassVar[bool] = False
-    # Gates that read the datasets: skipped once building the data has failed in an earlier gate.
-    needs_data: ClassVar[bool] = False
-    progress_total: ClassVar[int | None] = None
 
-    def track(self, ctx: "PilotContext") -> list:
+    def __init__(self) -> None:
+        self.live_inputs: dict | None = None  # what the gate had reached when it failed (see failure_inputs)
+
+    def track(self, ctx: PilotContext) -> list:
         """Objects whose tensors are live before the gate starts (model, optimizer)."""
         return ctx.tracked()
 
-    def run(self, ctx: "PilotContext", meter: StageMeter) -> Outcome:  # pragma: no cover - abstract
+    def run(self, ctx: PilotContext, meter: StageMeter) -> Outcome:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def describe_inputs(self, ctx: "PilotContext") -> dict:
+    def recover(self, ctx: PilotContext, row: dict) -> bool:
+        """For a carried row (``--resume``): put what this gate produced back into ``ctx`` from its parent's row
+        and files; False when that is no longer possible (the gate then runs again)."""
+        return not self.produces
+
+    def describe_inputs(self, ctx: PilotContext) -> dict:
         return ctx.base_inputs()
 
-    def failure_inputs(self, ctx: "PilotContext") -> dict:
-        """Inputs for a failure row: what the gate had reached when it failed (set ``self.live_inputs``)."""
-        live = getattr(self, "live_inputs", None)
-        return dict(live) if live else self.describe_inputs(ctx)
+    def failure_inputs(self, ctx: PilotContext) -> dict:
+        """Inputs for a failure row: what the gate had reached when it failed (``self.live_inputs``)."""
+        return dict(self.live_inputs) if self.live_inputs else self.describe_inputs(ctx)
 
 
 def _user_frame(tb) -> str:
@@ -86,17 +114,29 @@ def _user_frame(tb) -> str:
     return ""
 
 
-def failure_reason(gate: "Gate", exc: BaseException, ctx: "PilotContext", inputs: dict) -> str:
+def failure_of(exc: BaseException) -> Failure:
+    """The kind of failure an exception raised in a gate is."""
+    if isinstance(exc, GateFailure):
+        return exc.failure
+    if is_oom(exc):
+        return Failure.OUT_OF_MEMORY
+    if isinstance(exc, NonFiniteError):
+        return Failure.NON_FINITE
+    return Failure.CHECK if isinstance(exc, TrainingCheckError) else Failure.ERROR
+
+
+def failure_reason(gate: Gate, exc: BaseException, ctx: PilotContext, inputs: dict) -> str:
     """A one-line reason naming the stage and the input that caused the failure."""
     if isinstance(exc, GateFailure):
         return exc.reason
-    prefix = f"{gate.name} at {ctx.shape_phrase(gate.name, inputs)}: " if gate.shape_in_reason else ""
+    prefix = f"{gate.name} at {ctx.shape_phrase(inputs)}: " if gate.shape_in_reason else ""
     if is_oom(exc):
-        return f"{gate.name} at {ctx.shape_phrase(gate.name, inputs)}: {oom_detail(ctx.device)}"
+        return f"{gate.name} at {ctx.shape_phrase(inputs)}: {oom_detail(ctx.device)}"
     if isinstance(exc, TrainingCheckError):
         return f"{prefix}{exc}"
     if isinstance(exc, SystemExit):
-        return f"{prefix}the code called sys.exit({exc.code!r}){_user_frame(exc.__traceback__)}; raise an exception instead"
+        return (f"{prefix}the code called sys.exit({exc.code!r}){_user_frame(exc.__traceback__)}; raise an exception "
+                "instead")
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if len(message) > 300:
         message = message[:297] + "..."
@@ -104,25 +144,25 @@ def failure_reason(gate: "Gate", exc: BaseException, ctx: "PilotContext", inputs
     return f"{prefix}{type(exc).__name__}: {message}{_user_frame(exc.__traceback__)}{hint}"
 
 
+# Hints for common errors raised by user code, torch or transformers (their messages, not ours).
 HINTS = [
-    ("does not require grad", " — the loss is detached from the parameters (computed under no_grad, with .detach() or via .item()?)"),
+    ("does not require grad", " — the loss is detached from the parameters (computed under no_grad, with .detach() "
+                              "or via .item()?)"),
     ("unexpected keyword argument", " — forward(**batch) receives every key the collate returns"),
     ("Target", " — a class index outside the model's output size?"),
 ]
 
 
-def as_dict(obj: Any) -> Any:
-    """Rows hold JSON types only."""
-    if isinstance(obj, dict):
-        return {str(k): as_dict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [as_dict(v) for v in obj]
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    return str(obj)
+def fail_outcome(gate: Gate, exc: BaseException, ctx: PilotContext) -> Outcome:
+    """A failed gate's outcome from the exception it raised."""
+    inputs = gate.failure_inputs(ctx)
+    if isinstance(exc, GateFailure):
+        inputs.update(exc.inputs)
+    return Outcome(Verdict.FAIL, failure_reason(gate, exc, ctx, inputs), inputs,
+                   dict(getattr(exc, "details", {}) or {}), failure=failure_of(exc))
 
 
-def on_main_rank(ctx: "PilotContext", gate: "Gate", work) -> Outcome:
+def on_main_rank(ctx: PilotContext, gate: Gate, work) -> Outcome:
     """Run ``work()`` on rank 0 only and give every rank its outcome (the others wait at the broadcast).
 
     For gates whose real work happens in fresh processes or on one full copy (restore, resume,
@@ -131,23 +171,24 @@ def on_main_rank(ctx: "PilotContext", gate: "Gate", work) -> Outcome:
     from .. import distributed
 
     env = ctx.env
-    if env is None or not env.active:
+    if not env.active:
         return work()
     outcome: Outcome | None = None
     if env.is_main:
         try:
             outcome = work()
         except (Exception, SystemExit) as exc:
-            inputs = gate.failure_inputs(ctx)
-            outcome = Outcome("fail", failure_reason(gate, exc, ctx, inputs), inputs,
-                              dict(getattr(exc, "details", {}) or {}))
+            outcome = fail_outcome(gate, exc, ctx)
     shared = distributed.broadcast(env, None if outcome is None else
-                                   (outcome.verdict, outcome.reason, outcome.inputs, outcome.details, outcome.memory))
+                                   (str(outcome.verdict), outcome.reason, outcome.inputs, outcome.details,
+                                    outcome.memory, outcome.failure and str(outcome.failure)))
     if env.is_main:
+        assert outcome is not None
         return outcome
-    verdict, reason, inputs, details, memory = shared
-    mine = Outcome(verdict, f"rank 0 ran it for all ranks: {reason}", {**inputs, "rank": ctx.rank},
+    verdict, reason, inputs, details, memory, failure = shared
+    mine = Outcome(Verdict(verdict), f"rank 0 ran it for all ranks: {reason}", {**inputs, "rank": ctx.rank},
                    {"from_rank": 0})
-    if verdict == "fail":
-        raise GateFailure(mine.reason, inputs=mine.inputs)
+    if mine.verdict == Verdict.FAIL:
+        raise GateFailure(mine.reason, inputs=mine.inputs, failure=Failure(failure) if failure else Failure.CHECK)
     return mine
+

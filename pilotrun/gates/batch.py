@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from ..batching import batch_plan
-from .base import Gate, Outcome
+from .base import Gate, Outcome, Product
 
 
 class BatchGate(Gate):
     name = "batch"
-    needs_data = True
+    needs = (Product.DATA,)
+    uses = (Product.SCAN,)
+    carry = True
 
     def track(self, ctx):
         return []
@@ -18,14 +20,15 @@ class BatchGate(Gate):
         scan = ctx.scan or {}
         n = len(data.train)
         tokens = scan.get("input_tokens") / n if scan.get("input_tokens") and n else None
-        plan = batch_plan(t.micro_batch_size, t.grad_accum_steps, ctx.world_size, n, spec.data.drop_last,
-                          tokens_per_example=tokens)
+        replicas = ctx.replicas
+        plan = batch_plan(t.micro_batch_size, t.grad_accum_steps, replicas, n, spec.data.drop_last,
+                          model_parallel=max(1, ctx.world_size // replicas), tokens_per_example=tokens)
         epochs = t.updates / plan["updates_per_epoch"] if plan["updates_per_epoch"] else 0.0
         plan["planned_updates"] = t.updates
         plan["planned_epochs"] = epochs
         plan["planned_examples"] = t.updates * plan["examples_per_update"]
-        out = Outcome(inputs={**ctx.base_inputs(), "replicas": ctx.world_size}, details=plan)
-        text = (f"{t.micro_batch_size} x {t.grad_accum_steps} x {ctx.world_size} replica(s) = "
+        out = Outcome(inputs={**ctx.base_inputs(), "replicas": replicas}, details=plan)
+        text = (f"{t.micro_batch_size} x {t.grad_accum_steps} x {replicas} replica(s) = "
                 f"{plan['examples_per_update']} examples per update; {n} examples -> {plan['updates_per_epoch']} "
                 f"updates per epoch; train.updates {t.updates} = {epochs:.2f} epochs")
         if tokens is not None:

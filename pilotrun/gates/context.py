@@ -1,16 +1,36 @@
-"""State shared by the gates of one pilot: the spec, the device, and what earlier gates built."""
+"""What the gates of one pilot share: the spec, this process's place in the job, and what earlier gates produced.
+
+Every field is typed and set either when the pilot starts or by the gate that declares it
+produces it (``Gate.produces``); nothing else writes here.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config.spec import Spec
 from ..data.audit import ProgressFn, no_progress
-from ..data.bundle import DataBundle, build_data
-from ..models.loading import LoadedModel, load_tokenizer
+from ..drivers import Capability, Driver, JobInputs, JobProcess, ModelDriver, Unsupported, load_inputs
+from .products import Product
+
+if TYPE_CHECKING:
+    from ..config.spec import Spec
+    from ..data.bundle import DataBundle
+    from ..distributed import DistEnv
+    from ..ledger.store import Ledger
+    from ..strategies import Strategy
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """Product of ``save``: the checkpoint folder, the live-state fingerprints a restore must reproduce, and the
+    sha256 of its manifest (recorded in the ledger: what makes it "known")."""
+
+    folder: Path
+    expect: Path           # with several ranks the name holds "{rank}", replaced per rank
+    manifest_sha256: str
 
 
 @dataclass
@@ -18,48 +38,93 @@ class PilotContext:
     spec: Spec
     run_id: str
     out_dir: Path
-    device: torch.device
-    device_reason: str
-    ledger: Any = None
+    process: JobProcess
+    ledger: Ledger | None = None
     container_digest: str | None = None
-    rank: int = 0
-    world_size: int = 1
-    device_name: str = "cpu"                  # e.g. "NVIDIA H100 80GB HBM3": estimates calibrate by it
-    env: Any = None                           # pilotrun.distributed.DistEnv
     progress: ProgressFn = no_progress
-    # Filled in by gates as they pass.
-    tokenizer: Any = None
-    data: DataBundle | None = None
-    loaded: LoadedModel | None = None
-    trainer: Any = None
-    lock: dict | None = None
-    resume_checkpoint: Path | None = None     # --resume: restore the trainer from this after load
-    checkpoint_dir: Path | None = None
-    checkpoint_expect: Path | None = None     # fingerprints of the live state at save time
-    checkpoint_manifest: str | None = None    # sha256 of the checkpoint's manifest (recorded in the ledger)
-    export_dir: Path | None = None
-    records: dict[str, list] = field(default_factory=dict)
-    data_error: str | None = None       # why the data could not be built (gates that need it are skipped)
-    scan: dict | None = None            # the inspect gate's counts over the training split
+    restore_from: Path | None = None  # --resume: the checkpoint the driver is restored from right after load
+    # Products (see gates.base.Product): set by the gate that produces each, or by recover() on --resume.
+    inputs: JobInputs | None = None         # DATA
+    data_error: str | None = None           # why the data could not be built (gates that need it are skipped)
+    lock: dict | None = None                # LOCK
+    scan: dict | None = None                # SCAN
+    driver: Driver | None = None            # DRIVER
+    first_update: int | None = None         # FIRST_UPDATE: the step of the first applied update
+    checkpoint: SavedCheckpoint | None = None  # CHECKPOINT
+    export_dir: Path | None = None          # EXPORT
+
+    # -- this process ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.process.device
 
     @property
-    def model(self) -> torch.nn.Module | None:
-        return self.loaded.model if self.loaded is not None else None
+    def env(self) -> DistEnv:
+        return self.process.env
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.process.strategy
+
+    @property
+    def rank(self) -> int:
+        return self.process.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.process.env.world_size
+
+    @property
+    def replicas(self) -> int:
+        """Data replicas: processes that see different examples (model-parallel ranks do not count)."""
+        return self.strategy.data_replicas(self.world_size)
+
+    # -- products ----------------------------------------------------------------------------
+    def has(self, product: Product) -> bool:
+        return {
+            Product.DATA: self.inputs is not None,
+            Product.LOCK: self.lock is not None,
+            Product.SCAN: self.scan is not None,
+            Product.DRIVER: self.driver is not None,
+            Product.FIRST_UPDATE: self.first_update is not None,
+            Product.CHECKPOINT: self.checkpoint is not None,
+            Product.EXPORT: self.export_dir is not None,
+        }[product]
 
     def ensure_data(self) -> DataBundle:
-        """Tokenizer and datasets, built once (built-in tasks need the tokenizer first).
+        """Tokenizer and datasets, built once (:func:`pilotrun.drivers.load_inputs`, as every worker builds them).
 
         A failure is remembered: the gate that hit it fails, later gates that need data are skipped."""
-        if self.data is None:
+        if self.inputs is None:
             try:
-                if self.spec.data.task is not None and self.tokenizer is None:
-                    self.tokenizer = load_tokenizer(self.spec)
-                self.data = build_data(self.spec, self.tokenizer)
+                self.inputs = load_inputs(self.spec)
             except (Exception, SystemExit) as exc:
                 self.data_error = f"{type(exc).__name__}: {exc}"
                 raise
-        return self.data
+        return self.inputs.data
 
+    @property
+    def data(self) -> DataBundle | None:
+        """The datasets when built (``ensure_data`` builds them)."""
+        return self.inputs.data if self.inputs is not None else None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inputs.tokenizer if self.inputs is not None else None
+
+    def model_driver(self) -> ModelDriver:
+        """The driver, for gates that need the model in this process (``Capability.MODEL``)."""
+        if not isinstance(self.driver, ModelDriver):
+            name = self.driver.name if self.driver is not None else "no"
+            raise Unsupported(f"the {name} driver cannot {Capability.MODEL.missing}")
+        return self.driver
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The plain model (outside any wrapper), when the driver has one."""
+        return self.driver.plain_model if isinstance(self.driver, ModelDriver) else None
+
+    # -- places and descriptions ---------------------------------------------------------------
     def worker_dir(self) -> Path:
         """Where child processes write their logs and results (created on demand)."""
         folder = self.out_dir / "workers"
@@ -74,24 +139,10 @@ class PilotContext:
             write_spec_file(self.spec, path)
         return path
 
-    def plain_model_copy(self) -> torch.nn.Module:
-        """A copy of the model outside any distributed wrapper, for checks that run on one rank alone.
-        One process: a deep copy of the trained model. Several: the model rebuilt from the spec (same seed)."""
-        import copy
-
-        if self.env is None or not self.env.active:
-            return copy.deepcopy(self.model)
-        from ..models.loading import build_model
-
-        return build_model(self.spec, self.data.label_names, self.tokenizer).model.to(self.device)
-
     def tracked(self) -> list:
-        objs: list = []
-        if self.model is not None:
-            objs.append(self.model)
-        if self.trainer is not None:
-            objs.append(self.trainer.optimizer)
-        return objs
+        if not isinstance(self.driver, ModelDriver):
+            return []
+        return [self.driver.plain_model, self.driver.optimizer]
 
     def base_inputs(self) -> dict:
         t = self.spec.train
@@ -101,12 +152,13 @@ class PilotContext:
             "grad_accum_steps": t.grad_accum_steps,
             "precision": t.precision,
             "device": str(self.device),
-            "device_name": self.device_name,
+            "device_name": self.process.device_name,
             "world_size": self.world_size,
             "rank": self.rank,
         }
 
-    def shape_phrase(self, gate: str, inputs: dict) -> str:
+    @staticmethod
+    def shape_phrase(inputs: dict) -> str:
         """'length 4096, batch 8, bf16': the input that matters when a gate fails."""
         length = inputs.get("seq_len")
         batch = inputs.get("batch_size", inputs.get("micro_batch_size"))

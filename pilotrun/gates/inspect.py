@@ -8,7 +8,7 @@ supervised label left after truncation (any at all warns).
 from __future__ import annotations
 
 from ..data.audit import class_problems, render_example, scan_split
-from .base import Gate, GateFailure, Outcome
+from .base import Gate, GateFailure, Outcome, Product
 
 
 def model_label_info(spec, label_names) -> tuple[int | None, dict | None, str]:
@@ -24,9 +24,9 @@ def model_label_info(spec, label_names) -> tuple[int | None, dict | None, str]:
     try:
         from transformers import AutoConfig
 
-        from ..models.loading import _local
+        from ..models.loading import local_path
 
-        local = _local(spec, m.hf)
+        local = local_path(spec, m.hf)
         config = AutoConfig.from_pretrained(str(local) if local else m.hf, revision=m.revision,
                                             trust_remote_code=m.trust_remote_code)
     except Exception as exc:  # the load gate reports loading problems in full
@@ -60,10 +60,16 @@ def judge(scan: dict, label_names, spec) -> tuple[list[str], list[str], dict]:
 
 class InspectGate(Gate):
     name = "inspect"
-    needs_data = True
+    needs = (Product.DATA,)
+    produces = (Product.SCAN,)
+    carry = True
 
     def track(self, ctx):
         return []
+
+    def recover(self, ctx, row) -> bool:
+        ctx.scan = (row.get("details") or {}).get("scan")
+        return ctx.scan is not None
 
     def describe_inputs(self, ctx) -> dict:
         return {"seq_len": ctx.spec.data.max_length, "examples_shown": ctx.spec.pilot.inspect.examples,

@@ -1,41 +1,41 @@
-"""``load``: tokenizer, data and model built and moved to the device; time and memory."""
+"""``load``: tokenizer, data and model built, moved to the device and wrapped by the strategy; time and memory.
+
+The driver is built by :func:`pilotrun.drivers.build_driver`, the function every worker process
+uses too. On ``--resume`` the driver is then restored from the interrupted run's checkpoint.
+"""
 from __future__ import annotations
 
-from .. import distributed
-from ..checkpoint.state import restore_training_state
-from ..models.loading import build_model, parameter_count
-from ..train.loop import Trainer, seed_everything
-from ..ui.format import human_bytes, human_count
-from .base import Gate, Outcome
+from ..drivers import build_driver
+from ..humanize import human_bytes, human_count
+from ..models.loading import parameter_count
+from .base import Gate, Outcome, Product
 
 
 class LoadGate(Gate):
     name = "load"
-    needs_data = True
+    needs = (Product.DATA,)
+    produces = (Product.DRIVER,)
+    job_memory = True
 
     def track(self, ctx):
         return []
 
     def run(self, ctx, meter) -> Outcome:
         spec = ctx.spec
-        seed_everything(spec.seed)
         data = ctx.ensure_data()
-        loaded = build_model(spec, data.label_names, ctx.tokenizer)
-        model = loaded.model.to(ctx.device)
-        ctx.loaded = loaded
-        meter.register([model])
-        env = ctx.env or distributed.DistEnv()
-        ratio = distributed.reduction_ratio(env, ctx.device)
-        wrapped, how = distributed.wrap(model, env, ctx.device)
-        ctx.trainer = Trainer(wrapped, data.train, data.collate, spec, ctx.device, pad_batch=data.pad_batch,
-                              env=env, reduction_ratio=ratio)
-        policy = ctx.trainer.probe_policy()
-        restored = None
-        if ctx.resume_checkpoint is not None:
-            restored = restore_training_state(ctx.trainer, ctx.resume_checkpoint)
+        assert ctx.inputs is not None
+        driver = build_driver(spec, ctx.inputs, ctx.process, on_model=lambda m: meter.register([m]))
+        ctx.driver = driver
+        restored = driver.restore(ctx.restore_from) if ctx.restore_from is not None else None
+        if restored is not None:
+            ctx.first_update = 1  # the checkpoint's optimizer state is live again
+        md = ctx.model_driver()
+        model, loaded, policy = md.plain_model, md.loaded, md.policy
         total, trainable = parameter_count(model)
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        env = ctx.env
+        ratio = md.reduction_ratio
         out = Outcome(inputs=self.describe_inputs(ctx))
         out.details = {
             "model_class": type(model).__name__,
@@ -45,21 +45,22 @@ class LoadGate(Gate):
             "trainable_parameters": trainable,
             "parameter_bytes": param_bytes,
             "parameter_dtypes": dtypes,
-            "device_choice": ctx.device_reason,
-            "loss_normalization": ctx.trainer.policy.reason,
+            "device_choice": ctx.process.device_reason,
+            "loss_normalization": policy.reason,
             "data_sizes": data.sizes(),
             "label_names": data.label_names,
             "notes": loaded.notes + data.notes,
-            "updates_per_epoch": ctx.trainer.plan.updates_per_epoch,
-            "strategy": how,
+            "updates_per_epoch": md.plan.updates_per_epoch,
+            "strategy": driver.how_wrapped,
             "gradient_reduction": ("one process" if not env.active else
-                                   f"measured: the {env.strategy} reduction {'averages' if abs(ratio - 1) < 1e-6 else 'sums'}"
-                                   f" gradients over ranks (ratio {ratio:g}); losses scaled by {ctx.trainer.grad_scale:g}"),
-            "examples_per_update": spec.train.micro_batch_size * spec.train.grad_accum_steps * env.world_size,
+                                   f"measured: the {ctx.strategy.name} reduction "
+                                   f"{'averages' if abs(ratio - 1) < 1e-6 else 'sums'} gradients over ranks "
+                                   f"(ratio {ratio:g}); losses scaled by {md.grad_scale:g}"),
+            "examples_per_update": spec.train.micro_batch_size * spec.train.grad_accum_steps * ctx.replicas,
         }
         sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
         if restored is not None:
-            out.details["restored_from"] = str(ctx.resume_checkpoint)
+            out.details["restored_from"] = str(ctx.restore_from)
             out.details["restored_step"] = restored["step"]
         per_update = spec.train.micro_batch_size * spec.train.grad_accum_steps
         out.reason = (
@@ -68,9 +69,9 @@ class LoadGate(Gate):
             + ("num_items_in_batch passed" if policy.pass_num_items else "per-micro-batch means weighted by examples")
         )
         if env.active:
-            out.reason += f"; {how}"
-        if restored is not None:
-            out.reason += f"; training state restored from {ctx.resume_checkpoint.name} (update {restored['step']})"
+            out.reason += f"; {driver.how_wrapped}"
+        if restored is not None and ctx.restore_from is not None:
+            out.reason += f"; training state restored from {ctx.restore_from.name} (update {restored['step']})"
         if len(data.train) < per_update:
             out.warn(f"the train split has {len(data.train)} examples, fewer than one update window "
                      f"({spec.train.micro_batch_size} x {spec.train.grad_accum_steps} = {per_update}): every update "

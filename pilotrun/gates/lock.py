@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 
 from ..lock import collect_lock, diff_locks, summarize_drift
-from .base import Gate, Outcome
+from .base import Gate, Outcome, Product
 
 
 class LockGate(Gate):
     name = "lock"
+    produces = (Product.LOCK,)
 
     def track(self, ctx):
         return []

@@ -11,44 +11,58 @@ import math
 
 import torch
 
-from ..train.loop import NonFiniteError, _loss_of, autocast_for, to_device, token_accuracy, window_backward
+from ..drivers import Capability, NonFiniteError
+from ..ledger.records import Failure
+from ..train.batches import autocast_for, loss_of, to_device
+from ..train.evaluation import accuracy_counts, shift_convention
+from ..train.loss import window_backward
 from ..train.optim import build_optimizer
-from .base import Gate, GateFailure, Outcome
+from .base import Gate, GateFailure, Outcome, Product
 
 
 def _own_targets(model, data, items, device, precision) -> tuple[float, float | None]:
     """Mean loss and accuracy of each example alone (its own targets, no neighbours)."""
     losses, correct, counted = [], 0, 0
+    shift = shift_convention(model, data)
     model.eval()
     with torch.no_grad(), autocast_for(device, precision):
         for it in items:
             batch = to_device(data.collate([it]), device)
             out = model(**batch)
-            losses.append(float(_loss_of(out)))
-            logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
-            labels = batch["labels"]
-            if logits is None or labels.is_floating_point():
-                continue
-            if labels.ndim == 1 and logits.ndim == 2:
-                correct += int((logits.argmax(-1) == labels).sum())
-                counted += labels.numel()
-            elif labels.ndim == 2 and logits.ndim == 3 and logits.shape[:2] == labels.shape:
-                c, k, _ = token_accuracy(logits, labels, shift_convention(model, data))
-                correct, counted = correct + c, counted + k
+            losses.append(float(loss_of(out)))
+            c, k = accuracy_counts(out, batch["labels"], shift)
+            correct, counted = correct + c, counted + k
     model.train()
     return sum(losses) / len(losses), (correct / counted if counted else None)
 
 
-def shift_convention(model, data) -> bool | None:
-    """True for next-token models we know (HF causal LMs, the built-in task); None for a user's own."""
-    if data.task == "causal-lm" or getattr(model, "loss_type", None) == "ForCausalLM":
-        return True
-    return None
+def _update(model, opt, scaler, window, policy, spec, device, step: int) -> float:
+    """One update of the copy on one small window; the loss, or NonFiniteError."""
+    ids = window[0][0]
+    stats = window_backward(model, window, policy, device, spec.train.precision, scaler)
+    loss = float(stats["loss"])
+    if not math.isfinite(loss):
+        raise NonFiniteError("loss", step, loss, ids)
+    if scaler is not None:
+        scaler.unscale_(opt)
+    norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                spec.train.max_grad_norm or float("inf")))
+    if scaler is None and not math.isfinite(norm):
+        raise NonFiniteError("gradient norm", step, norm, ids)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 class OverfitGate(Gate):
     name = "overfit"
-    depends_on = ("load",)
+    needs = (Product.DRIVER,)
+    requires = (Capability.MODEL,)
+    carry = True
 
     def track(self, ctx):
         return [ctx.model] if ctx.model is not None else []
@@ -59,12 +73,12 @@ class OverfitGate(Gate):
                 "max_updates": o.max_updates, "lr": ctx.spec.train.optimizer.lr}
 
     def run(self, ctx, meter) -> Outcome:
-        spec, data, o = ctx.spec, ctx.data, ctx.spec.pilot.overfit
-        policy = ctx.trainer.policy
-        order = ctx.trainer.plan.order(0)
+        spec, data, o, driver = ctx.spec, ctx.ensure_data(), ctx.spec.pilot.overfit, ctx.model_driver()
+        policy = driver.policy
+        order = driver.plan.order(0)
         subset = [data.train[i] for i in order[: o.examples]]
         ids = [str(it["id"]) for it in subset]
-        model = ctx.plain_model_copy()
+        model = driver.plain_model_copy()
         model.train()
         opt = build_optimizer(model, spec.train.optimizer)  # constant lr: the schedule belongs to the long run
         scaler = torch.amp.GradScaler(ctx.device.type) if spec.train.precision == "fp16" else None
@@ -77,7 +91,8 @@ class OverfitGate(Gate):
         out = Outcome(inputs=self.describe_inputs(ctx))
         start_loss, start_acc = _own_targets(model, data, subset, ctx.device, spec.train.precision)
         if not math.isfinite(start_loss):
-            raise GateFailure(f"the subset's loss is {start_loss} before training (ids {', '.join(ids)})")
+            raise GateFailure(f"the subset's loss is {start_loss} before training (ids {', '.join(ids)})",
+                              failure=Failure.NON_FINITE)
         threshold = o.loss_below if o.loss_below is not None else start_loss / 10
         checks.append({"update": 0, "loss": start_loss, "accuracy": start_acc})
         try:
@@ -87,39 +102,25 @@ class OverfitGate(Gate):
                 take, queue = queue[:micro], queue[micro:]
                 items = [subset[i] for i in take]
                 window = [([ids[i] for i in take], data.collate(items))]
-                stats = window_backward(model, window, policy, ctx.device, spec.train.precision, scaler)
-                loss = float(stats["loss"])
-                if not math.isfinite(loss):
-                    raise NonFiniteError("loss", step, loss, [ids[i] for i in take])
-                if scaler is not None:
-                    scaler.unscale_(opt)
-                norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                            spec.train.max_grad_norm or float("inf")))
-                if scaler is None and not math.isfinite(norm):
-                    raise NonFiniteError("gradient norm", step, norm, [ids[i] for i in take])
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss)
+                losses.append(_update(model, opt, scaler, window, policy, spec, ctx.device, step))
                 ctx.progress(step, o.max_updates, "overfit updates")
                 if step % o.check_every == 0 or step == o.max_updates:
                     eval_loss, acc = _own_targets(model, data, subset, ctx.device, spec.train.precision)
                     checks.append({"update": step, "loss": eval_loss, "accuracy": acc})
                     if not math.isfinite(eval_loss):
-                        raise GateFailure(f"the subset's loss is {eval_loss} at update {step}")
+                        raise GateFailure(f"the subset's loss is {eval_loss} at update {step}",
+                                          failure=Failure.NON_FINITE)
                     if eval_loss < threshold and (acc is None or acc >= o.accuracy_at_least):
                         passed = True
                         break
             bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p.detach()).all()), None)
             if bad is not None:
-                raise GateFailure(f"parameter {bad!r} holds inf/NaN after overfitting")
+                raise GateFailure(f"parameter {bad!r} holds inf/NaN after overfitting", failure=Failure.NON_FINITE)
         finally:
             del model, opt
         last = checks[-1]
-        out.details = {"memory_note": "memory of this row includes the check's own model copy", "losses": losses, "checks": checks, "ids": ids, "updates": len(losses),
+        out.details = {"memory_note": "memory of this row includes the check's own model copy", "losses": losses,
+                       "checks": checks, "ids": ids, "updates": len(losses),
                        "thresholds": {"loss_below": threshold, "accuracy_at_least": o.accuracy_at_least,
                                       "loss_below_from": "pilot.overfit.loss_below" if o.loss_below is not None
                                       else "a tenth of the starting loss"}}

@@ -11,25 +11,27 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.state import manifest_sha256
-from ..train.loop import to_device
+from ..drivers import Capability
+from ..train.batches import to_device
+from ..train.evaluation import outputs_of
 from ..workers.launch import run_worker
-from ..workers.reload import outputs_of
-from .base import Gate, GateFailure, Outcome, on_main_rank
+from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 RTOL, ATOL = 1e-4, 1e-5
 
 
 class ReloadEvalGate(Gate):
     name = "reload_eval"
-    depends_on = ("export",)
+    needs = (Product.DRIVER, Product.EXPORT)
+    requires = (Capability.MODEL, Capability.EXPORT)
 
     def track(self, ctx):
         return [ctx.model] if ctx.model is not None else []
 
     def run(self, ctx, meter) -> Outcome:
-        data = ctx.data
+        data = ctx.ensure_data()
         # The model as training runs it (FSDP: every rank takes part in these forwards).
-        model = ctx.trainer.model if ctx.trainer is not None else ctx.model
+        model = ctx.model_driver().model
         n = min(ctx.spec.eval_batch_size, len(data.val))
         items = [data.val[i] for i in range(n)]
         batch = {k: v.contiguous() for k, v in data.collate(items).items() if isinstance(v, torch.Tensor)}

@@ -8,13 +8,17 @@ process (not a fork) builds the job from the spec, loads the checkpoint (hash-ve
 """
 from __future__ import annotations
 
+from ..drivers import Capability
 from ..workers.launch import run_worker
-from .base import Gate, GateFailure, Outcome, on_main_rank
+from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 
 class RestoreGate(Gate):
     name = "restore"
-    depends_on = ("save",)
+    needs = (Product.CHECKPOINT,)
+    requires = (Capability.FULL_STATE, Capability.RESTART)
+    job_memory = True
+    carry = True
 
     def track(self, ctx):
         return []
@@ -24,12 +28,13 @@ class RestoreGate(Gate):
 
     def _restore(self, ctx) -> Outcome:
         work = ctx.worker_dir()
+        saved = ctx.checkpoint
         payload = run_worker(
             "pilotrun.workers.train_phase",
-            ["--spec", str(ctx.spec_file()), "--phase", "restore", "--checkpoint", str(ctx.checkpoint_dir),
-             "--expect", str(ctx.checkpoint_expect), "--known-manifest", ctx.checkpoint_manifest],
+            ["--spec", str(ctx.spec_file()), "--phase", "restore", "--checkpoint", str(saved.folder),
+             "--expect", str(saved.expect), "--known-manifest", saved.manifest_sha256],
             work / "restore.json", work / "restore.log", "restore", nproc=ctx.world_size)
-        out = Outcome(inputs={**ctx.base_inputs(), "checkpoint": str(ctx.checkpoint_dir)})
+        out = Outcome(inputs={**ctx.base_inputs(), "checkpoint": str(saved.folder)})
         mem = dict(payload.get("memory") or {})
         mem["measured_in"] = "the restore process"
         out.memory = mem

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 
 from ..checkpoint.state import manifest_sha256
+from ..drivers import Capability
 from ..workers.launch import run_and_kill, run_worker
-from .base import Gate, GateFailure, Outcome, on_main_rank
+from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 CAUSES = {
     "sample_ids": ("the data order differs: the sampler position or its seed was not restored, so the run replays or "
@@ -53,7 +54,11 @@ def first_difference(a: list[dict], b: list[dict], exact: bool, rtol: float) -> 
 
 class ResumeGate(Gate):
     name = "resume"
-    depends_on = ("first_step",)
+    needs = (Product.FIRST_UPDATE,)
+    requires = (Capability.RESTART, Capability.UPDATES)
+    # Its row summarises three processes (the largest host RSS, no allocator peak): not one run's memory.
+    job_memory = False
+    carry = True
 
     def track(self, ctx):
         return []

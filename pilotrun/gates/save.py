@@ -1,48 +1,68 @@
-"""``save``: the full training state written atomically with a sha256 manifest; time and bytes."""
+"""``save``: the full training state written atomically with a sha256 manifest; time and bytes.
+
+The strategy chooses the layout (one process: sharded ``.pt`` files; several: DCP); the save
+gate also records fingerprints of the live state, which ``restore`` must reproduce.
+"""
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
-from ..checkpoint.dist import save_distributed
-from ..checkpoint.state import fingerprint_state, manifest_sha256, save_checkpoint
-from ..ui.format import human_bytes, human_seconds
-from .base import Gate, Outcome
+from ..checkpoint.state import manifest_sha256
+from ..drivers import Capability
+from ..humanize import human_bytes, human_seconds
+from .base import Gate, Outcome, Product
+from .context import SavedCheckpoint
+
+
+def expect_path(folder: Path, rank: int | str | None = None) -> Path:
+    """Where the fingerprints of ``folder`` live: one file for one process, one per rank for several
+    (``rank="{rank}"`` gives the pattern the restore worker fills in)."""
+    suffix = "" if rank is None else f".rank{rank}"
+    return folder.parent / f"{folder.name}.expect{suffix}.json"
 
 
 class SaveGate(Gate):
     name = "save"
-    depends_on = ("first_step",)
+    needs = (Product.FIRST_UPDATE,)
+    produces = (Product.CHECKPOINT,)
+    requires = (Capability.FULL_STATE,)
+    job_memory = True
+    carry = True
+
+    def recover(self, ctx, row) -> bool:
+        """The interrupted run's checkpoint (the one the driver was restored from) and its fingerprints."""
+        folder = ctx.restore_from
+        if folder is None or not expect_path(folder).exists():
+            return False  # without the fingerprints the restore gate needs a fresh save
+        ctx.checkpoint = SavedCheckpoint(folder, expect_path(folder), manifest_sha256(folder))
+        return True
 
     def run(self, ctx, meter) -> Outcome:
-        trainer = ctx.trainer
-        folder = ctx.out_dir / "checkpoints" / f"step-{trainer.step:06d}"
+        driver = ctx.driver
+        assert driver is not None
+        env = ctx.env
+        folder = ctx.out_dir / "checkpoints" / f"step-{driver.step:06d}"
         # What a restore must reproduce, from the live objects (state outside state_dict included).
-        expect = fingerprint_state(trainer)
-        env = trainer.env
+        expect = driver.fingerprint()
         t0 = time.perf_counter()
-        if env.active:
-            written = save_distributed(folder, trainer, ctx.spec.canonical(), env, ctx.spec.config_hash())
-            files, total = written["files"], written["bytes"]
-        else:
-            record = save_checkpoint(folder, trainer, ctx.spec.canonical(), ctx.spec.config_hash())
-            files, total = record.files, record.total_bytes
+        written = driver.save(folder)
         seconds = time.perf_counter() - t0
-        ctx.checkpoint_dir = folder
+        files, total = written["files"], written["bytes"]
         # Each rank's fingerprints: its own shards, RNG streams and data position.
-        suffix = f".rank{env.rank}" if env.active else ""
-        expect_path = folder.parent / f"{folder.name}.expect{suffix}.json"
-        expect_path.write_text(json.dumps(expect, sort_keys=True))
-        ctx.checkpoint_expect = folder.parent / f"{folder.name}.expect{'.rank{rank}' if env.active else ''}.json"
-        ctx.checkpoint_manifest = manifest_sha256(folder)
+        mine = expect_path(folder, env.rank if env.active else None)
+        mine.write_text(json.dumps(expect, sort_keys=True))
+        ctx.checkpoint = SavedCheckpoint(folder, expect_path(folder, "{rank}" if env.active else None),
+                                         manifest_sha256(folder))
         if env.is_main:
             (ctx.out_dir / "checkpoints" / "LATEST").write_text(folder.name + "\n")
         out = Outcome(inputs=ctx.base_inputs())
-        out.details = {"path": str(folder), "bytes": total, "files": files, "step": trainer.step,
-                       "layout": "torch.distributed.checkpoint (DCP)" if env.active else "single process",
+        out.details = {"path": str(folder), "bytes": total, "files": files, "step": driver.step,
+                       "layout": ctx.strategy.checkpoint_layout,
                        "bytes_per_second": total / seconds if seconds else None, "write_seconds": seconds,
-                       "manifest_sha256": ctx.checkpoint_manifest, "expect": str(expect_path)}
-        out.reason = (f"step {trainer.step}: {human_bytes(total)} in {len(files)} files in "
+                       "manifest_sha256": ctx.checkpoint.manifest_sha256, "expect": str(mine)}
+        out.reason = (f"step {driver.step}: {human_bytes(total)} in {len(files)} files in "
                       f"{human_seconds(seconds)} ({human_bytes(total / seconds if seconds else 0)}/s), "
                       "written atomically with a sha256 manifest")
         return out

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from ..data.audit import audit_splits
-from .base import Gate, GateFailure, Outcome
+from .base import Gate, GateFailure, Outcome, Product
 
 
 class SplitGate(Gate):
     name = "split"
-    needs_data = True
+    needs = (Product.DATA,)
+    carry = True
 
     def track(self, ctx):
         return []

@@ -9,21 +9,16 @@ natural batches, so time per update is what the long run will see.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
 
-from ..ui.format import human_bytes, human_seconds
-from .base import Gate, GateFailure, Outcome
+from ..drivers import Capability
+from ..humanize import human_bytes, human_seconds
+from ..ledger.records import Failure
+from .base import Gate, GateFailure, Outcome, Product
 
 # Warn when the loop waits on data for more than this share of each update, and
 # for more than an absolute floor: a 2 ms CPU toy update waiting 0.3 ms is noise.
 DATA_WAIT_WARN = 0.10
 DATA_WAIT_FLOOR_S = 0.002
-
-
-def record_dict(rec) -> dict:
-    d = asdict(rec)
-    d["extra"] = {k: d.pop(k) for k in ("supervised", "micro_batches", "epoch", "seq_len", "scaler_skipped")}
-    return d
 
 
 def worst_case_length(ctx) -> int | None:
@@ -36,7 +31,7 @@ def worst_case_length(ctx) -> int | None:
 def _inputs(ctx, rec, padded: int | None) -> dict:
     inputs = ctx.base_inputs()
     inputs["seq_len"] = rec.seq_len or inputs.get("seq_len") or None  # None: inputs without a sequence
-    inputs["examples_per_update"] = rec.examples * ctx.world_size
+    inputs["examples_per_update"] = rec.examples * ctx.replicas
     inputs["examples_this_rank"] = rec.examples
     inputs["padded_to_max_length"] = padded is not None
     return inputs
@@ -45,7 +40,7 @@ def _inputs(ctx, rec, padded: int | None) -> dict:
 def _failure_inputs(gate, ctx) -> dict:
     """The window being processed when the update failed: its length and size."""
     inputs = ctx.base_inputs()
-    window = getattr(ctx.trainer, "last_window", None) or {}
+    window = ctx.model_driver().last_window if ctx.driver is not None else {}
     if window.get("seq_len"):
         inputs["seq_len"] = window["seq_len"]
     if window.get("examples"):
@@ -56,35 +51,42 @@ def _failure_inputs(gate, ctx) -> dict:
 
 
 def _check_params(ctx, step: int) -> None:
-    bad = ctx.trainer.check_parameters_finite()
+    bad = ctx.model_driver().check_parameters_finite()
     if bad is not None:
-        raise GateFailure(f"parameter {bad!r} holds inf/NaN after update {step}")
+        raise GateFailure(f"parameter {bad!r} holds inf/NaN after update {step}", failure=Failure.NON_FINITE)
 
 
 class FirstStepGate(Gate):
     name = "first_step"
-    depends_on = ("load",)
-    failure_inputs = _failure_inputs
+    needs = (Product.DRIVER,)
+    produces = (Product.FIRST_UPDATE,)
+    requires = (Capability.UPDATES, Capability.MODEL)
+    job_memory = True
+    carry = True
     shape_in_reason = True
 
+    def failure_inputs(self, ctx) -> dict:
+        return _failure_inputs(self, ctx)
+
+    def recover(self, ctx, row) -> bool:
+        ctx.first_update = 1
+        return True
+
     def run(self, ctx, meter) -> Outcome:
-        trainer = ctx.trainer
+        driver = ctx.model_driver()
         pad = worst_case_length(ctx)
-        rec = trainer.update(pad_to=pad, strict=True)  # a window that teaches nothing is refused before the step
+        rec = driver.update(pad_to=pad, strict=True)  # a window that teaches nothing is refused before the step
         _check_params(ctx, rec.step)
-        ctx.records.setdefault("train", []).append(rec)
-        opt_bytes = sum(
-            v.numel() * v.element_size()
-            for st in trainer.optimizer.state.values() for v in st.values() if hasattr(v, "numel")
-        )
-        out = Outcome(inputs=_inputs(ctx, rec, pad), metrics=[record_dict(rec)])
+        ctx.first_update = rec.step
+        opt_bytes = driver.optimizer_state_bytes()
+        out = Outcome(inputs=_inputs(ctx, rec, pad), metrics=[rec.metric()])
         out.details = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "optimizer_state_bytes": opt_bytes,
-                       "loss_normalization": trainer.policy.reason, "sample_ids": rec.sample_ids,
+                       "loss_normalization": driver.policy.reason, "sample_ids": rec.sample_ids,
                        "supervised_labels": rec.supervised, "tokens": rec.tokens}
         gn = f"{rec.grad_norm:.3g}" if rec.grad_norm is not None else "n/a"
         at = f"at length {rec.seq_len}, " if rec.seq_len else ""
-        n = (f"{rec.examples} examples" if ctx.world_size == 1 else
-             f"{rec.examples} examples on this rank, {rec.examples * ctx.world_size} per update")
+        n = (f"{rec.examples} examples" if ctx.replicas == 1 else
+             f"{rec.examples} examples on this rank, {rec.examples * ctx.replicas} per update")
         out.reason = (f"update 1 {at}{n}: loss {rec.loss:.4g}, grad norm {gn}, "
                       f"lr {rec.lr:.3g}; optimizer state {human_bytes(opt_bytes)} allocated")
         if rec.scaler_skipped:
@@ -95,13 +97,18 @@ class FirstStepGate(Gate):
 
 class SteadyStepGate(Gate):
     name = "steady_step"
-    depends_on = ("first_step",)
+    needs = (Product.FIRST_UPDATE,)
+    requires = (Capability.UPDATES, Capability.MODEL)
+    job_memory = True
+    carry = True
     tensor_tracking = "manual"
-    failure_inputs = _failure_inputs
     shape_in_reason = True
 
+    def failure_inputs(self, ctx) -> dict:
+        return _failure_inputs(self, ctx)
+
     def run(self, ctx, meter) -> Outcome:
-        trainer = ctx.trainer
+        trainer = ctx.model_driver()
         n = ctx.spec.pilot.updates - 1
         pad = worst_case_length(ctx)
         records = []
@@ -113,7 +120,6 @@ class SteadyStepGate(Gate):
             records.append(trainer.update())
             ctx.progress(i + 1, n, "updates")
         _check_params(ctx, records[-1].step)
-        ctx.records.setdefault("train", []).extend(records)
         timed = records[1:] or records
         per_update = [r.seconds for r in timed]
         total_s = sum(per_update)
@@ -121,7 +127,7 @@ class SteadyStepGate(Gate):
         wait_share = sum(r.data_wait_s for r in timed) / total_s if total_s else 0.0
         examples_s = sum(r.examples for r in timed) / total_s if total_s else 0.0
         tokens_s = sum(r.tokens for r in timed) / total_s if total_s else 0.0
-        out = Outcome(inputs=_inputs(ctx, records[0], pad), metrics=[record_dict(r) for r in records])
+        out = Outcome(inputs=_inputs(ctx, records[0], pad), metrics=[r.metric() for r in records])
         out.inputs["timed_updates"] = len(timed)
         out.details = {
             "seconds_per_update": mean_s,

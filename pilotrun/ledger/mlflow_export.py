@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-from ..campaign.conclude import final_val_loss
+from .records import RunKind, RunStatus, final_val_loss
 from .store import Ledger
 
-# pilotrun status -> MLflow RunStatus name. Anything not listed is still running.
-STATUS = {"finished": "FINISHED", "finished-with-stops": "FINISHED", "pass": "FINISHED", "warn": "FINISHED",
-          "diverged": "FAILED", "failed": "FAILED", "fail": "FAILED", "error": "FAILED", "refused": "FAILED",
-          "stopped": "KILLED", "not-run": "KILLED", "interrupted": "KILLED"}
+# pilotrun status -> MLflow RunStatus name. Anything not listed (running, planned) is still running.
+STATUS = {RunStatus.FINISHED: "FINISHED", RunStatus.FINISHED_WITH_STOPS: "FINISHED", RunStatus.PASS: "FINISHED",
+          RunStatus.WARN: "FINISHED", RunStatus.DIVERGED: "FAILED", RunStatus.FAILED: "FAILED",
+          RunStatus.FAIL: "FAILED", RunStatus.ERROR: "FAILED", RunStatus.REFUSED: "FAILED",
+          RunStatus.STOPPED: "KILLED", RunStatus.NOT_RUN: "KILLED", RunStatus.INTERRUPTED: "KILLED"}
 BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch call
 
 
@@ -71,7 +72,7 @@ def _params_tags(run: dict, meta: dict, led: Ledger) -> tuple[dict, dict]:
         params[meta["key"]] = json.dumps(meta["variant"])
     if meta.get("seed") is not None:
         params["seed"] = meta["seed"]
-    if run["kind"] == "campaign":
+    if run["kind"] == RunKind.CAMPAIGN:
         params.update({"vary": meta.get("key"), "values": json.dumps(meta.get("values")), "seeds": json.dumps(meta.get("seeds"))})
     tags = {"pilotrun.run_id": run["run_id"], "pilotrun.status": run["status"], "mlflow.runName": run["run_id"]}
     for k in ("stop_reason", "stopped_at", "retry_of", "continues"):
@@ -85,7 +86,7 @@ def _params_tags(run: dict, meta: dict, led: Ledger) -> tuple[dict, dict]:
     if conclusion:
         tags["pilotrun.conclusion"] = " ".join(conclusion.get("text", []))[:5000]
     for g in led.gate_rows(run["run_id"]):
-        if run["kind"] != "campaign-run":
+        if run["kind"] != RunKind.CAMPAIGN_RUN:
             tags[f"gate.{g['gate']}"] = g["verdict"] + (f" (rank {g['rank']})" if g["rank"] else "")
     lock = json.loads(run.get("lock_json") or "null") or {}
     for k, v in (lock.get("versions") or {}).items():
@@ -132,7 +133,7 @@ def export_runs(led: Ledger, runs: list[dict], uri: str) -> list[dict]:
     done, parents = [], {}
     for run in runs:
         meta = json.loads(run.get("meta_json") or "{}")
-        experiment = meta.get("campaign_id") or (run["run_id"] if run["kind"] == "campaign" else run["name"])
+        experiment = meta.get("campaign_id") or (run["run_id"] if run["kind"] == RunKind.CAMPAIGN else run["name"])
         exp = client.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
         existing = client.search_runs([exp_id], filter_string=f"tags.`pilotrun.run_id` = '{run['run_id']}'")

@@ -5,6 +5,9 @@ complete rows only; WAL mode and a busy timeout let several processes (ranks,
 parallel campaign runs) write to one file without losing or duplicating rows.
 Rows are never updated in place except a run's end status.
 
+Kinds, statuses, verdicts and stop kinds are the enums of :mod:`pilotrun.ledger.records`,
+where each value is documented; the columns below keep their text.
+
 Example::
 
     with Ledger("runs/ledger.sqlite") as led:
@@ -16,10 +19,12 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
+
+from .records import GateRow, RunEnd, RunKind, RunStatus, Series, now
 
 SCHEMA_VERSION = 1
 
@@ -28,16 +33,20 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     run_id      TEXT PRIMARY KEY,
     name        TEXT NOT NULL,
-    kind        TEXT NOT NULL,            -- pilot | stage | campaign-run
+    kind        TEXT NOT NULL,            -- records.RunKind: pilot | stage | campaign | campaign-run
     spec_path   TEXT,
     out_dir     TEXT,
     config_hash TEXT,
     lock_json   TEXT,
-    status      TEXT NOT NULL,            -- running | pass | warn | fail | error | interrupted
+    status      TEXT NOT NULL,            -- records.RunStatus: running; pilots pass | warn | fail | error |
+                                          -- interrupted; campaign runs planned | finished | diverged | failed |
+                                          -- stopped | not-run | refused; campaigns finished | finished-with-stops
+                                          -- | interrupted
     started_at  TEXT NOT NULL,
     ended_at    TEXT,
-    parent_id   TEXT,
-    meta_json   TEXT
+    parent_id   TEXT,                     -- the run this one resumes, retries or continues
+    meta_json   TEXT                      -- campaign runs: variant, seed, stop_kind (records.StopKind),
+                                          -- stop_reason, stopped_at, final
 );
 CREATE TABLE IF NOT EXISTS gate_rows (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -57,7 +66,8 @@ CREATE TABLE IF NOT EXISTS gate_rows (
 CREATE TABLE IF NOT EXISTS metrics (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
     run_id      TEXT NOT NULL REFERENCES runs(run_id),
-    gate        TEXT NOT NULL,
+    gate        TEXT NOT NULL,            -- the gate that measured the point (pilots), or the series of a
+                                          -- campaign run (records.Series: train | val)
     rank        INTEGER NOT NULL DEFAULT 0,
     step        INTEGER NOT NULL,
     loss        REAL,
@@ -88,10 +98,6 @@ class LedgerError(Exception):
     """The ledger file cannot be opened or is not a pilotrun ledger."""
 
 
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
@@ -118,6 +124,17 @@ def _retry_locked(statement, wait_s: float = 60.0):
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _insert_metrics(cur: sqlite3.Cursor, run_id: str, gate: str, rank: int, points: Iterable[dict]) -> None:
+    for m in points:
+        cur.execute(
+            "INSERT INTO metrics (run_id, gate, rank, step, loss, lr, grad_norm, examples, tokens, seconds,"
+            " data_wait_s, sample_ids_json, extra_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (run_id, gate, rank, m["step"], m.get("loss"), m.get("lr"), m.get("grad_norm"), m.get("examples"),
+             m.get("tokens"), m.get("seconds"), m.get("data_wait_s"), _json(m.get("sample_ids", [])),
+             _json(m.get("extra", {}))),
+        )
 
 
 class Ledger:
@@ -169,14 +186,15 @@ class Ledger:
         self.close()
 
     # -- writes ---------------------------------------------------------------
-    def start_run(self, run_id: str, name: str, kind: str, *, spec_path: str | None = None, out_dir: str | None = None,
+    def start_run(self, run_id: str, name: str, kind: RunKind | str, *, spec_path: str | None = None, out_dir: str | None = None,
                   config_hash: str | None = None, lock: dict | None = None, parent_id: str | None = None,
                   meta: dict | None = None) -> None:
         with self.transaction() as cur:
             cur.execute(
                 "INSERT INTO runs (run_id, name, kind, spec_path, out_dir, config_hash, lock_json, status, started_at,"
                 " parent_id, meta_json) VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?)",
-                (run_id, name, kind, spec_path, out_dir, config_hash, _json(lock) if lock is not None else None,
+                (run_id, name, str(RunKind(kind)), spec_path, out_dir, config_hash,
+                 _json(lock) if lock is not None else None,
                  now(), parent_id, _json(meta or {})),
             )
 
@@ -184,52 +202,51 @@ class Ledger:
         with self.transaction() as cur:
             cur.execute("UPDATE runs SET lock_json = ? WHERE run_id = ?", (_json(lock), run_id))
 
-    def claim(self, run_id: str, expected: str, status: str, meta: dict | None = None) -> bool:
+    def claim(self, run_id: str, expected: RunStatus, status: RunStatus, meta: dict | None = None) -> bool:
         """Move a run from ``expected`` to ``status`` (merging ``meta``) unless another process got there first."""
         with self.transaction() as cur:
-            cur.execute("UPDATE runs SET status = ? WHERE run_id = ? AND status = ?", (status, run_id, expected))
+            cur.execute("UPDATE runs SET status = ? WHERE run_id = ? AND status = ?",
+                        (str(RunStatus(status)), run_id, str(RunStatus(expected))))
             if cur.rowcount != 1:
                 return False
             if meta:
                 _merge_meta(cur, run_id, meta)
             return True
 
-    def set_status(self, run_id: str, status: str) -> None:
+    def set_status(self, run_id: str, status: RunStatus) -> None:
         """A status that is not an end (planned, running)."""
         with self.transaction() as cur:
-            cur.execute("UPDATE runs SET status = ? WHERE run_id = ?", (status, run_id))
+            cur.execute("UPDATE runs SET status = ? WHERE run_id = ?", (str(RunStatus(status)), run_id))
 
-    def end_run(self, run_id: str, status: str) -> None:
+    def end_run(self, run_id: str, status: RunStatus) -> None:
         with self.transaction() as cur:
-            cur.execute("UPDATE runs SET status = ?, ended_at = ? WHERE run_id = ?", (status, now(), run_id))
+            cur.execute("UPDATE runs SET status = ?, ended_at = ? WHERE run_id = ?",
+                        (str(RunStatus(status)), now(), run_id))
 
-    def add_gate_row(self, run_id: str, row: dict, metrics: Iterable[dict] = ()) -> int:
-        """One gate row and its per-update metrics, in one transaction."""
+    def add_gate_row(self, run_id: str, row: GateRow | Mapping[str, Any], metrics: Iterable[dict] = ()) -> int:
+        """One gate row and its per-update metrics, in one transaction (a mapping is checked as a :class:`GateRow`)."""
+        r = (row if isinstance(row, GateRow) else GateRow.from_mapping(row)).to_dict()
         with self.transaction() as cur:
             cur.execute(
                 "INSERT INTO gate_rows (run_id, gate, verdict, reason, inputs_json, memory_json, seconds, rank,"
                 " world_size, started_at, ended_at, details_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, row["gate"], row["verdict"], row["reason"], _json(row.get("inputs", {})),
-                 _json(row.get("memory", {})), row.get("seconds"), int(row.get("rank", 0)),
-                 int(row.get("world_size", 1)), row.get("started_at") or now(), row.get("ended_at") or now(),
-                 _json(row.get("details", {}))),
+                (run_id, r["gate"], r["verdict"], r["reason"], _json(r["inputs"]), _json(r["memory"]), r["seconds"],
+                 int(r["rank"]), int(r["world_size"]), r["started_at"], r["ended_at"], _json(r["details"])),
             )
             row_id = cur.lastrowid
-            for m in metrics:
-                cur.execute(
-                    "INSERT INTO metrics (run_id, gate, rank, step, loss, lr, grad_norm, examples, tokens, seconds,"
-                    " data_wait_s, sample_ids_json, extra_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (run_id, row["gate"], int(row.get("rank", 0)), m["step"], m.get("loss"), m.get("lr"),
-                     m.get("grad_norm"), m.get("examples"), m.get("tokens"), m.get("seconds"), m.get("data_wait_s"),
-                     _json(m.get("sample_ids", [])), _json(m.get("extra", {}))),
-                )
-        return int(row_id)
+            _insert_metrics(cur, run_id, r["gate"], int(r["rank"]), metrics)
+        return int(row_id or 0)
 
-    def finish_campaign_run(self, run_id: str, result: dict) -> None:
-        """A campaign run's end: status, why it stopped and where, its final validation point."""
+    def add_metrics(self, run_id: str, series: Series, points: Iterable[dict], rank: int = 0) -> None:
+        """Per-update points of a campaign run's series, in one transaction (no gate row: they are not a gate)."""
         with self.transaction() as cur:
-            _merge_meta(cur, run_id, {k: result.get(k) for k in ("stop_reason", "stopped_at", "final", "first_loss")})
-            cur.execute("UPDATE runs SET status = ?, ended_at = ? WHERE run_id = ?", (result["status"], now(), run_id))
+            _insert_metrics(cur, run_id, str(Series(series)), rank, points)
+
+    def finish_campaign_run(self, run_id: str, end: RunEnd, **fields: Any) -> None:
+        """A campaign run's end: its status, why it stopped and where, and ``fields`` (final, first_loss) in meta."""
+        with self.transaction() as cur:
+            _merge_meta(cur, run_id, {**end.fields(), **fields})
+            cur.execute("UPDATE runs SET status = ?, ended_at = ? WHERE run_id = ?", (str(end.status), now(), run_id))
 
     def merge_meta(self, run_id: str, fields: dict) -> None:
         """Set some meta fields, keeping the rest, atomically against other writers."""

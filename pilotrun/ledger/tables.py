@@ -14,7 +14,7 @@ import csv
 import json
 from typing import IO, Iterable
 
-from ..campaign.conclude import final_val_loss
+from .records import RunKind, RunStatus, final_val_loss
 from .store import Ledger
 
 TABLES = ("runs", "gates", "metrics", "notes")
@@ -40,7 +40,7 @@ def selected_runs(led: Ledger, run: str | None = None, name: str | None = None, 
         if row is None:
             return []
         out = [row]
-        if row["kind"] == "campaign":
+        if row["kind"] == RunKind.CAMPAIGN:
             out += [{k: v for k, v in r.items() if k != "meta"} for r in led.campaign_runs(row["run_id"])]
         return out
     rows = led.runs(name, limit or 1_000_000)
@@ -63,7 +63,8 @@ def run_rows(led: Ledger, runs: Iterable[dict]) -> list[dict]:
             # Only a finished run has a final value; a stopped one's last point is in metrics.csv.
             "stopped_at": meta.get("stopped_at"),
             "final_val_loss": final_val_loss(r.get("status"), meta),
-            "final_accuracy": final.get("accuracy") if r.get("status") == "finished" else None, "lock_drift": ";".join(meta.get("lock_drift") or []) or None,
+            "final_accuracy": final.get("accuracy") if r.get("status") == RunStatus.FINISHED else None,
+            "lock_drift": ";".join(meta.get("lock_drift") or []) or None,
             "verdicts": " ".join(f"{v}={n}" for v, n in sorted(verdicts.items())) or None,
         })
     return out

@@ -1,6 +1,6 @@
 """One measured stage: peaks reset and the device synchronised at the same points everywhere.
 
-Counters are kept apart and never added (SPEC §2):
+Counters are kept apart and never added (docs/architecture.md, "Contracts": memory counters):
 
 * ``peak_allocated_bytes`` – peak bytes held by live tensors (CUDA/ROCm allocator
   ``max_memory_allocated``; on CPU the :class:`LiveTensorTracker`).

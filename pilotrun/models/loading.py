@@ -5,6 +5,7 @@ which uses its cache and honours ``HF_HUB_OFFLINE``; a failure says how to fix i
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ class LoadedModel:
     head: str  # causal-lm, seq-classification or custom
     source: str
     notes: list[str] = field(default_factory=list)
+    config: Any = None  # the transformers config (or the factory model's .config), when there is one
 
 
 def _hub_hint(exc: Exception, target: str) -> str:
@@ -34,7 +36,7 @@ def _hub_hint(exc: Exception, target: str) -> str:
     )
 
 
-def _local(spec: Spec, target: str) -> Path | None:
+def local_path(spec: Spec, target: str) -> Path | None:
     """The local file or folder a model/tokenizer value names, or None for a Hub id."""
     try:
         p = spec.resolve(target)
@@ -50,7 +52,7 @@ def load_tokenizer(spec: Spec):
         return None
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    local = _local(spec, target)
+    local = local_path(spec, target)
     try:
         if local is not None and local.is_file():
             tok = PreTrainedTokenizerFast(tokenizer_file=str(local))
@@ -73,7 +75,8 @@ def _hf_classes(head: str):
     return transformers.AutoModelForCausalLM
 
 
-def _head_for(spec: Spec, label_names: list[str] | None) -> tuple[str, str]:
+def head_for(spec: Spec, label_names: list[str] | None) -> tuple[str, str]:
+    """The model head a spec implies, and why."""
     if spec.data.task is not None:
         return spec.data.task, f"data.task is {spec.data.task}"
     if label_names:
@@ -81,68 +84,111 @@ def _head_for(spec: Spec, label_names: list[str] | None) -> tuple[str, str]:
     return "causal-lm", "the data factory returned no label_names, so a causal-LM head"
 
 
-def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None) -> LoadedModel:
-    """Build (random init, seeded) or load the model. Raises :class:`ModelError`."""
-    torch.manual_seed(spec.seed)
-    if spec.model.factory is not None:
-        fn = import_factory(spec.model.factory, spec.folder)
-        model = fn(spec.model_mapping())
-        if isinstance(model, type) and issubclass(model, torch.nn.Module):
-            raise ModelError(f"model.factory {spec.model.factory!r} returned the class {model.__name__}, not an "
-                             "instance: call it and return the module")
-        if not isinstance(model, torch.nn.Module):
-            raise ModelError(
-                f"model.factory {spec.model.factory!r} returned {type(model).__name__}; expected a torch.nn.Module"
-            )
-        loaded = LoadedModel(model, "factory", "custom", spec.model.factory)
-    else:
-        import transformers
+def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None, *, meta: bool = False,
+                activation_checkpointing: bool | None = None) -> LoadedModel:
+    """The one model builder: random init (seeded) or loaded weights, for the pilot, every worker and the estimator.
 
-        head, why = _head_for(spec, label_names)
-        cls = _hf_classes(head)
-        extra: dict[str, Any] = {}
-        if head == "seq-classification" and label_names:
-            extra = {
-                "num_labels": len(label_names),
-                "id2label": {i: n for i, n in enumerate(label_names)},
-                "label2id": {n: i for i, n in enumerate(label_names)},
-            }
-        if spec.model.config is not None:
-            cfg_map = dict(spec.model.config)
-            model_type = cfg_map.pop("model_type")
-            try:
-                config = transformers.AutoConfig.for_model(model_type, **cfg_map, **extra)
-            except (ValueError, TypeError) as exc:
-                raise ModelError(f"model.config: transformers cannot build a {model_type!r} config: {exc}") from None
-            if tokenizer is not None and getattr(config, "pad_token_id", None) is None and head == "seq-classification":
-                config.pad_token_id = tokenizer.pad_token_id
-            try:
-                model = cls.from_config(config)
-            except ValueError as exc:
-                raise ModelError(f"model.config: {exc}") from None
-            source = f"config ({model_type}, random init, seed {spec.seed})"
-        else:
-            target = spec.model.hf
-            local = _local(spec, target)
-            src = str(local) if local is not None else target
-            try:
-                model = cls.from_pretrained(
-                    src, revision=spec.model.revision, trust_remote_code=spec.model.trust_remote_code, **extra
-                )
-            except Exception as exc:
-                raise ModelError(_hub_hint(exc, target)) from None
-            source = target if local is None else f"{target} ({src})" if target != src else src
-            if tokenizer is not None and getattr(model.config, "pad_token_id", None) is None:
-                model.config.pad_token_id = tokenizer.pad_token_id
-        loaded = LoadedModel(model, "hf", head, source, notes=[f"head: {head} ({why})"])
-    if spec.train.activation_checkpointing:
-        if not enable_activation_checkpointing(loaded.model):
+    ``meta=True`` builds shapes only on the meta device — no weights read, no memory (the estimator's trace);
+    a Hub or local model then needs only its config. ``activation_checkpointing`` overrides the spec's
+    setting (the estimator traces both); a model without the switch fails the build when the spec asks for
+    it, and only gets a note when the estimator asked. Raises :class:`ModelError`.
+    """
+    torch.manual_seed(spec.seed)
+    loaded = _build_factory(spec, meta) if spec.model.factory is not None else _build_hf(spec, label_names, tokenizer,
+                                                                                          meta)
+    ac = spec.train.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    if ac:
+        if enable_activation_checkpointing(loaded.model):
+            loaded.notes.append("activation checkpointing on (non-reentrant)")
+        elif activation_checkpointing is None:
             raise ModelError(
                 "train.activation_checkpointing is true but the model has no gradient_checkpointing_enable(); "
                 "wrap its blocks with torch.utils.checkpoint in the factory, or set it to false"
             )
-        loaded.notes.append("activation checkpointing on (non-reentrant)")
+        else:
+            loaded.notes.append("activation checkpointing requested but the model has no "
+                                "gradient_checkpointing_enable()")
     return loaded
+
+
+def _build_factory(spec: Spec, meta: bool) -> LoadedModel:
+    assert spec.model.factory is not None
+    fn = import_factory(spec.model.factory, spec.folder)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = fn(spec.model_mapping())
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        raise ModelError(f"model.factory {spec.model.factory!r} returned the class {model.__name__}, not an "
+                         "instance: call it and return the module")
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(
+            f"model.factory {spec.model.factory!r} returned {type(model).__name__}; expected a torch.nn.Module"
+        )
+    return LoadedModel(model, "factory", "custom", spec.model.factory, config=getattr(model, "config", None))
+
+
+def _label_kwargs(head: str, label_names: list[str] | None) -> dict[str, Any]:
+    """A classification head's size and class names, as transformers configs take them."""
+    if head != "seq-classification" or not label_names:
+        return {}
+    return {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
+            "label2id": {n: i for i, n in enumerate(label_names)}}
+
+
+def _hf_config(spec: Spec, head: str, label_names: list[str] | None, tokenizer):
+    """The transformers config the spec names (model.config, or the config of model.hf)."""
+    import transformers
+
+    extra = _label_kwargs(head, label_names)
+    if spec.model.config is not None:
+        cfg_map = dict(spec.model.config)
+        model_type = cfg_map.pop("model_type")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **cfg_map, **extra)
+        except (ValueError, TypeError) as exc:
+            raise ModelError(f"model.config: transformers cannot build a {model_type!r} config: {exc}") from None
+        if tokenizer is not None and getattr(config, "pad_token_id", None) is None and head == "seq-classification":
+            config.pad_token_id = tokenizer.pad_token_id
+        return config
+    target = spec.model.hf
+    assert target is not None
+    local = local_path(spec, target)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(local) if local else target, revision=spec.model.revision,
+                                                         trust_remote_code=spec.model.trust_remote_code, **extra)
+    except Exception as exc:
+        raise ModelError(_hub_hint(exc, target)) from None
+    return config
+
+
+def _build_hf(spec: Spec, label_names: list[str] | None, tokenizer, meta: bool) -> LoadedModel:
+    head, why = head_for(spec, label_names)
+    cls = _hf_classes(head)
+    notes = [f"head: {head} ({why})"]
+    if spec.model.config is not None or meta:
+        config = _hf_config(spec, head, label_names, tokenizer)
+        try:
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                model = cls.from_config(config)
+        except ValueError as exc:
+            raise ModelError(f"model.config: {exc}") from None
+        if spec.model.config is not None:
+            source = f"config ({spec.model.config['model_type']}, random init, seed {spec.seed})"
+        else:
+            source = f"{spec.model.hf} (config only, on the meta device)"
+        return LoadedModel(model, "hf", head, source, notes, config=config)
+    target = spec.model.hf
+    assert target is not None
+    local = local_path(spec, target)
+    src = str(local) if local is not None else target
+    try:
+        model = cls.from_pretrained(src, revision=spec.model.revision, trust_remote_code=spec.model.trust_remote_code,
+                                    **_label_kwargs(head, label_names))
+    except Exception as exc:
+        raise ModelError(_hub_hint(exc, target)) from None
+    source = target if local is None else f"{target} ({src})" if target != src else src
+    if tokenizer is not None and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return LoadedModel(model, "hf", head, source, notes, config=model.config)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> bool:
@@ -174,10 +220,3 @@ def parameter_count(model: torch.nn.Module) -> tuple[int, int]:
         if p.requires_grad:
             trainable += p.numel()
     return total, trainable
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """Files that define a local model: weights, configs and tokenizer files."""
-    if folder.is_file():
-        return [folder]
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))

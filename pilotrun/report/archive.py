@@ -25,7 +25,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..campaign.conclude import final_val_loss, link_text, stop_text
+from ..campaign.conclude import link_text, stop_text
+from ..ledger.records import final_val_loss
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.state import verify_folder
 from ..ledger.store import Ledger
@@ -280,10 +281,4 @@ def archive_run(led: Ledger, ref: str, out: Path | None = None) -> tuple[Path, d
         summary = _pack_run(led, run, Path(tmp) / run["run_id"])
         _tar(Path(tmp) / run["run_id"], out)
     return out, {**summary, "kind": run["kind"], "bytes": out.stat().st_size}
-
-
-def list_archive(path: Path) -> list[str]:
-    """Member names (for tests and `--json`), without extracting."""
-    with tarfile.open(path, "r:gz") as tar:
-        return tar.getnames()
 

@@ -13,8 +13,10 @@ import io
 import json
 from pathlib import Path
 
+from ..gates.registry import job_memory_gates
+from ..ledger.records import RunStatus, Series
 from ..ledger.store import Ledger
-from ..ui.format import human_bytes, human_seconds
+from ..humanize import human_bytes, human_seconds
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;color:#1d2330;
@@ -81,7 +83,7 @@ def _page(title: str, subtitle: str, body: list[str]) -> str:
 
 # -- pilot --------------------------------------------------------------------------------------
 
-JOB_STAGES = ("load", "first_step", "steady_step", "eval", "save", "export", "restore")
+JOB_STAGES = job_memory_gates()  # their rows measure the job's own memory (declared by each gate)
 
 
 def _memory_plot(rows: list[dict], capacities: dict[str, int]) -> str:
@@ -221,8 +223,8 @@ def render_pilot(led: Ledger, run: dict) -> str:
     if share:
         body.append(_table(["stage", "peak"] + [f"of {n}" for n in caps], share))
     metrics = led.metrics(run["run_id"])
-    train = [(m["step"], m["loss"]) for m in metrics if m["gate"] in ("first_step", "steady_step") and m["rank"] == 0
-             and m["loss"] is not None]
+    # A pilot's per-update points are its updates (first_step, steady_step): rank 0's curve.
+    train = [(m["step"], m["loss"]) for m in metrics if m["rank"] == 0 and m["loss"] is not None]
     if train:
         body.append("<h2>Updates</h2>" + _curve(train, "training loss per update (the pilot's updates)", "loss"))
     overfit = next((r for r in rows if r["gate"] == "overfit" and r["details"].get("losses")), None)
@@ -283,18 +285,19 @@ def _plain_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def _campaign_curves(led: Ledger, runs: list[dict], key: str, gate: str, title: str) -> str:
+def _campaign_curves(led: Ledger, runs: list[dict], key: str, series: Series, title: str) -> str:
     plt = _pyplot()
     style = _run_style(runs, key, plt)
     fig, ax = plt.subplots(figsize=(9, 4.2))
     drawn = 0
     for r in runs:
-        pts = [(m["step"], m["loss"]) for m in led.metrics(r["run_id"], gate) if m["loss"] is not None]
+        pts = [(m["step"], m["loss"]) for m in led.metrics(r["run_id"], series) if m["loss"] is not None]
         if not pts:
             continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if gate == "val" else None, alpha=0.9,
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if series == Series.VAL else None, alpha=0.9,
                 **style(r))
-        if r["status"] == "diverged" and gate == "train":  # the last validation point is not where it diverged
+        # Mark where a run diverged on its training curve (its last validation point is not where it diverged).
+        if r["status"] == RunStatus.DIVERGED and series == Series.TRAIN:
             ax.plot([pts[-1][0]], [pts[-1][1]], marker="x", markersize=10, color="#c5221f")
         drawn += 1
     if not drawn:
@@ -319,7 +322,7 @@ def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     drawn = 0
     for r in runs:
-        metrics = led.metrics(r["run_id"], "train")
+        metrics = led.metrics(r["run_id"], Series.TRAIN)
         for ax, (field, _, _) in zip(axes, panels):
             pts = [(m["step"], v) for m in metrics if (v := _value(m, field)) is not None]
             if pts:
@@ -342,7 +345,8 @@ def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
 
 
 def render_campaign(led: Ledger, camp: dict) -> str:
-    from ..campaign.conclude import conclude, final_val_loss, link_text, stop_text, table
+    from ..campaign.conclude import conclude, link_text, stop_text, table
+    from ..ledger.records import final_val_loss
 
     meta = json.loads(camp["meta_json"] or "{}")
     runs = led.campaign_runs(camp["run_id"])
@@ -364,9 +368,9 @@ def render_campaign(led: Ledger, camp: dict) -> str:
                      link_text(m), json.dumps(m.get("changes")) if m.get("changes") else ""])
     body.append("<h2>Every run</h2>" + _table(["run", key, "seed", "status", "stopped", "final val loss", "follows",
                                                "changed"], rows, raw_cols=(3,)))
-    body.append("<h2>Training loss</h2>" + _campaign_curves(led, runs, key, "train",
+    body.append("<h2>Training loss</h2>" + _campaign_curves(led, runs, key, Series.TRAIN,
                                                            "training loss per update (x: where a run diverged)"))
-    body.append("<h2>Validation</h2>" + _campaign_curves(led, runs, key, "val", "validation loss"))
+    body.append("<h2>Validation</h2>" + _campaign_curves(led, runs, key, Series.VAL, "validation loss"))
     body.append("<h2>Learning rate, gradient norm, throughput</h2>" + _campaign_dynamics(led, runs, key))
     body.append(_attachments(Path(camp["out_dir"] or ".")))
     body.append(_lock_section(json.loads(camp["lock_json"]) if camp.get("lock_json") else None,
@@ -381,7 +385,8 @@ def render_campaign(led: Ledger, camp: dict) -> str:
 
 def render_campaign_run(led: Ledger, run: dict) -> str:
     """One run of a campaign: what it varied, where it stopped, its curves; the campaign has the comparison."""
-    from ..campaign.conclude import final_val_loss, link_text, stop_text
+    from ..campaign.conclude import link_text, stop_text
+    from ..ledger.records import final_val_loss
 
     meta = json.loads(run["meta_json"] or "{}")
     r = {**run, "meta": meta}
@@ -399,8 +404,8 @@ def render_campaign_run(led: Ledger, run: dict) -> str:
             .replace("<table>", '<table class="kv">'),
             f"<p class=\"sub\">Compared with the other runs in <code>pilotrun report {_e(meta.get('campaign_id'))}"
             "</code>.</p>",
-            "<h2>Training loss</h2>" + _campaign_curves(led, [r], key, "train", "training loss per update"),
-            "<h2>Validation</h2>" + _campaign_curves(led, [r], key, "val", "validation loss"),
+            "<h2>Training loss</h2>" + _campaign_curves(led, [r], key, Series.TRAIN, "training loss per update"),
+            "<h2>Validation</h2>" + _campaign_curves(led, [r], key, Series.VAL, "validation loss"),
             "<h2>Learning rate, gradient norm, throughput</h2>" + _campaign_dynamics(led, [r], key),
             _lock_section(json.loads(run["lock_json"]) if run.get("lock_json") else None), _notes(led, run["run_id"])]
     return _page(f"Campaign run: {run['run_id']}", f"{key} = {json.dumps(meta.get('variant'))} · seed "

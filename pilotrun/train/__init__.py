@@ -1,4 +1,4 @@
-"""The training loop the gates drive."""
-from .loop import LossPolicy, NonFiniteError, Trainer, UpdateRecord, decide_loss_policy, seed_everything
+"""The building blocks of a training loop: loss normalisation, evaluation, optimizers, data order, seeding.
 
-__all__ = ["LossPolicy", "NonFiniteError", "Trainer", "UpdateRecord", "decide_loss_policy", "seed_everything"]
+The loop that drives them is a driver (:mod:`pilotrun.drivers.loop`).
+"""

@@ -11,15 +11,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .format import human_bytes, human_seconds
+from ..gates.registry import job_memory_gates
+from ..humanize import human_bytes, human_seconds
 
 STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip": "dim", "running": "cyan",
          "pending": "dim"}
 MARK = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–", "running": "…", "pending": "·"}
 
 
-# Gates whose memory is the job's own; accum_equivalence and overfit measure their private copies.
-JOB_MEMORY_GATES = ("load", "first_step", "steady_step", "eval", "save", "export", "restore", "resume")
+# Gates whose memory is the job's own (declared by each gate); accum_equivalence and overfit measure private copies.
+JOB_MEMORY_GATES = job_memory_gates()
 
 
 def peak_of(row: dict) -> int | None:

@@ -1,8 +1,10 @@
-"""What every worker does first: rebuild the spec, the data, the model and the trainer from files."""
+"""What every worker shares: the spec it rebuilds from a file, its peaks, and the result it writes back.
+
+Workers build their job with :mod:`pilotrun.drivers.build`, exactly as the pilot's own process does.
+"""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import sys
@@ -11,10 +13,6 @@ from pathlib import Path
 import torch
 
 from ..config.spec import Spec, spec_from_mapping
-from ..data.bundle import build_data
-from ..devices import pick_device
-from ..models.loading import build_model, load_tokenizer
-from ..train.loop import Trainer, seed_everything
 
 
 def write_spec_file(spec: Spec, path: Path) -> Path:
@@ -26,29 +24,6 @@ def write_spec_file(spec: Spec, path: Path) -> Path:
 def read_spec_file(path: str | Path) -> Spec:
     payload = json.loads(Path(path).read_text())
     return spec_from_mapping(payload["written"], payload["source"])
-
-
-def build_trainer(spec: Spec) -> tuple[Trainer, object, torch.device]:
-    """The same objects, in the same order and with the same seeds, as the pilot's own process builds
-    (under torchrun: the same process group, device per LOCAL_RANK and wrapper)."""
-    from .. import distributed
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    device, _ = pick_device(spec.train.device)
-    env = distributed.init(spec.distributed.strategy, device.type)
-    if env.active and device.type == "cuda":
-        device = torch.device("cuda", env.local_rank)
-    seed_everything(spec.seed)
-    tokenizer = load_tokenizer(spec) if spec.data.task is not None else None
-    data = build_data(spec, tokenizer)
-    loaded = build_model(spec, data.label_names, tokenizer)
-    model = loaded.model.to(device)
-    ratio = distributed.reduction_ratio(env, device)
-    wrapped, _ = distributed.wrap(model, env, device)
-    trainer = Trainer(wrapped, data.train, data.collate, spec, device, pad_batch=data.pad_batch, env=env,
-                      reduction_ratio=ratio)
-    trainer.probe_policy()  # the same decision, by the same probe, as the pilot's own process
-    return trainer, data, device
 
 
 def peak_memory(device: torch.device) -> dict:

@@ -27,7 +27,8 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-def _env() -> dict:
+def worker_env() -> dict:
+    """This environment for a fresh pilotrun process: torchrun's variables removed, pilotrun importable."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -57,7 +58,7 @@ def run_worker(module: str, args: list[str], result: Path, log: Path, what: str,
     result.unlink(missing_ok=True)
     with open(log, "w") as fh:
         proc = subprocess.Popen(command(module, args, result, nproc), stdout=fh, stderr=subprocess.STDOUT,
-                                env=_env(), start_new_session=True)
+                                env=worker_env(), start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -110,7 +111,7 @@ def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: st
     """Run a worker until it prints SAVED, then SIGKILL it and its ranks (a real kill, not a clean exit)."""
     result.unlink(missing_ok=True)
     with open(log, "w") as fh:
-        proc = subprocess.Popen(command(module, args, result, nproc), stdout=subprocess.PIPE, stderr=fh, env=_env(),
+        proc = subprocess.Popen(command(module, args, result, nproc), stdout=subprocess.PIPE, stderr=fh, env=worker_env(),
                                 text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
         saved = False

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.state import check_trusted
+from ..train.evaluation import outputs_of
 from .common import write_result
 
 
@@ -37,21 +38,6 @@ def load_artifact(folder: Path) -> torch.nn.Module:
     if cls is None:
         raise RuntimeError(f"{folder}/config.json names no loadable architecture ({arch!r})")
     return cls.from_pretrained(str(folder))
-
-
-def outputs_of(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    model.eval()
-    model = getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    with torch.no_grad():
-        out = model(**batch)
-    logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
-    if logits is None:
-        logits = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-    if not isinstance(logits, torch.Tensor):
-        raise RuntimeError("the model returned neither logits nor loss to compare")
-    if hasattr(logits, "full_tensor"):
-        logits = logits.full_tensor()
-    return logits.detach().float().cpu()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,15 +18,10 @@ import traceback
 from pathlib import Path
 
 from ..checkpoint.io import latest_checkpoint
-from ..checkpoint.state import (
-    check_trusted,
-    compare_fingerprints,
-    fingerprint_state,
-    restore_training_state,
-    save_checkpoint,
-)
+from ..checkpoint.state import check_trusted, compare_fingerprints
+from ..drivers import Driver, ModelDriver, build_job
 from ..measure.meter import StageMeter
-from .common import build_trainer, peak_memory, read_spec_file, write_result
+from .common import peak_memory, read_spec_file, write_result
 
 
 def _float(x: float | None) -> str | None:
@@ -38,34 +33,16 @@ def record(rec) -> dict:
             "grad_norm": _float(rec.grad_norm)}
 
 
-def run_updates(trainer, n: int) -> list[dict]:
-    return [record(trainer.update()) for _ in range(n)]
+def run_updates(driver: Driver, n: int) -> list[dict]:
+    return [record(driver.update()) for _ in range(n)]
 
 
-def restore_any(trainer, folder: Path) -> dict:
-    """A single-process checkpoint, or a distributed (DCP) one into this process group."""
-    from ..checkpoint.dist import is_distributed_checkpoint, restore_distributed
-
-    if is_distributed_checkpoint(folder):
-        return restore_distributed(trainer, folder, trainer.env)
-    return restore_training_state(trainer, folder)
-
-
-def restore_check(trainer, folder: Path, expect: dict, known: set[str] | None, trust: bool = False) -> dict:
-    """Restore into ``trainer`` and compare its live state with what the saving process recorded."""
+def restore_check(driver: Driver, folder: Path, expect: dict, known: set[str] | None, trust: bool = False) -> dict:
+    """Restore into ``driver`` and compare its live state with what the saving process recorded."""
     check_trusted(folder, known, trust)
-    restore_any(trainer, folder)
-    actual = fingerprint_state(trainer)
+    driver.restore(folder)
+    actual = driver.fingerprint()
     return {"mismatches": compare_fingerprints(expect, actual), "step": actual["step"], "lr": actual["lr"]}
-
-
-def save_any(trainer, folder: Path, spec) -> None:
-    from ..checkpoint.dist import save_distributed
-
-    if trainer.env.active:
-        save_distributed(folder, trainer, spec.canonical(), trainer.env, spec.config_hash())
-    else:
-        save_checkpoint(folder, trainer, spec.canonical(), spec.config_hash())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,35 +61,36 @@ def main(argv: list[str] | None = None) -> int:
         from .. import distributed
 
         spec = read_spec_file(args.spec)
-        trainer, data, device = build_trainer(spec)
-        env = trainer.env
+        driver = build_job(spec)
+        env, device = driver.env, driver.device
         payload: dict = {"phase": args.phase, "world_size": env.world_size}
         if args.phase == "control":
-            payload["records"] = run_updates(trainer, args.updates)
+            payload["records"] = run_updates(driver, args.updates)
         elif args.phase == "interrupted":
-            payload["records"] = run_updates(trainer, args.updates)
-            folder = args.checkpoints / f"step-{trainer.step:06d}"
-            save_any(trainer, folder, spec)
+            payload["records"] = run_updates(driver, args.updates)
+            folder = args.checkpoints / f"step-{driver.step:06d}"
+            driver.save(folder)
             payload["checkpoint"] = str(folder)
         elif args.phase == "resumed":
             folder = latest_checkpoint(args.checkpoints)
             if folder is None:
                 raise RuntimeError(f"no complete checkpoint under {args.checkpoints}")
             check_trusted(folder, set(args.known_manifest) or None, trust=False)
-            state = restore_any(trainer, folder)
+            state = driver.restore(folder)
             payload["restored_from"] = str(folder)
             payload["restored_step"] = state["step"]
-            payload["records"] = run_updates(trainer, args.updates)
+            payload["records"] = run_updates(driver, args.updates)
         else:
             expect = json.loads(Path(args.expect.replace("{rank}", str(env.rank))).read_text())
-            with StageMeter(device, track=[trainer.model, trainer.optimizer]) as meter:
-                payload.update(restore_check(trainer, args.checkpoint, expect, set(args.known_manifest) or None))
+            track = [driver.plain_model, driver.optimizer] if isinstance(driver, ModelDriver) else []
+            with StageMeter(device, track=track) as meter:
+                payload.update(restore_check(driver, args.checkpoint, expect, set(args.known_manifest) or None))
             payload["memory"] = meter.memory
             payload["seconds"] = meter.seconds
         payload["peak"] = peak_memory(device)
-        trainer.close()
+        driver.close()
         if args.phase != "interrupted":
-            del trainer  # the DDP/FSDP model goes before the process group (see distributed.shutdown)
+            del driver  # the DDP/FSDP model goes before the process group (see distributed.shutdown)
         per_rank = distributed.gather(env, payload)
         if env.is_main:
             combined = dict(per_rank[0])

@@ -1,0 +1,69 @@
+"""The one way a job is set up in a process: its place among the processes, its inputs, and its driver.
+
+The pilot's own process (the ``load`` gate) and every fresh worker process (restore, resume,
+campaign runs) call these same functions in the same order with the same seeds — the bitwise
+resume proof depends on it, so there is no second copy to keep in step.
+
+Example::
+
+    process = join_job(spec)            # device, process group, strategy
+    inputs = load_inputs(spec)          # tokenizer and datasets
+    driver = build_driver(spec, inputs, process)
+    record = driver.update()
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .. import distributed, strategies
+from ..data.bundle import build_data
+from ..devices import device_name, pick_device
+from ..models.loading import load_tokenizer
+from ..train.rng import seed_everything
+from .base import Driver, JobInputs, JobProcess
+from .loop import LoopDriver
+
+# Whatever runs the updates, by name. A spec chooses one (today every spec runs pilotrun's loop).
+DRIVERS: dict[str, type[Driver]] = {LoopDriver.name: LoopDriver}
+
+
+def driver_name(spec) -> str:
+    """The driver a spec asks for."""
+    return LoopDriver.name
+
+
+def join_job(spec) -> JobProcess:
+    """Pick the device, resolve the strategy for the processes launched, and join their process group."""
+    device, reason = pick_device(spec.train.device)
+    _, _, world = distributed.env_from_os()
+    strategy = strategies.for_processes(spec.distributed.strategy, world)
+    env = distributed.init(strategy.name, device.type)
+    if env.active and device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+        reason = f"LOCAL_RANK {env.local_rank} chooses cuda:{env.local_rank}"
+    return JobProcess(device, reason, device_name(device), env, strategy)
+
+
+def load_inputs(spec) -> JobInputs:
+    """Tokenizer and datasets, seeded first (a factory may draw from the global generators)."""
+    seed_everything(spec.seed)
+    tokenizer = load_tokenizer(spec) if spec.data.task is not None else None
+    return JobInputs(tokenizer, build_data(spec, tokenizer))
+
+
+def build_driver(spec, inputs: JobInputs, process: JobProcess,
+                 on_model: Callable[[torch.nn.Module], None] | None = None) -> Driver:
+    """The spec's driver, built (model seeded, moved to the device, wrapped by the strategy) and ready to update.
+
+    ``on_model`` sees the plain model on the device before it is wrapped (the load gate's meter counts it)."""
+    return DRIVERS[driver_name(spec)].build(spec, inputs, process, on_model)
+
+
+def build_job(spec) -> Driver:
+    """In a fresh process (a worker): join the job, load its inputs and build its driver — the load gate's steps."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    process = join_job(spec)
+    return build_driver(spec, load_inputs(spec), process)

@@ -1,0 +1,83 @@
+"""``report.json``: a pilot's rows as one file, per rank and combined over ranks."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config.spec import Spec
+from ..ledger.records import ROW_FIELDS, RunStatus, Verdict
+
+
+@dataclass
+class PilotResult:
+    run_id: str
+    out_dir: Path
+    ledger_path: Path
+    rows: list[dict] = field(default_factory=list)   # this rank's rows
+    status: RunStatus = RunStatus.RUNNING
+    rank: int = 0
+    world_size: int = 1
+    all_rows: list[dict] = field(default_factory=list)  # every rank's rows (rank 0, distributed runs)
+
+    @property
+    def failed(self) -> bool:
+        return any(r["verdict"] == Verdict.FAIL for r in (self.all_rows or self.rows))
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+
+def write_report(result: PilotResult, spec: Spec, extra: dict | None = None) -> Path:
+    """``report.json``; with several ranks every rank writes ``report-rank{r}.json`` and rank 0 also the
+    combined ``report.json`` with every rank's rows and a per-gate summary over ranks."""
+    if result.world_size > 1:
+        _write_json(result, spec, result.rows, result.out_dir / f"report-rank{result.rank}.json", extra)
+        if result.rank != 0 or not result.all_rows:
+            return result.out_dir / f"report-rank{result.rank}.json"
+        extra = {**(extra or {}), "world_size": result.world_size, "ranks_summary": rank_summary(result.all_rows)}
+        return _write_json(result, spec, result.all_rows, result.out_dir / "report.json", extra)
+    return _write_json(result, spec, result.rows, result.out_dir / "report.json", extra)
+
+
+def _write_json(result: PilotResult, spec: Spec, rows: list[dict], path: Path, extra: dict | None) -> Path:
+    report = {
+        "run_id": result.run_id,
+        "name": spec.name,
+        "spec": spec.source,
+        "config_hash": spec.config_hash(),
+        "out_dir": str(result.out_dir),
+        "ledger": str(result.ledger_path),
+        "status": str(result.status),
+        "gates": [{k: r.get(k) for k in ROW_FIELDS} for r in rows],
+        **(extra or {}),
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def rank_summary(rows: list[dict]) -> list[dict]:
+    """Per gate over ranks: the worst verdict, the largest peak and time, and any imbalance worth a look."""
+    by_gate: dict[str, list[dict]] = {}
+    for r in rows:
+        by_gate.setdefault(r["gate"], []).append(r)
+    out = []
+    for gate, rs in by_gate.items():
+        peaks = [(r.get("memory") or {}).get("peak_allocated_bytes") for r in rs]
+        peaks = [p for p in peaks if p]
+        secs = [r["seconds"] for r in rs if r.get("seconds")]
+        flags = []
+        # Relative and absolute: a few KiB of bookkeeping on one rank is not an imbalance.
+        if len(peaks) > 1 and min(peaks) and max(peaks) / min(peaks) > 1.10 and max(peaks) - min(peaks) > 16 * 2**20:
+            flags.append(f"memory differs across ranks by {max(peaks) / min(peaks) - 1:.0%}")
+        if len(secs) > 1 and min(secs) > 0.05 and max(secs) / min(secs) > 1.25:
+            flags.append(f"time differs across ranks by {max(secs) / min(secs) - 1:.0%}")
+        worst = min(rs, key=lambda r: Verdict(r["verdict"]).severity)
+        out.append({"gate": gate, "verdict": worst["verdict"], "ranks": len(rs),
+                    "max_peak_allocated_bytes": max(peaks) if peaks else None,
+                    "max_seconds": max(secs) if secs else None, "imbalance": flags, "worst_rank": worst.get("rank")})
+    return out

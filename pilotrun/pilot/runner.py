@@ -1,0 +1,251 @@
+"""Run the gates of one pilot in order; every gate writes one row to the ledger and ``report.json``.
+
+This module decides nothing about presentation: an observer (the terminal UI, or nothing in
+tests) is told when gates start, progress and end. What runs, what is skipped and why, and what
+``--resume`` keeps all come from the gates' declarations (:mod:`pilotrun.gates.registry`).
+
+Example::
+
+    from pilotrun.config import load_spec
+    from pilotrun.pilot import PilotOptions, run_pilot
+    result = run_pilot(load_spec("examples/tiny-sft/pilot.yaml"), PilotOptions())
+    print(result.status, [r["verdict"] for r in result.rows])
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .. import distributed
+from ..config.spec import Spec
+from ..drivers import join_job
+from ..gates import Gate, Outcome, PilotContext, Product, depends_on, select_gates
+from ..gates.base import fail_outcome
+from ..ledger.records import GateRow, RunKind, RunStatus, Verdict, new_run_id, now
+from ..ledger.store import Ledger
+from ..measure.meter import StageMeter
+from .report import PilotResult, write_report
+from .resume import ResumePlan, carry_rows, plan_resume
+
+
+class Observer(Protocol):
+    def on_start(self, run_id: str, out_dir: Path, gates: list[str], notes: list[str]) -> None: ...
+    def on_gate_start(self, gate: str) -> None: ...
+    def on_progress(self, done: int, total: int, text: str) -> None: ...
+    def on_gate_end(self, row: dict) -> None: ...
+
+
+class _Quiet:
+    def on_start(self, *a) -> None: ...
+    def on_gate_start(self, *a) -> None: ...
+    def on_progress(self, *a) -> None: ...
+    def on_gate_end(self, *a) -> None: ...
+
+
+@dataclass
+class PilotOptions:
+    out_dir: Path | None = None          # default: runs/<run_id>
+    ledger_path: Path | None = None      # default: runs/ledger.sqlite ($PILOTRUN_LEDGER)
+    gates: list[str] | None = None       # default: spec.pilot.gates, else all
+    container_digest: str | None = None
+    run_id: str | None = None
+    resume: str | None = None            # "latest" or a run id: continue an interrupted pilot
+    trust: bool = False                  # load a checkpoint whose manifest the ledger did not record
+
+
+def _short(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass
+class _Progress:
+    """What the gates so far came to: the verdict every rank agreed on, and for skipped gates the root cause."""
+
+    verdicts: dict[str, tuple[Verdict, str]] = field(default_factory=dict)
+    root_causes: dict[str, tuple[str, str]] = field(default_factory=dict)  # skipped gate -> the failed gate behind it
+
+    def blockers(self, gate: type[Gate]) -> list[str]:
+        return [d for d in depends_on(gate) if self.verdicts.get(d, (Verdict.SKIP, ""))[0].blocks]
+
+
+def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observer | None = None) -> PilotResult:
+    """Run the selected gates; never raises for a gate failure (it becomes a row)."""
+    options = options or PilotOptions()
+    observer = observer or _Quiet()
+    gates, notes = select_gates(options.gates or spec.pilot.gates)
+    process = join_job(spec)
+    env = process.env
+    if env.active:
+        if not env.is_main:
+            observer = _Quiet()
+        if options.resume:
+            distributed.shutdown(env)
+            raise distributed.LaunchError("--resume continues one process; resume a distributed pilot by running it "
+                                          "again")
+    run_id = distributed.broadcast(env, options.run_id or new_run_id(spec.name))
+    out_dir = Path(options.out_dir) if options.out_dir else Path("runs") / run_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(options.ledger_path)
+    try:
+        plan = (plan_resume(ledger, spec.name, options.resume, options.trust, spec.canonical(), spec.config_hash())
+                if options.resume else None)
+    except BaseException:
+        ledger.close()
+        raise
+    ctx = PilotContext(spec=spec, run_id=run_id, out_dir=out_dir, process=process, ledger=ledger,
+                       container_digest=options.container_digest, progress=observer.on_progress,
+                       restore_from=plan.checkpoint if plan is not None else None)
+    carried = carry_rows(plan, gates, ctx) if plan is not None else {}
+    notes = notes + (plan.notes if plan is not None else [])
+    result = PilotResult(run_id, out_dir, ledger.path, rank=env.rank, world_size=env.world_size)
+    if env.is_main:
+        ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
+                         config_hash=spec.config_hash(),
+                         meta={"gates": [g.name for g in gates], "notes": notes, "world_size": env.world_size,
+                               "strategy": process.strategy.name},
+                         parent_id=plan.parent_id if plan else None)
+    distributed.barrier(env)
+    observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [f"device: {process.device_reason}"])
+    progress = _Progress()
+    try:
+        with _transformers_quiet():
+            for gate_cls in gates:
+                _one_gate(gate_cls, ctx, carried, plan, observer, result, progress)
+        result.status = RunStatus.of_pilot(result.rows)
+        if env.active:
+            result.all_rows = [r for rows in distributed.gather(env, result.rows) for r in rows]
+            result.status = RunStatus.of_pilot(result.all_rows)
+    except KeyboardInterrupt:
+        result.status = RunStatus.INTERRUPTED
+        raise
+    finally:
+        _close(ctx, result, spec, ledger)
+    return result
+
+
+def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict], plan: ResumePlan | None,
+              observer: Observer, result: PilotResult, progress: _Progress) -> None:
+    """Decide whether the gate runs, is skipped or carried; write its row everywhere it goes."""
+    gate = gate_cls()
+    metrics: list[dict] = []
+    blockers = progress.blockers(gate_cls)
+    if not blockers and Product.DATA in gate.needs and ctx.data_error is not None:
+        first = next((r["gate"] for r in result.rows if r["verdict"] == Verdict.FAIL), "an earlier gate")
+        row = _skip_row(gate, ctx, f"skipped: the data could not be built in {first} ({_short(ctx.data_error)})")
+    elif gate.name in carried and plan is not None:
+        row = _carried_row(carried[gate.name], plan.parent_id)
+    elif blockers:
+        dep = blockers[0]
+        root, root_reason = progress.root_causes.get(dep, (dep, progress.verdicts[dep][1]))
+        via = f"needs {dep}, skipped because " if root != dep else ""
+        row = _skip_row(gate, ctx, f"skipped: {via}{root} failed ({_short(root_reason)})")
+        progress.root_causes[gate.name] = (root, root_reason)
+    elif ctx.driver is not None and (missing := [c for c in gate.requires if not ctx.driver.can(c)]):
+        row = _skip_row(gate, ctx, "not measured: the " + ctx.driver.name + " driver cannot "
+                        + "; nor ".join(c.missing for c in missing))
+        progress.root_causes[gate.name] = (gate.name, row.reason)
+    else:
+        observer.on_gate_start(gate.name)
+        row, metrics = _run_gate(gate, ctx)
+    if row.verdict == Verdict.SKIP and gate.name not in progress.root_causes and not blockers:
+        fail = next((r for r in result.rows if r["verdict"] == Verdict.FAIL), None)
+        progress.root_causes[gate.name] = (fail["gate"], fail["reason"]) if fail else ("data", ctx.data_error or "")
+    row.rank, row.world_size = ctx.rank, ctx.world_size
+    out = row.to_dict()
+    progress.verdicts[gate.name] = _agreed_verdict(ctx.env, out)
+    if ctx.ledger is not None:
+        ctx.ledger.add_gate_row(ctx.run_id, out, metrics)
+    result.rows.append(out)
+    write_report(result, ctx.spec)
+    observer.on_gate_end(out)
+
+
+def _close(ctx: PilotContext, result: PilotResult, spec: Spec, ledger: Ledger) -> None:
+    if ctx.driver is not None:
+        ctx.driver.close()
+    ctx.driver = None  # the DDP/FSDP model goes before the process group (distributed.shutdown)
+    if result.status == RunStatus.RUNNING:
+        result.status = RunStatus.ERROR
+    if ctx.env.is_main:
+        ledger.end_run(result.run_id, result.status)
+    write_report(result, spec)
+    ledger.close()
+    if result.status not in (RunStatus.ERROR, RunStatus.INTERRUPTED):
+        distributed.shutdown(ctx.env)
+
+
+def _carried_row(parent_row: dict, parent_id: str) -> GateRow:
+    """A gate the interrupted run already passed: its row, marked as carried, not re-measured."""
+    row = GateRow.from_mapping({k: v for k, v in parent_row.items() if k not in ("rank", "world_size")})
+    row.reason = f"carried from {parent_id}: {parent_row['reason']}"
+    row.details = {**(parent_row.get("details") or {}), "carried_from": parent_id}
+    return row
+
+
+def _skip_row(gate: Gate, ctx: PilotContext, reason: str) -> GateRow:
+    return GateRow.now(gate.name, Verdict.SKIP, reason, inputs=gate.describe_inputs(ctx))
+
+
+def _agreed_verdict(env: distributed.DistEnv, row: dict) -> tuple[Verdict, str]:
+    """With several ranks a gate counts as its worst rank: every rank then runs or skips the same gates,
+    as the collectives inside them require."""
+    if not env.active:
+        return Verdict(row["verdict"]), row["reason"]
+    rows = distributed.gather(env, (row["verdict"], row["reason"], env.rank))
+    verdict, reason, rank = min(rows, key=lambda v: Verdict(v[0]).severity)
+    return Verdict(verdict), (reason if rank == env.rank else f"rank {rank}: {reason}")
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers logs and draws tqdm bars (e.g. while saving); the pilot draws its own."""
+    logger = logging.getLogger("transformers")
+    old_level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        hf_logging = None
+    bars = hf_logging.is_progress_bar_enabled() if hf_logging else False
+    if hf_logging:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logger.setLevel(old_level)
+        if hf_logging and bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run_gate(gate: Gate, ctx: PilotContext) -> tuple[GateRow, list[dict]]:
+    """Run one gate under a meter; its row and the per-update points it measured."""
+    started = now()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with StageMeter(ctx.device, track=gate.track(ctx), tensor_tracking=gate.tensor_tracking) as meter:
+            try:
+                outcome = gate.run(ctx, meter)
+            except (Exception, SystemExit) as exc:  # a gate failure is a row, never a crash (sys.exit in user code)
+                outcome = fail_outcome(gate, exc, ctx)
+                tb_path = ctx.out_dir / f"{gate.name}.traceback.txt"
+                tb_path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+                outcome.details["traceback"] = str(tb_path)
+    return _measured_row(gate, ctx, outcome, meter, started, caught or []), outcome.metrics
+
+
+def _measured_row(gate: Gate, ctx: PilotContext, outcome: Outcome, meter: StageMeter, started: str,
+                  caught: list[warnings.WarningMessage]) -> GateRow:
+    details = dict(outcome.details)
+    messages = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}" for w in caught})
+    if messages:
+        details["warnings"] = messages[:20]
+    return GateRow(gate.name, outcome.verdict, outcome.reason or str(outcome.verdict),
+                   inputs=outcome.inputs or gate.describe_inputs(ctx),
+                   memory=outcome.memory if outcome.memory is not None else meter.memory,
+                   seconds=meter.seconds, started_at=started, ended_at=now(), details=details,
+                   failure=outcome.failure if outcome.verdict == Verdict.FAIL else None)

@@ -1,0 +1,60 @@
+"""The strategy registry: single, DDP and FSDP2, one object each (see ``base.Strategy``).
+
+One vocabulary everywhere: ``distributed.strategy`` in the spec, ``--strategy`` of ``estimate``,
+the advisor's variants and the ledger use these names. Adding a strategy is one module here and
+one line in ``STRATEGIES`` (and its name in the spec's ``distributed.strategy`` choices).
+
+Example::
+
+    from pilotrun import strategies
+    strategies.get("fsdp").data_replicas(4)   # 4
+    strategies.for_processes("ddp", 1).name    # "single": one process is single whatever the spec says
+"""
+from __future__ import annotations
+
+from ..distributed import LaunchError
+from .base import StageBytes, Strategy, correction
+from .ddp import DDP
+from .fsdp import FSDP
+from .single import Single
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Single(), DDP(), FSDP())}
+# Accepted in specs written before the vocabulary was one: `none` meant one process.
+ALIASES = {"none": "single"}
+
+
+class UnknownStrategy(ValueError):
+    """A strategy name that is not in the registry; the message lists the choices."""
+
+
+class ProcessMismatch(LaunchError):
+    """The processes launched and the spec's strategy disagree; the message says what to change."""
+
+
+def names() -> list[str]:
+    return list(STRATEGIES)
+
+
+def multi_process_names() -> list[str]:
+    return [n for n, s in STRATEGIES.items() if s.multi_process]
+
+
+def get(name: str) -> Strategy:
+    key = ALIASES.get(name, name)
+    if key not in STRATEGIES:
+        choices = ", ".join(f"{n} ({s.description})" for n, s in STRATEGIES.items())
+        raise UnknownStrategy(f"unknown strategy {name!r}; choose one of: {choices}")
+    return STRATEGIES[key]
+
+
+def for_processes(name: str, world_size: int) -> Strategy:
+    """The strategy that runs ``world_size`` processes of a spec asking for ``name``: one process is always single."""
+    declared = get(name)
+    if world_size > 1 and not declared.multi_process:
+        raise ProcessMismatch(f"{world_size} processes were launched but distributed.strategy is {declared.name!r}: "
+                              f"set it to {' or '.join(multi_process_names())}")
+    return declared if world_size > 1 else STRATEGIES["single"]
+
+
+__all__ = ["ALIASES", "STRATEGIES", "ProcessMismatch", "StageBytes", "Strategy", "UnknownStrategy", "correction",
+           "for_processes", "get", "multi_process_names", "names"]

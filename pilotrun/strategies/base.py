@@ -1,0 +1,125 @@
+"""What a distribution strategy is: one object that owns everything that changes with it.
+
+A strategy decides how the model is wrapped, how many data replicas its processes are (so
+model parallelism can say it does not multiply the batch), how gradients are reduced over
+micro batches and ranks, the checkpoint layout it writes and reads, and how the estimator
+sizes its memory and communication. Nothing outside ``pilotrun/strategies/`` tests a
+strategy's name: callers ask the object.
+
+Adding one is a module here and a line in the registry (``strategies/__init__.py``); see
+docs/architecture.md.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..distributed import DistEnv
+
+
+def correction(name: str, size: float, counted_in: str, reason: str) -> dict:
+    """One named adjustment of an estimate, with its size and why (``counted_in``: allocated, reserved or device)."""
+    return {"name": name, "bytes": int(size), "counted_in": counted_in, "reason": reason}
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """One traced stage's peak on one device, by category (the estimator's input to a strategy)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    buffers: float
+    activations: float
+    weight_casts: float
+
+    @property
+    def state(self) -> float:
+        """What sharding splits: parameters, gradients and optimizer state."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.buffers + self.activations + self.weight_casts
+
+
+class Strategy(ABC):
+    """How several processes (or one) share a job."""
+
+    name: ClassVar[str]            # the spec's, the CLI's and the estimator's word for it
+    description: ClassVar[str]     # one line for --help and error messages
+    multi_process: ClassVar[bool]  # needs a process group of 2 or more
+    checkpoint_layout: ClassVar[str]  # what `save` writes (manifest "layout")
+
+    # -- data --------------------------------------------------------------------------------
+    def data_replicas(self, world_size: int) -> int:
+        """Processes that see different examples: they multiply the examples per update."""
+        return world_size
+
+    def data_rank(self, rank: int) -> int:
+        """Which replica's share of each micro step this rank reads."""
+        return rank
+
+    # -- running -----------------------------------------------------------------------------
+    @abstractmethod
+    def wrap(self, model: torch.nn.Module, env: DistEnv, device: torch.device) -> tuple[torch.nn.Module, str]:
+        """The model as this strategy runs it, and a sentence saying how it was wrapped."""
+
+    def reduction_ratio(self, env: DistEnv, device: torch.device) -> float:
+        """Measured once: 1.0 when gradient reduction averages over ranks, world_size when it sums."""
+        return 1.0
+
+    def micro_batch(self, model: torch.nn.Module, index: int, count: int) -> contextlib.AbstractContextManager:
+        """Around micro batch ``index`` of ``count`` in an update window (forward and backward)."""
+        return contextlib.nullcontext()
+
+    # -- state on disk ------------------------------------------------------------------------
+    @abstractmethod
+    def save(self, folder: Path, driver: Any, config: dict, config_hash: str | None, env: DistEnv) -> dict:
+        """Write the driver's full training state; every rank calls it. ``{"files": {...}, "bytes": n}``."""
+
+    @abstractmethod
+    def restore(self, driver: Any, folder: Path, env: DistEnv) -> dict:
+        """Load a checkpoint this strategy wrote into a freshly built driver; returns the trainer state."""
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict | None:
+        """The model's complete weights on every rank's call (rank 0 receives them), or None: the model's own."""
+        return None
+
+    # -- estimate ----------------------------------------------------------------------------
+    def uses_collectives(self, gpus: int) -> bool:
+        """Whether a communicator (NCCL/RCCL buffers) exists on each device."""
+        return self.multi_process and gpus > 1
+
+    def compute_replicas(self, gpus: int) -> int:
+        """How many devices split the FLOPs of one update."""
+        return gpus if self.multi_process else 1
+
+    @abstractmethod
+    def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool) -> tuple[float, list[dict]]:
+        """Per-rank bytes of one traced stage's tensors under this strategy, and the corrections that made them."""
+
+    def communication_seconds(self, trace: dict, gpus: int, precision: str, bytes_per_second: float) -> float:
+        """Seconds per update spent communicating (not overlapped with compute: an upper bound)."""
+        return 0.0
+
+
+def probe_reduction(wrapped: torch.nn.Module, probe: torch.nn.Linear, device: torch.device) -> float:
+    """Backward through a wrapped 4x4 probe whose single-process gradient is all 2: mean grad / 2."""
+    wrapped(torch.ones(2, 4, device=device)).sum().backward()
+    grad = probe.weight.grad
+    grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return float(grad.mean()) / 2.0
+
+
+def reduction_probe(device: torch.device) -> torch.nn.Linear:
+    probe = torch.nn.Linear(4, 4, bias=False).to(device)
+    with torch.no_grad():
+        probe.weight.fill_(0.5)
+    return probe

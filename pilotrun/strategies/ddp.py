@@ -1,0 +1,56 @@
+"""DDP: a full replica per process, gradients all-reduced once per update (``no_sync`` on earlier micro batches)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
+from .base import StageBytes, Strategy, correction, probe_reduction, reduction_probe
+
+
+class DDP(Strategy):
+    name = "ddp"
+    description = "a full replica per process, gradients all-reduced"
+    multi_process = True
+    checkpoint_layout = "torch.distributed.checkpoint (DCP)"
+
+    def wrap(self, model, env, device):
+        ids = [device.index] if device.type == "cuda" else None
+        return (torch.nn.parallel.DistributedDataParallel(model, device_ids=ids),
+                f"DDP over {env.world_size} processes ({dist.get_backend()})")
+
+    def reduction_ratio(self, env, device):
+        probe = reduction_probe(device)
+        wrapped = torch.nn.parallel.DistributedDataParallel(probe, device_ids=[device.index] if device.type == "cuda"
+                                                            else None)
+        return probe_reduction(wrapped, probe, device)
+
+    def micro_batch(self, model, index, count):
+        # One all-reduce per update, on the last micro batch; no_sync covers the forward as well as the backward.
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and index < count - 1:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def save(self, folder, driver, config, config_hash, env):
+        return save_distributed(folder, driver, config, env, config_hash)
+
+    def restore(self, driver, folder, env):
+        return restore_distributed(driver, folder, env)
+
+    def full_state_dict(self, model):
+        return full_model_state_dict(model)
+
+    def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool):
+        if gpus < 2:
+            return stage.total, []
+        buckets = trace["gradient_bytes"]
+        return stage.total + buckets, [correction(
+            "DDP gradient buckets", buckets, "allocated",
+            "DDP keeps a flat copy of every gradient for all-reduce (gradient_as_bucket_view=False)")]
+
+    def communication_seconds(self, trace, gpus, precision, bytes_per_second):
+        if gpus < 2 or not bytes_per_second:
+            return 0.0
+        return 2 * trace["gradient_bytes"] * (gpus - 1) / gpus / bytes_per_second  # one all-reduce per update

@@ -1,0 +1,80 @@
+"""FSDP2: ``fully_shard`` on every repeated block and the root; parameters, gradients and optimizer state sharded."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
+from ..models.structure import repeated_blocks
+from .base import StageBytes, Strategy, correction, probe_reduction, reduction_probe
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+    description = "FSDP2 fully_shard of each repeated block and the root"
+    multi_process = True
+    checkpoint_layout = "torch.distributed.checkpoint (DCP)"
+
+    def wrap(self, model, env, device):
+        from torch.distributed.fsdp import fully_shard
+
+        _, blocks = repeated_blocks(model)
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, (f"FSDP2 over {env.world_size} processes ({dist.get_backend()}): {len(blocks)} blocks and the "
+                       "root sharded")
+
+    def reduction_ratio(self, env, device):
+        from torch.distributed.fsdp import fully_shard
+
+        probe = reduction_probe(device)
+        holder = torch.nn.Sequential(probe)
+        fully_shard(holder)
+        return probe_reduction(holder, probe, device)
+
+    def save(self, folder, driver, config, config_hash, env):
+        return save_distributed(folder, driver, config, env, config_hash)
+
+    def restore(self, driver, folder, env):
+        return restore_distributed(driver, folder, env)
+
+    def full_state_dict(self, model):
+        return full_model_state_dict(model)
+
+    def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool):
+        if gpus < 2:
+            return stage.total, []
+        sharded = stage.state / gpus
+        # FSDP2's MixedPrecisionPolicy(param_dtype=bf16/fp16) gathers parameters in the compute dtype:
+        # no separate autocast copies, and the gathered layer is half the size of fp32.
+        low = trace["precision"] in ("bf16", "fp16")
+        scale = 0.5 if low else 1.0
+        layer = trace["largest_layer_bytes"]
+        root = max(0, trace["parameter_bytes"] - layer * max(trace.get("layers", 0), 1))
+        inflight = (root + 2 * layer) * scale + (layer if training else 0)
+        corrections = [
+            correction("FSDP2 sharding", sharded - stage.state, "allocated",
+                       f"parameters, gradients and optimizer state split over {gpus} ranks"),
+            correction("FSDP2 unsharded layer in flight", inflight, "allocated",
+                       f"the root's own parameters stay gathered; {trace['largest_layer']} gathered for compute and "
+                       f"the next one prefetched{' in ' + trace['precision'] if low else ''}"
+                       f"{', plus its unsharded fp32 gradient before reduce-scatter' if training else ''}"),
+        ]
+        if stage.weight_casts:
+            corrections.append(correction("FSDP2 mixed precision instead of autocast copies", -stage.weight_casts,
+                                          "allocated", "MixedPrecisionPolicy gathers parameters in the compute "
+                                          "dtype, so the autocast copies of every weight kept for backward are not "
+                                          "made"))
+        return sharded + stage.buffers + stage.activations + inflight, corrections
+
+    def communication_seconds(self, trace, gpus, precision, bytes_per_second):
+        if gpus < 2 or not bytes_per_second:
+            return 0.0
+        # Parameters gathered (in the compute dtype) for forward and again for backward, fp32 gradients
+        # reduce-scattered, on every micro batch this rank runs.
+        micro_steps = max(1, math.ceil(trace.get("grad_accum_steps", 1) / gpus))
+        compute_bytes = trace["parameter_bytes"] * (0.5 if precision in ("bf16", "fp16") else 1.0)
+        return micro_steps * (2 * compute_bytes + trace["gradient_bytes"]) * (gpus - 1) / gpus / bytes_per_second

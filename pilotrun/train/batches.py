@@ -1,0 +1,75 @@
+"""Batches as the loss sees them: on the device, under autocast, their length and their supervised labels.
+
+The one place each of these is computed: the loop, the gates and the estimator all call them.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+IGNORE = -100  # the label of a position that is not supervised (Hugging Face's and PyTorch's convention)
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """fp32: nothing; bf16 / fp16: autocast to that dtype on the device's type."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def seq_len(batch) -> int:
+    """The sequence length of a batch (``input_ids``' last dimension), 0 for inputs without a sequence."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else 0
+
+
+def item_length(item, collate) -> int:
+    """The sequence length of one dataset item (0 for inputs without a sequence, e.g. images)."""
+    ids = item.get("input_ids") if isinstance(item, dict) else None
+    if isinstance(ids, (list, tuple)) or (isinstance(ids, torch.Tensor) and ids.ndim == 1):
+        return len(ids)
+    return seq_len(collate([item]))
+
+
+def supervised_count(batch, shift_labels: bool) -> int:
+    """Supervised labels in a batch (``labels != -100``); next-token positions only (``labels[..., 1:]``) when
+    the model shifts its labels, as Hugging Face causal LMs do. 0 for a batch without labels."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if not isinstance(labels, torch.Tensor):
+        return 0
+    if shift_labels and labels.ndim >= 2:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE).sum())
+
+
+def loss_of(out) -> torch.Tensor:
+    """The scalar loss of a forward's output (``.loss`` or ``["loss"]``), as the factory contract promises."""
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        loss = out.get("loss") if hasattr(out, "get") else None
+    else:
+        loss = getattr(out, "loss", None)
+    if loss is None:
+        raise TypeError(
+            f"forward returned {type(out).__name__} without a loss; the contract wants an object with .loss "
+            "or a mapping with 'loss' when the batch has 'labels'"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__} of shape "
+                        f"{getattr(loss, 'shape', '?')}")
+    return loss.reshape(())
+
+
+def logits_of(out) -> torch.Tensor | None:
+    return out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)

@@ -1,0 +1,198 @@
+"""The shape of the code: imports go downward (docs/architecture.md, "Layers"), no cycles, no private reach-ins,
+and the registries agree with what reads them."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pilotrun"
+
+# Top layer first, as in docs/architecture.md. A module's layer is that of its first path part under pilotrun/.
+LAYERS: list[set[str]] = [
+    {"__main__"},
+    {"cli"},
+    {"ui", "report"},
+    {"pilot", "campaign", "estimate", "api"},
+    {"gates"},
+    {"workers"},
+    {"drivers"},
+    {"strategies"},
+    {"train", "checkpoint", "models", "data"},
+    {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize"},
+]
+# Siblings that may import each other inside one layer (everything else in a layer is independent).
+SIBLINGS = {("lock", "config")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _type_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (annotations only: no runtime edge)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def _imports(runtime_only: bool = False) -> list[tuple[str, str, str]]:
+    """(importing module, imported module, imported name or '') for every pilotrun import, lazy ones included."""
+    edges = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_only(tree) if runtime_only else set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, path.name == "__init__.py", node)
+                if not target.startswith("pilotrun"):
+                    continue
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    edges.append((module, sub if sub in MODULES else target, "" if sub in MODULES else alias.name))
+            elif isinstance(node, ast.Import):
+                edges += [(module, a.name, "") for a in node.names if a.name.startswith("pilotrun")]
+    return edges
+
+
+EDGES = _imports()
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(module: str) -> int:
+    part = _part(module)
+    for i, layer in enumerate(LAYERS):
+        if part in layer:
+            return i
+    raise AssertionError(f"{module} is in no layer: add {part!r} to LAYERS and to docs/architecture.md")
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        if module != "pilotrun":
+            _layer(module)
+
+
+def test_imports_go_downward_only():
+    upward, sideways = [], []
+    for src, dst, _ in EDGES:
+        if src == "pilotrun" or dst == "pilotrun":
+            continue
+        a, b = _part(src), _part(dst)
+        if a == b:
+            continue
+        la, lb = _layer(src), _layer(dst)
+        if lb < la:
+            upward.append(f"{src} -> {dst}")
+        elif la == lb and (a, b) not in SIBLINGS:
+            sideways.append(f"{src} -> {dst}")
+    assert not upward, "imports from a higher layer: " + "; ".join(sorted(upward))
+    assert not sideways, "imports between independent siblings of one layer: " + "; ".join(sorted(sideways))
+
+
+def test_no_import_cycles_between_modules():
+    graph: dict[str, set[str]] = {}
+    for src, dst, _ in _imports(runtime_only=True):
+        if src != dst and dst in MODULES and not MODULES[dst].name == "__init__.py":
+            graph.setdefault(src, set()).add(dst)
+    # Tarjan's strongly connected components: any of size > 1 is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_private_names_imported_across_modules():
+    found = [f"{src} imports {dst}.{name}" for src, dst, name in EDGES
+             if name.startswith("_") and not name.startswith("__") and dst != src]
+    assert not found, "; ".join(found)
+
+
+def test_the_spec_and_the_registry_share_one_strategy_vocabulary():
+    import typing
+
+    from pilotrun import strategies
+    from pilotrun.config.spec import DistributedSpec
+
+    declared = typing.get_args(typing.get_type_hints(DistributedSpec)["strategy"])
+    assert list(declared) == strategies.names()
+    with pytest.raises(strategies.UnknownStrategy, match="choose one of: single .*, ddp .*, fsdp"):
+        strategies.get("tensor")
+    assert strategies.get("none") is strategies.get("single")  # specs written before the rename
+
+
+def test_gate_declarations_are_consistent_and_derive_the_old_dependencies():
+    from pilotrun.gates import registry
+
+    assert registry.problems() == []
+    deps = {g.name: registry.depends_on(g) for g in registry.GATES}
+    assert deps == {"lock": (), "inspect": (), "split": (), "batch": (), "load": (), "first_step": ("load",),
+                    "steady_step": ("first_step",), "accum_equivalence": ("load",), "eval": ("load",),
+                    "save": ("first_step",), "export": ("load",), "restore": ("save",), "resume": ("first_step",),
+                    "overfit": ("load",), "reload_eval": ("export", "load")}
+    assert registry.job_memory_gates() == ("load", "first_step", "steady_step", "eval", "save", "export", "restore")
+
+
+def test_an_unknown_gate_is_an_exception_that_lists_the_known_ones():
+    from pilotrun.gates import UnknownGate, select_gates
+
+    with pytest.raises(UnknownGate) as info:
+        select_gates(["eval", "evaluate"])
+    assert info.value.unknown == ["evaluate"] and "known: lock, inspect" in str(info.value)
+    gates, notes = select_gates(["reload_eval"])
+    assert [g.name for g in gates] == ["load", "export", "reload_eval"]
+    assert notes == ["export added: reload_eval needs it", "load added: reload_eval needs it"]
