@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from _common import machine, write_results  # noqa: E402
+
 from pilotrun.config import load_spec  # noqa: E402
 from pilotrun.estimate.catalog import load_catalog  # noqa: E402
 from pilotrun.estimate.model import estimate_fit  # noqa: E402

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from _common import machine, write_results  # noqa: E402
+
 from pilotrun.checkpoint.state import capture_rng, save_checkpoint  # noqa: E402
 from pilotrun.train.optim import Schedule  # noqa: E402
 

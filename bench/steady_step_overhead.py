@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from _common import machine, write_results  # noqa: E402
+
 from pilotrun.config import load_spec  # noqa: E402
 from pilotrun.data.bundle import build_data  # noqa: E402
 from pilotrun.models.loading import build_model, load_tokenizer  # noqa: E402

@@ -30,8 +30,8 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -129,7 +129,7 @@ class Session:
             self.ledger.end_run(self.run_id, RunStatus.of_pilot(self.rows))
             self.ledger.close()
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

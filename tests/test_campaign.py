@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import csv
 import io
-from html import escape as html_escape
 import json
 import sqlite3
 import subprocess
 import sys
 import tarfile
+from html import escape as html_escape
 from pathlib import Path
 
 import pytest

@@ -12,9 +12,9 @@ import torch
 
 from pilotrun.checkpoint import CheckpointError, fingerprint_state, save_checkpoint
 from pilotrun.config import load_spec
+from pilotrun.drivers import build_job
 from pilotrun.gates.resume import first_difference
 from pilotrun.ledger import Ledger
-from pilotrun.drivers import build_job
 from pilotrun.workers.train_phase import restore_check
 
 from .conftest import gate_rows as rows_of

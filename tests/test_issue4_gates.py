@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-
 from .conftest import SPEC_ORDER as ALL
 from .conftest import copy_fixture, pilotrun_cli
 from .conftest import gate_rows as verdicts

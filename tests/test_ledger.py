@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -49,8 +50,12 @@ def test_rows_persist_and_read_back(tmp_path):
 def test_invalid_verdict_is_refused(tmp_path):
     with Ledger(tmp_path / "l.sqlite") as led:
         led.start_run("r", "j", "pilot")
-        with pytest.raises(Exception):
+        with pytest.raises(ValueError, match="'great' is not a valid Verdict"):
             led.add_gate_row("r", {"gate": "x", "verdict": "great", "reason": "", "inputs": {}, "memory": {}})
+        with pytest.raises(sqlite3.IntegrityError):  # and the schema's CHECK, for writers that bypass the type
+            with led.transaction() as cur:
+                cur.execute("INSERT INTO gate_rows (run_id, gate, verdict, reason, inputs_json, memory_json, started_at,"
+                            " ended_at) VALUES ('r', 'x', 'great', '', '{}', '{}', '', '')")
         assert led.gate_rows("r") == []  # the failed transaction left nothing
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, verify_folder
-from .state import load_json, capture_rng, load_torch_file, restore_rng
+from .state import capture_rng, load_json, load_torch_file, restore_rng
 
 
 def _state_dicts(trainer):

@@ -11,10 +11,11 @@ import hashlib
 import json
 import os
 import shutil
-from datetime import datetime, timezone
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MANIFEST = "manifest.json"
 HASH_CHUNK = 8 << 20  # measured: larger reads overlap worse with torch.save on 2 cores
@@ -88,7 +89,7 @@ class AtomicFolder:
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
 
-    def __enter__(self) -> "AtomicFolder":
+    def __enter__(self) -> AtomicFolder:
         self.final.parent.mkdir(parents=True, exist_ok=True)
         if self.tmp.exists():
             shutil.rmtree(self.tmp)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pilotrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         module.add_parser(sub)
     return parser
 

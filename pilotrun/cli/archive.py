@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..humanize import human_bytes
 from ..ledger.store import Ledger, LedgerError
 from ..report.archive import ArchiveError, archive_run
-from ..humanize import human_bytes
-from .common import UsageError, existing_ledger, out_console, add_ledger_arg
+from .common import UsageError, add_ledger_arg, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun archive lr-sweep-2026-r01                      # writes lr-sweep-2026-r01.tar.gz here

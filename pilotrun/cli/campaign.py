@@ -9,9 +9,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ..campaign.conclude import link_text, stop_text, table
-from ..ledger.records import final_val_loss
 from ..campaign.followup import resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
+from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
 from .common import EXIT_INTERRUPTED, UsageError, add_ledger_arg, err_console, out_console
 

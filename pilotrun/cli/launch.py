@@ -14,12 +14,12 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from .. import strategies
 from ..config.spec import load_spec
 from ..devices import query_devices
-from ..ledger.store import Ledger
-from .. import strategies
 from ..ledger.records import RunStatus, new_run_id
-from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, out_console, add_ledger_arg
+from ..ledger.store import Ledger
+from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, add_ledger_arg, out_console
 
 HELP = """examples:
   pilotrun launch --nproc-per-node 2 examples/tiny-sft/pilot.yaml --set distributed.strategy=ddp

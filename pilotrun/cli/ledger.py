@@ -11,7 +11,7 @@ from rich.text import Text
 from ..ledger.store import Ledger, LedgerError
 from ..ledger.tables import TABLES, selected_runs, table, write_csv
 from ..ui.console import STYLE, gate_table
-from .common import UsageError, existing_ledger, out_console, add_ledger_arg
+from .common import UsageError, add_ledger_arg, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun ledger                      # recent runs, newest first

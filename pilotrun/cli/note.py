@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..ledger.store import Ledger, LedgerError
-from .common import UsageError, existing_ledger, out_console, add_ledger_arg
+from .common import UsageError, add_ledger_arg, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun note "chose bf16: fp16 overflowed in steady_step"          # on the latest run or campaign

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..ledger.store import Ledger, LedgerError
 from ..report.html import render
-from .common import UsageError, existing_ledger, out_console, add_ledger_arg
+from .common import UsageError, add_ledger_arg, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun report tiny-sft-2026                    # a pilot: gates, memory per stage vs capacity, curves, lock

@@ -13,10 +13,10 @@ from rich.markup import escape
 from ..config.schema import SpecError
 from ..config.spec import load_spec
 from ..devices import DeviceUnavailable
-from ..ledger.store import LedgerError
 from ..distributed import LaunchError
 from ..gates import UnknownGate
 from ..ledger.records import Failure, Verdict
+from ..ledger.store import LedgerError
 from ..pilot import PilotOptions, ResumeError, rank_summary, run_pilot
 from ..strategies import UnknownStrategy
 from ..ui.console import ConsoleObserver
@@ -119,8 +119,9 @@ def _advise_after_oom(spec, result, console) -> None:
                   "(the maximum length is never cut):[/]")
     lines = []
     for v in variants:
+        slower = f", {v['time_factor']:.2f}x time" if v["time_factor"] else ""
         line = (f"{'fits' if v['fits'] else 'no  '}  {v['variant']}: {v['device_used_bytes'] / 2**30:.1f} GiB per GPU"
-                f"{', %.2fx time' % v['time_factor'] if v['time_factor'] else ''}; {v['experiment']}")
+                f"{slower}; {v['experiment']}")
         lines.append(line)
         console.print("  " + line, highlight=False)
     with Ledger(result.ledger_path) as led:

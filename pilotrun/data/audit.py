@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -166,7 +166,7 @@ def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progre
             label_kind = "token"
         for it in items:
             plen = it.get("prompt_len") if isinstance(it, dict) else None
-            if plen and any(l != IGNORE for l in it["labels"][:plen]):
+            if plen and any(label != IGNORE for label in it["labels"][:plen]):
                 prompt_supervised.append(str(it["id"]))
         progress(min(n, start + chunk), n, f"{split} examples")
     out = {

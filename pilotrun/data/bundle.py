@@ -9,13 +9,14 @@ and ``"group_key"``. Instead of the splits it may return ``"all"`` with a
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..config.spec import Spec, import_factory
 from .jsonl import DataError, read_jsonl
 from .split import IndexedSubset, split_by_group
-from .tasks import ClassificationDataset, CausalLMDataset, PadCollate, class_names, label_index
+from .tasks import CausalLMDataset, ClassificationDataset, PadCollate, class_names, label_index
 
 CONTRACT_KEYS = {"train", "val", "test", "all", "collate", "decode", "label_names", "group_key"}
 

@@ -18,12 +18,12 @@ import torch
 
 if TYPE_CHECKING:
     from ..config.spec import Spec
-    from ..train.loss import LossPolicy
-    from ..train.sampler import DataPlan
     from ..data.bundle import DataBundle
     from ..distributed import DistEnv
     from ..models.loading import LoadedModel
     from ..strategies import Strategy
+    from ..train.loss import LossPolicy
+    from ..train.sampler import DataPlan
 
 
 class Capability(str, Enum):
@@ -168,7 +168,7 @@ class Driver(ABC):
         """The inference artifact, written by rank 0 from :meth:`export_weights`; returns the written folder."""
         raise Unsupported(f"the {self.name} driver cannot {Capability.EXPORT.missing}")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a driver with nothing to release need not override it
         """Release processes and handles (DataLoader workers)."""
 
 

@@ -35,10 +35,10 @@ def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict,
     """(trace, fit, steps taken): the first configuration in the fix order (docs/architecture.md, "Contracts") that fits with headroom."""
     steps: list[str] = []
     budget = acc.memory_bytes * (1 - headroom)
-    options = [("single", 1, False, None)]
-    options += [("single", 1, True, None)] if not spec.train.activation_checkpointing else []
-    options += [("fsdp", n, ac, None) for n in (2, 4, 8) for ac in ((False, True) if not spec.train.activation_checkpointing else (True,))]
-    for strategy, gpus, ac, precision in options:
+    spec_ac = spec.train.activation_checkpointing
+    options = [("single", 1, False)] + ([("single", 1, True)] if not spec_ac else [])
+    options += [("fsdp", n, ac) for n in (2, 4, 8) for ac in ((False, True) if not spec_ac else (True,))]
+    for strategy, gpus, ac in options:
         trace = traces.get(ac=True) if ac else traces.get()
         fit = estimate_fit(trace, acc, strategy, gpus)
         label = f"{strategy}{'' if gpus == 1 else f' x{gpus}'}{' + activation checkpointing' if ac else ''}"

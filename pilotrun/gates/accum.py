@@ -9,7 +9,6 @@ unless ``train.loss_normalization: per_micro_batch`` declares it on purpose.
 """
 from __future__ import annotations
 
-
 import psutil
 import torch
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 from ..drivers.base import Capability, NonFiniteError, TrainingCheckError
 from ..ledger.records import Failure, Verdict
 from ..measure.meter import StageMeter, is_oom, oom_detail
-from .products import CONTEXT_PRODUCTS, Product
+from .products import Product
 
 if TYPE_CHECKING:
     from .context import PilotContext

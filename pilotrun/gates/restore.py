@@ -42,8 +42,8 @@ class RestoreGate(Gate):
                        "process_peak": payload.get("peak"), "log": str(work / "restore.log")}
         if payload["mismatches"]:
             first = payload["mismatches"]
-            shown = "; ".join(f"{m['field']}{' on rank %d' % m['rank'] if ctx.world_size > 1 else ''}: {m['hint']}"
-                              for m in first[:3])
+            where = (lambda m: f" on rank {m['rank']}") if ctx.world_size > 1 else (lambda m: "")
+            shown = "; ".join(f"{m['field']}{where(m)}: {m['hint']}" for m in first[:3])
             more = f" (+{len(first) - 3} more)" if len(first) > 3 else ""
             raise GateFailure(f"a fresh process restored step {payload['step']} but {len(first)} field(s) differ from "
                               f"what was saved: {shown}{more}", inputs=out.inputs, details=out.details)

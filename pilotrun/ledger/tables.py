@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import csv
 import json
-from typing import IO, Iterable
+from collections.abc import Iterable
+from typing import IO
 
 from .records import RunKind, RunStatus, final_val_loss
 from .store import Ledger

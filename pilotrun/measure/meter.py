@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import psutil
 import torch
@@ -106,7 +106,7 @@ class StageMeter:
             self._tracker.register(objs)
         self.track.extend(objs)
 
-    def __enter__(self) -> "StageMeter":
+    def __enter__(self) -> StageMeter:
         synchronize(self.device)
         self.state_before = category_bytes(self.track)
         if self.device.type == "cuda":

@@ -11,7 +11,7 @@ on a GPU, minus allocator rounding.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,7 +107,9 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
 
-        def _freed(_ref, n=n, self_ref=weakref.ref(self)):
+        me_ref = weakref.ref(self)
+
+        def _freed(_ref, n=n, self_ref=me_ref):
             me = self_ref()
             if me is not None:
                 me.live_bytes -= n
@@ -204,7 +206,9 @@ class CategoryTracker(TorchDispatchMode):
         if self._phase == "optimizer" and self.live_bytes > self.step_peak:
             self.step_peak = self.live_bytes
 
-        def _freed(_ref, rec=rec, self_ref=weakref.ref(self)):
+        me_ref = weakref.ref(self)
+
+        def _freed(_ref, rec=rec, self_ref=me_ref):
             me = self_ref()
             if me is not None:
                 me.live[rec[0]] -= rec[1]

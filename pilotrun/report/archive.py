@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 
 from ..campaign.conclude import link_text, stop_text
-from ..ledger.records import final_val_loss
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.state import verify_folder
+from ..ledger.records import final_val_loss
 from ..ledger.store import Ledger
 from ..ledger.tables import table, write_csv
 from ..lock import sha256_file

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 from ..gates.registry import job_memory_gates
+from ..humanize import human_bytes, human_seconds
 from ..ledger.records import RunStatus, Series
 from ..ledger.store import Ledger
-from ..humanize import human_bytes, human_seconds
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;color:#1d2330;
