@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
+
 if TYPE_CHECKING:
     from ..distributed import DistEnv
 
@@ -110,12 +112,33 @@ class Strategy(ABC):
         return 0.0
 
 
+class DistributedCheckpoint(Strategy):
+    """A multi-process strategy whose state is one torch.distributed.checkpoint (DCP) folder.
+
+    Every rank writes its shard (DDP ranks hold equal replicas; FSDP2 ranks hold their shards) and a
+    restore reads it back resharded to the current world size.
+    """
+
+    multi_process = True
+    checkpoint_layout = "torch.distributed.checkpoint (DCP)"
+
+    def save(self, folder, driver, config, config_hash, env):
+        return save_distributed(folder, driver, config, env, config_hash)
+
+    def restore(self, driver, folder, env):
+        return restore_distributed(driver, folder, env)
+
+    def full_state_dict(self, model):
+        return full_model_state_dict(model)
+
+
 def probe_reduction(wrapped: torch.nn.Module, probe: torch.nn.Linear, device: torch.device) -> float:
     """Backward through a wrapped 4x4 probe whose single-process gradient is all 2: mean grad / 2."""
     wrapped(torch.ones(2, 4, device=device)).sum().backward()
     grad = probe.weight.grad
-    grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-    return float(grad.mean()) / 2.0
+    assert grad is not None, "the probe received no gradient"
+    full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # FSDP2: the DTensor's whole gradient
+    return float(full.mean()) / 2.0
 
 
 def reduction_probe(device: torch.device) -> torch.nn.Linear:

@@ -6,15 +6,12 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
-from .base import StageBytes, Strategy, correction, probe_reduction, reduction_probe
+from .base import DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
 
 
-class DDP(Strategy):
+class DDP(DistributedCheckpoint):
     name = "ddp"
     description = "a full replica per process, gradients all-reduced"
-    multi_process = True
-    checkpoint_layout = "torch.distributed.checkpoint (DCP)"
 
     def wrap(self, model, env, device):
         ids = [device.index] if device.type == "cuda" else None
@@ -32,15 +29,6 @@ class DDP(Strategy):
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and index < count - 1:
             return model.no_sync()
         return contextlib.nullcontext()
-
-    def save(self, folder, driver, config, config_hash, env):
-        return save_distributed(folder, driver, config, env, config_hash)
-
-    def restore(self, driver, folder, env):
-        return restore_distributed(driver, folder, env)
-
-    def full_state_dict(self, model):
-        return full_model_state_dict(model)
 
     def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool):
         if gpus < 2:

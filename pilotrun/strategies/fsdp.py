@@ -6,16 +6,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
 from ..models.structure import repeated_blocks
-from .base import StageBytes, Strategy, correction, probe_reduction, reduction_probe
+from .base import DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
 
 
-class FSDP(Strategy):
+class FSDP(DistributedCheckpoint):
     name = "fsdp"
     description = "FSDP2 fully_shard of each repeated block and the root"
-    multi_process = True
-    checkpoint_layout = "torch.distributed.checkpoint (DCP)"
 
     def wrap(self, model, env, device):
         from torch.distributed.fsdp import fully_shard
@@ -34,15 +31,6 @@ class FSDP(Strategy):
         holder = torch.nn.Sequential(probe)
         fully_shard(holder)
         return probe_reduction(holder, probe, device)
-
-    def save(self, folder, driver, config, config_hash, env):
-        return save_distributed(folder, driver, config, env, config_hash)
-
-    def restore(self, driver, folder, env):
-        return restore_distributed(driver, folder, env)
-
-    def full_state_dict(self, model):
-        return full_model_state_dict(model)
 
     def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool):
         if gpus < 2:
