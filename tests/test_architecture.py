@@ -196,3 +196,11 @@ def test_an_unknown_gate_is_an_exception_that_lists_the_known_ones():
     gates, notes = select_gates(["reload_eval"])
     assert [g.name for g in gates] == ["load", "export", "reload_eval"]
     assert notes == ["export added: reload_eval needs it", "load added: reload_eval needs it"]
+
+
+def test_every_module_imports():
+    import importlib
+
+    for module in sorted(MODULES):
+        if module != "pilotrun.__main__":
+            importlib.import_module(module)

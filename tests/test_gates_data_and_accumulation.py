@@ -126,4 +126,7 @@ def test_inspect_command_on_the_demo(tmp_path):
     res = pilotrun_cli("inspect", str(spec), "-n", "2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "supervised tokens:" in res.stdout and "examples that train on prompt tokens: 0" in res.stdout
-    assert "[ The]" in res.stdout or "[ There]" in res.stdout or "[ " in res.stdout
+    # The first example as the loss sees it: the prompt unbracketed (masked), exactly the response bracketed.
+    lines = res.stdout.splitlines()
+    first = lines.index("<s>User: What is the capital of India?")
+    assert lines[first + 1] == "Assistant:[ The][ capital][ of][ I][n][d][ia][ is][ N][e][w][ D][el][hi][.][</s>]"
