@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.pilotrun-installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test lint bench clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,11 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q
 
+# ruff and mypy are pinned in the dev extra; their caches stay out of the repository's file checks.
+lint: venv
+	$(VENV)/bin/ruff check --no-cache pilotrun tests bench examples
+	$(VENV)/bin/mypy --cache-dir=/tmp/pilotrun-mypy-cache
+
 bench: venv
 	$(PY) bench/steady_step_overhead.py
 	$(PY) bench/save_overhead.py
@@ -31,4 +36,4 @@ bench: venv
 	$(PY) bench/distributed_estimate.py
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .ruff_cache .mypy_cache

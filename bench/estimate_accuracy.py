@@ -60,7 +60,8 @@ def main() -> int:
     spec = load_spec(REPO / "examples" / "llama-7b-estimate" / "pilot.yaml")
     trace = trace_in_subprocess(spec)
     catalog = load_catalog()
-    fits = [estimate_fit(trace, acc, s, n) for acc in catalog.values() for s, n in (("single", 1), ("ddp", 4), ("fsdp", 4))]
+    fits = [estimate_fit(trace, acc, s, n)
+            for acc in catalog.values() for s, n in (("single", 1), ("ddp", 4), ("fsdp", 4))]
     seconds = time.perf_counter() - t0
     print(f"Llama-7B-shaped (4096, micro batch 1, bf16): {len(fits)} fits ({len(catalog)} accelerators x 3 strategies) "
           f"in {seconds:.1f} s, of which the trace {trace['seconds']:.1f} s")

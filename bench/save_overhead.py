@@ -120,7 +120,8 @@ def main() -> int:
     print(f"state {size / 2**20:.0f} MiB ({n / 1e6:.1f}M parameters + AdamW)")
     print(f"  plain torch.save           {p:.3f} s  ({size / p / 2**20:.0f} MiB/s; returns before the data is on disk)")
     print(f"  plain torch.save + fsync   {d:.3f} s  ({size / d / 2**20:.0f} MiB/s)")
-    print(f"  pilotrun save              {q:.3f} s  ({size / q / 2**20:.0f} MiB/s; sha256 manifest, fsync, atomic rename)")
+    print(f"  pilotrun save              {q:.3f} s  ({size / q / 2**20:.0f} MiB/s; "
+          "sha256 manifest, fsync, atomic rename)")
     print(f"  sha256 of the files alone  {hs:.3f} s  ({size / hs / 2**20:.0f} MiB/s on "
           f"{result['hash_threads']} hashing thread(s): the floor of any hashed save here)")
     print(f"  ratio vs plain {q / p:.2f} · vs plain + fsync {q / d:.2f} (goal <= 1.2)")

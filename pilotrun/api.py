@@ -93,8 +93,8 @@ class Session:
         self._closed = False
 
     @contextlib.contextmanager
-    def stage(self, name: str, inputs: dict | None = None, track: Iterable = (), device: torch.device | str | None = None
-              ) -> Iterator[StageHandle]:
+    def stage(self, name: str, inputs: dict | None = None, track: Iterable = (),
+              device: torch.device | str | None = None) -> Iterator[StageHandle]:
         track = list(track)
         dev = torch.device(device) if device is not None else _infer_device(track)
         handle = StageHandle(name)
@@ -109,7 +109,8 @@ class Session:
             oom = is_oom(error)
             what = oom_detail(dev) if oom else f"{type(error).__name__}: {error}"
             handle.fail(f"{name}: {what}", Failure.OUT_OF_MEMORY if oom else Failure.ERROR)
-            handle.details["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+            handle.details["traceback"] = "".join(traceback.format_exception(type(error), error,
+                                                                              error.__traceback__))[-4000:]
         row = GateRow(name, handle.verdict, handle.reason, seconds=meter.seconds, started_at=started, ended_at=now(),
                       inputs={**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
                       memory=meter.memory, rank=self.rank, world_size=self.world_size, details=handle.details,

@@ -1,4 +1,5 @@
-"""Examples-per-update arithmetic (docs/architecture.md, "Contracts": examples per update): a function from sizes to numbers, no terminal, no GPU.
+"""Examples-per-update arithmetic (docs/architecture.md, "Contracts": examples per update): a function from sizes to
+numbers, no terminal, no GPU.
 
     >>> plan = batch_plan(micro_batch_size=2, grad_accum_steps=8, replicas=1, examples=3200)
     >>> plan["examples_per_update"], plan["updates_per_epoch"], plan["last_window"]
@@ -67,7 +68,8 @@ def _normalisation(passes_num_items: bool | None) -> str:
     if passes_num_items is False:
         return ("each micro batch's loss is weighted by its share of the window's examples: the short window is "
                 "a mean over its own examples, not scaled as if it were full")
-    return "a mean over the short window's own examples (pilotrun's loop); a loop that divides by grad_accum_steps scales it down"
+    return ("a mean over the short window's own examples (pilotrun's loop); a loop that divides by grad_accum_steps "
+            "scales it down")
 
 
 def compare(base: dict, other: dict, fix: str) -> dict:

@@ -45,14 +45,16 @@ def pick_device(requested: str) -> tuple[torch.device, str]:
     inv = query_devices()
     if requested == "auto":
         if inv.backend in ("cuda", "rocm"):
-            return torch.device("cuda", 0), f"auto: {inv.count} {inv.backend} device(s) visible, using the first ({inv.names[0]})"
+            return torch.device("cuda", 0), (f"auto: {inv.count} {inv.backend} device(s) visible, "
+                                             f"using the first ({inv.names[0]})")
         if inv.backend == "mps":
             return torch.device("mps"), "auto: Apple MPS visible"
         return torch.device("cpu"), "auto: no accelerator visible, running on CPU"
     dev = torch.device(requested)
     if dev.type == "cuda":
         if inv.backend not in ("cuda", "rocm"):
-            raise DeviceUnavailable(f"train.device is {requested!r} but no CUDA/ROCm device is visible (use cpu or auto)")
+            raise DeviceUnavailable(f"train.device is {requested!r} but no CUDA/ROCm device is visible "
+                                    "(use cpu or auto)")
         index = dev.index or 0
         if index >= inv.count:
             raise DeviceUnavailable(f"train.device is {requested!r} but only {inv.count} device(s) are visible")

@@ -1,4 +1,5 @@
-"""What a run depends on (docs/architecture.md, "Contracts": lock), recorded so a later run can report drift field by field.
+"""What a run depends on (docs/architecture.md, "Contracts": lock), recorded so a later run can report drift field
+by field.
 
 :func:`collect_lock` is a function from a spec (and the environment) to a plain
 dict; :func:`diff_locks` compares two of them. Neither prints anything.
@@ -14,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +44,8 @@ def sha256_file(path: Path, cache: dict | None = None) -> str:
 
 def hash_tree(root: Path, cache: dict | None = None) -> dict:
     """sha256 per file under ``root`` (or of ``root`` itself) and one combined digest."""
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = ([root] if root.is_file()
+             else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")))
     per_file = {}
     for p in files:
         rel = p.name if root.is_file() else str(p.relative_to(root))
@@ -76,7 +79,7 @@ def _versions() -> dict:
 def _distributions() -> dict:
     out = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata.get("Name")
+        name = dist.metadata["Name"]
         if name:
             out[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
     return dict(sorted(out.items()))
@@ -115,11 +118,12 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
     from datetime import datetime, timezone
 
     m = spec.model
+    model: dict[str, Any]
     if m.factory is not None:
         model = {"source": "factory", **_factory_source(m.factory, spec.folder, cache)}
     elif m.config is not None:
         model = {"source": "config", "random_init_seed": spec.seed}
-    elif looks_local(m.hf):
+    elif m.hf is not None and looks_local(m.hf):
         model = {"source": "local", **hash_tree(spec.resolve(m.hf), cache)}
     else:
         pinned = bool(m.revision and re.fullmatch(r"[0-9a-f]{40}", m.revision))
@@ -128,6 +132,7 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
         model["tokenizer"] = hash_tree(spec.resolve(m.tokenizer), cache)
 
     d = spec.data
+    data: dict[str, Any]
     if d.factory is not None:
         data = {"source": "factory", **_factory_source(d.factory, spec.folder, cache)}
         files = {}
@@ -139,8 +144,10 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
     elif isinstance(d.path, str):
         data = {"source": "jsonl", **hash_tree(spec.resolve(d.path), cache)}
     else:
-        data = {"source": "jsonl", "splits": {k: hash_tree(spec.resolve(v), cache) for k, v in d.path.items()}}
+        splits = d.path or {}
+        data = {"source": "jsonl", "splits": {k: hash_tree(spec.resolve(v), cache) for k, v in splits.items()}}
 
+    container: dict[str, Any]
     if container_digest:
         container = {"digest": container_digest, "from": "--container-digest"}
     elif os.environ.get(CONTAINER_ENV):

@@ -12,6 +12,7 @@ until a seed looks better cannot move the result. Runs on a drifted lock are not
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 from ..ledger.records import RunStatus
 
@@ -59,7 +60,8 @@ def variant_stats(runs: list[dict], value) -> dict:
     }
 
 
-def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False, caveats: list[str] = ()) -> dict:
+def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False,
+             caveats: Sequence[str] = ()) -> dict:
     """``caveats``: what was warned before the start (e.g. a warm-up longer than the runs), repeated at the end."""
     runs = current(runs)
     stats = [variant_stats(runs, v) for v in values]
@@ -117,7 +119,8 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
             lines.append(f"{key} = {s['variant']} diverged in {s['diverged']} of {s['runs']} run(s) ({where}); "
                          "those runs are kept with their reason")
         if s["retries"]:
-            lines.append(f"{key} = {s['variant']} includes {s['retries']} retry run(s), each linked to the run it retried")
+            lines.append(f"{key} = {s['variant']} includes {s['retries']} retry run(s), "
+                         "each linked to the run it retried")
         if s["continued"]:
             lines.append(f"{key} = {s['variant']}: {s['continued']} seed(s) cut short by an interruption ran again "
                          "from the start (--resume), each run linked to the one it continues")

@@ -159,7 +159,7 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
     if status == RunStatus.RUNNING:
         _record_a_killed_campaign(camp, runs, ledger_path)  # or say why it cannot be resumed yet
         with Ledger(ledger_path) as led:
-            camp, runs = led.run(cid), led.campaign_runs(cid)
+            camp, runs = led.run(cid) or camp, led.campaign_runs(cid)
         status = camp["status"]
     if status != RunStatus.INTERRUPTED:
         raise CampaignError(f"{cid} was not interrupted (it ended {status}); --resume continues an interrupted "

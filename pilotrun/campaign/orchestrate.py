@@ -107,7 +107,8 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
         with running.lock:
             if running.stopping.is_set():  # the interrupt came while this run was being prepared
                 return None
-            env = {**worker_env(), **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+            env = {**worker_env(),
+                   **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
             running.started.add(run_id)
@@ -158,7 +159,8 @@ def _accelerator(spec) -> tuple[str, int] | None:
     return (inv.names[index], inv.total_memory_bytes[index]) if index < inv.count else None
 
 
-def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path, base_hash: str | None = None) -> dict:
+def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path,
+                  base_hash: str | None = None) -> dict:
     """How many runs at once, from this machine and a pilot of the base spec in the ledger (see resources.py).
 
     ``base_hash``: the base spec's config hash when it is not the file on disk (a resume uses the stored base)."""
@@ -212,8 +214,8 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     (folder / "plan.json").write_text(json.dumps(plan, indent=1))
     deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
     with Ledger(ledger_path) as led:
-        led.start_run(campaign_id, name, RunKind.CAMPAIGN, spec_path=str(Path(path).resolve()), out_dir=str(folder.resolve()),
-                      config_hash=c.digest(), lock=control_lock,
+        led.start_run(campaign_id, name, RunKind.CAMPAIGN, spec_path=str(Path(path).resolve()),
+                      out_dir=str(folder.resolve()), config_hash=c.digest(), lock=control_lock,
                       meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
                             "base": str((c.folder / c.base).resolve()), "parallel": at_once,
                             "orchestrator": process_mark(),
@@ -274,7 +276,8 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
             if drift and not allow_drift:
                 led.finish_campaign_run(r["run_id"], RunEnd(
                     RunStatus.REFUSED, StopKind.LOCK_DRIFT, f"the lock drifted from the campaign's "
-                    f"({', '.join(drift[:4])}); rerun with --allow-drift to run it, flagged and kept out of comparisons",
+                    f"({', '.join(drift[:4])}); rerun with --allow-drift to run it, "
+                    "flagged and kept out of comparisons",
                     0))
                 return
             if drift:
@@ -322,7 +325,8 @@ def record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: bool
             end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, "interrupted (Ctrl-C); the run's process ended "
                          f"before recording where (log {log})")
         else:
-            end = RunEnd(RunStatus.FAILED, StopKind.PROCESS_LOST, f"the run's process ended without a result (log {log})")
+            end = RunEnd(RunStatus.FAILED, StopKind.PROCESS_LOST, "the run's process ended without a result "
+                         f"(log {log})")
         led.finish_campaign_run(r["run_id"], end)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,8 @@ class EvalEvery:
 class StopRules:
     non_finite: bool = doc("stop a run at the first non-finite loss or gradient norm", True)
     divergence: float | None = doc("stop when the loss exceeds this multiple of the run's first loss", 3.0)
-    budget_minutes: float | None = doc("wall-clock budget for the whole campaign; runs not started are recorded as not run", None)
+    budget_minutes: float | None = doc(
+        "wall-clock budget for the whole campaign; runs not started are recorded as not run", None)
 
     def check(self):
         if self.divergence is not None and self.divergence <= 1.0:
@@ -54,7 +56,8 @@ class StopRules:
 @dataclass
 class Keep:
     checkpoint: bool = doc("keep each finished run's final training checkpoint (resumable)", True)
-    export: bool = doc("keep each finished run's inference artifact (safetensors + config), what `pilotrun archive` packs", True)
+    export: bool = doc(
+        "keep each finished run's inference artifact (safetensors + config), what `pilotrun archive` packs", True)
     control_set: int = doc("validation examples whose predictions are kept for every run", 16)
 
 
@@ -111,8 +114,8 @@ class CampaignSpec:
         return hashlib.sha256(json.dumps(self.canonical(), sort_keys=True).encode()).hexdigest()
 
 
-# What a campaign holds fixed (docs/architecture.md, "Contracts": campaigns): the model, the data, the yardstick, the examples per update
-# and the update budget. Varying one of them is another experiment, not a variant.
+# What a campaign holds fixed (docs/architecture.md, "Contracts": campaigns): the model, the data, the yardstick, the
+# examples per update and the update budget. Varying one of them is another experiment, not a variant.
 FIXED = (
     ("seed", "seeds are listed under seeds"),
     ("name", "the name does not change a run"),
@@ -189,7 +192,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def run_spec(campaign: CampaignSpec, value, seed: int, extra: list[tuple[str, Any]] = (),
+def run_spec(campaign: CampaignSpec, value, seed: int, extra: Sequence[tuple[str, Any]] = (),
              base_written: dict | None = None) -> Spec:
     """The base spec with the varied key, the seed and the campaign's update budget set.
 

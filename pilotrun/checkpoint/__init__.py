@@ -13,6 +13,6 @@ from .state import (
     save_checkpoint,
 )
 
-__all__ = ["AtomicFolder", "CheckpointError", "latest_checkpoint", "capture_rng", "export_model", "read_manifest", "restore_rng",
-           "safetensors_tensor_count", "save_checkpoint", "verify_folder", "check_trusted", "compare_fingerprints",
-           "fingerprint_state", "load_torch_file", "manifest_sha256", "restore_training_state"]
+__all__ = ["AtomicFolder", "CheckpointError", "latest_checkpoint", "capture_rng", "export_model", "read_manifest",
+           "restore_rng", "safetensors_tensor_count", "save_checkpoint", "verify_folder", "check_trusted",
+           "compare_fingerprints", "fingerprint_state", "load_torch_file", "manifest_sha256", "restore_training_state"]

@@ -88,7 +88,8 @@ def restore_distributed(trainer, folder: Path, env) -> dict:
     msd, osd = _state_dicts(trainer)
     state = {"model": msd, "optimizer": osd}
     dcp.load(state, checkpoint_id=str(folder / "dcp"))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
     trainer.scheduler.load_state_dict(load_json(folder / "scheduler.json"))
     if trainer.scaler is not None:
         trainer.scaler.load_state_dict(load_json(folder / "scaler.json"))

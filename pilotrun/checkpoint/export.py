@@ -20,8 +20,9 @@ def export_model(folder: Path, model: torch.nn.Module, *, tokenizer=None, factor
                  state_dict: dict | None = None) -> AtomicFolder:
     """``state_dict`` replaces the model's own (the full weights gathered from FSDP shards)."""
     with AtomicFolder(folder, "export", {"kind": "hf" if hasattr(model, "save_pretrained") else "factory"}) as f:
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(str(f.tmp), safe_serialization=True, state_dict=state_dict)
+        save_pretrained = getattr(model, "save_pretrained", None)
+        if save_pretrained is not None:
+            save_pretrained(str(f.tmp), safe_serialization=True, state_dict=state_dict)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(f.tmp))
         elif state_dict is not None:

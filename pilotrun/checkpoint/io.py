@@ -74,7 +74,8 @@ def hash_and_sync(path: Path) -> dict:
 
 
 class AtomicFolder:
-    """``with AtomicFolder(final) as f: f.write_json("a.json", {...}); f.write_file("b.pt", lambda p: torch.save(obj, p))``.
+    """``with AtomicFolder(final) as f: f.write_json("a.json", {...});
+    f.write_file("b.pt", lambda p: torch.save(obj, p))``.
 
     Large files are written by the library's own fast path (``write_file``) and hashed and
     fsynced by a background thread while the next file is being written.

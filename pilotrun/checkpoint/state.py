@@ -6,10 +6,12 @@ nothing is pickled.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +26,7 @@ def capture_rng() -> tuple[dict, dict]:
         import numpy as np
 
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        js["numpy"] = {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+        js["numpy"] = {"name": name, "keys": np.asarray(keys).tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
                        "cached_gaussian": float(cached)}
     except ImportError:  # pragma: no cover
         pass
@@ -42,7 +44,8 @@ def restore_rng(js: dict, tensors: dict) -> None:
         import numpy as np
 
         n = js["numpy"]
-        np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
     torch.set_rng_state(tensors["torch_cpu"])
     for key, st in tensors.items():
         if key.startswith("cuda_") and torch.cuda.is_available():
@@ -61,7 +64,9 @@ def _nbytes(value) -> int:
 
 
 def _shards(items: list, limit: int) -> list[list]:
-    out, cur, size = [], [], 0
+    out: list[list] = []
+    cur: list = []
+    size = 0
     for key, value in items:
         n = _nbytes(value)
         if cur and size + n > limit:
@@ -74,12 +79,16 @@ def _shards(items: list, limit: int) -> list[list]:
     return out
 
 
+def _save_to(payload: dict, path: Path) -> None:
+    torch.save(payload, path)
+
+
 def _save_sharded(f: AtomicFolder, prefix: str, state: dict, extra: dict | None = None) -> None:
     """``prefix-00000-of-00003.pt`` ...; the first shard also carries ``extra`` (e.g. param_groups)."""
     groups = _shards(list(state.items()), SHARD_BYTES)
     for i, group in enumerate(groups):
         payload = {"entries": dict(group), **(extra if i == 0 and extra else {})}
-        f.write_file(f"{prefix}-{i:05d}-of-{len(groups):05d}.pt", lambda p, payload=payload: torch.save(payload, p))
+        f.write_file(f"{prefix}-{i:05d}-of-{len(groups):05d}.pt", functools.partial(_save_to, payload))
 
 
 def _load_sharded(folder: Path, prefix: str) -> tuple[dict, dict]:
@@ -217,7 +226,8 @@ def fingerprint_state(trainer) -> dict:
 
 
 HINTS = {
-    "lr": "the learning rate changed across the restore: the scheduler state was not restored, or it was rebuilt with another length",
+    "lr": ("the learning rate changed across the restore: the scheduler state was not restored, or it was rebuilt "
+           "with another length"),
     "scheduler": "the scheduler state was not restored",
     "scaler": "the fp16 grad scaler state (scale, growth tracker) was not restored",
     "data_position": "the data position was not restored: the next batches would replay or skip examples",
@@ -238,8 +248,9 @@ def compare_fingerprints(expected: dict, actual: dict) -> list[dict]:
             for name, info in a.items():
                 got = (b or {}).get(name)
                 if got is None or got["digest"] != info["digest"]:
-                    why = ("it is registered with persistent=False, so state_dict() does not save it: register it as "
-                           "persistent, or recompute it on load") if not info["persistent"] else "the buffer was not restored"
+                    why = (("it is registered with persistent=False, so state_dict() does not save it: register it "
+                            "as persistent, or recompute it on load")
+                           if not info["persistent"] else "the buffer was not restored")
                     out.append({"field": f"buffer {name!r}", "hint": why})
             continue
         if isinstance(a, dict) and key in ("parameters", "optimizer.state"):
@@ -253,7 +264,8 @@ def compare_fingerprints(expected: dict, actual: dict) -> list[dict]:
             continue
         if a != b:
             family = key.split(".")[0]
-            out.append({"field": key, "saved": a if not isinstance(a, str) else a[:16],
-                        "restored": b if not isinstance(b, str) else (b or "")[:16],
-                        "hint": HINTS.get(key, HINTS.get(family, "differs after restore"))})
+            mismatch: dict[str, Any] = {"field": key, "saved": a if not isinstance(a, str) else a[:16],
+                                        "restored": b if not isinstance(b, str) else (b or "")[:16],
+                                        "hint": HINTS.get(key, HINTS.get(family, "differs after restore"))}
+            out.append(mismatch)
     return out

@@ -63,7 +63,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = _Parser(prog="pilotrun", description="Prove a PyTorch training job end to end, gate by gate, before renting GPUs.",
+    parser = _Parser(prog="pilotrun",
+                     description="Prove a PyTorch training job end to end, gate by gate, before renting GPUs.",
                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pilotrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -83,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         console = err_console()
         where = f" in {escape(str(exc.source))}" if exc.source else ""
-        console.print(f"[bold red]bad spec{where}[/] ({len(exc.problems)} problem{'s' if len(exc.problems) != 1 else ''}):")
+        console.print(f"[bold red]bad spec{where}[/] ({len(exc.problems)} "
+                      f"problem{'s' if len(exc.problems) != 1 else ''}):")
         for field, message in exc.problems:
             # A problem with the whole file (missing, not YAML) has no field: its message names the file.
-            console.print(f"  [bold]{escape(field)}[/]: {escape(message)}" if field else f"  {escape(message)}", highlight=False)
+            console.print(f"  [bold]{escape(field)}[/]: {escape(message)}" if field else f"  {escape(message)}",
+                          highlight=False)
         return EXIT_BAD_INPUT
     except (UsageError, LedgerError) as exc:
         err_console().print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
@@ -102,6 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             saved = f"; traceback saved to {path}"
         except OSError:
             saved = ""
-        err_console().print(f"[bold red]internal error[/]: {type(exc).__name__}: {escape(str(exc))}{escape(saved)}. Please report it.",
-                            highlight=False)
+        err_console().print(f"[bold red]internal error[/]: {type(exc).__name__}: {escape(str(exc))}{escape(saved)}. "
+                            "Please report it.", highlight=False)
         return EXIT_INTERNAL

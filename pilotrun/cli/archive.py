@@ -1,4 +1,5 @@
-"""``pilotrun archive RUN_OR_CAMPAIGN``: the model, config, lock, raw metrics and a README on reloading it, in one .tar.gz."""
+"""``pilotrun archive RUN_OR_CAMPAIGN``: the model, config, lock, raw metrics and a README on reloading it,
+in one .tar.gz."""
 from __future__ import annotations
 
 import json
@@ -21,8 +22,8 @@ A run without a model (diverged, failed) is archived too; its README says why th
 def add_parser(sub) -> None:
     import argparse
 
-    p = sub.add_parser("archive", help="pack a run or a whole campaign into a .tar.gz", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("archive", help="pack a run or a whole campaign into a .tar.gz", description=__doc__,
+                       epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run or campaign id (a unique prefix is enough)")
     p.add_argument("--out", type=Path, help="the archive (default: RUN_ID.tar.gz in the current folder)")
     add_ledger_arg(p)
@@ -46,6 +47,6 @@ def main(args) -> int:
             what += f"; folders gone (rows kept in the CSVs): {', '.join(summary['runs_without_folder'])}"
     else:
         what = "with its model" if summary["model"] else f"without a model ({summary['why_no_model']})"
-    out_console().print(f"wrote {out} ({human_bytes(summary['bytes'])}, {summary['files']} files) {what}", highlight=False,
-                        markup=False)
+    out_console().print(f"wrote {out} ({human_bytes(summary['bytes'])}, {summary['files']} files) {what}",
+                        highlight=False, markup=False)
     return 0

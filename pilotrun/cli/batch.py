@@ -1,4 +1,5 @@
-"""``pilotrun batch``: examples per update, updates per epoch, the last partial window; what moves when the batch changes."""
+"""``pilotrun batch``: examples per update, updates per epoch, the last partial window; what moves when the
+batch changes."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int, required=True, help="examples per forward/backward per replica")
     p.add_argument("--grad-accum", type=int, default=1, help="micro batches per update")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel ranks (DDP/FSDP) that see different examples")
-    p.add_argument("--model-parallel", type=int, default=1, help="tensor/pipeline ranks sharing one batch (do not multiply it)")
+    p.add_argument("--model-parallel", type=int, default=1,
+                   help="tensor/pipeline ranks sharing one batch (do not multiply it)")
     p.add_argument("--examples", type=int, required=True, help="training examples per epoch")
     p.add_argument("--drop-last", action="store_true", help="drop each epoch's last partial micro step")
     p.add_argument("--tokens-per-example", type=float, help="mean tokens per example, for tokens per update")
@@ -56,7 +58,8 @@ def main(args) -> int:
         return 0
     c = out_console()
     c.print(f"[bold]{args.micro_batch}[/] examples per micro batch × [bold]{args.grad_accum}[/] accumulation × "
-            f"[bold]{args.replicas}[/] data replica(s) = [bold green]{base['examples_per_update']}[/] examples per update")
+            f"[bold]{args.replicas}[/] data replica(s) = [bold green]{base['examples_per_update']}[/] "
+            "examples per update")
     c.print(f"{args.examples} examples → [bold green]{base['updates_per_epoch']}[/] updates per epoch "
             f"({base['micro_steps_per_epoch']} micro steps)")
     if base.get("tokens_per_update"):

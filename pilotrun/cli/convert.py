@@ -34,5 +34,6 @@ def main(args) -> int:
         info = convert(args.checkpoint, args.out)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
-    out_console().print(f"wrote {info['path']} ({', '.join(f'{k} {v}' for k, v in info.items() if k != 'path')})", markup=False)
+    out_console().print(f"wrote {info['path']} ({', '.join(f'{k} {v}' for k, v in info.items() if k != 'path')})",
+                        markup=False)
     return 0

@@ -66,7 +66,8 @@ def main(args) -> int:
     traces = Traces(spec)
     ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
     try:
-        with console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json else contextlib.nullcontext():
+        with (console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json
+              else contextlib.nullcontext()):
             trace = traces.get(ac=ac)
     except TraceError as exc:
         raise UsageError(f"the trace failed: {exc}") from None
@@ -109,8 +110,8 @@ def main(args) -> int:
 def _print(console, spec, trace, report) -> None:
     st = report["stages"]
     console.print(Text.assemble(("estimate ", "bold"), (spec.name, "bold cyan"),
-                                f" · {trace['parameters'] / 1e9:.2f}B parameters · {spec.train.precision} · micro batch "
-                                f"{spec.train.micro_batch_size} x {spec.train.grad_accum_steps} at length "
+                                f" · {trace['parameters'] / 1e9:.2f}B parameters · {spec.train.precision} · "
+                                f"micro batch {spec.train.micro_batch_size} x {spec.train.grad_accum_steps} at length "
                                 f"{spec.data.max_length} · traced in {trace['seconds']:.1f} s"))
     t = Table(box=None, header_style="bold", title="per-stage peaks on one device (traced, before target corrections)",
               title_justify="left")
@@ -144,7 +145,8 @@ def _print(console, spec, trace, report) -> None:
                            f"{spec.train.precision} peak ({first['utilisation_source']}); communication is not "
                            "overlapped", style="dim"))
     for acc, variants in report["advice"].items():
-        console.print(Text(f"\ndoes not fit on {acc}: variants in order (the maximum length is never cut)", style="bold yellow"))
+        console.print(Text(f"\ndoes not fit on {acc}: variants in order (the maximum length is never cut)",
+                           style="bold yellow"))
         for v in variants:
             mark = Text("fits", style="green") if v["fits"] else Text("no", style="red")
             tf = f"{v['time_factor']:.2f}x time" if v["time_factor"] else "time n/a"

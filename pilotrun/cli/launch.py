@@ -87,13 +87,15 @@ def main(args) -> int:
         cmd += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={run_id}"]
     cmd += ["-m", "pilotrun", "run", str(args.spec), "--run-id", run_id, "--out", str(out)]
-    for flag, value in (("--ledger", args.ledger), ("--gates", args.gates), ("--container-digest", args.container_digest)):
+    for flag, value in (("--ledger", args.ledger), ("--gates", args.gates),
+                        ("--container-digest", args.container_digest)):
         if value:
             cmd += [flag, str(value)]
     for item in args.overrides:
         cmd += ["--set", item]
     console = out_console()
-    console.print(f"[bold]launch[/] {escape(f'{world} process(es): {why}; strategy {spec.distributed.strategy}; run {run_id}')}")
+    console.print(f"[bold]launch[/] "
+                  f"{escape(f'{world} process(es): {why}; strategy {spec.distributed.strategy}; run {run_id}')}")
     env = {**os.environ, "PILOTRUN_LAUNCHED": "1"}
     code = subprocess.call(cmd, env=env)
     report = Path(out) / "report.json"

@@ -92,7 +92,8 @@ def _result(r: dict, gate_rows: list[dict]) -> str:
         meta = json.loads(r.get("meta_json") or "{}")
         final = final_val_loss(r["status"], meta)
         what = stop_text(meta) or (f"final val loss {final:.4g}" if final is not None else "")
-        return f"{meta.get('key')}={json.dumps(meta.get('variant'))} seed {meta.get('seed')}" + (f" · {what}" if what else "")
+        return (f"{meta.get('key')}={json.dumps(meta.get('variant'))} seed {meta.get('seed')}"
+                + (f" · {what}" if what else ""))
     if r["kind"] == "campaign":
         return "see `pilotrun ledger --run " + r["run_id"] + "`"
     counts: dict[str, int] = {}
@@ -130,7 +131,8 @@ def _export(args, path: Path, console) -> int:
                 done = export_runs(led, runs, args.mlflow)
             except MlflowUnavailable as exc:
                 raise UsageError(str(exc)) from None
-            console.print(f"exported {len(done)} run(s) to {args.mlflow} (experiment {done[0]['experiment'] if done else '-'})"
+            console.print(f"exported {len(done)} run(s) to {args.mlflow} "
+                          f"(experiment {done[0]['experiment'] if done else '-'})"
                           + "".join(f"\n  {d['run_id']} -> {d['mlflow_run_id']} {d['status']}" for d in done),
                           highlight=False, markup=False)
             if not args.csv:

@@ -56,7 +56,7 @@ def main(args) -> int:
     ledger = ledger_if_present(args.ledger)
     a = Assumptions(download_mb_s=args.download_mb_s, egress_mb_s=args.egress_mb_s, evals_per_run=args.evals,
                     checkpoints_per_run=args.checkpoints, data_bytes=int(args.data_gb * 1e9))
-    out = []
+    out: list[dict] = []
     for row in rows:
         if not row["fits"]:
             out.append({"accelerator": row["accelerator"], "configuration": row, "per_run": None, "plans": [],
@@ -79,7 +79,8 @@ def main(args) -> int:
             console.print()
             continue
         console.print(Text.assemble((item["accelerator"], "bold cyan"),
-                                    f" · {row['strategy']} x{row['gpus']}{' + AC' if row['activation_checkpointing'] else ''}"
+                                    f" · {row['strategy']} x{row['gpus']}"
+                                    f"{' + AC' if row['activation_checkpointing'] else ''}"
                                     f" · micro batch {row['micro_batch_size']} x {row['grad_accum_steps']}"
                                     f" · {'fits' if row['fits'] else 'DOES NOT FIT'}"))
         t = Table(box=None, header_style="bold")

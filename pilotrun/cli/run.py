@@ -65,8 +65,9 @@ def main(args) -> int:
 def _run(args) -> tuple[int, str | None]:
     spec = load_spec(args.spec, args.overrides)
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
-    options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates, container_digest=args.container_digest,
-                           resume=args.resume, trust=args.trust, run_id=args.run_id)
+    options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates,
+                           container_digest=args.container_digest, resume=args.resume, trust=args.trust,
+                           run_id=args.run_id)
     console = console_for(stderr=True) if args.json else out_console()
     if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 speaks; every rank writes its rows
         console = Console(file=open(os.devnull, "w"))

@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--accelerator", action="append", default=[])
     p.add_argument("--catalog", type=Path)
     add_ledger_arg(p)
-    p.add_argument("--headroom", type=float, help="share of device memory kept free, 0 to 0.5 (default from the catalog, 5%%)")
+    p.add_argument("--headroom", type=float,
+                   help="share of device memory kept free, 0 to 0.5 (default from the catalog, 5%%)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) -> tuple[list[dict], object]:
+def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) -> tuple[list[dict], Traces]:
     if headroom is not None and not 0.0 <= headroom <= 0.5:
         raise UsageError(f"--headroom is a share of device memory kept free, from 0 to 0.5; got {headroom}")
     try:
@@ -66,8 +67,9 @@ def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) 
 
 
 def markdown(spec, rows: list[dict]) -> str:
-    head = ("| accelerator | memory/device | fits | strategy | GPUs | precision | micro batch x accum | largest micro batch "
-            "| largest length | device used | time/update | time for updates | stack |\n|" + "---|" * 13)
+    head = ("| accelerator | memory/device | fits | strategy | GPUs | precision | micro batch x accum "
+            "| largest micro batch | largest length | device used | time/update | time for updates | stack |\n|"
+            + "---|" * 13)
     lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
              f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, length "
              f"{spec.data.max_length}, {spec.train.precision}.", "", head]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -32,7 +33,7 @@ def doc(text: str, default: Any = MISSING, *, extra: dict | None = None) -> Any:
     if isinstance(default, type):  # a nested section whose every field has a default
         return field(default_factory=default, metadata=meta)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        return field(default_factory=functools.partial(type(default), default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -77,82 +78,112 @@ def _convert(tp: Any, value: Any, path: str, problems: list) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            problems.append((path, f"expected {_type_name(tp)}, got nothing (null)"))
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            trial: list = []
-            out = _convert(arg, value, path, trial)
-            if not trial:
-                return out
-        # Report the most specific failure when only one non-None branch exists.
-        real = [a for a in args if a is not type(None)]
-        if len(real) == 1:
-            return _convert(real[0], value, path, problems)
-        problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}"))
-        return None
+        return _convert_union(tp, value, path, problems)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, problems)
+        return _build(tp, value, path, problems)  # type: ignore[arg-type]  # a class, never an instance here
     if origin is Literal:
-        choices = get_args(tp)
-        if value in choices and type(value) is type(choices[choices.index(value)]):
-            return value
-        hint = ""
-        if isinstance(value, str):
-            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-        problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}{hint}"))
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            # YAML 1.1 reads "1e-4" (no dot) as a string; accept it, it is what people write.
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None:
-            if math.isfinite(number):
-                return number
-            problems.append((path, f"expected a finite number, got {_describe(value)}"))
-            return number
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif origin is list:
-        if isinstance(value, list):
-            (item,) = get_args(tp) or (Any,)
-            return [_convert(item, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
-    elif origin is tuple:
-        args = get_args(tp)
-        if isinstance(value, (list, tuple)) and (
-            (args and args[-1] is Ellipsis) or len(value) == len(args)
-        ):
-            if args and args[-1] is Ellipsis:
-                return tuple(_convert(args[0], v, f"{path}[{i}]", problems) for i, v in enumerate(value))
-            return tuple(_convert(a, v, f"{path}[{i}]", problems) for i, (a, v) in enumerate(zip(args, value)))
-    elif origin is dict:
-        if isinstance(value, dict):
-            key_t, val_t = get_args(tp) or (Any, Any)
-            return {str(k): _convert(val_t, v, f"{path}.{k}", problems) for k, v in value.items()}
-    else:  # pragma: no cover - a schema bug, not a user error
+        return _convert_literal(tp, value, path, problems)
+    converter = _SCALARS.get(tp) or _CONTAINERS.get(origin)
+    if converter is None:  # pragma: no cover - a schema bug, not a user error
         raise TypeError(f"unsupported schema type {tp!r} at {path}")
+    ok, out = converter(tp, value, path, problems)
+    if ok:
+        return out
     got = "nothing (null)" if value is None else _describe(value)
     problems.append((path, f"expected {_type_name(tp)}, got {got}"))
     return value
+
+
+def _convert_union(tp: Any, value: Any, path: str, problems: list) -> Any:
+    args = get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        problems.append((path, f"expected {_type_name(tp)}, got nothing (null)"))
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        trial: list = []
+        out = _convert(arg, value, path, trial)
+        if not trial:
+            return out
+    # Report the most specific failure when only one non-None branch exists.
+    real = [a for a in args if a is not type(None)]
+    if len(real) == 1:
+        return _convert(real[0], value, path, problems)
+    problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+    return None
+
+
+def _convert_literal(tp: Any, value: Any, path: str, problems: list) -> Any:
+    choices = get_args(tp)
+    if value in choices and type(value) is type(choices[choices.index(value)]):
+        return value
+    hint = ""
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    problems.append((path, f"expected {_type_name(tp)}, got {_describe(value)}{hint}"))
+    return value
+
+
+# Each converter returns (accepted, value); a refusal becomes one "expected ..., got ..." problem.
+def _to_bool(tp, value, path, problems) -> tuple[bool, Any]:
+    return isinstance(value, bool), value
+
+
+def _to_int(tp, value, path, problems) -> tuple[bool, Any]:
+    return isinstance(value, int) and not isinstance(value, bool), value
+
+
+def _to_str(tp, value, path, problems) -> tuple[bool, Any]:
+    return isinstance(value, str), value
+
+
+def _to_float(tp, value, path, problems) -> tuple[bool, Any]:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        # YAML 1.1 reads "1e-4" (no dot) as a string; accept it, it is what people write.
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None:
+        return False, value
+    if not math.isfinite(number):
+        problems.append((path, f"expected a finite number, got {_describe(value)}"))
+    return True, number
+
+
+def _to_list(tp, value, path, problems) -> tuple[bool, Any]:
+    if not isinstance(value, list):
+        return False, value
+    (item,) = get_args(tp) or (Any,)
+    return True, [_convert(item, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+
+
+def _to_tuple(tp, value, path, problems) -> tuple[bool, Any]:
+    args = get_args(tp)
+    open_ended = bool(args) and args[-1] is Ellipsis
+    if not isinstance(value, (list, tuple)) or not (open_ended or len(value) == len(args)):
+        return False, value
+    if open_ended:
+        return True, tuple(_convert(args[0], v, f"{path}[{i}]", problems) for i, v in enumerate(value))
+    return True, tuple(_convert(a, v, f"{path}[{i}]", problems) for i, (a, v) in enumerate(zip(args, value)))
+
+
+def _to_dict(tp, value, path, problems) -> tuple[bool, Any]:
+    if not isinstance(value, dict):
+        return False, value
+    _, val_t = get_args(tp) or (Any, Any)
+    return True, {str(k): _convert(val_t, v, f"{path}.{k}", problems) for k, v in value.items()}
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+_CONTAINERS = {list: _to_list, tuple: _to_tuple, dict: _to_dict}
 
 
 def _build(cls: type, data: Any, path: str, problems: list) -> Any:
@@ -176,7 +207,8 @@ def _build(cls: type, data: Any, path: str, problems: list) -> Any:
                 extras[key] = value
                 continue
             known = [k for k in fields if k != "extra"]
-            close = difflib.get_close_matches(key, known, n=1) or [k for k in known if key.startswith(k) or k.startswith(key)][:1]
+            close = (difflib.get_close_matches(key, known, n=1)
+                     or [k for k in known if key.startswith(k) or k.startswith(key)][:1])
             hint = f"; did you mean {close[0]!r}?" if close else ""
             allowed = ", ".join(k for k in fields if k != "extra")
             problems.append((sub, f"unknown key{hint} (allowed here: {allowed})"))
@@ -185,7 +217,7 @@ def _build(cls: type, data: Any, path: str, problems: list) -> Any:
     for name, f in fields.items():
         if name in kwargs or name == "extra":
             continue
-        if f.default is MISSING and f.default_factory is MISSING:  # type: ignore[misc]
+        if f.default is MISSING and f.default_factory is MISSING:
             sub = f"{path}.{name}" if path else name
             what = f.metadata.get("doc", "")
             problems.append((sub, f"missing; expected {_type_name(hints[name])}" + (f" — {what}" if what else "")))
@@ -220,11 +252,11 @@ def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, st
             continue
         name = f"{prefix}{f.name}"
         tp = hints[f.name]
-        sub = [a for a in (get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        sub = [a for a in (get_args(tp) or (tp,)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         if f.default is not MISSING:
             default = repr(f.default)
-        elif f.default_factory is not MISSING:  # type: ignore[misc]
-            default = repr(f.default_factory())  # type: ignore[misc]
+        elif f.default_factory is not MISSING:
+            default = repr(f.default_factory())
         else:
             default = "required"
         if sub:

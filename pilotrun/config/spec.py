@@ -19,6 +19,7 @@ import importlib.util
 import json
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,10 +36,13 @@ HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 @dataclass
 class ModelSpec:
-    factory: str | None = doc('"module:function" called with this mapping; returns an nn.Module whose forward(**batch) returns .loss', None)
-    hf: str | None = doc("Hugging Face model: a local folder, 'pkg:PACKAGE/sub/folder' inside an installed package, or a Hub id", None)
+    factory: str | None = doc(
+        '"module:function" called with this mapping; returns an nn.Module whose forward(**batch) returns .loss', None)
+    hf: str | None = doc(
+        "Hugging Face model: a local folder, 'pkg:PACKAGE/sub/folder' inside an installed package, or a Hub id", None)
     revision: str | None = doc("Hub commit for model.hf (a 40-hex commit pins it; a branch name does not)", None)
-    config: dict[str, Any] | None = doc("a transformers config mapping with model_type; the model is built from it with random weights", None)
+    config: dict[str, Any] | None = doc(
+        "a transformers config mapping with model_type; the model is built from it with random weights", None)
     tokenizer: str | None = doc("tokenizer folder or tokenizer.json for built-in tasks (defaults to model.hf)", None)
     trust_remote_code: bool = doc("let transformers run model code shipped with model.hf", False)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
@@ -65,13 +69,18 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    factory: str | None = doc('"module:function" called with this mapping; returns {"train", "val", "collate", ...} (README, "Your own model and data")', None)
+    factory: str | None = doc(
+        '"module:function" called with this mapping; returns {"train", "val", "collate", ...} '
+        '(README, "Your own model and data")', None)
     task: Literal["causal-lm", "seq-classification"] | None = doc("built-in task on JSONL data", None)
-    path: str | dict[str, str] | None = doc("JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
+    path: str | dict[str, str] | None = doc(
+        "JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
     max_length: int | None = doc("tokens per training example after truncation (the length the long run uses)", None)
-    val_fraction: float = doc("share of groups held out for validation when the data is one file (or a factory's 'all')", 0.1)
+    val_fraction: float = doc(
+        "share of groups held out for validation when the data is one file (or a factory's 'all')", 0.1)
     test_fraction: float = doc("share of groups held out for test, the same way", 0.0)
-    labels: list[str] | None = doc("class names in index order for seq-classification (default: sorted names found in the data)", None)
+    labels: list[str] | None = doc(
+        "class names in index order for seq-classification (default: sorted names found in the data)", None)
     num_workers: int = doc("DataLoader worker processes", 0)
     drop_last: bool = doc("drop an epoch's last partial micro batch", False)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
@@ -103,7 +112,8 @@ class DataSpec:
         if not 0.0 < self.val_fraction < 1.0:
             yield "val_fraction", f"must be between 0 and 1 (exclusive), got {self.val_fraction}"
         if not 0.0 <= self.test_fraction < 1.0 or self.val_fraction + self.test_fraction >= 1.0:
-            yield "test_fraction", f"must be 0 or more and leave groups for training (val + test < 1), got {self.test_fraction}"
+            yield "test_fraction", (f"must be 0 or more and leave groups for training (val + test < 1), "
+                                    f"got {self.test_fraction}")
         if self.num_workers < 0:
             yield "num_workers", "must be 0 or more"
 
@@ -144,7 +154,8 @@ class SchedulerSpec:
 @dataclass
 class TrainSpec:
     micro_batch_size: int = doc("examples per forward/backward on one device")
-    updates: int = doc("optimizer updates of the real run; sizes the lr schedule (the pilot runs pilot.updates of them)")
+    updates: int = doc(
+        "optimizer updates of the real run; sizes the lr schedule (the pilot runs pilot.updates of them)")
     optimizer: OptimizerSpec = doc("optimizer and its hyper-parameters")
     grad_accum_steps: int = doc("micro batches accumulated per optimizer update", 1)
     precision: Literal["fp32", "bf16", "fp16"] = doc("fp32, bf16 autocast, or fp16 autocast with a grad scaler", "fp32")
@@ -171,7 +182,8 @@ class TrainSpec:
 @dataclass
 class EvalSpec:
     batch_size: int | None = doc("evaluation batch size (default: train.micro_batch_size)", None)
-    max_length: int | None = doc("longest evaluation length; the eval gate measures a batch padded to it (default: data.max_length)", None)
+    max_length: int | None = doc(
+        "longest evaluation length; the eval gate measures a batch padded to it (default: data.max_length)", None)
     max_batches: int | None = doc("validation batches for the eval metric (null: the whole split)", 20)
 
     def check(self):
@@ -200,7 +212,8 @@ class OverfitSpec:
     examples: int = doc("training examples in the subset the model must learn", 8)
     max_updates: int = doc("update budget; stops early once both thresholds are met", 200)
     micro_batch_size: int = doc("examples per update, drawn in a new order each pass (not one fixed batch)", 4)
-    loss_below: float | None = doc("pass when the subset's loss falls below this (default: a tenth of its loss before training)", None)
+    loss_below: float | None = doc(
+        "pass when the subset's loss falls below this (default: a tenth of its loss before training)", None)
     accuracy_at_least: float = doc("pass when at least this share of the subset's own targets is predicted", 0.95)
     check_every: int = doc("updates between checks of loss and accuracy", 10)
 
@@ -216,7 +229,8 @@ class OverfitSpec:
 class ResumeSpec:
     before: int = doc("updates the interrupted process runs before it saves and is killed", 2)
     after: int = doc("updates the restored process runs; compared with the control run's", 2)
-    rtol: float = doc("relative tolerance for loss and gradient norm off CPU or in bf16/fp16 (CPU fp32 is bitwise)", 1e-3)
+    rtol: float = doc(
+        "relative tolerance for loss and gradient norm off CPU or in bf16/fp16 (CPU fp32 is bitwise)", 1e-3)
 
     def check(self):
         if self.before < 1 or self.after < 1:
@@ -266,7 +280,8 @@ class Spec:
 
     # Set by load_spec, not by the user.
     source: str = field(default="", init=False, metadata={"internal": True})
-    written: dict = field(default_factory=dict, init=False, metadata={"internal": True})  # the YAML as written (+ --set)
+    # The YAML as written (+ --set).
+    written: dict = field(default_factory=dict, init=False, metadata={"internal": True})
 
     def check(self):
         if not NAME_RE.match(self.name):
@@ -350,7 +365,8 @@ def _import_factory(target: str, folder: Path) -> Any:
     module = importlib.import_module(module_name)
     local = [folder / f"{top}.py", folder / top / "__init__.py"]
     top_file = getattr(sys.modules.get(top), "__file__", None) or "built-in"
-    if any(x.exists() for x in local) and (top_file == "built-in" or not Path(top_file).resolve().is_relative_to(folder.resolve())):
+    if any(x.exists() for x in local) and (top_file == "built-in"
+                                           or not Path(top_file).resolve().is_relative_to(folder.resolve())):
         raise ShadowedModule(
             f"{top!r} resolved to {top_file}, not to {next(x for x in local if x.exists())}: a module of that name was "
             f"already imported (often the standard library); rename your file"
@@ -379,7 +395,7 @@ def _check_model_config(spec: Spec) -> list[tuple[str, str]]:
         from transformers import CONFIG_MAPPING, PretrainedConfig
     except ImportError:  # pragma: no cover - transformers is a dependency
         return []
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         return [("model.config.model_type", f"unknown architecture {model_type!r}{hint}")]
@@ -395,7 +411,8 @@ def _check_model_config(spec: Spec) -> list[tuple[str, str]]:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            problems.append((f"model.config.{key}", f"not a field of {cls.__name__}{hint} (transformers would ignore it)"))
+            problems.append((f"model.config.{key}",
+                             f"not a field of {cls.__name__}{hint} (transformers would ignore it)"))
     return problems
 
 
@@ -432,9 +449,11 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
         need_file("model.tokenizer", spec.model.tokenizer, kind="path")
     if spec.data.task is not None and spec.model.factory is None and data_files:
         if spec.model.tokenizer is None and spec.model.hf is None:
-            problems.append(("model.tokenizer", "missing; built-in tasks with model.config need a tokenizer folder or tokenizer.json"))
+            problems.append(("model.tokenizer", "missing; built-in tasks with model.config need a tokenizer folder "
+                             "or tokenizer.json"))
     if spec.data.task is not None and spec.model.factory is not None and spec.model.tokenizer is None and data_files:
-        problems.append(("model.tokenizer", "missing; built-in tasks tokenize text, so a factory model needs model.tokenizer"))
+        problems.append(("model.tokenizer", "missing; built-in tasks tokenize text, so a factory model needs "
+                         "model.tokenizer"))
     for section, target in (("model", spec.model.factory), ("data", spec.data.factory)):
         if target is None:
             continue
@@ -444,12 +463,14 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
             problems.append((f"{section}.factory", str(exc)))
             continue
         except ModuleNotFoundError as exc:
-            problems.append((f"{section}.factory", f"cannot import {target!r}: {exc} (modules are imported from {spec.folder})"))
+            problems.append((f"{section}.factory", f"cannot import {target!r}: {exc} (modules are imported from "
+                             f"{spec.folder})"))
             continue
         except AttributeError:
             mod = sys.modules.get(target.partition(":")[0])
             where = f" ({getattr(mod, '__file__', None) or 'built-in'})" if mod is not None else ""
-            problems.append((f"{section}.factory", f"{target!r}: the module{where} has no attribute {target.partition(':')[2]!r}"))
+            problems.append((f"{section}.factory", f"{target!r}: the module{where} has no attribute "
+                             f"{target.partition(':')[2]!r}"))
             continue
         except SystemExit as exc:  # the user's module exits while importing
             problems.append((f"{section}.factory", f"importing {target!r} called sys.exit({exc.code!r}); a factory "
@@ -464,7 +485,8 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
         problems.append(("train.precision", "bf16 autocast is not supported on mps; use fp16 or fp32"))
     ml, eml = spec.data.max_length, spec.eval.max_length
     if ml is not None and eml is not None and eml < ml:
-        problems.append(("eval.max_length", f"{eml} is shorter than data.max_length {ml}; evaluation would not see the training length"))
+        problems.append(("eval.max_length", f"{eml} is shorter than data.max_length {ml}; evaluation would not see "
+                         "the training length"))
     return problems
 
 
@@ -516,7 +538,7 @@ def load_spec(path: str | Path, overrides: list[str] | None = None, check_files:
     return spec_from_mapping(raw, p, overridden, check_files)
 
 
-def spec_from_mapping(raw: dict, source: str | Path, overridden: list[str] = (), check_files: bool = True) -> Spec:
+def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] = (), check_files: bool = True) -> Spec:
     """Validate a mapping as if it were read from ``source`` (its folder anchors relative paths).
 
     Child processes (restore, resume) rebuild the exact spec of their parent from its

@@ -95,15 +95,17 @@ def render_example(bundle: DataBundle, item: dict, split: str) -> ExampleView:
     if isinstance(ids, torch.Tensor) and ids.ndim == 1:
         n = ids.shape[0]
         pad = (mask == 0).tolist() if isinstance(mask, torch.Tensor) and mask.shape[0] == n else [False] * n
-        lab_row = labels[0] if isinstance(labels, torch.Tensor) and labels.ndim == 2 and labels.shape[1] == n else None
+        lab_row: torch.Tensor | None = (labels[0] if isinstance(labels, torch.Tensor) and labels.ndim == 2
+                                        and labels.shape[1] == n else None)
         decode = bundle.decode
         id_list = [int(x) for x in ids.tolist()]
         toks = []
         for pos in range(n):
             tid = id_list[pos]
             text = _piece(decode, id_list, pos) if decode is not None else f"<{tid}>"
-            sup = lab_row is not None and int(lab_row[pos]) != IGNORE
-            lab = int(lab_row[pos]) if sup else None
+            lab = int(lab_row[pos]) if lab_row is not None else None
+            sup = lab is not None and lab != IGNORE
+            lab = lab if sup else None
             toks.append(TokenView(text=text, token_id=tid, supervised=sup, padding=bool(pad[pos]),
                                   label_id=lab if lab is not None and lab != tid else None))
         view.tokens = toks
@@ -147,7 +149,8 @@ def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progre
         batch = bundle.collate(items)
         labels = batch.get("labels") if isinstance(batch, dict) else None
         if not isinstance(labels, torch.Tensor):
-            raise TypeError(f"the collate returned no 'labels' tensor (keys: {sorted(batch) if isinstance(batch, dict) else type(batch).__name__})")
+            raise TypeError("the collate returned no 'labels' tensor "
+                            f"(keys: {sorted(batch) if isinstance(batch, dict) else type(batch).__name__})")
         rows = _per_row_supervised(labels)
         for it, s in zip(items, rows):
             if s == 0:
@@ -186,7 +189,8 @@ def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progre
     if label_kind == "class":
         names = bundle.label_names
         out["label_distribution"] = {
-            (names[k] if names is not None and 0 <= k < len(names) else str(k)): v for k, v in sorted(label_counts.items())
+            (names[k] if names is not None and 0 <= k < len(names) else str(k)): v
+            for k, v in sorted(label_counts.items())
         }
         out["class_indices"] = sorted(label_counts)
     return out
@@ -206,7 +210,8 @@ def class_problems(scan: dict, label_names: list[str] | None, num_outputs: int |
         default = all(str(n) == f"LABEL_{i}" for i, n in enumerate(ordered))
         if not default and ordered[: len(label_names)] != list(label_names):
             diffs = [f"{i}: model {m!r} vs data {d!r}" for i, (m, d) in enumerate(zip(ordered, label_names)) if m != d]
-            extra = "" if len(ordered) == len(label_names) else f" (model has {len(ordered)} classes, data {len(label_names)})"
+            extra = ("" if len(ordered) == len(label_names)
+                     else f" (model has {len(ordered)} classes, data {len(label_names)})")
             problems.append(f"the model config's id2label disagrees with the data's class names{extra}: "
                             + "; ".join(diffs[:5]))
     return problems
@@ -229,7 +234,8 @@ def _fingerprint(ds, i: int, item: dict, drop: set[str]) -> str:
 def audit_splits(bundle: DataBundle, progress: ProgressFn = no_progress) -> dict:
     """Ids, groups and identical inputs across splits. Fails: a group or an id in two splits, a repeated id."""
     key = bundle.group_key
-    splits = {name: ds for name, ds in (("train", bundle.train), ("val", bundle.val), ("test", bundle.test)) if ds is not None}
+    splits = {name: ds for name, ds in (("train", bundle.train), ("val", bundle.val), ("test", bundle.test))
+              if ds is not None}
     drop = {"id", "label", "labels"} | ({key} if key else set())
     ids_by_split: dict[str, Counter] = {}
     groups: dict[str, dict[str, int]] = defaultdict(dict)  # group -> split -> examples

@@ -60,12 +60,14 @@ def builtin_data(spec: Spec, tokenizer) -> DataBundle:
         note = (f"split {spec.data.path} by group: val_fraction {spec.data.val_fraction}, "
                 f"test_fraction {spec.data.test_fraction}, seed {spec.seed}")
     else:
-        rows_by_split = {k: read_jsonl(spec.resolve(v), required) for k, v in spec.data.path.items()}
+        rows_by_split = {k: read_jsonl(spec.resolve(v), required) for k, v in (spec.data.path or {}).items()}
         note = "splits given by data.path"
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token; set one in its tokenizer_config.json (pad_token)")
     max_len = spec.data.max_length
+    assert max_len is not None  # the spec requires data.max_length for built-in tasks
     eval_len = spec.eval_max_length or max_len
+    sets: dict[str, CausalLMDataset | ClassificationDataset]
     if task == "causal-lm":
         sets = {
             name: CausalLMDataset(rows, tokenizer, max_len if name == "train" else eval_len)
@@ -89,13 +91,14 @@ def builtin_data(spec: Spec, tokenizer) -> DataBundle:
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
         label_names=names,
         group_key="group",
-        task=task,
+        task=str(task),
         pad_batch=collate.pad_batch,
         notes=[note],
     )
 
 
 def factory_data(spec: Spec) -> DataBundle:
+    assert spec.data.factory is not None
     fn = import_factory(spec.data.factory, spec.folder)
     out = fn(spec.data_mapping())
     where = f"data.factory {spec.data.factory!r}"
@@ -103,16 +106,19 @@ def factory_data(spec: Spec) -> DataBundle:
         raise DataError(f"{where} returned {type(out).__name__}; expected a mapping with 'train', 'val' and 'collate'")
     unknown = set(out) - CONTRACT_KEYS
     if unknown:
-        raise DataError(f"{where} returned unknown key(s) {sorted(unknown)}; the contract allows {sorted(CONTRACT_KEYS)}")
+        raise DataError(f"{where} returned unknown key(s) {sorted(unknown)}; "
+                        f"the contract allows {sorted(CONTRACT_KEYS)}")
     if "collate" not in out or not callable(out["collate"]):
-        raise DataError(f"{where} must return a callable 'collate' (list of items -> batch dict of tensors with 'labels')")
+        raise DataError(f"{where} must return a callable 'collate' "
+                        "(list of items -> batch dict of tensors with 'labels')")
     notes = []
     if "all" in out:
         if "train" in out or "val" in out:
             raise DataError(f"{where} returned 'all' together with 'train'/'val'; return one or the other")
         key = out.get("group_key")
         if not key:
-            raise DataError(f"{where} returned 'all' without 'group_key'; pilotrun splits by group and needs to know the field")
+            raise DataError(f"{where} returned 'all' without 'group_key'; "
+                            "pilotrun splits by group and needs to know the field")
         whole = out["all"]
         groups = []
         for i in range(len(whole)):
@@ -132,7 +138,8 @@ def factory_data(spec: Spec) -> DataBundle:
     else:
         for need in ("train", "val"):
             if need not in out:
-                raise DataError(f"{where} returned no {need!r} split; return 'train' and 'val', or 'all' with 'group_key'")
+                raise DataError(f"{where} returned no {need!r} split; "
+                                "return 'train' and 'val', or 'all' with 'group_key'")
         train, val = out["train"], out["val"]
     for name, ds in (("train", train), ("val", val), ("test", out.get("test"))):
         if ds is None:
@@ -143,10 +150,11 @@ def factory_data(spec: Spec) -> DataBundle:
             raise DataError(f"{where}: the {name!r} split is empty")
         first = ds[0]
         if not isinstance(first, dict):
-            raise DataError(f"{where}: item 0 of {name!r} is a {type(first).__name__}; items must be dicts with an 'id'")
+            raise DataError(f"{where}: item 0 of {name!r} is a {type(first).__name__}; "
+                            "items must be dicts with an 'id'")
         if "id" not in first:
-            raise DataError(f"{where}: item 0 of {name!r} has no 'id' (its keys: {sorted(first)[:10]}); every item needs "
-                            "a unique 'id' so updates can be traced to examples")
+            raise DataError(f"{where}: item 0 of {name!r} has no 'id' (its keys: {sorted(first)[:10]}); "
+                            "every item needs a unique 'id' so updates can be traced to examples")
     return DataBundle(
         train=train,
         val=val,

@@ -22,12 +22,14 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON object") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); "
+                                "each line must be one JSON object") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             missing = [k for k in required if k not in row]
             if missing:
-                raise DataError(f"{path}:{lineno}: missing field(s) {', '.join(missing)} (each row needs {', '.join(required)})")
+                raise DataError(f"{path}:{lineno}: missing field(s) {', '.join(missing)} "
+                                f"(each row needs {', '.join(required)})")
             rows.append(row)
     if not rows:
         raise DataError(f"{path}: no rows; a JSONL file needs one JSON object per line")

@@ -32,7 +32,8 @@ def split_by_group(groups: Sequence, fractions: dict[str, float], seed: int) -> 
         start += count
     if start >= n:
         raise DataError(
-            f"{n} group(s) cannot be split into train and {', '.join(fractions)}: lower the held-out fractions or add groups"
+            f"{n} group(s) cannot be split into train and {', '.join(fractions)}: "
+            "lower the held-out fractions or add groups"
         )
     out: dict[str, list[int]] = {"train": []}
     out.update({name: [] for name in fractions if fractions[name] > 0})

@@ -16,5 +16,5 @@ from .build import DRIVERS, build_driver, build_job, join_job, load_inputs
 from .loop import LoopDriver
 
 __all__ = ["DRIVERS", "Capability", "ContractError", "Driver", "JobInputs", "JobProcess", "LoopDriver", "ModelDriver",
-           "NonFiniteError", "TrainingCheckError", "Unsupported", "UpdateRecord", "UpdateRejected", "build_driver", "build_job",
-           "join_job", "load_inputs"]
+           "NonFiniteError", "TrainingCheckError", "Unsupported", "UpdateRecord", "UpdateRejected", "build_driver",
+           "build_job", "join_job", "load_inputs"]

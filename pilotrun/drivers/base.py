@@ -65,7 +65,8 @@ class NonFiniteError(TrainingCheckError):
 
 
 class ContractError(TypeError):
-    """User code does not follow the factory contract (README, "Your own model and data"); the message says which part."""
+    """User code does not follow the factory contract (README, "Your own model and data"); the message says
+    which part."""
 
 
 @dataclass

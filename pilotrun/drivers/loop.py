@@ -90,7 +90,7 @@ class LoopDriver(ModelDriver):
         self.examples_seen = 0
         self.epoch = 0
         self.micro_index = 0
-        self._iter = None
+        self._iter: Any = None  # the DataLoader's iterator, from the current position
         self.last_window: dict = {}
         self.params = [p for p in model.parameters() if p.requires_grad]
 

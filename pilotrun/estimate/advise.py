@@ -1,4 +1,5 @@
-"""What to change when a stage does not fit, in the fix order of docs/architecture.md ("Contracts"), each variant with its predicted memory and time.
+"""What to change when a stage does not fit, in the fix order of docs/architecture.md ("Contracts"), each
+variant with its predicted memory and time.
 
 1. smaller micro batch, more accumulation (examples per update held: the same experiment);
 2. activation checkpointing (memory saved vs time added, both predicted);
@@ -56,7 +57,8 @@ def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: di
         out.append(_row("activation checkpointing", fit, base_s, {"train.activation_checkpointing": True},
                         "same experiment: the same function, recomputed",
                         f"saves {saved / 2**30:.1f} GiB; the forward is recomputed in backward "
-                        f"({ac['stages']['steady_step']['flops'] / base['stages']['steady_step']['flops']:.2f}x FLOPs)"))
+                        f"({ac['stages']['steady_step']['flops'] / base['stages']['steady_step']['flops']:.2f}x "
+                        "FLOPs)"))
     # 3. mixed precision.
     if t.precision == "fp32":
         half = traces.get(precision="bf16")

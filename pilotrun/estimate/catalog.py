@@ -121,8 +121,9 @@ def local_accelerator(catalog: dict[str, Accelerator], device_index: int = 0) ->
         if matches(acc, name):
             return acc
     base = next(iter(catalog.values()))
-    return Accelerator(name=name, vendor="unknown", stack=inv.backend, memory_bytes=inv.total_memory_bytes[device_index],
-                       memory_spec_gb=0, bandwidth_tb_s=0, peak_tflops={}, interconnect={}, context_bytes=base.context_bytes,
+    return Accelerator(name=name, vendor="unknown", stack=inv.backend,
+                       memory_bytes=inv.total_memory_bytes[device_index], memory_spec_gb=0, bandwidth_tb_s=0,
+                       peak_tflops={}, interconnect={}, context_bytes=base.context_bytes,
                        blas_workspace_bytes=base.blas_workspace_bytes, nccl_buffer_bytes=base.nccl_buffer_bytes,
                        notes="not in the catalog: capacity as the device reports it, peaks unknown",
                        defaults=base.defaults)

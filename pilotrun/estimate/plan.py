@@ -51,7 +51,8 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
 
     weights = trace["parameter_bytes"] // (2 if spec.train.precision != "fp32" else 1)
     add("download", (weights + a.data_bytes) / (a.download_mb_s * 1e6),
-        f"{weights / 1e9:.1f} GB of weights + {a.data_bytes / 1e9:.1f} GB of data at {a.download_mb_s:g} MB/s (assumed)")
+        f"{weights / 1e9:.1f} GB of weights + {a.data_bytes / 1e9:.1f} GB of data at {a.download_mb_s:g} MB/s "
+        "(assumed)")
     prep = sum(pilot[g]["seconds"] for g in ("inspect", "load") if g in pilot) if pilot else None
     add("preprocessing and load", prep, f"measured by {source} (inspect + load)" if prep is not None else
         "not measured: run a pilot of this spec")
@@ -70,7 +71,7 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     bw = (save_row or {}).get("details", {}).get("bytes_per_second") or a.disk_mb_s * 1e6
     add("checkpoints", a.checkpoints_per_run * ckpt_bytes / bw,
         f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {bw / 1e6:.0f} MB/s "
-        f"({'measured by ' + source if save_row else 'assumed'})")
+        f"({f'measured by {source}' if save_row else 'assumed'})")
     add("export", weights / bw, f"{weights / 1e9:.1f} GB of weights at {bw / 1e6:.0f} MB/s")
     add("copy results off", (ckpt_bytes + weights) / (a.egress_mb_s * 1e6),
         f"last checkpoint + export at {a.egress_mb_s:g} MB/s (assumed)")
@@ -82,7 +83,7 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
 def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
     """3, 7 and 30 days on the row's GPUs: the runs that fit with the margin kept, and whether to take it."""
     hours = per_run["hours"] * runs
-    calibrated = "measured by pilot" in (row.get("utilisation_source") or "")
+    calibrated = bool(row.get("utilisation_measured"))
     out = []
     for days in PLANS_DAYS:
         available = days * 24 * (1 - MARGIN)
@@ -102,14 +103,15 @@ def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
             "work_hours": hours, "fits_with_margin": fits, "runs_that_fit": runs_fit,
             "margin_hours": days * 24 - hours, "advice": advice,
             "cost": (days * 24 * row["gpus"] * row["price_per_gpu_hour"]) if row.get("price_per_gpu_hour") else None,
-            "cost_note": None if row.get("price_per_gpu_hour") else "no price in the catalog: add price_per_gpu_hour (--catalog)",
+            "cost_note": (None if row.get("price_per_gpu_hour")
+                          else "no price in the catalog: add price_per_gpu_hour (--catalog)"),
         })
     return out
 
 
 def more_gpus_advice(row: dict, per_run: dict) -> str:
     """More GPUs only when compute, not communication or input, is the limit."""
-    wait = next((i for i in per_run["items"] if i["item"].startswith("data loading")), {})
+    wait: dict = next((i for i in per_run["items"] if i["item"].startswith("data loading")), {})
     wait_share = (wait.get("hours") or 0) / max((next(i for i in per_run["items"] if i["item"] == "training")["hours"]
                                                  or 1e-9), 1e-9)
     if row.get("bound") == "communication":

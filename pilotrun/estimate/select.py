@@ -32,7 +32,8 @@ def _verified_by(ledger, acc: Accelerator) -> str | None:
 
 
 def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict, list[str]]:
-    """(trace, fit, steps taken): the first configuration in the fix order (docs/architecture.md, "Contracts") that fits with headroom."""
+    """(trace, fit, steps taken): the first configuration in the fix order (docs/architecture.md, "Contracts")
+    that fits with headroom."""
     steps: list[str] = []
     budget = acc.memory_bytes * (1 - headroom)
     spec_ac = spec.train.activation_checkpointing
@@ -43,7 +44,8 @@ def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict,
         fit = estimate_fit(trace, acc, strategy, gpus)
         label = f"{strategy}{'' if gpus == 1 else f' x{gpus}'}{' + activation checkpointing' if ac else ''}"
         if fit["device_used_bytes"] <= budget:
-            steps.append(f"{label}: fits ({fit['device_used_bytes'] / 2**30:.1f} of {acc.memory_bytes / 2**30:.0f} GiB)")
+            steps.append(f"{label}: fits ({fit['device_used_bytes'] / 2**30:.1f} of "
+                         f"{acc.memory_bytes / 2**30:.0f} GiB)")
             return trace, fit, steps
         # a smaller micro batch (examples per update held) before adding GPUs
         scale = largest_scale_that_fits(trace, acc, strategy, gpus, headroom)
@@ -97,7 +99,8 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "largest_micro_batch": max_mb,
         "largest_length": max_len,
         "largest_sizes_note": ("activations scale linearly with micro batch and with length (flash/efficient attention)"
-                               + (f"; length capped at the model's max_position_embeddings ({max_len})" if capped else "")),
+                               + (f"; length capped at the model's max_position_embeddings ({max_len})"
+                                  if capped else "")),
         "price_per_gpu_hour": acc.price_per_gpu_hour,
         "cost_for_planned_updates": (s * t.updates / 3600 * gpus * acc.price_per_gpu_hour
                                      if s and acc.price_per_gpu_hour else None),
@@ -106,6 +109,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "hours_for_planned_updates": s * t.updates / 3600 if s else None,
         "utilisation": fit["time"].get("utilisation"),
         "utilisation_source": util_source if util else "catalog default (no pilot on this accelerator)",
+        "utilisation_measured": util is not None,
         "bound": fit["time"].get("bound"),
         "software_stack": stack_status(acc, verified, extensions),
         "steps": steps,

@@ -25,9 +25,9 @@ EXTENSIONS = {
 
 def installed_extensions(spec_folder: Path | None = None) -> list[dict]:
     """Kernel packages in this environment and the user's own compiled files beside the spec."""
-    out = []
+    out: list[dict] = []
     for dist in importlib.metadata.distributions():
-        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
         if name in EXTENSIONS:
             out.append({"name": name, "version": dist.version, "note": EXTENSIONS[name]})
     if spec_folder is not None and spec_folder.exists():

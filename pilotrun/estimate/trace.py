@@ -182,8 +182,8 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
         window_backward(model, [(ids, _clone(job.train_batch))], job.policy, device, t.precision,
                         num_items=num_items, stats=False)
     model.zero_grad(set_to_none=True)
-    for stage in stages.values():
-        stage.flops = counter.get_total_flops() * t.grad_accum_steps
+    for traced_stage in stages.values():
+        traced_stage.flops = counter.get_total_flops() * t.grad_accum_steps
     return stages
 
 

@@ -9,6 +9,8 @@ unless ``train.loss_normalization: per_micro_batch`` declares it on purpose.
 """
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import psutil
 import torch
 
@@ -86,9 +88,9 @@ def _diagnose(model, data, fetched, big, window, policy, device, dtype, tol) -> 
     g2 = _grads(model)
     model.zero_grad(set_to_none=True)
     if float((g1 - g2).norm()) > tol * (float(g1.norm()) or 1.0):
-        return {"kind": "randomness", "cause": "the model is not deterministic in eval mode (the same batch twice gives "
-                "different gradients): dropout or another random op that ignores model.eval(), so no comparison "
-                "means anything until that is fixed"}
+        return {"kind": "randomness", "cause": "the model is not deterministic in eval mode (the same batch twice "
+                "gives different gradients): dropout or another random op that ignores model.eval(), so no "
+                "comparison means anything until that is fixed"}
     again = _cast_inputs(data.collate([it for items in fetched for it in items]), dtype)
     if not _same(big, again):
         return {"kind": "randomness", "cause": "the collate is random (the same items collated twice differ): "
@@ -105,9 +107,9 @@ def _diagnose(model, data, fetched, big, window, policy, device, dtype, tol) -> 
                 f"micro batches hold different numbers of them ({counts}), so they weigh differently than in one big "
                 "batch: accept num_items_in_batch in forward (sum the token losses and divide by it), or declare "
                 "train.loss_normalization: per_micro_batch on purpose"}
-    return {"kind": "batch-dependence", "cause": "examples influence each other's loss: labels or inputs that depend on "
-            "which examples share a batch (e.g. labels taken from a neighbour), outputs that change with padding, or "
-            "statistics computed across the batch"}
+    return {"kind": "batch-dependence", "cause": "examples influence each other's loss: labels or inputs that depend "
+            "on which examples share a batch (e.g. labels taken from a neighbour), outputs that change with padding, "
+            "or statistics computed across the batch"}
 
 
 def _is_dtype_error(exc: RuntimeError) -> bool:
@@ -126,50 +128,24 @@ class AccumEquivalenceGate(Gate):
         return [ctx.model] if ctx.model is not None else []
 
     def run(self, ctx, meter) -> Outcome:
-        spec, trainer, data = ctx.spec, ctx.model_driver(), ctx.ensure_data()
-        policy = trainer.policy
+        spec, driver, data = ctx.spec, ctx.model_driver(), ctx.ensure_data()
+        policy = driver.policy
         out = Outcome(inputs={**ctx.base_inputs(), "loss_normalization": spec.train.loss_normalization})
-        windows = _windows(_single_process_plan(trainer.plan))
-        if spec.train.grad_accum_steps == 1 and len(windows) == 1 and len(windows[0][1][0]) == spec.train.micro_batch_size:
-            out.reason = "grad_accum_steps is 1 and every micro batch is full: an update is one batch, nothing to compare"
+        windows = _windows(_single_process_plan(driver.plan))
+        if (spec.train.grad_accum_steps == 1 and len(windows) == 1
+                and len(windows[0][1][0]) == spec.train.micro_batch_size):
+            out.reason = ("grad_accum_steps is 1 and every micro batch is full: an update is one batch, "
+                          "nothing to compare")
             return out
-        n_params = sum(p.numel() for p in trainer.plain_model.parameters())
-        fits = n_params * 8 * 4 < psutil.virtual_memory().available * 0.5
-        if fits:
-            try:
-                model, device, dtype, tol = _float64_copy(trainer.plain_model_copy()), torch.device("cpu"), torch.float64, TOL_FLOAT64
-            except (RuntimeError, TypeError):
-                fits = False
-        if not fits:
-            model, device, dtype, tol = trainer.plain_model_copy(), ctx.device, torch.float32, TOL_FLOAT32
+        model, device, dtype, tol = _checking_copy(driver, ctx.device)
         model.eval()
-        results = []
+        results: list[WindowResult] = []
         diagnosis: dict = {}
         try:
             for label, micro in windows:
-                # Each item is fetched once: a dataset that augments from the global RNG gives both
-                # computations the same examples.
-                fetched = [[data.train[i] for i in idx] for idx in micro]
-                window = [([str(it["id"]) for it in items], _cast_inputs(data.collate(items), dtype))
-                          for items in fetched]
-                model.zero_grad(set_to_none=True)
-                acc = window_backward(model, window, policy, device, "fp32")
-                g_acc = _grads(model)
-                model.zero_grad(set_to_none=True)
-                all_items = [it for items in fetched for it in items]
-                big = _cast_inputs(data.collate(all_items), dtype)
-                single = _one_batch(model, big, policy, device)
-                g_one = _grads(model)
-                denom = float(g_one.norm()) or 1.0
-                rel = float((g_acc - g_one).norm()) / denom
-                loss_rel = abs(float(acc["loss"]) - single) / (abs(single) or 1.0)
-                results.append({"window": label, "micro_batches": len(micro), "examples": len(all_items),
-                                "relative_grad_difference": rel, "relative_loss_difference": loss_rel,
-                                "accumulated_loss": float(acc["loss"]), "one_batch_loss": single,
-                                "micro_batch_sizes": [len(b) for b in micro],
-                                "supervised_per_micro_batch": [supervised_count(b, policy.shift_labels)
-                                                               for _, b in window]})
-                if rel > tol and not diagnosis:
+                result, fetched, window, big = _compare_window(model, data, label, micro, policy, device, dtype)
+                results.append(result)
+                if result.relative_grad_difference > tol and not diagnosis:
                     diagnosis = _diagnose(model, data, fetched, big, window, policy, device, dtype, tol)
         except RuntimeError as exc:
             if dtype == torch.float64 and _is_dtype_error(exc):
@@ -179,23 +155,78 @@ class AccumEquivalenceGate(Gate):
         finally:
             del model
         out.details = {"memory_note": "memory of this row is the check's own model copy, not the job's",
-                       "windows": results, "tolerance": tol, "dtype": str(dtype).replace("torch.", ""),
-                       "device": str(device), "mode": "eval (dropout off)", "loss_normalization": policy.reason}
-        worst = max(results, key=lambda r: r["relative_grad_difference"])
-        summary = "; ".join(f"{r['window']} ({'+'.join(map(str, r['micro_batch_sizes']))} examples): relative "
-                            f"gradient difference {r['relative_grad_difference']:.1e}" for r in results)
-        if worst["relative_grad_difference"] <= tol:
-            out.reason = f"{summary} (tolerance {tol:.0e}, {out.details['dtype']} on {device})"
-            return out
-        if spec.train.loss_normalization == "per_micro_batch":
-            out.reason = (f"{summary}: differs beyond {tol:.0e}, accepted because train.loss_normalization is "
-                          "per_micro_batch (declared)")
-            return out
-        out.details["diagnosis"] = diagnosis
-        cause = diagnosis.get("cause") or "the accumulated and the one-batch computations disagree"
-        if worst["window"].startswith("last") and all(r["relative_grad_difference"] <= tol for r in results[:1]) \
-                and diagnosis.get("kind") != "randomness":
-            cause = ("only the short last window differs: its loss is scaled as if the window were full "
-                     "(divided by grad_accum_steps instead of its own size)")
-        raise GateFailure(f"accumulated gradient differs from one batch of the same examples: {summary} "
-                          f"(tolerance {tol:.0e}); {cause}", inputs=out.inputs, details=out.details)
+                       "windows": [asdict(r) for r in results], "tolerance": tol,
+                       "dtype": str(dtype).replace("torch.", ""), "device": str(device), "mode": "eval (dropout off)",
+                       "loss_normalization": policy.reason}
+        return _judge(out, results, diagnosis, tol, device, spec.train.loss_normalization == "per_micro_batch")
+
+
+@dataclass
+class WindowResult:
+    """One window's comparison: accumulated over its micro batches vs the same examples as one batch."""
+
+    window: str
+    micro_batches: int
+    examples: int
+    relative_grad_difference: float
+    relative_loss_difference: float
+    accumulated_loss: float
+    one_batch_loss: float
+    micro_batch_sizes: list[int]
+    supervised_per_micro_batch: list[int]
+
+
+def _checking_copy(driver, job_device: torch.device):
+    """(model, device, dtype, tolerance): a float64 CPU copy when it fits in half the free host memory, else a
+    float32 copy on the job's device."""
+    n_params = sum(p.numel() for p in driver.plain_model.parameters())
+    if n_params * 8 * 4 < psutil.virtual_memory().available * 0.5:
+        try:
+            return _float64_copy(driver.plain_model_copy()), torch.device("cpu"), torch.float64, TOL_FLOAT64
+        except (RuntimeError, TypeError):
+            pass
+    return driver.plain_model_copy(), job_device, torch.float32, TOL_FLOAT32
+
+
+def _compare_window(model, data, label: str, micro: list[list[int]], policy, device, dtype):
+    """The gradient of one window accumulated by the loop's own code vs the model's own loss on all of it at once."""
+    # Each item is fetched once: a dataset that augments from the global RNG gives both computations the
+    # same examples.
+    fetched = [[data.train[i] for i in idx] for idx in micro]
+    window = [([str(it["id"]) for it in items], _cast_inputs(data.collate(items), dtype)) for items in fetched]
+    model.zero_grad(set_to_none=True)
+    acc = window_backward(model, window, policy, device, "fp32")
+    g_acc = _grads(model)
+    model.zero_grad(set_to_none=True)
+    all_items = [it for items in fetched for it in items]
+    big = _cast_inputs(data.collate(all_items), dtype)
+    single = _one_batch(model, big, policy, device)
+    g_one = _grads(model)
+    rel = float((g_acc - g_one).norm()) / (float(g_one.norm()) or 1.0)
+    result = WindowResult(
+        window=label, micro_batches=len(micro), examples=len(all_items), relative_grad_difference=rel,
+        relative_loss_difference=abs(float(acc["loss"]) - single) / (abs(single) or 1.0),
+        accumulated_loss=float(acc["loss"]), one_batch_loss=single, micro_batch_sizes=[len(b) for b in micro],
+        supervised_per_micro_batch=[supervised_count(b, policy.shift_labels) for _, b in window])
+    return result, fetched, window, big
+
+
+def _judge(out: Outcome, results: list[WindowResult], diagnosis: dict, tol: float, device, declared: bool) -> Outcome:
+    worst = max(results, key=lambda r: r.relative_grad_difference)
+    summary = "; ".join(f"{r.window} ({'+'.join(map(str, r.micro_batch_sizes))} examples): relative gradient "
+                        f"difference {r.relative_grad_difference:.1e}" for r in results)
+    if worst.relative_grad_difference <= tol:
+        out.reason = f"{summary} (tolerance {tol:.0e}, {out.details['dtype']} on {device})"
+        return out
+    if declared:
+        out.reason = (f"{summary}: differs beyond {tol:.0e}, accepted because train.loss_normalization is "
+                      "per_micro_batch (declared)")
+        return out
+    out.details["diagnosis"] = diagnosis
+    cause = diagnosis.get("cause") or "the accumulated and the one-batch computations disagree"
+    if (worst.window.startswith("last") and all(r.relative_grad_difference <= tol for r in results[:1])
+            and diagnosis.get("kind") != "randomness"):
+        cause = ("only the short last window differs: its loss is scaled as if the window were full "
+                 "(divided by grad_accum_steps instead of its own size)")
+    raise GateFailure(f"accumulated gradient differs from one batch of the same examples: {summary} "
+                      f"(tolerance {tol:.0e}); {cause}", inputs=out.inputs, details=out.details)

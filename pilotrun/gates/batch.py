@@ -19,7 +19,8 @@ class BatchGate(Gate):
         data = ctx.ensure_data()
         scan = ctx.scan or {}
         n = len(data.train)
-        tokens = scan.get("input_tokens") / n if scan.get("input_tokens") and n else None
+        input_tokens = scan.get("input_tokens")
+        tokens = input_tokens / n if input_tokens and n else None
         replicas = ctx.replicas
         plan = batch_plan(t.micro_batch_size, t.grad_accum_steps, replicas, n, spec.data.drop_last,
                           model_parallel=max(1, ctx.world_size // replicas), tokens_per_example=tokens)
@@ -43,5 +44,6 @@ class BatchGate(Gate):
         if plan["examples_per_update"] > n:
             out.warn(f"one update ({plan['examples_per_update']} examples) needs more than the {n} training examples")
         if t.scheduler.warmup_updates >= t.updates:
-            out.warn(f"warm-up ({t.scheduler.warmup_updates} updates) is as long as the run ({t.updates}): the peak lr is never reached")
+            out.warn(f"warm-up ({t.scheduler.warmup_updates} updates) is as long as the run ({t.updates}): "
+                     "the peak lr is never reached")
         return out

@@ -81,7 +81,8 @@ class EvalGate(Gate):
         m = driver.evaluate(on_batch=check)
         eval_loss, accuracy, n_examples, n_batches = m["val_loss"], m["accuracy"], m["examples"], m["batches"]
         result = Outcome(inputs=inputs)
-        kind = None if accuracy is None else ("next tokens" if data.task == "causal-lm" or worst.get("labels", torch.zeros(1)).ndim >= 2 else "classes")
+        kind = None if accuracy is None else ("next tokens" if data.task == "causal-lm"
+                                              or worst.get("labels", torch.zeros(1)).ndim >= 2 else "classes")
         result.details = {"eval_loss": eval_loss, "accuracy": accuracy, "accuracy_of": kind,
                           "batches": n_batches, "examples": n_examples, "val_examples": len(val),
                           "worst_case_ids": [str(val[i]["id"]) for i in worst_idx], "worst_case_loss": worst_loss,
@@ -92,7 +93,8 @@ class EvalGate(Gate):
                          f"over {n_examples} examples in {n_batches} batches")
         if max_len and worst_len and worst_len < max_len:
             result.warn(f"the longest validation batch has length {worst_len} < eval.max_length {max_len}: memory at "
-                        f"{max_len} was not measured (the collate is yours: pad it to {max_len}, or lower eval.max_length)")
+                        f"{max_len} was not measured (the collate is yours: pad it to {max_len}, "
+                        "or lower eval.max_length)")
         if scan < len(val):
             result.details["note"] = f"longest examples searched among the first {scan} of {len(val)}"
         return result

@@ -61,11 +61,14 @@ class LockGate(Gate):
                     ctx.ledger.add_note(ctx.run_id, f"different experiment: {text}")
         model = lock["model"]
         if model.get("source") == "hub" and not model.get("pinned"):
-            out.warn(f"model.hf {model['id']!r} is not pinned to a commit (model.revision): a later run may get other weights")
+            out.warn(f"model.hf {model['id']!r} is not pinned to a commit (model.revision): "
+                     "a later run may get other weights")
         if lock["container"].get("inside_container"):
-            out.warn("running inside a container whose image digest is unknown: pass --container-digest or set $PILOTRUN_CONTAINER_DIGEST")
+            out.warn("running inside a container whose image digest is unknown: pass --container-digest or set "
+                     "$PILOTRUN_CONTAINER_DIGEST")
         if lock["code"].get("dirty"):
-            out.warn(f"the git checkout at {lock['code']['commit'][:10]} has uncommitted changes: the code is not fully recorded")
+            out.warn(f"the git checkout at {lock['code']['commit'][:10]} has uncommitted changes: "
+                     "the code is not fully recorded")
         return out
 
 

@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 from .accum import AccumEquivalenceGate
-from .base import CONTEXT_PRODUCTS, Gate, Product
+from .base import Gate
 from .batch import BatchGate
 from .eval import EvalGate
 from .export import ExportGate
@@ -22,6 +22,7 @@ from .inspect import InspectGate
 from .load import LoadGate
 from .lock import LockGate
 from .overfit import OverfitGate
+from .products import CONTEXT_PRODUCTS, Product
 from .reload_eval import ReloadEvalGate
 from .restore import RestoreGate
 from .resume import ResumeGate

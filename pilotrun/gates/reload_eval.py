@@ -69,8 +69,9 @@ class ReloadEvalGate(Gate):
         diff = float((reloaded - first).abs().max()) if first.numel() else 0.0
         out.details["max_abs_difference"] = diff
         if not torch.allclose(reloaded, first, rtol=RTOL, atol=ATOL):
-            raise GateFailure(f"the reloaded artifact ({payload['model_class']}) does not reproduce the model's outputs "
-                              f"on {n} control inputs: max difference {diff:.3g} (rtol {RTOL:g}, atol {ATOL:g}) — "
+            raise GateFailure(f"the reloaded artifact ({payload['model_class']}) does not reproduce the model's "
+                              f"outputs on {n} control inputs: max difference {diff:.3g} "
+                              f"(rtol {RTOL:g}, atol {ATOL:g}) — "
                               "weights missing from the export, or state the artifact does not carry",
                               inputs=out.inputs, details=out.details)
         out.reason = (f"{payload['model_class']} reloaded from {ctx.export_dir.name}/ in a fresh process reproduces "

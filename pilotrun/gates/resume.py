@@ -17,7 +17,8 @@ from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 CAUSES = {
     "sample_ids": ("the data order differs: the sampler position or its seed was not restored, so the run replays or "
                    "skips examples"),
-    "lr": "the learning rate differs while the data matches: scheduler state not restored, or rebuilt with another length",
+    "lr": ("the learning rate differs while the data matches: scheduler state not restored, or rebuilt with "
+           "another length"),
     "loss": ("losses differ while ids and lr match: state outside state_dict (a buffer registered with "
              "persistent=False, a Python attribute), or randomness outside the restored generators (an unseeded "
              "random.Random or numpy Generator, DataLoader workers)"),
@@ -45,7 +46,8 @@ def first_difference(a: list[dict], b: list[dict], exact: bool, rtol: float) -> 
             else:
                 xa, xb = _value(va), _value(vb)
                 same = (xa is None and xb is None) or (
-                    xa is not None and xb is not None and (xa == xb or math.isclose(xa, xb, rel_tol=rtol, abs_tol=1e-12)))
+                    xa is not None and xb is not None
+                    and (xa == xb or math.isclose(xa, xb, rel_tol=rtol, abs_tol=1e-12)))
             if not same:
                 show = (lambda v: v) if f == "sample_ids" else _value
                 return {"update": ra["step"], "field": f, "control": show(va), "other": show(vb)}
@@ -104,7 +106,8 @@ class ResumeGate(Gate):
         ranks = range(len(control.get("records_by_rank") or [control["records"]]))
         by_rank = lambda p, i: (p.get("records_by_rank") or [p["records"]])[i]  # noqa: E731
         before = next((dict(d, rank=i) for i in ranks
-                       if (d := first_difference(by_rank(control, i)[: r.before], by_rank(cut, i), exact, r.rtol))), None)
+                       if (d := first_difference(by_rank(control, i)[: r.before], by_rank(cut, i), exact, r.rtol))),
+                      None)
         if before is not None:
             raise GateFailure(
                 f"the run is not reproducible even without a restart: at update {before['update']}, {before['field']} "
@@ -112,11 +115,13 @@ class ResumeGate(Gate):
                 "the seed does not control (an unseeded generator, nondeterministic kernels)",
                 inputs=out.inputs, details=out.details)
         after = next((dict(d, rank=i) for i in ranks
-                      if (d := first_difference(by_rank(control, i)[r.before:], by_rank(resumed, i), exact, r.rtol))), None)
+                      if (d := first_difference(by_rank(control, i)[r.before:], by_rank(resumed, i), exact, r.rtol))),
+                     None)
         if after is not None:
             raise GateFailure(
                 f"after a kill at update {r.before} and a restore, update {after['update']} differs from the "
-                f"uninterrupted run in {after['field']}: {after['other']} vs {after['control']}; {CAUSES[after['field']]}",
+                f"uninterrupted run in {after['field']}: {after['other']} vs {after['control']}; "
+                f"{CAUSES[after['field']]}",
                 inputs=out.inputs, details=out.details)
         who = "a fresh process" if n == 1 else f"{n} fresh processes (torchrun)"
         out.reason = (f"killed after update {r.before} (SIGKILL), restored in {who}: updates "

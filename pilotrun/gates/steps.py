@@ -156,5 +156,6 @@ class SteadyStepGate(Gate):
                      "pre-tokenize, or the GPUs will idle")
         skipped = [r.step for r in records if r.scaler_skipped]
         if skipped and len(skipped) == len(records):
-            out.warn(f"the fp16 grad scaler skipped every update ({skipped}): gradients overflow; use bf16 or check the loss")
+            out.warn(f"the fp16 grad scaler skipped every update ({skipped}): gradients overflow; "
+                     "use bf16 or check the loss")
         return out

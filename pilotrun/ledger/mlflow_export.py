@@ -55,11 +55,13 @@ def _ms(iso: str | None) -> int | None:
 
 
 def metric_points(led: Ledger, run_id: str) -> list[tuple[str, float, int]]:
-    """``(name, value, step)`` for every per-update number the ledger holds for a run (``train/loss``, ``val/loss``...)."""
+    """``(name, value, step)`` for every per-update number the ledger holds for a run
+    (``train/loss``, ``val/loss``...)."""
     out = []
     for m in led.metrics(run_id):
         values = {"loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"], "data_wait_s": m["data_wait_s"]}
-        values.update({k: v for k, v in (m["extra"] or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        values.update({k: v for k, v in (m["extra"] or {}).items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if m["rank"]:
             values = {f"{k}.rank{m['rank']}": v for k, v in values.items()}
         out += [(f"{m['gate']}/{k}", float(v), int(m["step"])) for k, v in values.items() if v is not None]
@@ -73,7 +75,8 @@ def _params_tags(run: dict, meta: dict, led: Ledger) -> tuple[dict, dict]:
     if meta.get("seed") is not None:
         params["seed"] = meta["seed"]
     if run["kind"] == RunKind.CAMPAIGN:
-        params.update({"vary": meta.get("key"), "values": json.dumps(meta.get("values")), "seeds": json.dumps(meta.get("seeds"))})
+        params.update({"vary": meta.get("key"), "values": json.dumps(meta.get("values")),
+                       "seeds": json.dumps(meta.get("seeds"))})
     tags = {"pilotrun.run_id": run["run_id"], "pilotrun.status": run["status"], "mlflow.runName": run["run_id"]}
     for k in ("stop_reason", "stopped_at", "retry_of", "continues"):
         if meta.get(k) is not None:

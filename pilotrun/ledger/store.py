@@ -152,7 +152,8 @@ class Ledger:
             self.conn.execute("PRAGMA foreign_keys = ON")
             self._init_schema()
         except sqlite3.DatabaseError as exc:
-            raise LedgerError(f"{self.path} is not a usable SQLite ledger ({exc}); move it aside or pass --ledger") from None
+            raise LedgerError(f"{self.path} is not a usable SQLite ledger ({exc}); "
+                              "move it aside or pass --ledger") from None
 
     def _init_schema(self) -> None:
         # executescript commits on its own; the statements are idempotent.
@@ -186,9 +187,9 @@ class Ledger:
         self.close()
 
     # -- writes ---------------------------------------------------------------
-    def start_run(self, run_id: str, name: str, kind: RunKind | str, *, spec_path: str | None = None, out_dir: str | None = None,
-                  config_hash: str | None = None, lock: dict | None = None, parent_id: str | None = None,
-                  meta: dict | None = None) -> None:
+    def start_run(self, run_id: str, name: str, kind: RunKind | str, *, spec_path: str | None = None,
+                  out_dir: str | None = None, config_hash: str | None = None, lock: dict | None = None,
+                  parent_id: str | None = None, meta: dict | None = None) -> None:
         with self.transaction() as cur:
             cur.execute(
                 "INSERT INTO runs (run_id, name, kind, spec_path, out_dir, config_hash, lock_json, status, started_at,"
@@ -289,7 +290,8 @@ class Ledger:
                 if len(heads) == 1:
                     return dict(heads[0])
                 ids = ", ".join(x["run_id"] for x in rows[:5])
-                raise LedgerError(f"{run_id!r} matches {len(rows)} runs ({ids}{', ...' if len(rows) > 5 else ''}); give more of the id")
+                raise LedgerError(f"{run_id!r} matches {len(rows)} runs ({ids}{', ...' if len(rows) > 5 else ''}); "
+                                  "give more of the id")
             r = rows[0] if rows else None
         return dict(r) if r is not None else None
 

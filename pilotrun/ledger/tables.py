@@ -63,7 +63,7 @@ def run_rows(led: Ledger, runs: Iterable[dict]) -> list[dict]:
             "seed": meta.get("seed"), "control": meta.get("control"), "stop_reason": meta.get("stop_reason"),
             # Only a finished run has a final value; a stopped one's last point is in metrics.csv.
             "stopped_at": meta.get("stopped_at"),
-            "final_val_loss": final_val_loss(r.get("status"), meta),
+            "final_val_loss": final_val_loss(r["status"], meta),
             "final_accuracy": final.get("accuracy") if r.get("status") == RunStatus.FINISHED else None,
             "lock_drift": ";".join(meta.get("lock_drift") or []) or None,
             "verdicts": " ".join(f"{v}={n}" for v, n in sorted(verdicts.items())) or None,

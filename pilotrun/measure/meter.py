@@ -153,7 +153,8 @@ class StageMeter:
             mem["peak_allocated_bytes"] = self._tracked_peak
             if self._tracked_peak is None:
                 not_measured["peak_allocated_bytes"] = "no block of this stage was tracked"
-            not_measured["peak_reserved_bytes"] = f"{self.device.type} has no caching-allocator counter; see host_rss_peak_bytes"
+            not_measured["peak_reserved_bytes"] = (f"{self.device.type} has no caching-allocator counter; "
+                                                   "see host_rss_peak_bytes")
             not_measured["device_used_bytes"] = f"{self.device.type} has no device-level memory counter"
         try:
             state_after = category_bytes(self.track)

@@ -53,13 +53,15 @@ def load_tokenizer(spec: Spec):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     local = local_path(spec, target)
+    tok: Any
     try:
         if local is not None and local.is_file():
             tok = PreTrainedTokenizerFast(tokenizer_file=str(local))
         elif local is not None:
             tok = AutoTokenizer.from_pretrained(str(local), trust_remote_code=spec.model.trust_remote_code)
         else:
-            tok = AutoTokenizer.from_pretrained(target, revision=spec.model.revision, trust_remote_code=spec.model.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(target, revision=spec.model.revision,
+                                                trust_remote_code=spec.model.trust_remote_code)
     except Exception as exc:
         raise ModelError(_hub_hint(exc, target)) from None
     if tok.pad_token_id is None and tok.eos_token_id is not None:
@@ -204,8 +206,9 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> bool:
             old()
     else:
         return False
-    if hasattr(getattr(model, "config", None), "use_cache"):
-        model.config.use_cache = False
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
     return True
 
 

@@ -10,7 +10,7 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]
     FSDP2 shards each of them as one unit (gathered at once for compute), and the estimator
     sizes the unsharded layer in flight from the largest of them. ``("", [])`` when there is none.
     """
-    best_name, best = "", []
+    best_name, best = "", list[torch.nn.Module]()
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) > len(best):
             best_name, best = name, list(mod)

@@ -67,9 +67,9 @@ def rank_summary(rows: list[dict]) -> list[dict]:
         by_gate.setdefault(r["gate"], []).append(r)
     out = []
     for gate, rs in by_gate.items():
-        peaks = [(r.get("memory") or {}).get("peak_allocated_bytes") for r in rs]
-        peaks = [p for p in peaks if p]
-        secs = [r["seconds"] for r in rs if r.get("seconds")]
+        measured = [(r.get("memory") or {}).get("peak_allocated_bytes") for r in rs]
+        peaks: list[int] = [p for p in measured if p]
+        secs: list[float] = [r["seconds"] for r in rs if r.get("seconds")]
         flags = []
         # Relative and absolute: a few KiB of bookkeeping on one rank is not an imbalance.
         if len(peaks) > 1 and min(peaks) and max(peaks) / min(peaks) > 1.10 and max(peaks) - min(peaks) > 16 * 2**20:

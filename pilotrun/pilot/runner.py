@@ -19,7 +19,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .. import distributed
 from ..config.spec import Spec
@@ -66,11 +66,12 @@ def _short(text: str, limit: int = 100) -> str:
 class _Progress:
     """What the gates so far came to: the verdict every rank agreed on, and for skipped gates the root cause."""
 
-    verdicts: dict[str, tuple[Verdict, str]] = field(default_factory=dict)
-    root_causes: dict[str, tuple[str, str]] = field(default_factory=dict)  # skipped gate -> the failed gate behind it
+    verdicts: dict[str, tuple[str, Verdict]] = field(default_factory=dict)  # gate -> (reason, verdict) over ranks
+    # skipped gate -> (the gate behind it, its reason, its verdict: failed, or skipped as not measured)
+    root_causes: dict[str, tuple[str, str, Verdict]] = field(default_factory=dict)
 
     def blockers(self, gate: type[Gate]) -> list[str]:
-        return [d for d in depends_on(gate) if self.verdicts.get(d, (Verdict.SKIP, ""))[0].blocks]
+        return [d for d in depends_on(gate) if self.verdicts.get(d, ("", Verdict.SKIP))[1].blocks]
 
 
 def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observer | None = None) -> PilotResult:
@@ -141,20 +142,22 @@ def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict],
         row = _carried_row(carried[gate.name], plan.parent_id)
     elif blockers:
         dep = blockers[0]
-        root, root_reason = progress.root_causes.get(dep, (dep, progress.verdicts[dep][1]))
+        root, root_reason, root_verdict = progress.root_causes.get(dep, (dep, *progress.verdicts[dep]))
         via = f"needs {dep}, skipped because " if root != dep else ""
-        row = _skip_row(gate, ctx, f"skipped: {via}{root} failed ({_short(root_reason)})")
-        progress.root_causes[gate.name] = (root, root_reason)
+        what = "failed" if root_verdict == Verdict.FAIL else "was not measured"
+        row = _skip_row(gate, ctx, f"skipped: {via}{root} {what} ({_short(root_reason)})")
+        progress.root_causes[gate.name] = (root, root_reason, root_verdict)
     elif ctx.driver is not None and (missing := [c for c in gate.requires if not ctx.driver.can(c)]):
-        row = _skip_row(gate, ctx, "not measured: the " + ctx.driver.name + " driver cannot "
+        row = _skip_row(gate, ctx, f"not measured: the {ctx.driver.name} driver cannot "
                         + "; nor ".join(c.missing for c in missing))
-        progress.root_causes[gate.name] = (gate.name, row.reason)
+        progress.root_causes[gate.name] = (gate.name, row.reason, Verdict.SKIP)
     else:
         observer.on_gate_start(gate.name)
         row, metrics = _run_gate(gate, ctx)
     if row.verdict == Verdict.SKIP and gate.name not in progress.root_causes and not blockers:
         fail = next((r for r in result.rows if r["verdict"] == Verdict.FAIL), None)
-        progress.root_causes[gate.name] = (fail["gate"], fail["reason"]) if fail else ("data", ctx.data_error or "")
+        progress.root_causes[gate.name] = ((fail["gate"], fail["reason"], Verdict.FAIL) if fail else
+                                           ("data", ctx.data_error or "", Verdict.FAIL))
     row.rank, row.world_size = ctx.rank, ctx.world_size
     out = row.to_dict()
     progress.verdicts[gate.name] = _agreed_verdict(ctx.env, out)
@@ -191,14 +194,14 @@ def _skip_row(gate: Gate, ctx: PilotContext, reason: str) -> GateRow:
     return GateRow.now(gate.name, Verdict.SKIP, reason, inputs=gate.describe_inputs(ctx))
 
 
-def _agreed_verdict(env: distributed.DistEnv, row: dict) -> tuple[Verdict, str]:
-    """With several ranks a gate counts as its worst rank: every rank then runs or skips the same gates,
+def _agreed_verdict(env: distributed.DistEnv, row: dict) -> tuple[str, Verdict]:
+    """(reason, verdict) of a gate over ranks: its worst rank's. Every rank then runs or skips the same gates,
     as the collectives inside them require."""
     if not env.active:
-        return Verdict(row["verdict"]), row["reason"]
+        return row["reason"], Verdict(row["verdict"])
     rows = distributed.gather(env, (row["verdict"], row["reason"], env.rank))
     verdict, reason, rank = min(rows, key=lambda v: Verdict(v[0]).severity)
-    return Verdict(verdict), (reason if rank == env.rank else f"rank {rank}: {reason}")
+    return (reason if rank == env.rank else f"rank {rank}: {reason}"), Verdict(verdict)
 
 
 @contextlib.contextmanager
@@ -207,6 +210,7 @@ def _transformers_quiet():
     logger = logging.getLogger("transformers")
     old_level = logger.level
     logger.setLevel(logging.ERROR)
+    hf_logging: Any
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover

@@ -43,7 +43,8 @@ class ArchiveError(Exception):
 
 def _control_files(run: dict, folder: Path) -> tuple[Path, Path] | None:
     pairs = [(folder / "control-inputs.safetensors", folder / "control-outputs.safetensors"),  # campaign run
-             (folder / "workers" / "reload-inputs.safetensors", folder / "workers" / "reload-outputs.safetensors")]  # pilot
+             (folder / "workers" / "reload-inputs.safetensors",  # pilot
+              folder / "workers" / "reload-outputs.safetensors")]
     return next(((i, o) for i, o in pairs if i.is_file() and o.is_file()), None)
 
 
@@ -111,8 +112,9 @@ def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: 
         lines += ["```", ""]
     if control_n and not no_model:
         lines += ["## Rerun the control inputs", "",
-                  f"`control/inputs.safetensors` holds the fixed control inputs ({control_n}), `control/outputs.safetensors` "
-                  "the outputs recorded when the run ended. This reloads the model in a fresh process and compares:", "",
+                  f"`control/inputs.safetensors` holds the fixed control inputs ({control_n}), "
+                  "`control/outputs.safetensors` the outputs recorded when the run ended. This reloads the model in a "
+                  "fresh process and compares:", "",
                   "```", "python rerun_control.py      # exit 0: the outputs match (rtol 1e-4, atol 1e-5)", "```", ""]
     spec_name = Path(run["spec_path"] or "pilot.yaml").name
     if "variant" in meta:
@@ -228,7 +230,8 @@ def _campaign_readme(camp: dict, meta: dict, packed: list[dict], gone: dict[str,
               "- `runs/RUN_ID/`: one run as `pilotrun archive RUN_ID` writes it (its README says how to reload the "
               "model; `python runs/RUN_ID/rerun_control.py` reruns its control inputs in a fresh process)",
               "- `config/`: the campaign file as written and as run (`campaign.json`)",
-              "- `runs.csv`, `metrics.csv`, `gates.csv`, `notes.csv`: the campaign's raw ledger rows, every run included",
+              "- `runs.csv`, `metrics.csv`, `gates.csv`, `notes.csv`: the campaign's raw ledger rows, "
+              "every run included",
               "- `lock.json`: what the campaign ran on", ""]
     return "\n".join(lines)
 

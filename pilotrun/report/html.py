@@ -21,7 +21,8 @@ from ..ledger.store import Ledger
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;color:#1d2330;
 line-height:1.45;padding:0 1rem}
-h1{font-size:1.6rem;margin-bottom:.2rem}h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #dde2ea;padding-bottom:.2rem}
+h1{font-size:1.6rem;margin-bottom:.2rem}\
+h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #dde2ea;padding-bottom:.2rem}
 .sub{color:#5b6474}table{border-collapse:collapse;width:100%;font-size:.9rem;margin:.6rem 0}
 th,td{text-align:left;padding:.3rem .5rem;border-bottom:1px solid #eef1f5;vertical-align:top}th{background:#f6f8fb}
 .pass,.finished{color:#137333;font-weight:600}.warn,.stopped,.planned{color:#b06000;font-weight:600}
@@ -70,7 +71,8 @@ def _verdict(v: str) -> str:
 CHECK_JS = ("addEventListener('load',()=>{const i=[...document.images],ok=i.filter(x=>x.complete&&x.naturalWidth>0);"
             "document.documentElement.dataset.images=i.length;document.documentElement.dataset.imagesDecoded=ok.length;"
             "if(ok.length<i.length){const p=document.createElement('p');p.className='bad';"
-            "p.textContent=(i.length-ok.length)+' plot(s) failed to render in this browser';document.body.prepend(p);}})")
+            "p.textContent=(i.length-ok.length)+' plot(s) failed to render in this browser';"
+            "document.body.prepend(p);}})")
 
 
 def _page(title: str, subtitle: str, body: list[str]) -> str:
@@ -127,7 +129,8 @@ def _short(d: dict) -> str:
     parts = []
     for k, v in d.items():
         if isinstance(v, dict):
-            v = f"sha256 {str(v['sha256'])[:12]}…" if v.get("sha256") else _short({x: y for x, y in v.items() if x != "files"})
+            v = (f"sha256 {str(v['sha256'])[:12]}…" if v.get("sha256")
+                 else _short({x: y for x, y in v.items() if x != "files"}))
         elif isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
             v = v[:12] + "…"
         parts.append(f"{k}: {v}")
@@ -137,7 +140,8 @@ def _short(d: dict) -> str:
 def _container(c: dict) -> str:
     if c.get("digest"):
         return f"{c['digest']} (from {c.get('from')})"
-    return "not recorded" + (" (running inside a container: pass --container-digest)" if c.get("inside_container") else "")
+    return "not recorded" + (" (running inside a container: pass --container-digest)"
+                             if c.get("inside_container") else "")
 
 
 def _code(c: dict) -> str:
@@ -154,7 +158,8 @@ def _lock_section(lock: dict | None, what: str = "") -> str:
                ["CUDA / HIP / cuDNN / NCCL", " / ".join(str(lock["versions"].get(k) or "-")
                                                         for k in ("cuda", "hip", "cudnn", "nccl"))],
                ["model", _short(lock.get("model") or {})],
-               ["data", f"sha256 {str(lock.get('data', {}).get('sha256', ''))[:16]} ({lock.get('data', {}).get('source')})"],
+               ["data", f"sha256 {str(lock.get('data', {}).get('sha256', ''))[:16]} "
+                        f"({lock.get('data', {}).get('source')})"],
                ["container", _container(lock.get("container") or {})],
                ["code", _code(lock.get("code") or {})]]
     return ("<h2>Lock</h2>" + (f'<p class="sub">{_e(what)}</p>' if what else "")
@@ -362,7 +367,8 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     for r in runs:
         m = r["meta"]
         final = final_val_loss(r["status"], m)
-        rows.append([r["run_id"], m.get("variant"), m.get("seed"), f'<span class="{_e(r["status"])}">{_e(r["status"])}</span>',
+        rows.append([r["run_id"], m.get("variant"), m.get("seed"),
+                     f'<span class="{_e(r["status"])}">{_e(r["status"])}</span>',
                      stop_text(m),
                      f"{final:.4g}" if final is not None else "",
                      link_text(m), json.dumps(m.get("changes")) if m.get("changes") else ""])

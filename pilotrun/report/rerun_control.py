@@ -12,6 +12,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, load_model
@@ -26,7 +27,7 @@ def load(model_dir: Path) -> torch.nn.Module:
         info = json.loads(info_path.read_text())
         sys.path.insert(0, str(HERE / "code"))
         module_name, _, func = info["factory"].partition(":")
-        factory = importlib.import_module(module_name)
+        factory: Any = importlib.import_module(module_name)
         for part in func.split("."):
             factory = getattr(factory, part)
         torch.manual_seed(0)
@@ -44,7 +45,11 @@ def outputs(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = model(**batch)
     get = out.get if isinstance(out, dict) else lambda k: getattr(out, k, None)
     value = get("logits")
-    return (value if value is not None else get("loss")).detach().float().cpu()
+    if value is None:
+        value = get("loss")
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("the model returned neither logits nor loss")
+    return value.detach().float().cpu()
 
 
 def main() -> int:

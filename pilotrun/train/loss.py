@@ -67,7 +67,7 @@ def decide_loss_policy(model: torch.nn.Module, declared: str = "auto") -> LossPo
     if hf is not None and isinstance(model, hf.PreTrainedModel):
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss
 
-        loss_fn = LOSS_MAPPING.get(getattr(model, "loss_type", None))
+        loss_fn = LOSS_MAPPING.get(str(getattr(model, "loss_type", None)))
         if accepts_attr is False:
             return LossPolicy(False, False, f"the model sets accepts_loss_kwargs = False: {WEIGHTED}",
                               PolicySource.MODEL_OPTS_OUT)

@@ -10,7 +10,8 @@ from ..config.spec import OptimizerSpec, SchedulerSpec
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: biases and norm weights (1-D) are not decayed, as in HF Trainer and nanoGPT."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue
@@ -26,7 +27,7 @@ def build_optimizer(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.
     if not any(g["params"] for g in groups):
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     if spec.name == "adamw":
-        return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.betas[0], spec.betas[1]), eps=spec.eps)
     return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum)
 
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -23,9 +24,9 @@ MARK = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–", "running": "�
 JOB_MEMORY_GATES = job_memory_gates()
 
 
-def peak_of(row: dict) -> int | None:
-    mem = row.get("memory") or {}
-    return mem.get("peak_allocated_bytes")
+def peak_of(row: dict) -> int:
+    """A row's peak allocated bytes (0 when not measured)."""
+    return (row.get("memory") or {}).get("peak_allocated_bytes") or 0
 
 
 def _clip(text: str, width: int | None) -> str:
@@ -34,7 +35,8 @@ def _clip(text: str, width: int | None) -> str:
     return text[: max(1, width - 1)] + "…"
 
 
-def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = None, width: int | None = None) -> Table:
+def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | None = None,
+               width: int | None = None) -> Table:
     """Gates as rows; counters never measured on this device (reserved on CPU) get no column."""
     show_reserved = any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows)
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
@@ -59,7 +61,8 @@ def gate_table(rows: list[dict], pending: list[str] = (), running: str | None = 
                  human_seconds(r.get("seconds")) if r.get("seconds") is not None else "",
                  human_bytes(mem.get("peak_allocated_bytes")) if mem.get("peak_allocated_bytes") is not None else ""]
         if show_reserved:
-            cells.append(human_bytes(mem.get("peak_reserved_bytes")) if mem.get("peak_reserved_bytes") is not None else "")
+            cells.append(human_bytes(mem.get("peak_reserved_bytes"))
+                         if mem.get("peak_reserved_bytes") is not None else "")
         cells += [human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") is not None else "",
                   Text(_clip(r.get("reason", ""), reason_w))]  # a reason may quote "[...]" from an error
         table.add_row(*cells)
@@ -87,7 +90,8 @@ def headline(rows: list[dict], status: str) -> Text:
         shape = ", ".join(x for x in (f"length {inp['seq_len']}" if inp.get("seq_len") else "",
                                        f"batch {inp.get('batch_size') or inp.get('micro_batch_size')}"
                                        if inp.get("batch_size") or inp.get("micro_batch_size") else "") if x)
-        text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top['gate']}" + (f" ({shape})" if shape else ""))
+        text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top['gate']}"
+                    + (f" ({shape})" if shape else ""))
     steady = next((r for r in rows if r["gate"] == "steady_step" and r["verdict"] in ("pass", "warn")), None)
     if steady:
         text.append(f" · {human_seconds(steady['details'].get('seconds_per_update'))}/update")
@@ -106,7 +110,7 @@ class ConsoleObserver:
         self.live: Live | None = None
         self.progress = Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=self.console, transient=True)
-        self.task = None
+        self.task: TaskID | None = None
         self._last_plain = 0.0
 
     # -- observer protocol ------------------------------------------------------

@@ -28,7 +28,8 @@ def read_spec_file(path: str | Path) -> Spec:
 
 def peak_memory(device: torch.device) -> dict:
     """This process's peaks, for the gate row (children report their own memory)."""
-    mem = {"host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)}
+    mem = {"host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                  * (1 if sys.platform == "darwin" else 1024)}
     if device.type == "cuda":
         mem["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
         mem["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))

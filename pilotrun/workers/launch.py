@@ -45,7 +45,8 @@ def command(module: str, args: list[str], result: Path, nproc: int = 1) -> list[
 def _read_result(result: Path, log: Path, what: str, returncode: int | None) -> dict:
     if not result.exists():
         tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
-        raise WorkerError(f"the {what} process exited with code {returncode} and wrote no result (log {log}): {tail.strip()[-300:]}")
+        raise WorkerError(f"the {what} process exited with code {returncode} and wrote no result (log {log}): "
+                          f"{tail.strip()[-300:]}")
     payload = json.loads(result.read_text())
     if payload.get("error"):
         raise WorkerError(f"the {what} process failed: {payload['error']} (log {log})")
@@ -63,7 +64,8 @@ def run_worker(module: str, args: list[str], result: Path, log: Path, what: str,
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            raise WorkerError(f"the {what} process took longer than {timeout:.0f} s and was killed (log {log})") from None
+            raise WorkerError(f"the {what} process took longer than {timeout:.0f} s and was killed "
+                              f"(log {log})") from None
         except BaseException:
             _kill_group(proc)
             raise
@@ -111,8 +113,8 @@ def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: st
     """Run a worker until it prints SAVED, then SIGKILL it and its ranks (a real kill, not a clean exit)."""
     result.unlink(missing_ok=True)
     with open(log, "w") as fh:
-        proc = subprocess.Popen(command(module, args, result, nproc), stdout=subprocess.PIPE, stderr=fh, env=worker_env(),
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(command(module, args, result, nproc), stdout=subprocess.PIPE, stderr=fh,
+                                env=worker_env(), text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
         saved = False
         try:
@@ -131,5 +133,6 @@ def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: st
     payload = _read_result(result, log, what, proc.returncode)
     if not saved:
         raise WorkerError(f"the {what} process ended (code {proc.returncode}) before saving (log {log})")
-    payload["killed_with"] = "SIGKILL" if proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) else proc.returncode
+    payload["killed_with"] = ("SIGKILL" if proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+                              else proc.returncode)
     return payload

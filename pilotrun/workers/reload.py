@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.result, {"model_class": type(model).__name__})
         return 0
     except Exception as exc:
-        write_result(args.result, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]})
+        write_result(args.result, {"error": f"{type(exc).__name__}: {exc}",
+                                   "traceback": traceback.format_exc()[-4000:]})
         return 1
 
 

@@ -1,9 +1,12 @@
 """One phase of the restore/resume proof, in a fresh process.
 
     python -m pilotrun.workers.train_phase --spec SPEC.json --phase control --updates 4 --result R.json
-    python -m pilotrun.workers.train_phase --spec SPEC.json --phase interrupted --updates 2 --checkpoints DIR --result R.json
-    python -m pilotrun.workers.train_phase --spec SPEC.json --phase resumed --updates 2 --checkpoints DIR --result R.json
-    python -m pilotrun.workers.train_phase --spec SPEC.json --phase restore --checkpoint DIR --expect E.json --result R.json
+    python -m pilotrun.workers.train_phase --spec SPEC.json --phase interrupted --updates 2 --checkpoints DIR
+        --result R.json
+    python -m pilotrun.workers.train_phase --spec SPEC.json --phase resumed --updates 2 --checkpoints DIR
+        --result R.json
+    python -m pilotrun.workers.train_phase --spec SPEC.json --phase restore --checkpoint DIR --expect E.json
+        --result R.json
 
 ``interrupted`` saves after its updates, prints ``SAVED``, and waits to be killed.
 """
