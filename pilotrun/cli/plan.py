@@ -21,7 +21,9 @@ HELP = """examples:
 
 Items measured by a pilot of this spec (preprocessing, data wait, evaluation, checkpoint speed) come from the
 ledger; the rest are assumptions printed with their value. 7 days suit compatibility and profiling; 30 days
-are only advised when a measured pilot on that accelerator backs the time estimate."""
+are only advised when a measured pilot on that accelerator backs the time estimate. The model download follows
+model: none for model.config, the files of a local model.hf, a Hub revision's files when it is in the local
+Hugging Face cache, else not measured (--model-gb). Costs need price_per_gpu_hour in a --catalog file."""
 
 
 def add_parser(sub) -> None:

@@ -22,11 +22,13 @@ HELP = """examples:
   pilotrun select examples/llama-7b-estimate/pilot.yaml
   pilotrun select pilot.yaml --markdown > selection.md
   pilotrun select pilot.yaml --json
+  pilotrun select pilot.yaml --catalog examples/catalog/my-gpus.yaml   # prices: cost per update and in total
   pilotrun select pilot.yaml --accelerator H100-80GB --accelerator MI300X-192GB --headroom 0.1
 
 For each accelerator: the first configuration that fits with headroom, in the fix order (single device,
 activation checkpointing, FSDP over 2/4/8, a smaller micro batch with more accumulation holding the examples
-per update), the largest micro batch and length that fit, and the time for train.updates."""
+per update), the largest micro batch and length that fit, and the time for train.updates. With prices in a
+catalog file (price_per_gpu_hour, see docs/catalog.md and examples/catalog/my-gpus.yaml) each time has its cost."""
 
 
 def add_parser(sub) -> None:
