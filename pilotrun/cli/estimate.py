@@ -11,12 +11,13 @@ from rich.text import Text
 from .. import strategies
 from ..config.spec import load_spec
 from ..estimate.advise import advise
+from ..estimate.cache import CACHE_ENV, TraceCache
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.model import estimate_fit
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds
-from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
+from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
 
 HELP = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml
@@ -25,7 +26,9 @@ HELP = """examples:
   pilotrun estimate pilot.yaml --catalog my-gpus.yaml      # add or override accelerators (prices too)
 
 Nothing is allocated and no weights or data files are read: the model is built on the meta device and
-traced with fake tensors in a separate process. Without --gpus, DDP and FSDP are shown over 2, 4 and 8 GPUs."""
+traced with fake tensors in a separate process. Without --gpus, DDP and FSDP are shown over 2, 4 and 8 GPUs.
+Traces are cached as JSON under $PILOTRUN_CACHE/traces (default ~/.cache/pilotrun/traces), shared with
+select and plan; --no-trace-cache traces again and replaces the cached entry."""
 
 
 def add_parser(sub) -> None:
@@ -44,6 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--activation-checkpointing", choices=["on", "off"],
                    help="trace with activation checkpointing on or off (default: the spec's)")
     p.add_argument("--no-advice", action="store_true", help="skip the variants for rows that do not fit")
+    add_trace_cache_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
@@ -63,7 +67,7 @@ def main(args) -> int:
         raise UsageError(f"{' and '.join(multi)} need --gpus 2 or more (one GPU is --strategy single)")
     gpu_counts = [args.gpus] if args.gpus else [2, 4, 8]
     console = out_console()
-    traces = Traces(spec)
+    traces = traces_for(spec, args)
     ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
     try:
         with (console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json
@@ -82,6 +86,9 @@ def main(args) -> int:
                     continue
                 fit = estimate_fit(trace, acc, strategy.name, n, utilisation=util)
                 fit["utilisation_source"] = source if util else "catalog default"
+                s = fit["seconds_per_update"]
+                fit["cost_per_update"] = acc.cost(s / 3600 if s else None, n)
+                fit["cost_note"] = acc.price_note()
                 fits.append(fit)
     advice = {}
     if not args.no_advice and len(accs) == 1 and not any(f["fits"] for f in fits):
@@ -93,10 +100,11 @@ def main(args) -> int:
                                                "gradient_bytes", "optimizer_state_bytes", "largest_layer",
                                                "largest_layer_bytes", "layers", "precision",
                                                "activation_checkpointing")},
-              "trace_seconds": trace["seconds"],
+              "trace_seconds": trace["seconds"], "trace_cache": traces.notes,
               "fits": [{k: f[k] for k in ("accelerator", "strategy", "gpus", "precision", "peak_allocated_bytes",
                                           "peak_reserved_bytes", "device_used_bytes", "capacity_bytes", "fits",
-                                          "limiting_stage", "seconds_per_update", "utilisation_source")}
+                                          "limiting_stage", "seconds_per_update", "cost_per_update", "cost_note",
+                                          "utilisation_source")}
                        | {"corrections": f["stages"][f["limiting_stage"]]["corrections"] + f["notes"],
                           "time": f["time"]} for f in fits],
               "advice": advice}
@@ -104,7 +112,34 @@ def main(args) -> int:
         print(json.dumps(report, indent=1, default=str))
         return 0
     _print(console, spec, trace, report)
+    print_trace_notes(traces)
     return 0
+
+
+def money(amount: float | None) -> str:
+    """A cost in the catalog's currency (prices carry no unit: docs/catalog.md): three significant digits below
+    1 (a cost per update is often a fraction of a cent), cents below 100, whole units above."""
+    if amount is None:
+        return "—"
+    if amount < 1:
+        return f"{amount:.3g}"
+    return f"{amount:,.2f}" if amount < 100 else f"{amount:,.0f}"
+
+
+def add_trace_cache_arg(p) -> None:
+    p.add_argument("--no-trace-cache", action="store_true",
+                   help=f"trace again instead of reading the cached trace (${CACHE_ENV}/traces, default "
+                        "~/.cache/pilotrun/traces); the new trace replaces it")
+
+
+def traces_for(spec, args) -> Traces:
+    return Traces(spec, cache=TraceCache.default(), refresh=args.no_trace_cache)
+
+
+def print_trace_notes(traces: Traces) -> None:
+    """Whether each trace was cached or new, on stderr: the tables on stdout stay the answer."""
+    for note in traces.notes:
+        err_console().print(Text(note, style="dim"))
 
 
 def _print(console, spec, trace, report) -> None:
@@ -127,14 +162,16 @@ def _print(console, spec, trace, report) -> None:
     f = Table(box=None, header_style="bold", title="fit per accelerator (per-rank device memory incl. context, "
               "workspaces, collective buffers, allocator margin)", title_justify="left")
     for col in ("accelerator", "strategy", "GPUs", "allocated", "device used", "capacity", "fits", "worst stage",
-                "time/update"):
+                "time/update", "cost/update"):
         f.add_column(col, justify="left" if col in ("accelerator", "strategy", "fits", "worst stage") else "right")
     for r in report["fits"]:
         f.add_row(r["accelerator"], r["strategy"], str(r["gpus"]), human_bytes(r["peak_allocated_bytes"]),
                   human_bytes(r["device_used_bytes"]), human_bytes(r["capacity_bytes"]),
                   Text("yes" if r["fits"] else "no", style="green" if r["fits"] else "red"), r["limiting_stage"],
-                  human_seconds(r["seconds_per_update"]))
+                  human_seconds(r["seconds_per_update"]), money(r["cost_per_update"]))
     console.print(f)
+    for note in dict.fromkeys(r["cost_note"] for r in report["fits"] if r["cost_note"]):
+        console.print(Text(note, style="dim"))
     if report["fits"]:
         first = report["fits"][0]
         console.print(Text(f"corrections for {first['accelerator']} ({first['strategy']}, {first['limiting_stage']}):",
@@ -145,10 +182,11 @@ def _print(console, spec, trace, report) -> None:
                            f"{spec.train.precision} peak ({first['utilisation_source']}); communication is not "
                            "overlapped", style="dim"))
     for acc, variants in report["advice"].items():
-        console.print(Text(f"\ndoes not fit on {acc}: variants in order (the maximum length is never cut)",
-                           style="bold yellow"))
+        console.print(Text(f"\ndoes not fit on {acc}: combinations of fixes in order of cost, up to the cheapest "
+                           "that fits (the maximum length is never cut)", style="bold yellow"))
         for v in variants:
             mark = Text("fits", style="green") if v["fits"] else Text("no", style="red")
             tf = f"{v['time_factor']:.2f}x time" if v["time_factor"] else "time n/a"
+            cheapest = Text(" <- the cheapest that fits", style="bold green") if v["cheapest_that_fits"] else ""
             console.print(Text.assemble("  ", mark, f"  {v['variant']}: {human_bytes(v['device_used_bytes'])} per GPU, "
-                                                    f"{tf}; {v['experiment']}; {v['reason']}"))
+                                                    f"{tf}; {v['experiment']}; {v['reason']}", cheapest))

@@ -9,7 +9,9 @@ from rich.text import Text
 
 from ..config.spec import load_spec
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
+from ..estimate.source import model_download
 from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
+from .estimate import add_trace_cache_arg, money, print_trace_notes
 from .select import build_sheet
 
 HELP = """examples:
@@ -19,7 +21,9 @@ HELP = """examples:
 
 Items measured by a pilot of this spec (preprocessing, data wait, evaluation, checkpoint speed) come from the
 ledger; the rest are assumptions printed with their value. 7 days suit compatibility and profiling; 30 days
-are only advised when a measured pilot on that accelerator backs the time estimate."""
+are only advised when a measured pilot on that accelerator backs the time estimate. The model download follows
+model: none for model.config, the files of a local model.hf, a Hub revision's files when it is in the local
+Hugging Face cache, else not measured (--model-gb). Costs need price_per_gpu_hour in a --catalog file."""
 
 
 def add_parser(sub) -> None:
@@ -37,7 +41,11 @@ def add_parser(sub) -> None:
     p.add_argument("--evals", type=int, default=Assumptions.evals_per_run, help="evaluations per run")
     p.add_argument("--checkpoints", type=int, default=Assumptions.checkpoints_per_run, help="checkpoints per run")
     p.add_argument("--data-gb", type=float, default=0.0, help="dataset to download, GB")
+    p.add_argument("--model-gb", type=float,
+                   help="model files to download, GB (default: from the model source: none for model.config, the "
+                        "local files' size, the Hub revision's size when it is in the local cache)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_trace_cache_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
@@ -48,14 +56,16 @@ def main(args) -> int:
     for flag, value in (("--download-mb-s", args.download_mb_s), ("--egress-mb-s", args.egress_mb_s)):
         if value <= 0:
             raise UsageError(f"{flag} must be a positive rate, got {value}")
-    for flag, value in (("--evals", args.evals), ("--checkpoints", args.checkpoints), ("--data-gb", args.data_gb)):
+    for flag, value in (("--evals", args.evals), ("--checkpoints", args.checkpoints), ("--data-gb", args.data_gb),
+                        ("--model-gb", args.model_gb or 0)):
         if value < 0:
             raise UsageError(f"{flag} must be 0 or more, got {value}")
     spec = load_spec(args.spec, args.overrides, check_files=False)
-    rows, traces = build_sheet(spec, args.accelerator, args.catalog, args.ledger, None, args.json)
+    rows, traces = build_sheet(spec, args, None, args.json)
     ledger = ledger_if_present(args.ledger)
     a = Assumptions(download_mb_s=args.download_mb_s, egress_mb_s=args.egress_mb_s, evals_per_run=args.evals,
                     checkpoints_per_run=args.checkpoints, data_bytes=int(args.data_gb * 1e9))
+    download = model_download(spec, args.model_gb)
     out: list[dict] = []
     for row in rows:
         if not row["fits"]:
@@ -63,13 +73,14 @@ def main(args) -> int:
                         "more_gpus": None, "verdict": "does not fit with any configuration tried: no rental plan"})
             continue
         trace = traces.get(ac=row["activation_checkpointing"])
-        per_run = pipeline_hours(spec, row, trace, ledger, a)
+        per_run = pipeline_hours(spec, row, trace, ledger, a, download)
         out.append({"accelerator": row["accelerator"], "configuration": row, "per_run": per_run,
                     "plans": rental_plans(row, per_run, args.runs), "more_gpus": more_gpus_advice(row, per_run)})
     if args.json:
-        print(json.dumps({"spec": spec.source, "runs": args.runs, "assumptions": a.to_dict(), "accelerators": out},
-                         indent=1, default=str))
+        print(json.dumps({"spec": spec.source, "runs": args.runs, "assumptions": a.to_dict(), "accelerators": out,
+                          "trace_cache": traces.notes}, indent=1, default=str))
         return 0
+    print_trace_notes(traces)
     console = out_console()
     for item in out:
         row, per_run = item["configuration"], item["per_run"]
@@ -86,15 +97,21 @@ def main(args) -> int:
         t = Table(box=None, header_style="bold")
         t.add_column("item")
         t.add_column("hours", justify="right")
+        t.add_column("cost", justify="right")
         t.add_column("from")
         for i in per_run["items"]:
-            t.add_row(i["item"], f"{i['hours']:.2f}" if i["hours"] is not None else "?", i["from"])
+            t.add_row(i["item"], f"{i['hours']:.2f}" if i["hours"] is not None else "?", money(i["cost"]), i["from"])
+        runs_cost = per_run["cost"] * args.runs if per_run["cost"] is not None else None
         t.add_row(Text("one run", style="bold"), Text(f"{per_run['hours']:.1f}", style="bold"),
-                  f"x {args.runs} run(s) = {per_run['hours'] * args.runs:.1f} h")
+                  Text(money(per_run["cost"]), style="bold"),
+                  f"x {args.runs} run(s) = {per_run['hours'] * args.runs:.1f} h, {money(runs_cost)}")
         console.print(t)
+        if per_run["cost_note"]:
+            console.print(Text("  " + per_run["cost_note"], style="dim"))
         for p in item["plans"]:
             verdict = Text("fits", style="green") if p["fits_with_margin"] else Text("too short", style="red")
-            cost = f", ${p['cost']:,.0f}" if p.get("cost") else ""
+            cost = (f", rental {money(p['cost'])} (the runs themselves: {money(p['work_cost'])})" if p.get("cost")
+                    else "")
             console.print(Text.assemble(f"  {p['days']:>2} days on {p['gpus']} GPU(s){cost}: ", verdict,
                                         f" ({p['runs_that_fit']} run(s) fit with a 20% margin)"
                                         + (f"; {'; '.join(p['advice'])}" if p["advice"] else "")))

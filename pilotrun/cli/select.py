@@ -16,16 +16,19 @@ from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds
 from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
+from .estimate import add_trace_cache_arg, money, print_trace_notes, traces_for
 
 HELP = """examples:
   pilotrun select examples/llama-7b-estimate/pilot.yaml
   pilotrun select pilot.yaml --markdown > selection.md
   pilotrun select pilot.yaml --json
+  pilotrun select pilot.yaml --catalog examples/catalog/my-gpus.yaml   # prices: cost per update and in total
   pilotrun select pilot.yaml --accelerator H100-80GB --accelerator MI300X-192GB --headroom 0.1
 
 For each accelerator: the first configuration that fits with headroom, in the fix order (single device,
 activation checkpointing, FSDP over 2/4/8, a smaller micro batch with more accumulation holding the examples
-per update), the largest micro batch and length that fit, and the time for train.updates."""
+per update), the largest micro batch and length that fit, and the time for train.updates. With prices in a
+catalog file (price_per_gpu_hour, see docs/catalog.md and examples/catalog/my-gpus.yaml) each time has its cost."""
 
 
 def add_parser(sub) -> None:
@@ -40,22 +43,24 @@ def add_parser(sub) -> None:
     p.add_argument("--headroom", type=float,
                    help="share of device memory kept free, 0 to 0.5 (default from the catalog, 5%%)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_trace_cache_arg(p)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
     out.add_argument("--markdown", action="store_true")
     p.set_defaults(func=main)
 
 
-def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) -> tuple[list[dict], Traces]:
+def build_sheet(spec, args, headroom, quiet) -> tuple[list[dict], Traces]:
+    """The sheet's rows for ``args.accelerator`` (``args.catalog``, ``args.ledger``, ``args.no_trace_cache``)."""
     if headroom is not None and not 0.0 <= headroom <= 0.5:
         raise UsageError(f"--headroom is a share of device memory kept free, from 0 to 0.5; got {headroom}")
     try:
-        catalog = load_catalog(catalog_path)
-        accs = [find(catalog, a) for a in accelerators] or list(catalog.values())
+        catalog = load_catalog(args.catalog)
+        accs = [find(catalog, a) for a in args.accelerator] or list(catalog.values())
     except CatalogError as exc:
         raise UsageError(str(exc)) from None
-    traces = Traces(spec)
-    ledger = ledger_if_present(ledger_path)
+    traces = traces_for(spec, args)
+    ledger = ledger_if_present(args.ledger)
     ext = installed_extensions(spec.folder)
     console = out_console()
     try:
@@ -66,39 +71,49 @@ def build_sheet(spec, accelerators, catalog_path, ledger_path, headroom, quiet) 
     return rows, traces
 
 
+def price_notes(rows: list[dict]) -> list[str]:
+    return [r["cost_note"] for r in rows if r.get("cost_note")]
+
+
 def markdown(spec, rows: list[dict]) -> str:
-    head = ("| accelerator | memory/device | fits | strategy | GPUs | precision | micro batch x accum "
-            "| largest micro batch | largest length | device used | time/update | time for updates | stack |\n|"
-            + "---|" * 13)
+    cols = ["accelerator", "memory/device", "fits", "strategy", "GPUs", "precision", "micro batch x accum",
+            "largest micro batch", "largest length", "device used", "time/update", "cost/update",
+            "time for updates", "cost for updates", "stack"]
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
     lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
              f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, length "
              f"{spec.data.max_length}, {spec.train.precision}.", "", head]
     for r in rows:
+        ok = r["fits"]
         lines.append(
-            f"| {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | {'yes' if r['fits'] else 'no'} | "
+            f"| {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | {'yes' if ok else 'no'} | "
             f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {r['gpus']} | {r['precision']} | "
             f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {r['largest_length']} | "
-            f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if r['fits'] else '—'} | "
+            f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if ok else '—'} | "
+            f"{money(r['cost_per_update'])} | "
             f"{(str(round(r['hours_for_planned_updates'], 1)) + ' h') if r['hours_for_planned_updates'] else '—'} | "
-            f"{r['software_stack']['text']} |")
+            f"{money(r['cost_for_planned_updates'])} | {r['software_stack']['text']} |")
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
-              "Times use the utilisation each row names."]
+              "Times use the utilisation each row names. Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
+    lines += [f"- {n}" for n in price_notes(rows)]
     return "\n".join(lines) + "\n"
 
 
 def main(args) -> int:
     spec = load_spec(args.spec, args.overrides, check_files=False)
-    rows, _ = build_sheet(spec, args.accelerator, args.catalog, args.ledger, args.headroom, args.json or args.markdown)
+    rows, traces = build_sheet(spec, args, args.headroom, args.json or args.markdown)
     if args.json:
-        print(json.dumps({"spec": spec.source, "rows": rows}, indent=1, default=str))
+        print(json.dumps({"spec": spec.source, "rows": rows, "trace_cache": traces.notes}, indent=1, default=str))
         return 0
+    print_trace_notes(traces)
     if args.markdown:
         print(markdown(spec, rows), end="")
         return 0
     console = out_console()
     t = Table(box=None, header_style="bold", title=f"selection sheet · {spec.name}", title_justify="left")
     for col in ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum per rank", "largest mb",
-                "largest length", "used", "time/update", f"{spec.train.updates} updates", "cost", "software stack"):
+                "largest length", "used", "time/update", "cost/update", f"{spec.train.updates} updates", "cost",
+                "software stack"):
         t.add_column(col)
     for r in rows:
         ok = r["fits"]
@@ -109,11 +124,14 @@ def main(args) -> int:
                   f"{r['micro_batch_size']} x {r['grad_accum_steps']}" if ok else "—",
                   str(r["largest_micro_batch"]) if ok else "—", str(r["largest_length"]) if ok else "—",
                   human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
+                  money(r["cost_per_update"]),
                   f"{r['hours_for_planned_updates']:.1f} h" if r["hours_for_planned_updates"] else "—",
-                  f"${r['cost_for_planned_updates']:,.0f}" if r["cost_for_planned_updates"] else "—",
+                  money(r["cost_for_planned_updates"]),
                   r["software_stack"]["text"])
     console.print(t)
     console.print(Text(f"{spec.train.precision}; examples per update held at "
                        f"{spec.train.micro_batch_size * spec.train.grad_accum_steps}; largest sizes assume activations "
                        "scale linearly (flash attention); utilisation: " + rows[0]["utilisation_source"], style="dim"))
+    for note in price_notes(rows):
+        console.print(Text(note, style="dim"))
     return 0

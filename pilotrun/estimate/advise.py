@@ -1,101 +1,158 @@
-"""What to change when a stage does not fit, in the fix order of docs/architecture.md ("Contracts"), each
-variant with its predicted memory and time.
+"""What to change when a stage does not fit: combinations of fixes in order of cost, each with its predicted
+memory and time, up to the cheapest one that fits.
+
+The fixes, cheapest first (the fix order of docs/architecture.md, "Contracts"):
 
 1. smaller micro batch, more accumulation (examples per update held: the same experiment);
 2. activation checkpointing (memory saved vs time added, both predicted);
 3. mixed precision (bf16, or fp16 with a grad scaler stepped on the real update boundary);
-4. sharding with FSDP2 across GPUs;
-5. a larger accelerator.
+4. sharding with FSDP2 across 2, 4, 8... GPUs (each count dearer than the last);
+5. a larger accelerator (each larger one dearer than the last).
+
+A combination costs what its dearest fix costs, then what the next dearest costs, and so on: FSDP2 over 2 GPUs
+with checkpointing is tried after FSDP2 over 2 alone and before FSDP2 over 4, because two GPUs with a recompute
+cost less than four. One knob at a time would miss it (issue 13: on an H100 the 7B fits as FSDP2 x2 +
+checkpointing, which the one-knob list never offered).
 
 Cutting the maximum length is never proposed: it changes the question, not the cost.
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 from .catalog import Accelerator
 from .model import estimate_fit
 
 
-def _row(name: str, fit: dict, base_s: float | None, changes: dict, experiment: str, why: str) -> dict:
+@dataclass(frozen=True)
+class Combination:
+    """Fix levels, each 0 when unused; sorting by ``cost`` is the order of docs/architecture.md."""
+
+    accelerator: Accelerator
+    accelerator_level: int = 0     # 0: the one asked about; k: the k-th larger in the catalog
+    gpus: int = 1                  # FSDP2 ranks when sharding is used
+    shard_level: int = 0           # 0: the strategy asked about; k: the k-th sharding step
+    precision: bool = False        # bf16 instead of fp32
+    checkpointing: bool = False
+    smaller_micro_batch: bool = False
+
+    @property
+    def cost(self) -> tuple:
+        return (self.accelerator_level, self.shard_level, self.precision, self.checkpointing,
+                self.smaller_micro_batch)
+
+    def name(self) -> str:
+        parts = []
+        if self.accelerator_level:
+            parts.append(f"a larger accelerator ({self.accelerator.name})")
+        if self.shard_level:
+            parts.append(f"FSDP2 over {self.gpus} GPUs")
+        if self.precision:
+            parts.append("mixed precision (bf16)")
+        if self.checkpointing:
+            parts.append("activation checkpointing")
+        if self.smaller_micro_batch:
+            parts.append("smaller micro batch, more accumulation")
+        return " + ".join(parts)
+
+
+def combinations(spec, acc: Accelerator, strategy: str, gpus: int,
+                 catalog: dict[str, Accelerator]) -> list[Combination]:
+    """Every combination of the fixes that apply to ``spec``, cheapest first (the empty one left out)."""
+    t = spec.train
+    per_node = int(acc.interconnect.get("gpus_per_node", 8))
+    shards = [0] + [n for n in (2, 4, 8, 16) if n <= per_node * 2 and not (strategy == "fsdp" and n <= gpus)]
+    # Meaningfully larger (10% or more), not a rounding of the same class.
+    larger = sorted((a for a in catalog.values() if a.memory_bytes >= acc.memory_bytes * 1.10),
+                    key=lambda a: a.memory_bytes)
+    out = []
+    for level, accel in enumerate([acc, *larger]):
+        for shard_level, n in enumerate(shards):
+            for prec, ac, mb in itertools.product(
+                    (False, True) if t.precision == "fp32" else (False,),
+                    (False, True) if not t.activation_checkpointing else (False,),
+                    (False, True) if t.micro_batch_size > 1 else (False,)):
+                c = Combination(accel, level, n if shard_level else gpus, shard_level, prec, ac, mb)
+                if any(c.cost):
+                    out.append(c)
+    return sorted(out, key=lambda c: c.cost)
+
+
+def _row(c: Combination, fit: dict, base_s: float | None, changes: dict, experiment: str, why: str) -> dict:
     s = fit["seconds_per_update"]
     return {
-        "variant": name, "changes": changes, "experiment": experiment, "reason": why,
+        "variant": c.name(), "changes": changes, "experiment": experiment, "reason": why,
         "accelerator": fit["accelerator"], "strategy": fit["strategy"], "gpus": fit["gpus"],
         "device_used_bytes": fit["device_used_bytes"], "peak_allocated_bytes": fit["peak_allocated_bytes"],
         "capacity_bytes": fit["capacity_bytes"], "fits": fit["fits"], "seconds_per_update": s,
-        "time_factor": (s / base_s) if s and base_s else None,
+        "time_factor": (s / base_s) if s and base_s else None, "cheapest_that_fits": False,
     }
+
+
+def _micro_batches(spec) -> list[int]:
+    """Smaller micro batches that hold the examples per update exactly, largest first."""
+    t = spec.train
+    examples = t.micro_batch_size * t.grad_accum_steps
+    return [m for m in range(t.micro_batch_size - 1, 0, -1) if examples % m == 0]
+
+
+def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
+             utilisation: float | None) -> dict:
+    """One combination's row: the trace it needs, its fit, and what it changes in the spec."""
+    t = spec.train
+    trace = traces.get(ac=True if c.checkpointing else None, precision="bf16" if c.precision else None)
+    strat = "fsdp" if c.shard_level else strategy
+    util = utilisation if not c.accelerator_level else None  # a pilot's utilisation is per accelerator
+    changes: dict = {}
+    why: list[str] = []
+    experiment = "same experiment"
+    if c.accelerator_level:
+        changes["accelerator"] = c.accelerator.name
+        why.append(f"{c.accelerator.memory_bytes / 2**30:.0f} GiB per device")
+    if c.shard_level:
+        changes |= {"distributed.strategy": "fsdp", "gpus": c.gpus}
+        experiment = "same experiment if examples per update are held (accumulation divided by the replicas)"
+        why.append("parameters, gradients and optimizer state sharded; activations per rank unchanged")
+    if c.precision:
+        changes["train.precision"] = "bf16"
+        experiment = "a variant: numerics change, record it as its own experiment"
+        why.append("bf16 autocast with fp32 master weights; on hardware without bf16, fp16 with a grad scaler "
+                   "stepped once per update")
+    if c.checkpointing:
+        changes["train.activation_checkpointing"] = True
+        base_flops = traces.get()["stages"]["steady_step"]["flops"]
+        why.append(f"the forward is recomputed in backward "
+                   f"({trace['stages']['steady_step']['flops'] / base_flops:.2f}x FLOPs)")
+    fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util)
+    if c.smaller_micro_batch:
+        # The largest smaller micro batch that fits; the smallest when none does (to show how far it is).
+        sizes = _micro_batches(spec)
+        for mb in sizes:
+            fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util,
+                               micro_scale=mb / t.micro_batch_size)
+            if fit["fits"]:
+                break
+        accum = t.micro_batch_size * t.grad_accum_steps // mb
+        changes |= {"train.micro_batch_size": mb, "train.grad_accum_steps": accum}
+        why.append(f"{mb} x {accum} = {mb * accum} examples per update, as before; activations scale with the "
+                   "micro batch")
+    return _row(c, fit, base_s, changes, experiment, "; ".join(why))
 
 
 def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: dict[str, Accelerator],
            utilisation: float | None = None) -> list[dict]:
-    """Variants for ``spec`` on ``acc`` (as ``strategy`` over ``gpus``); the first that fits is the advice."""
-    t = spec.train
-    base = traces.get()
-    current = estimate_fit(base, acc, strategy, gpus, utilisation=utilisation)
+    """Combinations for ``spec`` on ``acc`` (as ``strategy`` over ``gpus``) in order of cost, up to and
+    including the cheapest that fits (marked ``cheapest_that_fits``); all of them when none fits."""
+    current = estimate_fit(traces.get(), acc, strategy, gpus, utilisation=utilisation)
     base_s = current["seconds_per_update"]
     out = []
-    # 1. smaller micro batch with more accumulation: activations shrink, examples per update held.
-    mb, accum = t.micro_batch_size, t.grad_accum_steps
-    cand = mb // 2
-    while cand >= 1:
-        fit = estimate_fit(base, acc, strategy, gpus, utilisation=utilisation, micro_scale=cand / mb)
-        new_accum = accum * mb // cand
-        if (mb * accum) % cand == 0:
-            out.append(_row("smaller micro batch, more accumulation", fit, base_s,
-                            {"train.micro_batch_size": cand, "train.grad_accum_steps": new_accum},
-                            "same experiment: examples per update held",
-                            f"{cand} x {new_accum} = {cand * new_accum} examples per update, as before; activations "
-                            f"scale with the micro batch (linear model from the trace)"))
-            if fit["fits"]:
-                break
-        cand //= 2
-    # 2. activation checkpointing: a second trace.
-    if not t.activation_checkpointing:
-        ac = traces.get(ac=True)
-        fit = estimate_fit(ac, acc, strategy, gpus, utilisation=utilisation)
-        saved = current["device_used_bytes"] - fit["device_used_bytes"]
-        out.append(_row("activation checkpointing", fit, base_s, {"train.activation_checkpointing": True},
-                        "same experiment: the same function, recomputed",
-                        f"saves {saved / 2**30:.1f} GiB; the forward is recomputed in backward "
-                        f"({ac['stages']['steady_step']['flops'] / base['stages']['steady_step']['flops']:.2f}x "
-                        "FLOPs)"))
-    # 3. mixed precision.
-    if t.precision == "fp32":
-        half = traces.get(precision="bf16")
-        fit = estimate_fit(half, acc, strategy, gpus, utilisation=utilisation)
-        out.append(_row("mixed precision (bf16)", fit, base_s, {"train.precision": "bf16"},
-                        "a variant: numerics change, record it as its own experiment",
-                        "bf16 autocast with fp32 master weights; on hardware without bf16, fp16 with a grad scaler "
-                        "stepped once per update"))
-    # 4. sharding, then sharding with activation checkpointing.
-    per_node = int(acc.interconnect.get("gpus_per_node", 8))
-    sharded_fits = False
-    for n in (2, 4, 8, 16):
-        if n > per_node * 2 or (strategy == "fsdp" and n <= gpus):
+    for c in combinations(spec, acc, strategy, gpus, catalog):
+        if c.smaller_micro_batch and not _micro_batches(spec):
             continue
-        fit = estimate_fit(base, acc, "fsdp", n, utilisation=utilisation)
-        out.append(_row(f"FSDP2 over {n} GPUs", fit, base_s, {"distributed.strategy": "fsdp", "gpus": n},
-                        "same experiment if examples per update are held (accumulation divided by the replicas)",
-                        "parameters, gradients and optimizer state sharded; activations per rank unchanged"))
-        if fit["fits"]:
-            sharded_fits = True
-            break
-    if not sharded_fits and not t.activation_checkpointing:
-        ac = traces.get(ac=True)
-        for n in (2, 4, 8):
-            fit = estimate_fit(ac, acc, "fsdp", n, utilisation=utilisation)
-            out.append(_row(f"FSDP2 over {n} GPUs + activation checkpointing", fit, base_s,
-                            {"distributed.strategy": "fsdp", "gpus": n, "train.activation_checkpointing": True},
-                            "same experiment if examples per update are held", "both savings at once"))
-            if fit["fits"]:
-                break
-    # 5. a larger accelerator: meaningfully larger (10% or more), not a rounding of the same class.
-    for other in sorted(catalog.values(), key=lambda a: a.memory_bytes):
-        if other.memory_bytes < acc.memory_bytes * 1.10:
-            continue
-        fit = estimate_fit(base, other, strategy, gpus, utilisation=None)
-        out.append(_row(f"a larger accelerator ({other.name})", fit, base_s, {"accelerator": other.name},
-                        "same experiment", f"{other.memory_bytes / 2**30:.0f} GiB per device"))
-        if fit["fits"]:
+        row = evaluate(spec, traces, c, strategy, base_s, utilisation)
+        out.append(row)
+        if row["fits"]:
+            row["cheapest_that_fits"] = True
             break
     return out

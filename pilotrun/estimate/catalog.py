@@ -35,6 +35,19 @@ class Accelerator:
     aliases: tuple = ()
     defaults: dict = field(default_factory=dict)
 
+    def cost(self, hours: float | None, gpus: int) -> float | None:
+        """What ``hours`` on ``gpus`` of these cost at the catalog's price; None without a price or a time."""
+        if hours is None or self.price_per_gpu_hour is None:
+            return None
+        return hours * gpus * self.price_per_gpu_hour
+
+    def price_note(self) -> str | None:
+        """Why no cost is shown, and how to get one."""
+        if self.price_per_gpu_hour is not None:
+            return None
+        return (f"no price for {self.name}: add price_per_gpu_hour under accelerators.{self.name} in a catalog file "
+                "and pass --catalog (docs/catalog.md)")
+
     def peak_flops(self, precision: str) -> float | None:
         tf = self.peak_tflops.get(precision)
         return None if tf is None else float(tf) * 1e12
@@ -42,6 +55,10 @@ class Accelerator:
 
 REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", "interconnect", "context_bytes",
             "blas_workspace_bytes", "nccl_buffer_bytes")
+# Every key an entry may have (docs/catalog.md describes each); a misspelt key is an error, not ignored: a
+# silently dropped "price_per_hour" would leave every cost blank with no reason given.
+OPTIONAL = ("aliases", "compute_capability", "memory_spec_gb", "notes", "price_per_gpu_hour")
+DEFAULT_KEYS = ("reserved_margin", "utilisation", "headroom")
 
 
 def _read(path: Path | None) -> dict:
@@ -73,18 +90,31 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
         defaults.update(extra.get("defaults", {}) or {})
         for name, fields in (extra.get("accelerators") or {}).items():
             entries[name] = {**entries.get(name, {}), **(fields or {})}
+    unknown_defaults = sorted(set(defaults) - set(DEFAULT_KEYS))
+    if unknown_defaults:
+        raise CatalogError(f"{user or 'the built-in catalog'}: unknown key(s) under defaults: "
+                           f"{', '.join(unknown_defaults)}; known: {', '.join(DEFAULT_KEYS)} (docs/catalog.md)")
     out = {}
     for name, f in entries.items():
         missing = [k for k in REQUIRED if f.get(k) is None]
         if missing:
-            raise CatalogError(f"catalog entry {name!r} lacks {', '.join(missing)}")
+            raise CatalogError(f"catalog entry {name!r} lacks {', '.join(missing)} (docs/catalog.md lists every key)")
+        unknown = sorted(set(f) - set(REQUIRED) - set(OPTIONAL))
+        if unknown:
+            raise CatalogError(f"catalog entry {name!r} has unknown key(s) {', '.join(unknown)}; known: "
+                               f"{', '.join(REQUIRED + OPTIONAL)} (docs/catalog.md)")
+        price = f.get("price_per_gpu_hour")
+        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0):
+            raise CatalogError(f"catalog entry {name!r}: price_per_gpu_hour must be a number of your currency "
+                               f"per GPU per hour, e.g. 2.49; got {price!r}")
         out[name] = Accelerator(
             name=name, vendor=f["vendor"], stack=f["stack"], memory_bytes=int(f["memory_bytes"]),
             memory_spec_gb=float(f.get("memory_spec_gb", 0)), bandwidth_tb_s=float(f["bandwidth_tb_s"]),
             peak_tflops=dict(f["peak_tflops"]), interconnect=dict(f["interconnect"]),
             context_bytes=int(f["context_bytes"]), blas_workspace_bytes=int(f["blas_workspace_bytes"]),
             nccl_buffer_bytes=int(f["nccl_buffer_bytes"]), notes=str(f.get("notes", "")),
-            price_per_gpu_hour=f.get("price_per_gpu_hour"), compute_capability=str(f.get("compute_capability", "")),
+            price_per_gpu_hour=None if price is None else float(price),
+            compute_capability=str(f.get("compute_capability", "")),
             aliases=tuple(f.get("aliases", [])), defaults=defaults,
         )
     return out

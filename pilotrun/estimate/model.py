@@ -45,22 +45,40 @@ def _kernel_notes(trace: dict) -> list[dict]:
     ]
 
 
+def _moments(st: dict) -> list[tuple[str, dict]]:
+    """(phase, breakdown) of every moment the trace kept (trace.SCALES). A trace written by hand without
+    ``phases`` is one compute moment at its overall peak."""
+    phases = st.get("phases") or {"compute": [{"bytes": st["peak_bytes"], "breakdown": st["breakdown"]}]}
+    return [(name, m["breakdown"]) for name, moments in phases.items() for m in moments]
+
+
+def _parts(b: dict, activation_scale: float) -> StageBytes:
+    return StageBytes(parameters=b.get("parameters", 0), gradients=b.get("gradients", 0),
+                      optimizer=b.get("optimizer", 0), buffers=b.get("buffers", 0),
+                      activations=b.get("activations", 0) * activation_scale,
+                      weight_casts=b.get("weight_casts", 0))
+
+
 def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus: int,
                  micro_scale: float = 1.0) -> dict:
-    """Per-rank peak of one stage. ``micro_scale`` rescales activations (a smaller micro batch)."""
+    """Per-rank peak of one stage. ``micro_scale`` rescales activations (another micro batch).
+
+    Every moment the trace kept (forward/backward and optimizer step, see trace.SCALES) is placed on the
+    target with its activations scaled, and the largest taken: a stage whose traced peak is the optimizer
+    step (activation checkpointing) still grows with the batch from its backward moments -- saved layer
+    inputs for every layer plus one layer's recompute and the logits -- never from the step's near-zero
+    activations.
+    """
     st = trace["stages"][stage]
-    b = st["breakdown"]
     training = stage in TRAINING
+    chosen = strategies.get(strategy)
     # The train micro batch scales training activations only: evaluation keeps eval.batch_size.
-    parts = StageBytes(parameters=b.get("parameters", 0), gradients=b.get("gradients", 0),
-                       optimizer=b.get("optimizer", 0), buffers=b.get("buffers", 0),
-                       activations=b.get("activations", 0) * (micro_scale if training else 1.0),
-                       weight_casts=b.get("weight_casts", 0))
+    scale = micro_scale if training else 1.0
+    placed = [(name, chosen.estimate_memory(_parts(b, scale), trace, gpus, training)) for name, b in _moments(st)]
+    phase, (base, by_strategy) = max(placed, key=lambda p: p[1][0])
     corrections = [correction("allocator rounding (512 B blocks)", st["peak_bytes_rounded"] - st["peak_bytes"],
                               "allocated", f"{st.get('tensors', 0)} storages in the stage, each rounded up as the "
                               "caching allocator does")]
-    chosen = strategies.get(strategy)
-    base, by_strategy = chosen.estimate_memory(parts, trace, gpus, training)
     corrections += by_strategy
     workspaces = acc.blas_workspace_bytes * (2 if training else 1)
     corrections.append(correction("library workspaces", workspaces, "allocated",
@@ -80,7 +98,7 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
         corrections.append(correction("collective buffers", comm, "device",
                                       f"{'RCCL' if acc.stack == 'rocm' else 'NCCL'} buffers for one communicator"))
     return {"peak_allocated_bytes": int(allocated), "peak_reserved_bytes": int(reserved),
-            "device_used_bytes": int(device_used), "corrections": corrections}
+            "device_used_bytes": int(device_used), "corrections": corrections, "limiting_phase": phase}
 
 
 def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str,

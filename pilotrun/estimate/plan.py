@@ -39,8 +39,12 @@ def _last_rows(ledger, config_hash: str) -> dict[str, dict]:
     return {}
 
 
-def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | None = None) -> dict:
-    """Hours of one run, item by item, on the sheet row's configuration."""
+def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | None = None,
+                   download: dict | None = None) -> dict:
+    """Hours (and, with a price, cost) of one run, item by item, on the sheet row's configuration.
+
+    ``download`` is :func:`pilotrun.estimate.source.model_download`'s answer: what the node fetches
+    follows the model source (nothing for a config-built model), never the parameter count."""
     a = a or Assumptions()
     pilot = _last_rows(ledger, spec.config_hash())
     source = f"pilot {pilot['_run_id']['run_id']}" if pilot else None
@@ -49,10 +53,13 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     def add(name, seconds, how):
         items.append({"item": name, "hours": seconds / 3600 if seconds is not None else None, "from": how})
 
-    weights = trace["parameter_bytes"] // (2 if spec.train.precision != "fp32" else 1)
-    add("download", (weights + a.data_bytes) / (a.download_mb_s * 1e6),
-        f"{weights / 1e9:.1f} GB of weights + {a.data_bytes / 1e9:.1f} GB of data at {a.download_mb_s:g} MB/s "
-        "(assumed)")
+    weights = trace["parameter_bytes"] // (2 if spec.train.precision != "fp32" else 1)  # the exported copy
+    dl = download or {"bytes": None, "reason": "not measured: the model source was not looked at"}
+    add("model download", dl["bytes"] / (a.download_mb_s * 1e6) if dl["bytes"] is not None else None,
+        f"{dl['reason']}" + (f", at {a.download_mb_s:g} MB/s (assumed)" if dl["bytes"] else ""))
+    add("data download", a.data_bytes / (a.download_mb_s * 1e6),
+        f"{a.data_bytes / 1e9:.1f} GB (--data-gb) at {a.download_mb_s:g} MB/s (assumed)" if a.data_bytes else
+        "0 GB: the data is assumed on the node already (--data-gb gives its size)")
     prep = sum(pilot[g]["seconds"] for g in ("inspect", "load") if g in pilot) if pilot else None
     add("preprocessing and load", prep, f"measured by {source} (inspect + load)" if prep is not None else
         "not measured: run a pilot of this spec")
@@ -75,9 +82,14 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     add("export", weights / bw, f"{weights / 1e9:.1f} GB of weights at {bw / 1e6:.0f} MB/s")
     add("copy results off", (ckpt_bytes + weights) / (a.egress_mb_s * 1e6),
         f"last checkpoint + export at {a.egress_mb_s:g} MB/s (assumed)")
+    # The node is rented for the whole pipeline, so every item costs GPUs x hours x price.
+    price, gpus = row.get("price_per_gpu_hour"), row["gpus"]
+    for i in items:
+        i["cost"] = i["hours"] * gpus * price if (i["hours"] is not None and price is not None) else None
     known = [i["hours"] for i in items if i["hours"] is not None]
     return {"items": items, "hours": sum(known), "unknown": [i["item"] for i in items if i["hours"] is None],
-            "measured_by": source}
+            "cost": sum(known) * gpus * price if price is not None else None,
+            "cost_note": row.get("cost_note"), "measured_by": source}
 
 
 def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
@@ -103,8 +115,9 @@ def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
             "work_hours": hours, "fits_with_margin": fits, "runs_that_fit": runs_fit,
             "margin_hours": days * 24 - hours, "advice": advice,
             "cost": (days * 24 * row["gpus"] * row["price_per_gpu_hour"]) if row.get("price_per_gpu_hour") else None,
+            "work_cost": (hours * row["gpus"] * row["price_per_gpu_hour"]) if row.get("price_per_gpu_hour") else None,
             "cost_note": (None if row.get("price_per_gpu_hour")
-                          else "no price in the catalog: add price_per_gpu_hour (--catalog)"),
+                          else "no price in the catalog: add price_per_gpu_hour (--catalog, docs/catalog.md)"),
         })
     return out
 

@@ -1,4 +1,5 @@
-"""Traces on demand, shared by estimate, select, plan and the advisor: a trace is run once per variant.
+"""Traces on demand, shared by estimate, select, plan and the advisor: a trace is run once per variant, and
+kept on disk (:mod:`.cache`) so that the next command on the same job reads it instead.
 
 Example::
 
@@ -6,29 +7,57 @@ Example::
     base = traces.get()                   # the spec as written
     ac = traces.get(ac=True)              # with activation checkpointing
     half = traces.get(precision="bf16")
+    traces.notes                          # one line per trace: cached or traced, and any cache problem
 """
 from __future__ import annotations
 
 import json
+import time
 
 from ..config.spec import Spec
 from ..ledger.store import Ledger
+from .cache import CacheStatus, TraceCache, trace_key
 from .catalog import Accelerator, matches
 from .worker import trace_in_subprocess
 
 
 class Traces:
-    def __init__(self, spec: Spec, target: str = "cuda") -> None:
+    """``cache=None`` traces every variant afresh (and keeps nothing on disk); ``refresh=True`` ignores what
+    the cache holds but writes the new traces to it (``--no-trace-cache``)."""
+
+    def __init__(self, spec: Spec, target: str = "cuda", cache: TraceCache | None = None,
+                 refresh: bool = False) -> None:
         self.spec = spec
         self.target = target
+        self.disk = cache
+        self.refresh = refresh
+        self.notes: list[str] = []
         self._cache: dict[tuple, dict] = {}
 
     def get(self, ac: bool | None = None, precision: str | None = None) -> dict:
         key = (ac if ac is not None else self.spec.train.activation_checkpointing,
                precision or self.spec.train.precision)
         if key not in self._cache:
-            self._cache[key] = trace_in_subprocess(self.spec, self.target, ac=key[0], precision=key[1])
+            self._cache[key] = self._load(*key)
         return self._cache[key]
+
+    def _load(self, ac: bool, precision: str) -> dict:
+        what = f"trace ({'with' if ac else 'without'} activation checkpointing, {precision})"
+        if self.disk is None:
+            return trace_in_subprocess(self.spec, self.target, ac=ac, precision=precision)
+        key = trace_key(self.spec, self.target, ac, precision)
+        if not self.refresh:
+            hit = self.disk.get(key)
+            if hit.status is CacheStatus.HIT and hit.trace is not None:
+                self.notes.append(f"{what}: {hit.note}")
+                return hit.trace
+            if hit.status is CacheStatus.UNUSABLE:
+                self.notes.append(f"{what}: {hit.note}")
+        trace = trace_in_subprocess(self.spec, self.target, ac=ac, precision=precision)
+        problem = self.disk.put(key, trace, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        self.notes.append(f"{what}: traced in {trace['seconds']:.1f} s"
+                          + (f"; {problem}" if problem else f", cached as {self.disk.path(key)}"))
+        return trace
 
 
 def calibrated_utilisation(ledger: Ledger | None, config_hash: str, acc: Accelerator, flops_per_update: float,

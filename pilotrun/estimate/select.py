@@ -102,8 +102,9 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
                                + (f"; length capped at the model's max_position_embeddings ({max_len})"
                                   if capped else "")),
         "price_per_gpu_hour": acc.price_per_gpu_hour,
-        "cost_for_planned_updates": (s * t.updates / 3600 * gpus * acc.price_per_gpu_hour
-                                     if s and acc.price_per_gpu_hour else None),
+        "cost_per_update": acc.cost(s / 3600 if s else None, gpus),
+        "cost_for_planned_updates": acc.cost(s * t.updates / 3600 if s else None, gpus),
+        "cost_note": acc.price_note(),
         "device_used_bytes": fit["device_used_bytes"],
         "seconds_per_update": s,
         "hours_for_planned_updates": s * t.updates / 3600 if s else None,

@@ -1,0 +1,182 @@
+"""Traces kept on disk, so that estimate, select and plan of one job trace it once.
+
+A trace of a 7B-shaped job takes 13 s on a quiet 2-core machine and minutes on a busy one; its result
+depends only on what is in the key below. Entries are JSON (never pickle: a cache file must not be able to
+run code), one file per key under ``$PILOTRUN_CACHE/traces`` or ``~/.cache/pilotrun/traces``.
+
+The key holds what the trace reads: the spec's model section, the data section (and, for a data factory,
+the factory's files), the train sizes, optimizer (not its learning rate) and loss normalisation, the
+evaluation sizes, the strategy, the seed, the trace's own options (target, checkpointing, precision, micro
+batch, length) and the versions of pilotrun, torch and transformers. Files the spec names (factories, a
+local model folder's config, a factory's data files) enter by size and modification time, not content:
+hashing a dataset on every call would cost what the cache saves.
+
+Example::
+
+    cache = TraceCache.default()
+    key = trace_key(spec, "cuda", ac=True, precision="bf16")
+    hit = cache.get(key)          # CacheRead: trace or None, and a note saying what happened
+    cache.put(key, trace, "2026-12-01T03:46:29Z")   # a note when the entry could not be written
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from .. import __version__
+from ..config.spec import Spec
+
+CACHE_ENV = "PILOTRUN_CACHE"
+FORMAT = 2  # bump when TraceResult's fields change meaning: older entries are then simply other keys
+
+
+def default_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    return (Path(root) if root else Path.home() / ".cache" / "pilotrun") / "traces"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _file_stamp(path: Path) -> dict:
+    try:
+        st = path.stat()
+    except OSError:
+        return {"missing": True}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _resolve(spec: Spec, path: str) -> Path | None:
+    try:
+        return spec.resolve(path)
+    except OSError:  # a 'pkg:' path whose package is not installed: the trace itself will say so
+        return None
+
+
+def _named_files(spec: Spec) -> dict[str, dict]:
+    """Files beside the spec whose contents a trace reads: factory code, a local model config, factory data."""
+    folder = spec.folder
+    files: dict[str, dict] = {}
+    if spec.model.factory or spec.data.factory:
+        # A "module:function" factory is imported from the spec's folder and may import its neighbours:
+        # stamp the Python files there and one level down (bounded: the folder may be a large checkout).
+        for py in sorted([*folder.glob("*.py"), *folder.glob("*/*.py")])[:200]:
+            files[str(py.relative_to(folder))] = _file_stamp(py)
+    if spec.model.hf:
+        local = _resolve(spec, spec.model.hf)
+        if local is not None and local.is_dir():
+            files[f"{spec.model.hf}/config.json"] = _file_stamp(local / "config.json")
+    if spec.data.factory and spec.data.path:
+        paths = spec.data.path.values() if isinstance(spec.data.path, dict) else [spec.data.path]
+        for p in paths:
+            resolved = _resolve(spec, p)
+            files[str(p)] = _file_stamp(resolved) if resolved else {"missing": True}
+    return files
+
+
+def trace_key(spec: Spec, target: str, ac: bool, precision: str, micro_batch: int | None = None,
+              seq_len: int | None = None) -> dict:
+    """Everything a trace's result depends on, as plain JSON."""
+    c = spec.canonical()
+    train = c["train"]
+    return {
+        "format": FORMAT,
+        "versions": {"pilotrun": __version__, "torch": _version("torch"), "transformers": _version("transformers")},
+        "trace": {"target": target, "activation_checkpointing": ac, "precision": precision,
+                  "micro_batch": micro_batch, "seq_len": seq_len},
+        "model": c["model"],
+        "data": {k: c["data"].get(k) for k in sorted(c["data"]) if k not in ("num_workers", "drop_last")},
+        # The learning rate changes no tensor's size: a campaign varying it shares one trace.
+        "train": {k: train.get(k) for k in ("micro_batch_size", "grad_accum_steps", "loss_normalization",
+                                            "max_grad_norm")}
+                 | {"optimizer": {k: v for k, v in train["optimizer"].items() if k != "lr"}},
+        "eval": {k: c["eval"].get(k) for k in ("batch_size", "max_length")},
+        "strategy": c["distributed"].get("strategy"),
+        "seed": c["seed"],
+        "files": _named_files(spec),
+    }
+
+
+def digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+class CacheStatus(str, Enum):
+    HIT = "hit"
+    MISSING = "missing"
+    UNUSABLE = "unusable"    # a corrupt, truncated or foreign file: traced again and overwritten
+
+
+@dataclass
+class CacheRead:
+    status: CacheStatus
+    trace: dict | None
+    note: str           # what happened, for the user: used, missing, unreadable (and why)
+    path: Path
+
+
+class TraceCache:
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    @classmethod
+    def default(cls) -> TraceCache:
+        return cls(default_dir())
+
+    def path(self, key: dict) -> Path:
+        return self.folder / f"{digest(key)}.json"
+
+    def get(self, key: dict) -> CacheRead:
+        path = self.path(key)
+        if not path.exists():
+            return CacheRead(CacheStatus.MISSING, None, f"no cached trace at {path}", path)
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            return CacheRead(CacheStatus.UNUSABLE, None,
+                             f"the cached trace {path} is unreadable ({type(exc).__name__}): traced again", path)
+        problem = _check(entry, key)
+        if problem:
+            return CacheRead(CacheStatus.UNUSABLE, None,
+                             f"the cached trace {path} is unusable ({problem}): traced again", path)
+        return CacheRead(CacheStatus.HIT, entry["trace"],
+                         f"used the cached trace {path} (traced {entry.get('traced_at', '?')} in "
+                         f"{entry['trace'].get('seconds', 0):.1f} s; --no-trace-cache traces again)", path)
+
+    def put(self, key: dict, trace: dict, traced_at: str) -> str | None:
+        """Write the entry atomically; a note (not an error) when the cache cannot be written."""
+        path = self.path(key)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False) as f:
+                json.dump({"key": key, "traced_at": traced_at, "trace": trace}, f)
+            os.replace(f.name, path)
+        except OSError as exc:
+            return (f"the trace was not cached: {path.parent}: {exc.strerror or exc} (set {CACHE_ENV} to a writable "
+                    "folder)")
+        return None
+
+
+def _check(entry: object, key: dict) -> str | None:
+    """Why a parsed entry cannot be used, or None."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("trace"), dict):
+        return "not a trace entry"
+    if entry.get("key") != key:
+        return "its key differs from this job's"
+    stages = entry["trace"].get("stages")
+    if not isinstance(stages, dict) or not {"first_step", "steady_step", "eval"} <= set(stages):
+        return "stages missing"
+    for field in ("parameter_bytes", "optimizer_state_bytes", "precision", "seconds"):
+        if field not in entry["trace"]:
+            return f"{field} missing"
+    return None

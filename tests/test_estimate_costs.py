@@ -1,0 +1,139 @@
+"""Prices from a documented catalog, costs beside every time, and a download that follows the model source."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pilotrun.cli.estimate import money
+from pilotrun.config import load_spec
+from pilotrun.estimate.catalog import DEFAULT_KEYS, OPTIONAL, REQUIRED, CatalogError, load_catalog
+from pilotrun.estimate.plan import pipeline_hours
+from pilotrun.estimate.source import ModelSource, model_download
+
+from .conftest import EXAMPLES, pilotrun_cli
+from .test_estimate import SHALLOW, synthetic_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_CATALOG = EXAMPLES / "catalog" / "my-gpus.yaml"
+LLAMA = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
+
+
+def test_the_documented_keys_are_the_keys_the_loader_accepts():
+    doc = (ROOT / "docs" / "catalog.md").read_text()
+    tables = doc.split("## Keys of an accelerator")[1]
+    entry_part, defaults_part = tables.split("## Keys under `defaults`")
+    documented = set(re.findall(r"^\| `(\w+)` \|", entry_part, re.M))
+    assert documented == set(REQUIRED) | set(OPTIONAL)
+    assert set(re.findall(r"^\| `(\w+)` \|", defaults_part.split("##")[0], re.M)) == set(DEFAULT_KEYS)
+
+
+def test_the_example_catalog_loads_with_prices():
+    cat = load_catalog(EXAMPLE_CATALOG)
+    assert cat["H100-80GB"].price_per_gpu_hour == 2.99
+    assert cat["H100-80GB"].memory_bytes == load_catalog()["H100-80GB"].memory_bytes  # only the price overridden
+    assert cat["L40S-48GB"].price_per_gpu_hour == 0.99 and cat["L40S-48GB"].peak_flops("bf16") == 362e12
+    assert cat["H100-80GB"].defaults["headroom"] == 0.08
+    assert cat["H100-80GB"].cost(2.0, 4) == pytest.approx(2.0 * 4 * 2.99)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("accelerators:\n  H100-80GB: {price_per_hour: 2.5}\n", "unknown key.*price_per_hour.*price_per_gpu_hour"),
+    ("accelerators:\n  H100-80GB: {price_per_gpu_hour: cheap}\n", "price_per_gpu_hour must be a number"),
+    ("accelerators:\n  H100-80GB: {price_per_gpu_hour: -1}\n", "price_per_gpu_hour must be a number"),
+    ("defaults: {head_room: 0.1}\naccelerators: {}\n", "unknown key.*head_room.*headroom"),
+])
+def test_a_misspelt_or_wrong_catalog_key_is_named(tmp_path, text, match):
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(CatalogError, match=match):
+        load_catalog(path)
+
+
+def test_no_price_says_which_entry_and_how():
+    acc = load_catalog()["A100-80GB"]
+    assert acc.cost(1.0, 1) is None
+    assert "price_per_gpu_hour" in acc.price_note() and "A100-80GB" in acc.price_note()
+
+
+def test_download_follows_the_model_source(tmp_path):
+    config_built = model_download(load_spec(LLAMA, check_files=False))
+    assert config_built["bytes"] == 0 and config_built["source"] is ModelSource.CONFIG
+    assert "random weights" in config_built["reason"]
+    # A local folder: its files' size.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 3000)
+    (model / "config.json").write_text("{}")
+    local = model_download(_hf_spec(tmp_path, "model"))
+    assert local["source"] is ModelSource.LOCAL and local["bytes"] == 3002
+    # A Hub id: the revision's files in the local cache, or "not measured" (never a guess from the parameters).
+    hub = tmp_path / "hub"
+    commit = "a" * 40
+    snap = hub / "models--org--net" / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").write_bytes(b"\0" * 5000)
+    (hub / "models--org--net" / "refs").mkdir()
+    (hub / "models--org--net" / "refs" / "main").write_text(commit)
+    cached = model_download(_hf_spec(tmp_path, "org/net"), hub_cache=hub)
+    assert cached["bytes"] == 5000 and cached["source"] is ModelSource.HUB and commit[:12] in cached["reason"]
+    pinned = model_download(_hf_spec(tmp_path, "org/net", revision="b" * 40), hub_cache=hub)
+    assert pinned["bytes"] is None and pinned["reason"].startswith("not measured") and "--model-gb" in pinned["reason"]
+    absent = model_download(_hf_spec(tmp_path, "org/other"), hub_cache=hub)
+    assert absent["bytes"] is None and "not in the local Hugging Face cache" in absent["reason"]
+    given = model_download(_hf_spec(tmp_path, "org/other"), given_gb=1.5, hub_cache=hub)
+    assert given["bytes"] == 1_500_000_000 and given["source"] is ModelSource.GIVEN
+
+
+def _hf_spec(folder: Path, hf: str, revision: str | None = None):
+    spec = load_spec(LLAMA, check_files=False)
+    spec.model.config = None
+    spec.model.hf = hf
+    spec.model.revision = revision
+    spec.source = str(folder / "pilot.yaml")
+    return spec
+
+
+def test_plan_items_carry_cost_and_the_download_of_the_source():
+    spec = load_spec(LLAMA, check_files=False)
+    row = {"gpus": 2, "price_per_gpu_hour": 3.0, "seconds_per_update": 2.0, "utilisation_source": "catalog default",
+           "cost_note": None}
+    download = model_download(spec)
+    per_run = pipeline_hours(spec, row, synthetic_trace(), None, None, download)
+    items = {i["item"]: i for i in per_run["items"]}
+    assert items["model download"]["hours"] == 0 and "random weights" in items["model download"]["from"]
+    assert items["training"]["hours"] == pytest.approx(2.0 * spec.train.updates / 3600)
+    assert items["training"]["cost"] == pytest.approx(items["training"]["hours"] * 2 * 3.0)
+    assert per_run["cost"] == pytest.approx(per_run["hours"] * 2 * 3.0)
+    unknown = pipeline_hours(spec, row | {"price_per_gpu_hour": None, "cost_note": "no price"}, synthetic_trace(),
+                             None, None, {"bytes": None, "reason": "not measured: test"})
+    assert "model download" in unknown["unknown"] and unknown["cost"] is None and unknown["cost_note"] == "no price"
+
+
+@pytest.mark.slow
+def test_select_markdown_json_and_plan_show_cost_where_they_show_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("PILOTRUN_CACHE", str(tmp_path / "cache"))
+    common = [str(LLAMA), "--set", SHALLOW[0], "--catalog", str(EXAMPLE_CATALOG), "--accelerator", "H100-80GB",
+              "--accelerator", "A100-80GB"]
+    res = pilotrun_cli("select", *common, "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = {r["accelerator"]: r for r in json.loads(res.stdout)["rows"]}
+    h100 = rows["H100-80GB"]
+    assert h100["cost_per_update"] == pytest.approx(h100["seconds_per_update"] / 3600 * h100["gpus"] * 2.99)
+    assert h100["cost_for_planned_updates"] == pytest.approx(h100["hours_for_planned_updates"] * h100["gpus"] * 2.99)
+    md = pilotrun_cli("select", *common, "--markdown", cwd=tmp_path)
+    assert md.returncode == 0, md.stderr
+    header = next(line for line in md.stdout.splitlines() if line.startswith("| accelerator"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    line = next(ln for ln in md.stdout.splitlines() if ln.startswith("| H100-80GB"))
+    cells = dict(zip(cols, (c.strip() for c in line.strip("|").split("|")), strict=True))
+    assert cells["cost for updates"] == money(h100["cost_for_planned_updates"])
+    assert cells["cost/update"] == money(h100["cost_per_update"]) and cells["cost/update"] != "—"
+    plan = pilotrun_cli("plan", *common, "--json", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    per_run = {a["accelerator"]: a for a in json.loads(plan.stdout)["accelerators"]}["H100-80GB"]["per_run"]
+    items = {i["item"]: i for i in per_run["items"]}
+    assert items["model download"]["hours"] == 0 and "random weights" in items["model download"]["from"]
+    assert per_run["cost"] == pytest.approx(per_run["hours"] * h100["gpus"] * 2.99)
