@@ -26,8 +26,27 @@ def _state_dicts(trainer):
     return get_state_dict(trainer.model, trainer.optimizer)
 
 
-def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None) -> dict:
-    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0)."""
+def _buffers_from(msd: dict, module: torch.nn.Module, source: int) -> dict:
+    """``msd`` with every buffer replaced by ``source``'s copy (a broadcast into clones: the live buffers are
+    untouched). Every rank calls it, in the same key order."""
+    import torch.distributed as dist
+
+    names = sorted({name for name, _ in module.named_buffers()} & set(msd))
+    out = dict(msd)
+    for name in names:
+        copy = msd[name].detach().clone()
+        dist.broadcast(copy, src=source)
+        out[name] = copy
+    return out
+
+
+def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None,
+                     buffers_from: int | None = None) -> dict:
+    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0).
+
+    ``buffers_from``: the rank whose buffers are the training state (DDP: rank 0, which it broadcasts at
+    each forward). DCP writes one copy of a tensor all ranks hold, from whichever rank balances the write
+    load, so without this a buffer whose copies differ is saved from an arbitrary rank."""
     import torch.distributed.checkpoint as dcp
 
     from .. import distributed
@@ -40,6 +59,8 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
         (tmp / "dcp").mkdir(parents=True)
     distributed.barrier(env)
     msd, osd = _state_dicts(trainer)
+    if buffers_from is not None:
+        msd = _buffers_from(msd, trainer.plain_model, buffers_from)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "dcp"))
     rng_json, rng_tensors = capture_rng()
     torch.save(rng_tensors, tmp / f"rng-rank{env.rank}.pt")
