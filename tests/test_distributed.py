@@ -146,10 +146,25 @@ def test_fsdp_pilot_on_two_processes_passes_every_gate(tmp_path):
     # Same losses as one process with the same examples per update (2 x 8 per micro step = one micro batch of 16).
     single = tmp_path / "single"
     (single).mkdir()
-    gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step"])
+    one = gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step", "export"])
     reference = [x for _, x in _losses(single / "l.sqlite")]
     fsdp = [x for r, x in _losses(ledger) if r == 0]
     assert fsdp == pytest.approx(reference, rel=1e-5)
+    # The export gathered from shards is the single-process export: tie_word_embeddings keeps lm_head.weight
+    # out of the file (20 tensors), every tensor under the same name, dtype, shape and offsets, the same bytes.
+    export = next(g for g in report["gates"] if g["gate"] == "export" and g["rank"] == 0)
+    assert export["details"]["tensors"] == one["export"]["details"]["tensors"] == 20
+    mine, theirs = (Path(p) / "model.safetensors" for p in (export["details"]["path"], one["export"]["details"]["path"]))
+    assert _safetensors_header(mine) == _safetensors_header(theirs)
+    assert "lm_head.weight" not in _safetensors_header(mine)
+    assert mine.stat().st_size == theirs.stat().st_size
+    assert export["details"]["bytes"] == one["export"]["details"]["bytes"]
+
+
+def _safetensors_header(path: Path) -> dict:
+    """The file's header: every tensor's name, dtype, shape and byte offsets, and the metadata."""
+    raw = path.read_bytes()
+    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
 
 
 @pytest.mark.slow

@@ -89,11 +89,37 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
     return distributed.broadcast(env, record)
 
 
+def tied_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of state-dict names that are one tensor in ``model`` (tied embeddings: ``lm_head.weight`` and
+    ``model.embed_tokens.weight``), in the names ``get_model_state_dict`` uses (no DDP ``module.`` prefix)."""
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    owners: dict[int, list[str]] = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)]:
+        owners.setdefault(id(tensor), []).append(name)
+    return [names for names in owners.values() if len(names) > 1]
+
+
+def retie(state: dict, groups: list[list[str]]) -> dict:
+    """``state`` with each group's entries made one tensor again, the first name's."""
+    out = dict(state)
+    for names in groups:
+        present = [n for n in names if n in out]
+        for name in present[1:]:
+            out[name] = out[present[0]]
+    return out
+
+
 def full_model_state_dict(model) -> dict:
-    """The complete weights gathered from every rank (each rank calls this; they land on CPU)."""
+    """The complete weights gathered from every rank (each rank calls this; they land on CPU).
+
+    Gathering makes one CPU tensor per name, so tied weights arrive as separate copies; they are
+    made one tensor again, so the export stores them once as ``save_pretrained`` and
+    ``safetensors.torch.save_model`` do in one process (both drop names that share storage)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return retie(state, tied_names(model))
 
 
 def restore_distributed(trainer, folder: Path, env) -> dict:
