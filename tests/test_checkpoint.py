@@ -88,3 +88,37 @@ def test_replacing_a_folder_and_recovering_an_interrupted_swap(tmp_path):
     # A kill between the two renames of a replace leaves only .step-000003.old-PID:
     (tmp_path / "step-000003").rename(tmp_path / ".step-000003.old-123")
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000003"
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 16, bias=False)
+        self.head.weight = self.embed.weight  # tied, as tie_word_embeddings does
+
+
+def test_gathered_weights_are_retied_so_the_export_equals_one_process(tmp_path):
+    from safetensors import safe_open
+
+    from pilotrun.checkpoint import export_model
+    from pilotrun.checkpoint.dist import retie, tied_names
+
+    torch.manual_seed(0)
+    model = _TiedLM()
+    assert tied_names(model) == [["embed.weight", "head.weight"]]
+    # What a full-state-dict gather returns: one separate CPU copy per name, the tie lost.
+    gathered = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    export_model(tmp_path / "one", model)
+    export_model(tmp_path / "untied", model, state_dict=gathered)
+    export_model(tmp_path / "retied", model, state_dict=retie(gathered, tied_names(model)))
+
+    def names(folder):
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+            return sorted(fh.keys())
+
+    assert names(tmp_path / "one") == ["body.bias", "body.weight", "embed.weight"]
+    assert names(tmp_path / "untied") == [*names(tmp_path / "one"), "head.weight"]  # what the FSDP export did
+    assert (tmp_path / "retied" / "model.safetensors").read_bytes() == \
+        (tmp_path / "one" / "model.safetensors").read_bytes()

@@ -164,3 +164,36 @@ def test_resume_from_the_cli_after_a_real_kill(toylm, tmp_path):
     # Nothing left to resume.
     res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--resume", cwd=tmp_path)
     assert res.returncode == 2 and "no interrupted pilot" in res.stderr
+
+
+def test_buffers_are_compared_with_the_copy_the_strategy_makes_the_state():
+    from types import SimpleNamespace
+
+    from pilotrun import strategies
+    from pilotrun.checkpoint import compare_fingerprints
+
+    ddp = strategies.get("ddp").buffer_sync(SimpleNamespace(broadcast_buffers=True))
+    assert ddp.source_rank == 0 and "broadcast_buffers=True" in ddp.why
+    assert strategies.get("ddp").buffer_sync(SimpleNamespace(broadcast_buffers=False)).source_rank is None
+    assert strategies.get("fsdp").buffer_sync(SimpleNamespace()).source_rank is None
+    assert strategies.get("single").buffer_sync(SimpleNamespace()).source_rank is None
+    # Rank 1 saved its own running mean ("own"), rank 0 had "zero"; DDP makes rank 0's copy the state.
+    saved = {"buffers": {"bn.running_mean": {"digest": "own", "persistent": True},
+                         "scale": {"digest": "s1", "persistent": False}},
+             "buffer_sync": {"source_rank": 0, "why": ddp.why,
+                             "source_digests": {"bn.running_mean": "zero", "scale": "s1"}}}
+    restored = {"buffers": {"bn.running_mean": {"digest": "zero", "persistent": True},
+                            "scale": {"digest": "s1", "persistent": False}}}
+    assert compare_fingerprints(saved, restored) == []
+    restored["buffers"]["bn.running_mean"]["digest"] = "own"  # its own copy back: not what DDP would run with
+    (m,) = compare_fingerprints(saved, restored)
+    assert m["field"] == "buffer 'bn.running_mean'" and "rank 0's saved copy" in m["hint"]
+    assert m["strategy"] == ddp.why
+    restored["buffers"]["bn.running_mean"]["digest"] = "zero"
+    restored["buffers"]["scale"]["digest"] = "s0"  # a buffer the checkpoint never held is still caught
+    (m,) = compare_fingerprints(saved, restored)
+    assert m["field"] == "buffer 'scale'" and "persistent=False" in m["hint"]
+    # One process (no buffer_sync recorded): each buffer against its own saved digest, as before.
+    del saved["buffer_sync"]
+    assert [x["field"] for x in compare_fingerprints(saved, restored)] == ["buffer 'bn.running_mean'",
+                                                                           "buffer 'scale'"]

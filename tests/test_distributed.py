@@ -5,14 +5,16 @@ import json
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from pilotrun.batching import batch_plan
 from pilotrun.pilot import rank_summary
 from pilotrun.train.sampler import DataPlan
 
-from .conftest import SPEC_ORDER, copy_example, gate_rows, pilotrun_cli
+from .conftest import SPEC_ORDER, copy_example, copy_fixture, gate_rows, pilotrun_cli
 
 
 def test_each_rank_takes_its_slice_of_the_shared_order():
@@ -144,10 +146,25 @@ def test_fsdp_pilot_on_two_processes_passes_every_gate(tmp_path):
     # Same losses as one process with the same examples per update (2 x 8 per micro step = one micro batch of 16).
     single = tmp_path / "single"
     (single).mkdir()
-    gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step"])
+    one = gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step", "export"])
     reference = [x for _, x in _losses(single / "l.sqlite")]
     fsdp = [x for r, x in _losses(ledger) if r == 0]
     assert fsdp == pytest.approx(reference, rel=1e-5)
+    # The export gathered from shards is the single-process export: tie_word_embeddings keeps lm_head.weight
+    # out of the file (20 tensors), every tensor under the same name, dtype, shape and offsets, the same bytes.
+    export = next(g for g in report["gates"] if g["gate"] == "export" and g["rank"] == 0)
+    assert export["details"]["tensors"] == one["export"]["details"]["tensors"] == 20
+    mine, theirs = (Path(p) / "model.safetensors" for p in (export["details"]["path"], one["export"]["details"]["path"]))
+    assert _safetensors_header(mine) == _safetensors_header(theirs)
+    assert "lm_head.weight" not in _safetensors_header(mine)
+    assert mine.stat().st_size == theirs.stat().st_size
+    assert export["details"]["bytes"] == one["export"]["details"]["bytes"]
+
+
+def _safetensors_header(path: Path) -> dict:
+    """The file's header: every tensor's name, dtype, shape and byte offsets, and the metadata."""
+    raw = path.read_bytes()
+    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
 
 
 @pytest.mark.slow
@@ -167,3 +184,58 @@ def test_ddp_pilot_matches_one_process(tmp_path):
     single.mkdir()
     gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step"])
     assert [x for r, x in ddp if r == 0] == pytest.approx([x for _, x in _losses(single / "l.sqlite")], rel=1e-5)
+
+
+def _restore_rows(report: dict) -> dict[int, dict]:
+    return {g["rank"]: g for g in report["gates"] if g["gate"] == "restore"}
+
+
+@pytest.mark.slow
+def test_ddp_restores_batchnorm_statistics_as_rank_0s_and_still_catches_an_unsaved_buffer(tmp_path):
+    from pilotrun.checkpoint.state import _digest
+
+    spec = copy_fixture("bncnn", tmp_path)
+    out = tmp_path / "ddp"
+    args = ["launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=ddp",
+            "--gates", "steady_step,save,restore", "--ledger", str(tmp_path / "l.sqlite")]
+    res = pilotrun_cli(*args, "--out", str(out), cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    restore = _restore_rows(report)
+    assert {r: g["verdict"] for r, g in restore.items()} == {0: "pass", 1: "pass"}
+    assert "rank 0's saved copy" in restore[0]["reason"] and "broadcast_buffers=True" in restore[0]["reason"]
+    # The case has teeth: after their last forward the ranks' running statistics really differed.
+    ckpt = Path(next(g for g in report["gates"] if g["gate"] == "save" and g["rank"] == 0)["details"]["path"])
+    saved = [json.loads((ckpt.parent / f"{ckpt.name}.expect.rank{r}.json").read_text())["buffers"] for r in (0, 1)]
+    name = "module.features.1.running_mean"
+    assert saved[0][name]["digest"] != saved[1][name]["digest"]
+    # The checkpoint holds rank 0's copy (DCP alone writes each replicated tensor from whichever rank
+    # balances the load), read back by a plain script through `pilotrun convert`.
+    assert pilotrun_cli("convert", str(ckpt), "--out", str(tmp_path / "c.pt"), cwd=tmp_path).returncode == 0
+    model = torch.load(tmp_path / "c.pt", weights_only=True)["model"]
+    for buf in ("running_mean", "running_var"):
+        assert _digest(model[f"features.1.{buf}"]) == saved[0][f"module.features.1.{buf}"]["digest"]
+
+    # A buffer the checkpoint does not hold (persistent=False, changed by training, scales the logits) still fails.
+    bad = tmp_path / "unsaved"
+    res = pilotrun_cli(*args, "--set", "model.bug=unsaved_buffer", "--out", str(bad), cwd=tmp_path, timeout=600)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    reason = _restore_rows(json.loads((bad / "report.json").read_text()))[0]["reason"]
+    assert ("buffer 'module.forwards' on ranks 0 and 1: it is registered with persistent=False, so state_dict() "
+            "does not save it") in reason, reason
+    assert "running_mean" not in reason, reason
+
+
+@pytest.mark.slow
+def test_fsdp_names_unsynchronised_batchnorm_buffers_as_the_cause(tmp_path):
+    # FSDP2 keeps each rank's buffers and nothing reconciles them: the checkpoint cannot hold both copies,
+    # so the restore fails (a resumed rank would run with another rank's statistics) and says why.
+    spec = copy_fixture("bncnn", tmp_path)
+    res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=fsdp",
+                       "--gates", "steady_step,save,restore", "--out", str(tmp_path / "out"),
+                       "--ledger", str(tmp_path / "l.sqlite"), cwd=tmp_path, timeout=600)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    reason = _restore_rows(json.loads((tmp_path / "out" / "report.json").read_text()))[0]["reason"]
+    assert "buffer 'features.1.running_mean' on rank" in reason and "the buffer was not restored" in reason, reason
+    assert reason.count("FSDP2 neither shards nor synchronises buffers") == 1, reason
+    assert "SyncBatchNorm.convert_sync_batchnorm" in reason

@@ -26,8 +26,27 @@ def _state_dicts(trainer):
     return get_state_dict(trainer.model, trainer.optimizer)
 
 
-def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None) -> dict:
-    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0)."""
+def _buffers_from(msd: dict, module: torch.nn.Module, source: int) -> dict:
+    """``msd`` with every buffer replaced by ``source``'s copy (a broadcast into clones: the live buffers are
+    untouched). Every rank calls it, in the same key order."""
+    import torch.distributed as dist
+
+    names = sorted({name for name, _ in module.named_buffers()} & set(msd))
+    out = dict(msd)
+    for name in names:
+        copy = msd[name].detach().clone()
+        dist.broadcast(copy, src=source)
+        out[name] = copy
+    return out
+
+
+def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None,
+                     buffers_from: int | None = None) -> dict:
+    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0).
+
+    ``buffers_from``: the rank whose buffers are the training state (DDP: rank 0, which it broadcasts at
+    each forward). DCP writes one copy of a tensor all ranks hold, from whichever rank balances the write
+    load, so without this a buffer whose copies differ is saved from an arbitrary rank."""
     import torch.distributed.checkpoint as dcp
 
     from .. import distributed
@@ -40,6 +59,8 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
         (tmp / "dcp").mkdir(parents=True)
     distributed.barrier(env)
     msd, osd = _state_dicts(trainer)
+    if buffers_from is not None:
+        msd = _buffers_from(msd, trainer.plain_model, buffers_from)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "dcp"))
     rng_json, rng_tensors = capture_rng()
     torch.save(rng_tensors, tmp / f"rng-rank{env.rank}.pt")
@@ -68,11 +89,37 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
     return distributed.broadcast(env, record)
 
 
+def tied_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of state-dict names that are one tensor in ``model`` (tied embeddings: ``lm_head.weight`` and
+    ``model.embed_tokens.weight``), in the names ``get_model_state_dict`` uses (no DDP ``module.`` prefix)."""
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    owners: dict[int, list[str]] = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)]:
+        owners.setdefault(id(tensor), []).append(name)
+    return [names for names in owners.values() if len(names) > 1]
+
+
+def retie(state: dict, groups: list[list[str]]) -> dict:
+    """``state`` with each group's entries made one tensor again, the first name's."""
+    out = dict(state)
+    for names in groups:
+        present = [n for n in names if n in out]
+        for name in present[1:]:
+            out[name] = out[present[0]]
+    return out
+
+
 def full_model_state_dict(model) -> dict:
-    """The complete weights gathered from every rank (each rank calls this; they land on CPU)."""
+    """The complete weights gathered from every rank (each rank calls this; they land on CPU).
+
+    Gathering makes one CPU tensor per name, so tied weights arrive as separate copies; they are
+    made one tensor again, so the export stores them once as ``save_pretrained`` and
+    ``safetensors.torch.save_model`` do in one process (both drop names that share storage)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return retie(state, tied_names(model))
 
 
 def restore_distributed(trainer, folder: Path, env) -> dict:

@@ -26,11 +26,11 @@ def export_model(folder: Path, model: torch.nn.Module, *, tokenizer=None, factor
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(f.tmp))
         elif state_dict is not None:
-            from safetensors.torch import save_file
+            from safetensors.torch import save_model
 
-            # Tied parameters arrive as separate entries of one storage: safetensors wants them apart.
-            save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()},
-                      str(f.tmp / "model.safetensors"))
+            # save_model, as for one process, so tied entries (one tensor under two names) are stored once
+            # under the same name with the same metadata: the same file a single-process export writes.
+            save_model(_StateDict(state_dict), str(f.tmp / "model.safetensors"))
         else:
             from safetensors.torch import save_model
 
@@ -39,6 +39,17 @@ def export_model(folder: Path, model: torch.nn.Module, *, tokenizer=None, factor
             f.write_json("export.json", {"factory": factory, "model": model_mapping or {}, "spec_folder": spec_folder})
         f.adopt_existing()
     return f
+
+
+class _StateDict(torch.nn.Module):
+    """A module whose ``state_dict()`` is a given mapping: what ``safetensors.torch.save_model`` reads."""
+
+    def __init__(self, state: dict) -> None:
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args, **kwargs):
+        return {k: v.detach() for k, v in self._state.items()}
 
 
 def safetensors_tensor_count(folder: Path) -> int:

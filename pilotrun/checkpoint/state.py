@@ -199,8 +199,12 @@ def _json_digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def fingerprint_state(trainer) -> dict:
-    """Digests of everything a resumed run depends on, taken from the live objects (not from disk)."""
+def fingerprint_state(trainer, buffer_sync=None, env=None) -> dict:
+    """Digests of everything a resumed run depends on, taken from the live objects (not from disk).
+
+    With several processes (``env.active``), ``buffer_sync`` (a strategy's ``BufferSync``) is recorded
+    with the digests: when one rank's buffers are the state (DDP), that rank's buffer digests are what
+    every rank's restore must reproduce. Every rank calls it then (the digests are gathered)."""
     model = trainer.model
     persistent = set(model.state_dict().keys())
     rng_json, rng_tensors = capture_rng()
@@ -222,6 +226,14 @@ def fingerprint_state(trainer) -> dict:
     }
     if trainer.scaler is not None:
         fp["scaler"] = _json_digest(trainer.scaler.state_dict())
+    if env is not None and env.active and buffer_sync is not None:
+        from .. import distributed
+
+        own = {name: b["digest"] for name, b in fp["buffers"].items()}
+        source = buffer_sync.source_rank
+        every = distributed.gather(env, own)  # every rank calls gather, whether or not a source rank exists
+        fp["buffer_sync"] = {"source_rank": source, "why": buffer_sync.why,
+                             "source_digests": every[source] if source is not None else None}
     return fp
 
 
@@ -239,19 +251,41 @@ HINTS = {
 }
 
 
+def _buffer_mismatches(saved: dict, restored: dict, sync: dict | None) -> list[dict]:
+    """Buffers whose restored digest is not the saved one: this rank's own, or the source rank's where the
+    strategy makes one rank's buffers the state (``sync``, recorded at save)."""
+    source = (sync or {}).get("source_digests") or {}
+    why = (sync or {}).get("why") or ""
+    out = []
+    for name, info in saved.items():
+        got = restored.get(name)
+        want = source.get(name, info["digest"])
+        if got is not None and got["digest"] == want:
+            continue
+        if not info["persistent"]:  # the cause whatever the strategy: the checkpoint never held it
+            hint = ("it is registered with persistent=False, so state_dict() does not save it: register it as "
+                    "persistent, or recompute it on load")
+        elif source:
+            hint = (f"the buffer was not restored to rank {(sync or {}).get('source_rank')}'s saved copy, which "
+                    "every rank must hold")
+        else:
+            hint = "the buffer was not restored"
+        mismatch = {"field": f"buffer {name!r}", "hint": hint}
+        if why and info["persistent"]:
+            mismatch["strategy"] = why  # the same for every buffer: the gate says it once
+        out.append(mismatch)
+    return out
+
+
 def compare_fingerprints(expected: dict, actual: dict) -> list[dict]:
     """Each field that differs, with the name of the tensor or stream and what usually causes it."""
     out = []
     for key in expected:
         a, b = expected[key], actual.get(key)
+        if key == "buffer_sync":
+            continue  # how the buffers below are compared, not state
         if key == "buffers":
-            for name, info in a.items():
-                got = (b or {}).get(name)
-                if got is None or got["digest"] != info["digest"]:
-                    why = (("it is registered with persistent=False, so state_dict() does not save it: register it "
-                            "as persistent, or recompute it on load")
-                           if not info["persistent"] else "the buffer was not restored")
-                    out.append({"field": f"buffer {name!r}", "hint": why})
+            out.extend(_buffer_mismatches(a, (b or {}), expected.get("buffer_sync")))
             continue
         if isinstance(a, dict) and key in ("parameters", "optimizer.state"):
             for name, digest in a.items():

@@ -307,7 +307,8 @@ class LoopDriver(ModelDriver):
         return self.strategy.restore(self, folder, self.env)
 
     def fingerprint(self) -> dict:
-        return fingerprint_state(self)
+        # With several processes every rank calls this (the save gate, the restore worker): it gathers.
+        return fingerprint_state(self, self.strategy.buffer_sync(self.model), self.env)
 
     def export_weights(self) -> dict | None:
         return self.strategy.full_state_dict(self.model)

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 from ..distributed import LaunchError
-from .base import StageBytes, Strategy, correction
+from .base import BufferSync, StageBytes, Strategy, correction
 from .ddp import DDP
 from .fsdp import FSDP
 from .single import Single
@@ -56,5 +56,5 @@ def for_processes(name: str, world_size: int) -> Strategy:
     return declared if world_size > 1 else STRATEGIES["single"]
 
 
-__all__ = ["ALIASES", "STRATEGIES", "ProcessMismatch", "StageBytes", "Strategy", "UnknownStrategy", "correction",
-           "for_processes", "get", "multi_process_names", "names"]
+__all__ = ["ALIASES", "STRATEGIES", "BufferSync", "ProcessMismatch", "StageBytes", "Strategy", "UnknownStrategy",
+           "correction", "for_processes", "get", "multi_process_names", "names"]

@@ -3,7 +3,8 @@
 A strategy decides how the model is wrapped, how many data replicas its processes are (so
 model parallelism can say it does not multiply the batch), how gradients are reduced over
 micro batches and ranks, the checkpoint layout it writes and reads, and how the estimator
-sizes its memory and communication. Nothing outside ``pilotrun/strategies/`` tests a
+sizes its memory and communication, and how its processes hold module buffers (whose copy a
+checkpoint must keep). Nothing outside ``pilotrun/strategies/`` tests a
 strategy's name: callers ask the object.
 
 Adding one is a module here and a line in the registry (``strategies/__init__.py``); see
@@ -51,6 +52,20 @@ class StageBytes:
         return self.state + self.buffers + self.activations + self.weight_casts
 
 
+@dataclass(frozen=True)
+class BufferSync:
+    """How a strategy's processes hold module buffers (BatchNorm running statistics, for example).
+
+    ``source_rank`` is the rank whose buffers every rank adopts at its next forward, so that copy is the
+    training state: the checkpoint stores it and every rank's restored buffers must equal it. ``None``:
+    each process's buffers are its own and must come back as that process held them. ``why`` is one
+    clause for the restore gate's reasons.
+    """
+
+    source_rank: int | None
+    why: str
+
+
 class Strategy(ABC):
     """How several processes (or one) share a job."""
 
@@ -80,6 +95,10 @@ class Strategy(ABC):
     def micro_batch(self, model: torch.nn.Module, index: int, count: int) -> contextlib.AbstractContextManager:
         """Around micro batch ``index`` of ``count`` in an update window (forward and backward)."""
         return contextlib.nullcontext()
+
+    def buffer_sync(self, model: torch.nn.Module) -> BufferSync:
+        """Whose buffers are the state when ranks' copies differ; ``model`` as :meth:`wrap` returned it."""
+        return BufferSync(None, "")
 
     # -- state on disk ------------------------------------------------------------------------
     @abstractmethod
@@ -123,7 +142,10 @@ class DistributedCheckpoint(Strategy):
     checkpoint_layout = "torch.distributed.checkpoint (DCP)"
 
     def save(self, folder, driver, config, config_hash, env):
-        return save_distributed(folder, driver, config, env, config_hash)
+        # DCP writes one copy of a tensor every rank holds, from whichever rank balances the write load:
+        # where the strategy says one rank's buffers are the state, every rank hands DCP that rank's copy.
+        return save_distributed(folder, driver, config, env, config_hash,
+                                buffers_from=self.buffer_sync(driver.model).source_rank)
 
     def restore(self, driver, folder, env):
         return restore_distributed(driver, folder, env)

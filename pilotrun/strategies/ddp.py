@@ -6,7 +6,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .base import DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
+from .base import BufferSync, DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
 
 
 class DDP(DistributedCheckpoint):
@@ -17,6 +17,17 @@ class DDP(DistributedCheckpoint):
         ids = [device.index] if device.type == "cuda" else None
         return (torch.nn.parallel.DistributedDataParallel(model, device_ids=ids),
                 f"DDP over {env.world_size} processes ({dist.get_backend()})")
+
+    def buffer_sync(self, model):
+        # DistributedDataParallel.forward broadcasts rank 0's buffers to every rank before computing
+        # (broadcast_buffers=True, the default and what wrap() builds), so each rank's own running
+        # statistics after its last forward are overwritten: rank 0's copy is the state.
+        if getattr(model, "broadcast_buffers", False):
+            return BufferSync(0, "DDP broadcasts rank 0's buffers to every rank at each forward (broadcast_buffers="
+                                 "True), so that copy is the training state and the one the checkpoint holds")
+        return BufferSync(None, "DDP runs with broadcast_buffers=False: each rank keeps its own buffers, and the "
+                                "checkpoint holds one copy for all ranks; if the copies differ, use "
+                                "torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPU only) or broadcast_buffers=True")
 
     def reduction_ratio(self, env, device):
         probe = reduction_probe(device)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.structure import repeated_blocks
-from .base import DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
+from .base import BufferSync, DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
 
 
 class FSDP(DistributedCheckpoint):
@@ -23,6 +23,13 @@ class FSDP(DistributedCheckpoint):
         fully_shard(model)
         return model, (f"FSDP2 over {env.world_size} processes ({dist.get_backend()}): {len(blocks)} blocks and the "
                        "root sharded")
+
+    def buffer_sync(self, model):
+        # fully_shard shards parameters only: buffers stay plain per-rank tensors that nothing synchronises.
+        return BufferSync(None, "FSDP2 neither shards nor synchronises buffers: each rank keeps its own copy and the "
+                                "checkpoint holds one copy for all ranks; if the copies differ (BatchNorm running "
+                                "statistics), convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm "
+                                "(GPU only)")
 
     def reduction_ratio(self, env, device):
         from torch.distributed.fsdp import fully_shard

@@ -45,7 +45,9 @@ def restore_check(driver: Driver, folder: Path, expect: dict, known: set[str] | 
     check_trusted(folder, known, trust)
     driver.restore(folder)
     actual = driver.fingerprint()
-    return {"mismatches": compare_fingerprints(expect, actual), "step": actual["step"], "lr": actual["lr"]}
+    sync = expect.get("buffer_sync") or {}
+    return {"mismatches": compare_fingerprints(expect, actual), "step": actual["step"], "lr": actual["lr"],
+            "buffer_sync": {"source_rank": sync.get("source_rank"), "why": sync.get("why")} if sync else None}
 
 
 def main(argv: list[str] | None = None) -> int:
