@@ -247,7 +247,7 @@ def test_a_stop_signal_reaches_the_campaign_as_an_interrupt_and_the_old_handlers
     import signal
     import time
 
-    from pilotrun.campaign.orchestrate import _interruptible
+    from pilotrun.interrupt import Interrupted, interruptible
 
     signum = getattr(signal, sig)
 
@@ -256,16 +256,19 @@ def test_a_stop_signal_reaches_the_campaign_as_an_interrupt_and_the_old_handlers
 
     outer = signal.signal(signum, unhandled)
 
-    @_interruptible()
+    @interruptible()
     def campaign_body():
         os.kill(os.getpid(), signum)
         time.sleep(10)  # the handler raises before this ends
 
     started = time.monotonic()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Interrupted) as stop:
             campaign_body()
         assert time.monotonic() - started < 5 and signal.getsignal(signum) is unhandled
+        # A KeyboardInterrupt (every recording path catches it) that names the signal and its exit status.
+        assert isinstance(stop.value, KeyboardInterrupt) and stop.value.name == sig
+        assert stop.value.exit_code == 128 + signum and stop.value.how == sig
     finally:
         signal.signal(signum, outer)
 

@@ -9,10 +9,8 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ from pathlib import Path
 from ..config.schema import SpecError
 from ..config.spec import load_spec
 from ..devices import query_devices, query_host
+from ..interrupt import interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
@@ -231,31 +230,9 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     return finish(campaign_id, ledger_path)
 
 
-@contextlib.contextmanager
-def _interruptible():
-    """Ctrl-C, SIGTERM and SIGHUP all stop the campaign cleanly, even when started with SIGINT ignored.
-
-    A shell script's background job inherits SIGINT as ignored; ``timeout`` and schedulers send
-    SIGTERM; a closed SSH session sends SIGHUP. Either way the runs must be recorded as stopped,
-    not left "running" forever.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    handled = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    old = {sig: signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else on_term) for sig in handled}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-@_interruptible()
+# Ctrl-C, SIGTERM (timeout, schedulers, preemption) and SIGHUP (a closed SSH session) all stop the campaign
+# cleanly, even when started with SIGINT ignored (a shell script's background job): no run is left "running".
+@interruptible()
 def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
     """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more."""
     plan_file = folder / "plan.json"
