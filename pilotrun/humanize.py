@@ -19,6 +19,11 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def at_length(length: int | None) -> str:
+    """" at length 4096", or "" for data with no sequence length (images, tabular rows): never "at length None"."""
+    return f" at length {length}" if length else ""
+
+
 def human_seconds(s: float | None) -> str:
     """0.42 -> "420 ms", 0.9996 -> "1.00 s" (never "1000 ms"), 9.996 -> "10.0 s", 119.97 -> "2.0 min".
 
