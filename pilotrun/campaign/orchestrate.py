@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ from pathlib import Path
 from ..config.schema import SpecError
 from ..config.spec import load_spec
 from ..devices import query_devices, query_host
-from ..interrupt import interruptible
+from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
@@ -42,11 +43,12 @@ class CampaignError(Exception):
     """The campaign cannot run as declared: the message names the key or run and the fix."""
 
 
-class CampaignInterrupted(KeyboardInterrupt):
-    """Ctrl-C: every run is recorded (stopped where it was, or not run) and the campaign ended; ``result`` says so."""
+class CampaignInterrupted(Interrupted):
+    """Ctrl-C, SIGTERM or SIGHUP (``signum``, ``exit_code``): every run is recorded (stopped where it was, or not
+    run) and the campaign ended; ``result`` says so."""
 
-    def __init__(self, result: dict) -> None:
-        super().__init__(result["campaign_id"])
+    def __init__(self, result: dict, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
         self.result = result
 
 
@@ -282,11 +284,12 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
         else:
             for r in runs:
                 one(r)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         running.stopping.set()
         for r in runs:
             record_lost_end(r, ledger_path, True, r["run_id"] in running.started)
-        raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True)) from None
+        raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True),
+                                  as_interrupted(exc).signum) from None
 
 
 def record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: bool) -> None:
