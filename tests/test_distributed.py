@@ -169,3 +169,30 @@ def test_ddp_pilot_matches_one_process(tmp_path):
     single.mkdir()
     gate_rows(spec, single, "train.micro_batch_size=16", gates=["steady_step"])
     assert [x for r, x in ddp if r == 0] == pytest.approx([x for _, x in _losses(single / "l.sqlite")], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_to_launch_is_recorded_by_the_ranks_as_an_interruption(toylm, tmp_path):
+    # A preempted multi-process rental: SIGTERM reaches the launcher alone; it passes it to torchrun's ranks.
+    import os
+    import signal
+
+    ledger = tmp_path / "l.sqlite"
+    env = {**os.environ, "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "pilotrun", "launch", "--nproc-per-node", "2", str(toylm), "--set",
+           "distributed.strategy=ddp", "--ledger", str(ledger), "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("✓ first_step"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + proc.communicate(timeout=180)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "interrupted (SIGTERM): run" in out and "continued by launching it again" in out
+    with sqlite3.connect(ledger) as con:
+        ((status, ended, meta),) = con.execute("SELECT status, ended_at, meta_json FROM runs").fetchall()
+        ranks = {r for (r,) in con.execute("SELECT DISTINCT rank FROM gate_rows")}
+    assert status == "interrupted" and ended and json.loads(meta)["interrupted_by"] == "SIGTERM"
+    assert ranks == {0, 1}
