@@ -8,6 +8,6 @@ Command line: ``pilotrun run pilot.yaml``. In your own loop::
 """
 __version__ = "0.1.0"
 
-from .api import Session, StageHandle, session, stage  # noqa: E402
+from .api import Session, StageFailed, StageHandle, session, stage  # noqa: E402
 
-__all__ = ["Session", "StageHandle", "session", "stage", "__version__"]
+__all__ = ["Session", "StageFailed", "StageHandle", "session", "stage", "__version__"]

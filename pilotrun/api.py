@@ -19,8 +19,12 @@ Example (a complete script)::
 
 ``pilotrun.stage(...)`` without a session opens one named after the script.
 Each stage resets peaks and synchronises the device on entry and exit, keeps the
-memory counters apart, and writes one row; an exception inside the block writes
-a ``fail`` row with the reason and is re-raised unchanged.
+memory counters apart, and writes one row; a passing row's reason is its measured
+summary (time and peaks). An exception inside the block writes a ``fail`` row whose
+reason keeps the exception's own first line (an out-of-memory error also says which
+memory, from its type) and is re-raised unchanged. ``check_finite`` marks the row
+``fail`` and returns False; with ``raise_on_fail=True`` it raises :class:`StageFailed`
+instead, so the loop stops there.
 """
 from __future__ import annotations
 
@@ -35,9 +39,59 @@ from pathlib import Path
 
 import torch
 
+from .humanize import human_bytes, human_seconds
 from .ledger.records import Failure, GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from .ledger.store import Ledger
 from .measure.meter import StageMeter, is_oom, oom_detail
+
+# Words in an allocator's out-of-memory message that name an accelerator (torch's CUDA/HIP/MPS/XPU allocators).
+ACCELERATOR_WORDS = ("cuda", "hip", "mps", "xpu", "gpu")
+
+
+class StageFailed(RuntimeError):
+    """Raised by ``check_finite(..., raise_on_fail=True)``: the stage's row is written as ``fail`` (with
+    ``failure`` and ``reason``) before this reaches the caller, who should stop the loop."""
+
+    def __init__(self, stage: str, reason: str, failure: Failure) -> None:
+        super().__init__(f"{stage}: {reason}")
+        self.stage, self.reason, self.failure = stage, reason, failure
+
+
+def out_of_memory_reason(error: BaseException, device: torch.device) -> str | None:
+    """For an out-of-memory exception, which memory ran out and what it held, with the exception's own words;
+    None for any other exception.
+
+    The type decides first (``torch.OutOfMemoryError`` is the accelerator's allocator, ``MemoryError`` the
+    host's), then the allocator's message: a "CUDA out of memory" raised while the stage measured the CPU is
+    still the accelerator's, not the host's."""
+    if not is_oom(error):
+        return None
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    accelerator = isinstance(error, torch.OutOfMemoryError) or (
+        not isinstance(error, MemoryError) and "DefaultCPUAllocator" not in text
+        and any(w in text.lower() for w in ACCELERATOR_WORDS))
+    if accelerator and device.type == "cuda":  # ROCm's torch is "cuda" too
+        where = oom_detail(device).replace("out of memory", "out of accelerator memory", 1)
+    elif accelerator and device.type == "cpu":
+        where = ("out of accelerator memory (its counters not measured: the stage measured the cpu; pass device= "
+                 "or track= the model)")
+    elif accelerator:
+        where = f"out of accelerator memory (not measured: no reserved-memory counter on {device.type})"
+    else:
+        where = oom_detail(torch.device("cpu"))
+    return f"{where}: {type(error).__name__}: {first}" if first else f"{where}: {type(error).__name__}"
+
+
+def measured_summary(seconds: float | None, memory: dict) -> str:
+    """A passing row's reason: what was measured ("0.42 s; peak allocated 1.2 GiB, host RSS 3.1 GiB")."""
+    labels = (("peak_allocated_bytes", "peak allocated"), ("peak_reserved_bytes", "peak reserved"),
+              ("device_used_bytes", "device used"), ("host_rss_peak_bytes", "host RSS"))
+    peaks = [f"{label} {human_bytes(memory[key])}" for key, label in labels if memory.get(key) is not None]
+    return "; ".join([f"{human_seconds(seconds)}" if seconds is not None else "time not measured"]
+                     + ([", ".join(peaks)] if peaks else []))
 
 
 def _infer_device(track: Iterable) -> torch.device:
@@ -68,12 +122,15 @@ class StageHandle:
     def fail(self, reason: str, failure: Failure = Failure.CHECK) -> None:
         self.verdict, self.reason, self.failure = Verdict.FAIL, reason, failure
 
-    def check_finite(self, **values) -> bool:
-        """Fail the stage when any named value (loss=..., grad_norm=...) is inf or NaN."""
+    def check_finite(self, raise_on_fail: bool = False, **values) -> bool:
+        """Fail the stage when any named value (loss=..., grad_norm=...) is inf or NaN: return False, or with
+        ``raise_on_fail=True`` raise :class:`StageFailed` (the row is still written, as ``fail``)."""
         for key, value in values.items():
             v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
             if not math.isfinite(v):
                 self.fail(f"{key} is {v}", Failure.NON_FINITE)
+                if raise_on_fail:
+                    raise StageFailed(self.name, self.reason, Failure.NON_FINITE)
                 return False
         return True
 
@@ -105,15 +162,18 @@ class Session:
                 yield handle
             except BaseException as exc:
                 error = exc
-        if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-            oom = is_oom(error)
-            what = oom_detail(dev) if oom else f"{type(error).__name__}: {error}"
-            handle.fail(f"{name}: {what}", Failure.OUT_OF_MEMORY if oom else Failure.ERROR)
+        if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit, StageFailed)):
+            oom = out_of_memory_reason(error, dev)
+            handle.fail(f"{name}: {oom or f'{type(error).__name__}: {error}'}",
+                        Failure.OUT_OF_MEMORY if oom else Failure.ERROR)
             handle.details["traceback"] = "".join(traceback.format_exception(type(error), error,
                                                                               error.__traceback__))[-4000:]
-        row = GateRow(name, handle.verdict, handle.reason, seconds=meter.seconds, started_at=started, ended_at=now(),
+        memory = meter.memory
+        reason = handle.reason or (measured_summary(meter.seconds, memory) if handle.verdict == Verdict.PASS else
+                                   str(handle.verdict))
+        row = GateRow(name, handle.verdict, reason, seconds=meter.seconds, started_at=started, ended_at=now(),
                       inputs={**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
-                      memory=meter.memory, rank=self.rank, world_size=self.world_size, details=handle.details,
+                      memory=memory, rank=self.rank, world_size=self.world_size, details=handle.details,
                       failure=handle.failure).to_dict()
         self.ledger.add_gate_row(self.run_id, row)
         self.rows.append(row)

@@ -65,7 +65,9 @@ def shutdown(env: DistEnv) -> None:
     if env.active and dist.is_initialized():
         gc.collect()
         for obj in gc.get_objects():
-            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+            # type(), not isinstance(): isinstance falls back to obj.__class__, and reading any attribute of
+            # torch.distributed.reduce_op (one of these objects) prints its deprecation FutureWarning, once per rank.
+            if issubclass(type(obj), torch.nn.parallel.DistributedDataParallel):
                 for attr in ("logger", "reducer"):  # the C++ Logger holds the Reducer too
                     obj.__dict__.pop(attr, None)
         gc.collect()

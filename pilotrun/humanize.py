@@ -19,13 +19,24 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def at_length(length: int | None) -> str:
+    """" at length 4096", or "" for data with no sequence length (images, tabular rows): never "at length None"."""
+    return f" at length {length}" if length else ""
+
+
 def human_seconds(s: float | None) -> str:
+    """0.42 -> "420 ms", 0.9996 -> "1.00 s" (never "1000 ms"), 9.996 -> "10.0 s", 119.97 -> "2.0 min".
+
+    Each unit is chosen on the value as it will be printed (rounded), so a value just under a unit's
+    limit does not print as that limit in the smaller unit."""
     if s is None:
         return "n/a"
-    if s < 1:
+    if round(s * 1000) < 1000:
         return f"{s * 1000:.0f} ms"
-    if s < 120:
-        return f"{s:.2f} s" if s < 10 else f"{s:.1f} s"
-    if s < 7200:
+    if round(s, 2) < 10:
+        return f"{s:.2f} s"
+    if round(s, 1) < 120:
+        return f"{s:.1f} s"
+    if round(s / 60, 1) < 120:
         return f"{s / 60:.1f} min"
     return f"{s / 3600:.1f} h"

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import pilotrun
+from pilotrun.api import out_of_memory_reason
+from pilotrun.humanize import human_bytes, human_seconds
 from pilotrun.ledger import Ledger
 
 
@@ -27,6 +29,10 @@ def test_stage_rows_in_a_users_loop(tmp_path):
                 st.check_finite(loss=loss)
             row = st.row
             assert row["verdict"] == "pass" and row["seconds"] > 0
+            # A passing row says what was measured, not just "pass".
+            assert row["reason"].startswith(human_seconds(row["seconds"]) + "; peak allocated "
+                                            + human_bytes(row["memory"]["peak_allocated_bytes"])), row["reason"]
+            assert "host RSS" in row["reason"]
             assert row["memory"]["peak_allocated_bytes"] >= sum(p.numel() * 4 for p in model.parameters())
             assert row["inputs"]["micro_batch_size"] == 32
     with Ledger(tmp_path / "l.sqlite") as led:
@@ -50,6 +56,46 @@ def test_exception_writes_a_fail_row_and_is_reraised(tmp_path):
         assert st2.row["verdict"] == "fail" and "loss is nan" in st2.row["reason"]
     with Ledger(tmp_path / "l.sqlite") as led:
         assert led.runs()[0]["status"] == "fail"
+
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
+            "1.06 GiB is free.")
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError(CUDA_OOM), RuntimeError(CUDA_OOM)],
+                         ids=["OutOfMemoryError", "RuntimeError"])
+def test_an_accelerator_out_of_memory_is_not_called_host_memory_and_keeps_its_text(tmp_path, error):
+    with pilotrun.session("oom", ledger=tmp_path / "l.sqlite") as run:
+        with pytest.raises(type(error)):
+            with run.stage("first_step", device="cpu") as st:  # the stage measured the CPU (nothing tracked)
+                raise error
+    reason = st.row["reason"]
+    assert reason.startswith("first_step: out of accelerator memory") and "host memory" not in reason, reason
+    assert f"{type(error).__name__}: {CUDA_OOM}" in reason
+    assert st.row["details"]["failure"] == "out-of-memory"
+
+
+def test_a_host_out_of_memory_says_host_and_keeps_its_text():
+    reason = out_of_memory_reason(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                               "1099511627776 bytes"), torch.device("cpu"))
+    assert reason.startswith("out of host memory (") and "DefaultCPUAllocator: can't allocate" in reason
+    assert out_of_memory_reason(MemoryError(), torch.device("cpu")).startswith("out of host memory (")
+    assert out_of_memory_reason(ValueError("out of memory"), torch.device("cpu")) is None  # not an allocator's
+
+
+def test_check_finite_can_stop_the_loop_with_a_documented_exception(tmp_path):
+    seen = []
+    with pilotrun.session("nan", ledger=tmp_path / "l.sqlite") as run:
+        with pytest.raises(pilotrun.StageFailed) as stop:
+            for step in range(5):
+                with run.stage("steady_step") as st:
+                    seen.append(step)
+                    st.check_finite(raise_on_fail=True, loss=float("nan") if step == 1 else 1.0)
+    assert seen == [0, 1] and stop.value.failure == "non-finite" and stop.value.reason == "loss is nan"
+    assert st.row["verdict"] == "fail" and st.row["reason"] == "loss is nan"
+    assert st.row["details"]["failure"] == "non-finite"  # the row says what happened, not the exception's name
+    with Ledger(tmp_path / "l.sqlite") as led:
+        assert [r["verdict"] for r in led.gate_rows(led.runs()[0]["run_id"])] == ["pass", "fail"]
 
 
 def test_module_level_stage_in_a_script(tmp_path):

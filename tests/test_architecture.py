@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"drivers"},
     {"strategies"},
     {"train", "checkpoint", "models", "data"},
-    {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize"},
+    {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
 SIBLINGS = {("lock", "config")}

@@ -247,7 +247,7 @@ def test_a_stop_signal_reaches_the_campaign_as_an_interrupt_and_the_old_handlers
     import signal
     import time
 
-    from pilotrun.campaign.orchestrate import _interruptible
+    from pilotrun.interrupt import Interrupted, interruptible
 
     signum = getattr(signal, sig)
 
@@ -256,16 +256,19 @@ def test_a_stop_signal_reaches_the_campaign_as_an_interrupt_and_the_old_handlers
 
     outer = signal.signal(signum, unhandled)
 
-    @_interruptible()
+    @interruptible()
     def campaign_body():
         os.kill(os.getpid(), signum)
         time.sleep(10)  # the handler raises before this ends
 
     started = time.monotonic()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Interrupted) as stop:
             campaign_body()
         assert time.monotonic() - started < 5 and signal.getsignal(signum) is unhandled
+        # A KeyboardInterrupt (every recording path catches it) that names the signal and its exit status.
+        assert isinstance(stop.value, KeyboardInterrupt) and stop.value.name == sig
+        assert stop.value.exit_code == 128 + signum and stop.value.how == sig
     finally:
         signal.signal(signum, outer)
 
@@ -635,7 +638,10 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, ho
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130 and "every run is recorded" in err and "Traceback" not in err, out + err
+    # 128 + the signal, as a shell reports it: 130 after Ctrl-C, 143 after SIGTERM; the message names it.
+    assert proc.returncode == (130 if how == "ctrl-c" else 143), out + err
+    assert f"interrupted ({'Ctrl-C' if how == 'ctrl-c' else 'SIGTERM'})" in err
+    assert "every run is recorded" in err and "Traceback" not in err, out + err
     camp = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
     assert camp["status"] == "interrupted" and camp["ended_at"]
     runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")

@@ -197,3 +197,45 @@ def test_buffers_are_compared_with_the_copy_the_strategy_makes_the_state():
     del saved["buffer_sync"]
     assert [x["field"] for x in compare_fingerprints(saved, restored)] == ["buffer 'bn.running_mean'",
                                                                            "buffer 'scale'"]
+
+
+def test_sigterm_is_recorded_as_an_interruption_and_resume_finishes_the_run(toylm, tmp_path):
+    # What a spot/preemptible rental's end sends: SIGTERM to pilotrun alone, mid-run.
+    ledger = tmp_path / "l.sqlite"
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "pilotrun", "run", str(toylm), "--ledger", str(ledger)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("✓ export"):
+            proc.send_signal(signal.SIGTERM)  # after save and export, before restore/resume/overfit
+            break
+    out, err = proc.communicate(timeout=120)
+    out = "".join(lines) + out
+    assert proc.returncode == 143, out + err
+    assert "interrupted (SIGTERM)" in out and "Ctrl-C" not in out + err and "Traceback" not in out + err, out + err
+    assert f"pilotrun run {toylm} --resume" in out
+    with Ledger(ledger) as led:
+        (parent,) = led.runs()
+        assert parent["status"] == "interrupted" and parent["ended_at"] is not None
+        assert json.loads(parent["meta_json"])["interrupted_by"] == "SIGTERM"
+        assert {r["gate"] for r in led.gate_rows(parent["run_id"])} >= {"save", "export"}
+    assert json.loads((tmp_path / "runs" / parent["run_id"] / "report.json").read_text())["interrupted_by"] == "SIGTERM"
+    res = pilotrun_cli("ledger", "--ledger", str(ledger), cwd=tmp_path)
+    assert "interrupted (SIGTERM)" in res.stdout, res.stdout
+    # A refused --resume (changed config) leaves no run folder behind.
+    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--resume", "--set", "train.optimizer.lr=0.5",
+                       cwd=tmp_path)
+    assert res.returncode == 2 and "the spec changed since run" in res.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()] == [parent["run_id"]]
+    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--resume", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["status"] in ("pass", "warn") and "interrupted_by" not in report
+    with Ledger(ledger) as led:
+        child, again = led.run(report["run_id"]), led.run(parent["run_id"])
+        assert child["parent_id"] == parent["run_id"] and child["status"] == report["status"] and child["ended_at"]
+        assert again["status"] == "interrupted"  # the parent keeps its own end; the child links to it
+    res = pilotrun_cli("ledger", "--ledger", str(ledger), cwd=tmp_path)
+    assert f"interrupted (SIGTERM); continued by {report['run_id']}" in res.stdout, res.stdout

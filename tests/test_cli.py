@@ -154,3 +154,21 @@ def test_activation_checkpointing_and_bf16_on_the_demo(tmp_path):
     gates = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}
     assert "activation checkpointing on" in " ".join(gates["load"]["details"]["notes"])
     assert gates["steady_step"]["inputs"]["precision"] == "bf16"
+
+
+def test_an_image_job_is_described_in_examples_not_tokens_and_without_a_length(tmp_path):
+    # A CNN through the factory contract: no input_ids, no data.max_length.
+    spec = copy_fixture("cnn", tmp_path)
+    res = pilotrun_cli("inspect", str(spec), "-n", "2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "train img0  batch keys labels, pixel_values" in res.stdout and "token" not in res.stdout, res.stdout
+    assert "64 train examples" in res.stdout and "classes: cat" in res.stdout
+    res = pilotrun_cli("estimate", str(spec), "--accelerator", "H100-80GB", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    head = res.stdout.splitlines()[0]
+    assert "micro batch 4 x 2 · traced in" in head and "length" not in head, head
+    res = pilotrun_cli("select", str(spec), "--markdown", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "20 updates, 8 examples per update, fp32." in res.stdout and "None" not in res.stdout, res.stdout
+    rows = [line.split(" | ") for line in res.stdout.splitlines() if line.startswith("| A100")]
+    assert rows and rows[0][8] == "n/a"  # the largest length column: not "0"

@@ -103,6 +103,8 @@ def test_shutdown_after_ddp_does_not_deadlock(tmp_path):
                 p.kill()
                 p.communicate()
     assert [p.returncode for p in procs] == [0, 0] and all("done" in o for o, _ in outs), outs
+    # Finding the DDP modules must not read torch.distributed.reduce_op's attributes (a FutureWarning per rank).
+    assert not any("reduce_op" in err for _, err in outs), outs
 
 
 def _losses(ledger, run_id=None) -> list[tuple[int, float]]:
@@ -239,3 +241,30 @@ def test_fsdp_names_unsynchronised_batchnorm_buffers_as_the_cause(tmp_path):
     assert "buffer 'features.1.running_mean' on rank" in reason and "the buffer was not restored" in reason, reason
     assert reason.count("FSDP2 neither shards nor synchronises buffers") == 1, reason
     assert "SyncBatchNorm.convert_sync_batchnorm" in reason
+
+
+@pytest.mark.slow
+def test_sigterm_to_launch_is_recorded_by_the_ranks_as_an_interruption(toylm, tmp_path):
+    # A preempted multi-process rental: SIGTERM reaches the launcher alone; it passes it to torchrun's ranks.
+    import os
+    import signal
+
+    ledger = tmp_path / "l.sqlite"
+    env = {**os.environ, "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "pilotrun", "launch", "--nproc-per-node", "2", str(toylm), "--set",
+           "distributed.strategy=ddp", "--ledger", str(ledger), "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("✓ first_step"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + proc.communicate(timeout=180)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "interrupted (SIGTERM): run" in out and "continued by launching it again" in out
+    with sqlite3.connect(ledger) as con:
+        ((status, ended, meta),) = con.execute("SELECT status, ended_at, meta_json FROM runs").fetchall()
+        ranks = {r for (r,) in con.execute("SELECT DISTINCT rank FROM gate_rows")}
+    assert status == "interrupted" and ended and json.loads(meta)["interrupted_by"] == "SIGTERM"
+    assert ranks == {0, 1}

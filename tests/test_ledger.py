@@ -13,6 +13,8 @@ import pytest
 
 from pilotrun.ledger import Ledger, LedgerError
 
+from .conftest import pilotrun_cli
+
 WRITER = textwrap.dedent("""
     import sys
     from pilotrun.ledger import Ledger
@@ -84,8 +86,12 @@ def test_a_campaign_prefix_means_the_campaign_not_its_runs(tmp_path):
         assert led.run("sweep")["run_id"] == "sweep-1"
         assert led.run("sweep-1-r02")["run_id"] == "sweep-1-r02"
         led.start_run("sweep-2", "sweep", "campaign")  # two campaigns: the prefix is ambiguous again
-        with pytest.raises(LedgerError, match="matches 4 runs"):
+        with pytest.raises(LedgerError, match=r"matches 2 runs \(sweep-2, sweep-1\)"):
             led.run("sweep")
+        # What `pilotrun ledger --run` offers instead: every candidate, newest first, campaign runs folded in.
+        assert [r["run_id"] for r in led.matches("sweep")] == ["sweep-2", "sweep-1"]
+        assert [r["run_id"] for r in led.matches("sweep-1")] == ["sweep-1"]
+        assert led.matches("nothing") == []
 
 
 def test_concurrent_writers_lose_nothing(tmp_path):
@@ -177,3 +183,52 @@ def test_an_mlflow_export_taken_mid_run_is_brought_up_to_date_not_duplicated(tmp
     run = client.get_run(first["mlflow_run_id"])
     assert run.info.status == "FAILED" and run.data.tags["pilotrun.status"] == "fail"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5]
+
+
+LONG_REASON = ("out of memory at length 4096, batch 8: " + "the optimizer state and the activations together " * 6
+               + "END-OF-REASON")
+
+
+def _pilot_with_a_long_reason(path, run_id: str) -> None:
+    from pilotrun.ledger.records import GateRow
+
+    with Ledger(path) as led:
+        led.start_run(run_id, "tiny-sft", "pilot")
+        led.add_gate_row(run_id, GateRow.now("eval", "fail", LONG_REASON, seconds=1.0))
+        led.end_run(run_id, "fail")
+
+
+def test_ledger_run_cuts_reasons_to_the_width_and_full_prints_them_whole(tmp_path):
+    path = tmp_path / "l.sqlite"
+    _pilot_with_a_long_reason(path, "tiny-sft-2026-a")
+    for columns in ("100", "300"):  # COLUMNS sets the width without a terminal, as on one
+        res = pilotrun_cli("ledger", "--ledger", str(path), "--run", "tiny-sft-2026-a", cwd=tmp_path,
+                           env={"COLUMNS": columns})
+        assert res.returncode == 0, res.stderr
+        assert "END-OF-REASON" not in res.stdout and "…" in res.stdout
+        assert max(len(line) for line in res.stdout.splitlines()) <= int(columns)
+    res = pilotrun_cli("ledger", "--ledger", str(path), "--run", "tiny-sft-2026-a", "--full", cwd=tmp_path,
+                       env={"COLUMNS": "100"})
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100 and "…" not in res.stdout
+    assert " ".join("".join(line.split()) for line in lines).count("END-OF-REASON") == 1
+    assert "".join(LONG_REASON.split()) in "".join(res.stdout.split())  # every word, in order, wrapped
+
+
+def test_an_ambiguous_prefix_shows_the_newest_run_and_lists_the_others(tmp_path):
+    path = tmp_path / "l.sqlite"
+    for k in (1, 2, 3):
+        _pilot_with_a_long_reason(path, f"tiny-sft-2026-{k}")
+    res = pilotrun_cli("ledger", "--ledger", str(path), "--run", "tiny-sft-2026", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("run tiny-sft-2026-3 ")
+    assert "'tiny-sft-2026' matches 3 runs; showing the newest, tiny-sft-2026-3" in res.stderr
+    assert res.stderr.index("tiny-sft-2026-2") < res.stderr.index("tiny-sft-2026-1")
+    res = pilotrun_cli("ledger", "--ledger", str(path), "--run", "tiny-sft-2026", "--json", cwd=tmp_path)
+    out = json.loads(res.stdout)
+    assert out["run"]["run_id"] == "tiny-sft-2026-3" and out["other_matches"] == ["tiny-sft-2026-2", "tiny-sft-2026-1"]
+    res = pilotrun_cli("ledger", "--ledger", str(path), "--run", "tiny-sft-2026-1", cwd=tmp_path)
+    assert res.stdout.startswith("run tiny-sft-2026-1 ") and res.stderr == ""
+    res = pilotrun_cli("ledger", "--ledger", str(path), "--run", "other", cwd=tmp_path)
+    assert res.returncode == 2 and "no run 'other'" in res.stderr

@@ -9,7 +9,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
 import signal
@@ -24,6 +23,7 @@ from pathlib import Path
 from ..config.schema import SpecError
 from ..config.spec import load_spec
 from ..devices import query_devices, query_host
+from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
@@ -43,11 +43,12 @@ class CampaignError(Exception):
     """The campaign cannot run as declared: the message names the key or run and the fix."""
 
 
-class CampaignInterrupted(KeyboardInterrupt):
-    """Ctrl-C: every run is recorded (stopped where it was, or not run) and the campaign ended; ``result`` says so."""
+class CampaignInterrupted(Interrupted):
+    """Ctrl-C, SIGTERM or SIGHUP (``signum``, ``exit_code``): every run is recorded (stopped where it was, or not
+    run) and the campaign ended; ``result`` says so."""
 
-    def __init__(self, result: dict) -> None:
-        super().__init__(result["campaign_id"])
+    def __init__(self, result: dict, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
         self.result = result
 
 
@@ -231,31 +232,9 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     return finish(campaign_id, ledger_path)
 
 
-@contextlib.contextmanager
-def _interruptible():
-    """Ctrl-C, SIGTERM and SIGHUP all stop the campaign cleanly, even when started with SIGINT ignored.
-
-    A shell script's background job inherits SIGINT as ignored; ``timeout`` and schedulers send
-    SIGTERM; a closed SSH session sends SIGHUP. Either way the runs must be recorded as stopped,
-    not left "running" forever.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    handled = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    old = {sig: signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else on_term) for sig in handled}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-@_interruptible()
+# Ctrl-C, SIGTERM (timeout, schedulers, preemption) and SIGHUP (a closed SSH session) all stop the campaign
+# cleanly, even when started with SIGINT ignored (a shell script's background job): no run is left "running".
+@interruptible()
 def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
     """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more."""
     plan_file = folder / "plan.json"
@@ -305,11 +284,12 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
         else:
             for r in runs:
                 one(r)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         running.stopping.set()
         for r in runs:
             record_lost_end(r, ledger_path, True, r["run_id"] in running.started)
-        raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True)) from None
+        raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True),
+                                  as_interrupted(exc).signum) from None
 
 
 def record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: bool) -> None:

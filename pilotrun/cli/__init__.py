@@ -1,7 +1,8 @@
 """The ``pilotrun`` command: one module per subcommand, each a thin shell over pure functions.
 
 Exit codes: 0 no gate failed · 1 a gate failed · 2 bad spec, file or usage ·
-3 internal error (a pilotrun bug; the traceback is saved) · 130 interrupted.
+3 internal error (a pilotrun bug; the traceback is saved) · 130 Ctrl-C · 143 SIGTERM · 129 SIGHUP
+(stopped by a signal: 128 + its number; see ``cli/common.py``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from ..config.schema import SpecError
+from ..interrupt import as_interrupted
 from ..ledger.store import LedgerError
 from . import archive as archive_cmd
 from . import batch as batch_cmd
@@ -27,7 +29,7 @@ from . import plan as plan_cmd
 from . import report as report_cmd
 from . import run as run_cmd
 from . import select as select_cmd
-from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, UsageError, err_console
+from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, UsageError, err_console
 
 EPILOG = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
@@ -46,7 +48,8 @@ EPILOG = """examples:
   pilotrun ledger --run tiny-sft-2026 --json
   pilotrun ledger --csv metrics --run lr-sweep-2026 --out metrics.csv
 
-exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error, 130 interrupted"""
+exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error,
+  130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (the run is recorded as interrupted; `run --resume` continues a pilot)"""
 
 COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
             "select": select_cmd, "plan": plan_cmd, "campaign": campaign_cmd, "report": report_cmd,
@@ -94,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, LedgerError) as exc:
         err_console().print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        err_console().print("[yellow]interrupted[/]: rows written so far are in the ledger")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # a command that records its own stop (run, campaign) returns before this
+        stop = as_interrupted(exc)
+        err_console().print(f"[yellow]interrupted ({stop.how})[/]: rows written so far are in the ledger")
+        return stop.exit_code
     except Exception as exc:  # a bug in pilotrun: keep the traceback, show one line
         path = Path("runs") / "pilotrun-crash.txt"
         try:

@@ -13,7 +13,7 @@ from ..campaign.followup import resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
-from .common import EXIT_INTERRUPTED, UsageError, add_ledger_arg, err_console, out_console
+from .common import UsageError, add_ledger_arg, err_console, out_console
 
 HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml
@@ -90,9 +90,10 @@ def main(args) -> int:
         raise UsageError(str(exc)) from None
     except CampaignInterrupted as exc:
         _show(args, exc.result)
-        err_console().print(f"[yellow]interrupted[/]: every run is recorded (stopped where it was, or not run); "
-                            f"`pilotrun report {exc.result['campaign_id']}` shows them")
-        return EXIT_INTERRUPTED
+        err_console().print(f"[yellow]interrupted ({exc.how})[/]: every run is recorded (stopped where it was, or "
+                            f"not run); `pilotrun report {exc.result['campaign_id']}` shows them, `pilotrun campaign "
+                            f"{exc.result['campaign_id']} --resume` runs again what was cut short")
+        return exc.exit_code
     _show(args, result)
     return 0
 

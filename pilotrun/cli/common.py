@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from rich.console import Console
 
-EXIT_OK, EXIT_GATE_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_GATE_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+# Stopped by a signal: 128 + its number, the shell's convention (pilotrun.interrupt.Interrupted.exit_code).
+# 130 Ctrl-C (SIGINT) · 143 SIGTERM (preemption, `timeout`, schedulers) · 129 SIGHUP (a closed SSH session).
+# `pilotrun run` records the pilot as interrupted, naming the signal; `--resume` continues it.
+EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_HANGUP = 130, 143, 129
 
 
 class UsageError(Exception):
@@ -18,9 +23,11 @@ PIPE_WIDTH = 160
 
 
 def console_for(stderr: bool) -> Console:
-    console = Console(stderr=stderr)
+    """A console as wide as the terminal; without one, as wide as ``COLUMNS`` says, else PIPE_WIDTH."""
+    console = Console(stderr=stderr)  # rich reads COLUMNS itself on a terminal
     if not console.is_terminal:
-        console = Console(stderr=stderr, width=PIPE_WIDTH)
+        columns = os.environ.get("COLUMNS", "")
+        console = Console(stderr=stderr, width=int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH)
     return console
 
 

@@ -16,7 +16,7 @@ from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.model import estimate_fit
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
-from ..humanize import human_bytes, human_seconds
+from ..humanize import at_length, human_bytes, human_seconds
 from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
 
 HELP = """examples:
@@ -146,8 +146,8 @@ def _print(console, spec, trace, report) -> None:
     st = report["stages"]
     console.print(Text.assemble(("estimate ", "bold"), (spec.name, "bold cyan"),
                                 f" · {trace['parameters'] / 1e9:.2f}B parameters · {spec.train.precision} · "
-                                f"micro batch {spec.train.micro_batch_size} x {spec.train.grad_accum_steps} at length "
-                                f"{spec.data.max_length} · traced in {trace['seconds']:.1f} s"))
+                                f"micro batch {spec.train.micro_batch_size} x {spec.train.grad_accum_steps}"
+                                f"{at_length(spec.data.max_length)} · traced in {trace['seconds']:.1f} s"))
     t = Table(box=None, header_style="bold", title="per-stage peaks on one device (traced, before target corrections)",
               title_justify="left")
     for col in ("stage", "peak", "parameters", "gradients", "optimizer", "activations", "weight casts"):

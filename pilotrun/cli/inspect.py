@@ -76,8 +76,10 @@ def main(args) -> int:
         return EXIT_GATE_FAILED if problems else 0
     console = out_console()
     for v in views:
-        console.print(Text.assemble((f"{v.split} {v.id}", "bold"), f"  {v.input_tokens} input tokens, "
-                                   f"{v.supervised} supervised, {v.padding} padding · batch keys {', '.join(v.keys)}"))
+        # Token counts only for token data (an input_ids row); an image or a table row has none to count.
+        counts = (f"{v.input_tokens} input tokens, {v.supervised} supervised, {v.padding} padding · "
+                  if v.tokens is not None else "")
+        console.print(Text.assemble((f"{v.split} {v.id}", "bold"), f"  {counts}batch keys {', '.join(v.keys)}"))
         console.print(render(v))
         console.print()
     console.print(Text(f"{scan['examples']} {args.split} examples", style="bold"))

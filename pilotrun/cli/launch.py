@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from rich.markup import escape
 from .. import strategies
 from ..config.spec import load_spec
 from ..devices import query_devices
+from ..interrupt import Interrupted, interruptible
 from ..ledger.records import RunStatus, new_run_id
 from ..ledger.store import Ledger
 from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, add_ledger_arg, out_console
@@ -97,7 +99,19 @@ def main(args) -> int:
     console.print(f"[bold]launch[/] "
                   f"{escape(f'{world} process(es): {why}; strategy {spec.distributed.strategy}; run {run_id}')}")
     env = {**os.environ, "PILOTRUN_LAUNCHED": "1"}
-    code = subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        with interruptible():
+            code = proc.wait()
+    except Interrupted as stop:
+        # Ctrl-C reached every process of the terminal's group already; SIGTERM/SIGHUP came to the launcher
+        # alone (preemption, a scheduler): pass it on so each rank records the run as interrupted.
+        if stop.signum != signal.SIGINT:
+            proc.send_signal(stop.signum)
+        proc.wait()
+        console.print(f"[bold yellow]interrupted ({stop.how})[/]: run {escape(run_id)} recorded as interrupted; a "
+                      "distributed pilot is continued by launching it again", highlight=False)
+        return stop.exit_code
     report = Path(out) / "report.json"
     if not report.exists():
         console.print(f"[bold red]the processes ended (code {code}) without a report[/]")

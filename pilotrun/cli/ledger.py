@@ -11,12 +11,13 @@ from rich.text import Text
 from ..ledger.store import Ledger, LedgerError
 from ..ledger.tables import TABLES, selected_runs, table, write_csv
 from ..ui.console import STYLE, gate_table
-from .common import UsageError, add_ledger_arg, existing_ledger, out_console
+from .common import UsageError, add_ledger_arg, err_console, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun ledger                      # recent runs, newest first
   pilotrun ledger --name tiny-sft      # runs of one job
-  pilotrun ledger --run tiny-sft-2026  # one run's gate rows (a unique prefix is enough)
+  pilotrun ledger --run tiny-sft-2026  # one run's gate rows (a prefix: the newest run it matches)
+  pilotrun ledger --run ID --full      # reasons whole, wrapped, not cut to the terminal's width
   pilotrun ledger --run ID --json      # for scripts
   pilotrun ledger --csv > runs.csv     # every run, one row each (status, stop reason, final val loss, verdicts)
   pilotrun ledger --csv metrics --run lr-sweep-2026 --out sweep-metrics.csv   # per-update metrics of a campaign
@@ -29,7 +30,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("ledger", help="list runs and gate rows", description=__doc__, epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ledger_arg(p)
-    p.add_argument("--run", help="show one run's gate rows (id or unique prefix)")
+    p.add_argument("--run", help="show one run's gate rows (an id, or a prefix: the newest run it matches; the "
+                   "others are listed)")
+    p.add_argument("--full", action="store_true", help="with --run: print every reason whole, wrapped")
     p.add_argument("--name", help="only runs with this spec name")
     p.add_argument("--limit", type=int, default=30)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -48,39 +51,66 @@ def main(args) -> int:
         return _export(args, path, console)
     with Ledger(path) as led:
         if args.run:
-            try:
-                run = led.run(args.run)
-            except LedgerError as exc:
-                raise UsageError(str(exc)) from None
-            if run is None:
-                raise UsageError(f"no run {args.run!r} in {path} ; see `pilotrun ledger`")
+            run, others = _pick(led, args.run, path)
             rows = led.gate_rows(run["run_id"])
             if args.json:
                 run["lock"] = json.loads(run.pop("lock_json") or "null")
                 run["meta"] = json.loads(run.pop("meta_json") or "{}")
                 print(json.dumps({"run": run, "gates": rows, "metrics": led.metrics(run["run_id"]),
-                                  "notes": led.notes(run["run_id"])}, indent=1, default=str))
+                                  "notes": led.notes(run["run_id"]), "other_matches": others}, indent=1, default=str))
                 return 0
-            console.print(Text.assemble(("run ", "bold"), run["run_id"], f" · {run['name']} · {run['status']} · "
+            console.print(Text.assemble(("run ", "bold"), run["run_id"], f" · {run['name']} · "
+                                        f"{status_text(run, led.children(run['run_id']))} · "
                                         f"started {run['started_at']}"))
             if run["kind"] == "campaign":  # a campaign has runs, not gates
                 runs = led.campaign_runs(run["run_id"])
                 summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
-                console.print(_run_table(runs, summaries))
+                console.print(_run_table(runs, summaries, {}))
             elif run["kind"] == "campaign-run":
                 console.print(_result(run, rows), highlight=False)
             else:
-                console.print(gate_table(rows, width=console.width))
+                console.print(gate_table(rows, width=console.width, full=args.full))
             return 0
         runs = led.runs(args.name, args.limit)
         summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
+        children = {r["run_id"]: led.children(r["run_id"]) for r in runs}
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k not in ("lock_json", "meta_json")} |
                           {"verdicts": {g["gate"]: g["verdict"] for g in summaries[r["run_id"]]}} for r in runs],
                          indent=1, default=str))
         return 0
-    console.print(_run_table(runs, summaries) if runs else "no runs yet")
+    console.print(_run_table(runs, summaries, children) if runs else "no runs yet")
     return 0
+
+
+def _pick(led: Ledger, ref: str, path: Path) -> tuple[dict, list[str]]:
+    """The run ``ref`` names: its exact id, or the newest run it is a prefix of; the other matches are listed
+    on stderr (as git lists an ambiguous ref, but showing the likeliest one rather than refusing)."""
+    found = led.matches(ref)
+    if not found:
+        raise UsageError(f"no run {ref!r} in {path}; see `pilotrun ledger`")
+    others = [r["run_id"] for r in found[1:]]
+    if others:
+        shown = others[:10]
+        more = f" (and {len(others) - len(shown)} more: `pilotrun ledger --name ...`)" if len(others) > 10 else ""
+        err_console().print(f"{ref!r} matches {len(found)} runs; showing the newest, {found[0]['run_id']}. The others, "
+                            f"newest first{more}:\n" + "\n".join(f"  {o}" for o in shown)
+                            + "\ngive more of the id to pick one", highlight=False, markup=False)
+    return found[0], others
+
+
+def status_text(run: dict, children: list[str]) -> str:
+    """A run's status as people should read it: which signal interrupted it, and a run killed without
+    recording its end (SIGKILL, power loss) that a later ``--resume`` continued."""
+    status = run["status"]
+    meta = json.loads(run.get("meta_json") or "{}")
+    if status == "interrupted" and meta.get("interrupted_by"):
+        status = f"interrupted ({meta['interrupted_by']})"
+    if status == "running" and not run["ended_at"]:
+        status = "killed (no end recorded)" if children else "running (no end recorded)"
+    if children and run["kind"] == "pilot":
+        status += f"; continued by {', '.join(children)}"
+    return status
 
 
 def _result(r: dict, gate_rows: list[dict]) -> str:
@@ -102,7 +132,7 @@ def _result(r: dict, gate_rows: list[dict]) -> str:
     return " · ".join(f"{n} {v}" for v, n in sorted(counts.items()))
 
 
-def _run_table(runs: list[dict], summaries: dict[str, list[dict]]) -> Table:
+def _run_table(runs: list[dict], summaries: dict[str, list[dict]], children: dict[str, list[str]]) -> Table:
     table = Table(box=None, header_style="bold")
     id_w = max([len(r["run_id"]) for r in runs] + [3])
     table.add_column("run", no_wrap=True, min_width=id_w)
@@ -110,7 +140,7 @@ def _run_table(runs: list[dict], summaries: dict[str, list[dict]]) -> Table:
         table.add_column(col, no_wrap=col != "gates / result")
     for r in runs:
         status = r["status"]
-        shown = status if status != "running" or r["ended_at"] else "running (no end recorded)"
+        shown = status_text(r, children.get(r["run_id"], []))
         table.add_row(r["run_id"], Text(r["name"]), r["kind"], Text(shown, style=STYLE.get(status, "")),
                       r["started_at"][:16].replace("T", " "), Text(_result(r, summaries[r["run_id"]])))
     return table

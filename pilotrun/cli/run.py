@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,9 +16,10 @@ from ..config.spec import load_spec
 from ..devices import DeviceUnavailable
 from ..distributed import LaunchError
 from ..gates import UnknownGate
+from ..interrupt import interruptible
 from ..ledger.records import Failure, Verdict
 from ..ledger.store import LedgerError
-from ..pilot import PilotOptions, ResumeError, rank_summary, run_pilot
+from ..pilot import PilotInterrupted, PilotOptions, ResumeError, rank_summary, run_pilot
 from ..strategies import UnknownStrategy
 from ..ui.console import ConsoleObserver
 from .common import UsageError, add_ledger_arg, console_for, out_console
@@ -29,7 +31,9 @@ HELP = """examples:
   pilotrun run pilot.yaml --json > report.json    # the report on stdout, the live table on stderr
   pilotrun run pilot.yaml --resume                # continue the last interrupted pilot of this spec
 
-exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage"""
+exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage,
+  130 stopped by Ctrl-C, 143 by SIGTERM (preemption, timeout), 129 by SIGHUP: recorded as interrupted;
+  `pilotrun run SPEC --resume` continues it"""
 
 
 def add_parser(sub) -> None:
@@ -73,7 +77,14 @@ def _run(args) -> tuple[int, str | None]:
         console = Console(file=open(os.devnull, "w"))
     observer = ConsoleObserver(console, title=spec.name)
     try:
-        result = run_pilot(spec, options, observer)
+        with interruptible():
+            result = run_pilot(spec, options, observer)
+    except PilotInterrupted as stop:
+        if observer.live is not None:
+            observer.live.stop()
+            observer.live = None
+        _stopped(stop, args, console)
+        return stop.exit_code, (stop.result.out_dir / "report.json").read_text() if args.json else None
     except UnknownGate as exc:
         raise UsageError(f"--gates: {exc}") from None
     except UnknownStrategy as exc:
@@ -93,6 +104,21 @@ def _run(args) -> tuple[int, str | None]:
     # worker, and torchrun would report it as one.
     code = 0 if os.environ.get("PILOTRUN_LAUNCHED") and result.world_size > 1 else result.exit_code
     return code, report
+
+
+def _stopped(stop: PilotInterrupted, args, console) -> None:
+    """What a stop signal left: the run recorded as interrupted, by which signal, and how to continue it."""
+    result = stop.result
+    done = len(result.rows)
+    console.print(f"[bold yellow]interrupted ({stop.how})[/]: run {escape(result.run_id)} recorded as interrupted "
+                  f"after {done} gate row(s) (ledger {escape(str(result.ledger_path))})", highlight=False)
+    if result.world_size > 1:  # --resume continues one process (pilot.runner refuses it under torchrun)
+        console.print("  a distributed pilot is continued by running it again", highlight=False)
+        return
+    words = ["pilotrun", "run", str(args.spec), "--resume", result.run_id]
+    words += ["--ledger", str(args.ledger)] if args.ledger else []
+    words += [w for item in args.overrides for w in ("--set", item)]  # --resume needs the same config
+    console.print(f"  continue it from its last good checkpoint: {escape(shlex.join(words))}", highlight=False)
 
 
 def _advise_after_oom(spec, result, console) -> None:

@@ -75,20 +75,26 @@ def price_notes(rows: list[dict]) -> list[str]:
     return [r["cost_note"] for r in rows if r.get("cost_note")]
 
 
+def _length(spec, row: dict) -> str:
+    """The largest sequence length that fits; "n/a" for data without one (images), not "0"."""
+    return str(row["largest_length"]) if spec.data.max_length else "n/a"
+
+
 def markdown(spec, rows: list[dict]) -> str:
     cols = ["accelerator", "memory/device", "fits", "strategy", "GPUs", "precision", "micro batch x accum",
             "largest micro batch", "largest length", "device used", "time/update", "cost/update",
             "time for updates", "cost for updates", "stack"]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
     lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
-             f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, length "
-             f"{spec.data.max_length}, {spec.train.precision}.", "", head]
+             f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, "
+             + (f"length {spec.data.max_length}, " if spec.data.max_length else "")
+             + f"{spec.train.precision}.", "", head]
     for r in rows:
         ok = r["fits"]
         lines.append(
             f"| {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | {'yes' if ok else 'no'} | "
             f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {r['gpus']} | {r['precision']} | "
-            f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {r['largest_length']} | "
+            f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {_length(spec, r)} | "
             f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if ok else '—'} | "
             f"{money(r['cost_per_update'])} | "
             f"{(str(round(r['hours_for_planned_updates'], 1)) + ' h') if r['hours_for_planned_updates'] else '—'} | "
@@ -122,7 +128,7 @@ def main(args) -> int:
                   (r["strategy"] + (" + AC" if r["activation_checkpointing"] else "")) if ok else "—",
                   str(r["gpus"]) if ok else "—",
                   f"{r['micro_batch_size']} x {r['grad_accum_steps']}" if ok else "—",
-                  str(r["largest_micro_batch"]) if ok else "—", str(r["largest_length"]) if ok else "—",
+                  str(r["largest_micro_batch"]) if ok else "—", _length(spec, r) if ok else "—",
                   human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
                   money(r["cost_per_update"]),
                   f"{r['hours_for_planned_updates']:.1f} h" if r["hours_for_planned_updates"] else "—",

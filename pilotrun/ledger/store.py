@@ -278,22 +278,25 @@ class Ledger:
         return [dict(r) for r in self.conn.execute(q, args)]
 
     def run(self, run_id: str) -> dict | None:
-        r = self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        if r is None:
-            # Accept a unique prefix, as git does.
-            rows = self.conn.execute("SELECT * FROM runs WHERE run_id LIKE ? ESCAPE '\\'",
-                                     (run_id.replace("%", "\\%").replace("_", "\\_") + "%",)).fetchall()
-            if len(rows) > 1:
-                # A campaign's prefix also matches its runs (<campaign>-rNN): the one id that
-                # every other match extends is what was meant.
-                heads = [x for x in rows if all(y["run_id"].startswith(x["run_id"]) for y in rows)]
-                if len(heads) == 1:
-                    return dict(heads[0])
-                ids = ", ".join(x["run_id"] for x in rows[:5])
-                raise LedgerError(f"{run_id!r} matches {len(rows)} runs ({ids}{', ...' if len(rows) > 5 else ''}); "
-                                  "give more of the id")
-            r = rows[0] if rows else None
-        return dict(r) if r is not None else None
+        """The run with this id or unique prefix (as git accepts a unique prefix); LedgerError when ambiguous."""
+        found = self.matches(run_id)
+        if len(found) > 1:
+            ids = ", ".join(x["run_id"] for x in found[:5])
+            raise LedgerError(f"{run_id!r} matches {len(found)} runs ({ids}{', ...' if len(found) > 5 else ''}); "
+                              "give more of the id")
+        return found[0] if found else None
+
+    def matches(self, ref: str) -> list[dict]:
+        """The runs ``ref`` may mean, newest first: the run with exactly that id, else every run whose id starts
+        with it, less the runs of a matched campaign (``<campaign>-rNN``), which their campaign's id stands for."""
+        r = self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (ref,)).fetchone()
+        if r is not None:
+            return [dict(r)]
+        rows = [dict(x) for x in self.conn.execute(
+            "SELECT * FROM runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY started_at DESC, rowid DESC",
+            (ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%",))]
+        ids = [x["run_id"] for x in rows]
+        return [x for x in rows if not any(x["run_id"] != o and x["run_id"].startswith(o) for o in ids)]
 
     def children(self, run_id: str) -> list[str]:
         """Runs that continue or retry ``run_id`` (their parent_id)."""

@@ -20,6 +20,7 @@ class PilotResult:
     rank: int = 0
     world_size: int = 1
     all_rows: list[dict] = field(default_factory=list)  # every rank's rows (rank 0, distributed runs)
+    interrupted_by: str | None = None  # the signal that stopped it ("SIGTERM"), when status is interrupted
 
     @property
     def failed(self) -> bool:
@@ -51,6 +52,7 @@ def _write_json(result: PilotResult, spec: Spec, rows: list[dict], path: Path, e
         "out_dir": str(result.out_dir),
         "ledger": str(result.ledger_path),
         "status": str(result.status),
+        **({"interrupted_by": result.interrupted_by} if result.interrupted_by else {}),
         "gates": [{k: r.get(k) for k in ROW_FIELDS} for r in rows],
         **(extra or {}),
     }

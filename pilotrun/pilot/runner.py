@@ -26,6 +26,7 @@ from ..config.spec import Spec
 from ..drivers import join_job
 from ..gates import Gate, Outcome, PilotContext, Product, depends_on, select_gates
 from ..gates.base import fail_outcome
+from ..interrupt import Interrupted, as_interrupted
 from ..ledger.records import GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from ..ledger.store import Ledger
 from ..measure.meter import StageMeter
@@ -56,6 +57,15 @@ class PilotOptions:
     run_id: str | None = None
     resume: str | None = None            # "latest" or a run id: continue an interrupted pilot
     trust: bool = False                  # load a checkpoint whose manifest the ledger did not record
+
+
+class PilotInterrupted(Interrupted):
+    """A stop signal during the gates: the run is already recorded as interrupted (the signal in its meta,
+    ``interrupted_by``) and ``--resume`` continues it; ``result`` is what the pilot came to so far."""
+
+    def __init__(self, signum: int, result: PilotResult) -> None:
+        super().__init__(signum)
+        self.result = result
 
 
 def _short(text: str, limit: int = 100) -> str:
@@ -90,7 +100,6 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                                           "again")
     run_id = distributed.broadcast(env, options.run_id or new_run_id(spec.name))
     out_dir = Path(options.out_dir) if options.out_dir else Path("runs") / run_id
-    out_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(options.ledger_path)
     try:
         plan = (plan_resume(ledger, spec.name, options.resume, options.trust, spec.canonical(), spec.config_hash())
@@ -98,6 +107,8 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     except BaseException:
         ledger.close()
         raise
+    # Only once there is something to run: a refused --resume leaves no empty run folder behind.
+    out_dir.mkdir(parents=True, exist_ok=True)
     ctx = PilotContext(spec=spec, run_id=run_id, out_dir=out_dir, process=process, ledger=ledger,
                        container_digest=options.container_digest, progress=observer.on_progress,
                        restore_from=plan.checkpoint if plan is not None else None)
@@ -113,6 +124,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     distributed.barrier(env)
     observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [f"device: {process.device_reason}"])
     progress = _Progress()
+    stop: Interrupted | None = None
     try:
         with _transformers_quiet():
             for gate_cls in gates:
@@ -121,11 +133,13 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
         if env.active:
             result.all_rows = [r for rows in distributed.gather(env, result.rows) for r in rows]
             result.status = RunStatus.of_pilot(result.all_rows)
-    except KeyboardInterrupt:
-        result.status = RunStatus.INTERRUPTED
-        raise
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP under pilotrun.interrupt.interruptible()
+        stop = as_interrupted(exc)
+        result.status, result.interrupted_by = RunStatus.INTERRUPTED, stop.name
     finally:
         _close(ctx, result, spec, ledger)
+    if stop is not None:
+        raise PilotInterrupted(stop.signum, result) from None
     return result
 
 
@@ -175,6 +189,8 @@ def _close(ctx: PilotContext, result: PilotResult, spec: Spec, ledger: Ledger) -
     if result.status == RunStatus.RUNNING:
         result.status = RunStatus.ERROR
     if ctx.env.is_main:
+        if result.interrupted_by:
+            ledger.merge_meta(result.run_id, {"interrupted_by": result.interrupted_by})
         ledger.end_run(result.run_id, result.status)
     write_report(result, spec)
     ledger.close()

@@ -36,8 +36,11 @@ def _clip(text: str, width: int | None) -> str:
 
 
 def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | None = None,
-               width: int | None = None) -> Table:
-    """Gates as rows; counters never measured on this device (reserved on CPU) get no column."""
+               width: int | None = None, full: bool = False) -> Table:
+    """Gates as rows; counters never measured on this device (reserved on CPU) get no column.
+
+    Each reason is cut to one line of the width left by the other columns, unless ``full``: then it is
+    whole, wrapped within that width (``pilotrun ledger --run ID --full``)."""
     show_reserved = any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows)
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
     # Fixed columns keep their width; only the reason gives way on a narrow terminal.
@@ -50,7 +53,7 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
     if show_reserved:
         table.add_column("peak resv", justify="right", no_wrap=True, min_width=10)
     table.add_column("host RSS", justify="right", no_wrap=True, min_width=10)
-    table.add_column("reason", no_wrap=True)
+    table.add_column("reason", no_wrap=not full, overflow="fold")
     # Rich collapses fixed columns when one cell is too wide; clip the reason ourselves instead.
     fixed = 1 + gate_w + 7 + 7 + 10 + (10 if show_reserved else 0) + 10 + 2 * (7 if show_reserved else 6)
     reason_w = max(20, width - fixed) if width else None
@@ -64,7 +67,8 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
             cells.append(human_bytes(mem.get("peak_reserved_bytes"))
                          if mem.get("peak_reserved_bytes") is not None else "")
         cells += [human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") is not None else "",
-                  Text(_clip(r.get("reason", ""), reason_w))]  # a reason may quote "[...]" from an error
+                  # Text, not markup: a reason may quote "[...]" from an error.
+                  Text(r.get("reason", "") if full else _clip(r.get("reason", ""), reason_w))]
         table.add_row(*cells)
     for name in pending:
         state = "running" if name == running else "pending"
