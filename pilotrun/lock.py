@@ -79,10 +79,11 @@ def sha256_file(path: Path, cache: dict | None = None) -> str:
     return digest
 
 
-def hash_tree(root: Path, cache: dict | None = None) -> dict:
-    """sha256 per file under ``root`` (or of ``root`` itself) and one combined digest."""
+def hash_tree(root: Path, cache: dict | None = None, keep=None) -> dict:
+    """sha256 per file under ``root`` (or of ``root`` itself) and one combined digest; ``keep(name)`` filters."""
     files = ([root] if root.is_file()
-             else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")))
+             else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+                         and (keep is None or keep(p.name))))
     per_file = {}
     for p in files:
         rel = p.name if root.is_file() else str(p.relative_to(root))
@@ -166,7 +167,10 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
         pinned = bool(m.revision and re.fullmatch(r"[0-9a-f]{40}", m.revision))
         model = {"source": "hub", "id": m.hf, "revision": m.revision, "pinned": pinned}
     if m.tokenizer is not None:
-        model["tokenizer"] = hash_tree(spec.resolve(m.tokenizer), cache)
+        tok = spec.tokenizer_source()
+        model["tokenizer"] = hash_tree(tok.path, cache, tok.is_tokenizer_file)
+        if tok.hub_id is not None:  # from the local Hugging Face cache: which repo and which commit
+            model["tokenizer"].update(hub_id=tok.hub_id, commit=tok.commit)
 
     d = spec.data
     data: dict[str, Any]
