@@ -14,6 +14,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ def sha256_file(path: Path, cache: dict | None = None) -> str:
     return digest
 
 
-def hash_tree(root: Path, cache: dict | None = None, keep=None) -> dict:
+def hash_tree(root: Path, cache: dict | None = None, keep: Callable[[str], bool] | None = None) -> dict:
     """sha256 per file under ``root`` (or of ``root`` itself) and one combined digest; ``keep(name)`` filters."""
     files = ([root] if root.is_file()
              else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
@@ -257,7 +258,7 @@ def drift_kind(field: str, changed: set[str]) -> DriftKind:
     ``changed`` is every drifted field (a content hash that moved because its path moved in the config is the
     experiment; the same path with other content is the environment)."""
     parts = field.split(".")
-    if parts[0] in ("config", "config_hash", "seeds") or any("seed" in p for p in parts):
+    if parts[0] in ("config", "config_hash", "seeds") or parts[-1].endswith("_seed"):  # model.random_init_seed
         return DriftKind.EXPERIMENT
     if parts[0] in ("model", "data"):
         config_changed = any(k.startswith(f"config.{parts[0]}.") for k in changed)
