@@ -16,7 +16,7 @@ from pilotrun.lock import (
     summarize_drift,
 )
 
-from .conftest import TEST_DIGEST, copy_example, copy_fixture, gate_rows, pilotrun_cli
+from .conftest import EXAMPLES, TEST_DIGEST, copy_example, copy_fixture, gate_rows, pilotrun_cli
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -88,6 +88,10 @@ def test_a_made_up_digest_is_exit_2_naming_the_flag_or_variable(tmp_path):
     assert res.returncode == 2 and "$PILOTRUN_CONTAINER_DIGEST is 'abc'" in res.stderr, res.stderr
     res = pilotrun_cli("launch", "--nproc-per-node", "1", str(spec), "--container-digest", "abc", cwd=tmp_path)
     assert res.returncode == 2 and "--container-digest is 'abc'" in res.stderr, res.stderr
+    res = pilotrun_cli("campaign", str(EXAMPLES / "campaign" / "lr-sweep.yaml"), cwd=tmp_path,
+                       env={"PILOTRUN_CONTAINER_DIGEST": "sha256:test"})
+    assert res.returncode == 2 and "$PILOTRUN_CONTAINER_DIGEST is 'sha256:test'" in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("inside", [False, True])
