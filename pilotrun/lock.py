@@ -14,6 +14,8 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,44 @@ from . import __version__
 from .config.spec import Spec, import_factory, looks_local
 
 CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
+CONTAINER_FLAG = "--container-digest"
+# An image digest as `docker inspect` / `podman inspect` print it (RepoDigests): the content address of the image,
+# optionally after the image name, e.g. ghcr.io/org/img@sha256:<64 hex>. A tag or a short id is not a digest.
+DIGEST_RE = re.compile(r"^(?:[\w.\-/:]+@)?sha256:[0-9a-f]{64}$")
+DIGEST_FORMAT = "sha256:<64 lowercase hex digits> (optionally image@sha256:...)"
 # Fields that identify the machine, not the job: recorded, never reported as drift.
 NOT_DRIFT = ("created_at", "host.")
+
+
+class ContainerDigestError(ValueError):
+    """A container digest was given (flag or environment variable) but is not a digest; the message names which."""
+
+
+class DriftKind(str, Enum):
+    """Why a lock field differs from the last run's. The lock gate reports the two differently."""
+
+    EXPERIMENT = "experiment"    # the user changed the config (a key they vary on purpose): information
+    ENVIRONMENT = "environment"  # versions, container, code, model/data content moved under one config: a warning
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def resolve_container_digest(flag_value: str | None = None) -> tuple[str | None, str | None]:
+    """The container digest and where it came from (the flag wins over ``$PILOTRUN_CONTAINER_DIGEST``).
+
+    ``(None, None)`` when neither is set. Raises :class:`ContainerDigestError` naming the flag or the variable
+    when a value is given that is not an image digest: a made-up value would be recorded as if it pinned the image.
+    """
+    for value, source in ((flag_value, CONTAINER_FLAG), (os.environ.get(CONTAINER_ENV), f"${CONTAINER_ENV}")):
+        if not value:
+            continue
+        if not DIGEST_RE.match(value.strip()):
+            raise ContainerDigestError(
+                f"{source} is {value!r}, which is not an image digest: expected {DIGEST_FORMAT}, e.g. from "
+                "`docker inspect --format '{{index .RepoDigests 0}}' IMAGE`; unset it when not in a container")
+        return value.strip(), source
+    return None, None
 
 
 def sha256_file(path: Path, cache: dict | None = None) -> str:
@@ -42,10 +80,11 @@ def sha256_file(path: Path, cache: dict | None = None) -> str:
     return digest
 
 
-def hash_tree(root: Path, cache: dict | None = None) -> dict:
-    """sha256 per file under ``root`` (or of ``root`` itself) and one combined digest."""
+def hash_tree(root: Path, cache: dict | None = None, keep: Callable[[str], bool] | None = None) -> dict:
+    """sha256 per file under ``root`` (or of ``root`` itself) and one combined digest; ``keep(name)`` filters."""
     files = ([root] if root.is_file()
-             else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")))
+             else sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+                         and (keep is None or keep(p.name))))
     per_file = {}
     for p in files:
         rel = p.name if root.is_file() else str(p.relative_to(root))
@@ -129,7 +168,10 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
         pinned = bool(m.revision and re.fullmatch(r"[0-9a-f]{40}", m.revision))
         model = {"source": "hub", "id": m.hf, "revision": m.revision, "pinned": pinned}
     if m.tokenizer is not None:
-        model["tokenizer"] = hash_tree(spec.resolve(m.tokenizer), cache)
+        tok = spec.tokenizer_source()
+        model["tokenizer"] = hash_tree(tok.path, cache, tok.is_tokenizer_file)
+        if tok.hub_id is not None:  # from the local Hugging Face cache: which repo and which commit
+            model["tokenizer"].update(hub_id=tok.hub_id, commit=tok.commit)
 
     d = spec.data
     data: dict[str, Any]
@@ -148,10 +190,9 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
         data = {"source": "jsonl", "splits": {k: hash_tree(spec.resolve(v), cache) for k, v in splits.items()}}
 
     container: dict[str, Any]
-    if container_digest:
-        container = {"digest": container_digest, "from": "--container-digest"}
-    elif os.environ.get(CONTAINER_ENV):
-        container = {"digest": os.environ[CONTAINER_ENV], "from": f"${CONTAINER_ENV}"}
+    digest, source = resolve_container_digest(container_digest)
+    if digest:
+        container = {"digest": digest, "from": source}
     else:
         container = {"digest": None, "from": None, "inside_container": in_container()}
 
@@ -193,7 +234,8 @@ def diff_locks(old: dict, new: dict) -> list[tuple[str, object, object]]:
     return out
 
 
-def summarize_drift(drift: list[tuple[str, object, object]], limit: int = 6) -> str:
+def summarize_drift(drift: list[tuple[str, object, object]], limit: int = 6, sep: str = ": ") -> str:
+    """``field: old -> new; ...`` with long values cut (``sep`` goes between the field and its values)."""
     parts = []
     for key, old, new in drift[:limit]:
         o, n = json.dumps(old, default=str), json.dumps(new, default=str)
@@ -201,6 +243,44 @@ def summarize_drift(drift: list[tuple[str, object, object]], limit: int = 6) -> 
             o = o[:21] + "..."
         if len(n) > 24:
             n = n[:21] + "..."
-        parts.append(f"{key}: {o} -> {n}")
+        parts.append(f"{key}{sep}{o} -> {n}")
     more = f" (+{len(drift) - limit} more)" if len(drift) > limit else ""
     return "; ".join(parts) + more
+
+
+# Lock fields under model.* / data.* that say *where* a thing comes from; the others (sha256, files.*) are its content.
+IDENTITY_FIELDS = ("source", "path", "id", "revision", "factory", "file", "hub_id")
+
+
+def drift_kind(field: str, changed: set[str]) -> DriftKind:
+    """Whether a drifted field is the experiment the user changed or the environment under it.
+
+    ``changed`` is every drifted field (a content hash that moved because its path moved in the config is the
+    experiment; the same path with other content is the environment)."""
+    parts = field.split(".")
+    if parts[0] in ("config", "config_hash", "seeds") or parts[-1].endswith("_seed"):  # model.random_init_seed
+        return DriftKind.EXPERIMENT
+    if parts[0] in ("model", "data"):
+        config_changed = any(k.startswith(f"config.{parts[0]}.") for k in changed)
+        if parts[-1] in IDENTITY_FIELDS:
+            return DriftKind.EXPERIMENT if config_changed else DriftKind.ENVIRONMENT
+        for depth in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:depth])
+            if config_changed and any(f"{prefix}.{name}" in changed for name in IDENTITY_FIELDS):
+                return DriftKind.EXPERIMENT
+    return DriftKind.ENVIRONMENT
+
+
+def classify_drift(drift: list[tuple[str, object, object]]) -> dict[DriftKind, list[tuple[str, object, object]]]:
+    """:func:`diff_locks`' output split by :class:`DriftKind` (both keys always present)."""
+    changed = {k for k, _, _ in drift}
+    out: dict[DriftKind, list[tuple[str, object, object]]] = {kind: [] for kind in DriftKind}
+    for item in drift:
+        out[drift_kind(item[0], changed)].append(item)
+    return out
+
+
+def config_changes(drift: list[tuple[str, object, object]]) -> list[tuple[str, object, object]]:
+    """The spec keys behind an experiment drift, as the user writes them (``train.micro_batch_size``): the hash,
+    the derived seeds and the hashes of moved files are consequences, not changes of their own."""
+    return [(k[len("config."):], a, b) for k, a, b in drift if k.startswith("config.")]

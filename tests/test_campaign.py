@@ -24,7 +24,7 @@ from pilotrun.campaign.orchestrate import CampaignError, prepare
 from pilotrun.campaign.spec import load_campaign
 from pilotrun.config.schema import SpecError
 
-from .conftest import copy_example, open_in_chromium, pilotrun_cli
+from .conftest import TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli
 
 LRS = [3.0e-3, 1.0e-3, 1.0]  # control, a plausible variant, one that diverges
 
@@ -570,7 +570,7 @@ def _small(tmp_path, **over):
 def test_a_drifted_lock_is_refused_unless_flagged_and_then_kept_out_of_the_comparison(tmp_path, monkeypatch):
     from pilotrun.campaign import orchestrate
 
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     real = orchestrate.collect_lock
 
     def drifting(spec):  # the variant's environment moved (another torch) between runs
@@ -597,7 +597,7 @@ def test_a_drifted_lock_is_refused_unless_flagged_and_then_kept_out_of_the_compa
 def test_a_spent_budget_leaves_every_run_recorded_with_the_reason(tmp_path, monkeypatch):
     from pilotrun.campaign.orchestrate import run_campaign
 
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     path = _small(tmp_path, updates=200, stop={"budget_minutes": 0.0005})
     res = run_campaign(path, tmp_path / "l.sqlite", tmp_path / "runs")
     assert len(res["runs"]) == 2
@@ -615,7 +615,7 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, ho
     import time
 
     path, ledger = _small(tmp_path, seeds=[1, 2], updates=2000, eval={"every": 5}), tmp_path / "l.sqlite"
-    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
     ignore_int = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if how == "sigterm" else None
     proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(path), "--parallel", "2", "--ledger",
                              str(ledger), "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env, text=True,
@@ -670,7 +670,7 @@ def test_an_interrupted_campaign_resumes_its_cut_short_runs_as_new_linked_runs(t
 
     from pilotrun.campaign.orchestrate import CampaignInterrupted, run_campaign
 
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     path, ledger = _small(tmp_path, seeds=[1, 2]), tmp_path / "l.sqlite"
 
     def interrupt_after_the_first_run(run):
@@ -727,7 +727,7 @@ def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp
     import time
 
     path, ledger = _small(tmp_path, seeds=[1, 2], updates=400, eval={"every": 200}), tmp_path / "l.sqlite"
-    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(path), "--parallel", "2", "--ledger",
                              str(ledger), "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -17,8 +17,8 @@ from pilotrun.gates.resume import first_difference
 from pilotrun.ledger import Ledger
 from pilotrun.workers.train_phase import restore_check
 
+from .conftest import TEST_DIGEST, pilotrun_cli
 from .conftest import gate_rows as rows_of
-from .conftest import pilotrun_cli
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def test_first_difference_names_field_and_update():
 
 def test_resume_from_the_cli_after_a_real_kill(toylm, tmp_path):
     ledger = tmp_path / "l.sqlite"
-    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
     cmd = [sys.executable, "-m", "pilotrun", "run", str(toylm), "--ledger", str(ledger)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stdout:

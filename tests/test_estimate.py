@@ -11,7 +11,7 @@ from pilotrun.estimate.model import estimate_fit
 from pilotrun.estimate.plan import Assumptions, rental_plans
 from pilotrun.estimate.worker import trace_in_subprocess
 
-from .conftest import EXAMPLES, copy_example, gate_rows, pilotrun_cli
+from .conftest import EXAMPLES, TEST_DIGEST, copy_example, gate_rows, pilotrun_cli
 
 GiB = 2**30
 
@@ -99,7 +99,7 @@ def test_the_local_device_is_found_through_the_one_device_query(monkeypatch):
 
 @pytest.mark.slow
 def test_trace_matches_measured_cpu_peaks_within_5_percent(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     spec_path = copy_example("tiny-sft", tmp_path)
     rows = gate_rows(spec_path, tmp_path, gates=["first_step", "steady_step", "eval"])
     trace = trace_in_subprocess(load_spec(spec_path), target="cpu")
@@ -221,7 +221,7 @@ def test_unknown_accelerator_is_exit_2(tmp_path):
 
 
 def test_cutting_the_maximum_length_is_marked_a_different_experiment(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     spec_path = copy_example("tiny-sft", tmp_path)
     gate_rows(spec_path, tmp_path, gates=["lock"])
     rows = gate_rows(spec_path, tmp_path, "data.max_length=48", "eval.max_length=64", gates=["lock"])

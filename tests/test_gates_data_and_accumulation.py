@@ -6,7 +6,7 @@ import json
 import pytest
 
 from .conftest import SPEC_ORDER as ALL
-from .conftest import copy_fixture, pilotrun_cli
+from .conftest import TEST_DIGEST, copy_fixture, pilotrun_cli
 from .conftest import gate_rows as verdicts
 
 
@@ -71,7 +71,7 @@ def test_inspect_shows_what_the_loss_sees(toylm, tmp_path):
 
 
 def test_split_fails_on_shared_and_repeated_ids(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     spec = copy_fixture("toy", tmp_path)
     mod = spec.parent / "toy.py"
     mod.write_text(mod.read_text().replace('rows.append({"id": f"ex{i}"', 'rows.append({"id": f"ex{i % 90}"'))
@@ -92,7 +92,7 @@ def test_builtin_sft_masks_prompts_and_splits_by_conversation(tmp_path):
 
 
 def test_classification_names_that_disagree_with_the_model_config_fail_inspect(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     from .conftest import copy_example
 
     spec = copy_example("minilm-classification", tmp_path)

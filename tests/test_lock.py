@@ -1,19 +1,33 @@
 """The lock: what a run depends on, and drift reported field by field."""
 from __future__ import annotations
 
-from pilotrun.config import load_spec
-from pilotrun.lock import collect_lock, diff_locks, summarize_drift
+import pytest
 
-from .conftest import copy_example, copy_fixture
+from pilotrun import lock as lock_mod
+from pilotrun.config import load_spec
+from pilotrun.lock import (
+    ContainerDigestError,
+    DriftKind,
+    classify_drift,
+    collect_lock,
+    config_changes,
+    diff_locks,
+    resolve_container_digest,
+    summarize_drift,
+)
+
+from .conftest import EXAMPLES, TEST_DIGEST, copy_example, copy_fixture, gate_rows, pilotrun_cli
+
+DIGEST = "sha256:" + "ab" * 32
 
 
 def test_lock_of_a_builtin_task_hashes_data_and_tokenizer(tmp_path):
     spec = load_spec(copy_example("tiny-sft", tmp_path))
-    lock = collect_lock(spec, container_digest="sha256:abc")
+    lock = collect_lock(spec, container_digest=DIGEST)
     assert len(lock["data"]["sha256"]) == 64 and "data.jsonl" in lock["data"]["files"]
     assert "tokenizer.json" in lock["model"]["tokenizer"]["files"]
     assert lock["model"]["source"] == "config"
-    assert lock["container"] == {"digest": "sha256:abc", "from": "--container-digest"}
+    assert lock["container"] == {"digest": DIGEST, "from": "--container-digest"}
     assert set(lock["versions"]) >= {"python", "torch", "cuda", "hip", "cudnn", "nccl"}
     assert lock["seeds"]["seed"] == 1234 and lock["config_hash"] == spec.config_hash()
     assert lock["code"] == {"commit": None, "dirty": None}  # a copy outside any git checkout
@@ -30,10 +44,11 @@ def test_changed_data_file_is_drift(tmp_path):
 
 
 def test_environment_digest_and_hub_pinning(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:env")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     spec = load_spec(copy_fixture("toy", tmp_path))
     lock = collect_lock(spec)
-    assert lock["container"]["digest"] == "sha256:env" and lock["model"]["source"] == "factory"
+    assert lock["container"] == {"digest": TEST_DIGEST, "from": "$PILOTRUN_CONTAINER_DIGEST"}
+    assert lock["model"]["source"] == "factory"
 
 
 def test_summary_is_short_and_names_fields():
@@ -43,3 +58,98 @@ def test_summary_is_short_and_names_fields():
     assert [k for k, _, _ in drift] == ["a.b", "d", "e"]
     text = summarize_drift(drift)
     assert "a.b: 1 -> 2" in text and '"<absent>"' in text
+
+
+# -- the container digest ------------------------------------------------------------------------------------------
+
+def test_a_digest_must_look_like_one(monkeypatch):
+    monkeypatch.delenv("PILOTRUN_CONTAINER_DIGEST", raising=False)
+    assert resolve_container_digest(None) == (None, None)
+    assert resolve_container_digest(DIGEST) == (DIGEST, "--container-digest")
+    named = "ghcr.io/org/train:1.2@" + DIGEST  # what `docker inspect` prints in RepoDigests
+    assert resolve_container_digest(named) == (named, "--container-digest")
+    for bad in ("abc", "sha256:abc", "sha256:" + "AB" * 32, "sha256:" + "a" * 63, "latest", "sha1:" + "a" * 40):
+        with pytest.raises(ContainerDigestError, match="--container-digest .*sha256:<64 lowercase hex"):
+            resolve_container_digest(bad)
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:test")
+    with pytest.raises(ContainerDigestError, match=r"\$PILOTRUN_CONTAINER_DIGEST is 'sha256:test'"):
+        resolve_container_digest(None)
+    # The flag wins over the variable, and is the one checked.
+    assert resolve_container_digest(DIGEST) == (DIGEST, "--container-digest")
+
+
+def test_a_made_up_digest_is_exit_2_naming_the_flag_or_variable(tmp_path):
+    spec = copy_example("tiny-sft", tmp_path)
+    res = pilotrun_cli("run", str(spec), "--container-digest", "abc", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--container-digest is 'abc'" in res.stderr and "sha256:<64 lowercase hex" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "runs").exists()  # refused before anything ran
+    res = pilotrun_cli("run", str(spec), cwd=tmp_path, env={"PILOTRUN_CONTAINER_DIGEST": "abc"})
+    assert res.returncode == 2 and "$PILOTRUN_CONTAINER_DIGEST is 'abc'" in res.stderr, res.stderr
+    res = pilotrun_cli("launch", "--nproc-per-node", "1", str(spec), "--container-digest", "abc", cwd=tmp_path)
+    assert res.returncode == 2 and "--container-digest is 'abc'" in res.stderr, res.stderr
+    res = pilotrun_cli("campaign", str(EXAMPLES / "campaign" / "lr-sweep.yaml"), cwd=tmp_path,
+                       env={"PILOTRUN_CONTAINER_DIGEST": "sha256:test"})
+    assert res.returncode == 2 and "$PILOTRUN_CONTAINER_DIGEST is 'sha256:test'" in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_no_digest_is_information_not_a_warning(tmp_path, monkeypatch, inside):
+    monkeypatch.delenv("PILOTRUN_CONTAINER_DIGEST", raising=False)
+    # Whether this machine is a container is a fact of the machine: both answers are exercised.
+    monkeypatch.setattr(lock_mod, "in_container", lambda: inside)
+    row = gate_rows(copy_example("tiny-sft", tmp_path), tmp_path, gates=["lock"])["lock"]
+    assert row["verdict"] == "pass", row["reason"]
+    said = "container digest not known" if inside else "not in a container: no image digest to record"
+    assert row["reason"].count(said) == 1, row["reason"]
+
+
+# -- the experiment changed, or the environment drifted ------------------------------------------------------------
+
+def test_config_keys_are_the_experiment_and_the_rest_is_the_environment():
+    old = {"config": {"train": {"micro_batch_size": 8}, "distributed": {"strategy": "single"}, "seed": 1},
+           "config_hash": "a", "seeds": {"torch": 1}, "versions": {"torch": "2.6"}, "distributions": {"numpy": "1"},
+           "container": {"digest": None}, "code": {"commit": "c1"},
+           "model": {"source": "config", "random_init_seed": 1},
+           "data": {"source": "jsonl", "path": "/d/a.jsonl", "sha256": "x", "files": {"a.jsonl": "x"}}}
+    new = {"config": {"train": {"micro_batch_size": 4}, "distributed": {"strategy": "ddp"}, "seed": 2},
+           "config_hash": "b", "seeds": {"torch": 2}, "versions": {"torch": "2.7"}, "distributions": {"numpy": "2"},
+           "container": {"digest": DIGEST}, "code": {"commit": "c2"},
+           "model": {"source": "config", "random_init_seed": 2},
+           "data": {"source": "jsonl", "path": "/d/a.jsonl", "sha256": "y", "files": {"a.jsonl": "y"}}}
+    kinds = classify_drift(diff_locks(old, new))
+    assert {k for k, _, _ in kinds[DriftKind.EXPERIMENT]} == {
+        "config.train.micro_batch_size", "config.distributed.strategy", "config.seed", "config_hash", "seeds.torch",
+        "model.random_init_seed"}
+    # Same data path, other content: the data drifted under the experiment, whatever else the user changed.
+    assert {k for k, _, _ in kinds[DriftKind.ENVIRONMENT]} == {
+        "versions.torch", "distributions.numpy", "container.digest", "code.commit", "data.sha256",
+        "data.files.a.jsonl"}
+    assert config_changes(kinds[DriftKind.EXPERIMENT]) == [
+        ("distributed.strategy", "single", "ddp"), ("seed", 1, 2), ("train.micro_batch_size", 8, 4)]
+
+
+def test_data_pointed_elsewhere_by_the_config_is_the_experiment():
+    old = {"config": {"data": {"path": "a.jsonl"}}, "data": {"path": "/d/a.jsonl", "sha256": "x"}}
+    new = {"config": {"data": {"path": "b.jsonl"}}, "data": {"path": "/d/b.jsonl", "sha256": "y"}}
+    kinds = classify_drift(diff_locks(old, new))
+    assert not kinds[DriftKind.ENVIRONMENT] and len(kinds[DriftKind.EXPERIMENT]) == 3
+
+
+def test_the_gate_says_config_changes_and_warns_on_environment_drift(tmp_path, monkeypatch):
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
+    spec = copy_example("tiny-sft", tmp_path)
+    gate_rows(spec, tmp_path, gates=["lock"])
+    row = gate_rows(spec, tmp_path, "distributed.strategy=ddp", "train.micro_batch_size=4", gates=["lock"])["lock"]
+    assert row["verdict"] == "pass", row["reason"]
+    assert ("config changed from" in row["reason"] and 'distributed.strategy "single" -> "ddp"' in row["reason"]
+            and "train.micro_batch_size 8 -> 4" in row["reason"] and "no environment drift" in row["reason"])
+    assert "drifted" not in row["reason"]
+    # The same config on other data content (same file name): the environment drifted, a warning.
+    data = spec.parent / "data.jsonl"
+    data.write_text(data.read_text().replace("Paris", "Lyon"))
+    row = gate_rows(spec, tmp_path, "distributed.strategy=ddp", "train.micro_batch_size=4", gates=["lock"])["lock"]
+    assert row["verdict"] == "warn" and "the environment drifted from" in row["reason"], row["reason"]
+    assert "data.sha256" in row["reason"] and "config changed" not in row["reason"]
+    assert {d["kind"] for d in row["details"]["drift"]} == {"environment"}

@@ -14,7 +14,7 @@ from pilotrun.ledger import Ledger
 from pilotrun.pilot import PilotOptions, run_pilot
 
 from .conftest import SPEC_ORDER as GATES
-from .conftest import copy_fixture
+from .conftest import TEST_DIGEST, copy_fixture
 
 # Every gate but the three that start worker processes: those have their own tests.
 IN_PROCESS = [g for g in GATES if g not in ("restore", "resume", "reload_eval")]
@@ -88,14 +88,17 @@ def test_lock_reports_drift_field_by_field(toy, tmp_path):
     run(toy, tmp_path, gates=["lock"])
     same = by_gate(run(toy, tmp_path, gates=["lock"]))["lock"]
     assert same["verdict"] == "pass" and "no drift" in same["reason"]
+    # A key the user varies on purpose is the experiment they changed: said, not warned about.
     changed = by_gate(run(toy, tmp_path, ["train.optimizer.lr=0.02"], gates=["lock"]))["lock"]
-    assert changed["verdict"] == "warn"
-    fields = {d["field"] for d in changed["details"]["drift"]}
-    assert "config.train.optimizer.lr" in fields and "config_hash" in fields
+    assert changed["verdict"] == "pass", changed["reason"]
+    assert "config changed from" in changed["reason"] and "train.optimizer.lr" in changed["reason"]
+    kinds = {d["field"]: d["kind"] for d in changed["details"]["drift"]}
+    assert kinds["config.train.optimizer.lr"] == "experiment" and kinds["config_hash"] == "experiment"
+    assert changed["details"]["config_changes"][0]["key"] == "train.optimizer.lr"
     lock = json.loads((tmp_path / "out" / "lock.json").read_text())
     assert lock["versions"]["torch"] and "torch" in lock["distributions"]
     assert lock["model"]["source"] == "factory" and len(lock["model"]["source_sha256"]) == 64
-    assert lock["container"]["digest"] == "sha256:test"
+    assert lock["container"]["digest"] == TEST_DIGEST
 
 
 def test_inf_loss_fails_first_step_and_stops_dependents(toy, tmp_path):

@@ -16,6 +16,7 @@ from rich.markup import escape
 from ..config.schema import SpecError
 from ..interrupt import as_interrupted
 from ..ledger.store import LedgerError
+from ..lock import ContainerDigestError
 from . import archive as archive_cmd
 from . import batch as batch_cmd
 from . import campaign as campaign_cmd
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"  [bold]{escape(field)}[/]: {escape(message)}" if field else f"  {escape(message)}",
                           highlight=False)
         return EXIT_BAD_INPUT
-    except (UsageError, LedgerError) as exc:
+    except (UsageError, LedgerError, ContainerDigestError) as exc:
         err_console().print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as exc:  # a command that records its own stop (run, campaign) returns before this

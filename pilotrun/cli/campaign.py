@@ -13,6 +13,7 @@ from ..campaign.followup import resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
+from ..lock import resolve_container_digest
 from .common import UsageError, add_ledger_arg, err_console, out_console
 
 HELP = """examples:
@@ -52,6 +53,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     ledger = args.ledger or default_ledger_path()
     console = out_console()
+    resolve_container_digest()  # every run's lock reads $PILOTRUN_CONTAINER_DIGEST: refuse a malformed one up front
     try:
         if args.retry and args.resume:
             raise UsageError("--retry reruns one run differently, --resume continues an interrupted campaign: "

@@ -21,6 +21,7 @@ from ..devices import query_devices
 from ..interrupt import Interrupted, interruptible
 from ..ledger.records import RunStatus, new_run_id
 from ..ledger.store import Ledger
+from ..lock import DIGEST_FORMAT, resolve_container_digest
 from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, add_ledger_arg, out_console
 
 HELP = """examples:
@@ -46,7 +47,7 @@ def add_parser(sub) -> None:
     add_ledger_arg(p)
     p.add_argument("--gates")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--container-digest")
+    p.add_argument("--container-digest", help=f"image digest of the container, {DIGEST_FORMAT}")
     p.add_argument("--run-id", help="shared by every node of a multi-node launch (default: generated)")
     p.set_defaults(func=main)
 
@@ -70,6 +71,7 @@ def plan_processes(requested: int | None, nnodes: int) -> tuple[int, str]:
 
 def main(args) -> int:
     spec = load_spec(args.spec, args.overrides)
+    resolve_container_digest(args.container_digest)  # refused here once, not once per rank
     nproc, why = plan_processes(args.nproc_per_node, args.nnodes)
     world = nproc * args.nnodes
     if world > 1 and not strategies.get(spec.distributed.strategy).multi_process:

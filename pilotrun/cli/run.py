@@ -19,6 +19,7 @@ from ..gates import UnknownGate
 from ..interrupt import interruptible
 from ..ledger.records import Failure, Verdict
 from ..ledger.store import LedgerError
+from ..lock import DIGEST_FORMAT, resolve_container_digest
 from ..pilot import PilotInterrupted, PilotOptions, ResumeError, rank_summary, run_pilot
 from ..strategies import UnknownStrategy
 from ..ui.console import ConsoleObserver
@@ -45,7 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gates", help="comma-separated gates to run (prerequisites are added)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec key, e.g. train.micro_batch_size=4 (repeatable)")
-    p.add_argument("--container-digest", help="image digest of the container this runs in (recorded in the lock)")
+    p.add_argument("--container-digest", help=f"image digest of the container this runs in, {DIGEST_FORMAT} "
+                                              "(recorded in the lock; or set $PILOTRUN_CONTAINER_DIGEST)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
                    help="continue an interrupted pilot from its last good checkpoint (the latest interrupted run of "
                         "this spec, or RUN); gates it already passed are carried over")
@@ -68,6 +70,7 @@ def main(args) -> int:
 
 def _run(args) -> tuple[int, str | None]:
     spec = load_spec(args.spec, args.overrides)
+    resolve_container_digest(args.container_digest)  # a malformed digest is exit 2 before anything runs
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
     options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates,
                            container_digest=args.container_digest, resume=args.resume, trust=args.trust,

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .hub_cache import TokenizerNotFound, TokenizerSource, locate_tokenizer
 from .schema import SpecError, build, doc
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
@@ -43,7 +44,8 @@ class ModelSpec:
     revision: str | None = doc("Hub commit for model.hf (a 40-hex commit pins it; a branch name does not)", None)
     config: dict[str, Any] | None = doc(
         "a transformers config mapping with model_type; the model is built from it with random weights", None)
-    tokenizer: str | None = doc("tokenizer folder or tokenizer.json for built-in tasks (defaults to model.hf)", None)
+    tokenizer: str | None = doc("tokenizer folder, tokenizer.json, or a Hub id already in the local Hugging Face "
+                                "cache (never downloaded) for built-in tasks (defaults to model.hf)", None)
     trust_remote_code: bool = doc("let transformers run model code shipped with model.hf", False)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
 
@@ -306,6 +308,14 @@ class Spec:
     def eval_max_length(self) -> int | None:
         return self.eval.max_length or self.data.max_length
 
+    def tokenizer_source(self) -> TokenizerSource:
+        """Where ``model.tokenizer`` is: a local path, or a Hub id in the local cache (at ``model.revision`` when it
+        names model.hf's repo). Raises :class:`TokenizerNotFound`."""
+        value = self.model.tokenizer
+        assert value is not None
+        revision = self.model.revision if value == self.model.hf else None
+        return locate_tokenizer(value, self.resolve, revision, hub_id_like=not looks_local(value))
+
     def canonical(self) -> dict:
         """The config with every default filled in, as plain JSON types, for hashing and the lock."""
         out = asdict(self)
@@ -446,7 +456,10 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
     if spec.model.hf is not None and looks_local(spec.model.hf):
         need_file("model.hf", spec.model.hf, kind="folder")
     if spec.model.tokenizer is not None and data_files:
-        need_file("model.tokenizer", spec.model.tokenizer, kind="path")
+        try:
+            spec.tokenizer_source()
+        except TokenizerNotFound as exc:
+            problems.append(("model.tokenizer", str(exc)))
     if spec.data.task is not None and spec.model.factory is None and data_files:
         if spec.model.tokenizer is None and spec.model.hf is None:
             problems.append(("model.tokenizer", "missing; built-in tasks with model.config need a tokenizer folder "

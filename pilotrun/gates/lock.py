@@ -1,10 +1,17 @@
-"""``lock``: record revisions, versions, config and seeds; report drift from the last run of this name."""
+"""``lock``: record revisions, versions, config and seeds; report drift from the last run of this name.
+
+Two kinds of difference from the last run are kept apart (:class:`pilotrun.lock.DriftKind`): a config key the user
+changed is the experiment they meant to run (said as information), while other versions, another container, other
+code or other model/data content under the same config is the environment drifting (a warning)."""
 from __future__ import annotations
 
 import json
 
-from ..lock import collect_lock, diff_locks, summarize_drift
+from ..lock import DriftKind, classify_drift, collect_lock, config_changes, diff_locks, summarize_drift
 from .base import Gate, Outcome, Product
+
+# Cutting a length changes the expected outputs (SPEC §4): a different experiment, said as a warning.
+LENGTH_KEYS = ("data.max_length", "eval.max_length")
 
 
 class LockGate(Gate):
@@ -37,39 +44,61 @@ class LockGate(Gate):
         out = Outcome(inputs=self.describe_inputs(ctx))
         out.details = {"lock_path": str(path), "config_hash": lock["config_hash"],
                        "versions": lock["versions"], "model": _short(lock["model"]), "data": _short(lock["data"])}
+        warnings: list[str] = []
+        info = [f"recorded lock.json (config {lock['config_hash'][:8]}, torch {lock['versions']['torch']})"]
         prev = ctx.ledger.previous_lock(ctx.spec.name, ctx.run_id) if ctx.ledger is not None else None
-        head = f"recorded lock.json (config {lock['config_hash'][:8]}, torch {lock['versions']['torch']})"
         if prev is None:
-            out.reason = f"{head}; first run named {ctx.spec.name!r}, nothing to compare"
+            info.append(f"first run named {ctx.spec.name!r}, nothing to compare")
         else:
             prev_id, prev_lock = prev
-            drift = diff_locks(prev_lock, lock)
+            kinds = classify_drift(diff_locks(prev_lock, lock))
+            environment, changes = kinds[DriftKind.ENVIRONMENT], config_changes(kinds[DriftKind.EXPERIMENT])
             out.details["compared_with"] = prev_id
-            out.details["drift"] = [{"field": k, "before": a, "now": b} for k, a, b in drift]
-            if drift:
-                out.warn(f"drift from {prev_id} in {len(drift)} field(s): {summarize_drift(drift)}")
-            else:
-                out.reason = f"{head}; no drift from {prev_id}"
-            cut = [(k, a, b) for k, a, b in drift if k in ("config.data.max_length", "config.eval.max_length")
+            out.details["drift"] = [{"field": k, "before": a, "now": b, "kind": str(kind)}
+                                    for kind, items in kinds.items() for k, a, b in items]
+            out.details["config_changes"] = [{"key": k, "before": a, "now": b} for k, a, b in changes]
+            if environment:
+                warnings.append(f"the environment drifted from {prev_id} in {len(environment)} field(s): "
+                                f"{summarize_drift(environment)}")
+            cut = [(k, a, b) for k, a, b in changes if k in LENGTH_KEYS
                    and isinstance(a, int) and isinstance(b, int) and b < a]
+            changed_on_purpose = [c for c in changes if c not in cut]
+            if changed_on_purpose:
+                info.append(f"config changed from {prev_id}: {summarize_drift(changed_on_purpose, sep=' ')}")
+            if not environment and not changes:
+                info.append(f"no drift from {prev_id}")
+            elif not environment:
+                info.append("no environment drift")
             if cut:
-                out.details["different_experiment"] = [{"field": k[7:], "before": a, "now": b} for k, a, b in cut]
-                text = "; ".join(f"{k[7:]} was cut from {a} to {b}: outputs change, so this is a different "
+                out.details["different_experiment"] = [{"field": k, "before": a, "now": b} for k, a, b in cut]
+                text = "; ".join(f"{k} was cut from {a} to {b}: outputs change, so this is a different "
                                  f"experiment from {prev_id}, not the same one made to fit" for k, a, b in cut)
-                out.warn(text)
+                warnings.append(text)
                 if ctx.ledger is not None and ctx.rank == 0:
                     ctx.ledger.add_note(ctx.run_id, f"different experiment: {text}")
         model = lock["model"]
         if model.get("source") == "hub" and not model.get("pinned"):
-            out.warn(f"model.hf {model['id']!r} is not pinned to a commit (model.revision): "
-                     "a later run may get other weights")
-        if lock["container"].get("inside_container"):
-            out.warn("running inside a container whose image digest is unknown: pass --container-digest or set "
-                     "$PILOTRUN_CONTAINER_DIGEST")
+            warnings.append(f"model.hf {model['id']!r} is not pinned to a commit (model.revision): "
+                            "a later run may get other weights")
+        info.append(_container_text(lock["container"]))
         if lock["code"].get("dirty"):
-            out.warn(f"the git checkout at {lock['code']['commit'][:10]} has uncommitted changes: "
-                     "the code is not fully recorded")
+            warnings.append(f"the git checkout at {lock['code']['commit'][:10]} has uncommitted changes: "
+                            "the code is not fully recorded")
+        for text in warnings:
+            out.warn(text)
+        out.reason = "; ".join(([out.reason] if out.reason else []) + info)
         return out
+
+
+def _container_text(container: dict) -> str:
+    """Where the image digest came from, or why there is none: information, never a warning (most pilots run on a
+    plain machine, and inside a container the digest is often not visible from within)."""
+    if container.get("digest"):
+        return f"container {container['digest']} (from {container['from']})"
+    if container.get("inside_container"):
+        return ("container digest not known: this runs inside a container that does not expose its image digest; "
+                "pass --container-digest sha256:... (or set $PILOTRUN_CONTAINER_DIGEST) to record it")
+    return "not in a container: no image digest to record"
 
 
 def _short(section: dict) -> dict:

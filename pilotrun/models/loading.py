@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..config.hub_cache import TokenizerNotFound
 from ..config.spec import Spec, import_factory
 
 
@@ -46,13 +47,21 @@ def local_path(spec: Spec, target: str) -> Path | None:
 
 
 def load_tokenizer(spec: Spec):
-    """The tokenizer for built-in tasks (None for factory data that brings its own)."""
+    """The tokenizer for built-in tasks (None for factory data that brings its own).
+
+    ``model.tokenizer`` is a local path or a Hub id found in the local cache (never downloaded); without it the
+    tokenizer of ``model.hf`` is loaded the way the model is."""
     target = spec.model.tokenizer or spec.model.hf
     if target is None:
         return None
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     local = local_path(spec, target)
+    if spec.model.tokenizer is not None:
+        try:
+            local = spec.tokenizer_source().path
+        except TokenizerNotFound as exc:
+            raise ModelError(f"model.tokenizer: {exc}") from None
     tok: Any
     try:
         if local is not None and local.is_file():

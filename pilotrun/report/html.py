@@ -7,16 +7,15 @@ Example::
 """
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 from pathlib import Path
 
 from ..gates.registry import job_memory_gates
 from ..humanize import human_bytes, human_seconds
-from ..ledger.records import RunStatus, Series
+from ..ledger.records import Series
 from ..ledger.store import Ledger
+from .plots import campaign_figure, curve_figure, dynamics_figure, inline_svg, is_retry, memory_figure, png
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;color:#1d2330;
@@ -31,25 +30,8 @@ th,td{text-align:left;padding:.3rem .5rem;border-bottom:1px solid #eef1f5;vertic
 img{max-width:100%;border:1px solid #eef1f5;border-radius:.3rem}pre{background:#f6f8fb;padding:.8rem;overflow:auto;
 font-size:.8rem;max-height:30rem}.conclusion li{margin:.3rem 0;font-weight:600}details{margin:.6rem 0}
 .kv td:first-child{color:#5b6474;width:14rem}.bad{background:#fce8e6;color:#c5221f;padding:.5rem;font-weight:600}
+.plot svg{display:block}
 """
-
-
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _e(x) -> str:
@@ -89,39 +71,14 @@ JOB_STAGES = job_memory_gates()  # their rows measure the job's own memory (decl
 
 
 def _memory_plot(rows: list[dict], capacities: dict[str, int]) -> str:
-    plt = _pyplot()
     stages = [r for r in rows if r["gate"] in JOB_STAGES and (r.get("memory") or {}).get("peak_allocated_bytes")]
     if not stages:
         return "<p class=\"sub\">No stage measured tensor memory.</p>"
-    labels = [f"{r['gate']}" + (f" (rank {r['rank']})" if r.get("world_size", 1) > 1 else "") for r in stages]
-    alloc = [r["memory"]["peak_allocated_bytes"] / 2**30 for r in stages]
-    resv = [(r["memory"].get("peak_reserved_bytes") or 0) / 2**30 for r in stages]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(stages) + 1.6))
-    y = range(len(stages))
-    ax.barh([i + 0.2 for i in y], alloc, height=0.4, label="peak allocated", color="#1a73e8")
-    if any(resv):
-        ax.barh([i - 0.2 for i in y], resv, height=0.4, label="peak reserved", color="#8ab4f8")
-    for name, cap in capacities.items():
-        ax.axvline(cap / 2**30, linestyle="--", linewidth=1, color="#c5221f")
-        ax.text(cap / 2**30, len(stages) - 0.4, f" {name}", rotation=90, va="top", fontsize=7, color="#c5221f")
-    ax.set_xscale("log")
-    ax.set_yticks(list(y))
-    ax.set_yticklabels(labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("GiB (log scale); dashed: capacity per device as the runtime reports it")
-    ax.legend(loc="lower right", fontsize=8)
-    return _png(fig)
+    return inline_svg(memory_figure(stages, capacities), "peak memory per stage against each accelerator's capacity")
 
 
 def _curve(points: list[tuple[int, float]], title: str, ylabel: str) -> str:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", color="#1a73e8")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("update")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    return _png(fig)
+    return png(curve_figure(points, title, ylabel))
 
 
 def _short(d: dict) -> str:
@@ -140,8 +97,9 @@ def _short(d: dict) -> str:
 def _container(c: dict) -> str:
     if c.get("digest"):
         return f"{c['digest']} (from {c.get('from')})"
-    return "not recorded" + (" (running inside a container: pass --container-digest)"
-                             if c.get("inside_container") else "")
+    if c.get("inside_container"):
+        return "not known: inside a container that does not expose its image digest (pass --container-digest)"
+    return "none: not in a container"
 
 
 def _code(c: dict) -> str:
@@ -247,106 +205,22 @@ def render_pilot(led: Ledger, run: dict) -> str:
 
 # -- campaign -----------------------------------------------------------------------------------
 
-def _value(m: dict, field: str) -> float | None:
-    if field == "throughput":
-        # tokens/s for sequence models, examples/s otherwise: whichever the worker counted.
-        n = m.get("tokens") or m.get("examples")
-        return n / m["seconds"] if n and m.get("seconds") else None
-    return m.get(field)
-
-
-def _run_style(runs: list[dict], key: str, plt):
-    """One colour per variant, one line style per seed: the same run looks the same in every plot."""
-    order = [str(x["meta"].get("variant")) for x in runs]
-    variants = sorted(set(order), key=order.index)
-    seeds = sorted({r["meta"].get("seed") for r in runs}, key=str)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ["-", "--", ":", "-."]
-
-    def style(r: dict) -> dict:
-        v = str(r["meta"].get("variant"))
-        label = f"{key}={v}, seed {r['meta'].get('seed')}"
-        if r.get("parent_id"):
-            label += " (resumed)" if r["meta"].get("continues") else " (retry)"
-        if r["status"] != "finished":
-            label += f" ({r['status']})"
-        seed = r["meta"].get("seed")
-        return {"color": colors[variants.index(v) % len(colors)], "label": label,
-                "linestyle": styles[seeds.index(seed) % len(styles)] if seed in seeds else "-"}
-    return style
-
-
-def _plain_log_axis(ax) -> None:
-    """Log scale with 2, 3, 5, 10 on the axis instead of 2 x 10^0: loss values people can read off."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
-    ax.set_yscale("log")
-    lo, hi = ax.get_ylim()
-    # Within a decade every integer multiple is a useful tick; across several, 1-2-5 stays legible.
-    ax.yaxis.set_major_locator(LogLocator(subs=tuple(range(1, 10)) if hi / lo < 12 else (1.0, 2.0, 5.0)))
-    plain = ScalarFormatter()
-    plain.set_scientific(False)
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(NullFormatter())
-
-
 def _campaign_curves(led: Ledger, runs: list[dict], key: str, series: Series, title: str) -> str:
-    plt = _pyplot()
-    style = _run_style(runs, key, plt)
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    drawn = 0
-    for r in runs:
-        pts = [(m["step"], m["loss"]) for m in led.metrics(r["run_id"], series) if m["loss"] is not None]
-        if not pts:
-            continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if series == Series.VAL else None, alpha=0.9,
-                **style(r))
-        # Mark where a run diverged on its training curve (its last validation point is not where it diverged).
-        if r["status"] == RunStatus.DIVERGED and series == Series.TRAIN:
-            ax.plot([pts[-1][0]], [pts[-1][1]], marker="x", markersize=10, color="#c5221f")
-        drawn += 1
-    if not drawn:
-        plt.close(fig)
+    fig = campaign_figure(led, runs, key, series, title)
+    if fig is None:
         return "<p class=\"sub\">No points recorded.</p>"
-    _plain_log_axis(ax)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("update")
-    ax.set_ylabel("loss (log scale)")
-    ax.grid(alpha=0.3)
-    # Below the axes: inside, it hides exactly the diverging curves people need to see.
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
-    return _png(fig)
+    retried = [r for r in runs if is_retry(r)]
+    caption = ("<p class=\"sub\">Dashed, darker: a retry; its legend entry names the run it retried.</p>"
+               if retried else "")
+    return png(fig) + caption
 
 
 def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
     """Learning rate, gradient norm and throughput per update: what was kept besides the loss."""
-    plt = _pyplot()
-    style = _run_style(runs, key, plt)
-    panels = (("lr", "learning rate (log scale)", True), ("grad_norm", "gradient norm (log scale)", True),
-              ("throughput", "throughput (tokens or examples / s)", False))
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    drawn = 0
-    for r in runs:
-        metrics = led.metrics(r["run_id"], Series.TRAIN)
-        for ax, (field, _, _) in zip(axes, panels):
-            pts = [(m["step"], v) for m in metrics if (v := _value(m, field)) is not None]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], alpha=0.85, linewidth=1.2, **style(r))
-                drawn += 1
-    if not drawn:
-        plt.close(fig)
+    fig = dynamics_figure(led, runs, key)
+    if fig is None:
         return "<p class=\"sub\">No learning rate, gradient norm or throughput recorded.</p>"
-    for ax, (_, title, log) in zip(axes, panels):
-        if log and ax.has_data():
-            ax.set_yscale("log")
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("update", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 0.0), frameon=False)
-    fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def render_campaign(led: Ledger, camp: dict) -> str:
