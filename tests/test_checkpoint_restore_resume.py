@@ -202,7 +202,7 @@ def test_buffers_are_compared_with_the_copy_the_strategy_makes_the_state():
 def test_sigterm_is_recorded_as_an_interruption_and_resume_finishes_the_run(toylm, tmp_path):
     # What a spot/preemptible rental's end sends: SIGTERM to pilotrun alone, mid-run.
     ledger = tmp_path / "l.sqlite"
-    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
     cmd = [sys.executable, "-m", "pilotrun", "run", str(toylm), "--ledger", str(ledger)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
