@@ -32,7 +32,7 @@ from ..workers.launch import worker_env
 from .conclude import conclude, current
 from .procs import process_mark
 from .resources import pilot_memory, plan_parallel
-from .runner import STOP_SIGNAL
+from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
 from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
@@ -75,13 +75,21 @@ STOP_GRACE_S = 60
 class _Running:
     """The worker processes in flight, so an interrupt reaches every one of them, and the flag that stops new ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path) -> None:
+        self.reason_file = folder / STOP_REASON_FILE
+        self.reason_file.unlink(missing_ok=True)  # a resumed campaign's earlier stop is not this one's
+        self.how = "Ctrl-C"
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: set[str] = set()  # run ids whose worker was started (a lost end is "stopped", not "not-run")
         self.lock = threading.Lock()
         self.stopping = threading.Event()
 
-    def stop_all(self) -> None:
+    def stop_all(self, how: str) -> None:
+        self.how = how
+        try:  # before the signal, so each worker's stopped row names the real cause
+            self.reason_file.write_text(how)
+        except OSError:
+            pass  # the rows then say Ctrl-C; the campaign's own message still names the signal
         self.stopping.set()
         with self.lock:
             procs = list(self.procs.values())
@@ -117,8 +125,8 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
             led.merge_meta(run_id, {"worker": process_mark(proc.pid)})
         try:
             return proc.wait()
-        except KeyboardInterrupt:  # only when runs go one at a time: the main thread waits here
-            running.stop_all()
+        except KeyboardInterrupt as exc:  # only when runs go one at a time: the main thread waits here
+            running.stop_all(as_interrupted(exc).how)
             raise
         finally:
             with running.lock:
@@ -238,7 +246,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
 def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
     """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more."""
     plan_file = folder / "plan.json"
-    running = _Running()
+    running = _Running(folder)
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:
@@ -266,7 +274,7 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
         try:
             _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"))
         finally:
-            record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started)
+            record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started, running.how)
         if on_event:
             with Ledger(ledger_path) as led:
                 on_event(led.run(r["run_id"]))
@@ -278,31 +286,33 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
                 try:
                     for f in futures:
                         f.result()
-                except KeyboardInterrupt:
-                    running.stop_all()  # the pool then drains: queued runs see the flag and record not-run
+                except KeyboardInterrupt as exc:
+                    # The pool then drains: queued runs see the flag and record not-run.
+                    running.stop_all(as_interrupted(exc).how)
                     raise
         else:
             for r in runs:
                 one(r)
     except KeyboardInterrupt as exc:
         running.stopping.set()
+        running.how = as_interrupted(exc).how
         for r in runs:
-            record_lost_end(r, ledger_path, True, r["run_id"] in running.started)
+            record_lost_end(r, ledger_path, True, r["run_id"] in running.started, running.how)
         raise CampaignInterrupted(finish(campaign_id, ledger_path, interrupted=True),
                                   as_interrupted(exc).signum) from None
 
 
-def record_lost_end(r: dict, ledger_path: Path, interrupted: bool, started: bool) -> None:
+def record_lost_end(r: dict, ledger_path: Path, stopping: bool, started: bool, how: str = "Ctrl-C") -> None:
     """A run whose worker died without recording its end, or that never started, still gets a row that says so."""
     with Ledger(ledger_path) as led:
         row = led.run(r["run_id"])
         if row is None or row["status"] not in (RunStatus.RUNNING, RunStatus.PLANNED):
             return
         log = r["out"] / "worker.log"
-        if interrupted and (row["status"] == RunStatus.PLANNED or not started):
+        if stopping and (row["status"] == RunStatus.PLANNED or not started):
             end = NOT_STARTED
-        elif interrupted:
-            end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, "interrupted (Ctrl-C); the run's process ended "
+        elif stopping:
+            end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, f"{interrupted(how)}; the run's process ended "
                          f"before recording where (log {log})")
         else:
             end = RunEnd(RunStatus.FAILED, StopKind.PROCESS_LOST, "the run's process ended without a result "

@@ -22,7 +22,12 @@ from ..ledger.store import Ledger
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
 
-INTERRUPTED = "interrupted (Ctrl-C)"
+STOP_REASON_FILE = "stopped-by"  # beside the campaign's plan.json: what stopped it ("Ctrl-C", "SIGTERM", ...)
+
+
+def interrupted(how: str) -> str:
+    """A stopped run's reason: "interrupted (SIGTERM)" after a preemption, not "(Ctrl-C)"."""
+    return f"interrupted ({how})"
 # What the campaign sends a worker to stop it at the next update (SIGINT where there is no SIGUSR1).
 STOP_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGINT)
 
@@ -93,12 +98,12 @@ class _Recorder:
 
 
 def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requested: Callable[[], bool],
-           rec: _Recorder, val: list[dict]) -> RunEnd:
+           rec: _Recorder, val: list[dict], how: Callable[[], str]) -> RunEnd:
     """The run's updates and validations until its end: finished, or stopped or diverged by a declared rule."""
     stop = plan["stop"]
     for step in range(1, plan["updates"] + 1):
         if stop_requested():
-            return RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, INTERRUPTED, driver.step)
+            return RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, interrupted(how()), driver.step)
         if deadline is not None and time.time() > deadline:
             return RunEnd(RunStatus.STOPPED, StopKind.BUDGET, "budget: the campaign's time budget ran out",
                           driver.step)
@@ -139,11 +144,12 @@ def _keep(driver: LoopDriver, spec, plan: dict, out_dir: Path, finished: bool) -
 
 
 def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, deadline: float | None,
-              stop_requested: Callable[[], bool] = lambda: False) -> dict:
+              stop_requested: Callable[[], bool] = lambda: False, how: Callable[[], str] = lambda: "Ctrl-C") -> dict:
     """Train one run and record it; returns its final state. ``plan`` holds updates, eval_every, stop, keep.
 
     ``stop_requested`` is polled between updates: a Ctrl-C stops the run at an update boundary, so
-    no ledger write is cut in half and every update before it is kept exactly once.
+    no ledger write is cut in half and every update before it is kept exactly once. ``how`` names what
+    stopped it (Ctrl-C, SIGTERM, ...) for the run's reason.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan.get("threads"):  # runs side by side share the cores instead of each taking all of them
@@ -154,11 +160,11 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
         assert isinstance(driver, LoopDriver)
         rec = _Recorder(led, run_id)
         try:
-            end = _train(driver, plan, deadline, stop_requested, rec, result["val"])
+            end = _train(driver, plan, deadline, stop_requested, rec, result["val"], how)
             rec.flush()
             result.update(_keep(driver, spec, plan, out_dir, end.status == RunStatus.FINISHED))
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was written
-            end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, INTERRUPTED, driver.step)
+            end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, interrupted(how()), driver.step)
             try:
                 rec.flush()
             except KeyboardInterrupt:
@@ -167,7 +173,7 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
             rec.flush()
             if stop_requested():  # e.g. DataLoader workers that took the Ctrl-C themselves and exited
                 end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED,
-                             f"{INTERRUPTED}; then {type(exc).__name__}: {str(exc)[:200]}", driver.step)
+                             f"{interrupted(how())}; then {type(exc).__name__}: {str(exc)[:200]}", driver.step)
             else:
                 end = RunEnd(RunStatus.FAILED, StopKind.ERROR, f"{type(exc).__name__}: {str(exc)[:300]}",
                              driver.step)

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from ..workers.common import read_spec_file
-from .runner import STOP_SIGNAL, train_run
+from .runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(STOP_SIGNAL, lambda signum, frame: stop.set())
     if hasattr(signal, "SIGHUP"):  # the terminal or SSH session went away: stop where we are, recorded
         signal.signal(signal.SIGHUP, lambda signum, frame: stop.set())
+    def how() -> str:
+        # The campaign writes what stopped it before signalling; a terminal's Ctrl-C may arrive first.
+        try:
+            return (args.plan.parent / STOP_REASON_FILE).read_text().strip() or "Ctrl-C"
+        except OSError:
+            return "Ctrl-C"
+
     result = train_run(read_spec_file(args.spec), args.run_id, args.out, args.ledger,
-                       json.loads(args.plan.read_text()), args.deadline, stop.is_set)
+                       json.loads(args.plan.read_text()), args.deadline, stop.is_set, how)
     if stop.is_set():
         return 130
     return 0 if result["status"] in ("finished", "diverged", "stopped") else 1
