@@ -42,10 +42,9 @@ import torch
 from .humanize import human_bytes, human_seconds
 from .ledger.records import Failure, GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from .ledger.store import Ledger
-from .measure.meter import StageMeter, is_oom, oom_detail
+from .measure.meter import StageMeter, out_of_memory_reason
 
 # Words in an allocator's out-of-memory message that name an accelerator (torch's CUDA/HIP/MPS/XPU allocators).
-ACCELERATOR_WORDS = ("cuda", "hip", "mps", "xpu", "gpu")
 
 
 class StageFailed(RuntimeError):
@@ -55,34 +54,6 @@ class StageFailed(RuntimeError):
     def __init__(self, stage: str, reason: str, failure: Failure) -> None:
         super().__init__(f"{stage}: {reason}")
         self.stage, self.reason, self.failure = stage, reason, failure
-
-
-def out_of_memory_reason(error: BaseException, device: torch.device) -> str | None:
-    """For an out-of-memory exception, which memory ran out and what it held, with the exception's own words;
-    None for any other exception.
-
-    The type decides first (``torch.OutOfMemoryError`` is the accelerator's allocator, ``MemoryError`` the
-    host's), then the allocator's message: a "CUDA out of memory" raised while the stage measured the CPU is
-    still the accelerator's, not the host's."""
-    if not is_oom(error):
-        return None
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
-    if len(first) > 300:
-        first = first[:297] + "..."
-    accelerator = isinstance(error, torch.OutOfMemoryError) or (
-        not isinstance(error, MemoryError) and "DefaultCPUAllocator" not in text
-        and any(w in text.lower() for w in ACCELERATOR_WORDS))
-    if accelerator and device.type == "cuda":  # ROCm's torch is "cuda" too
-        where = oom_detail(device).replace("out of memory", "out of accelerator memory", 1)
-    elif accelerator and device.type == "cpu":
-        where = ("out of accelerator memory (its counters not measured: the stage measured the cpu; pass device= "
-                 "or track= the model)")
-    elif accelerator:
-        where = f"out of accelerator memory (not measured: no reserved-memory counter on {device.type})"
-    else:
-        where = oom_detail(torch.device("cpu"))
-    return f"{where}: {type(error).__name__}: {first}" if first else f"{where}: {type(error).__name__}"
 
 
 def measured_summary(seconds: float | None, memory: dict) -> str:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import pilotrun
-from pilotrun.api import out_of_memory_reason
 from pilotrun.humanize import human_bytes, human_seconds
 from pilotrun.ledger import Ledger
+from pilotrun.measure.meter import out_of_memory_reason
 
 
 def test_stage_rows_in_a_users_loop(tmp_path):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..drivers.base import Capability, NonFiniteError, TrainingCheckError
 from ..ledger.records import Failure, Verdict
-from ..measure.meter import StageMeter, is_oom, oom_detail
+from ..measure.meter import StageMeter, is_oom, out_of_memory_reason
 from .products import Product
 
 if TYPE_CHECKING:
@@ -130,8 +130,8 @@ def failure_reason(gate: Gate, exc: BaseException, ctx: PilotContext, inputs: di
     if isinstance(exc, GateFailure):
         return exc.reason
     prefix = f"{gate.name} at {ctx.shape_phrase(inputs)}: " if gate.shape_in_reason else ""
-    if is_oom(exc):
-        return f"{gate.name} at {ctx.shape_phrase(inputs)}: {oom_detail(ctx.device)}"
+    if (oom := out_of_memory_reason(exc, ctx.device)) is not None:  # which memory, and the allocator's own words
+        return f"{gate.name} at {ctx.shape_phrase(inputs)}: {oom}"
     if isinstance(exc, TrainingCheckError):
         return f"{prefix}{exc}"
     if isinstance(exc, SystemExit):

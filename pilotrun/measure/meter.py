@@ -184,3 +184,35 @@ def oom_detail(device: torch.device) -> str:
         return f"out of memory at {reserved / 2**30:.1f} GiB reserved of {total / 2**30:.1f} GiB"
     vm = psutil.virtual_memory()
     return f"out of host memory ({vm.available / 2**30:.1f} GiB available of {vm.total / 2**30:.1f} GiB)"
+
+
+# Words an accelerator allocator's message carries (CUDA and ROCm's HIP, Apple's MPS, Intel's XPU).
+ACCELERATOR_WORDS = ("cuda", "hip", "mps", "xpu", "gpu")
+
+
+def out_of_memory_reason(error: BaseException, device: torch.device) -> str | None:
+    """For an out-of-memory exception, which memory ran out and what it held, with the exception's own words;
+    None for any other exception.
+
+    The type decides first (``torch.OutOfMemoryError`` is the accelerator's allocator, ``MemoryError`` the
+    host's), then the allocator's message: a "CUDA out of memory" raised while the stage measured the CPU is
+    still the accelerator's, not the host's."""
+    if not is_oom(error):
+        return None
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    accelerator = isinstance(error, torch.OutOfMemoryError) or (
+        not isinstance(error, MemoryError) and "DefaultCPUAllocator" not in text
+        and any(w in text.lower() for w in ACCELERATOR_WORDS))
+    if accelerator and device.type == "cuda":  # ROCm's torch is "cuda" too
+        where = oom_detail(device).replace("out of memory", "out of accelerator memory", 1)
+    elif accelerator and device.type == "cpu":
+        where = ("out of accelerator memory (its counters not measured: the stage measured the cpu; pass device= "
+                 "or track= the model)")
+    elif accelerator:
+        where = f"out of accelerator memory (not measured: no reserved-memory counter on {device.type})"
+    else:
+        where = oom_detail(torch.device("cpu"))
+    return f"{where}: {type(error).__name__}: {first}" if first else f"{where}: {type(error).__name__}"
