@@ -40,3 +40,13 @@ def human_seconds(s: float | None) -> str:
     if round(s / 60, 1) < 120:
         return f"{s / 60:.1f} min"
     return f"{s / 3600:.1f} h"
+
+
+def money(amount: float | None) -> str:
+    """A cost in the catalog's currency (prices carry no unit: docs/catalog.md): three significant digits below
+    1 (a cost per update is often a fraction of a cent), cents below 100, whole units above."""
+    if amount is None:
+        return "—"
+    if amount < 1:
+        return f"{amount:.3g}"
+    return f"{amount:,.2f}" if amount < 100 else f"{amount:,.0f}"

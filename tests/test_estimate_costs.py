@@ -137,3 +137,18 @@ def test_select_markdown_json_and_plan_show_cost_where_they_show_time(tmp_path, 
     items = {i["item"]: i for i in per_run["items"]}
     assert items["model download"]["hours"] == 0 and "random weights" in items["model download"]["from"]
     assert per_run["cost"] == pytest.approx(per_run["hours"] * h100["gpus"] * 2.99)
+
+
+def test_the_report_shows_cost_beside_time_for_an_attached_selection_and_plan(tmp_path):
+    from pilotrun.report.html import _attachments
+
+    row = {"accelerator": "H100-80GB", "fits": True, "strategy": "fsdp", "gpus": 2, "micro_batch_size": 4,
+           "grad_accum_steps": 8, "device_used_bytes": 70 * 2**30, "seconds_per_update": 2.5,
+           "cost_per_update": 0.00347, "cost_for_planned_updates": 34.72, "software_stack": {"text": "CUDA 12"}}
+    plan = {"accelerators": [{"accelerator": "H100-80GB", "plans": [
+        {"days": 1, "gpus": 2, "fits_with_margin": True, "runs_that_fit": 3, "cost": 120.0, "advice": []}]}]}
+    (tmp_path / "selection.json").write_text(json.dumps({"rows": [row]}))
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    html = _attachments(tmp_path)
+    assert "<th>cost/update</th>" in html and "<td>0.00347</td>" in html and "<td>34.72</td>" in html
+    assert "<th>rental cost</th>" in html and "<td>120</td>" in html

@@ -16,7 +16,7 @@ from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.model import estimate_fit
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
-from ..humanize import at_length, human_bytes, human_seconds
+from ..humanize import at_length, human_bytes, human_seconds, money
 from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
 
 HELP = """examples:
@@ -114,16 +114,6 @@ def main(args) -> int:
     _print(console, spec, trace, report)
     print_trace_notes(traces)
     return 0
-
-
-def money(amount: float | None) -> str:
-    """A cost in the catalog's currency (prices carry no unit: docs/catalog.md): three significant digits below
-    1 (a cost per update is often a fraction of a cent), cents below 100, whole units above."""
-    if amount is None:
-        return "—"
-    if amount < 1:
-        return f"{amount:.3g}"
-    return f"{amount:,.2f}" if amount < 100 else f"{amount:,.0f}"
 
 
 def add_trace_cache_arg(p) -> None:

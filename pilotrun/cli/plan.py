@@ -10,8 +10,9 @@ from rich.text import Text
 from ..config.spec import load_spec
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
 from ..estimate.source import model_download
+from ..humanize import money
 from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
-from .estimate import add_trace_cache_arg, money, print_trace_notes
+from .estimate import add_trace_cache_arg, print_trace_notes
 from .select import build_sheet
 
 HELP = """examples:

@@ -14,9 +14,9 @@ from ..estimate.runner import Traces
 from ..estimate.select import sheet_row
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
-from ..humanize import human_bytes, human_seconds
+from ..humanize import human_bytes, human_seconds, money
 from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
-from .estimate import add_trace_cache_arg, money, print_trace_notes, traces_for
+from .estimate import add_trace_cache_arg, print_trace_notes, traces_for
 
 HELP = """examples:
   pilotrun select examples/llama-7b-estimate/pilot.yaml

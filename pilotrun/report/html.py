@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..gates.registry import job_memory_gates
-from ..humanize import human_bytes, human_seconds
+from ..humanize import human_bytes, human_seconds, money
 from ..ledger.records import Series
 from ..ledger.store import Ledger
 from .plots import campaign_figure, curve_figure, dynamics_figure, inline_svg, is_retry, memory_figure, png
@@ -147,16 +147,19 @@ def _attachments(folder: Path) -> str:
         if name == "selection.json" and isinstance(data, dict) and "rows" in data:
             rows = [[r["accelerator"], "yes" if r["fits"] else "no", f"{r['strategy']} x{r['gpus']}",
                      f"{r['micro_batch_size']} x {r['grad_accum_steps']}", human_bytes(r["device_used_bytes"]),
-                     human_seconds(r.get("seconds_per_update")), r["software_stack"]["text"]] for r in data["rows"]]
+                     human_seconds(r.get("seconds_per_update")), money(r.get("cost_per_update")),
+                     money(r.get("cost_for_planned_updates")), r["software_stack"]["text"]] for r in data["rows"]]
             out.append(f"<h2>{title}</h2>" + _table(["accelerator", "fits", "strategy", "mb x accum", "used",
-                                                     "time/update", "stack"], rows))
+                                                     "time/update", "cost/update", "cost for the updates", "stack"],
+                                                    rows))
         elif name == "plan.json" and isinstance(data, dict) and "accelerators" in data:
             rows = []
             for a in data["accelerators"]:
                 for p_ in a.get("plans", []):
                     rows.append([a["accelerator"], p_["days"], p_["gpus"], "yes" if p_["fits_with_margin"] else "no",
-                                 p_["runs_that_fit"], "; ".join(p_["advice"])])
-            out.append(f"<h2>{title}</h2>" + _table(["accelerator", "days", "GPUs", "fits", "runs", "advice"], rows))
+                                 p_["runs_that_fit"], money(p_.get("cost")), "; ".join(p_["advice"])])
+            out.append(f"<h2>{title}</h2>" + _table(["accelerator", "days", "GPUs", "fits", "runs", "rental cost",
+                                                     "advice"], rows))
     return "".join(out)
 
 
