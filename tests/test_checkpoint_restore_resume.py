@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pilotrun.checkpoint import CheckpointError, fingerprint_state, save_checkpoint
+from pilotrun.checkpoint import CheckpointError, fingerprint_state, manifest_sha256, save_checkpoint
 from pilotrun.config import load_spec
 from pilotrun.drivers import build_job
 from pilotrun.gates.resume import first_difference
@@ -79,7 +79,7 @@ def test_a_scheduler_left_unrestored_is_named(toylm, tmp_path, monkeypatch):
     """Break pilotrun's own restore on purpose: skip the scheduler."""
     fresh, folder, expect = _saved(toylm, tmp_path, "train.scheduler=cosine")
     monkeypatch.setattr(type(fresh.scheduler), "load_state_dict", lambda self, state: None)
-    fields = {m["field"]: m["hint"] for m in restore_check(fresh, folder, expect, None)["mismatches"]}
+    fields = {m["field"]: m["hint"] for m in restore_check(fresh, folder, expect, {manifest_sha256(folder)})["mismatches"]}
     assert "lr" in fields and "scheduler" in fields
     assert "scheduler state was not restored" in fields["lr"]
 
@@ -87,7 +87,7 @@ def test_a_scheduler_left_unrestored_is_named(toylm, tmp_path, monkeypatch):
 def test_a_grad_scaler_left_unrestored_is_named(toylm, tmp_path, monkeypatch):
     fresh, folder, expect = _saved(toylm, tmp_path, "train.precision=fp16")
     monkeypatch.setattr(type(fresh.scaler), "load_state_dict", lambda self, state: None)
-    fields = {m["field"]: m["hint"] for m in restore_check(fresh, folder, expect, None)["mismatches"]}
+    fields = {m["field"]: m["hint"] for m in restore_check(fresh, folder, expect, {manifest_sha256(folder)})["mismatches"]}
     assert "scaler" in fields and "grad scaler" in fields["scaler"]
 
 
@@ -101,7 +101,7 @@ def test_corrupted_and_untrusted_checkpoints_give_clear_errors(toylm, tmp_path):
     (opt,) = folder.glob("optimizer-*.pt")
     opt.write_bytes(opt.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"optimizer-00000-of-00001.pt is 100 bytes, the manifest says"):
-        restore_check(fresh, folder, expect, None)
+        restore_check(fresh, folder, expect, {manifest_sha256(folder)})
     # Even when the manifest is not consulted, a damaged file is named, never a deep torch trace.
     from pilotrun.checkpoint import load_torch_file
 

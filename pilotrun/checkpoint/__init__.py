@@ -1,18 +1,19 @@
-"""Checkpoints and exports: atomic, hashed, loadable without pickle."""
+"""Checkpoints and exports: atomic, hashed, loaded only through one policy (:mod:`.trust`), without pickle."""
 from .export import export_model, safetensors_tensor_count
-from .io import AtomicFolder, CheckpointError, latest_checkpoint, read_manifest, verify_folder
+from .io import AtomicFolder, CheckpointError, folder_problems, latest_checkpoint, read_manifest, verify_folder
 from .state import (
     capture_rng,
     check_trusted,
     compare_fingerprints,
     fingerprint_state,
     load_torch_file,
-    manifest_sha256,
     restore_rng,
     restore_training_state,
     save_checkpoint,
 )
+from .trust import Admission, LoadPolicy, LoadRefused, Refusal, known_manifests, manifest_sha256, require_known
 
 __all__ = ["AtomicFolder", "CheckpointError", "latest_checkpoint", "capture_rng", "export_model", "read_manifest",
            "restore_rng", "safetensors_tensor_count", "save_checkpoint", "verify_folder", "check_trusted",
-           "compare_fingerprints", "fingerprint_state", "load_torch_file", "manifest_sha256", "restore_training_state"]
+           "compare_fingerprints", "fingerprint_state", "load_torch_file", "manifest_sha256", "restore_training_state",
+           "folder_problems", "Admission", "LoadPolicy", "LoadRefused", "Refusal", "known_manifests", "require_known"]

@@ -16,8 +16,23 @@ from pathlib import Path
 
 import torch
 
-from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, verify_folder
-from .state import capture_rng, load_json, load_torch_file, restore_rng
+from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, read_manifest
+from .state import capture_rng, load_state_json, load_torch_file, restore_rng
+from .trust import LoadPolicy, require_known
+
+
+def _dcp_call(folder: Path, fn, *args, **kwargs):
+    """A ``torch.distributed.checkpoint`` read of an admitted, known folder (:func:`require_known` first: it
+    unpickles ``dcp/.metadata``). torch's ``CheckpointException`` derives from ``BaseException`` and would escape
+    every ``except Exception``: it becomes a :class:`CheckpointError` naming the folder."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    require_known(folder)
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointException as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{folder / 'dcp'} cannot be read: {first}") from None
 
 
 def _state_dicts(trainer):
@@ -134,40 +149,45 @@ def restore_distributed(trainer, folder: Path, env) -> dict:
                               f"{env.world_size}: convert it (pilotrun convert) and load the single file instead")
     msd, osd = _state_dicts(trainer)
     state = {"model": msd, "optimizer": osd}
-    dcp.load(state, checkpoint_id=str(folder / "dcp"))
+    _dcp_call(folder, dcp.load, state, checkpoint_id=str(folder / "dcp"))
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    trainer.scheduler.load_state_dict(load_json(folder / "scheduler.json"))
+    trainer.scheduler.load_state_dict(load_state_json(folder / "scheduler.json", trainer.scheduler.state_dict()))
     if trainer.scaler is not None:
-        trainer.scaler.load_state_dict(load_json(folder / "scaler.json"))
-    restore_rng(load_json(folder / f"rng-rank{env.rank}.json"), load_torch_file(folder / f"rng-rank{env.rank}.pt"))
-    st = load_json(folder / f"trainer_state-rank{env.rank}.json")
+        trainer.scaler.load_state_dict(load_state_json(folder / "scaler.json", trainer.scaler.state_dict()))
+    rng_json, _ = capture_rng()
+    restore_rng(load_state_json(folder / f"rng-rank{env.rank}.json", rng_json),
+                load_torch_file(folder / f"rng-rank{env.rank}.pt"))
+    st = load_state_json(folder / f"trainer_state-rank{env.rank}.json", trainer.state())
     trainer.load_state(st)
     return st
 
 
-def convert(folder: Path, out: Path) -> dict:
+def convert(folder: Path, out: Path, policy: LoadPolicy) -> dict:
     """A DCP checkpoint as one file that needs none of the original processes: ``.pt`` or ``.safetensors``
-    (model weights only for safetensors; everything for ``.pt``)."""
+    (model weights only for safetensors; everything for ``.pt``). Only a folder the ledger knows is read: DCP
+    metadata is a pickle."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder, out = Path(folder), Path(out)
-    verify_folder(folder)
-    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest = read_manifest(folder)
     if manifest.get("layout") != "dcp":
         raise CheckpointError(f"{folder} is a single-process checkpoint already (model-*.pt shards load directly)")
+    policy.admit(folder)
     tmp_pt = out.with_suffix(".pt.tmp")
-    dcp_to_torch_save(str(folder / "dcp"), str(tmp_pt))
-    state = torch.load(tmp_pt, map_location="cpu", weights_only=True)
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    try:
+        _dcp_call(folder, dcp_to_torch_save, str(folder / "dcp"), str(tmp_pt))
+        state = torch.load(tmp_pt, map_location="cpu", weights_only=True)
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        weights = {k: v.contiguous() for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
-        save_file(weights, str(out))
-        tmp_pt.unlink()
-        return {"path": str(out), "tensors": len(weights)}
-    os.replace(tmp_pt, out)
-    return {"path": str(out), "keys": sorted(state)}
+            weights = {k: v.contiguous() for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+            save_file(weights, str(out))
+            return {"path": str(out), "tensors": len(weights)}
+        os.replace(tmp_pt, out)
+        return {"path": str(out), "keys": sorted(state)}
+    finally:
+        tmp_pt.unlink(missing_ok=True)
 
 
 def is_distributed_checkpoint(folder: Path) -> bool:

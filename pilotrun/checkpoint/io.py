@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -89,6 +90,7 @@ class AtomicFolder:
         self.files: dict[str, dict] = {}
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self.manifest_sha256: str | None = None
 
     def __enter__(self) -> AtomicFolder:
         self.final.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +161,7 @@ class AtomicFolder:
         w = HashingWriter(self.tmp / MANIFEST)
         w.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
         w.close()
+        self.manifest_sha256 = w.sha.hexdigest()  # of the bytes written, not re-read: what the ledger records
         fsync_dir(self.tmp)
         old = None
         if self.final.exists():
@@ -175,32 +178,94 @@ class AtomicFolder:
 
 
 def read_manifest(folder: Path) -> dict:
+    """The manifest as a mapping whose ``files`` entries each carry ``sha256`` and ``bytes``; anything else is
+    named as damage (a missing, garbage or hand-edited manifest)."""
     path = Path(folder) / MANIFEST
-    if not path.exists():
-        raise CheckpointError(f"{folder} has no {MANIFEST}: not a complete pilotrun checkpoint (an interrupted save?)")
+    if not path.is_file() or path.is_symlink():
+        what = "is not a plain file" if path.exists() or path.is_symlink() else "is missing"
+        raise CheckpointError(f"{path} {what}: not a complete pilotrun checkpoint (an interrupted save, or damaged)")
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is unreadable ({exc}); the checkpoint is damaged") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
+            for v in files.values()):
+        raise CheckpointError(f"{path}: field 'files' is not a mapping of file -> {{sha256, bytes}}; the manifest is "
+                              "damaged or was not written by pilotrun")
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _problem(folder: Path, name: str, info: dict) -> str | None:
+    """What is wrong with one listed file, or None. Never reads a link or a device: /dev/zero would never end."""
+    p = folder / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return f"the manifest lists {name!r}, a path outside the folder"
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return f"{p} is listed in the manifest ({info['bytes']} bytes) but missing (deleted or renamed)"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{p} is a symbolic link (to {os.readlink(p)}), not the file that was saved"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{p} is not a regular file (a device, FIFO or folder), not the file that was saved"
+    if st.st_size != info["bytes"]:
+        return f"{p} is {st.st_size} bytes, the manifest says {info['bytes']}: truncated or replaced"
+    digest = _sha256(p)
+    if digest != info["sha256"]:
+        return (f"{p} does not match its sha256 in the manifest ({digest[:12]}…, the manifest says "
+                f"{info['sha256'][:12]}…): corrupted or replaced (same size)")
+    return None
+
+
+def listed_problems(folder: Path, manifest: dict) -> list[str]:
+    """What is wrong with each file the manifest lists (empty: every one is as saved)."""
+    return [msg for name, info in sorted(manifest["files"].items()) if (msg := _problem(Path(folder), name, info))]
+
+
+def unlisted_files(folder: Path, manifest: dict) -> list[Path]:
+    """Files (and links) in ``folder`` that the manifest does not list; a linked folder is named, never entered."""
+    listed = set(manifest["files"]) | {MANIFEST}
+    out = []
+    for root, dirs, names in os.walk(folder):  # followlinks=False
+        for name in sorted(names + [d for d in dirs if (Path(root) / d).is_symlink()]):
+            p = Path(root) / name
+            if str(p.relative_to(folder)) not in listed:
+                out.append(p)
+    return out
+
+
+def folder_problems(folder: Path) -> list[str]:
+    """Every way ``folder`` differs from its manifest, file by file (empty: intact).
+
+    Files present but not listed count too: a renamed shard or a planted file is not what was saved, and
+    loaders that look for a name pattern would pick it up.
+    """
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as exc:
+        return [str(exc)]
+    return listed_problems(folder, manifest) + [
+        f"{p} is not in the manifest (renamed, planted or left over): not what was saved"
+        for p in unlisted_files(folder, manifest)]
 
 
 def verify_folder(folder: Path) -> dict:
-    """Check every file against the manifest; return the manifest or raise naming the first bad file."""
-    manifest = read_manifest(folder)
-    for name, info in manifest.get("files", {}).items():
-        p = Path(folder) / name
-        if not p.exists():
-            raise CheckpointError(f"{p} is listed in the manifest but missing")
-        size = p.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(f"{p} is {size} bytes, the manifest says {info['bytes']}: truncated or replaced")
-        h = hashlib.sha256()
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != info["sha256"]:
-            raise CheckpointError(f"{p} does not match its sha256 in the manifest: corrupted or replaced")
-    return manifest
+    """Check every file against the manifest; return the manifest or raise naming every bad file."""
+    problems = folder_problems(folder)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return read_manifest(folder)
 
 
 def recover_interrupted_swap(root: Path) -> list[str]:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .io import MANIFEST, AtomicFolder, CheckpointError, verify_folder
+from .io import AtomicFolder, CheckpointError, read_manifest
+from .trust import LoadPolicy, manifest_sha256  # noqa: F401  (re-exported: the save gate imports it from here)
 
 
 def capture_rng() -> tuple[dict, dict]:
@@ -91,21 +92,50 @@ def _save_sharded(f: AtomicFolder, prefix: str, state: dict, extra: dict | None 
         f.write_file(f"{prefix}-{i:05d}-of-{len(groups):05d}.pt", functools.partial(_save_to, payload))
 
 
-def _load_sharded(folder: Path, prefix: str) -> tuple[dict, dict]:
-    files = sorted(Path(folder).glob(f"{prefix}-*-of-*.pt"))
-    if not files:
-        raise CheckpointError(f"{folder} has no {prefix} shards ({prefix}-00000-of-N.pt)")
-    expected = int(files[0].stem.rsplit("-of-", 1)[1])
-    if len(files) != expected:
-        raise CheckpointError(f"{folder} has {len(files)} of {expected} {prefix} shards")
+def _load_sharded(folder: Path, prefix: str, reference: dict | None = None) -> tuple[dict, dict]:
+    """The shards the manifest lists (a stray file matching the pattern is never read); with ``reference``
+    (the live state_dict) every entry's name, shape and dtype is checked, naming the shard that differs."""
+    import re
+
+    pattern = re.compile(rf"{re.escape(prefix)}-(\d{{5}})-of-(\d{{5}})\.pt")
+    names = sorted(n for n in read_manifest(folder)["files"] if pattern.fullmatch(n))
+    if not names:
+        raise CheckpointError(f"{folder} has no {prefix} shards ({prefix}-00000-of-N.pt) in its manifest")
+    expected = int(pattern.fullmatch(names[0]).group(2))  # type: ignore[union-attr]
+    if len(names) != expected:
+        raise CheckpointError(f"{folder} lists {len(names)} of {expected} {prefix} shards")
     entries: dict = {}
     extra: dict = {}
-    for i, path in enumerate(files):
+    where: dict = {}
+    for i, name in enumerate(names):
+        path = Path(folder) / name
         payload = load_torch_file(path)
-        entries.update(payload.pop("entries"))
+        if not isinstance(payload, dict) or not isinstance(payload.get("entries"), dict):
+            raise CheckpointError(f"{path}: field 'entries' is missing: not a pilotrun {prefix} shard")
+        for key, value in payload.pop("entries").items():
+            entries[key] = value
+            where[key] = path
         if i == 0:
             extra = payload
+    if reference is not None:
+        _check_tensors(folder, prefix, entries, where, reference)
     return entries, extra
+
+
+def _check_tensors(folder: Path, prefix: str, entries: dict, where: dict, reference: dict) -> None:
+    missing = [k for k in reference if k not in entries]
+    if missing:
+        raise CheckpointError(f"{folder}: the {prefix} shards lack {missing[:3]} (the model has them)")
+    extra = [k for k in entries if k not in reference]
+    if extra:
+        raise CheckpointError(f"{where[extra[0]]}: entry {extra[0]!r} is not in the model")
+    for key, ref in reference.items():
+        got = entries[key]
+        if isinstance(ref, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.shape != ref.shape
+                                              or got.dtype != ref.dtype):
+            what = (f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__)
+            raise CheckpointError(f"{where[key]}: entry {key!r} is {what}, the model's is "
+                                  f"{tuple(ref.shape)} {ref.dtype}")
 
 
 def save_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None = None) -> AtomicFolder:
@@ -148,36 +178,90 @@ def load_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not readable JSON ({exc})") from None
 
 
-def check_trusted(folder: Path, known_manifest_sha256: set[str] | None, trust: bool) -> dict:
-    """Verify every file against the manifest; refuse a manifest nobody recorded unless ``trust``."""
-    manifest = verify_folder(folder)
-    digest = manifest_sha256(folder)
-    if known_manifest_sha256 is not None and digest not in known_manifest_sha256 and not trust:
-        raise CheckpointError(
-            f"{folder}: its manifest (sha256 {digest[:12]}…) is not recorded in the ledger, so pilotrun did not "
-            "write it; pass --trust to load it anyway (still with weights_only=True)"
-        )
-    return manifest
+def conform(path: Path, loaded, reference, where: str = "") -> None:
+    """``loaded`` (read from ``path``) has the structure of ``reference`` (the live object's own state):
+    the same keys, list lengths and value types, recursively; the first difference names the file and field.
+    Values may differ — that is what a restore sets — but a missing key or a string for a number would
+    otherwise surface as a bare KeyError or TypeError deep inside torch."""
+    at = where or "(top level)"
+    if isinstance(reference, dict):
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{path}: field {at} is {type(loaded).__name__}, expected a mapping")
+        for key in reference:
+            if str(key) not in {str(k) for k in loaded}:
+                raise CheckpointError(f"{path}: field {where + '.' if where else ''}{key} is missing")
+        for key in loaded:
+            if str(key) not in {str(k) for k in reference}:
+                raise CheckpointError(f"{path}: field {where + '.' if where else ''}{key} is not expected here")
+        by_str = {str(k): v for k, v in loaded.items()}
+        for key, ref in reference.items():
+            conform(path, by_str[str(key)], ref, f"{where + '.' if where else ''}{key}")
+    elif isinstance(reference, (list, tuple)):
+        if not isinstance(loaded, (list, tuple)) or len(loaded) != len(reference):
+            got = f"{len(loaded)} items" if isinstance(loaded, (list, tuple)) else type(loaded).__name__
+            raise CheckpointError(f"{path}: field {at} is {got}, expected a list of {len(reference)}")
+        for i, (lv, rv) in enumerate(zip(loaded, reference)):
+            conform(path, lv, rv, f"{where}[{i}]")
+    elif isinstance(reference, bool) or reference is None:
+        if not (loaded is None or isinstance(loaded, type(reference)) or reference is None):
+            raise CheckpointError(f"{path}: field {at} is {loaded!r}, expected {type(reference).__name__}")
+    elif isinstance(reference, (int, float)):
+        if isinstance(loaded, bool) or not isinstance(loaded, (int, float)):
+            raise CheckpointError(f"{path}: field {at} is {loaded!r}, expected a number")
+    elif isinstance(reference, str) and not isinstance(loaded, str):
+        raise CheckpointError(f"{path}: field {at} is {loaded!r}, expected a string")
 
 
-def manifest_sha256(folder: Path) -> str:
-    return hashlib.sha256((Path(folder) / MANIFEST).read_bytes()).hexdigest()
+def load_state_json(path: Path, reference) -> dict:
+    """A JSON state file checked against the live object's own state (:func:`conform`)."""
+    loaded = load_json(path)
+    conform(path, loaded, json.loads(json.dumps(reference, default=str)))
+    return loaded
+
+
+def check_trusted(folder: Path, known_manifest_sha256, trust: bool) -> dict:
+    """Admit ``folder`` under the loading policy (:mod:`.trust`); return its manifest."""
+    return LoadPolicy.of(known_manifest_sha256, trust).admit(folder).manifest
 
 
 def restore_training_state(trainer, folder: Path) -> dict:
-    """Load a checkpoint written by :func:`save_checkpoint` into a freshly built trainer (files already verified)."""
+    """Load a checkpoint written by :func:`save_checkpoint` into a freshly built trainer (admitted by the policy
+    first). Every file is checked against the live objects' own state before it is applied, so a wrong file is
+    named with its field instead of failing inside torch."""
     folder = Path(folder)
-    model_state, _ = _load_sharded(folder, "model")
+    model_state, _ = _load_sharded(folder, "model", trainer.model.state_dict())
     trainer.model.load_state_dict(model_state)
+    opt_file = folder / min(n for n in read_manifest(folder)["files"] if n.startswith("optimizer-"))
     opt_state, opt_extra = _load_sharded(folder, "optimizer")
-    trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": opt_extra["param_groups"]})
-    trainer.scheduler.load_state_dict(load_json(folder / "scheduler.json"))
+    live = trainer.optimizer.state_dict()
+    if "param_groups" not in opt_extra:
+        raise CheckpointError(f"{folder}: the first optimizer shard lacks field 'param_groups'")
+    conform(opt_file, json.loads(json.dumps(opt_extra["param_groups"], default=str)),
+            json.loads(json.dumps(live["param_groups"], default=str)), "param_groups")
+    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    for idx, st in opt_state.items():
+        if not isinstance(idx, int) or not 0 <= idx < len(params) or not isinstance(st, dict):
+            raise CheckpointError(f"{folder}: optimizer state entry {idx!r} names no parameter of this model")
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != params[idx].shape:
+                raise CheckpointError(f"{folder}: optimizer state {idx}.{k} is {tuple(v.shape)}, its parameter "
+                                      f"{tuple(params[idx].shape)}")
+    try:
+        trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": opt_extra["param_groups"]})
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"{folder}: the optimizer shards do not load ({type(exc).__name__}: {exc})") from None
+    trainer.scheduler.load_state_dict(load_state_json(folder / "scheduler.json", trainer.scheduler.state_dict()))
     if trainer.scaler is not None:
         if not (folder / "scaler.json").exists():
             raise CheckpointError(f"{folder} has no scaler.json but the run uses fp16 with a grad scaler")
-        trainer.scaler.load_state_dict(load_json(folder / "scaler.json"))
-    restore_rng(load_json(folder / "rng.json"), load_torch_file(folder / "rng.pt"))
-    state = load_json(folder / "trainer_state.json")
+        trainer.scaler.load_state_dict(load_state_json(folder / "scaler.json", trainer.scaler.state_dict()))
+    rng_json, rng_tensors = capture_rng()
+    rng_t = load_torch_file(folder / "rng.pt")
+    if not isinstance(rng_t, dict) or not isinstance(rng_t.get("torch_cpu"), torch.Tensor) \
+            or rng_t["torch_cpu"].shape != rng_tensors["torch_cpu"].shape:
+        raise CheckpointError(f"{folder / 'rng.pt'}: field 'torch_cpu' is not a CPU generator state")
+    restore_rng(load_state_json(folder / "rng.json", rng_json), rng_t)
+    state = load_state_json(folder / "trainer_state.json", trainer.state())
     trainer.load_state(state)
     return state
 

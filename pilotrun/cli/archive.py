@@ -49,4 +49,7 @@ def main(args) -> int:
         what = "with its model" if summary["model"] else f"without a model ({summary['why_no_model']})"
     out_console().print(f"wrote {out} ({human_bytes(summary['bytes'])}, {summary['files']} files) {what}",
                         highlight=False, markup=False)
+    if summary.get("left_out"):
+        out_console().print(f"not packed (not in the model's manifest): {', '.join(summary['left_out'])}",
+                            highlight=False, markup=False)
     return 0

@@ -1,18 +1,22 @@
 """``pilotrun convert CHECKPOINT --out FILE``: a distributed checkpoint as one file, no processes needed.
 
 The result loads in a plain script: ``torch.load(FILE, weights_only=True)`` for ``.pt`` (model and
-optimizer state), ``safetensors.torch.load_file(FILE)`` for ``.safetensors`` (model weights)."""
+optimizer state), ``safetensors.torch.load_file(FILE)`` for ``.safetensors`` (model weights).
+
+Only a checkpoint whose manifest the ledger recorded is read (its DCP metadata is a pickle): ``--ledger`` names
+the ledger of the run that saved it. An unrecorded, damaged or altered folder is refused with exit 2."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..checkpoint.dist import convert
 from ..checkpoint.io import CheckpointError
-from .common import UsageError, out_console
+from ..checkpoint.trust import LoadPolicy
+from .common import UsageError, add_ledger_arg, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun convert runs/RUN/checkpoints/step-000008 --out step8.pt
-  pilotrun convert runs/RUN/checkpoints/step-000008 --out step8-weights.safetensors"""
+  pilotrun convert runs/RUN/checkpoints/step-000008 --out step8-weights.safetensors --ledger runs/ledger.sqlite"""
 
 
 def add_parser(sub) -> None:
@@ -22,6 +26,7 @@ def add_parser(sub) -> None:
                        description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--out", type=Path, required=True, help="FILE.pt or FILE.safetensors")
+    add_ledger_arg(p, "the checkpoint's manifest must be recorded there")
     p.set_defaults(func=main)
 
 
@@ -30,10 +35,14 @@ def main(args) -> int:
         raise UsageError(f"--out must end in .pt or .safetensors, got {args.out.name}")
     if not args.checkpoint.is_dir():
         raise UsageError(f"no checkpoint folder at {args.checkpoint}")
+    from ..ledger.store import Ledger
+
+    with Ledger(existing_ledger(args)) as led:
+        policy = LoadPolicy.from_ledger(led)
     try:
-        info = convert(args.checkpoint, args.out)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
+        info = convert(args.checkpoint, args.out, policy)
+    except CheckpointError as exc:  # damaged, unrecorded, or torch could not read it: named, exit 2
+        raise UsageError(f"{exc}\nnothing was written to {args.out}") from None
     out_console().print(f"wrote {info['path']} ({', '.join(f'{k} {v}' for k, v in info.items() if k != 'path')})",
                         markup=False)
     return 0

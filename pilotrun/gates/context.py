@@ -52,6 +52,7 @@ class PilotContext:
     first_update: int | None = None         # FIRST_UPDATE: the step of the first applied update
     checkpoint: SavedCheckpoint | None = None  # CHECKPOINT
     export_dir: Path | None = None          # EXPORT
+    export_manifest_sha256: str | None = None  # EXPORT: as the export row recorded it (what makes it "known")
 
     # -- this process ------------------------------------------------------------------------
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint.export import safetensors_tensor_count
+from ..checkpoint.io import CheckpointError
+from ..checkpoint.trust import LoadPolicy, manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank
@@ -18,10 +20,17 @@ class ExportGate(Gate):
     carry = True
 
     def recover(self, ctx, row) -> bool:
-        path = (row.get("details") or {}).get("path")
-        if not path or not Path(path).exists():
+        """The interrupted run's export, only when it is still exactly what its row recorded (every file against
+        the manifest, the manifest's sha256 against the row); otherwise the export is written again."""
+        details = row.get("details") or {}
+        path, sha = details.get("path"), details.get("manifest_sha256")
+        if not path or not sha or not Path(path).exists():
             return False
-        ctx.export_dir = Path(path)
+        try:
+            adm = LoadPolicy.of({sha}).admit(Path(path))
+        except CheckpointError:
+            return False
+        ctx.export_dir, ctx.export_manifest_sha256 = adm.folder, adm.manifest_sha256
         return True
 
     def run(self, ctx, meter) -> Outcome:
@@ -36,12 +45,15 @@ class ExportGate(Gate):
         folder = ctx.out_dir / "export"
         written = ctx.driver.write_export(folder, weights)
         ctx.export_dir = folder
+        # Recorded in the row: what makes the export known to reload_eval, --resume and archive.
+        ctx.export_manifest_sha256 = written.manifest_sha256 or manifest_sha256(folder)
         n_tensors = safetensors_tensor_count(folder)
         if n_tensors == 0:
             raise GateFailure(f"the export in {folder} holds no tensors")
         weights = {k: v for k, v in written.files.items() if k.endswith(".safetensors")}
         out = Outcome(inputs={"precision": spec.train.precision, "rank": ctx.rank, "world_size": ctx.world_size})
-        out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes, "tensors": n_tensors}
+        out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes, "tensors": n_tensors,
+                       "manifest_sha256": ctx.export_manifest_sha256}
         trained = ctx.driver.step
         state = f"after {trained} update(s)" if trained else "as loaded (no update succeeded)"
         out.reason = (f"{n_tensors} tensors in {len(weights)} safetensors file(s), {human_bytes(written.total_bytes)} "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint.state import manifest_sha256
 from ..drivers import Capability
 from ..train.batches import to_device
 from ..train.evaluation import outputs_of
@@ -57,10 +56,16 @@ class ReloadEvalGate(Gate):
                               f"reseeding, differ by up to {diff:.3g} — dropout applied regardless of model.eval() "
                               "(F.dropout without training=self.training?) or another unseeded random op",
                               inputs=out.inputs, details=out.details)
-        payload = run_worker("pilotrun.workers.reload",
-                             ["--export", str(ctx.export_dir), "--inputs", str(inputs_path), "--outputs",
-                              str(outputs_path), "--known-manifest", manifest_sha256(ctx.export_dir)],
-                             work / "reload.json", work / "reload.log", "reload")
+        if ctx.export_manifest_sha256 is None:
+            raise GateFailure(f"the export in {ctx.export_dir} has no manifest sha256 recorded by its export row: "
+                              "it is not loaded (run the export gate again)", inputs=out.inputs, details=out.details)
+        # The worker loads the export only if its manifest is the one the export row recorded (not the one on disk
+        # now), and imports only the spec's own factory — never one the artifact names.
+        args = ["--export", str(ctx.export_dir), "--inputs", str(inputs_path), "--outputs", str(outputs_path),
+                "--known-manifest", ctx.export_manifest_sha256]
+        if ctx.spec.model.factory:
+            args += ["--factory", ctx.spec.model.factory, "--spec-folder", str(ctx.spec.folder)]
+        payload = run_worker("pilotrun.workers.reload", args, work / "reload.json", work / "reload.log", "reload")
         reloaded = load_file(str(outputs_path))["outputs"]
         out.details["reloaded_class"] = payload["model_class"]
         if reloaded.shape != first.shape:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..checkpoint.state import manifest_sha256
+from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..workers.launch import run_and_kill, run_worker
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank

@@ -1,9 +1,12 @@
 """``pilotrun run --resume``: which interrupted pilot to continue, from which checkpoint, and which rows it keeps.
 
 :func:`plan_resume` is a function from the ledger and the file system to a plan; it loads nothing
-but manifests, and it refuses a checkpoint whose manifest the ledger never recorded unless the
-user passes ``--trust``. Which rows are carried is decided by the gates' own declarations
-(``Gate.carry`` and ``Gate.recover``) in :func:`carry_rows`, once the context exists.
+but manifests. Each of the parent's checkpoints, newest first, goes through the loading policy
+(:class:`pilotrun.checkpoint.trust.LoadPolicy`: every file against its manifest, the manifest against
+the ledger unless ``--trust``, never a pickle of an unknown folder) and must have been written for this
+spec's config hash. The newest that passes is resumed; every one that does not is named file by file.
+None usable is exit 2, never a silent fresh start. Which rows are carried is decided by the gates' own
+declarations (``Gate.carry`` and ``Gate.recover``) in :func:`carry_rows`, once the context exists.
 """
 from __future__ import annotations
 
@@ -11,14 +14,17 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.io import CheckpointError, latest_checkpoint
-from ..checkpoint.state import check_trusted
+from ..checkpoint.io import recover_interrupted_swap
+from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal, known_manifests, recorded_by
 from ..gates.base import Gate
 from ..gates.context import PilotContext
+from ..gates.products import Product
 from ..gates.registry import upstream_carried
 from ..ledger.records import RESUMABLE, RunKind, Verdict
 from ..ledger.store import Ledger
 from ..lock import diff_locks
+
+__all__ = ["ResumeError", "ResumePlan", "carry_rows", "known_manifests", "plan_resume"]
 
 
 class ResumeError(Exception):
@@ -31,20 +37,7 @@ class ResumePlan:
     checkpoint: Path | None                                   # restore the driver from this after load
     rows: dict[str, dict] = field(default_factory=dict)       # the parent's rows that did not skip, by gate
     notes: list[str] = field(default_factory=list)
-
-
-def known_manifests(ledger: Ledger, run_id: str | None = None) -> set[str]:
-    """sha256 of every checkpoint manifest the ledger recorded (save rows)."""
-    found = set()
-    runs = [ledger.run(run_id)] if run_id else ledger.runs(limit=10_000)
-    for run in runs:
-        if run is None:
-            continue
-        for row in ledger.gate_rows(run["run_id"]):
-            sha = (row.get("details") or {}).get("manifest_sha256")
-            if sha:
-                found.add(sha)
-    return found
+    manifest_sha256: str | None = None                        # of ``checkpoint``'s manifest
 
 
 def _parent(ledger: Ledger, name: str, target: str | None) -> dict:
@@ -64,6 +57,50 @@ def _parent(ledger: Ledger, name: str, target: str | None) -> dict:
     return parent
 
 
+def _candidates(ledger: Ledger, parent: dict) -> list[Path]:
+    """The parent's checkpoints, newest first: every ``step-*`` folder under its ``checkpoints/`` and every folder
+    its save rows recorded (one that is gone is a candidate too, so it is named)."""
+    root = Path(parent["out_dir"] or "") / "checkpoints"
+    found = set()
+    if root.is_dir():
+        recover_interrupted_swap(root)
+        found |= {p for p in root.glob("step-*") if p.is_dir() or p.is_symlink()}
+    for row in ledger.gate_rows(parent["run_id"]):
+        path = (row.get("details") or {}).get("path")
+        if row["gate"] == "save" and isinstance(path, str):
+            found.add(root / Path(path).name)  # the row may hold a path relative to the run's working folder
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _whose(ledger: Ledger, config_hash: str) -> str:
+    runs = recorded_by(ledger, config_hash=config_hash)
+    if not runs:
+        return "no run in this ledger"
+    names = sorted({r["name"] for r in runs})
+    return f"spec {', '.join(repr(n) for n in names)}, run {runs[0]['run_id']}"
+
+
+def _admit(policy: LoadPolicy, ledger: Ledger, folder: Path, config_hash: str | None) -> Admission:
+    if not folder.exists() and not folder.is_symlink():
+        raise LoadRefused(Refusal.DAMAGED, f"{folder} is gone (the interrupted run's save row recorded it)",
+                          [f"{folder} is gone"])
+    adm = policy.admit(folder)
+    written_for = adm.manifest.get("config_hash")
+    if config_hash is not None and written_for != config_hash:
+        whose = _whose(ledger, written_for) if isinstance(written_for, str) else "no config hash recorded"
+        raise LoadRefused(Refusal.OTHER_CONFIG, (
+            f"{folder} was written for config hash {str(written_for)[:12]}… ({whose}), not this spec's "
+            f"{config_hash[:12]}…: another spec shares this --out folder; never resumed across configs"))
+    return adm
+
+
+def _refusal_lines(folder: Path, exc: LoadRefused) -> str:
+    """One checkpoint's refusal: a damaged one file by file, one line each."""
+    if exc.kind == Refusal.DAMAGED and exc.problems:
+        return f"  - {folder} is damaged:\n" + "\n".join(f"      {p}" for p in exc.problems)
+    return f"  - {exc}"
+
+
 def plan_resume(ledger: Ledger, name: str, target: str | None, trust: bool, config: dict | None = None,
                 config_hash: str | None = None) -> ResumePlan:
     parent = _parent(ledger, name, target)
@@ -74,15 +111,30 @@ def plan_resume(ledger: Ledger, name: str, target: str | None, trust: bool, conf
         what = f": {', '.join(changed[:6])}" if changed else ""
         raise ResumeError(f"the spec changed since run {pid}{what}; a resumed pilot must run the same config "
                           "(run without --resume to start a new pilot)")
-    folder = latest_checkpoint(Path(parent["out_dir"] or "") / "checkpoints")
-    if folder is None:
-        return ResumePlan(pid, None, notes=[f"run {pid} left no complete checkpoint: the pilot starts over"])
-    try:
-        check_trusted(folder, known_manifests(ledger), trust)
-    except CheckpointError as exc:
-        raise ResumeError(str(exc)) from None
-    rows = {r["gate"]: r for r in ledger.gate_rows(pid) if r["verdict"] != Verdict.SKIP}
-    return ResumePlan(pid, folder, rows)
+    candidates = _candidates(ledger, parent)
+    if not candidates:
+        return ResumePlan(pid, None, notes=[f"run {pid} was interrupted before its save gate wrote a checkpoint: "
+                                            "the pilot starts over"])
+    policy = LoadPolicy.from_ledger(ledger, trust)
+    refused: list[tuple[Path, LoadRefused]] = []
+    for folder in candidates:
+        try:
+            adm = _admit(policy, ledger, folder, config_hash)
+        except LoadRefused as exc:
+            refused.append((folder, exc))
+            continue
+        rows = {r["gate"]: r for r in ledger.gate_rows(pid) if r["verdict"] != Verdict.SKIP}
+        notes = [f"not resumed from {f.name}: " + _refusal_lines(f, exc).strip() for f, exc in refused]
+        if refused:
+            notes.append(f"{folder.name} is intact and usable: resuming from it (the newer checkpoint(s) above "
+                         "are not loaded)")
+        return ResumePlan(pid, folder, rows, notes, adm.manifest_sha256)
+    lines = "\n".join(_refusal_lines(folder, exc) for folder, exc in refused)
+    kinds = {exc.kind for _, exc in refused}
+    fix = ("pass --trust to load an unrecorded checkpoint (still never unpickled), or run without --resume"
+           if kinds == {Refusal.UNKNOWN} else "run without --resume to start a new pilot")
+    raise ResumeError(f"run {pid} has no usable checkpoint ({len(refused)} checked, newest first; none is loaded):"
+                      f"\n{lines}\n{fix}")
 
 
 def carry_rows(plan: ResumePlan, gates: list[type[Gate]], ctx: PilotContext) -> dict[str, dict]:
@@ -99,6 +151,9 @@ def carry_rows(plan: ResumePlan, gates: list[type[Gate]], ctx: PilotContext) -> 
         row = plan.rows.get(gate_cls.name)
         if row is None or not gate_cls.carry:
             continue
+        if Product.CHECKPOINT in gate_cls.produces and \
+                (row.get("details") or {}).get("manifest_sha256") != plan.manifest_sha256:
+            continue  # the row describes another checkpoint than the one resumed (an older one was usable)
         if any(up not in carried for up in upstream_carried(gate_cls)):
             continue
         if gate_cls().recover(ctx, row):

@@ -27,11 +27,11 @@ from pathlib import Path
 
 from ..campaign.conclude import link_text, stop_text
 from ..checkpoint.io import CheckpointError
-from ..checkpoint.state import verify_folder
 from ..ledger.records import final_val_loss
 from ..ledger.store import Ledger
 from ..ledger.tables import table, write_csv
 from ..lock import sha256_file
+from .archive_files import UnsafeFile, copy_plain, pack_manifest_files
 
 # Copied as is into the archive: it must run with torch, safetensors and transformers alone.
 RERUN_SCRIPT = Path(__file__).with_name("rerun_control.py")
@@ -39,6 +39,20 @@ RERUN_SCRIPT = Path(__file__).with_name("rerun_control.py")
 
 class ArchiveError(Exception):
     """The run cannot be archived as asked: the message names the run or file and the fix."""
+
+
+def _copy_run_file(src: Path, dest: Path, run_folder: Path) -> None:
+    try:
+        copy_plain(src, dest, run_folder)
+    except UnsafeFile as exc:
+        raise ArchiveError(f"{exc}; remove it or archive without it") from None
+
+
+def _recorded_export(led: Ledger, run: dict) -> str | None:
+    """The export manifest's sha256 the run's export row recorded (None: not recorded, e.g. a campaign run)."""
+    rows = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == "export" and g["verdict"] == "pass"]
+    sha = (rows[-1].get("details") or {}).get("manifest_sha256") if rows else None
+    return sha if isinstance(sha, str) else None
 
 
 def _control_files(run: dict, folder: Path) -> tuple[Path, Path] | None:
@@ -66,10 +80,10 @@ def _factory_code(model_dir: Path, dest: Path) -> str | None:
     for cand in (src / f"{top}.py", src / top):
         if cand.is_file():
             dest.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(cand, dest / cand.name)
+            shutil.copyfile(cand, dest / cand.name)
             return info["factory"]
-        if cand.is_dir():
-            shutil.copytree(cand, dest / cand.name, ignore=shutil.ignore_patterns("__pycache__"))
+        if cand.is_dir():  # links inside the package are kept as links, never followed into the archive
+            shutil.copytree(cand, dest / cand.name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
             return info["factory"]
     raise ArchiveError(f"the model's factory module {top!r} is not in {src} any more; restore it to archive this run")
 
@@ -143,38 +157,37 @@ def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
     lock = json.loads(run.get("lock_json") or "null") or {}
     root.mkdir(parents=True)
     model_dir, no_model, factory, model_class = folder / "export", None, None, None
+    left_out: list[str] = []
     if (model_dir / "manifest.json").is_file():
         try:
-            verify_folder(model_dir)
+            left_out = pack_manifest_files(model_dir, root / "model", folder, _recorded_export(led, run))["left_out"]
         except CheckpointError as exc:
             raise ArchiveError(f"the model of {run['run_id']} does not match its manifest: {exc}") from None
-        shutil.copytree(model_dir, root / "model")
-        if (model_dir / "export.json").is_file():
-            factory = _factory_code(model_dir, root / "code")
+        if (root / "model" / "export.json").is_file():
+            factory = _factory_code(root / "model", root / "code")
         else:
-            config = json.loads((model_dir / "config.json").read_text())
+            config = json.loads((root / "model" / "config.json").read_text())
             model_class = (config.get("architectures") or ["AutoModel"])[0]
     else:
         no_model = _why_no_model(run, meta, led)
     control, control_n = _control_files(run, folder), None
     if control and not no_model:
-        (root / "control").mkdir()
-        shutil.copy2(control[0], root / "control" / "inputs.safetensors")
-        shutil.copy2(control[1], root / "control" / "outputs.safetensors")
+        _copy_run_file(control[0], root / "control" / "inputs.safetensors", folder)
+        _copy_run_file(control[1], root / "control" / "outputs.safetensors", folder)
         from safetensors import safe_open
 
         with safe_open(str(control[0]), framework="pt") as fh:
             first = next(iter(fh.keys()), None)
             control_n = f"{fh.get_slice(first).get_shape()[0]} examples" if first else "empty"
         if (folder / "predictions.json").is_file():
-            shutil.copy2(folder / "predictions.json", root / "control" / "predictions.json")
+            _copy_run_file(folder / "predictions.json", root / "control" / "predictions.json", folder)
         shutil.copy2(RERUN_SCRIPT, root / "rerun_control.py")
     (root / "config").mkdir()
     if run["spec_path"] and Path(run["spec_path"]).is_file():
         shutil.copy2(run["spec_path"], root / "config" / Path(run["spec_path"]).name)
     for cand in (folder / "spec.json", folder / "workers" / "spec.json"):
         if cand.is_file():
-            shutil.copy2(cand, root / "config" / "spec.json")
+            _copy_run_file(cand, root / "config" / "spec.json", folder)
             break
     if meta.get("campaign_id") and (folder.parent / "campaign.json").is_file():
         shutil.copy2(folder.parent / "campaign.json", root / "config" / "campaign.json")
@@ -184,7 +197,8 @@ def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
     _write_tables(led, run["run_id"], root, ("metrics", "gates", "notes"))
     files = _hashes(root)
     (root / "README.md").write_text(_readme(run, meta, lock, model_class, no_model, factory, files, control_n))
-    return {"run_id": run["run_id"], "model": not no_model, "why_no_model": no_model, "files": len(files) + 1}
+    return {"run_id": run["run_id"], "model": not no_model, "why_no_model": no_model, "files": len(files) + 1,
+            "left_out": left_out}
 
 
 def _write_tables(led: Ledger, ref: str, root: Path, which: tuple[str, ...]) -> None:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -21,7 +20,8 @@ import traceback
 from pathlib import Path
 
 from ..checkpoint.io import latest_checkpoint
-from ..checkpoint.state import check_trusted, compare_fingerprints
+from ..checkpoint.state import compare_fingerprints, load_state_json
+from ..checkpoint.trust import LoadPolicy
 from ..drivers import Driver, ModelDriver, build_job
 from ..measure.meter import StageMeter
 from .common import peak_memory, read_spec_file, write_result
@@ -40,11 +40,15 @@ def run_updates(driver: Driver, n: int) -> list[dict]:
     return [record(driver.update()) for _ in range(n)]
 
 
-def restore_check(driver: Driver, folder: Path, expect: dict, known: set[str] | None, trust: bool = False) -> dict:
-    """Restore into ``driver`` and compare its live state with what the saving process recorded."""
-    check_trusted(folder, known, trust)
+def restore_check(driver: Driver, folder: Path, expect: dict | Path, known, trust: bool = False) -> dict:
+    """Admit ``folder`` under the loading policy, restore it into ``driver`` and compare its live state with what
+    the saving process recorded (``expect``: the fingerprints, or the file holding them)."""
+    LoadPolicy.of(known, trust).admit(folder)
     driver.restore(folder)
     actual = driver.fingerprint()
+    if isinstance(expect, Path):
+        # Beside the checkpoint, outside its manifest: checked field by field against this process's own.
+        expect = load_state_json(expect, actual)
     sync = expect.get("buffer_sync") or {}
     return {"mismatches": compare_fingerprints(expect, actual), "step": actual["step"], "lr": actual["lr"],
             "buffer_sync": {"source_rank": sync.get("source_rank"), "why": sync.get("why")} if sync else None}
@@ -80,16 +84,16 @@ def main(argv: list[str] | None = None) -> int:
             folder = latest_checkpoint(args.checkpoints)
             if folder is None:
                 raise RuntimeError(f"no complete checkpoint under {args.checkpoints}")
-            check_trusted(folder, set(args.known_manifest) or None, trust=False)
+            LoadPolicy.of(args.known_manifest).admit(folder)
             state = driver.restore(folder)
             payload["restored_from"] = str(folder)
             payload["restored_step"] = state["step"]
             payload["records"] = run_updates(driver, args.updates)
         else:
-            expect = json.loads(Path(args.expect.replace("{rank}", str(env.rank))).read_text())
+            expect = Path(args.expect.replace("{rank}", str(env.rank)))
             track = [driver.plain_model, driver.optimizer] if isinstance(driver, ModelDriver) else []
             with StageMeter(device, track=track) as meter:
-                payload.update(restore_check(driver, args.checkpoint, expect, set(args.known_manifest) or None))
+                payload.update(restore_check(driver, args.checkpoint, expect, args.known_manifest))
             payload["memory"] = meter.memory
             payload["seconds"] = meter.seconds
         payload["peak"] = peak_memory(device)

@@ -1,0 +1,73 @@
+"""What an archive may copy from a run folder: exactly the files a manifest lists, plain files only, inside the run.
+
+The archive is read on another machine, often by someone else: a planted link would put an outside file's
+content into it (``tarfile`` and ``shutil.copy2`` follow links), and an unlisted file (a pickle left next to
+the weights) would travel as if it were part of the model. So the model is packed file by file from its
+manifest, each checked (plain file, size and sha256) through the loading policy's own check, and every other
+file the archive takes from the run folder must be a plain file inside it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ..checkpoint.io import MANIFEST, CheckpointError, listed_problems, read_manifest, unlisted_files
+from ..checkpoint.trust import manifest_sha256
+
+
+class UnsafeFile(Exception):
+    """A file the archive will not copy: the message names it and why."""
+
+
+def inside(path: Path, root: Path) -> bool:
+    """``path`` (links resolved) lies inside ``root`` (links resolved)."""
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(Path(os.path.realpath(root)))
+    except OSError:
+        return False
+
+
+def copy_plain(src: Path, dest: Path, root: Path) -> None:
+    """Copy one run file that must be a plain file (never a link, device or FIFO) inside ``root``."""
+    try:
+        st = src.lstat()
+    except FileNotFoundError:
+        raise UnsafeFile(f"{src} is missing") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeFile(f"{src} is a symbolic link (to {os.readlink(src)}): the archive copies plain files only")
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(f"{src} is not a regular file: the archive copies plain files only")
+    if not inside(src, root):
+        raise UnsafeFile(f"{src} lies outside the run folder {root}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest, follow_symlinks=False)
+
+
+def pack_manifest_files(model_dir: Path, dest: Path, run_folder: Path, recorded_sha: str | None) -> dict:
+    """Copy exactly the files ``model_dir``'s manifest lists (and the manifest) into ``dest``.
+
+    Refused (``CheckpointError``): a listed file that is missing, a link, not a plain file, or differs in size or
+    sha256; a folder outside the run; a manifest other than the one the ledger recorded (``recorded_sha``).
+    Returns ``{"packed": [...], "left_out": [...]}``: unlisted files are left out and named.
+    """
+    if model_dir.is_symlink() or not inside(model_dir, run_folder):
+        raise CheckpointError(f"{model_dir} is a link or lies outside the run folder {run_folder}")
+    manifest = read_manifest(model_dir)
+    problems = listed_problems(model_dir, manifest)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    if recorded_sha is not None and manifest_sha256(model_dir) != recorded_sha:
+        raise CheckpointError(f"{model_dir / MANIFEST} is not the manifest the export row recorded "
+                              f"(sha256 {recorded_sha[:12]}…): the export was rewritten after the run")
+    packed = []
+    for name in sorted(manifest["files"]):
+        try:
+            copy_plain(model_dir / name, dest / name, run_folder)
+        except UnsafeFile as exc:
+            raise CheckpointError(str(exc)) from None
+        packed.append(name)
+    copy_plain(model_dir / MANIFEST, dest / MANIFEST, run_folder)
+    left_out = [str(p.relative_to(model_dir)) for p in unlisted_files(model_dir, manifest)]
+    return {"packed": packed, "left_out": left_out}

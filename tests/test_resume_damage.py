@@ -1,0 +1,147 @@
+"""``run --resume`` finds the right state or says why not: damage named file by file, never another config's
+checkpoint, every state-file error under ``--trust`` named with its file and field."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import pilotrun_cli
+from .test_loading_policy import GATES, _killed_pilot, _rehash, _resume, flat, parent  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+SHARD = "model-00000-of-00001.pt"
+
+
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def _flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def _to_dev_zero(f: Path) -> None:
+    f.unlink()
+    f.symlink_to("/dev/zero")
+
+
+DAMAGE = [  # (what is done to the only checkpoint, words the refusal must contain)
+    ("truncated", lambda c: _truncate(c / SHARD), [SHARD, "bytes, the manifest says", "truncated"]),
+    ("byte-flipped", lambda c: _flip(c / SHARD), [SHARD, "does not match its sha256", "same size"]),
+    ("renamed", lambda c: (c / SHARD).rename(c / "model-old.pt"),
+     [f"{SHARD} is listed in the manifest", "missing (deleted or renamed)", "model-old.pt is not in the manifest"]),
+    ("deleted", lambda c: (c / SHARD).unlink(), [f"{SHARD} is listed in the manifest", "missing"]),
+    ("manifest missing", lambda c: (c / "manifest.json").unlink(), ["manifest.json is missing"]),
+    ("manifest garbage", lambda c: (c / "manifest.json").write_text("{not json"), ["manifest.json is unreadable"]),
+    ("dev-zero link", lambda c: _to_dev_zero(c / SHARD), [f"{SHARD} is a symbolic link (to /dev/zero)"]),
+]
+
+
+def test_each_damage_to_the_only_checkpoint_is_named_and_exit_2(parent, tmp_path):  # noqa: F811
+    ckpt = parent["ckpt"]
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    for what, damage, words in DAMAGE:
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        damage(ckpt)
+        res = _resume(parent, tmp_path)
+        assert res.returncode == 2, (what, res.stdout[-1500:], res.stderr)
+        err = flat(res.stderr)
+        assert f"run {parent['run']['run_id']} has no usable checkpoint (1 checked" in err, (what, res.stderr)
+        for w in words:
+            assert w in err, (what, w, res.stderr)
+        assert "starts over" not in res.stdout + res.stderr and "Traceback" not in res.stderr, what
+
+
+def test_a_damaged_newest_checkpoint_names_the_older_one_it_resumes(parent, tmp_path):  # noqa: F811
+    ckpt = parent["ckpt"]
+    older = ckpt.with_name("step-000000")  # an intact, recorded checkpoint under an older step
+    shutil.copytree(ckpt, older)
+    _flip(ckpt / "optimizer-00000-of-00001.pt")
+    res = _resume(parent, tmp_path)
+    out = flat(res.stdout + res.stderr)
+    assert res.returncode == 0, out[-3000:]
+    assert "not resumed from step-000001" in out and "optimizer-00000-of-00001.pt does not match its sha256" in out
+    assert "step-000000 is intact and usable: resuming from it" in out
+
+
+def test_resume_never_loads_the_checkpoint_of_another_spec_sharing_the_out_folder(toylm, tmp_path):
+    ledger, shared = tmp_path / "l.sqlite", tmp_path / "shared"
+    spec_b = toylm.with_name("b.yaml")
+    spec_b.write_text(toylm.read_text().replace("name: toylm", "name: toylm-b").replace("lr: 0.01", "lr: 0.02"))
+    parent_b = _killed_pilot(spec_b, tmp_path, ledger, "--gates", GATES, "--out", str(shared))
+    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--out", str(shared), "--gates", "save", "--json",
+                       cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    run_a = json.loads(res.stdout)["run_id"]
+    res = pilotrun_cli("run", str(spec_b), "--ledger", str(ledger), "--resume", "--gates", GATES, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr
+    err = flat(res.stderr)
+    assert f"run {parent_b['run_id']} has no usable checkpoint" in err
+    assert "was written for config hash" in err and f"spec 'toylm', run {run_a}" in err, res.stderr
+    assert "never resumed across configs" in err
+
+
+def _opt_in(ckpt: Path, name: str, edit) -> None:
+    path = ckpt / name
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    _rehash(ckpt)
+
+
+def _wrong_tensor(ckpt: Path) -> None:
+    payload = torch.load(ckpt / SHARD, weights_only=True)
+    key = next(iter(payload["entries"]))
+    payload["entries"][key] = torch.zeros(3, 3)
+    torch.save(payload, ckpt / SHARD)
+    _rehash(ckpt)
+
+
+TRUSTED_EDITS = [  # (file, what is done, words the load gate's reason must contain)
+    ("scheduler.json", lambda c: _opt_in(c, "scheduler.json", lambda s: s.pop("lr_lambdas")),
+     "scheduler.json: field lr_lambdas is missing"),
+    ("trainer_state.json", lambda c: _opt_in(c, "trainer_state.json", lambda s: s.update(step="three")),
+     "trainer_state.json: field step is 'three', expected a number"),
+    ("rng.json", lambda c: _opt_in(c, "rng.json", lambda s: s["python"].update(state=[1, 2])),
+     "rng.json: field python.state is 2 items"),
+    (SHARD, _wrong_tensor, f"{SHARD}: entry"),
+]
+
+
+def test_under_trust_each_altered_state_file_is_named_with_its_field(parent, tmp_path):  # noqa: F811
+    ckpt = parent["ckpt"]
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    for name, edit, words in TRUSTED_EDITS:
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        edit(ckpt)
+        # Unrecorded now (the manifest was rewritten): refused without --trust, naming why.
+        res = _resume(parent, tmp_path)
+        assert res.returncode == 2 and "not recorded in the ledger" in flat(res.stderr), (name, res.stderr)
+        assert "pass --trust" in flat(res.stderr), name
+        res = _resume(parent, tmp_path, "--trust", "--json")
+        assert res.returncode == 1, (name, res.stdout[-2000:], res.stderr)
+        load = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}["load"]
+        assert load["verdict"] == "fail" and words in load["reason"], (name, load["reason"])
+        assert "KeyError" not in load["reason"] and "JSONDecodeError" not in load["reason"]
+
+
+def test_an_altered_expect_file_is_named_by_the_restore_gate(parent, tmp_path):  # noqa: F811
+    expect = parent["ckpt"].with_name("step-000001.expect.json")
+    expect.write_text(expect.read_text()[:-40])  # cut mid-way: not JSON any more
+    res = _resume(parent, tmp_path, "--trust", "--json")
+    rows = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}
+    assert rows["restore"]["verdict"] == "fail", rows["restore"]["reason"]
+    assert "step-000001.expect.json is not readable JSON" in rows["restore"]["reason"]
+    assert os.path.basename(str(expect)) in rows["restore"]["reason"]
