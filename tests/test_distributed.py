@@ -215,7 +215,9 @@ def test_ddp_restores_batchnorm_statistics_as_rank_0s_and_still_catches_an_unsav
     assert saved[0][name]["digest"] != saved[1][name]["digest"]
     # The checkpoint holds rank 0's copy (DCP alone writes each replicated tensor from whichever rank
     # balances the load), read back by a plain script through `pilotrun convert`.
-    assert pilotrun_cli("convert", str(ckpt), "--out", str(tmp_path / "c.pt"), cwd=tmp_path).returncode == 0
+    conv = pilotrun_cli("convert", str(ckpt), "--out", str(tmp_path / "c.pt"), "--ledger", str(tmp_path / "l.sqlite"),
+                        cwd=tmp_path)
+    assert conv.returncode == 0, conv.stderr
     model = torch.load(tmp_path / "c.pt", weights_only=True)["model"]
     for buf in ("running_mean", "running_var"):
         assert _digest(model[f"features.1.{buf}"]) == saved[0][f"module.features.1.{buf}"]["digest"]
