@@ -95,8 +95,7 @@ class DataSpec:
         if self.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", self.factory):
             yield "factory", f"expected 'module:function', got {self.factory!r}"
         if self.task is not None:
-            if self.path is None:
-                yield "path", "missing; built-in tasks read JSONL from data.path"
+            # data.path is required only where data is read (_check_files): estimate/select/plan need a shape only.
             if self.max_length is None:
                 yield "max_length", "missing; built-in tasks truncate to data.max_length"
         if isinstance(self.path, dict):
@@ -438,6 +437,8 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
             except OSError as exc:
                 problems.append((field_name, f"cannot read {p}: {exc.strerror}"))
 
+    if spec.data.task is not None and spec.data.path is None and data_files:
+        problems.append(("data.path", "missing; built-in tasks read JSONL from data.path"))
     if isinstance(spec.data.path, str) and data_files:
         need_file("data.path", spec.data.path)
     elif isinstance(spec.data.path, dict) and data_files:
