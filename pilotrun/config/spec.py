@@ -437,8 +437,6 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
             except OSError as exc:
                 problems.append((field_name, f"cannot read {p}: {exc.strerror}"))
 
-    if spec.data.task is not None and spec.data.path is None and data_files:
-        problems.append(("data.path", "missing; built-in tasks read JSONL from data.path"))
     if isinstance(spec.data.path, str) and data_files:
         need_file("data.path", spec.data.path)
     elif isinstance(spec.data.path, dict) and data_files:
@@ -545,14 +543,20 @@ def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] =
     Child processes (restore, resume) rebuild the exact spec of their parent from its
     written mapping, overrides included."""
     p = Path(source)
+    # data.path is required only where data is read: estimate/select/plan need a shape alone. Checked on the
+    # mapping so that it is reported together with the schema's problems.
+    data = raw.get("data")
+    unread: list[tuple[str, str]] = []
+    if check_files and isinstance(data, dict) and data.get("task") is not None and data.get("path") is None:
+        unread = [("data.path", "missing; built-in tasks read JSONL from data.path")]
     try:
         spec = build(Spec, copy.deepcopy(raw), str(p))
     except SpecError as exc:
-        raise SpecError(_mark_overrides(exc.problems, list(overridden)), str(p)) from None
+        raise SpecError(_mark_overrides(exc.problems + unread, list(overridden)), str(p)) from None
     spec.source = str(p.resolve())
     spec.written = copy.deepcopy(raw)
     # ``check_files=False``: estimate/select/plan read no data and no tokenizer, so they need not exist.
-    problems = _check_files(spec, data_files=check_files)
+    problems = unread + _check_files(spec, data_files=check_files)
     if problems:
         raise SpecError(_mark_overrides(problems, list(overridden)), str(p))
     return spec
