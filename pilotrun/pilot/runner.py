@@ -236,10 +236,22 @@ def _run_gate(gate: Gate, ctx: PilotContext) -> tuple[GateRow, list[dict]]:
                 outcome = gate.run(ctx, meter)
             except (Exception, SystemExit) as exc:  # a gate failure is a row, never a crash (sys.exit in user code)
                 outcome = fail_outcome(gate, exc, ctx)
-                tb_path = ctx.out_dir / f"{gate.name}.traceback.txt"
-                tb_path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-                outcome.details["traceback"] = str(tb_path)
+                outcome.details.update(_keep_traceback(ctx.out_dir / f"{gate.name}.traceback.txt", exc))
     return _measured_row(gate, ctx, outcome, meter, started, caught or []), outcome.metrics
+
+
+def _keep_traceback(path: Path, exc: BaseException) -> dict:
+    """Write a failed gate's traceback; on a full or read-only disk the row still gets its tail (and says where the
+    file could not be written) instead of the write raising out of the pilot and losing the row."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        path.write_text(text)
+        return {"traceback": str(path)}
+    except OSError as write_error:
+        with contextlib.suppress(OSError):
+            path.unlink()  # never leave an empty traceback file behind
+        return {"traceback_not_written": f"{path}: {write_error.strerror or write_error}",
+                "traceback_tail": text[-4000:]}
 
 
 def _measured_row(gate: Gate, ctx: PilotContext, outcome: Outcome, meter: StageMeter, started: str,
