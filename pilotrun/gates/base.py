@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from ..config.exitguard import ExitCalled
 from ..drivers.base import Capability, NonFiniteError, TrainingCheckError
 from ..ledger.records import Failure, Verdict
 from ..measure.meter import StageMeter, is_oom, oom_detail
@@ -134,6 +135,9 @@ def failure_reason(gate: Gate, exc: BaseException, ctx: PilotContext, inputs: di
         return f"{gate.name} at {ctx.shape_phrase(inputs)}: {oom_detail(ctx.device)}"
     if isinstance(exc, TrainingCheckError):
         return f"{prefix}{exc}"
+    if isinstance(exc, ExitCalled):
+        return (f"{prefix}the code called os._exit({exc.code!r}){_user_frame(exc.__traceback__)}, which would have "
+                "ended pilotrun with no row; raise an exception instead")
     if isinstance(exc, SystemExit):
         return (f"{prefix}the code called sys.exit({exc.code!r}){_user_frame(exc.__traceback__)}; raise an exception "
                 "instead")
@@ -177,7 +181,9 @@ def on_main_rank(ctx: PilotContext, gate: Gate, work) -> Outcome:
     if env.is_main:
         try:
             outcome = work()
-        except (Exception, SystemExit) as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # user code may raise any BaseException subclass; only Ctrl-C stops the pilot
             outcome = fail_outcome(gate, exc, ctx)
     shared = distributed.broadcast(env, None if outcome is None else
                                    (str(outcome.verdict), outcome.reason, outcome.inputs, outcome.details,

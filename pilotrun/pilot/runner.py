@@ -234,7 +234,10 @@ def _run_gate(gate: Gate, ctx: PilotContext) -> tuple[GateRow, list[dict]]:
         with StageMeter(ctx.device, track=gate.track(ctx), tensor_tracking=gate.tensor_tracking) as meter:
             try:
                 outcome = gate.run(ctx, meter)
-            except (Exception, SystemExit) as exc:  # a gate failure is a row, never a crash (sys.exit in user code)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # a gate failure is a row, never a crash: sys.exit, os._exit (exitguard)
+                # or any BaseException subclass user code raises; only Ctrl-C ends the pilot (exit 130)
                 outcome = fail_outcome(gate, exc, ctx)
                 outcome.details.update(_keep_traceback(ctx.out_dir / f"{gate.name}.traceback.txt", exc))
     return _measured_row(gate, ctx, outcome, meter, started, caught or []), outcome.metrics
