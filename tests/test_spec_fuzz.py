@@ -48,7 +48,7 @@ INT_FIELDS = ["seed", "train.micro_batch_size", "train.grad_accum_steps", "train
               "pilot.resume.before", "pilot.resume.after", "pilot.inspect.examples", "data.num_workers",
               "train.scheduler.warmup_updates"]
 # Fields whose range reaches past 2**31 (numpy's seeds; schedule lengths): the other fields end far below it.
-WIDE = {"seed": 2**32 - 1, "train.updates": 2**40, "train.scheduler.warmup_updates": 2**40}
+WIDE = {"seed": 2**32 - 1, "train.updates": 2**53, "train.scheduler.warmup_updates": 2**53}
 BAD_INTS = [-1, -(2**31), 2**31, 2**32, 2**63, 2**64, 10**30]
 WRONG_TYPES = ["abc", [1, 2], {"a": 1}, True, 1.5, None, ".nan", "", [], {}]
 BAD_SET_VALUES = ["[1,", "[red]x", "{a: 1", "!!python/object/apply:os.system ['true']", "!!python/name:os.system",

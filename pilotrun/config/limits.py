@@ -26,7 +26,7 @@ BOUNDS = (
     Bound("train.grad_accum_steps", 1, 1 << 16,
           "the pilot runs every micro batch of a window in first_step; 65,536 of them is hours before one answer"),
     Bound("train.micro_batch_size", 1, 1 << 16, "the batch dimension of one forward; larger never fits a device"),
-    Bound("train.updates", 1, 1 << 40, "the lr schedule's length; beyond 2**40 its float arithmetic loses updates"),
+    Bound("train.updates", 1, 1 << 53, "the lr schedule divides updates in float64, exact only up to 2**53"),
     Bound("data.max_length", 2, 1 << 24, "16M tokens per example is above every published context length"),
     Bound("eval.max_length", 1, 1 << 24, "as data.max_length"),
     Bound("eval.batch_size", 1, 1 << 16, "as train.micro_batch_size"),
@@ -39,7 +39,7 @@ BOUNDS = (
     Bound("pilot.overfit.check_every", 1, 1_000_000, "as pilot.overfit.max_updates"),
     Bound("pilot.resume.before", 1, 100_000, "updates each resume process runs before it answers"),
     Bound("pilot.resume.after", 1, 100_000, "as pilot.resume.before"),
-    Bound("train.scheduler.warmup_updates", 0, 1 << 40, "as train.updates"),
+    Bound("train.scheduler.warmup_updates", 0, 1 << 53, "as train.updates"),
 )
 
 # model.config keys that count repeated blocks: transformers builds each one in a Python loop, so
