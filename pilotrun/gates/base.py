@@ -115,6 +115,15 @@ def _user_frame(tb) -> str:
     return ""
 
 
+def stops_the_pilot(exc: BaseException) -> bool:
+    """Whether ``exc`` must end the pilot rather than fail one gate: Ctrl-C (exit 130), a generator closing, or a
+    BaseException pilotrun raises itself for control flow (a stop signal). Anything else user code raises,
+    SystemExit and any BaseException subclass included, is the gate's failure."""
+    if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+        return True
+    return not isinstance(exc, (Exception, SystemExit)) and type(exc).__module__.startswith("pilotrun.")
+
+
 def failure_of(exc: BaseException) -> Failure:
     """The kind of failure an exception raised in a gate is."""
     if isinstance(exc, GateFailure):
@@ -181,9 +190,9 @@ def on_main_rank(ctx: PilotContext, gate: Gate, work) -> Outcome:
     if env.is_main:
         try:
             outcome = work()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # user code may raise any BaseException subclass; only Ctrl-C stops the pilot
+        except BaseException as exc:  # user code may raise any BaseException subclass
+            if stops_the_pilot(exc):
+                raise
             outcome = fail_outcome(gate, exc, ctx)
     shared = distributed.broadcast(env, None if outcome is None else
                                    (str(outcome.verdict), outcome.reason, outcome.inputs, outcome.details,

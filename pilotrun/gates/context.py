@@ -98,8 +98,6 @@ class PilotContext:
         if self.inputs is None:
             try:
                 self.inputs = load_inputs(self.spec)
-            except KeyboardInterrupt:
-                raise
             except BaseException as exc:  # user factories may raise any BaseException subclass
                 self.data_error = f"{type(exc).__name__}: {exc}"
                 raise

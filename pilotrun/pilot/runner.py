@@ -25,7 +25,7 @@ from .. import distributed
 from ..config.spec import Spec
 from ..drivers import join_job
 from ..gates import Gate, Outcome, PilotContext, Product, depends_on, select_gates
-from ..gates.base import fail_outcome
+from ..gates.base import fail_outcome, stops_the_pilot
 from ..ledger.records import GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from ..ledger.store import Ledger
 from ..measure.meter import StageMeter
@@ -234,10 +234,10 @@ def _run_gate(gate: Gate, ctx: PilotContext) -> tuple[GateRow, list[dict]]:
         with StageMeter(ctx.device, track=gate.track(ctx), tensor_tracking=gate.tensor_tracking) as meter:
             try:
                 outcome = gate.run(ctx, meter)
-            except KeyboardInterrupt:
-                raise
             except BaseException as exc:  # a gate failure is a row, never a crash: sys.exit, os._exit (exitguard)
-                # or any BaseException subclass user code raises; only Ctrl-C ends the pilot (exit 130)
+                # or any BaseException subclass user code raises; Ctrl-C and pilotrun's own stops end the pilot
+                if stops_the_pilot(exc):
+                    raise
                 outcome = fail_outcome(gate, exc, ctx)
                 outcome.details.update(_keep_traceback(ctx.out_dir / f"{gate.name}.traceback.txt", exc))
     return _measured_row(gate, ctx, outcome, meter, started, caught or []), outcome.metrics
