@@ -31,13 +31,31 @@ class DistEnv:
         return self.rank == 0
 
 
-def env_from_os() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) otherwise."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 class LaunchError(RuntimeError):
-    """The processes and the spec disagree (a strategy without processes, processes without a strategy)."""
+    """The processes and the spec disagree (a strategy without processes, processes without a strategy), or the
+    launcher's environment variables are not usable."""
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise LaunchError(f"${name}={text!r} is not an integer >= {low}; torchrun sets it, so unset it when not "
+                          "launching several processes (or launch with `pilotrun launch`)")
+    return value
+
+
+def env_from_os() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) otherwise. LaunchError names a bad variable."""
+    rank, local_rank, world = _env_int("RANK", 0, 0), _env_int("LOCAL_RANK", 0, 0), _env_int("WORLD_SIZE", 1, 1)
+    if rank >= world:
+        raise LaunchError(f"$RANK={rank} is not below $WORLD_SIZE={world}: each process's rank is 0..WORLD_SIZE-1")
+    return rank, local_rank, world
 
 
 def init(strategy: str, device_type: str) -> DistEnv:

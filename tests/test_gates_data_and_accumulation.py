@@ -70,6 +70,31 @@ def test_inspect_shows_what_the_loss_sees(toylm, tmp_path):
     assert scan["examples"] == 100 and scan["unsupervised_examples"] == 0 and 0 < scan["supervised_token_share"] < 1
 
 
+def test_factory_items_with_a_prompt_len_of_their_own_pass_inspect(toylm, tmp_path):
+    # The user's items carry "prompt_len" but no "labels" list (their collate builds the labels): the
+    # built-in SFT item format must not be assumed of them (it raised KeyError 'labels').
+    rows = verdicts(toylm, tmp_path, "data.prompt_len=true", gates=["inspect"])
+    assert rows["inspect"]["verdict"] == "pass", rows["inspect"]["reason"]
+    assert rows["inspect"]["details"]["scan"]["examples"] == 100
+
+
+def test_builtin_items_that_supervise_their_prompt_still_fail_inspect(tmp_path):
+    from pilotrun.config import load_spec
+    from pilotrun.data.audit import scan_split
+    from pilotrun.data.bundle import build_data
+    from pilotrun.models.loading import load_tokenizer
+
+    from .conftest import copy_example
+
+    spec = load_spec(copy_example("tiny-sft", tmp_path))
+
+    bundle = build_data(spec, load_tokenizer(spec))
+    item = bundle.train[0]
+    item["labels"] = list(item["input_ids"])  # every prompt token supervised, as an unmasked SFT would do
+    scan = scan_split(bundle, "train")
+    assert scan["prompt_supervised_ids"] == [item["id"]]
+
+
 def test_split_fails_on_shared_and_repeated_ids(tmp_path, monkeypatch):
     monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     spec = copy_fixture("toy", tmp_path)

@@ -23,7 +23,7 @@ import pytest
 from pilotrun.checkpoint import LoadPolicy, LoadRefused, Refusal
 from pilotrun.ledger import Ledger
 
-from .conftest import pilotrun_cli
+from .conftest import TEST_DIGEST, pilotrun_cli
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def _plant_dcp(folder: Path, marker: Path) -> None:
 
 def _killed_pilot(spec: Path, tmp_path: Path, ledger: Path, *extra: str) -> dict:
     """A real pilot killed with SIGKILL right after its export gate (restore was next): a resumable parent."""
-    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": "sha256:test", "COLUMNS": "200"}
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
     cmd = [sys.executable, "-m", "pilotrun", "run", str(spec), "--ledger", str(ledger), *extra]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     assert proc.stdout is not None

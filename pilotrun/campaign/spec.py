@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..config.schema import SpecError, build, doc
 from ..config.spec import Spec, set_dotted, spec_from_mapping
+from ..config.yamlsafe import parse_bounded, read_spec_text
 
 
 @dataclass
@@ -142,14 +141,9 @@ def fixed_reason(key: str) -> str | None:
 
 def load_campaign(path: str | Path) -> CampaignSpec:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise SpecError([("", f"campaign file not found: {p}")], str(p))
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        loc = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise SpecError([("", f"{p} is not valid YAML{loc}: {getattr(exc, 'problem', None) or exc}")], str(p)) from None
+    raw = parse_bounded(read_spec_text(p), str(p))  # a regular file; size, depth and aliases bounded as a pilot spec
     if not isinstance(raw, dict):
         raise SpecError([("", f"{p} must be a mapping (base, vary, seeds, updates, ...)")], str(p))
     spec = build(CampaignSpec, raw, str(p))

@@ -7,9 +7,11 @@ folder is renamed into place (then the parent is fsynced). Readers ignore
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable
@@ -19,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+# ".step-000008.tmp-4242": the folder AtomicFolder writes before its rename (the PID is the writer's).
+TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+# Errors that mean the filesystem is full (errno(3)): ENOSPC, and EDQUOT for a user's quota.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 HASH_CHUNK = 8 << 20  # measured: larger reads overlap worse with torch.save on 2 cores
 
 
@@ -293,3 +299,70 @@ def latest_checkpoint(root: Path, verify: bool = True) -> Path | None:
             continue
         return folder
     return None
+
+
+def _process_gone(pid: int) -> bool:
+    """True only when no process has this PID (a live one, even another user's, keeps its folder)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of every file under ``path``, links not followed."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def remove_stale_temps(root: Path) -> list[tuple[Path, int]]:
+    """Remove the ``.NAME.tmp-PID`` folders under ``root`` whose writer is gone (a save killed mid-write);
+    ``(folder, bytes freed)`` for each. A folder whose PID is alive may still be being written: it stays."""
+    removed: list[tuple[Path, int]] = []
+    root = Path(root)
+    if not root.is_dir():
+        return removed
+    for p in sorted(root.iterdir()):
+        m = TEMP_RE.match(p.name)
+        if m is None or not p.is_dir() or p.is_symlink():
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid() or not _process_gone(pid):
+            continue
+        size = tree_bytes(p)
+        shutil.rmtree(p, ignore_errors=True)
+        if not p.exists():
+            removed.append((p, size))
+    return removed
+
+
+def disk_full_error(exc: BaseException) -> OSError | None:
+    """The OSError saying the filesystem is full, in ``exc`` or the exceptions it chains; None otherwise."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in DISK_FULL:
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing parent); None when unreadable."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None

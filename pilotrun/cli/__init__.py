@@ -7,13 +7,17 @@ Exit codes: 0 no gate failed · 1 a gate failed · 2 bad spec, file or usage ·
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
 from rich.markup import escape
 
+from ..config.exitguard import ExitCalled, guard_os_exit
 from ..config.schema import SpecError
+from ..distributed import LaunchError
 from ..interrupt import as_interrupted
 from ..ledger.store import LedgerError
 from ..lock import ContainerDigestError
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
-        return int(args.func(args) or 0)
+        with guard_os_exit():  # user code's os._exit in this process raises ExitCalled (config/exitguard.py)
+            return int(args.func(args) or 0)
     except SpecError as exc:
         console = err_console()
         where = f" in {escape(str(exc.source))}" if exc.source else ""
@@ -95,21 +100,37 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"  [bold]{escape(field)}[/]: {escape(message)}" if field else f"  {escape(message)}",
                           highlight=False)
         return EXIT_BAD_INPUT
-    except (UsageError, LedgerError, ContainerDigestError) as exc:
+    except (UsageError, LedgerError, LaunchError, ContainerDigestError) as exc:
         err_console().print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as exc:  # a command that records its own stop (run, campaign) returns before this
         stop = as_interrupted(exc)
         err_console().print(f"[yellow]interrupted ({stop.how})[/]: rows written so far are in the ledger")
         return stop.exit_code
-    except Exception as exc:  # a bug in pilotrun: keep the traceback, show one line
-        path = Path("runs") / "pilotrun-crash.txt"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-            saved = f"; traceback saved to {path}"
-        except OSError:
-            saved = ""
+    except ExitCalled as exc:  # os._exit in user code outside any gate (a gate records it as a failed row)
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/pilotrun/" not in f.filename]
+        where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        err_console().print(f"[bold red]error:[/] user code called os._exit({exc.code!r}){where}; a factory must "
+                            "return or raise an exception, never end the process", highlight=False)
+        return EXIT_BAD_INPUT
+    except SystemExit:
+        raise
+    except BaseException as exc:  # a bug in pilotrun, or a BaseException subclass (torch's CheckpointException)
+        saved = _save_crash("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         err_console().print(f"[bold red]internal error[/]: {type(exc).__name__}: {escape(str(exc))}{escape(saved)}. "
                             "Please report it.", highlight=False)
         return EXIT_INTERNAL
+
+
+def _save_crash(text: str) -> str:
+    """Write a crash's traceback to runs/pilotrun-crash.txt, else to the temp folder; say where, or where not."""
+    tried = []
+    fallback = Path(tempfile.gettempdir()) / f"pilotrun-crash-{os.getpid()}.txt"
+    for path in (Path("runs") / "pilotrun-crash.txt", fallback):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            return f"; traceback saved to {path.resolve()}"
+        except OSError as exc:
+            tried.append(f"{path} ({exc.strerror or exc})")
+    return f"; the traceback could not be written to {' nor '.join(tried)}"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -38,6 +39,25 @@ def err_console() -> Console:
 
 def out_console() -> Console:
     return console_for(False)
+
+
+def writable_folder(path: Path, what: str) -> None:
+    """Create ``path`` (with its parents) and prove a file can be written there; UsageError (exit 2) naming it
+    otherwise: a file, a folder under a file, a read-only mount, /proc."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what}: {p} is a file, not a folder; give a folder (it is created if missing)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".pilotrun-write-test-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(p) else ""
+        raise UsageError(f"{what}: cannot write in {p}{where}: {exc.strerror or exc}; "
+                         "choose a writable folder") from None
+    except Exception as exc:  # e.g. a path the filesystem refuses to name (NUL bytes: ValueError)
+        raise UsageError(f"{what}: cannot use {p!s}: {exc}") from None
 
 
 LEDGER_HELP = "ledger file (default runs/ledger.sqlite, or $PILOTRUN_LEDGER)"

@@ -14,7 +14,7 @@ from rich.markup import escape
 from ..config.schema import SpecError
 from ..config.spec import load_spec
 from ..devices import DeviceUnavailable
-from ..distributed import LaunchError
+from ..distributed import LaunchError, env_from_os
 from ..gates import UnknownGate
 from ..interrupt import interruptible
 from ..ledger.records import Failure, Verdict
@@ -23,7 +23,7 @@ from ..lock import DIGEST_FORMAT, resolve_container_digest
 from ..pilot import PilotInterrupted, PilotOptions, ResumeError, rank_summary, run_pilot
 from ..strategies import UnknownStrategy
 from ..ui.console import ConsoleObserver
-from .common import UsageError, add_ledger_arg, console_for, out_console
+from .common import UsageError, add_ledger_arg, console_for, out_console, writable_folder
 
 HELP = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
@@ -76,7 +76,8 @@ def _run(args) -> tuple[int, str | None]:
                            container_digest=args.container_digest, resume=args.resume, trust=args.trust,
                            run_id=args.run_id)
     console = console_for(stderr=True) if args.json else out_console()
-    if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 speaks; every rank writes its rows
+    writable_folder(args.out or Path("runs"), "--out" if args.out else "the output folder runs/ (or pass --out)")
+    if env_from_os()[0] != 0:  # under torchrun only rank 0 speaks; every rank writes its rows
         console = Console(file=open(os.devnull, "w"))
     observer = ConsoleObserver(console, title=spec.name)
     try:

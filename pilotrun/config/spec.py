@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
+from .exitguard import ExitCalled
 from .hub_cache import TokenizerNotFound, TokenizerSource, locate_tokenizer
+from .limits import bound_problems
 from .schema import SpecError, build, doc
+from .yamlsafe import parse_bounded, parse_override_value, read_spec_text, regular_file_problem
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
 # A Hub id is "name" or "org/name"; anything with more path parts, or that starts
@@ -97,8 +98,7 @@ class DataSpec:
         if self.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", self.factory):
             yield "factory", f"expected 'module:function', got {self.factory!r}"
         if self.task is not None:
-            if self.path is None:
-                yield "path", "missing; built-in tasks read JSONL from data.path"
+            # data.path is required only where data is read (_check_files): estimate/select/plan need a shape only.
             if self.max_length is None:
                 yield "max_length", "missing; built-in tasks truncate to data.max_length"
         if isinstance(self.path, dict):
@@ -405,7 +405,10 @@ def _check_model_config(spec: Spec) -> list[tuple[str, str]]:
         from transformers import CONFIG_MAPPING, PretrainedConfig
     except ImportError:  # pragma: no cover - transformers is a dependency
         return []
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str):
+        return [("model.config.model_type", f"expected a string naming an architecture (e.g. 'llama', 'bert'), got "
+                 f"{type(model_type).__name__} {str(model_type)[:60]}")]
+    if model_type not in CONFIG_MAPPING:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         return [("model.config.model_type", f"unknown architecture {model_type!r}{hint}")]
@@ -439,6 +442,9 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
             return
         if not p.exists():
             problems.append((field_name, f"{kind} not found: {p} (paths are relative to the spec's folder)"))
+        elif not p.is_dir() and regular_file_problem(p) is not None:
+            # A FIFO or a device would block or never end when read: refused from stat() alone, never opened.
+            problems.append((field_name, f"{regular_file_problem(p)}; give a file or a folder"))
         elif kind == "file" and p.is_dir():
             problems.append((field_name, f"expected a file, got a folder: {p}"))
         elif p.is_file():
@@ -485,11 +491,17 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
             problems.append((f"{section}.factory", f"{target!r}: the module{where} has no attribute "
                              f"{target.partition(':')[2]!r}"))
             continue
+        except ExitCalled as exc:  # os._exit while importing (cli installs the guard)
+            problems.append((f"{section}.factory", f"importing {target!r} called os._exit({exc.code!r}); a factory "
+                             "module must not end the process when imported (raise an exception instead)"))
+            continue
         except SystemExit as exc:  # the user's module exits while importing
             problems.append((f"{section}.factory", f"importing {target!r} called sys.exit({exc.code!r}); a factory "
                              "module must not exit when imported (raise an exception instead)"))
             continue
-        except Exception as exc:  # the user's module raised while importing
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the user's module raised while importing (any BaseException subclass)
             problems.append((f"{section}.factory", f"importing {target!r} raised {type(exc).__name__}: {exc}"))
             continue
         if not callable(fn):
@@ -518,7 +530,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise SpecError([("--set", f"expected key=value, got {text!r}")])
-    return key.strip(), yaml.safe_load(value) if value.strip() else None
+    return key.strip(), parse_override_value(key.strip(), value) if value.strip() else None
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None, check_files: bool = True) -> Spec:
@@ -529,16 +541,7 @@ def load_spec(path: str | Path, overrides: list[str] | None = None, check_files:
         raise SpecError([("", f"spec file not found: {p}")], str(p))
     if p.is_dir():
         raise SpecError([("", f"expected a spec file, got a folder: {p} (did you mean {p / 'pilot.yaml'}?)")], str(p))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError([("", f"cannot read {p}: {exc}")], str(p)) from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        loc = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise SpecError([("", f"{p} is not valid YAML{loc}: {getattr(exc, 'problem', exc)}")], str(p)) from None
+    raw = parse_bounded(read_spec_text(p), str(p))  # a regular file, size, depth and alias expansion bounded
     if raw is None:
         raise SpecError([("", f"{p} is empty; see examples/tiny-sft/pilot.yaml")], str(p))
     if not isinstance(raw, dict):
@@ -557,14 +560,21 @@ def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] =
     Child processes (restore, resume) rebuild the exact spec of their parent from its
     written mapping, overrides included."""
     p = Path(source)
+    # data.path is required only where data is read: estimate/select/plan need a shape alone. Checked on the
+    # mapping so that it is reported together with the schema's problems.
+    data = raw.get("data")
+    unread: list[tuple[str, str]] = []
+    if check_files and isinstance(data, dict) and data.get("task") is not None and data.get("path") is None:
+        unread = [("data.path", "missing; built-in tasks read JSONL from data.path")]
     try:
         spec = build(Spec, copy.deepcopy(raw), str(p))
     except SpecError as exc:
-        raise SpecError(_mark_overrides(exc.problems, list(overridden)), str(p)) from None
+        raise SpecError(_mark_overrides(exc.problems + unread, list(overridden)), str(p)) from None
     spec.source = str(p.resolve())
     spec.written = copy.deepcopy(raw)
     # ``check_files=False``: estimate/select/plan read no data and no tokenizer, so they need not exist.
-    problems = _check_files(spec, data_files=check_files)
+    problems = unread + bound_problems(spec, this_machine=check_files)
+    problems += _check_files(spec, data_files=check_files)
     if problems:
         raise SpecError(_mark_overrides(problems, list(overridden)), str(p))
     return spec

@@ -167,10 +167,14 @@ def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progre
             label_counts.update(int(v) for v in labels.tolist() if v != IGNORE)
         elif labels.ndim >= 2:
             label_kind = "token"
-        for it in items:
-            plen = it.get("prompt_len") if isinstance(it, dict) else None
-            if plen and any(label != IGNORE for label in it["labels"][:plen]):
-                prompt_supervised.append(str(it["id"]))
+        if bundle.builtin:
+            # The built-in SFT task's own item format (data/tasks.py) carries prompt_len and labels. A factory's
+            # items promise only the contract's fields (id, group_key): a key of the same name there means
+            # whatever the user meant by it, and everything else is read from the collated batch above.
+            for it in items:
+                plen = it.get("prompt_len")
+                if plen and any(label != IGNORE for label in it["labels"][:plen]):
+                    prompt_supervised.append(str(it["id"]))
         progress(min(n, start + chunk), n, f"{split} examples")
     out = {
         "split": split,

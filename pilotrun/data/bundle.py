@@ -36,6 +36,12 @@ class DataBundle:
     pad_batch: Callable | None = None
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def builtin(self) -> bool:
+        """Items made by pilotrun's built-in tasks, whose format pilotrun knows (a factory's items promise only
+        the contract's fields: id and group_key)."""
+        return self.task != "custom"
+
     def sizes(self) -> dict[str, int]:
         out = {"train": len(self.train), "val": len(self.val)}
         if self.test is not None:

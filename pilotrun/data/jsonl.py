@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 
@@ -12,11 +14,19 @@ class DataError(Exception):
 def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
     rows: list[dict] = []
     try:
-        fh = open(path, encoding="utf-8")
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO or a device blocks or never ends: refused before it is opened
+            raise DataError(f"{path} is not a regular file (a FIFO, device or folder); give a JSONL file")
+        fh = open(path, "rb")
     except OSError as exc:
         raise DataError(f"cannot open {path}: {exc.strerror}") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                                "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -22,7 +22,7 @@ from ..train.batches import seq_len, supervised_count
 from ..train.evaluation import val_metrics
 from ..train.loss import LossPolicy, decide_loss_policy, probe_loss_policy, window_backward
 from ..train.optim import build_optimizer, build_scheduler
-from ..train.rng import seed_everything
+from ..train.rng import derived_seed, seed_everything
 from ..train.sampler import DataPlan, PositionedBatchSampler
 from .base import (
     Capability,
@@ -128,7 +128,7 @@ class LoopDriver(ModelDriver):
             # A private generator: creating an iterator must not draw from the global RNG (it would
             # shift every dropout mask after a restore), and worker seeds follow the data position.
             gen = torch.Generator()
-            gen.manual_seed((self.plan.seed * 1_000_003 + self.epoch) * 1_000_003 + self.micro_index)
+            gen.manual_seed(derived_seed((self.plan.seed * 1_000_003 + self.epoch) * 1_000_003 + self.micro_index))
             loader = torch.utils.data.DataLoader(
                 self.train_set, batch_sampler=sampler, collate_fn=self.collate,
                 num_workers=self.spec.data.num_workers, pin_memory=self.device.type == "cuda",

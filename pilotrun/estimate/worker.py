@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .trace import quiet_transformers, trace_job
 
-        spec = read_spec_file(args.spec)
+        # The trace synthesises built-in inputs: a shape alone is enough (data file and tokenizer may not exist yet).
+        spec = read_spec_file(args.spec, check_files=False)
         if args.precision:
             spec.train.precision = args.precision
         ac = None if args.ac == "spec" else args.ac == "on"

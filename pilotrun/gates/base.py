@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from ..config.exitguard import ExitCalled
 from ..drivers.base import Capability, NonFiniteError, TrainingCheckError
 from ..ledger.records import Failure, Verdict
 from ..measure.meter import StageMeter, is_oom, out_of_memory_reason
@@ -114,6 +115,15 @@ def _user_frame(tb) -> str:
     return ""
 
 
+def stops_the_pilot(exc: BaseException) -> bool:
+    """Whether ``exc`` must end the pilot rather than fail one gate: Ctrl-C (exit 130), a generator closing, or a
+    BaseException pilotrun raises itself for control flow (a stop signal). Anything else user code raises,
+    SystemExit and any BaseException subclass included, is the gate's failure."""
+    if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+        return True
+    return not isinstance(exc, (Exception, SystemExit)) and type(exc).__module__.startswith("pilotrun.")
+
+
 def failure_of(exc: BaseException) -> Failure:
     """The kind of failure an exception raised in a gate is."""
     if isinstance(exc, GateFailure):
@@ -134,6 +144,9 @@ def failure_reason(gate: Gate, exc: BaseException, ctx: PilotContext, inputs: di
         return f"{gate.name} at {ctx.shape_phrase(inputs)}: {oom}"
     if isinstance(exc, TrainingCheckError):
         return f"{prefix}{exc}"
+    if isinstance(exc, ExitCalled):
+        return (f"{prefix}the code called os._exit({exc.code!r}){_user_frame(exc.__traceback__)}, which would have "
+                "ended pilotrun with no row; raise an exception instead")
     if isinstance(exc, SystemExit):
         return (f"{prefix}the code called sys.exit({exc.code!r}){_user_frame(exc.__traceback__)}; raise an exception "
                 "instead")
@@ -177,7 +190,9 @@ def on_main_rank(ctx: PilotContext, gate: Gate, work) -> Outcome:
     if env.is_main:
         try:
             outcome = work()
-        except (Exception, SystemExit) as exc:
+        except BaseException as exc:  # user code may raise any BaseException subclass
+            if stops_the_pilot(exc):
+                raise
             outcome = fail_outcome(gate, exc, ctx)
     shared = distributed.broadcast(env, None if outcome is None else
                                    (str(outcome.verdict), outcome.reason, outcome.inputs, outcome.details,

@@ -99,7 +99,7 @@ class PilotContext:
         if self.inputs is None:
             try:
                 self.inputs = load_inputs(self.spec)
-            except (Exception, SystemExit) as exc:
+            except BaseException as exc:  # user factories may raise any BaseException subclass
                 self.data_error = f"{type(exc).__name__}: {exc}"
                 raise
         return self.inputs.data

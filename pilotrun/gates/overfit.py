@@ -17,6 +17,7 @@ from ..train.batches import autocast_for, loss_of, to_device
 from ..train.evaluation import accuracy_counts, shift_convention
 from ..train.loss import window_backward
 from ..train.optim import build_optimizer
+from ..train.rng import derived_seed
 from .base import Gate, GateFailure, Outcome, Product
 
 
@@ -82,7 +83,7 @@ class OverfitGate(Gate):
         model.train()
         opt = build_optimizer(model, spec.train.optimizer)  # constant lr: the schedule belongs to the long run
         scaler = torch.amp.GradScaler(ctx.device.type) if spec.train.precision == "fp16" else None
-        gen = torch.Generator().manual_seed(spec.seed + 7)
+        gen = torch.Generator().manual_seed(derived_seed(spec.seed + 7))
         losses: list[float] = []
         checks: list[dict] = []
         passed = False

@@ -9,10 +9,12 @@ import json
 import time
 from pathlib import Path
 
+from ..checkpoint.io import disk_full_error, free_bytes, remove_stale_temps
 from ..checkpoint.state import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
-from .base import Gate, Outcome, Product
+from ..ledger.records import Failure
+from .base import Gate, GateFailure, Outcome, Product
 from .context import SavedCheckpoint
 
 
@@ -46,8 +48,12 @@ class SaveGate(Gate):
         folder = ctx.out_dir / "checkpoints" / f"step-{driver.step:06d}"
         # What a restore must reproduce, from the live objects (state outside state_dict included).
         expect = driver.fingerprint()
+        stale = self._remove_stale(ctx, folder.parent) if env.is_main else []
         t0 = time.perf_counter()
-        written = driver.save(folder)
+        try:
+            written = driver.save(folder)
+        except Exception as exc:
+            raise write_failure(folder, exc, ctx.base_inputs()) from exc
         seconds = time.perf_counter() - t0
         files, total = written["files"], written["bytes"]
         # Each rank's fingerprints: its own shards, RNG streams and data position.
@@ -65,4 +71,35 @@ class SaveGate(Gate):
         out.reason = (f"step {driver.step}: {human_bytes(total)} in {len(files)} files in "
                       f"{human_seconds(seconds)} ({human_bytes(total / seconds if seconds else 0)}/s), "
                       "written atomically with a sha256 manifest")
+        if stale:
+            freed = sum(n for _, n in stale)
+            out.details["stale_temps_removed"] = [{"path": str(p), "bytes": n} for p, n in stale]
+            out.reason += (f"; removed {len(stale)} temp folder(s) of saves whose process is gone, freeing "
+                           f"{human_bytes(freed)}")
         return out
+
+    @staticmethod
+    def _remove_stale(ctx, root: Path) -> list[tuple[Path, int]]:
+        """Temp folders of killed saves in this run's checkpoints and, on --resume, in the parent's."""
+        roots = [root]
+        if ctx.restore_from is not None and Path(ctx.restore_from).parent.resolve() != root.resolve():
+            roots.append(Path(ctx.restore_from).parent)
+        return [r for folder in roots for r in remove_stale_temps(folder)]
+
+
+def write_failure(folder: Path, exc: Exception, inputs: dict) -> GateFailure:
+    """A failed save as a row: the folder, what the filesystem said, and the free space measured after it."""
+    free = free_bytes(folder)
+    free_text = (f"{human_bytes(free)} free on its filesystem now" if free is not None
+                 else "free space not measured: the filesystem did not answer")
+    details = {"path": str(folder), "free_bytes": free, "error": f"{type(exc).__name__}: {exc}"}
+    full = disk_full_error(exc)
+    if full is not None:
+        where = full.filename or folder
+        details["errno"] = full.errno
+        return GateFailure(f"save to {folder}: No space left on device while writing {where} ({free_text}); free "
+                           "space there or pass --out on a larger disk",
+                           inputs=inputs, details=details, failure=Failure.ERROR)
+    message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return GateFailure(f"save to {folder}: {type(exc).__name__}: {message} ({free_text})", inputs=inputs,
+                       details=details, failure=Failure.ERROR)

@@ -140,7 +140,11 @@ def _insert_metrics(cur: sqlite3.Cursor, run_id: str, gate: str, rank: int, poin
 class Ledger:
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else default_ledger_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only working directory with the default ledger, /proc, a file in the way
+            raise LedgerError(f"cannot create {self.path.parent} for the ledger {self.path}: {exc.strerror or exc}; "
+                              "pass --ledger or set $PILOTRUN_LEDGER to a writable path") from None
         try:
             self.conn = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
             self.conn.row_factory = sqlite3.Row

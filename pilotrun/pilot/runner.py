@@ -25,7 +25,7 @@ from .. import distributed
 from ..config.spec import Spec
 from ..drivers import join_job
 from ..gates import Gate, Outcome, PilotContext, Product, depends_on, select_gates
-from ..gates.base import fail_outcome
+from ..gates.base import fail_outcome, stops_the_pilot
 from ..interrupt import Interrupted, as_interrupted
 from ..ledger.records import GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from ..ledger.store import Ledger
@@ -250,12 +250,27 @@ def _run_gate(gate: Gate, ctx: PilotContext) -> tuple[GateRow, list[dict]]:
         with StageMeter(ctx.device, track=gate.track(ctx), tensor_tracking=gate.tensor_tracking) as meter:
             try:
                 outcome = gate.run(ctx, meter)
-            except (Exception, SystemExit) as exc:  # a gate failure is a row, never a crash (sys.exit in user code)
+            except BaseException as exc:  # a gate failure is a row, never a crash: sys.exit, os._exit (exitguard)
+                # or any BaseException subclass user code raises; Ctrl-C and pilotrun's own stops end the pilot
+                if stops_the_pilot(exc):
+                    raise
                 outcome = fail_outcome(gate, exc, ctx)
-                tb_path = ctx.out_dir / f"{gate.name}.traceback.txt"
-                tb_path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-                outcome.details["traceback"] = str(tb_path)
+                outcome.details.update(_keep_traceback(ctx.out_dir / f"{gate.name}.traceback.txt", exc))
     return _measured_row(gate, ctx, outcome, meter, started, caught or []), outcome.metrics
+
+
+def _keep_traceback(path: Path, exc: BaseException) -> dict:
+    """Write a failed gate's traceback; on a full or read-only disk the row still gets its tail (and says where the
+    file could not be written) instead of the write raising out of the pilot and losing the row."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        path.write_text(text)
+        return {"traceback": str(path)}
+    except OSError as write_error:
+        with contextlib.suppress(OSError):
+            path.unlink()  # never leave an empty traceback file behind
+        return {"traceback_not_written": f"{path}: {write_error.strerror or write_error}",
+                "traceback_tail": text[-4000:]}
 
 
 def _measured_row(gate: Gate, ctx: PilotContext, outcome: Outcome, meter: StageMeter, started: str,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rng import derived_seed
+
 
 @dataclass(frozen=True)
 class DataPlan:
@@ -48,7 +50,7 @@ class DataPlan:
         if not self.shuffle:
             return list(range(self.n_examples))
         g = torch.Generator()
-        g.manual_seed(self.seed * 1_000_003 + epoch)
+        g.manual_seed(derived_seed(self.seed * 1_000_003 + epoch))
         return torch.randperm(self.n_examples, generator=g).tolist()
 
     def micro_batch(self, epoch: int, index: int, order: list[int] | None = None) -> list[int]:

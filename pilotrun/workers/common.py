@@ -21,9 +21,10 @@ def write_spec_file(spec: Spec, path: Path) -> Path:
     return path
 
 
-def read_spec_file(path: str | Path) -> Spec:
+def read_spec_file(path: str | Path, check_files: bool = True) -> Spec:
+    """The spec a parent wrote; ``check_files=False`` for workers that read no data file or tokenizer (the trace)."""
     payload = json.loads(Path(path).read_text())
-    return spec_from_mapping(payload["written"], payload["source"])
+    return spec_from_mapping(payload["written"], payload["source"], check_files=check_files)
 
 
 def peak_memory(device: torch.device) -> dict:

@@ -1,0 +1,105 @@
+"""Bad input at the process's edges (issue 12, deliverable 3): the crash file, data files that are not
+UTF-8 or not files, user code raising BaseException subclasses, the launcher's environment, seeds."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from pilotrun.data.jsonl import DataError, read_jsonl
+from pilotrun.distributed import LaunchError, env_from_os
+from pilotrun.train.rng import derived_seed
+
+from .conftest import gate_rows
+
+
+def test_the_crash_file_falls_back_to_the_temp_folder_and_says_where_it_could_not_go(tmp_path, monkeypatch):
+    from pilotrun import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("a file where the runs/ folder would be")
+    monkeypatch.setattr(cli.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    said = cli._save_crash("Traceback: boom")
+    saved = tmp_path / "tmp" / f"pilotrun-crash-{os.getpid()}.txt"
+    assert said == f"; traceback saved to {saved}" and saved.read_text() == "Traceback: boom"
+    # Nowhere writable: the message names both places and why.
+    monkeypatch.setattr(cli.tempfile, "gettempdir", lambda: str(tmp_path / "runs" / "under-a-file"))
+    said = cli._save_crash("Traceback: boom")
+    assert said.startswith("; the traceback could not be written to runs/pilotrun-crash.txt (")
+    assert "under-a-file" in said
+
+
+def test_non_utf8_jsonl_names_the_file_line_and_byte(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"id": 1, "text": "ok"}\n{"id": 2, "text": "caf\xe9"}\n')
+    with pytest.raises(DataError) as info:
+        read_jsonl(path, ("id", "text"))
+    assert str(info.value) == f"{path}:2: not UTF-8 (byte 0xe9 at column 23); save the file as UTF-8"
+
+
+def test_a_fifo_as_data_is_refused_without_being_opened(tmp_path):
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    # Opening a FIFO with no writer blocks forever: the alarm turns a regression into a failure, not a hang.
+    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("read_jsonl opened the FIFO and blocked"))
+    signal.alarm(5)
+    try:
+        with pytest.raises(DataError, match="not a regular file"):
+            read_jsonl(fifo, ("id",))
+    finally:
+        signal.alarm(0)
+
+
+BOOM_ON_CALL = """from toy import build_data  # noqa: F401
+
+
+class Boom(BaseException):
+    pass
+
+
+def build_model(cfg):
+    raise {exc}("raised by the factory")
+"""
+
+
+def test_a_base_exception_from_a_factory_is_a_failed_gate(toy, tmp_path):
+    (toy.parent / "boom_model.py").write_text(BOOM_ON_CALL.format(exc="Boom"))
+    spec = toy.parent / "boom.yaml"
+    spec.write_text(toy.read_text().replace("toy:build_model", "boom_model:build_model"))
+    rows = gate_rows(spec, tmp_path, gates=["load"])
+    assert rows["load"]["verdict"] == "fail"
+    assert rows["load"]["reason"].startswith("Boom: raised by the factory (at boom_model.py:9")
+
+
+def test_ctrl_c_in_a_factory_still_interrupts_the_pilot(toy, tmp_path):
+    (toy.parent / "ctrlc_model.py").write_text(BOOM_ON_CALL.format(exc="KeyboardInterrupt"))
+    spec = toy.parent / "ctrlc.yaml"
+    spec.write_text(toy.read_text().replace("toy:build_model", "ctrlc_model:build_model"))
+    with pytest.raises(KeyboardInterrupt):
+        gate_rows(spec, tmp_path, gates=["load"])
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "abc"}, "$RANK='abc' is not an integer >= 0"),
+    ({"RANK": "-1"}, "$RANK='-1' is not an integer >= 0"),
+    ({"WORLD_SIZE": "0"}, "$WORLD_SIZE='0' is not an integer >= 1"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "$RANK=2 is not below $WORLD_SIZE=2"),
+])
+def test_the_launchers_environment_is_parsed_with_a_named_error(monkeypatch, env, words):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(LaunchError) as info:
+        env_from_os()
+    assert words in str(info.value)
+
+
+def test_derived_seeds_fold_into_torchs_range_and_leave_in_range_values_alone():
+    import torch
+
+    assert derived_seed(12345) == 12345  # data orders of runs that worked before are unchanged
+    top = (2**32 - 1) * 1_000_003 * 1_000_003 + 10**6  # the loader's seed for the largest spec seed
+    assert top >= 2**64 and 0 <= derived_seed(top) < 2**64
+    torch.Generator().manual_seed(derived_seed(top))  # raised "Overflow when unpacking long long" before
