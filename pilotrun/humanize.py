@@ -25,12 +25,15 @@ def at_length(length: int | None) -> str:
 
 
 def human_seconds(s: float | None) -> str:
-    """0.42 -> "420 ms", 0.9996 -> "1.00 s" (never "1000 ms"), 9.996 -> "10.0 s", 119.97 -> "2.0 min".
+    """3.4e-5 -> "34 µs", 0.42 -> "420 ms", 0.9996 -> "1.00 s" (never "1000 ms"), 9.996 -> "10.0 s",
+    119.97 -> "2.0 min".
 
     Each unit is chosen on the value as it will be printed (rounded), so a value just under a unit's
     limit does not print as that limit in the smaller unit."""
     if s is None:
         return "n/a"
+    if 0 < s and round(s * 1e6) < 1000:  # a tiny model's estimated update: "34 µs", not "0 ms"
+        return f"{s * 1e6:.0f} µs" if round(s * 1e6) >= 1 else "< 1 µs"
     if round(s * 1000) < 1000:
         return f"{s * 1000:.0f} ms"
     if round(s, 2) < 10:

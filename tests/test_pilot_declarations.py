@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from pilotrun import strategies
+from pilotrun.checkpoint.io import AtomicFolder
 from pilotrun.distributed import DistEnv
 from pilotrun.drivers import Capability, JobProcess, LoopDriver
 from pilotrun.gates import PilotContext, registry
@@ -68,11 +69,17 @@ def test_resume_carries_a_row_only_with_the_rows_it_rests_on(tmp_path):
     ckpt.mkdir(parents=True)
     (ckpt / "manifest.json").write_text("{}")
     export = tmp_path / "export"
-    export.mkdir()
+    with AtomicFolder(export, "export") as folder:  # a real artifact: a carried export must match its manifest
+        folder.write_json("export.json", {"format": "test"})
+    assert folder.manifest_sha256 is not None
     rows = {"inspect": _row("inspect"),  # an old row without its scan: inspect runs again, and so does batch
             "split": _row("split"), "batch": _row("batch"), "first_step": _row("first_step"),
             "steady_step": _row("steady_step"), "save": _row("save"), "restore": _row("restore"),
             "export": _row("export", path=str(export)), "lock": _row("lock")}
+    # An export row that did not record its manifest's hash is not carried: nothing says the folder is the same.
+    assert "export" not in carry_rows(ResumePlan("parent", ckpt, rows), list(registry.GATES),
+                                      _ctx(tmp_path, restore_from=ckpt))
+    rows["export"] = _row("export", path=str(export), manifest_sha256=folder.manifest_sha256)
     plan = ResumePlan("parent", ckpt, rows)
     ctx = _ctx(tmp_path, restore_from=ckpt)
     carried = carry_rows(plan, list(registry.GATES), ctx)

@@ -22,7 +22,7 @@ import yaml
 
 from pilotrun.cli import main
 
-from .conftest import EXAMPLES, copy_fixture
+from .conftest import EXAMPLES, TEST_DIGEST, copy_fixture
 
 CASE_SECONDS = 20  # one case's limit: a bound, not a measurement (a case takes milliseconds)
 SEED = 12          # the mutations are random but reproducible
@@ -164,7 +164,7 @@ def time_limit(seconds: float, fired: list):
 @pytest.fixture
 def folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:fuzz")
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     monkeypatch.setenv("COLUMNS", "200")
     toy = copy_fixture("toy", tmp_path).parent
     cfg = tmp_path / "cfg"

@@ -52,7 +52,9 @@ def add_parser(sub) -> None:
                    help="continue an interrupted pilot from its last good checkpoint (the latest interrupted run of "
                         "this spec, or RUN); gates it already passed are carried over")
     p.add_argument("--trust", action="store_true",
-                   help="load a checkpoint whose manifest the ledger did not record (still weights_only=True)")
+                   help="load a checkpoint whose manifest the ledger did not record: every file is still checked "
+                        "against its manifest, .pt files load with weights_only=True, and a DCP checkpoint (its "
+                        "metadata is a pickle) stays refused")
     p.add_argument("--json", action="store_true", help="print report.json to stdout (the table goes to stderr)")
     p.add_argument("--run-id", help=argparse.SUPPRESS)  # set by `pilotrun launch`: one id for every rank
     p.set_defaults(func=main)

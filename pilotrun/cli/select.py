@@ -80,6 +80,11 @@ def _length(spec, row: dict) -> str:
     return str(row["largest_length"]) if spec.data.max_length else "n/a"
 
 
+def _hours(hours: float | None) -> str:
+    """The planned updates' duration in a unit that shows it ("40 s", not "0.0 h"); "—" when it does not fit."""
+    return human_seconds(hours * 3600) if hours else "—"
+
+
 def markdown(spec, rows: list[dict]) -> str:
     cols = ["accelerator", "memory/device", "fits", "strategy", "GPUs", "precision", "micro batch x accum",
             "largest micro batch", "largest length", "device used", "time/update", "cost/update",
@@ -97,7 +102,7 @@ def markdown(spec, rows: list[dict]) -> str:
             f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {_length(spec, r)} | "
             f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if ok else '—'} | "
             f"{money(r['cost_per_update'])} | "
-            f"{(str(round(r['hours_for_planned_updates'], 1)) + ' h') if r['hours_for_planned_updates'] else '—'} | "
+            f"{_hours(r['hours_for_planned_updates'])} | "
             f"{money(r['cost_for_planned_updates'])} | {r['software_stack']['text']} |")
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
               "Times use the utilisation each row names. Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
@@ -131,7 +136,7 @@ def main(args) -> int:
                   str(r["largest_micro_batch"]) if ok else "—", _length(spec, r) if ok else "—",
                   human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
                   money(r["cost_per_update"]),
-                  f"{r['hours_for_planned_updates']:.1f} h" if r["hours_for_planned_updates"] else "—",
+                  _hours(r["hours_for_planned_updates"]),
                   money(r["cost_for_planned_updates"]),
                   r["software_stack"]["text"])
     console.print(t)
