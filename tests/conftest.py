@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -167,3 +168,30 @@ def open_in_chromium(html: Path, work: Path) -> tuple[str, list[str], Path]:
                    capture_output=True, text=True, timeout=120)
     console = [line for line in (dom.stderr or "").splitlines() if ":CONSOLE" in line]
     return dom.stdout, console, shot
+
+
+def killed_after_export(spec: Path, tmp_path: Path, ledger: Path, *extra: str) -> dict:
+    """A real pilot killed with SIGKILL right after its export gate (restore was next): a resumable parent."""
+    from pilotrun.ledger import Ledger
+
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "pilotrun", "run", str(spec), "--ledger", str(ledger), *extra]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("✓ export"):
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGKILL)
+            for p in tree:  # the restore worker runs in a session of its own
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            break
+    proc.wait(timeout=60)
+    proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    with Ledger(ledger) as led:
+        parent = led.runs()[0]
+    assert parent["status"] == "running"
+    return parent

@@ -17,7 +17,7 @@ from pilotrun.gates.resume import first_difference
 from pilotrun.ledger import Ledger
 from pilotrun.workers.train_phase import restore_check
 
-from .conftest import TEST_DIGEST, pilotrun_cli
+from .conftest import TEST_DIGEST, killed_after_export, pilotrun_cli
 from .conftest import gate_rows as rows_of
 
 pytestmark = pytest.mark.slow
@@ -133,19 +133,8 @@ def test_first_difference_names_field_and_update():
 
 def test_resume_from_the_cli_after_a_real_kill(toylm, tmp_path):
     ledger = tmp_path / "l.sqlite"
-    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
-    cmd = [sys.executable, "-m", "pilotrun", "run", str(toylm), "--ledger", str(ledger)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    for line in proc.stdout:
-        if line.startswith("✓ export"):
-            proc.send_signal(signal.SIGKILL)  # killed after save and export, before restore/resume/overfit
-            break
-    proc.wait(timeout=60)
-    proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL
-    with Ledger(ledger) as led:
-        parent = led.runs()[0]
-        assert parent["status"] == "running" and parent["ended_at"] is None
+    parent = killed_after_export(toylm, tmp_path, ledger)  # after save and export, before restore/resume/overfit
+    assert parent["ended_at"] is None
     # A changed config is refused.
     res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--resume", "--set", "train.optimizer.lr=0.5",
                        cwd=tmp_path)

@@ -11,19 +11,17 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-import psutil
 import pytest
 
 from pilotrun.checkpoint import LoadPolicy, LoadRefused, Refusal
 from pilotrun.ledger import Ledger
 
-from .conftest import TEST_DIGEST, pilotrun_cli
+from .conftest import killed_after_export, pilotrun_cli
 
 pytestmark = pytest.mark.slow
 
@@ -56,38 +54,13 @@ def _plant_dcp(folder: Path, marker: Path) -> None:
     _rehash(folder, layout="dcp", world_size=1)
 
 
-def _killed_pilot(spec: Path, tmp_path: Path, ledger: Path, *extra: str) -> dict:
-    """A real pilot killed with SIGKILL right after its export gate (restore was next): a resumable parent."""
-    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
-    cmd = [sys.executable, "-m", "pilotrun", "run", str(spec), "--ledger", str(ledger), *extra]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("✓ export"):
-            tree = psutil.Process(proc.pid).children(recursive=True)
-            proc.send_signal(signal.SIGKILL)
-            for p in tree:  # the restore worker runs in a session of its own
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            break
-    proc.wait(timeout=60)
-    proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL
-    with Ledger(ledger) as led:
-        parent = led.runs()[0]
-    assert parent["status"] == "running"
-    return parent
-
-
 GATES = "save,export,restore,reload_eval"
 
 
 @pytest.fixture
 def parent(toylm, tmp_path):
     ledger = tmp_path / "l.sqlite"
-    run = _killed_pilot(toylm, tmp_path, ledger, "--gates", GATES)
+    run = killed_after_export(toylm, tmp_path, ledger, "--gates", GATES)
     ckpt = Path(run["out_dir"]) / "checkpoints" / "step-000001"
     assert (ckpt / "manifest.json").is_file()
     return {"spec": toylm, "ledger": ledger, "run": run, "ckpt": ckpt, "out": Path(run["out_dir"])}

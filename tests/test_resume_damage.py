@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import pilotrun_cli
-from .test_loading_policy import GATES, _killed_pilot, _rehash, _resume, flat, parent  # noqa: F401  (fixture)
+from .conftest import killed_after_export, pilotrun_cli
+from .test_loading_policy import GATES, _rehash, _resume, flat, parent  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +45,20 @@ DAMAGE = [  # (what is done to the only checkpoint, words the refusal must conta
 ]
 
 
-def test_each_damage_to_the_only_checkpoint_is_named_and_exit_2(parent, tmp_path):  # noqa: F811
-    ckpt = parent["ckpt"]
+def _each_altered(ckpt: Path, tmp_path: Path, cases: list):
+    """Each case applied to a fresh copy of the pristine checkpoint, in its place."""
     pristine = tmp_path / "pristine"
     shutil.copytree(ckpt, pristine)
-    for what, damage, words in DAMAGE:
+    for name, alter, words in cases:
         shutil.rmtree(ckpt)
         shutil.copytree(pristine, ckpt)
-        damage(ckpt)
+        alter(ckpt)
+        yield name, words
+
+
+def test_each_damage_to_the_only_checkpoint_is_named_and_exit_2(parent, tmp_path):  # noqa: F811
+    ckpt = parent["ckpt"]
+    for what, words in _each_altered(ckpt, tmp_path, DAMAGE):
         res = _resume(parent, tmp_path)
         assert res.returncode == 2, (what, res.stdout[-1500:], res.stderr)
         err = flat(res.stderr)
@@ -78,7 +84,7 @@ def test_resume_never_loads_the_checkpoint_of_another_spec_sharing_the_out_folde
     ledger, shared = tmp_path / "l.sqlite", tmp_path / "shared"
     spec_b = toylm.with_name("b.yaml")
     spec_b.write_text(toylm.read_text().replace("name: toylm", "name: toylm-b").replace("lr: 0.01", "lr: 0.02"))
-    parent_b = _killed_pilot(spec_b, tmp_path, ledger, "--gates", GATES, "--out", str(shared))
+    parent_b = killed_after_export(spec_b, tmp_path, ledger, "--gates", GATES, "--out", str(shared))
     res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--out", str(shared), "--gates", "save", "--json",
                        cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -120,12 +126,7 @@ TRUSTED_EDITS = [  # (file, what is done, words the load gate's reason must cont
 
 def test_under_trust_each_altered_state_file_is_named_with_its_field(parent, tmp_path):  # noqa: F811
     ckpt = parent["ckpt"]
-    pristine = tmp_path / "pristine"
-    shutil.copytree(ckpt, pristine)
-    for name, edit, words in TRUSTED_EDITS:
-        shutil.rmtree(ckpt)
-        shutil.copytree(pristine, ckpt)
-        edit(ckpt)
+    for name, words in _each_altered(ckpt, tmp_path, TRUSTED_EDITS):
         # Unrecorded now (the manifest was rewritten): refused without --trust, naming why.
         res = _resume(parent, tmp_path)
         assert res.returncode == 2 and "not recorded in the ledger" in flat(res.stderr), (name, res.stderr)
