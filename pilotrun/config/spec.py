@@ -442,9 +442,9 @@ def _check_files(spec: Spec, data_files: bool = True) -> list[tuple[str, str]]:
             return
         if not p.exists():
             problems.append((field_name, f"{kind} not found: {p} (paths are relative to the spec's folder)"))
-        elif not p.is_dir() and regular_file_problem(p) is not None:
+        elif not p.is_dir() and (not_regular := regular_file_problem(p)) is not None:
             # A FIFO or a device would block or never end when read: refused from stat() alone, never opened.
-            problems.append((field_name, f"{regular_file_problem(p)}; give a file or a folder"))
+            problems.append((field_name, f"{not_regular}; give a file or a folder"))
         elif kind == "file" and p.is_dir():
             problems.append((field_name, f"expected a file, got a folder: {p}"))
         elif p.is_file():

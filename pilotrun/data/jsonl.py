@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
+
+from ..config.yamlsafe import regular_file_problem
 
 
 class DataError(Exception):
@@ -13,10 +13,10 @@ class DataError(Exception):
 
 def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
     rows: list[dict] = []
+    # A FIFO or a device blocks or never ends: refused from stat() before it is opened.
+    if (not_regular := regular_file_problem(path)) is not None:
+        raise DataError(f"{not_regular}; give a JSONL file")
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):  # a FIFO or a device blocks or never ends: refused before it is opened
-            raise DataError(f"{path} is not a regular file (a FIFO, device or folder); give a JSONL file")
         fh = open(path, "rb")
     except OSError as exc:
         raise DataError(f"cannot open {path}: {exc.strerror}") from None
