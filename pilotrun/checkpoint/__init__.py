@@ -3,7 +3,6 @@ from .export import export_model, safetensors_tensor_count
 from .io import AtomicFolder, CheckpointError, folder_problems, latest_checkpoint, read_manifest, verify_folder
 from .state import (
     capture_rng,
-    check_trusted,
     compare_fingerprints,
     fingerprint_state,
     load_torch_file,
@@ -14,6 +13,6 @@ from .state import (
 from .trust import Admission, LoadPolicy, LoadRefused, Refusal, known_manifests, manifest_sha256, require_known
 
 __all__ = ["AtomicFolder", "CheckpointError", "latest_checkpoint", "capture_rng", "export_model", "read_manifest",
-           "restore_rng", "safetensors_tensor_count", "save_checkpoint", "verify_folder", "check_trusted",
+           "restore_rng", "safetensors_tensor_count", "save_checkpoint", "verify_folder",
            "compare_fingerprints", "fingerprint_state", "load_torch_file", "manifest_sha256", "restore_training_state",
            "folder_problems", "Admission", "LoadPolicy", "LoadRefused", "Refusal", "known_manifests", "require_known"]

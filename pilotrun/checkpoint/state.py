@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from .io import AtomicFolder, CheckpointError, read_manifest
-from .trust import LoadPolicy, manifest_sha256  # noqa: F401  (re-exported: the save gate imports it from here)
 
 
 def capture_rng() -> tuple[dict, dict]:
@@ -217,11 +216,6 @@ def load_state_json(path: Path, reference) -> dict:
     loaded = load_json(path)
     conform(path, loaded, json.loads(json.dumps(reference, default=str)))
     return loaded
-
-
-def check_trusted(folder: Path, known_manifest_sha256, trust: bool) -> dict:
-    """Admit ``folder`` under the loading policy (:mod:`.trust`); return its manifest."""
-    return LoadPolicy.of(known_manifest_sha256, trust).admit(folder).manifest
 
 
 def restore_training_state(trainer, folder: Path) -> dict:

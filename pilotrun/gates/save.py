@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint.io import disk_full_error, free_bytes, remove_stale_temps
-from ..checkpoint.state import manifest_sha256
+from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
 from ..ledger.records import Failure

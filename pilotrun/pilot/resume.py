@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.io import recover_interrupted_swap
-from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal, known_manifests, recorded_by
+from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal, recorded_by
 from ..gates.base import Gate
 from ..gates.context import PilotContext
 from ..gates.products import Product
@@ -24,7 +24,7 @@ from ..ledger.records import RESUMABLE, RunKind, Verdict
 from ..ledger.store import Ledger
 from ..lock import diff_locks
 
-__all__ = ["ResumeError", "ResumePlan", "carry_rows", "known_manifests", "plan_resume"]
+__all__ = ["ResumeError", "ResumePlan", "carry_rows", "plan_resume"]
 
 
 class ResumeError(Exception):
