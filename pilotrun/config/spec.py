@@ -36,6 +36,55 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+# Optimizers whose state lives in bitsandbytes' 8-bit blockwise format (2 bytes per trainable parameter
+# plus block statistics); `paged_` pages that state to host memory under pressure (CUDA only).
+BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
+
+
+@dataclass
+class AdapterSpec:
+    """A PEFT adapter trained on a frozen base (LoRA today): only the adapter's matrices get gradients and
+    optimizer state, checkpoints hold the adapter alone, and export writes the PEFT artifact."""
+
+    type: Literal["lora"] = doc("adapter kind, built with the peft library", "lora")
+    r: int = doc("LoRA rank: each adapted Linear(in, out) gains r*(in+out) trainable parameters", 16)
+    alpha: float = doc("LoRA scaling numerator: the update is scaled by alpha / r", 32.0)
+    dropout: float = doc("dropout on the adapter's input", 0.05)
+    target_modules: list[str] | str = doc(
+        "module names to adapt (e.g. [q_proj, v_proj]), or 'all-linear' as PEFT reads it (every Linear but the "
+        "output head)", "all-linear")
+
+    def check(self):
+        if self.r < 1:
+            yield "r", f"must be at least 1, got {self.r}"
+        if self.alpha <= 0:
+            yield "alpha", f"must be positive, got {self.alpha}"
+        if not 0.0 <= self.dropout < 1.0:
+            yield "dropout", f"must be in [0, 1), got {self.dropout}"
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            yield "target_modules", (f"expected a list of module names or 'all-linear', got {self.target_modules!r}")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            yield "target_modules", "is empty; name the modules to adapt (e.g. [q_proj, v_proj]) or use all-linear"
+
+
+@dataclass
+class QuantizationSpec:
+    """A quantised frozen base through transformers' BitsAndBytesConfig (bitsandbytes). With model.adapter this
+    is QLoRA; a quantised base alone cannot be trained."""
+
+    bits: Literal[4, 8] = doc("4 (Linear4bit, packed two weights per byte) or 8 (LLM.int8 Linear8bitLt)")
+    type: Literal["nf4", "fp4"] = doc("4-bit data type (bits: 4 only)", "nf4")
+    double_quant: bool = doc("quantise the 4-bit blocks' scales too (about 0.37 bits per weight saved)", True)
+    compute_dtype: Literal["bf16", "fp16", "fp32"] = doc("dtype the 4-bit weights are dequantised to for matmuls",
+                                                          "bf16")
+
+
+@dataclass
+class ExportSpec:
+    merge: bool = doc("with model.adapter, also export the base with the adapter merged in (a plain model folder)",
+                      False)
+
+
 @dataclass
 class ModelSpec:
     factory: str | None = doc(
@@ -48,6 +97,9 @@ class ModelSpec:
     tokenizer: str | None = doc("tokenizer folder, tokenizer.json, or a Hub id already in the local Hugging Face "
                                 "cache (never downloaded) for built-in tasks (defaults to model.hf)", None)
     trust_remote_code: bool = doc("let transformers run model code shipped with model.hf", False)
+    adapter: AdapterSpec | None = doc("train a LoRA adapter on the frozen model instead of every weight", None)
+    quantization: QuantizationSpec | None = doc(
+        "load the frozen base quantised to 4 or 8 bits with bitsandbytes (needs model.hf or model.config)", None)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
 
     @staticmethod
@@ -68,6 +120,13 @@ class ModelSpec:
             yield "config", "needs a model_type (e.g. llama, bert) so transformers knows which architecture to build"
         if self.revision is not None and self.hf is None:
             yield "revision", "only applies to model.hf"
+        if self.quantization is not None:
+            if self.factory is not None:
+                yield "quantization", ("applies to transformers models (model.hf or model.config); quantise inside "
+                                       "your factory instead")
+            if self.adapter is None:
+                yield "quantization", ("a quantised base cannot be trained: its weights are frozen integers; add "
+                                       "model.adapter (LoRA on a 4-bit base is QLoRA) or remove model.quantization")
 
 
 @dataclass
@@ -123,7 +182,11 @@ class DataSpec:
 @dataclass
 class OptimizerSpec:
     lr: float = doc("peak learning rate")
-    name: Literal["adamw", "sgd"] = doc("optimizer", "adamw")
+    name: Literal["adamw", "sgd", "adamw8bit", "paged_adamw8bit", "adafactor"] = doc(
+        "adamw (torch), sgd, adamw8bit / paged_adamw8bit (bitsandbytes 8-bit state), adafactor (transformers, "
+        "factored second moment, no first moment)", "adamw")
+    fused: Literal["auto", True, False] = doc(
+        "AdamW's fused kernel: auto uses it where torch has one for the device and dtype, true requires it", "auto")
     weight_decay: float = doc("decoupled weight decay (not applied to biases and norm weights)", 0.0)
     betas: tuple[float, float] = doc("AdamW betas", (0.9, 0.999))
     eps: float = doc("AdamW epsilon", 1e-8)
@@ -134,6 +197,8 @@ class OptimizerSpec:
             yield "lr", f"must be positive, got {self.lr}"
         if self.weight_decay < 0:
             yield "weight_decay", "must be 0 or more"
+        if self.fused is True and self.name != "adamw":
+            yield "fused", f"applies to adamw only (optimizer.name is {self.name!r}); remove it or use adamw"
 
 
 @dataclass
@@ -160,7 +225,9 @@ class TrainSpec:
         "optimizer updates of the real run; sizes the lr schedule (the pilot runs pilot.updates of them)")
     optimizer: OptimizerSpec = doc("optimizer and its hyper-parameters")
     grad_accum_steps: int = doc("micro batches accumulated per optimizer update", 1)
-    precision: Literal["fp32", "bf16", "fp16"] = doc("fp32, bf16 autocast, or fp16 autocast with a grad scaler", "fp32")
+    precision: Literal["fp32", "bf16", "fp16", "bf16-true"] = doc(
+        "fp32; bf16 autocast over fp32 weights; fp16 autocast with a grad scaler; bf16-true: weights, gradients and "
+        "optimizer state held in bf16, no autocast (torch_dtype=bfloat16 fine-tuning)", "fp32")
     scheduler: SchedulerSpec = doc("learning-rate schedule (a name or a mapping)", SchedulerSpec)
     max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
     activation_checkpointing: bool = doc("recompute activations in backward (Hugging Face models)", False)
@@ -279,6 +346,7 @@ class Spec:
     eval: EvalSpec = doc("evaluation sizes", EvalSpec)
     pilot: PilotSpec = doc("what the pilot itself runs", PilotSpec)
     distributed: DistributedSpec = doc("how several processes share the job", DistributedSpec)
+    export: ExportSpec = doc("what the export gate writes", ExportSpec)
 
     # Set by load_spec, not by the user.
     source: str = field(default="", init=False, metadata={"internal": True})
@@ -288,6 +356,16 @@ class Spec:
     def check(self):
         if not NAME_RE.match(self.name):
             yield "name", f"use letters, digits, '.', '_' or '-' (got {self.name!r})"
+        quant = self.model.quantization
+        if quant is not None and quant.bits == 4 and self.train.precision == "fp16":
+            yield "train.precision", ("fp16 with a 4-bit base: the base's weights are dequantised into fp16 too, and "
+                                      "the activations of bases pretrained in bf16 exceed fp16's range (65504); the "
+                                      "grad scaler then skips those updates without failing. Use bf16 or bf16-true "
+                                      "(or fp32 with quantization.compute_dtype: fp32 where bf16 is missing)")
+        if quant is not None and quant.bits == 8 and (quant.type != "nf4" or not quant.double_quant):
+            yield "model.quantization", "type and double_quant apply to bits: 4 only; remove them for bits: 8"
+        if self.export.merge and self.model.adapter is None:
+            yield "export.merge", "merges an adapter into its base; it needs model.adapter (or remove it)"
 
     @property
     def folder(self) -> Path:
