@@ -234,3 +234,13 @@ def test_model_config_keys_are_fields_of_the_architecture(tmp_path):
     spec["model"]["config"] = {"model_type": "lama"}
     with pytest.raises(SpecError, match="unknown architecture 'lama' \\(did you mean 'llama'"):
         load_spec(write_spec(tmp_path / "s.yaml", spec), check_files=False)
+
+
+def test_spec_reference_matches_the_declarations():
+    from pathlib import Path
+
+    from pilotrun.config.reference import markdown
+
+    written = (Path(__file__).resolve().parents[1] / "docs" / "spec.md").read_text()
+    assert written == markdown(), "docs/spec.md is stale: python -m pilotrun.config.reference > docs/spec.md"
+    assert "| `model.adapter.r` |" in written and "| `train.precision` |" in written

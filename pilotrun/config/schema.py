@@ -28,7 +28,7 @@ class SpecError(Exception):
 
 
 def doc(text: str, default: Any = MISSING, *, extra: dict | None = None) -> Any:
-    """Declare a field with its documentation (shown by ``pilotrun spec-help``)."""
+    """Declare a field with its documentation (rendered into docs/spec.md)."""
     meta = {"doc": text, **(extra or {})}
     if isinstance(default, type):  # a nested section whose every field has a default
         return field(default_factory=default, metadata=meta)
@@ -55,7 +55,7 @@ def _type_name(tp: Any) -> str:
         args = get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             return f"a list of {len(args)} values"
-        return f"a list of {_type_name(args[0]) if args else 'values'}"
+        return f"a list (each {_type_name(args[0])})" if args else "a list of values"
     if origin is dict:
         return "a mapping"
     if origin in (Union, types.UnionType):
@@ -244,7 +244,7 @@ def build(cls: type, data: Any, source: str = "") -> Any:
 
 
 def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """``(dotted name, type, default, doc)`` for every field, for ``pilotrun spec-help``."""
+    """``(dotted name, type, default, doc)`` for every field, for the spec reference (config/reference.py)."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -260,7 +260,8 @@ def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, st
         else:
             default = "required"
         if sub:
-            rows.append((name, "mapping", default if default == "required" else "", f.metadata.get("doc", "")))
+            shown = default if default in ("required", "None") else ""  # None: the section is off unless given
+            rows.append((name, "mapping", shown, f.metadata.get("doc", "")))
             rows.extend(describe_fields(sub[0], name + "."))
         else:
             rows.append((name, _type_name(tp), default, f.metadata.get("doc", "")))
