@@ -7,6 +7,8 @@ killed after reporting ``saved(N)`` and the resumed run must have ended cleanly 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..ledger.records import Failure, GateRow, Verdict
 from .compare import CAUSE_TEXT, Comparison, compare_updates, reproducibility
 from .env import Event, Role
@@ -75,8 +77,10 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
         return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
     details["largest_relative_difference"] = diff.largest_rel
     span = f"updates {before + 1}–{end}" if end > before + 1 else f"update {end}"
-    reason = (f"{span} after SIGKILL at update {before} and resume from {checkpoint} equal the control's "
-              f"(ids, lr, loss, grad_norm, extra), {mode}")
+    how = "bitwise" if mode.startswith("bitwise") else mode.partition(":")[0]
+    killed = len(details.get("killed_pids") or [])
+    reason = (f"{span} equal the control's {how} (ids, loss, lr, grad_norm, extra) after SIGKILL of the interrupted "
+              f"run ({killed} process(es)) at update {before} and a resume from {Path(checkpoint).name}")
     row = GateRow.now(GATE, Verdict.PASS, reason, details=details, rank=rank)
     if not ids_reported:
         row.verdict = Verdict.WARN
