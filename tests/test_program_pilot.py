@@ -73,6 +73,13 @@ def test_bad_program_specs_name_the_field(tmp_path, program, field, words):
     assert any(f == field and words in m for f, m in err.value.problems), err.value.problems
 
 
+def test_run_help_shows_a_program_example(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "program:" in out and "pilotrun.program()" in out and "torchrun" in out
+
+
 def test_program_with_part_of_model_data_train_names_the_fix(tmp_path, capsys):
     path = _program(tmp_path)
     write_spec(path, {"name": "prog", "program": {"command": "python train.py"}, "model": {"factory": "a:b"}})
@@ -95,8 +102,11 @@ def test_the_example_trains_alone_without_pilotrun(tmp_path):
 
 # Each planted defect, the field the resume gate must name and the cause it must give.
 DEFECTS = {
-    "scheduler-not-restored": ({'    sched.load_state_dict(state["scheduler"])\n': ""}, "lr",
-                               Cause.SCHEDULER_NOT_RESTORED),
+    "scheduler-not-restored": ({'    sched.load_state_dict(state["scheduler"])\n': "",
+                                # and a row an integration would record from inside the program
+                                "job = pilotrun.program()  # pilotrun: inert when run without pilotrun\n":
+                                    "job = pilotrun.program()\njob.record_gate('inspect', 'warn', 'planted', n=2)\n"},
+                               "lr", Cause.SCHEDULER_NOT_RESTORED),
     "unseeded-shuffle": ({"random.Random(1000 + epoch).shuffle(order)": "random.shuffle(order)"}, "ids",
                          Cause.NOT_REPRODUCIBLE),
     "saved-before-step": ({"        opt.step()\n": "        if update % args.save_every == 0 or job.should_save(update):"
@@ -110,8 +120,13 @@ DEFECTS = {
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_resume_defects_are_caught_by_the_resume_gate(tmp_path, defect):
     patches, field, cause = DEFECTS[defect]
-    result = _pilot(_program(tmp_path, patches), tmp_path)
+    result = _pilot(_program(tmp_path, patches), tmp_path, gates=("inspect", "resume"))
     (row,) = [r for r in result.rows if r["gate"] == "resume"]
+    (inspect,) = [r for r in result.rows if r["gate"] == "inspect"]
+    if defect == "scheduler-not-restored":  # recorded with job.record_gate: taken from the control run only
+        assert (inspect["verdict"], inspect["reason"], inspect["details"]["n"]) == ("warn", "planted", 2)
+    else:
+        assert inspect["verdict"] == "skip" and "integration" in inspect["reason"]
     assert row["verdict"] == Verdict.FAIL, row["reason"]
     diff = row["details"]["difference"]
     assert (diff["field"], diff["cause"]) == (field, str(cause)), row["reason"]

@@ -25,6 +25,7 @@ from ..config.spec import Spec
 from ..gates.lock import LockGate
 from ..gates.registry import GATE_NAMES, PROGRAM_GATES, OnProgram, select_gates
 from ..humanize import human_seconds
+from ..interrupt import as_interrupted
 from ..ledger.records import Failure, GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from ..ledger.store import Ledger
 from ..measure.meter import StageMeter
@@ -107,6 +108,11 @@ def run_program_pilot(spec: Spec, options: ProgramOptions | None = None, observe
     try:
         _pilot(spec, options, names, sink, out_dir, run_id, ledger.path, observer)
         result.status = RunStatus.of_pilot(result.rows)
+    except KeyboardInterrupt as exc:  # Ctrl-C/SIGTERM: the program's tree is already killed (runner); recorded
+        stop = as_interrupted(exc)
+        result.status, result.interrupted_by = RunStatus.INTERRUPTED, stop.name
+        ledger.merge_meta(run_id, {"interrupted_by": stop.name})
+        raise stop from None
     finally:
         if result.status == RunStatus.RUNNING:
             result.status = RunStatus.ERROR
