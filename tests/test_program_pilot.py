@@ -131,6 +131,8 @@ def test_planted_resume_defects_are_caught_by_the_resume_gate(tmp_path, defect):
     diff = row["details"]["difference"]
     assert (diff["field"], diff["cause"]) == (field, str(cause)), row["reason"]
     assert diff["update"] == (1 if cause == Cause.NOT_REPRODUCIBLE else 3)  # N=2: the first resumed update is 3
+    # fresh runs that already differ make a resume meaningless: the resumed run is then not started
+    assert (tmp_path / "out" / "program" / "resumed.log").exists() == (cause != Cause.NOT_REPRODUCIBLE)
     assert row["details"]["failure"] == Failure.CHECK and result.exit_code == 1
 
 
@@ -183,6 +185,10 @@ def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_
     assert skipped and all(r["reason"].startswith("not measured") for r in skipped)
     assert {r["gate"] for r in skipped} >= {"inspect", "accum_equivalence", "restore", "reload_eval"}
     assert not [r for r in rows if r["verdict"] == "fail"]
+    (lock,) = [r for r in rows if r["gate"] == "lock"]
+    program = lock["details"]["program"]
+    assert program["command"][:2] == ["torchrun", "--standalone"] and list(program["files"]) == ["train.py"]
+    assert program["files"]["train.py"] == __import__("hashlib").sha256((folder / "train.py").read_bytes()).hexdigest()
     details = resume[0]["details"]
     assert details["compared_updates"] == [3, 4] and details["largest_relative_difference"] == 0.0
     assert details["killed_after_update"] == 2
@@ -200,3 +206,15 @@ def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_
     with Ledger(tmp_path / "l.sqlite") as led:
         run_id = json.loads(out.stdout)["run_id"]
         assert len(led.gate_rows(run_id)) == len(rows) and led.run(run_id)["status"] == "pass"
+
+
+@pytest.mark.slow
+def test_without_the_resume_gate_one_stages_run_and_a_nan_loss_fails_steady_step(tmp_path):
+    patch = {"job.update(update, loss=loss,": "job.update(update, loss=float('nan') if update == 3 else loss,"}
+    result = _pilot(_program(tmp_path, patch), tmp_path, gates=("steady_step",))
+    rows = {r["gate"]: r for r in result.rows}
+    assert "resume" not in rows and sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == [
+        "stages.log"]
+    assert rows["steady_step"]["verdict"] == Verdict.FAIL and "update 3: loss is nan" in rows["steady_step"]["reason"]
+    assert rows["steady_step"]["details"]["failure"] == Failure.NON_FINITE
+    assert rows["first_step"]["verdict"] == Verdict.PASS
