@@ -218,3 +218,23 @@ def test_without_the_resume_gate_one_stages_run_and_a_nan_loss_fails_steady_step
     assert rows["steady_step"]["verdict"] == Verdict.FAIL and "update 3: loss is nan" in rows["steady_step"]["reason"]
     assert rows["steady_step"]["details"]["failure"] == Failure.NON_FINITE
     assert rows["first_step"]["verdict"] == Verdict.PASS
+
+
+def test_a_program_past_its_timeout_is_killed_with_its_whole_tree(tmp_path):
+    """A child in its own session (as torchrun starts each rank) dies with the program: no orphan survives."""
+    from pilotrun.config.program import ProgramSpec
+    from pilotrun.program.runner import RunPlan, run_program
+
+    script = tmp_path / "hang.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+                      "start_new_session=True)\n"
+                      "open('child.pid', 'w').write(str(child.pid))\n"
+                      "time.sleep(120)\n")
+    program = ProgramSpec(command=["python", "hang.py"], timeout=4.0)
+    outcome = run_program(program, tmp_path, RunPlan(Role.CONTROL, stop_at=4), tmp_path / "out", "r1",
+                          tmp_path / "l.sqlite")
+    child = int((tmp_path / "child.pid").read_text())
+    assert outcome.timed_out and not outcome.ended_cleanly and child in outcome.killed_pids
+    assert "program.timeout" in outcome.how_it_ended()
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

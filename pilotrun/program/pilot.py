@@ -142,7 +142,7 @@ def _pilot(spec: Spec, options: ProgramOptions, names: list[str], sink: _Rows, o
         # save stage is measured); it then runs on to N+K uninterrupted.
         runs[role] = run_program(spec.program, spec.folder, RunPlan(role, save_at=(before,), stop_at=before + after),
                                  out_dir, run_id, ledger_path, progress)
-    recording = next(iter(runs.values()), None)
+    recording = next((run for role, run in runs.items() if role.records), None)
     # Without the resume gate (which reports them first), invalid values the program reported go on the steady_step
     # rows (else first_step's): a value is never refused silently.
     stage_names = [n for n in ("steady_step", "first_step") if n in names]
