@@ -23,7 +23,7 @@ from pilotrun.program.pilot import ProgramOptions, run_program_pilot
 from pilotrun.program.resume import resume_rows
 from pilotrun.program.runner import RunOutcome
 
-from .conftest import EXAMPLES, TEST_DIGEST, write_spec
+from .conftest import EXAMPLES, TEST_DIGEST, copy_fixture, write_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,6 +56,8 @@ def test_program_spec_needs_no_model_and_hashes_the_script(tmp_path):
     assert "program" in spec.canonical() and "model" not in spec.canonical()
     with pytest.raises(ProgramSpecRefused, match="pilotrun run"):  # estimate/select/plan need a model
         load_spec(_program(tmp_path / "b"))
+    # a spec without program: keeps the canonical form (and so the config hash) it had before the key existed
+    assert "program" not in load_spec(copy_fixture("toy", tmp_path / "c")).canonical()
 
 
 @pytest.mark.parametrize("program, field, words", [
