@@ -14,7 +14,7 @@ LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
     {"ui", "report"},
-    {"pilot", "campaign", "estimate", "api"},
+    {"pilot", "campaign", "estimate", "api", "program"},
     {"gates"},
     {"workers"},
     {"drivers"},
@@ -23,7 +23,8 @@ LAYERS: list[set[str]] = [
     {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
-SIBLINGS = {("lock", "config")}
+# program/: the handle measures stages with api's code; its pilot writes report.json with pilot's writer.
+SIBLINGS = {("lock", "config"), ("program", "api"), ("program", "pilot")}
 
 
 def _modules() -> dict[str, Path]:
