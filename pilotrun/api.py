@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -110,14 +110,21 @@ class Session:
     """One run row in the ledger; stages add gate rows to it."""
 
     def __init__(self, name: str, ledger: str | Path | None = None, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, *, run_id: str | None = None,
+                 sink: Callable[[dict], None] | None = None) -> None:
+        """``run_id``: add rows to that existing run (a pilot's, for ``pilotrun.program()``) instead of opening
+        and closing a run of its own. ``sink``: hand each row to it instead of any ledger (no ledger is opened)."""
         self.name = name
-        self.ledger = Ledger(ledger)
-        self.run_id = new_run_id(name)
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self.rows: list[dict] = []
-        self.ledger.start_run(self.run_id, name, RunKind.STAGE, spec_path=sys.argv[0] if sys.argv else None)
+        self._sink = sink
+        self._owns_run = run_id is None and sink is None
+        self.run_id = run_id or new_run_id(name)
+        self.ledger: Ledger | None = None if sink is not None else Ledger(ledger)
+        if self._owns_run:
+            assert self.ledger is not None
+            self.ledger.start_run(self.run_id, name, RunKind.STAGE, spec_path=sys.argv[0] if sys.argv else None)
         self._closed = False
 
     @contextlib.contextmanager
@@ -146,20 +153,31 @@ class Session:
                       inputs={**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
                       memory=memory, rank=self.rank, world_size=self.world_size, details=handle.details,
                       failure=handle.failure).to_dict()
-        self.ledger.add_gate_row(self.run_id, row)
-        self.rows.append(row)
+        self.write_row(row)
         handle.row = row
         if error is not None:
             raise error
 
+    def write_row(self, row: dict) -> None:
+        """One row to this session's run (or its sink)."""
+        if self._sink is not None:
+            self._sink(row)
+        else:
+            assert self.ledger is not None
+            self.ledger.add_gate_row(self.run_id, row)
+        self.rows.append(row)
+
     def note(self, text: str) -> None:
-        self.ledger.add_note(self.run_id, text)
+        if self.ledger is not None:
+            self.ledger.add_note(self.run_id, text)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.ledger.end_run(self.run_id, RunStatus.of_pilot(self.rows))
-            self.ledger.close()
+            if self.ledger is not None:
+                if self._owns_run:
+                    self.ledger.end_run(self.run_id, RunStatus.of_pilot(self.rows))
+                self.ledger.close()
 
     def __enter__(self) -> Session:
         return self

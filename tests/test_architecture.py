@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"ui", "report"},
     {"integrations"},
-    {"pilot", "campaign", "estimate", "api"},
+    {"pilot", "campaign", "estimate", "api", "program"},
     {"gates"},
     {"workers"},
     {"drivers"},
@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
-SIBLINGS = {("lock", "config")}
+SIBLINGS = {("lock", "config"), ("program", "api")}  # the program handle measures stages with api's code
 
 
 def _modules() -> dict[str, Path]:

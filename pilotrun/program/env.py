@@ -1,0 +1,65 @@
+"""How ``pilotrun run`` talks to the program it pilots: environment variables, the only channel in (this module
+is the one place they are named), and per-rank event files, the only channel out.
+
+Set by the parent for every process it starts (torchrun passes them to each rank):
+
+============================  ==========================================================================
+``PILOTRUN_PROGRAM``          ``1``: the handle is active (unset: ``pilotrun.program()`` is inert)
+``PILOTRUN_ROLE``             which of the pilot's runs this is (:class:`Role`)
+``PILOTRUN_RUN_ID``           the pilot's run id in the ledger
+``PILOTRUN_LEDGER``           the ledger file (also read by ``pilotrun.stage()`` outside a pilot)
+``PILOTRUN_EVENTS``           folder for the event files: ``<role>-rank<rank>.jsonl``
+``PILOTRUN_CHECKPOINT_DIR``   where pilotrun wants this run's checkpoints written (a fresh folder per run)
+``PILOTRUN_RESUME_FROM``      the checkpoint to resume from (the resumed run only)
+``PILOTRUN_SAVE_AT``          comma-separated updates after which to save (``should_save``)
+``PILOTRUN_STOP_AT``          the update after which to stop (``should_stop``)
+``PILOTRUN_KILL_WAIT``        seconds the interrupted run waits in ``saved()`` for its SIGKILL (default 300)
+============================  ==========================================================================
+
+Rank and world size come from torchrun's own ``RANK`` and ``WORLD_SIZE`` (0 and 1 without torchrun).
+"""
+from __future__ import annotations
+
+from ..ledger.records import TextEnum
+
+PROGRAM = "PILOTRUN_PROGRAM"
+ROLE = "PILOTRUN_ROLE"
+RUN_ID = "PILOTRUN_RUN_ID"
+LEDGER = "PILOTRUN_LEDGER"
+EVENTS = "PILOTRUN_EVENTS"
+CHECKPOINT_DIR = "PILOTRUN_CHECKPOINT_DIR"
+RESUME_FROM = "PILOTRUN_RESUME_FROM"
+SAVE_AT = "PILOTRUN_SAVE_AT"
+STOP_AT = "PILOTRUN_STOP_AT"
+KILL_WAIT = "PILOTRUN_KILL_WAIT"
+
+ALL = (PROGRAM, ROLE, RUN_ID, LEDGER, EVENTS, CHECKPOINT_DIR, RESUME_FROM, SAVE_AT, STOP_AT, KILL_WAIT)
+
+
+class Role(TextEnum):
+    """Which of the pilot's runs a process belongs to."""
+
+    CONTROL = "control"          # uninterrupted to N+K updates, saving after N like the interrupted run; its
+    #                              stages become first_step/steady_step/eval/save and its gate rows are recorded
+    INTERRUPTED = "interrupted"  # saves after N, then is SIGKILLed (the whole process group) once it reports it
+    RESUMED = "resumed"          # a fresh process resumed from that checkpoint to N+K
+    STAGES = "stages"            # stages only, no resume (``--gates`` without resume)
+    PROBE = "probe"              # a short run for in-process gates (integrations)
+
+    @property
+    def records(self) -> bool:
+        """Whether this role's stages and gate rows become the pilot's rows (one run records; the others
+        stream theirs to their event file only, so a gate never gets three rows per rank)."""
+        return self in (Role.CONTROL, Role.STAGES, Role.PROBE)
+
+
+class Event(TextEnum):
+    """The ``kind`` of one line of an event file."""
+
+    START = "start"      # the handle came up: rank, world size, pid, role
+    UPDATE = "update"    # one optimizer update: update, loss, lr, grad_norm, ids, extra
+    SAVED = "saved"      # a checkpoint written after ``update`` at ``path``
+    STAGE = "stage"      # a stage's row (pilotrun.api's measurement)
+    GATE = "gate"        # an in-process gate's row (record_gate)
+    PROBLEM = "problem"  # a value the program reported that was refused: field, problem, update
+    END = "end"          # the process exited normally (atexit)

@@ -1,0 +1,266 @@
+"""``job = pilotrun.program()``: the handle a training program uses to be piloted by ``pilotrun run``.
+
+Contract (stable: the transformers and Lightning integrations are built on it)::
+
+    import pilotrun
+    job = pilotrun.program()            # inert outside a pilot: the same script trains normally
+    start = 0
+    if job.resume_from:                 # a checkpoint path, or None
+        start = load_my_checkpoint(job.resume_from)
+    for update in range(start + 1, total + 1):
+        with job.stage("first_step" if update == start + 1 else "steady_step", track=[model, opt]):
+            loss = train_one_update()
+        job.update(update, loss=loss, lr=sched.get_last_lr()[0], grad_norm=gn, ids=batch_ids)
+        if job.should_save(update):
+            path = save_my_checkpoint(job.checkpoint_dir or "ckpt", update)
+            job.saved(update, path)
+        if job.should_stop(update):
+            break
+
+``job.active: bool``
+    True when started by ``pilotrun run`` (``$PILOTRUN_PROGRAM`` set). Inert (False): ``resume_from`` and
+    ``checkpoint_dir`` are None, ``should_save``/``should_stop`` return False, ``update``/``saved``/
+    ``record_gate`` do nothing and ``stage()`` yields a handle without measuring.
+``job.role: Role`` (a str enum: "control" | "interrupted" | "resumed" | "stages" | "probe"; "" when inert)
+``job.rank: int``, ``job.world_size: int``
+    torchrun's ``RANK`` and ``WORLD_SIZE`` (0 and 1 without it).
+``job.resume_from: str | None``
+    The checkpoint to resume from (the resumed run only).
+``job.checkpoint_dir: str | None``
+    Where pilotrun wants this run's checkpoints written (a fresh folder per run).
+``job.should_save(update) -> bool``, ``job.should_stop(update) -> bool``
+    Update numbers count optimizer updates from 1 and continue across a resume (the first resumed update
+    after a checkpoint of update N is N+1).
+``job.update(update, loss=..., lr=..., grad_norm=None, ids=None, **extra)``
+    One optimizer update, after ``optimizer.step()``. ``loss`` and ``lr`` are numbers or one-element tensors;
+    ``ids`` the sample ids of the examples in the update (ints or strings; a list, tuple or integer tensor),
+    on each rank its own; ``extra`` more numbers/strings compared like the rest. A refused value (a NaN or inf
+    loss, an update number not above the last one, ids of the wrong type) becomes a ``problem`` the pilot
+    reports as a row naming the update and field; it never raises.
+``job.saved(update, path)``
+    A checkpoint holding the state *after* update ``update`` is complete at ``path`` (call it on the rank that
+    writes it, after the write; with per-rank files after a barrier). In the interrupted run this call does not
+    return: pilotrun kills the whole process group with SIGKILL there.
+``with job.stage(name, inputs=None, track=()) as st:``
+    :func:`pilotrun.stage`'s measurement (time, peaks kept apart, a ``fail`` row on an exception). Names the pilot
+    reads: ``first_step``, ``steady_step``, ``eval``, ``save`` (also ``load``).
+``job.record_gate(gate, verdict, reason, **measurements)``
+    An in-process gate's row (inspect, batch, accum_equivalence, overfit, export, reload_eval from an integration):
+    ``verdict`` a :class:`~pilotrun.ledger.records.Verdict` or its text; measurements must be JSON values.
+
+Where things go: every call appends one line to this role and rank's event file (``pilotrun.program.env``); the
+parent reads them to compare the runs and writes the ledger rows of the pilot's run (one per gate and rank, from
+the recording role: ``Role.records``), so a gate never gets a row per run.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..api import Session, StageHandle
+from ..ledger.records import GateRow, Verdict
+from . import env as E
+from .env import Event, Role
+
+# Seconds the interrupted run waits in saved() for the SIGKILL before it ends itself (the parent is gone).
+DEFAULT_KILL_WAIT = 300.0
+
+
+def _as_number(value: Any) -> float:
+    """A float from a number or a one-element tensor; TypeError/ValueError otherwise."""
+    if hasattr(value, "detach") and hasattr(value, "numel"):
+        if value.numel() != 1:
+            raise ValueError(f"a tensor of {value.numel()} elements, expected one")
+        return float(value.detach().float().cpu().item()) if value.dtype.is_floating_point else float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{type(value).__name__}, expected a number")
+    return float(value)
+
+
+def _as_ids(ids: Any) -> list:
+    """Sample ids as a JSON list of ints or strings; TypeError naming what was wrong otherwise."""
+    if hasattr(ids, "tolist") and hasattr(ids, "dtype"):
+        if getattr(ids.dtype, "is_floating_point", False):
+            raise TypeError(f"a tensor of {ids.dtype}; ids must be integers or strings")
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{type(ids).__name__}; give a list of ints or strings (one per example)")
+    flat = []
+    for item in ids:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise TypeError(f"an id of type {type(item).__name__} ({item!r}); ids must be ints or strings")
+        flat.append(item)
+    return flat
+
+
+def _parse_updates(text: str | None) -> frozenset[int]:
+    return frozenset(int(x) for x in (text or "").split(",") if x.strip())
+
+
+class ProgramHandle:
+    """See the module docstring. Build it with :func:`program` (or with an explicit ``environ`` in tests)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.active = env.get(E.PROGRAM, "") == "1"
+        self.rank = int(env.get("RANK", "0") or 0)
+        self.world_size = int(env.get("WORLD_SIZE", "1") or 1)
+        self.role: Role | str = Role(env[E.ROLE]) if self.active else ""
+        self.run_id = env.get(E.RUN_ID) if self.active else None
+        self.resume_from = (env.get(E.RESUME_FROM) or None) if self.active else None
+        self.checkpoint_dir = (env.get(E.CHECKPOINT_DIR) or None) if self.active else None
+        self._save_at = _parse_updates(env.get(E.SAVE_AT)) if self.active else frozenset()
+        stop = env.get(E.STOP_AT) if self.active else None
+        self._stop_at = int(stop) if stop else None
+        self._kill_wait = float(env.get(E.KILL_WAIT) or DEFAULT_KILL_WAIT)
+        self._events_dir = env.get(E.EVENTS) if self.active else None
+        self._file: TextIO | None = None
+        self._last_update: int | None = None
+        self._session: Session | None = None
+        if self.active:
+            self._emit(Event.START, pid=os.getpid(), world_size=self.world_size, resume_from=self.resume_from)
+            atexit.register(self._at_exit)
+
+    # -- what the pilot asks -------------------------------------------------------------------------------
+    def should_save(self, update: int) -> bool:
+        return self.active and update in self._save_at
+
+    def should_stop(self, update: int) -> bool:
+        return self.active and self._stop_at is not None and update >= self._stop_at
+
+    # -- what the program reports --------------------------------------------------------------------------
+    def update(self, update: int, loss: Any = None, lr: Any = None, grad_norm: Any = None, ids: Any = None,
+               **extra: Any) -> None:
+        if not self.active:
+            return
+        if isinstance(update, bool) or not isinstance(update, int):
+            self._problem(None, "update", f"update number is {type(update).__name__} {update!r}; give an int")
+            return
+        if self._last_update is not None and update <= self._last_update:
+            self._problem(update, "update", f"update {update} reported after update {self._last_update}; update "
+                          "numbers must increase (count optimizer updates, not micro batches)")
+            return
+        self._last_update = update
+        record: dict[str, Any] = {"update": update}
+        for name, value, required in (("loss", loss, True), ("lr", lr, True), ("grad_norm", grad_norm, False)):
+            if value is None:
+                if required:
+                    self._problem(update, name, f"{name} not given; pass {name}=... to job.update()")
+                record[name] = None
+                continue
+            try:
+                number = _as_number(value)
+            except (TypeError, ValueError) as exc:
+                self._problem(update, name, f"{name} is {exc}")
+                record[name] = None
+                continue
+            if not math.isfinite(number):
+                self._problem(update, name, f"{name} is {number} (non-finite)", non_finite=True)
+            record[name] = number if math.isfinite(number) else str(number)
+        record["ids"] = None
+        if ids is not None:
+            try:
+                record["ids"] = _as_ids(ids)
+            except TypeError as exc:
+                self._problem(update, "ids", f"ids are {exc}")
+        clean_extra: dict[str, Any] = {}
+        for key, value in extra.items():
+            if isinstance(value, str) or value is None:
+                clean_extra[key] = value
+                continue
+            try:
+                number = _as_number(value)
+            except (TypeError, ValueError) as exc:
+                self._problem(update, f"extra.{key}", f"{key} is {exc} (extra values are numbers or strings)")
+                continue
+            clean_extra[key] = number if math.isfinite(number) else str(number)
+        record["extra"] = clean_extra
+        self._emit(Event.UPDATE, **record)
+
+    def saved(self, update: int, path: str | os.PathLike) -> None:
+        if not self.active:
+            return
+        where = Path(path).resolve()
+        if not where.exists():
+            self._problem(update, "saved", f"job.saved({update}, {str(path)!r}): nothing exists at {where}; call "
+                          "it after the checkpoint is written")
+            return
+        self._emit(Event.SAVED, update=update, path=str(where))
+        if self.role == Role.INTERRUPTED and update in self._save_at:
+            # The parent kills the whole process group with SIGKILL once it reads this line; waiting here makes the
+            # kill land right after a complete save, whatever the program's speed.
+            deadline = time.monotonic() + self._kill_wait
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(3)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, inputs: dict | None = None, track: Iterable = (),
+              device: Any = None) -> Iterator[StageHandle]:
+        if not self.active:
+            yield StageHandle(name)
+            return
+        if self._session is None:
+            self._session = Session(f"program-{self.role}", rank=self.rank, world_size=self.world_size,
+                                    run_id=self.run_id, sink=lambda row: self._emit(Event.STAGE, row=row))
+        with self._session.stage(name, inputs={**(inputs or {}), "role": str(self.role)}, track=track,
+                                 device=device) as st:
+            yield st
+
+    def record_gate(self, gate: str, verdict: Verdict | str, reason: str, **measurements: Any) -> None:
+        if not self.active:
+            return
+        try:
+            row = GateRow.now(str(gate), Verdict(verdict), str(reason), details=json.loads(json.dumps(measurements)),
+                              rank=self.rank, world_size=self.world_size,
+                              inputs={"rank": self.rank, "world_size": self.world_size, "role": str(self.role)})
+        except (TypeError, ValueError) as exc:
+            self._problem(None, f"record_gate({gate!r})", f"{type(exc).__name__}: {exc} (verdict is one of "
+                          f"{', '.join(v.value for v in Verdict)}; measurements must be JSON values)")
+            return
+        self._emit(Event.GATE, row=row.to_dict())
+
+    # -- the event file ------------------------------------------------------------------------------------
+    @property
+    def events_path(self) -> Path | None:
+        return None if self._events_dir is None else Path(self._events_dir) / f"{self.role}-rank{self.rank}.jsonl"
+
+    def _problem(self, update: int | None, field: str, problem: str, non_finite: bool = False) -> None:
+        self._emit(Event.PROBLEM, update=update, field=field, problem=problem, non_finite=non_finite)
+
+    def _emit(self, kind: Event, **fields: Any) -> None:
+        path = self.events_path
+        if path is None:
+            return
+        if self._file is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+        # One line per event, flushed: the parent reads it while this process runs (and SIGKILLs it after SAVED).
+        self._file.write(json.dumps({"kind": str(kind), "t": time.time(), "rank": self.rank, **fields},
+                                    default=str) + "\n")
+        self._file.flush()
+
+    def _at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self._emit(Event.END)
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+_handle: ProgramHandle | None = None
+
+
+def program() -> ProgramHandle:
+    """The process's handle (one per process: repeated calls return the same one)."""
+    global _handle
+    if _handle is None:
+        _handle = ProgramHandle()
+    return _handle
