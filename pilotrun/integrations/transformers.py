@@ -49,9 +49,9 @@ IDS_KEY = "__pilotrun_ids__"
 
 
 def _default_job():
-    import pilotrun
+    from ..program.handle import program
 
-    return pilotrun.program()
+    return program()
 
 
 def find_trainer() -> Trainer | None:
