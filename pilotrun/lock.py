@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import __version__
+from .config.program import program_files
 from .config.spec import Spec, import_factory, looks_local
 
 CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
@@ -158,7 +159,9 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
 
     m = spec.model
     model: dict[str, Any]
-    if m.factory is not None:
+    if m is None:  # a program-only spec (config.spec.ProgramOnlySpec): the program builds its own model and data
+        model = {"source": "program"}
+    elif m.factory is not None:
         model = {"source": "factory", **_factory_source(m.factory, spec.folder, cache)}
     elif m.config is not None:
         model = {"source": "config", "random_init_seed": spec.seed}
@@ -167,7 +170,7 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
     else:
         pinned = bool(m.revision and re.fullmatch(r"[0-9a-f]{40}", m.revision))
         model = {"source": "hub", "id": m.hf, "revision": m.revision, "pinned": pinned}
-    if m.tokenizer is not None:
+    if m is not None and m.tokenizer is not None:
         tok = spec.tokenizer_source()
         model["tokenizer"] = hash_tree(tok.path, cache, tok.is_tokenizer_file)
         if tok.hub_id is not None:  # from the local Hugging Face cache: which repo and which commit
@@ -175,7 +178,9 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
 
     d = spec.data
     data: dict[str, Any]
-    if d.factory is not None:
+    if d is None:
+        data = {"source": "program"}
+    elif d.factory is not None:
         data = {"source": "factory", **_factory_source(d.factory, spec.folder, cache)}
         files = {}
         for key, value in d.extra.items():
@@ -196,7 +201,9 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
     else:
         container = {"digest": None, "from": None, "inside_container": in_container()}
 
+    program = {} if spec.program is None else {"program": program_lock(spec, cache)}
     return {
+        **program,
         "pilotrun": __version__,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": spec.canonical(),
@@ -211,6 +218,16 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
         "container": container,
         "host": {"machine": platform.machine(), "system": platform.system(), "node": platform.node()},
     }
+
+
+def program_lock(spec: Spec, cache: dict | None = None) -> dict:
+    """The program's command as written and as run, and the sha256 of its files (``program.files``, else the files
+    its command names: the choice and its reason are recorded)."""
+    assert spec.program is not None
+    files, why = program_files(spec.program, spec.folder)
+    hashed = {os.path.relpath(p, spec.folder): sha256_file(p, cache) for p in files}
+    return {"command": spec.program.words, "folder": str(spec.folder), "files_from": why, "files": hashed,
+            "sha256": hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()}
 
 
 def _flatten(value, prefix: str = "") -> dict:

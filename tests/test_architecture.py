@@ -24,7 +24,8 @@ LAYERS: list[set[str]] = [
     {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
-SIBLINGS = {("lock", "config"), ("program", "api")}  # the program handle measures stages with api's code
+# program/: the handle measures stages with api's code; its pilot writes report.json with pilot's writer.
+SIBLINGS = {("lock", "config"), ("program", "api"), ("program", "pilot")}
 
 
 def _modules() -> dict[str, Path]:

@@ -32,6 +32,14 @@ HELP = """examples:
   pilotrun run pilot.yaml --json > report.json    # the report on stdout, the live table on stderr
   pilotrun run pilot.yaml --resume                # continue the last interrupted pilot of this spec
 
+your own program (README, "Pilot your own program"): a spec with
+  name: own-loop
+  program:
+    command: torchrun --standalone --nproc-per-node 2 train.py
+and in train.py `job = pilotrun.program()` (job.update, job.should_save, job.saved, job.should_stop,
+job.resume_from, job.stage); then `pilotrun run pilot.yaml` runs it as control, interrupted (SIGKILL after its
+save) and resumed, and compares the updates: examples/own-loop/
+
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage,
   130 stopped by Ctrl-C, 143 by SIGTERM (preemption, timeout), 129 by SIGHUP: recorded as interrupted;
   `pilotrun run SPEC --resume` continues it"""
@@ -71,8 +79,10 @@ def main(args) -> int:
 
 
 def _run(args) -> tuple[int, str | None]:
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, allow_program=True)
     resolve_container_digest(args.container_digest)  # a malformed digest is exit 2 before anything runs
+    if spec.program is not None:
+        return _run_program(spec, args)
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
     options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates,
                            container_digest=args.container_digest, resume=args.resume, trust=args.trust,
@@ -110,6 +120,33 @@ def _run(args) -> tuple[int, str | None]:
     # worker, and torchrun would report it as one.
     code = 0 if os.environ.get("PILOTRUN_LAUNCHED") and result.world_size > 1 else result.exit_code
     return code, report
+
+
+def _run_program(spec, args) -> tuple[int, str | None]:
+    """``program:`` in the spec: the gates on the user's own program (pilotrun.program.pilot)."""
+    from ..program.pilot import ProgramOptions, run_program_pilot
+
+    if args.resume:
+        raise UsageError("--resume continues pilotrun's own loop; a program pilot is run again (its resume gate "
+                         "already interrupts and resumes the program)")
+    gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
+    options = ProgramOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates,
+                             container_digest=args.container_digest, run_id=args.run_id)
+    console = console_for(stderr=True) if args.json else out_console()
+    writable_folder(args.out or Path("runs"), "--out" if args.out else "the output folder runs/ (or pass --out)")
+    observer = ConsoleObserver(console, title=spec.name)
+    try:
+        with interruptible():
+            result = run_program_pilot(spec, options, observer)
+    except UnknownGate as exc:
+        raise UsageError(f"--gates: {exc}") from None
+    except LedgerError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        if observer.live is not None:
+            observer.live.stop()
+    observer.finish(result.status, result.out_dir, result.ledger_path, None)
+    return result.exit_code, (result.out_dir / "report.json").read_text() if args.json else None
 
 
 def _stopped(stop: PilotInterrupted, args, console) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from .exitguard import ExitCalled
 from .hub_cache import TokenizerNotFound, TokenizerSource, locate_tokenizer
 from .limits import bound_problems
+from .program import ProgramSpec, program_file_problems
 from .schema import SpecError, build, doc
 from .yamlsafe import parse_bounded, parse_override_value, read_spec_text, regular_file_problem
 
@@ -339,14 +340,17 @@ class DistributedSpec:
 @dataclass
 class Spec:
     name: str = doc("job name, used in run ids and the ledger (letters, digits, . _ -)")
-    model: ModelSpec = doc("what to train")
-    data: DataSpec = doc("what to train on")
-    train: TrainSpec = doc("how the long run trains")
+    model: ModelSpec = doc("what to train (optional with program:)")
+    data: DataSpec = doc("what to train on (optional with program:)")
+    train: TrainSpec = doc("how the long run trains (optional with program:)")
     seed: int = doc("seed for python, numpy, torch and the data order", 0)
     eval: EvalSpec = doc("evaluation sizes", EvalSpec)
     pilot: PilotSpec = doc("what the pilot itself runs", PilotSpec)
     distributed: DistributedSpec = doc("how several processes share the job", DistributedSpec)
     export: ExportSpec = doc("what the export gate writes", ExportSpec)
+    program: ProgramSpec | None = doc(
+        "pilot your own training program instead of factories (README, \"Pilot your own program\"); "
+        "model, data and train then become optional", None)
 
     # Set by load_spec, not by the user.
     source: str = field(default="", init=False, metadata={"internal": True})
@@ -415,6 +419,37 @@ class Spec:
     def data_mapping(self) -> dict:
         """What data.factory is called with: the spec's data mapping as written."""
         return copy.deepcopy(self.written.get("data") or {})
+
+
+# Sections a program spec may leave out: the program builds its own model, data and training loop.
+PROGRAM_OPTIONAL = ("model", "data", "train")
+
+
+@dataclass
+class ProgramOnlySpec(Spec):
+    """A spec with ``program:`` and without model/data/train: only ``pilotrun run`` reads it (the program pilot);
+    ``model``, ``data`` and ``train`` are None here and nothing on the program path reads them."""
+
+    model: ModelSpec = doc("what to train (optional with program:)", None)
+    data: DataSpec = doc("what to train on (optional with program:)", None)
+    train: TrainSpec = doc("how the long run trains (optional with program:)", None)
+
+    def check(self):
+        if not NAME_RE.match(self.name):
+            yield "name", f"use letters, digits, '.', '_' or '-' (got {self.name!r})"
+        given = [k for k in PROGRAM_OPTIONAL if getattr(self, k) is not None]
+        if given:  # never reached from load_spec (a complete spec builds Spec); kept for direct builders
+            yield given[0], "a program-only spec has no model/data/train; give all three or none"
+
+    def canonical(self) -> dict:
+        out = asdict(self)
+        for key in ("source", "written", *PROGRAM_OPTIONAL):
+            out.pop(key, None)
+        return json.loads(json.dumps(out, sort_keys=True, default=list))
+
+
+class ProgramSpecRefused(SpecError):
+    """A program-only spec given to a command that needs model/data/train (estimate, select, plan, campaign)."""
 
 
 def resolve_package_path(path: str) -> Path:
@@ -611,9 +646,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parse_override_value(key.strip(), value) if value.strip() else None
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None, check_files: bool = True) -> Spec:
+def load_spec(path: str | Path, overrides: list[str] | None = None, check_files: bool = True,
+              allow_program: bool = False) -> Spec:
     """Read, validate and check a spec file; raises :class:`SpecError` (exit 2) on any problem.
-    ``check_files=False`` skips the data and tokenizer files (the estimator reads neither)."""
+    ``check_files=False`` skips the data and tokenizer files (the estimator reads neither). A program-only spec
+    (``program:`` without model/data/train, a :class:`ProgramOnlySpec`) is refused unless ``allow_program``."""
     p = Path(path)
     if not p.exists():
         raise SpecError([("", f"spec file not found: {p}")], str(p))
@@ -629,7 +666,11 @@ def load_spec(path: str | Path, overrides: list[str] | None = None, check_files:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
         overridden.append(key)
-    return spec_from_mapping(raw, p, overridden, check_files)
+    spec = spec_from_mapping(raw, p, overridden, check_files)
+    if isinstance(spec, ProgramOnlySpec) and not allow_program:
+        raise ProgramSpecRefused([("program", "this spec pilots a program and has no model/data/train, which this "
+                                   "command needs: run it with `pilotrun run`, or add model, data and train")], str(p))
+    return spec
 
 
 def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] = (), check_files: bool = True) -> Spec:
@@ -644,15 +685,34 @@ def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] =
     unread: list[tuple[str, str]] = []
     if check_files and isinstance(data, dict) and data.get("task") is not None and data.get("path") is None:
         unread = [("data.path", "missing; built-in tasks read JSONL from data.path")]
+    program_only = "program" in raw and not any(k in raw for k in PROGRAM_OPTIONAL)
+    partial = [k for k in PROGRAM_OPTIONAL if k in raw] if "program" in raw and not program_only else []
     try:
-        spec = build(Spec, copy.deepcopy(raw), str(p))
+        spec = build(ProgramOnlySpec if program_only else Spec, copy.deepcopy(raw), str(p))
     except SpecError as exc:
-        raise SpecError(_mark_overrides(exc.problems + unread, list(overridden)), str(p)) from None
+        problems = exc.problems
+        if partial:  # a program spec with some of model/data/train: say the fix, not three "missing" lines
+            missing = [k for k in PROGRAM_OPTIONAL if k not in raw]
+            problems = [(f, m) for f, m in problems if f not in missing] + [
+                (missing[0], f"missing: with program: give all of model, data and train (the integrations' gates "
+                             f"read them) or none of them (got {', '.join(partial)})")]
+        elif "program" not in raw:
+            problems = [(f, m + " (or pilot your own training program with program.command instead)"
+                         if f in PROGRAM_OPTIONAL and m.startswith("missing") else m) for f, m in problems]
+        raise SpecError(_mark_overrides(problems + unread, list(overridden)), str(p)) from None
     spec.source = str(p.resolve())
     spec.written = copy.deepcopy(raw)
+    if isinstance(spec, ProgramOnlySpec):
+        assert spec.program is not None
+        problems = program_file_problems(spec.program, spec.folder) if check_files else []
+        if problems:
+            raise SpecError(_mark_overrides(problems, list(overridden)), str(p))
+        return spec
     # ``check_files=False``: estimate/select/plan read no data and no tokenizer, so they need not exist.
     problems = unread + bound_problems(spec, this_machine=check_files)
     problems += _check_files(spec, data_files=check_files)
+    if spec.program is not None and check_files:
+        problems += program_file_problems(spec.program, spec.folder)
     if problems:
         raise SpecError(_mark_overrides(problems, list(overridden)), str(p))
     return spec

@@ -1,0 +1,89 @@
+"""``program:``: the user's own training program, piloted as it is (README, "Pilot your own program").
+
+With ``program:`` the spec needs only ``name``; ``model``, ``data`` and ``train`` become optional (the program
+builds its own). ``pilot.resume.before`` / ``after`` are the N and K of the resume gate and ``pilot.resume.rtol``
+its tolerance off bitwise.
+
+Example::
+
+    name: own-loop
+    program:
+      command: torchrun --standalone --nproc-per-node 2 train.py --updates 6
+      files: [train.py]
+"""
+from __future__ import annotations
+
+import glob
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .schema import doc
+
+# The first words that name pilotrun's own interpreter (so the program runs with the packages pilotrun sees).
+PYTHON_WORDS = ("python", "python3")
+TORCHRUN_WORD = "torchrun"
+
+
+@dataclass
+class ProgramSpec:
+    command: list[str] | str = doc(
+        "the command line, a list or a string (split like a shell); run from the spec's folder; a first word "
+        "python/python3 or torchrun runs with pilotrun's own interpreter (torchrun as python -m torch.distributed.run)")
+    files: list[str] | None = doc(
+        "files (glob patterns, relative to the spec's folder) the lock hashes; default: the command's words that "
+        "name existing files", None)
+    timeout: float = doc("seconds each run of the program may take before pilotrun kills its process group", 600.0)
+    compare: Literal["auto", "bitwise", "rtol"] = doc(
+        "how the resume gate compares runs: bitwise, within pilot.resume.rtol, or auto (bitwise when this machine has "
+        "no accelerator, so the program ran on CPU; rtol otherwise)", "auto")
+
+    @property
+    def words(self) -> list[str]:
+        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
+
+    def check(self):
+        try:
+            words = self.words
+        except ValueError as exc:  # an unclosed quote
+            yield "command", f"cannot split {self.command!r}: {exc}; close the quote or give a list"
+            return
+        if not words or not all(isinstance(w, str) and w for w in words):
+            yield "command", "give the program's command line, e.g. 'python train.py' or a list of words"
+        if self.timeout <= 0:
+            yield "timeout", f"must be positive, got {self.timeout}"
+
+
+def script_words(words: list[str], folder: Path) -> list[str]:
+    """The command's words that name existing files in ``folder`` (the script and its config files)."""
+    return [w for w in words[1:] if not w.startswith("-") and (folder / w).is_file()]
+
+
+def program_files(spec: ProgramSpec, folder: Path) -> tuple[list[Path], str]:
+    """The files the lock hashes, and why these (the automatic choice says it)."""
+    if spec.files is None:
+        found = script_words(spec.words, folder)
+        why = (f"program.files not given: the command's words naming files ({', '.join(found)})" if found
+               else "program.files not given and the command names no file")
+        return [folder / w for w in found], why
+    out: list[Path] = []
+    for pattern in spec.files:
+        out += sorted(Path(p) for p in glob.glob(str(folder / pattern), recursive=True) if Path(p).is_file())
+    return out, "program.files"
+
+
+def program_file_problems(spec: ProgramSpec, folder: Path) -> list[tuple[str, str]]:
+    """What cannot run: a pattern matching no file, a script named after python that does not exist."""
+    problems = []
+    for i, pattern in enumerate(spec.files or []):
+        if not [p for p in glob.glob(str(folder / pattern), recursive=True) if Path(p).is_file()]:
+            problems.append((f"program.files[{i}]", f"{pattern!r} matches no file in {folder} (patterns are relative "
+                             "to the spec's folder)"))
+    words = spec.words
+    if words and words[0] in PYTHON_WORDS:
+        script = next((w for w in words[1:] if not w.startswith("-")), None)
+        if words[1:2] != ["-m"] and script is not None and script.endswith(".py") and not (folder / script).is_file():
+            problems.append(("program.command", f"{script} not found in {folder} (the command runs from the spec's "
+                             "folder)"))
+    return problems

@@ -1,0 +1,158 @@
+"""Compare the updates two runs of a program reported, field by field: the resume gate's verdict and its cause.
+
+Pure logic on the records of the event files (:mod:`pilotrun.program.env`): no processes, no ledger.
+
+For one rank, updates ``start..end`` of the control run and of the other run are compared in this order per
+update — ids, lr, loss, grad_norm, then each extra field — and the first update that differs names its first
+differing field, so a consequence (a loss that moved because the ids did) is never reported before its cause.
+
+Example::
+
+    diff = compare_updates(control, resumed, start=3, end=4, exact=True)
+    diff.cause            # Cause.SCHEDULER_NOT_RESTORED
+    diff.sentence()       # "update 3: lr 0.0008 (control) vs 0.001 (resumed) — the learning-rate scheduler ..."
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..ledger.records import TextEnum
+
+
+class Cause(TextEnum):
+    """The usual reason for a difference (what the user fixes), by the field that differs first."""
+
+    DATA_ORDER_NOT_RESTORED = "data-order-not-restored"  # ids: sampler/shuffle RNG or data position not restored
+    SCHEDULER_NOT_RESTORED = "scheduler-not-restored"    # lr: scheduler state not saved or not loaded
+    STATE_SAVED_AT_WRONG_POINT = "state-saved-at-wrong-point"  # loss with same ids and lr: model/optimizer state
+    GRADIENT_STATE = "gradient-state"                    # grad_norm alone: e.g. gradients not zeroed / scaler state
+    EXTRA_FIELD = "extra-field"                          # a field the program added
+    NOT_REPRODUCIBLE = "not-reproducible"                # two fresh runs differ before any resume (unseeded)
+    MISSING_UPDATES = "missing-updates"                  # updates the comparison needs were not reported
+    STEP_NOT_RESTORED = "step-not-restored"              # the resumed run numbered its updates from the start again
+
+
+CAUSE_TEXT = {
+    Cause.DATA_ORDER_NOT_RESTORED: "the data order was not restored: save and load the sampler/shuffle RNG (or seed it "
+                                   "per epoch) and the position in the epoch",
+    Cause.SCHEDULER_NOT_RESTORED: "the learning-rate scheduler was not saved or not restored "
+                                  "(scheduler.state_dict() in the checkpoint, load_state_dict() on resume)",
+    Cause.STATE_SAVED_AT_WRONG_POINT: "same examples and lr, different loss: the model/optimizer state in the "
+                                      "checkpoint is not the state after the update it names (saved before "
+                                      "optimizer.step(), or not all of it restored)",
+    Cause.GRADIENT_STATE: "same loss, different gradient norm: gradients not zeroed before the first resumed update, "
+                          "or a grad scaler's state not restored",
+    Cause.EXTRA_FIELD: "a value the program reported with job.update(**extra) differs",
+    Cause.NOT_REPRODUCIBLE: "two fresh runs differ before any resume: the program is not seeded (torch.manual_seed, "
+                            "the sampler's generator, dropout), so a resume cannot be compared",
+    Cause.MISSING_UPDATES: "the run did not report these updates (it stopped early, crashed, or skips job.update)",
+    Cause.STEP_NOT_RESTORED: "the resumed run numbered its updates from 1 again: restore the update counter from the "
+                             "checkpoint so the first resumed update is N+1",
+}
+# The order fields are compared in within one update (cause before consequence).
+FIELDS = ("ids", "lr", "loss", "grad_norm")
+FIELD_CAUSE = {"ids": Cause.DATA_ORDER_NOT_RESTORED, "lr": Cause.SCHEDULER_NOT_RESTORED,
+               "loss": Cause.STATE_SAVED_AT_WRONG_POINT, "grad_norm": Cause.GRADIENT_STATE}
+
+
+@dataclass
+class Difference:
+    update: int | None
+    field: str
+    control: Any
+    other: Any
+    cause: Cause
+    other_name: str = "resumed"
+
+    def sentence(self) -> str:
+        where = f"update {self.update}" if self.update is not None else "updates"
+        return (f"{where}: {self.field} {_show(self.control)} (control) vs {_show(self.other)} ({self.other_name}) — "
+                f"{CAUSE_TEXT[self.cause]}")
+
+
+@dataclass
+class Comparison:
+    compared: list[int] = field(default_factory=list)  # the updates found in both runs and compared
+    difference: Difference | None = None
+    largest_rel: float = 0.0  # the largest relative difference of loss/grad_norm accepted within rtol
+
+    @property
+    def equal(self) -> bool:
+        return self.difference is None
+
+    @property
+    def cause(self) -> Cause | None:
+        return None if self.difference is None else self.difference.cause
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list) and len(value) > 8:
+        return f"[{', '.join(map(repr, value[:8]))}, … {len(value)} ids]"
+    return repr(value)
+
+
+def values_equal(a: Any, b: Any, exact: bool, rtol: float) -> tuple[bool, float]:
+    """(equal, relative difference) — floats bitwise when ``exact``, else within ``rtol``; anything else exactly."""
+    if isinstance(a, float) and isinstance(b, float):
+        if exact or not (math.isfinite(a) and math.isfinite(b)):
+            return (a == b or (math.isnan(a) and math.isnan(b))), 0.0 if a == b else math.inf
+        rel = abs(a - b) / max(abs(a), abs(b), 1e-12)
+        return rel <= rtol, rel
+    return a == b, 0.0 if a == b else math.inf
+
+
+def by_update(records: list[dict]) -> dict[int, dict]:
+    return {int(r["update"]): r for r in records}
+
+
+def compare_updates(control: list[dict], other: list[dict], start: int, end: int, exact: bool, rtol: float = 0.0,
+                    other_name: str = "resumed", step_restored_check: bool = True) -> Comparison:
+    """Updates ``start..end`` (inclusive) of ``other`` against ``control``; the first difference with its cause.
+
+    ``lr`` is always compared exactly when ``exact``; off bitwise it is compared within ``rtol`` like the loss."""
+    a, b = by_update(control), by_update(other)
+    out = Comparison()
+    if step_restored_check and b and start > 1 and min(b) < start:
+        out.difference = Difference(min(b), "update", start, min(b), Cause.STEP_NOT_RESTORED, other_name)
+        return out
+    for n in range(start, end + 1):
+        if n not in a or n not in b:
+            missing = "control" if n not in a else other_name
+            out.difference = Difference(n, "update", "reported" if n in a else "missing",
+                                        "reported" if n in b else "missing", Cause.MISSING_UPDATES, other_name)
+            out.difference.field = f"update (missing in {missing})"
+            return out
+        ra, rb = a[n], b[n]
+        for name in FIELDS:
+            va, vb = ra.get(name), rb.get(name)
+            if name == "ids" and (va is None or vb is None):
+                continue  # the program did not report ids: nothing to compare (the row says so)
+            ok, rel = values_equal(va, vb, exact, rtol)
+            if not ok:
+                out.difference = Difference(n, name, va, vb, FIELD_CAUSE[name], other_name)
+                return out
+            if math.isfinite(rel):
+                out.largest_rel = max(out.largest_rel, rel)
+        ea, eb = ra.get("extra") or {}, rb.get("extra") or {}
+        for key in sorted(set(ea) | set(eb)):
+            ok, rel = values_equal(ea.get(key), eb.get(key), exact, rtol)
+            if not ok:
+                out.difference = Difference(n, f"extra.{key}", ea.get(key), eb.get(key), Cause.EXTRA_FIELD, other_name)
+                return out
+        out.compared.append(n)
+    return out
+
+
+def reproducibility(control: list[dict], interrupted: list[dict], until: int, exact: bool,
+                    rtol: float) -> Comparison:
+    """Updates 1..until of two fresh runs (control and the interrupted run before its save) must agree; a
+    difference there is the program's non-determinism, whatever the field, not a resume defect."""
+    diff = compare_updates(control, interrupted, 1, until, exact, rtol, other_name="interrupted",
+                           step_restored_check=False)
+    if diff.difference is not None and diff.difference.cause != Cause.MISSING_UPDATES:
+        diff.difference.cause = Cause.NOT_REPRODUCIBLE
+    return diff

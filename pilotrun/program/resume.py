@@ -1,0 +1,85 @@
+"""The resume gate on a program: from the control, interrupted and resumed runs to one row per rank.
+
+Updates 1..N of the control and the interrupted run must agree (two fresh runs; a difference there is the program's
+non-determinism); updates N+1..N+K of the resumed run must equal the control's (:mod:`pilotrun.program.compare`).
+Before any comparison: every value the runs reported must have been valid, the interrupted run must have been
+killed after reporting ``saved(N)`` and the resumed run must have ended cleanly — each named with its fix.
+"""
+from __future__ import annotations
+
+from ..ledger.records import Failure, GateRow, Verdict
+from .compare import CAUSE_TEXT, Comparison, compare_updates, reproducibility
+from .env import Event, Role
+from .runner import RunOutcome
+
+GATE = "resume"
+
+
+def _fail(reason: str, details: dict, failure: Failure = Failure.CHECK, rank: int = 0) -> GateRow:
+    return GateRow.now(GATE, Verdict.FAIL, reason, details=details, failure=failure, rank=rank)
+
+
+def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool, rtol: float,
+                mode: str) -> list[GateRow]:
+    control = runs[Role.CONTROL]
+    interrupted, resumed = runs.get(Role.INTERRUPTED), runs.get(Role.RESUMED)
+    end = before + after
+    details: dict = {"before": before, "after": after, "compare": mode,
+                     "logs": {str(role): str(run.log) for role, run in runs.items()},
+                     "seconds": {str(role): round(run.seconds, 3) for role, run in runs.items()}}
+    problems = [(role, e) for role, run in runs.items() for e in run.of(Event.PROBLEM)]
+    if problems:
+        details["problems"] = [{"run": str(role), **{k: e.get(k) for k in ("rank", "update", "field", "problem")}}
+                               for role, e in problems]
+        role, first = problems[0]
+        where = f"update {first['update']}" if first.get("update") is not None else "a call"
+        more = f" (and {len(problems) - 1} more; see details)" if len(problems) > 1 else ""
+        return [_fail(f"the {role} run reported an invalid value at {where} on rank {first.get('rank', 0)}: "
+                      f"{first['problem']}{more}", details,
+                      Failure.NON_FINITE if any(e.get("non_finite") for _, e in problems) else Failure.CHECK)]
+    if not control.ended_cleanly:
+        return [_fail(f"the control run {control.how_it_ended()} (log: {control.log})", details, Failure.ERROR)]
+    if not any(control.updates(r) for r in control.ranks):
+        return [_fail("the control run reported no updates: call job.update(update, loss=..., lr=...) after each "
+                      "optimizer.step()", details)]
+    assert interrupted is not None
+    if not interrupted.killed:
+        saved = [e["update"] for e in interrupted.of(Event.SAVED)]
+        said = f"reported saves after {saved}" if saved else "never called job.saved(update, path)"
+        return [_fail(f"the interrupted run {interrupted.how_it_ended()} and {said}; pilotrun asks for a save after "
+                      f"update {before} (job.should_save({before}) is True there): save then call "
+                      f"job.saved({before}, path) on rank 0", details, Failure.ERROR)]
+    checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
+    details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
+    if resumed is None or not resumed.ended_cleanly:
+        how = resumed.how_it_ended() if resumed is not None else "did not start"
+        return [_fail(f"the resumed run (from {checkpoint}) {how}", details, Failure.ERROR)]
+    rows = []
+    for rank in [r for r in control.ranks if control.updates(r)]:
+        repro = reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
+        diff = repro if not repro.equal else compare_updates(control.updates(rank), resumed.updates(rank),
+                                                             before + 1, end, exact, rtol)
+        rows.append(_row(rank, diff, repro.equal, before, end, checkpoint, mode, dict(details),
+                         ids_reported=any(u.get("ids") is not None for u in control.updates(rank))))
+    return rows
+
+
+def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int, checkpoint: str, mode: str,
+         details: dict, ids_reported: bool) -> GateRow:
+    details["compared_updates"] = diff.compared
+    if diff.difference is not None:
+        d = diff.difference
+        details["difference"] = {"update": d.update, "field": d.field, "control": d.control, "other": d.other,
+                                 "run": d.other_name, "cause": str(d.cause), "fix": CAUSE_TEXT[d.cause]}
+        stage = "before the save (fresh runs)" if not reproducible else "after the resume"
+        return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
+    details["largest_relative_difference"] = diff.largest_rel
+    span = f"updates {before + 1}–{end}" if end > before + 1 else f"update {end}"
+    reason = (f"{span} after SIGKILL at update {before} and resume from {checkpoint} equal the control's "
+              f"(ids, lr, loss, grad_norm, extra), {mode}")
+    row = GateRow.now(GATE, Verdict.PASS, reason, details=details, rank=rank)
+    if not ids_reported:
+        row.verdict = Verdict.WARN
+        row.reason = (f"{reason}; the data order was not compared: the program reports no ids (pass "
+                      "ids=[...] of the update's examples to job.update)")
+    return row

@@ -1,0 +1,188 @@
+"""Run the user's program once, in one role: its command, its environment, its process tree, its events.
+
+The command runs from the spec's folder; a first word ``python``/``python3`` becomes this interpreter and
+``torchrun`` becomes ``python -m torch.distributed.run`` (so the program sees the packages pilotrun sees, pilotrun
+itself included). Its output goes to ``<out>/program/<role>.log``. The interrupted run is killed with SIGKILL once
+rank 0 reports ``saved(N)``: every process of the tree (torchrun starts each rank in its own session) and every
+process group in it, so no rank outlives the kill.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ..config.program import PYTHON_WORDS, TORCHRUN_WORD, ProgramSpec
+from . import env as E
+from .env import Event, Role
+
+POLL_S = 0.02
+# Variables of an enclosing torchrun that must not leak into the program's own launch.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+               "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def command_words(words: list[str]) -> list[str]:
+    """The command with python/torchrun resolved to this interpreter."""
+    if words and words[0] in PYTHON_WORDS:
+        return [sys.executable, *words[1:]]
+    if words and words[0] == TORCHRUN_WORD:
+        return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    return list(words)
+
+
+def read_events(path: Path) -> list[dict]:
+    """The events of one file; a last line cut by SIGKILL is dropped (every other line is whole)."""
+    out = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class RunOutcome:
+    """One run of the program: how it ended and what each rank reported."""
+
+    role: Role
+    returncode: int | None
+    seconds: float
+    log: Path
+    events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> its events in order
+    killed: bool = False        # SIGKILLed by pilotrun after its save (the interrupted run)
+    killed_pids: list[int] = field(default_factory=list)
+    timed_out: bool = False
+
+    def of(self, kind: Event, rank: int | None = None) -> list[dict]:
+        ranks = sorted(self.events) if rank is None else [rank]
+        return [e for r in ranks for e in self.events.get(r, []) if e.get("kind") == kind]
+
+    def updates(self, rank: int) -> list[dict]:
+        return self.of(Event.UPDATE, rank)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.events)
+
+    @property
+    def ended_cleanly(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def how_it_ended(self) -> str:
+        if self.timed_out:
+            return "ran past program.timeout and was killed"
+        if self.killed:
+            return "was killed with SIGKILL after its save, as planned"
+        return f"exited with {self.returncode}" + (f": {self.log_tail()}" if self.returncode else "")
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(text[-lines:])[-400:] or "(empty log)"
+
+
+@dataclass
+class RunPlan:
+    """What one run is asked to do."""
+
+    role: Role
+    save_at: tuple[int, ...] = ()
+    stop_at: int | None = None
+    resume_from: str | None = None
+    kill_after_save: int | None = None  # SIGKILL the tree once rank 0 reports saved(this update)
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid``, every descendant and every process group among them (never our own); the pids killed."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    ours = os.getpgrp()
+    groups = set()
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except OSError:
+            pass
+    for g in groups - {ours}:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:
+            pass
+    killed = []
+    for p in procs:
+        try:
+            p.kill()
+            killed.append(p.pid)
+        except psutil.NoSuchProcess:
+            killed.append(p.pid)  # already gone with its group
+    return killed
+
+
+def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path, run_id: str, ledger_path: Path,
+                progress: Callable[[str], None] | None = None) -> RunOutcome:
+    """Run the program in ``plan.role`` until it ends, is killed after its save, or times out."""
+    base = out_dir.resolve() / "program"  # absolute: the program runs from the spec's folder
+    events_dir, log = base / "events", base / f"{plan.role}.log"
+    checkpoints = base / "checkpoints" / str(plan.role)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    events_dir.mkdir(parents=True, exist_ok=True)
+    for old in events_dir.glob(f"{plan.role}-rank*.jsonl"):
+        old.unlink()
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in E.ALL}
+    package_root = str(Path(__file__).resolve().parents[2])  # the program imports this pilotrun
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+    env.update({E.PROGRAM: "1", E.ROLE: str(plan.role), E.RUN_ID: run_id, E.LEDGER: str(ledger_path.resolve()),
+                E.EVENTS: str(events_dir), E.CHECKPOINT_DIR: str(checkpoints),
+                E.SAVE_AT: ",".join(map(str, plan.save_at)),
+                E.STOP_AT: "" if plan.stop_at is None else str(plan.stop_at)})
+    if plan.resume_from:
+        env[E.RESUME_FROM] = plan.resume_from
+    started = time.monotonic()
+    with open(log, "wb") as log_fh:
+        proc = subprocess.Popen(command_words(program.words), cwd=folder, env=env, stdout=log_fh,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        outcome = RunOutcome(plan.role, None, 0.0, log)
+        rank0 = events_dir / f"{plan.role}-rank0.jsonl"
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - started > program.timeout:
+                    outcome.timed_out = True
+                    outcome.killed_pids = kill_tree(proc.pid)
+                    break
+                if plan.kill_after_save is not None and any(
+                        e.get("kind") == Event.SAVED and e.get("update") == plan.kill_after_save
+                        for e in read_events(rank0)):
+                    outcome.killed_pids = kill_tree(proc.pid)
+                    outcome.killed = True
+                    break
+                time.sleep(POLL_S)
+        finally:
+            if proc.poll() is None and not outcome.killed_pids:  # an exception or Ctrl-C here: leave nothing behind
+                outcome.killed_pids = kill_tree(proc.pid)
+            outcome.returncode = proc.wait()
+    outcome.seconds = time.monotonic() - started
+    for path in sorted(events_dir.glob(f"{plan.role}-rank*.jsonl")):
+        rank = int(path.stem.rsplit("rank", 1)[1])
+        outcome.events[rank] = read_events(path)
+    if progress is not None:
+        progress(f"{plan.role} run {outcome.how_it_ended()} after {outcome.seconds:.1f} s")
+    return outcome
