@@ -37,11 +37,12 @@ def events(job: ProgramHandle, kind: str) -> list[dict]:
     return [x for x in map(json.loads, job.events_path.read_text().splitlines()) if x["kind"] == kind]
 
 
-def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, **kw) -> L.Trainer:
+def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = False, **kw) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job)], **kw)
+                        default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job, probes=probes)],
+                        **kw)
     trainer.fit(points.Regressor(), points.loader(n), points.loader(8, seed=1, shuffle=False),
                 ckpt_path=job.resume_from)
     return trainer
@@ -66,7 +67,7 @@ def test_lightning_reports_every_update_stages_and_saves_and_stops_where_asked(t
 
 def test_probe_role_runs_every_in_process_gate_on_a_clean_module(tmp_path):
     job = handle(tmp_path, "probe")
-    trainer = fit(job, tmp_path)
+    trainer = fit(job, tmp_path, probes=True)
     gates = {g["row"]["gate"]: g["row"] for g in events(job, "gate")}
     assert list(gates) == ["inspect", "batch", "accum_equivalence", "overfit", "export", "reload_eval"]
     for name, row in gates.items():

@@ -37,7 +37,8 @@ def events(job: ProgramHandle, kind: str) -> list[dict]:
     return [x for x in lines if x["kind"] == kind]
 
 
-def trainer(job, tmp_path: Path, model=None, max_steps: int = 8, **args) -> transformers.Trainer:
+def trainer(job, tmp_path: Path, model=None, max_steps: int = 8, probes: bool = False,
+            **args) -> transformers.Trainer:
     settings = dict(output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4,
                     gradient_accumulation_steps=2, learning_rate=1e-3, lr_scheduler_type="linear",
                     save_strategy="no", logging_steps=1, seed=0, report_to=[], dataloader_num_workers=0,
@@ -46,7 +47,7 @@ def trainer(job, tmp_path: Path, model=None, max_steps: int = 8, **args) -> tran
     return transformers.Trainer(
         model=model or chat.model(), args=transformers.TrainingArguments(**settings), data_collator=chat.collate,
         processing_class=chat.tokenizer(), train_dataset=chat.ChatData(chat.dialogues(48)),
-        eval_dataset=chat.ChatData(chat.dialogues(8, seed=1)), callbacks=[T.PilotrunCallback(job)])
+        eval_dataset=chat.ChatData(chat.dialogues(8, seed=1)), callbacks=[T.PilotrunCallback(job, probes=probes)])
 
 
 def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp_path):
@@ -76,7 +77,7 @@ def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp
 
 def test_probe_role_runs_every_in_process_gate_on_a_clean_trainer(tmp_path):
     job = handle(tmp_path, "probe")
-    tr = trainer(job, tmp_path)
+    tr = trainer(job, tmp_path, probes=True)
     tr.train()
     gates = {g["row"]["gate"]: g["row"] for g in events(job, "gate")}
     assert list(gates) == ["inspect", "batch", "accum_equivalence", "overfit", "export", "reload_eval"]

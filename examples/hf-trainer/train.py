@@ -21,7 +21,7 @@ job = pilotrun.program()  # pilotrun
 args = TrainingArguments(
     output_dir="out", max_steps=12, per_device_train_batch_size=4, gradient_accumulation_steps=2,
     learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, save_steps=6,
-    eval_strategy="steps", eval_steps=6, per_device_eval_batch_size=8, seed=0,
+    eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=8, seed=0,
     report_to=[], dataloader_num_workers=0, use_cpu=True, disable_tqdm=True,
 )
 trainer = Trainer(model=chat.model(), args=args, data_collator=chat.collate, processing_class=chat.tokenizer(),

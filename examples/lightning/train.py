@@ -19,7 +19,7 @@ import points  # noqa: E402
 job = pilotrun.program()  # pilotrun
 
 L.seed_everything(0)
-trainer = L.Trainer(max_steps=12, accumulate_grad_batches=2, val_check_interval=6, limit_val_batches=2,
+trainer = L.Trainer(max_steps=16, accumulate_grad_batches=2, val_check_interval=6, limit_val_batches=2,
                     accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, default_root_dir="out",
                     callbacks=[PilotrunCallback()])  # pilotrun

@@ -20,7 +20,7 @@ import contextlib
 import copy
 import math
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,43 @@ def role_name(job) -> str:
     """The handle's role as text (the handle may give an enum or a string)."""
     role = getattr(job, "role", None)
     return str(getattr(role, "value", role) or "")
+
+
+def runs_probes(job) -> bool:
+    """The probes run in the run whose rows the pilot records (control, stages, probe), never in the interrupted or
+    resumed runs, whose updates are only compared."""
+    from ..program.env import Role
+
+    try:
+        return Role(role_name(job)).records
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Every RNG the program may draw from, put back after the probes: the control run then draws exactly what the
+    interrupted and resumed runs (which run no probe) draw, so the resume comparison is not disturbed."""
+    import random
+
+    state_py = random.getstate()
+    state_torch = torch.get_rng_state()
+    state_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        import numpy as np
+
+        state_np: Any = np.random.get_state()
+    except ImportError:
+        np, state_np = None, None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        random.setstate(state_py)
+        torch.set_rng_state(state_torch)
+        if state_cuda is not None:
+            torch.cuda.set_rng_state_all(state_cuda)
+        if np is not None:
+            np.random.set_state(state_np)
 
 
 def record(job, result: GateResult) -> GateResult:

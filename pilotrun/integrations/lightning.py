@@ -17,10 +17,12 @@ Outside a pilot the handle is inert and the callback does nothing. Inside one it
   sanity check) and ``save`` as stages;
 - saves where the pilot asks with ``trainer.save_checkpoint`` into ``job.checkpoint_dir`` (``step-<N>.ckpt``) and
   reports it, stops with ``trainer.should_stop``;
-- in the ``probe`` role runs inspect, batch, accum_equivalence (``training_step``'s loss with Lightning's own
+- in the run whose rows the pilot records (``control``; also ``stages`` and ``probe``), with every RNG put back
+  afterwards, runs inspect, batch, accum_equivalence (``training_step``'s loss with Lightning's own
   accumulation scaling, loss / accumulate_grad_batches), overfit, export (``trainer.save_checkpoint``) and
   reload_eval (a fresh process: ``load_from_checkpoint(weights_only=True)`` of the class, after pilotrun's loading
-  policy admitted the recorded manifest) at train start, on copies of the module, then stops after one update.
+  policy admitted the recorded manifest) at train start, on copies of the module; a ``probe`` run stops after one
+  update.
 
 Lightning is an optional extra: this module says how to install it when it is missing; ``import pilotrun`` never
 imports it.
@@ -65,10 +67,12 @@ def step_loss(output: Any) -> torch.Tensor | None:
 
 
 class PilotrunCallback(pl.Callback):
-    """See the module docstring. ``job``: a handle (default ``pilotrun.program()``)."""
+    """See the module docstring. ``job``: a handle (default ``pilotrun.program()``); ``probes=False``: no in-process
+    gates (the pilot then shows them as skip)."""
 
-    def __init__(self, job: Any = None) -> None:
+    def __init__(self, job: Any = None, probes: bool = True) -> None:
         self.job = job
+        self.probes = probes
         self.window = C.UpdateWindow()
         self.updates_here = 0
         self.last_step: int | None = None
@@ -91,8 +95,9 @@ class PilotrunCallback(pl.Callback):
             return
         self.spans = C.StageSpans(self.job)
         self.last_step = trainer.global_step
-        if C.role_name(self.job) == "probe":
-            self.probe_results = run_probes(self.job, trainer, pl_module)
+        if self.probes and C.runs_probes(self.job):
+            with C.preserved_rng():
+                self.probe_results = run_probes(self.job, trainer, pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.active or self.spans is None:

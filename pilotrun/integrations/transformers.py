@@ -21,8 +21,10 @@ Outside a pilot the handle is inert and the callback does nothing. Inside one it
   ``eval`` and ``save`` (the Trainer's own evaluation and checkpoint) as stages;
 - saves and stops where the pilot asks (``control.should_save``/``should_training_stop``), writes checkpoints
   into ``job.checkpoint_dir`` and reports each one (``job.saved``) after the Trainer wrote it;
-- in the ``probe`` role runs inspect, batch, accum_equivalence, overfit, export and reload_eval at train begin on
-  the trainer's own model, collator and loss (copies where they train), then stops after one update.
+- in the run whose rows the pilot records (the ``control`` run; also ``stages`` and ``probe``) runs inspect, batch,
+  accum_equivalence, overfit, export and reload_eval at train begin on the trainer's own model, collator and loss
+  (copies where they train), with every RNG put back afterwards so the run still draws what the interrupted and
+  resumed runs draw; a ``probe`` run stops after one update.
 
 Trainer callbacks are not given the trainer, so at ``on_train_begin`` the callback finds it in the calling frame
 (the Trainer's own method that fires the event); ``PilotrunCallback(trainer=...)``/``bind()`` name it instead.
@@ -67,11 +69,12 @@ def find_trainer() -> Trainer | None:
 
 class PilotrunCallback(TrainerCallback):
     """See the module docstring. ``job``: a handle (default ``pilotrun.program()``); ``trainer``: the Trainer, when
-    the callback should not look for it."""
+    the callback should not look for it; ``probes=False``: no in-process gates (the pilot then shows them as skip)."""
 
-    def __init__(self, job: Any = None, trainer: Trainer | None = None) -> None:
+    def __init__(self, job: Any = None, trainer: Trainer | None = None, probes: bool = True) -> None:
         self.job = job
         self.trainer = trainer
+        self.probes = probes
         self.window = C.UpdateWindow()
         self.updates_here = 0
         self.pending_save = False
@@ -106,8 +109,9 @@ class PilotrunCallback(TrainerCallback):
         self.collate = getattr(dataloader, "collate_fn", None) or trainer.data_collator
         if dataloader is not None:
             self._carry_ids(dataloader, trainer)
-        if C.role_name(self.job) == "probe":
-            self.probe_results = run_probes(self.job, trainer, self.collate)
+        if self.probes and C.runs_probes(self.job):
+            with C.preserved_rng():
+                self.probe_results = run_probes(self.job, trainer, self.collate)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self.active or self.spans is None:
