@@ -65,17 +65,6 @@ def test_lightning_reports_every_update_stages_and_saves_and_stops_where_asked(t
     assert all(r["verdict"] == "pass" for r in stages.values())
 
 
-def test_probe_role_runs_every_in_process_gate_on_a_clean_module(tmp_path):
-    job = handle(tmp_path, "probe")
-    trainer = fit(job, tmp_path, probes=True)
-    gates = {g["row"]["gate"]: g["row"] for g in events(job, "gate")}
-    assert list(gates) == ["inspect", "batch", "accum_equivalence", "overfit", "export", "reload_eval"]
-    for name, row in gates.items():
-        assert row["verdict"] == "pass", f"{name}: {row['reason']}"
-    assert "fresh process" in gates["reload_eval"]["reason"]
-    assert trainer.global_step == 1
-
-
 class TokenMean(L.LightningModule):
     """A tiny LM whose loss is the mean over each batch's own tokens: with variable lengths, accumulating micro
     batches weighs tokens differently than one batch (Lightning passes no num_items_in_batch)."""
