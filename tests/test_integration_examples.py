@@ -35,8 +35,43 @@ def test_framework_example_passes_every_gate_it_can_run(tmp_path, example):
     problems = {name: (g["verdict"], g["reason"][:300]) for name, g in gates.items()
                 if g["verdict"] not in ("pass", "skip") and not (name == "lock" and g["verdict"] == "warn")}
     assert code == 0 and not problems, problems
-    for name in INTEGRATION_GATES + ["first_step", "steady_step", "eval", "save", "resume"]:
+    for name in INTEGRATION_GATES + ["load", "first_step", "steady_step", "eval", "save", "resume"]:
         assert gates[name]["verdict"] == "pass", (name, gates[name]["reason"])
-    for name in NOT_ON_A_PROGRAM | {"load"}:
+    for name in NOT_ON_A_PROGRAM:
         assert gates[name]["verdict"] == "skip" and gates[name]["reason"], name
     assert "SIGKILL" in gates["resume"]["reason"]
+
+
+PLANTED = '''
+import transformers
+import torch
+
+
+class IgnoresNumItems(transformers.GPT2LMHeadModel):
+    """Accepts num_items_in_batch and ignores it: each micro batch's own token mean (transformers#37766)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        kwargs.pop("num_items_in_batch", None)
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        logits = out.logits[:, :-1].flatten(0, 1)
+        out.loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
+        return out
+'''
+
+
+def test_a_trainer_whose_model_ignores_num_items_in_batch_is_caught_by_accum_equivalence(tmp_path):
+    folder = tmp_path / "hf-trainer"
+    shutil.copytree(EXAMPLES / "hf-trainer", folder, ignore=shutil.ignore_patterns("runs", "out", "__pycache__"))
+    (folder / "planted.py").write_text(PLANTED)
+    script = (folder / "train.py").read_text()
+    assert "model = chat.model()" in script
+    (folder / "train.py").write_text(script.replace("model = chat.model()", "import planted\n    model = "
+                                                    "chat.model(model_class=planted.IgnoresNumItems)"))
+    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", "pilot.yaml", "--json", "--gates",
+                          "accum_equivalence", "--container-digest", TEST_DIGEST], cwd=folder, capture_output=True,
+                         text=True, timeout=900)
+    gates = {g["gate"]: g for g in json.loads(out.stdout)["gates"]}
+    assert out.returncode == 1, out.stderr[-2000:]
+    row = gates["accum_equivalence"]
+    assert row["verdict"] == "fail" and "#37766" in row["reason"], row["reason"]
+    assert row["details"]["relative_grad_difference"] > 1e-3

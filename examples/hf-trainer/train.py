@@ -24,7 +24,9 @@ args = TrainingArguments(
     eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=8, seed=0,
     report_to=[], dataloader_num_workers=0, use_cpu=True, disable_tqdm=True,
 )
-trainer = Trainer(model=chat.model(), args=args, data_collator=chat.collate, processing_class=chat.tokenizer(),
+with job.stage("load"):  # pilotrun (optional: measures the model's construction)
+    model = chat.model()
+trainer = Trainer(model=model, args=args, data_collator=chat.collate, processing_class=chat.tokenizer(),
                   train_dataset=chat.ChatData(chat.dialogues(96, seed=0)),
                   eval_dataset=chat.ChatData(chat.dialogues(16, seed=1)),
                   callbacks=[PilotrunCallback()])  # pilotrun

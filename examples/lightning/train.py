@@ -23,5 +23,7 @@ trainer = L.Trainer(max_steps=16, accumulate_grad_batches=2, val_check_interval=
                     accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, default_root_dir="out",
                     callbacks=[PilotrunCallback()])  # pilotrun
-trainer.fit(points.Regressor(), points.loader(96), points.loader(16, seed=1, shuffle=False),
+with job.stage("load"):  # pilotrun (optional: measures the module's construction)
+    module = points.Regressor()
+trainer.fit(module, points.loader(96), points.loader(16, seed=1, shuffle=False),
             ckpt_path=job.resume_from)  # pilotrun: resume where the pilot asks

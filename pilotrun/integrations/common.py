@@ -59,10 +59,14 @@ def role_name(job) -> str:
 
 
 def runs_probes(job) -> bool:
-    """The probes run in the run whose rows the pilot records (control, stages, probe), never in the interrupted or
-    resumed runs, whose updates are only compared."""
+    """The probes run on rank 0 of the run whose rows the pilot records (control, stages, probe), never in the
+    interrupted or resumed runs, whose updates are only compared."""
     from ..program.env import Role
 
+    if getattr(job, "rank", 0) != 0:
+        # One process probes: the probes work on copies and need no collective, and one export folder has one
+        # writer. The pilot's rows for these gates are rank 0's.
+        return False
     try:
         return Role(role_name(job)).records
     except ValueError:

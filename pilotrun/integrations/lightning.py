@@ -268,6 +268,9 @@ def probe_batch(trainer) -> GateResult:
 
 
 def probe_export(trainer, folder: Path) -> GateResult:
+    if trainer.world_size > 1:
+        return C.skipped("export", "with several processes Lightning's save_checkpoint is collective (a barrier every "
+                         "process must reach) and the probe runs on rank 0 alone; pilot the export with one process")
     with AtomicFolder(folder, "export", {"written_by": "lightning Trainer.save_checkpoint"}) as out:
         trainer.save_checkpoint(out.tmp / CHECKPOINT, weights_only=True)
         out.adopt_existing()

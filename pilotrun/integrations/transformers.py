@@ -360,6 +360,10 @@ def probe_batch(trainer: Trainer) -> GateResult:
 
 def probe_export(trainer: Trainer, folder: Path) -> GateResult:
     """``trainer.save_model`` (the framework's own save) into an atomic folder whose manifest pilotrun records."""
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        return C.skipped("export", "under FSDP or DeepSpeed trainer.save_model gathers the shards with a collective "
+                         "every process must join, and the probe runs on rank 0 alone; pilot the export with one "
+                         "process")
     with AtomicFolder(folder, "export", {"written_by": "transformers.Trainer.save_model"}) as out:
         trainer.save_model(str(out.tmp))
         out.adopt_existing()
