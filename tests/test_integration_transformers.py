@@ -111,11 +111,11 @@ def _differences(want: dict, got: dict) -> list[str]:
 
 
 def test_the_trainers_own_resume_is_measured_bitwise(tmp_path):
-    """What the installed transformers' own resume does, with dropout on and a shuffled sampler: mid-epoch
-    (transformers#39215: the RNG must be re-synced after skip_first_batches) and at an epoch boundary with
-    save_strategy="epoch" (transformers#17032: the RNG state of an epoch-end checkpoint). Measured on transformers
-    5.24: both bitwise equal to the uninterrupted control. ``ignore_data_skip=True`` (replay the epoch from its
-    start) is the planted difference that shows the comparison can fail."""
+    """What the installed transformers' own resume does, with dropout on and a shuffled sampler, at an epoch
+    boundary with save_strategy="epoch" (transformers#17032: the RNG state of an epoch-end checkpoint). Measured on
+    transformers 5.24: bitwise equal to the uninterrupted control (mid-epoch, transformers#39215, is measured by the
+    hf-trainer example's pilot). ``ignore_data_skip=True`` (replay the epoch from its start) is the planted
+    difference that shows the comparison can fail."""
     data = {"train_dataset": chat.ChatData(chat.dialogues(24))}  # 3 updates per epoch (4 × 2 examples each)
 
     def run(job, **args):
@@ -130,11 +130,13 @@ def test_the_trainers_own_resume_is_measured_bitwise(tmp_path):
     saved = {s["update"]: s["path"] for s in events(first, "saved")}
     assert sorted(saved) == [2, 3], "our save at 2, ours and the epoch strategy's at 3"
     found = {}
-    for name, update, args in (("mid-epoch", 2, {}), ("epoch boundary", 3, {}),
+    # Mid-epoch without ignore_data_skip is the hf-trainer example's own pilot (tests/test_integration_examples.py:
+    # saved after update 3 of 12, SIGKILLed, resumed: bitwise).
+    for name, update, args in (("epoch boundary", 3, {}),
                                ("mid-epoch, ignore_data_skip", 2, {"ignore_data_skip": True})):
         got = run(handle(tmp_path / name, "resumed", resume_from=saved[update]), **args)
         assert sorted(got) == list(range(update + 1, 6))
         found[name] = _differences(control, got)
     measured = f"transformers {transformers.__version__}: {found}"
-    assert not found["mid-epoch"] and not found["epoch boundary"], measured
+    assert not found["epoch boundary"], measured
     assert found["mid-epoch, ignore_data_skip"][0] == "update 3 ids", measured
