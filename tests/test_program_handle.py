@@ -89,3 +89,10 @@ def test_stage_saved_and_record_gate_stream_rows(tmp_path):
     gates = [e["row"] for e in ev if e["kind"] == "gate"]
     assert [(g["gate"], g["verdict"], g["details"]["examples"]) for g in gates] == [("inspect", "warn", 2)]
     assert [e["field"] for e in ev if e["kind"] == "problem"] == ["saved", "record_gate('batch')"]
+
+
+def test_a_hand_set_environment_that_pilotrun_would_not_set_is_named(tmp_path):
+    with pytest.raises(RuntimeError, match="PILOTRUN_ROLE must be one of control"):
+        _active(tmp_path, **{E.ROLE: "boss"})
+    with pytest.raises(RuntimeError, match="PILOTRUN_PROGRAM"):
+        _active(tmp_path, **{E.STOP_AT: "four"})

@@ -403,6 +403,8 @@ class Spec:
         out = asdict(self)
         out.pop("source", None)
         out.pop("written", None)
+        if out.get("program") is None:  # absent, not null: specs without it keep the hash they always had
+            out.pop("program", None)
         for section in ("model", "data"):
             extra = out[section].pop("extra", {}) or {}
             out[section].update(extra)

@@ -3,8 +3,11 @@
 Pure logic on the records of the event files (:mod:`pilotrun.program.env`): no processes, no ledger.
 
 For one rank, updates ``start..end`` of the control run and of the other run are compared in this order per
-update — ids, lr, loss, grad_norm, then each extra field — and the first update that differs names its first
-differing field, so a consequence (a loss that moved because the ids did) is never reported before its cause.
+update — ids, loss, lr, grad_norm, then each extra field — and the first update that differs names its first
+differing field, so a consequence is never reported before its cause: a loss moves when the ids do; the loss of
+the first resumed update is computed from the restored model alone (the lr reported for it acts only on the
+next one), so a loss difference there is the model/optimizer state, and an lr difference with equal losses is the
+scheduler.
 
 Example::
 
@@ -26,7 +29,7 @@ class Cause(TextEnum):
 
     DATA_ORDER_NOT_RESTORED = "data-order-not-restored"  # ids: sampler/shuffle RNG or data position not restored
     SCHEDULER_NOT_RESTORED = "scheduler-not-restored"    # lr: scheduler state not saved or not loaded
-    STATE_SAVED_AT_WRONG_POINT = "state-saved-at-wrong-point"  # loss with same ids and lr: model/optimizer state
+    STATE_SAVED_AT_WRONG_POINT = "state-saved-at-wrong-point"  # loss with the same ids: model/optimizer state
     GRADIENT_STATE = "gradient-state"                    # grad_norm alone: e.g. gradients not zeroed / scaler state
     EXTRA_FIELD = "extra-field"                          # a field the program added
     NOT_REPRODUCIBLE = "not-reproducible"                # two fresh runs differ before any resume (unseeded)
@@ -39,9 +42,9 @@ CAUSE_TEXT = {
                                    "per epoch) and the position in the epoch",
     Cause.SCHEDULER_NOT_RESTORED: "the learning-rate scheduler was not saved or not restored "
                                   "(scheduler.state_dict() in the checkpoint, load_state_dict() on resume)",
-    Cause.STATE_SAVED_AT_WRONG_POINT: "same examples and lr, different loss: the model/optimizer state in the "
-                                      "checkpoint is not the state after the update it names (saved before "
-                                      "optimizer.step(), or not all of it restored)",
+    Cause.STATE_SAVED_AT_WRONG_POINT: "same examples, different loss: the model/optimizer state in the checkpoint "
+                                      "is not the state after the update it names (saved before optimizer.step(), "
+                                      "or not all of it restored)",
     Cause.GRADIENT_STATE: "same loss, different gradient norm: gradients not zeroed before the first resumed update, "
                           "or a grad scaler's state not restored",
     Cause.EXTRA_FIELD: "a value the program reported with job.update(**extra) differs",
@@ -52,7 +55,7 @@ CAUSE_TEXT = {
                              "checkpoint so the first resumed update is N+1",
 }
 # The order fields are compared in within one update (cause before consequence).
-FIELDS = ("ids", "lr", "loss", "grad_norm")
+FIELDS = ("ids", "loss", "lr", "grad_norm")
 FIELD_CAUSE = {"ids": Cause.DATA_ORDER_NOT_RESTORED, "lr": Cause.SCHEDULER_NOT_RESTORED,
                "loss": Cause.STATE_SAVED_AT_WRONG_POINT, "grad_norm": Cause.GRADIENT_STATE}
 

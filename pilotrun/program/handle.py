@@ -110,16 +110,23 @@ class ProgramHandle:
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         self.active = env.get(E.PROGRAM, "") == "1"
-        self.rank = int(env.get("RANK", "0") or 0)
-        self.world_size = int(env.get("WORLD_SIZE", "1") or 1)
-        self.role: Role | str = Role(env[E.ROLE]) if self.active else ""
+        try:
+            self.rank = int(env.get("RANK", "0") or 0)
+            self.world_size = int(env.get("WORLD_SIZE", "1") or 1)
+            self.role: Role | str = Role(env.get(E.ROLE, "")) if self.active else ""
+            self._save_at = _parse_updates(env.get(E.SAVE_AT)) if self.active else frozenset()
+            stop = env.get(E.STOP_AT) if self.active else None
+            self._stop_at = int(stop) if stop else None
+            self._kill_wait = float(env.get(E.KILL_WAIT) or DEFAULT_KILL_WAIT)
+        except ValueError as exc:
+            # Only a hand-set environment gets here (pilotrun sets these): say which variables, and how to train
+            # without pilotrun.
+            raise RuntimeError(f"pilotrun.program(): {exc}; ${E.ROLE} must be one of {', '.join(r.value for r in Role)}"
+                               f", ${E.SAVE_AT} comma-separated integers, ${E.STOP_AT} an integer (pilotrun run sets "
+                               f"them; unset ${E.PROGRAM} to train without pilotrun)") from None
         self.run_id = env.get(E.RUN_ID) if self.active else None
         self.resume_from = (env.get(E.RESUME_FROM) or None) if self.active else None
         self.checkpoint_dir = (env.get(E.CHECKPOINT_DIR) or None) if self.active else None
-        self._save_at = _parse_updates(env.get(E.SAVE_AT)) if self.active else frozenset()
-        stop = env.get(E.STOP_AT) if self.active else None
-        self._stop_at = int(stop) if stop else None
-        self._kill_wait = float(env.get(E.KILL_WAIT) or DEFAULT_KILL_WAIT)
         self._events_dir = env.get(E.EVENTS) if self.active else None
         self._file: TextIO | None = None
         self._last_update: int | None = None

@@ -25,12 +25,13 @@ from ..config.spec import Spec
 from ..gates.lock import LockGate
 from ..gates.registry import GATE_NAMES, PROGRAM_GATES, OnProgram, select_gates
 from ..humanize import human_seconds
+from ..interrupt import as_interrupted
 from ..ledger.records import Failure, GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from ..ledger.store import Ledger
 from ..measure.meter import StageMeter
 from ..pilot.report import PilotResult, write_report
 from .env import Event, Role
-from .resume import resume_rows
+from .resume import fresh_runs_agree, resume_rows
 from .runner import RunOutcome, RunPlan, run_program
 
 
@@ -107,6 +108,11 @@ def run_program_pilot(spec: Spec, options: ProgramOptions | None = None, observe
     try:
         _pilot(spec, options, names, sink, out_dir, run_id, ledger.path, observer)
         result.status = RunStatus.of_pilot(result.rows)
+    except KeyboardInterrupt as exc:  # Ctrl-C/SIGTERM: the program's tree is already killed (runner); recorded
+        stop = as_interrupted(exc)
+        result.status, result.interrupted_by = RunStatus.INTERRUPTED, stop.name
+        ledger.merge_meta(run_id, {"interrupted_by": stop.name})
+        raise stop from None
     finally:
         if result.status == RunStatus.RUNNING:
             result.status = RunStatus.ERROR
@@ -136,7 +142,14 @@ def _pilot(spec: Spec, options: ProgramOptions, names: list[str], sink: _Rows, o
         # save stage is measured); it then runs on to N+K uninterrupted.
         runs[role] = run_program(spec.program, spec.folder, RunPlan(role, save_at=(before,), stop_at=before + after),
                                  out_dir, run_id, ledger_path, progress)
-    recording = next(iter(runs.values()), None)
+    recording = next((run for role, run in runs.items() if role.records), None)
+    # Without the resume gate (which reports them first), invalid values the program reported go on the steady_step
+    # rows (else first_step's): a value is never refused silently.
+    stage_names = [n for n in ("steady_step", "first_step") if n in names]
+    problems_gate = stage_names[0] if "resume" not in names and stage_names else None
+    if recording is not None and "resume" not in names and problems_gate is None and recording.of(Event.PROBLEM):
+        sink.ledger.add_note(run_id, "invalid values the program reported: " + "; ".join(
+            f"update {e.get('update')}: {e['problem']}" for e in recording.of(Event.PROBLEM)))
     for name in names:
         if name == "lock":
             continue
@@ -148,25 +161,29 @@ def _pilot(spec: Spec, options: ProgramOptions, names: list[str], sink: _Rows, o
                 spec.program, spec.folder, RunPlan(Role.INTERRUPTED, save_at=(before,), stop_at=before + after,
                                                    kill_after_save=before), out_dir, run_id, ledger_path, progress)
             saved = runs[Role.INTERRUPTED].of(Event.SAVED, 0)
-            if runs[Role.INTERRUPTED].killed and saved:
+            exact, mode = compare_mode(spec)
+            if runs[Role.INTERRUPTED].killed and saved and fresh_runs_agree(
+                    recording, runs[Role.INTERRUPTED], before, exact, spec.pilot.resume.rtol):
                 runs[Role.RESUMED] = run_program(
                     spec.program, spec.folder, RunPlan(Role.RESUMED, stop_at=before + after,
                                                        resume_from=saved[-1]["path"]),
                     out_dir, run_id, ledger_path, progress)
-            exact, mode = compare_mode(spec)
             for row in resume_rows(runs, before, after, exact, spec.pilot.resume.rtol, mode):
                 sink.add(row)
             continue
         if recording is None:
             continue
         if how == OnProgram.STAGE:
-            for row in _stage_rows(name, recording, why):
+            rows = _stage_rows(name, recording, why)
+            if name == problems_gate:
+                _mark_problems(rows, recording)
+            for row in rows:
                 sink.add(row)
         elif how == OnProgram.INTEGRATION:
-            rows = [e["row"] for e in recording.of(Event.GATE) if e["row"].get("gate") == name]
-            if rows:
-                for row in rows:
-                    sink.add(GateRow.from_mapping(row))
+            recorded = [e["row"] for e in recording.of(Event.GATE) if e["row"].get("gate") == name]
+            if recorded:
+                for mapping in recorded:
+                    sink.add(GateRow.from_mapping(mapping))
             else:
                 sink.add(GateRow.now(name, Verdict.SKIP, f"not measured on a program: {why}",
                                      details={"on_program": str(how)}))
@@ -219,6 +236,20 @@ def _stage_rows(name: str, run: RunOutcome, enable: str) -> list[GateRow]:
         row.rank = rank
         out.append(row)
     return out
+
+
+def _mark_problems(rows: list[GateRow], run: RunOutcome) -> None:
+    """Each rank's refused values fail (non-finite) or warn its row, naming the update and field."""
+    for row in rows:
+        problems = run.of(Event.PROBLEM, row.rank)
+        if not problems:
+            continue
+        text = "; ".join(f"update {e.get('update')}: {e['problem']}" for e in problems[:3])
+        row.details = {**row.details, "problems": problems}
+        if any(e.get("non_finite") for e in problems):
+            row.verdict, row.failure, row.reason = Verdict.FAIL, Failure.NON_FINITE, f"the program reported {text}"
+        elif row.verdict != Verdict.FAIL:
+            row.verdict, row.reason = Verdict.WARN, f"{row.reason}; the program reported invalid values: {text}"
 
 
 def combine(name: str, rows: list[dict]) -> GateRow:

@@ -7,6 +7,8 @@ killed after reporting ``saved(N)`` and the resumed run must have ended cleanly 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..ledger.records import Failure, GateRow, Verdict
 from .compare import CAUSE_TEXT, Comparison, compare_updates, reproducibility
 from .env import Event, Role
@@ -51,17 +53,25 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
                       f"job.saved({before}, path) on rank 0", details, Failure.ERROR)]
     checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
     details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
-    if resumed is None or not resumed.ended_cleanly:
-        how = resumed.how_it_ended() if resumed is not None else "did not start"
-        return [_fail(f"the resumed run (from {checkpoint}) {how}", details, Failure.ERROR)]
     rows = []
     for rank in [r for r in control.ranks if control.updates(r)]:
         repro = reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
-        diff = repro if not repro.equal else compare_updates(control.updates(rank), resumed.updates(rank),
-                                                             before + 1, end, exact, rtol)
-        rows.append(_row(rank, diff, repro.equal, before, end, checkpoint, mode, dict(details),
-                         ids_reported=any(u.get("ids") is not None for u in control.updates(rank))))
+        if not repro.equal:  # nothing after a resume can be compared (the resumed run is not started)
+            rows.append(_row(rank, repro, False, before, end, checkpoint, mode, dict(details), True))
+        elif resumed is None or not resumed.ended_cleanly:
+            how = resumed.how_it_ended() if resumed is not None else "was not started"
+            rows.append(_fail(f"the resumed run (from {checkpoint}) {how}", dict(details), Failure.ERROR, rank))
+        else:
+            diff = compare_updates(control.updates(rank), resumed.updates(rank), before + 1, end, exact, rtol)
+            rows.append(_row(rank, diff, True, before, end, checkpoint, mode, dict(details),
+                             ids_reported=any(u.get("ids") is not None for u in control.updates(rank))))
     return rows
+
+
+def fresh_runs_agree(control: RunOutcome, interrupted: RunOutcome, before: int, exact: bool, rtol: float) -> bool:
+    """Whether updates 1..N of the two fresh runs agree on every rank (else a resume cannot be judged)."""
+    return all(reproducibility(control.updates(r), interrupted.updates(r), before, exact, rtol).equal
+               for r in control.ranks if control.updates(r))
 
 
 def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int, checkpoint: str, mode: str,
@@ -75,8 +85,10 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
         return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
     details["largest_relative_difference"] = diff.largest_rel
     span = f"updates {before + 1}–{end}" if end > before + 1 else f"update {end}"
-    reason = (f"{span} after SIGKILL at update {before} and resume from {checkpoint} equal the control's "
-              f"(ids, lr, loss, grad_norm, extra), {mode}")
+    how = "bitwise" if mode.startswith("bitwise") else mode.partition(":")[0]
+    killed = len(details.get("killed_pids") or [])
+    reason = (f"{span} equal the control's {how} (ids, loss, lr, grad_norm, extra) after SIGKILL of the interrupted "
+              f"run ({killed} process(es)) at update {before} and a resume from {Path(checkpoint).name}")
     row = GateRow.now(GATE, Verdict.PASS, reason, details=details, rank=rank)
     if not ids_reported:
         row.verdict = Verdict.WARN

@@ -84,7 +84,8 @@ class RunOutcome:
 
     def how_it_ended(self) -> str:
         if self.timed_out:
-            return "ran past program.timeout and was killed"
+            return ("ran past program.timeout and was killed (does it end when job.should_stop(update) is True, and "
+                    "save when job.should_save(update) is?)")
         if self.killed:
             return "was killed with SIGKILL after its save, as planned"
         return f"exited with {self.returncode}" + (f": {self.log_tail()}" if self.returncode else "")

@@ -1,0 +1,69 @@
+"""The resume comparison on a program's updates (pure logic): the first update and field that differ, and why."""
+from __future__ import annotations
+
+from pilotrun.gates.registry import GATE_NAMES, PROGRAM_GATES, OnProgram
+from pilotrun.program.compare import Cause, compare_updates, reproducibility, values_equal
+
+
+def _run(n, lr=lambda u: 0.1 / u, loss=lambda u: 1.0 / u, ids=lambda u: [2 * u, 2 * u + 1], start=1, **extra):
+    return [{"update": u, "loss": loss(u), "lr": lr(u), "grad_norm": 0.5, "ids": ids(u), "extra": extra}
+            for u in range(start, n + 1)]
+
+
+def test_equal_runs_pass_bitwise():
+    diff = compare_updates(_run(4), _run(4, start=3), 3, 4, exact=True)
+    assert diff.equal and diff.compared == [3, 4]
+
+
+def test_lr_differs_names_the_scheduler():
+    resumed = _run(4, start=3, lr=lambda u: 0.1 / (u - 2))  # a fresh scheduler
+    diff = compare_updates(_run(4), resumed, 3, 4, exact=True)
+    d = diff.difference
+    assert (d.update, d.field, d.cause) == (3, "lr", Cause.SCHEDULER_NOT_RESTORED)
+    assert "scheduler" in d.sentence() and "update 3" in d.sentence()
+
+
+def test_ids_are_named_before_the_loss_they_moved():
+    resumed = _run(4, start=3, ids=lambda u: [0, 1], loss=lambda u: 7.0)
+    d = compare_updates(_run(4), resumed, 3, 4, exact=True).difference
+    assert (d.field, d.cause) == ("ids", Cause.DATA_ORDER_NOT_RESTORED)
+
+
+def test_loss_with_same_ids_is_state_saved_at_the_wrong_point_even_when_lr_moved_too():
+    resumed = _run(4, start=3, loss=lambda u: 1.0 / u + 1e-9, lr=lambda u: 0.1 / (u - 1))
+    d = compare_updates(_run(4), resumed, 3, 4, exact=True).difference
+    assert (d.update, d.field, d.cause) == (3, "loss", Cause.STATE_SAVED_AT_WRONG_POINT)
+
+
+def test_bitwise_versus_tolerance():
+    resumed = _run(4, start=3, loss=lambda u: 1.0 / u * (1 + 1e-6))
+    assert not compare_updates(_run(4), resumed, 3, 4, exact=True).equal
+    within = compare_updates(_run(4), resumed, 3, 4, exact=False, rtol=1e-3)
+    assert within.equal and 0 < within.largest_rel < 1e-5
+    assert not compare_updates(_run(4), resumed, 3, 4, exact=False, rtol=1e-9).equal
+    assert values_equal(float("nan"), float("nan"), True, 0)[0] and not values_equal(1.0, float("inf"), False, 1)[0]
+
+
+def test_step_counter_missing_updates_and_extra_fields():
+    restarted = _run(2)  # the resumed run counted from 1 again
+    assert compare_updates(_run(4), restarted, 3, 4, exact=True).cause == Cause.STEP_NOT_RESTORED
+    short = _run(3, start=3)
+    d = compare_updates(_run(4), short, 3, 4, exact=True).difference
+    assert (d.update, d.cause) == (4, Cause.MISSING_UPDATES) and "resumed" in d.field
+    d = compare_updates(_run(4, tokens=5.0), _run(4, start=3, tokens=6.0), 3, 4, exact=True).difference
+    assert (d.field, d.cause) == ("extra.tokens", Cause.EXTRA_FIELD)
+
+
+def test_fresh_runs_that_differ_are_not_reproducible():
+    other = _run(2, ids=lambda u: [9, 8])
+    d = reproducibility(_run(4), other, 2, exact=True, rtol=0).difference
+    assert (d.update, d.field, d.cause, d.other_name) == (1, "ids", Cause.NOT_REPRODUCIBLE, "interrupted")
+
+
+def test_registry_says_how_every_gate_runs_on_a_program():
+    assert list(PROGRAM_GATES) == GATE_NAMES
+    for name, (how, why) in PROGRAM_GATES.items():
+        assert why, name
+        if how in (OnProgram.INTEGRATION, OnProgram.NEVER):  # a skip row must say what would enable the gate
+            assert any(w in why for w in ("integration", "give", "resume gate")), (name, why)
+    assert PROGRAM_GATES["resume"][0] == OnProgram.PILOT and PROGRAM_GATES["eval"][0] == OnProgram.STAGE

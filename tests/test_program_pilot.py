@@ -1,0 +1,242 @@
+"""Piloting a user's own program: the program spec, the example loop standalone, planted resume defects caught by
+the resume gate (real processes, real SIGKILL), and the example under real torchrun with 2 gloo processes."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pilotrun.cli import main
+from pilotrun.config.schema import SpecError
+from pilotrun.config.spec import ProgramOnlySpec, ProgramSpecRefused, load_spec
+from pilotrun.ledger.records import Failure, Verdict
+from pilotrun.ledger.store import Ledger
+from pilotrun.program.compare import Cause
+from pilotrun.program.env import Event, Role
+from pilotrun.program.pilot import ProgramOptions, run_program_pilot
+from pilotrun.program.resume import resume_rows
+from pilotrun.program.runner import RunOutcome
+
+from .conftest import EXAMPLES, TEST_DIGEST, copy_fixture, write_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _program(tmp_path: Path, patches: dict[str, str] | None = None, command: str = "python train.py --updates 12",
+             **program) -> Path:
+    """A copy of examples/own-loop with ``patches`` (old text -> new text) planted in train.py; its spec."""
+    folder = tmp_path / "prog"
+    shutil.copytree(EXAMPLES / "own-loop", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
+    src = (folder / "train.py").read_text()
+    for old, new in (patches or {}).items():
+        assert old in src, f"the example changed: {old!r} is not in train.py any more"
+        src = src.replace(old, new)
+    (folder / "train.py").write_text(src)
+    return write_spec(folder / "pilot.yaml", {"name": "prog", "program": {"command": command, "timeout": 120,
+                                                                          **program}})
+
+
+def _pilot(spec_path: Path, tmp_path: Path, gates=("resume",)):
+    spec = load_spec(spec_path, allow_program=True)
+    return run_program_pilot(spec, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                                  gates=list(gates), container_digest=TEST_DIGEST))
+
+
+# -- the spec --------------------------------------------------------------------------------------------------
+def test_program_spec_needs_no_model_and_hashes_the_script(tmp_path):
+    spec = load_spec(_program(tmp_path), allow_program=True)
+    assert isinstance(spec, ProgramOnlySpec) and spec.model is None and spec.program is not None
+    assert spec.program.words == ["python", "train.py", "--updates", "12"]
+    assert "program" in spec.canonical() and "model" not in spec.canonical()
+    with pytest.raises(ProgramSpecRefused, match="pilotrun run"):  # estimate/select/plan need a model
+        load_spec(_program(tmp_path / "b"))
+    # a spec without program: keeps the canonical form (and so the config hash) it had before the key existed
+    assert "program" not in load_spec(copy_fixture("toy", tmp_path / "c")).canonical()
+
+
+@pytest.mark.parametrize("program, field, words", [
+    ({"command": "python missing.py"}, "program.command", "missing.py not found"),
+    ({"command": ""}, "program.command", "give the program's command line"),
+    ({"command": "python 'unclosed"}, "program.command", "close the quote"),
+    ({"command": "python train.py", "files": ["*.nothing"]}, "program.files[0]", "matches no file"),
+    ({"command": "python train.py", "timeout": 0}, "program.timeout", "must be positive"),
+])
+def test_bad_program_specs_name_the_field(tmp_path, program, field, words):
+    path = _program(tmp_path)
+    write_spec(path, {"name": "prog", "program": program})
+    with pytest.raises(SpecError) as err:
+        load_spec(path, allow_program=True)
+    assert any(f == field and words in m for f, m in err.value.problems), err.value.problems
+
+
+def test_run_help_shows_a_program_example(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "program:" in out and "pilotrun.program()" in out and "torchrun" in out
+
+
+def test_program_with_part_of_model_data_train_names_the_fix(tmp_path, capsys):
+    path = _program(tmp_path)
+    write_spec(path, {"name": "prog", "program": {"command": "python train.py"}, "model": {"factory": "a:b"}})
+    assert main(["run", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert "give all of model, data and train" in capsys.readouterr().err
+
+
+# -- the example, standalone and piloted ----------------------------------------------------------------------
+def test_the_example_trains_alone_without_pilotrun(tmp_path):
+    folder = tmp_path / "alone"
+    shutil.copytree(EXAMPLES / "own-loop", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PILOTRUN_") or k == "PILOTRUN_TEST_SESSION"}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "train.py", "--updates", "4", "--save-every", "2"], cwd=folder, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "updates 1..4" in out.stdout
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["update-2.pt", "update-4.pt"]
+
+
+# Each planted defect, the field the resume gate must name and the cause it must give.
+DEFECTS = {
+    "scheduler-not-restored": ({'    sched.load_state_dict(state["scheduler"])\n': "",
+                                # and a row an integration would record from inside the program
+                                "job = pilotrun.program()  # pilotrun: inert when run without pilotrun\n":
+                                    "job = pilotrun.program()\njob.record_gate('inspect', 'warn', 'planted', n=2)\n"},
+                               "lr", Cause.SCHEDULER_NOT_RESTORED),
+    "unseeded-shuffle": ({"random.Random(1000 + epoch).shuffle(order)": "random.shuffle(order)"}, "ids",
+                         Cause.NOT_REPRODUCIBLE),
+    "saved-before-step": ({"        opt.step()\n": "        if update % args.save_every == 0 or job.should_save(update):"
+                                                   "\n            path = save(update)\n        opt.step()\n",
+                           "            path = save(update)\n            if distributed:":
+                               "            if distributed:"}, "loss", Cause.STATE_SAVED_AT_WRONG_POINT),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
+def test_planted_resume_defects_are_caught_by_the_resume_gate(tmp_path, defect):
+    patches, field, cause = DEFECTS[defect]
+    result = _pilot(_program(tmp_path, patches), tmp_path, gates=("inspect", "resume"))
+    (row,) = [r for r in result.rows if r["gate"] == "resume"]
+    (inspect,) = [r for r in result.rows if r["gate"] == "inspect"]
+    if defect == "scheduler-not-restored":  # recorded with job.record_gate: taken from the control run only
+        assert (inspect["verdict"], inspect["reason"], inspect["details"]["n"]) == ("warn", "planted", 2)
+    else:
+        assert inspect["verdict"] == "skip" and "integration" in inspect["reason"]
+    assert row["verdict"] == Verdict.FAIL, row["reason"]
+    diff = row["details"]["difference"]
+    assert (diff["field"], diff["cause"]) == (field, str(cause)), row["reason"]
+    assert diff["update"] == (1 if cause == Cause.NOT_REPRODUCIBLE else 3)  # N=2: the first resumed update is 3
+    # fresh runs that already differ make a resume meaningless: the resumed run is then not started
+    assert (tmp_path / "out" / "program" / "resumed.log").exists() == (cause != Cause.NOT_REPRODUCIBLE)
+    assert row["details"]["failure"] == Failure.CHECK and result.exit_code == 1
+
+
+def _outcome(role, updates=(), problems=(), returncode=0, killed=False, saved=None, tmp=Path("/nonexistent")):
+    events = [{"kind": "update", "update": u, "loss": 1.0 / u, "lr": 0.1, "grad_norm": 1.0, "ids": [u], "extra": {}}
+              for u in updates]
+    events += [{"kind": "problem", "rank": 0, **p} for p in problems]
+    if saved:
+        events.append({"kind": "saved", "update": saved, "path": str(tmp / "ck.pt")})
+    return RunOutcome(role, returncode, 0.1, tmp / f"{role}.log", events={0: events}, killed=killed, killed_pids=[1])
+
+
+def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates(tmp_path):
+    control = _outcome(Role.CONTROL, [1, 2, 3, 4])
+    interrupted = _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9)
+    nan = {"update": 3, "field": "loss", "problem": "loss is nan (non-finite)", "non_finite": True}
+    runs = {Role.CONTROL: _outcome(Role.CONTROL, [1, 2, 4], problems=[nan]), Role.INTERRUPTED: interrupted}
+    (row,) = resume_rows(runs, 2, 2, True, 0.0, "bitwise")
+    assert row.failure == Failure.NON_FINITE and "update 3" in row.reason and "loss is nan" in row.reason
+    crashed = _outcome(Role.RESUMED, [3], returncode=1, tmp=tmp_path)
+    (tmp_path / "resumed.log").write_text("Traceback ...\nKeyError: 'scheduler'\n")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: crashed}, 2, 2, True,
+                         0.0, "bitwise")
+    assert row.failure == Failure.ERROR and "exited with 1" in row.reason and "KeyError" in row.reason
+    short = _outcome(Role.RESUMED, [3])
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: short}, 2, 2, True,
+                         0.0, "bitwise")
+    assert row.details["difference"]["cause"] == Cause.MISSING_UPDATES and row.details["difference"]["update"] == 4
+    never_saved = _outcome(Role.INTERRUPTED, [1, 2, 3, 4])  # ran to its end: no job.saved(), so no kill
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: never_saved}, 2, 2, True, 0.0, "bitwise")
+    assert "never called job.saved" in row.reason and "job.saved(2, path)" in row.reason
+
+
+@pytest.mark.slow
+def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_run(tmp_path):
+    folder = tmp_path / "own-loop"
+    shutil.copytree(EXAMPLES / "own-loop", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
+    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", str(folder / "pilot.yaml"), "--json",
+                          "--out", str(tmp_path / "out"), "--ledger", str(tmp_path / "l.sqlite"),
+                          "--container-digest", TEST_DIGEST], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)["gates"]
+    resume = [r for r in rows if r["gate"] == "resume"]
+    assert sorted(r["rank"] for r in resume) == [0, 1] and {r["verdict"] for r in resume} == {"pass"}
+    # torchrun, its two ranks (each in its own session) and their groups: all SIGKILLed, none left
+    assert len(resume[0]["details"]["killed_pids"]) >= 3
+    assert sorted(r["rank"] for r in rows if r["gate"] == "steady_step") == [0, 1]
+    skipped = [r for r in rows if r["verdict"] == "skip"]
+    assert skipped and all(r["reason"].startswith("not measured") for r in skipped)
+    assert {r["gate"] for r in skipped} >= {"inspect", "accum_equivalence", "restore", "reload_eval"}
+    assert not [r for r in rows if r["verdict"] == "fail"]
+    (lock,) = [r for r in rows if r["gate"] == "lock"]
+    program = lock["details"]["program"]
+    assert program["command"][:2] == ["torchrun", "--standalone"] and list(program["files"]) == ["train.py"]
+    assert program["files"]["train.py"] == __import__("hashlib").sha256((folder / "train.py").read_bytes()).hexdigest()
+    details = resume[0]["details"]
+    assert details["compared_updates"] == [3, 4] and details["largest_relative_difference"] == 0.0
+    assert details["killed_after_update"] == 2
+    assert not [p for p in details["killed_pids"] if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    program = tmp_path / "out" / "program"
+    assert "final train loss" not in (program / "interrupted.log").read_text()  # killed before it could finish
+    for rank in (0, 1):
+        events = [json.loads(e) for e in (program / "events" / f"resumed-rank{rank}.jsonl").read_text().splitlines()]
+        assert [e["update"] for e in events if e["kind"] == Event.UPDATE] == [3, 4]
+    # the stage gates come from the control run's stages, one row per rank; a gate the program cannot run says why
+    by_gate = {(r["gate"], r["rank"]): r for r in rows}
+    assert by_gate[("first_step", 1)]["verdict"] == by_gate[("save", 0)]["verdict"] == "pass"
+    assert by_gate[("load", 0)]["verdict"] == "skip" and 'job.stage("load")' in by_gate[("load", 0)]["reason"]
+    with Ledger(tmp_path / "l.sqlite") as led:
+        run_id = json.loads(out.stdout)["run_id"]
+        assert len(led.gate_rows(run_id)) == len(rows) and led.run(run_id)["status"] == "pass"
+
+
+@pytest.mark.slow
+def test_without_the_resume_gate_one_stages_run_and_a_nan_loss_fails_steady_step(tmp_path):
+    patch = {"job.update(update, loss=loss,": "job.update(update, loss=float('nan') if update == 3 else loss,"}
+    result = _pilot(_program(tmp_path, patch), tmp_path, gates=("steady_step",))
+    rows = {r["gate"]: r for r in result.rows}
+    assert "resume" not in rows and sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == [
+        "stages.log"]
+    assert rows["steady_step"]["verdict"] == Verdict.FAIL and "update 3: loss is nan" in rows["steady_step"]["reason"]
+    assert rows["steady_step"]["details"]["failure"] == Failure.NON_FINITE
+    assert rows["first_step"]["verdict"] == Verdict.PASS
+
+
+def test_a_program_past_its_timeout_is_killed_with_its_whole_tree(tmp_path):
+    """A child in its own session (as torchrun starts each rank) dies with the program: no orphan survives."""
+    from pilotrun.config.program import ProgramSpec
+    from pilotrun.program.runner import RunPlan, run_program
+
+    script = tmp_path / "hang.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+                      "start_new_session=True)\n"
+                      "open('child.pid', 'w').write(str(child.pid))\n"
+                      "time.sleep(120)\n")
+    program = ProgramSpec(command=["python", "hang.py"], timeout=4.0)
+    outcome = run_program(program, tmp_path, RunPlan(Role.CONTROL, stop_at=4), tmp_path / "out", "r1",
+                          tmp_path / "l.sqlite")
+    child = int((tmp_path / "child.pid").read_text())
+    assert outcome.timed_out and not outcome.ended_cleanly and child in outcome.killed_pids
+    assert "program.timeout" in outcome.how_it_ended()
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
