@@ -140,3 +140,13 @@ def test_the_trainers_own_resume_is_measured_bitwise(tmp_path):
     measured = f"transformers {transformers.__version__}: {found}"
     assert not found["epoch boundary"], measured
     assert found["mid-epoch, ignore_data_skip"][0] == "update 3 ids", measured
+
+
+def test_outside_a_pilot_the_callback_leaves_the_trainer_alone(tmp_path):
+    job = ProgramHandle(environ={})
+    assert not job.active
+    tr = trainer(job, tmp_path, max_steps=2)
+    tr.train()
+    assert tr.state.global_step == 2
+    assert "training_step" not in vars(tr) and "clip_grad_norm_" not in vars(tr.accelerator), "nothing wrapped"
+    assert not (tmp_path / "control").exists()

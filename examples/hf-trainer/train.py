@@ -1,4 +1,4 @@
-"""A transformers Trainer on synthetic chat data — with the two lines pilotrun needs (marked ``# pilotrun``).
+"""A transformers Trainer on synthetic chat data — with the lines pilotrun needs (marked ``# pilotrun``).
 
     python train.py                      # trains normally (the handle is inert)
     pilotrun run pilot.yaml              # pilots it gate by gate
