@@ -14,6 +14,7 @@ LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
     {"ui", "report"},
+    {"integrations"},
     {"pilot", "campaign", "estimate", "api", "program"},
     {"gates"},
     {"workers"},

@@ -1,0 +1,8 @@
+"""One-line pilotrun callbacks for the frameworks that own the training loop.
+
+``pilotrun.integrations.transformers.PilotrunCallback`` (``transformers.Trainer``, so TRL's ``SFTTrainer``)
+and ``pilotrun.integrations.lightning.PilotrunCallback`` (Lightning 2.x). Nothing is imported here: importing
+pilotrun never imports a framework; each submodule imports its own, and the Lightning one says how to
+install it when it is missing. What both share (the probe gates, the stage spans, the update window) is in
+:mod:`pilotrun.integrations.common`.
+"""

@@ -1,0 +1,335 @@
+"""``PilotrunCallback`` for Lightning 2.x: one line to be piloted.
+
+    import pilotrun
+    from pilotrun.integrations.lightning import PilotrunCallback
+
+    job = pilotrun.program()
+    trainer = L.Trainer(max_steps=..., callbacks=[PilotrunCallback()])
+    trainer.fit(module, train_loader, ckpt_path=job.resume_from)
+
+Outside a pilot the handle is inert and the callback does nothing. Inside one it:
+
+- reports every optimizer update (``trainer.global_step``): the loss (the mean of the window's micro-batch losses
+  as ``training_step`` returned them), the lr the optimizer steps with and the 2-norm of the accumulated gradients
+  before Lightning clips them (both read in ``on_before_optimizer_step``), and the sample ids (the batch's ``id``
+  field: keep it in your collate);
+- measures ``first_step``, ``steady_step`` (the next ``STEADY_UPDATES`` updates), ``eval`` (validation, not the
+  sanity check) and ``save`` as stages;
+- saves where the pilot asks with ``trainer.save_checkpoint`` into ``job.checkpoint_dir`` (``step-<N>.ckpt``) and
+  reports it, stops with ``trainer.should_stop``;
+- in the run whose rows the pilot records (``control``; also ``stages`` and ``probe``), with every RNG put back
+  afterwards, runs inspect, batch, accum_equivalence (``training_step``'s loss with Lightning's own
+  accumulation scaling, loss / accumulate_grad_batches), overfit, export (``trainer.save_checkpoint``) and
+  reload_eval (a fresh process: ``load_from_checkpoint(weights_only=True)`` of the class, after pilotrun's loading
+  policy admitted the recorded manifest) at train start, on copies of the module; a ``probe`` run stops after one
+  update.
+
+Lightning is an optional extra: this module says how to install it when it is missing; ``import pilotrun`` never
+imports it.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint.io import AtomicFolder
+from ..ledger.records import Verdict
+from . import common as C
+from .common import GateResult
+
+try:
+    import lightning.pytorch as pl
+except ImportError as exc:  # the optional extra is not installed
+    raise ImportError("pilotrun.integrations.lightning needs Lightning 2.x, which is not installed: "
+                      "pip install 'pilotrun[lightning]' (or pip install lightning)") from exc
+
+CHECKPOINT = "model.ckpt"
+
+
+def _default_job():
+    from ..program.handle import program
+
+    return program()
+
+
+def step_loss(output: Any) -> torch.Tensor | None:
+    """The loss a ``training_step`` returned (a tensor, or a mapping with ``loss``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    return None
+
+
+class PilotrunCallback(pl.Callback):
+    """See the module docstring. ``job``: a handle (default ``pilotrun.program()``); ``probes=False``: no in-process
+    gates (the pilot then shows them as skip)."""
+
+    def __init__(self, job: Any = None, probes: bool = True) -> None:
+        self.job = job
+        self.probes = probes
+        self.window = C.UpdateWindow()
+        self.updates_here = 0
+        self.last_step: int | None = None
+        self.spans: C.StageSpans | None = None
+        self.probe_results: dict[str, GateResult] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(getattr(self.job, "active", False))
+
+    def _inputs(self, trainer) -> dict:
+        loader = trainer.train_dataloader
+        return {"micro_batch_size": getattr(loader, "batch_size", None),
+                "grad_accum_steps": trainer.accumulate_grad_batches, "world_size": trainer.world_size}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.job is None:
+            self.job = _default_job()
+        if not self.active:
+            return
+        self.spans = C.StageSpans(self.job)
+        self.last_step = trainer.global_step
+        if self.probes and C.runs_probes(self.job):
+            with C.preserved_rng():
+                self.probe_results = run_probes(self.job, trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.active or self.spans is None:
+            return
+        if not self.window.losses:  # the first micro batch of an update window
+            track = [pl_module, *trainer.optimizers]
+            if self.updates_here == 0:
+                self.spans.open("first_step", {"update": trainer.global_step + 1, **self._inputs(trainer)}, track)
+            elif self.updates_here == 1:
+                self.spans.open("steady_step", {"updates": C.STEADY_UPDATES, **self._inputs(trainer)}, track)
+        self.window.ids_missing |= C.ids_of(batch) is None
+        self.window.ids.extend(C.ids_of(batch) or [])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.active:
+            self.window.lr = float(optimizer.param_groups[0]["lr"])
+            self.window.grad_norm = C.grad_norm(pl_module.parameters())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.active or self.spans is None:
+            return
+        loss = step_loss(outputs)
+        self.window.losses.append(float(loss.detach()) if loss is not None else float("nan"))
+        update = trainer.global_step
+        if update == self.last_step:  # still accumulating
+            return
+        self.last_step = update
+        window, self.window = self.window, C.UpdateWindow()
+        window.report(self.job, update, sum(window.losses) / len(window.losses))
+        self.updates_here += 1
+        if self.updates_here == 1:
+            self.spans.close("first_step")
+        elif self.updates_here == 1 + C.STEADY_UPDATES:
+            self.spans.close("steady_step")
+        if self.job.should_save(update):
+            folder = Path(self.job.checkpoint_dir or trainer.default_root_dir)
+            path = folder / f"step-{update}.ckpt"
+            self.spans.open("save", {"update": update, **self._inputs(trainer)})
+            trainer.save_checkpoint(path)
+            self.spans.close("save")
+            if trainer.is_global_zero:
+                self.job.saved(update, str(path))
+        if self.job.should_stop(update) or C.role_name(self.job) == "probe":
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.active and self.spans is not None and not trainer.sanity_checking:
+            self.spans.open("eval", self._inputs(trainer))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.spans is not None:
+            self.spans.close("eval")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.spans is not None:
+            self.spans.close_all()
+
+
+# ------------------------------------------------------------------------------------------------------ probes
+
+
+def detached_copy(module: pl.LightningModule, dtype: torch.dtype | None = None) -> pl.LightningModule:
+    """A deep copy of the module without its trainer (copying the trainer would copy the whole fit)."""
+    trainer, module._trainer = module._trainer, None
+    try:
+        out = copy.deepcopy(module).to("cpu")
+    finally:
+        module._trainer = trainer
+    return out.to(dtype) if dtype is not None else out
+
+
+def _loss(module, batch, idx: int = 0) -> torch.Tensor:
+    loss = step_loss(module.training_step(batch, idx))
+    if loss is None:
+        raise RuntimeError("training_step returned no loss (a tensor or a mapping with 'loss'): automatic "
+                           "optimization needs one")
+    return loss
+
+
+def _loader_parts(trainer) -> tuple[Any, Callable, int]:
+    loader = trainer.train_dataloader
+    if loader is None or not hasattr(loader, "dataset"):
+        raise RuntimeError("the trainer has no map-style train dataloader to take examples from")
+    return loader.dataset, loader.collate_fn, int(loader.batch_size or 1)
+
+
+def probe_accum(trainer, module) -> GateResult:
+    dataset, collate, size = _loader_parts(trainer)
+    n = max(int(trainer.accumulate_grad_batches), 2)
+    items = [dataset[i] for i in range(min(n * size, len(dataset)))]
+    if len(items) < n * size:
+        return C.skipped("accum_equivalence", f"the training set has {len(items)} examples; {n} micro batches of "
+                         f"{size} need {n * size}")
+    micro = [C.to_float64(collate(items[i * size:(i + 1) * size])) for i in range(n)]
+    big = C.to_float64(collate(items))
+    model = detached_copy(module, torch.float64).eval()
+
+    def accumulate(m) -> float:
+        total = 0.0
+        for i, batch in enumerate(micro):
+            # Lightning's automatic optimization divides each micro batch's loss by accumulate_grad_batches
+            # (loops/optimization/automatic.py, ClosureResult.from_training_step_output).
+            loss = _loss(m, batch, i) / n
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def one_batch(m) -> float:
+        loss = _loss(m, big)
+        loss.backward()
+        return float(loss.detach())
+
+    counts = [C.supervised(b, shift=False) for b in micro]
+    return C.accum_equivalence(model, accumulate, one_batch, [size] * n, counts,
+                               "LightningModule.training_step with Lightning's loss / accumulate_grad_batches")
+
+
+def probe_overfit(trainer, module) -> GateResult:
+    dataset, collate, _ = _loader_parts(trainer)
+    items = [dataset[i] for i in range(min(C.OVERFIT_EXAMPLES, len(dataset)))]
+    batch = collate(items)
+    model = detached_copy(module)
+
+    def eval_loss(m) -> float:
+        m.eval()
+        with torch.no_grad():
+            value = float(_loss(m, batch))
+        m.train()
+        return value
+
+    return C.overfit(model, lambda m: _loss(m, batch), eval_loss, len(items), C.OVERFIT_LR)
+
+
+def probe_inspect(trainer, module) -> GateResult:
+    dataset, collate, size = _loader_parts(trainer)
+    items = [dataset[i] for i in range(min(size, len(dataset)))]
+    batch = collate(items)
+    fields = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (list, tuple))
+                                                                      else [batch])
+    shapes = {str(k): (list(v.shape), str(v.dtype).replace("torch.", "")) if isinstance(v, torch.Tensor)
+              else type(v).__name__ for k, v in fields}
+    ids = C.ids_of(batch)
+    measurements = {"fields": shapes, "ids": ids, "first_item": repr(items[0])[:500] if items else None}
+    if ids is None:
+        return GateResult("inspect", Verdict.WARN, f"the first batch ({', '.join(shapes)}) has no 'id' field: updates "
+                          "carry no sample ids, so resume cannot compare which examples each update saw; keep the "
+                          "items' id in your collate", measurements)
+    return GateResult("inspect", Verdict.PASS, f"first batch: {len(ids)} examples (ids "
+                      f"{', '.join(map(str, ids[:8]))}), fields " + ", ".join(f"{k} {v}" for k, v in shapes.items()),
+                      measurements)
+
+
+def probe_batch(trainer) -> GateResult:
+    dataset, _, micro = _loader_parts(trainer)
+    accum, replicas, n = int(trainer.accumulate_grad_batches), int(trainer.world_size), len(dataset)
+    per_update = micro * accum * replicas
+    drop_last = bool(getattr(trainer.train_dataloader, "drop_last", False))
+    micro_batches = n // (micro * replicas) if drop_last else -(-n // (micro * replicas))
+    updates = -(-micro_batches // accum)
+    last = micro_batches - (updates - 1) * accum
+    partial = f"the last window has {last} of {accum} micro batches" if last != accum else "no partial window"
+    return GateResult("batch", Verdict.PASS, f"{micro} × {accum} × {replicas} = {per_update} examples per update; "
+                      f"{n} examples → {updates} updates per epoch; {partial}",
+                      {"micro_batch_size": micro, "grad_accum_steps": accum, "data_replicas": replicas,
+                       "examples_per_update": per_update, "updates_per_epoch": updates,
+                       "last_window_micro_batches": last,
+                       "normalisation": "each micro batch's loss / accumulate_grad_batches (Lightning)"})
+
+
+def probe_export(trainer, folder: Path) -> GateResult:
+    if trainer.world_size > 1:
+        return C.skipped("export", "with several processes Lightning's save_checkpoint is collective (a barrier every "
+                         "process must reach) and the probe runs on rank 0 alone; pilot the export with one process")
+    with AtomicFolder(folder, "export", {"written_by": "lightning Trainer.save_checkpoint"}) as out:
+        trainer.save_checkpoint(out.tmp / CHECKPOINT, weights_only=True)
+        out.adopt_existing()
+    sha = str(out.manifest_sha256)
+    return GateResult("export", Verdict.PASS, f"trainer.save_checkpoint wrote {CHECKPOINT} ({out.total_bytes} "
+                      f"bytes) to {folder}; manifest sha256 {sha[:12]}… recorded",
+                      {"manifest_sha256": sha, "export_dir": str(folder), "files": sorted(out.files),
+                       "bytes": out.total_bytes})
+
+
+def _tensors(batch: Any) -> dict[str, torch.Tensor]:
+    """The batch's tensors by name (a tuple's by position), for the fresh process."""
+    pairs = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (list, tuple))
+                                                                     else [batch])
+    return {str(k): v.contiguous().cpu() for k, v in pairs if isinstance(v, torch.Tensor)}
+
+
+def probe_reload(trainer, module, export: GateResult) -> GateResult:
+    from safetensors.torch import load_file, save_file
+
+    from ..workers.launch import run_worker
+
+    if export.verdict != Verdict.PASS:
+        return C.skipped("reload_eval", f"the export did not pass ({export.reason})")
+    cls = type(module)
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return C.skipped("reload_eval", f"{cls.__qualname__} is defined in the program's own script (or inside a "
+                         "function): a fresh process cannot build it without running the program again; define the "
+                         "LightningModule in an importable module to enable reload_eval")
+    dataset, collate, size = _loader_parts(trainer)
+    batch = collate([dataset[i] for i in range(min(size, len(dataset)))])
+    tensors = _tensors(batch)
+    kind = "dict" if isinstance(batch, dict) else "tuple"
+    folder = Path(export.measurements["export_dir"])
+    work = folder.parent / "pilotrun-reload"
+    work.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(work / "inputs.safetensors"))
+    model = detached_copy(module).eval()
+    with torch.no_grad():
+        expected = _loss(model, batch).detach().float().reshape(1)
+    where = str(Path(inspect.getfile(cls)).resolve().parent)
+    run_worker("pilotrun.integrations.lightning_reload",
+               ["--export", str(folder), "--known-manifest", export.measurements["manifest_sha256"],
+                "--module-class", f"{cls.__module__}:{cls.__qualname__}", "--module-folder", where,
+                "--batch-kind", kind, "--inputs", str(work / "inputs.safetensors"),
+                "--outputs", str(work / "outputs.safetensors")],
+               work / "reload.json", work / "reload.log", "reload")
+    reloaded = load_file(str(work / "outputs.safetensors"))["outputs"]
+    return C.compare_reload(expected, reloaded, f"{cls.__qualname__} checkpoint (its training_step loss, eval mode)",
+                            len(next(iter(tensors.values()))) if tensors else 0)
+
+
+def run_probes(job, trainer, module) -> dict[str, GateResult]:
+    out: dict[str, GateResult] = {}
+    out["inspect"] = C.run_probe(job, "inspect", lambda: probe_inspect(trainer, module))
+    out["batch"] = C.run_probe(job, "batch", lambda: probe_batch(trainer))
+    out["accum_equivalence"] = C.run_probe(job, "accum_equivalence", lambda: probe_accum(trainer, module))
+    out["overfit"] = C.run_probe(job, "overfit", lambda: probe_overfit(trainer, module))
+    root = Path(job.checkpoint_dir or trainer.default_root_dir)
+    out["export"] = C.run_probe(job, "export", lambda: probe_export(trainer, root / "pilotrun-export"))
+    out["reload_eval"] = C.run_probe(job, "reload_eval", lambda: probe_reload(trainer, module, out["export"]))
+    return out

@@ -1,0 +1,419 @@
+"""``PilotrunCallback`` for ``transformers.Trainer`` (and so TRL's ``SFTTrainer``): one line to be piloted.
+
+    import pilotrun
+    from pilotrun.integrations.transformers import PilotrunCallback
+
+    job = pilotrun.program()
+    trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[PilotrunCallback()])
+    trainer.train(resume_from_checkpoint=job.resume_from)
+
+Outside a pilot the handle is inert and the callback does nothing. Inside one it:
+
+- reports every optimizer update: the loss (the sum of the window's micro-batch losses as ``training_step``
+  returns them, i.e. the Trainer's own normalisation), the lr the optimizer stepped with (read after
+  ``optimizer.step()``, before the scheduler's step, as the Trainer logs it), the gradient norm the Trainer
+  computes and logs (before clipping: what ``accelerator.clip_grad_norm_`` returns) and the sample ids: each
+  item's ``id`` field, read before the
+  Trainer's collator (its ``RemoveColumnsCollator`` drops the column for a torch ``Dataset``; a
+  ``datasets.Dataset`` loses it before any collator: keep it with ``remove_unused_columns=False`` and a collator
+  that drops it, else updates carry no ids);
+- measures ``first_step`` (the first update of this process), ``steady_step`` (the next ``STEADY_UPDATES``),
+  ``eval`` and ``save`` (the Trainer's own evaluation and checkpoint) as stages;
+- saves and stops where the pilot asks (``control.should_save``/``should_training_stop``), writes checkpoints
+  into ``job.checkpoint_dir`` and reports each one (``job.saved``) after the Trainer wrote it;
+- in the run whose rows the pilot records (the ``control`` run; also ``stages`` and ``probe``) runs inspect, batch,
+  accum_equivalence, overfit, export and reload_eval at train begin on the trainer's own model, collator and loss
+  (copies where they train), with every RNG put back afterwards so the run still draws what the interrupted and
+  resumed runs draw; a ``probe`` run stops after one update.
+
+Trainer callbacks are not given the trainer, so at ``on_train_begin`` the callback finds it in the calling frame
+(the Trainer's own method that fires the event); ``PilotrunCallback(trainer=...)``/``bind()`` name it instead.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..checkpoint.io import AtomicFolder
+from ..ledger.records import Verdict
+from . import common as C
+from .common import GateResult
+
+# The key the wrapped collate adds to a batch to carry its sample ids to training_step (popped there, before the
+# model sees the batch).
+IDS_KEY = "__pilotrun_ids__"
+
+
+def _default_job():
+    from ..program.handle import program
+
+    return program()
+
+
+def find_trainer() -> Trainer | None:
+    """The Trainer whose method fired the current callback event: the nearest frame whose ``self`` is one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class PilotrunCallback(TrainerCallback):
+    """See the module docstring. ``job``: a handle (default ``pilotrun.program()``); ``trainer``: the Trainer, when
+    the callback should not look for it; ``probes=False``: no in-process gates (the pilot then shows them as skip)."""
+
+    def __init__(self, job: Any = None, trainer: Trainer | None = None, probes: bool = True) -> None:
+        self.job = job
+        self.trainer = trainer
+        self.probes = probes
+        self.window = C.UpdateWindow()
+        self.updates_here = 0
+        self.pending_save = False
+        self.spans: C.StageSpans | None = None
+        self.probe_results: dict[str, GateResult] = {}
+
+    def bind(self, trainer: Trainer) -> PilotrunCallback:
+        self.trainer = trainer
+        return self
+
+    @property
+    def active(self) -> bool:
+        return bool(getattr(self.job, "active", False))
+
+    # ------------------------------------------------------------------------------------------------ the hooks
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.job is None:
+            self.job = _default_job()
+        if not self.active:
+            return
+        trainer = self.trainer or find_trainer()
+        if trainer is None:
+            raise RuntimeError("pilotrun's PilotrunCallback found no transformers.Trainer calling it: add it to a "
+                               "Trainer's callbacks, or name it with PilotrunCallback(trainer=trainer)")
+        self.trainer = trainer
+        self.spans = C.StageSpans(self.job)
+        if self.job.checkpoint_dir:
+            # Each role of the pilot writes its own checkpoints: the control never overwrites the interrupted run's.
+            args.output_dir = str(self.job.checkpoint_dir)
+        dataloader = kwargs.get("train_dataloader")
+        self.collate = getattr(dataloader, "collate_fn", None) or trainer.data_collator
+        if dataloader is not None:
+            self._carry_ids(dataloader, trainer)
+        if self.probes and C.runs_probes(self.job):
+            with C.preserved_rng():
+                self.probe_results = run_probes(self.job, trainer, self.collate)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.active or self.spans is None:
+            return
+        track = [m for m in (kwargs.get("model"), kwargs.get("optimizer")) if m is not None]
+        if self.updates_here == 0:
+            self.spans.open("first_step", {"update": state.global_step + 1, **self._inputs(args)}, track)
+        elif self.updates_here == 1:
+            self.spans.open("steady_step", {"updates": C.STEADY_UPDATES, **self._inputs(args)}, track)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        opt = kwargs.get("optimizer")
+        if self.active and opt is not None:
+            self.window.lr = float(opt.param_groups[0]["lr"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.active or self.spans is None:
+            return
+        update = state.global_step
+        window, self.window = self.window, C.UpdateWindow()
+        window.report(self.job, update, sum(window.losses) if window.losses else None)
+        self.updates_here += 1
+        if self.updates_here == 1:
+            self.spans.close("first_step")
+        elif self.updates_here == 1 + C.STEADY_UPDATES:
+            self.spans.close("steady_step")
+        if self.job.should_save(update):
+            control.should_save = True
+        if self.job.should_stop(update) or C.role_name(self.job) == "probe":
+            control.should_training_stop = True
+        self._open_eval_or_save(args, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.active and self.spans is not None:
+            self._open_eval_or_save(args, control)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if not self.active or self.spans is None:
+            return
+        self.spans.close("eval")
+        if self.pending_save:
+            self.pending_save = False
+            self.spans.open("save", {"update": state.global_step, **self._inputs(args)})
+
+    def on_save(self, args, state, control, **kwargs):
+        if not self.active or self.spans is None:
+            return
+        self.spans.close("save")
+        path = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if path.is_dir() and args.process_index == 0:
+            self.job.saved(state.global_step, str(path))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.spans is not None:
+            self.spans.close_all()
+
+    # ------------------------------------------------------------------------------------------------ the parts
+
+    def _inputs(self, args) -> dict:
+        return {"micro_batch_size": args.per_device_train_batch_size,
+                "grad_accum_steps": args.gradient_accumulation_steps, "world_size": args.world_size}
+
+    def _open_eval_or_save(self, args, control) -> None:
+        """The Trainer evaluates, then saves, right after on_step_end/on_epoch_end when control says so."""
+        assert self.spans is not None
+        if control.should_evaluate:
+            self.pending_save = bool(control.should_save)
+            self.spans.open("eval", self._inputs(args))
+        elif control.should_save:
+            self.spans.open("save", self._inputs(args))
+
+    def _carry_ids(self, dataloader, trainer: Trainer) -> None:
+        """Wrap the train dataloader's collate (ids in) and the trainer's training_step (ids out, loss recorded),
+        and the accelerator's clip_grad_norm_ (the pre-clip norm the Trainer logs)."""
+        # accelerate's DataLoaderShard delegates to the torch DataLoader it wraps: the collate lives there.
+        loader = getattr(dataloader, "base_dataloader", dataloader)
+        inner_collate = loader.collate_fn
+
+        def collate(features):
+            batch = inner_collate(features)
+            ids = C.ids_of(features)
+            if ids is not None and hasattr(batch, "__setitem__"):
+                batch[IDS_KEY] = ids
+            return batch
+
+        loader.collate_fn = collate
+        inner_step = trainer.training_step
+        window_of = self
+        inner_clip = trainer.accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(parameters, max_norm, *rest, **kw):
+            norm = inner_clip(parameters, max_norm, *rest, **kw)
+            window_of.window.grad_norm = float(norm) if norm is not None else None
+            return norm
+
+        def training_step(model, inputs, num_items_in_batch=None, *rest, **kw):
+            ids = inputs.pop(IDS_KEY, None) if hasattr(inputs, "pop") else None
+            loss = inner_step(model, inputs, num_items_in_batch, *rest, **kw)
+            window_of.window.add(float(loss.detach()) if isinstance(loss, torch.Tensor) else loss, ids)
+            return loss
+
+        # Instance attributes, not the classes': only this trainer and this accelerator are wrapped.
+        setattr(trainer, "training_step", training_step)  # noqa: B010
+        setattr(trainer.accelerator, "clip_grad_norm_", clip_grad_norm_)  # noqa: B010
+
+
+# ------------------------------------------------------------------------------------------------------ probes
+
+
+def _items(dataset: Any, n: int) -> list:
+    return [dataset[i] for i in range(min(n, len(dataset)))]
+
+
+def _loss_scaled(trainer: Trainer, num_items) -> bool:
+    """Whether ``training_step`` leaves the loss alone (already normalised over the window) or divides it by the
+    window's micro-batch count — the rule of transformers' ``Trainer.training_step`` (5.x), mirrored."""
+    declared = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if declared is not None:
+        return bool(declared)
+    return bool((trainer.model_accepts_loss_kwargs and num_items is not None) or trainer.compute_loss_func is not None)
+
+
+def _loss(trainer: Trainer, model, batch, num_items=None) -> torch.Tensor:
+    out = trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items)
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _model(trainer: Trainer) -> torch.nn.Module:
+    if trainer.model is None:
+        raise RuntimeError("the Trainer has no model")
+    return trainer.model
+
+
+def _trainer_backward(trainer: Trainer, model, batches: list) -> float:
+    """One update's backward over ``batches`` as the Trainer computes it: its own num_items_in_batch count, its
+    own compute_loss, its own accumulation scaling; the window's loss as the Trainer reports it."""
+    _, num_items = trainer.get_batch_samples(iter(batches), len(batches), torch.device("cpu"))
+    total = 0.0
+    for batch in batches:
+        loss = _loss(trainer, model, batch, num_items)
+        if not _loss_scaled(trainer, num_items):
+            loss = loss / len(batches)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def probe_accum(trainer: Trainer, collate) -> GateResult:
+    args = trainer.args
+    n = max(args.gradient_accumulation_steps, 2)
+    size = args.per_device_train_batch_size
+    shift = bool(getattr(trainer, "_loss_shifts_labels", False))
+    items = _items(trainer.train_dataset, n * size)
+    if len(items) < n * size:
+        return C.skipped("accum_equivalence", f"the training set has {len(items)} examples; {n} micro batches of "
+                         f"{size} need {n * size}")
+
+    def chunks(its):
+        return [collate(its[i * size:(i + 1) * size]) for i in range(n)]
+
+    micro = chunks(items)
+    if len({C.supervised(b, shift) for b in micro}) == 1:
+        # Equal label counts would not exercise length normalisation: group the examples by their own length.
+        items = sorted(items, key=lambda it: C.supervised(collate([it]), shift))
+        micro = chunks(items)
+    micro64 = [C.to_float64(b) for b in micro]
+    big64 = C.to_float64(collate(items))
+    model = C.float64_copy(_model(trainer))
+    try:
+        return C.accum_equivalence(
+            model, lambda m: _trainer_backward(trainer, m, micro64), lambda m: _trainer_backward(trainer, m, [big64]),
+            [size] * n, [C.supervised(b, shift) for b in micro],
+            "Trainer.compute_loss with its num_items_in_batch and accumulation scaling")
+    finally:
+        del model
+
+
+def probe_overfit(trainer: Trainer, collate) -> GateResult:
+    items = _items(trainer.train_dataset, C.OVERFIT_EXAMPLES)
+    batch = collate(items)
+    model = copy.deepcopy(_model(trainer))
+
+    def eval_loss(m) -> float:
+        m.eval()
+        with torch.no_grad():
+            value = float(_loss(trainer, m, batch))
+        m.train()
+        return value
+
+    try:
+        return C.overfit(model, lambda m: _loss(trainer, m, batch), eval_loss, len(items), C.OVERFIT_LR)
+    finally:
+        del model
+
+
+def probe_inspect(trainer: Trainer, collate) -> GateResult:
+    """The first micro batch as the loss sees it: decoded inputs, the supervised positions, padding."""
+    items = _items(trainer.train_dataset, trainer.args.per_device_train_batch_size)
+    batch = collate(items)
+    ids = C.ids_of(items) or list(range(len(items)))
+    tok = trainer.processing_class
+    decode = getattr(tok, "decode", None)
+    shown = []
+    for row, sample in enumerate(ids):
+        input_ids = batch["input_ids"][row].tolist() if "input_ids" in batch else []
+        labels = batch["labels"][row].tolist() if "labels" in batch else []
+        mask = batch["attention_mask"][row].tolist() if "attention_mask" in batch else [1] * len(input_ids)
+        supervised = [t for t in labels if t != -100]
+        shown.append({"id": C.plain(sample), "tokens": len(input_ids), "padding": len(mask) - int(sum(mask)),
+                      "supervised": len(supervised),
+                      "input": decode(input_ids) if decode else input_ids[:64],
+                      "labels_fed_to_loss": decode(supervised) if decode else supervised[:64]})
+    measurements = {"examples": shown, "decoded_with": type(tok).__name__ if decode else "nothing (token ids shown)"}
+    if "labels" not in batch:
+        return GateResult("inspect", Verdict.WARN, "the collated batch has no 'labels': the model must build its own "
+                          "targets; check that its loss is what the long run should learn", measurements)
+    if not any(ex["supervised"] for ex in shown):
+        return GateResult("inspect", Verdict.FAIL, f"no position of the first {len(shown)} examples is supervised "
+                          "(every label is -100): the loss learns nothing from them", measurements)
+    return GateResult("inspect", Verdict.PASS, f"{len(shown)} examples shown as the loss sees them (ids "
+                      f"{', '.join(str(e['id']) for e in shown)}): "
+                      f"{sum(e['supervised'] for e in shown)} supervised positions, "
+                      f"{sum(e['padding'] for e in shown)} padding", measurements)
+
+
+def probe_batch(trainer: Trainer) -> GateResult:
+    args = trainer.args
+    dataset: Any = trainer.train_dataset
+    n = len(dataset)
+    micro, accum, replicas = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+    per_update = micro * accum * replicas
+    micro_batches = -(-n // (micro * replicas)) if not args.dataloader_drop_last else n // (micro * replicas)
+    updates = -(-micro_batches // accum)
+    last = micro_batches - (updates - 1) * accum
+    how = ("num_items_in_batch: the model takes loss kwargs, so every token of the window weighs the same"
+           if trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None else
+           "each micro batch's own mean divided by the window's micro-batch count (the model takes no "
+           "num_items_in_batch): see accum_equivalence")
+    partial = (f"the last window has {last} of {accum} micro batches" if last != accum else "no partial window")
+    return GateResult("batch", Verdict.PASS, f"{micro} × {accum} × {replicas} = {per_update} examples per update; "
+                      f"{n} examples → {updates} updates per epoch; {partial}",
+                      {"micro_batch_size": micro, "grad_accum_steps": accum, "data_replicas": replicas,
+                       "examples_per_update": per_update, "updates_per_epoch": updates,
+                       "last_window_micro_batches": last, "normalisation": how})
+
+
+def probe_export(trainer: Trainer, folder: Path) -> GateResult:
+    """``trainer.save_model`` (the framework's own save) into an atomic folder whose manifest pilotrun records."""
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        return C.skipped("export", "under FSDP or DeepSpeed trainer.save_model gathers the shards with a collective "
+                         "every process must join, and the probe runs on rank 0 alone; pilot the export with one "
+                         "process")
+    with AtomicFolder(folder, "export", {"written_by": "transformers.Trainer.save_model"}) as out:
+        trainer.save_model(str(out.tmp))
+        out.adopt_existing()
+    files = sorted(out.files)
+    weights = [f for f in files if f.endswith(".safetensors")]
+    sha = str(out.manifest_sha256)
+    measurements = {"manifest_sha256": sha, "export_dir": str(folder), "files": files,
+                    "bytes": out.total_bytes}
+    if not weights:
+        return GateResult("export", Verdict.FAIL, f"trainer.save_model wrote no safetensors weights in {folder} "
+                          f"({', '.join(files)}): pilotrun reloads safetensors only", measurements)
+    return GateResult("export", Verdict.PASS, f"trainer.save_model wrote {len(files)} files "
+                      f"({out.total_bytes} bytes) to {folder}; manifest sha256 {sha[:12]}… recorded "
+                      "(training_args.bin, a pickle, is never read back)", measurements)
+
+
+def probe_reload(trainer: Trainer, collate, export: GateResult) -> GateResult:
+    """A fresh process loads the export with transformers' own ``from_pretrained`` (safetensors only, no remote
+    code), admitted by pilotrun's loading policy against the manifest the export row recorded."""
+    from safetensors.torch import load_file, save_file
+
+    from ..train.evaluation import outputs_of
+    from ..workers.launch import run_worker
+
+    if export.verdict != Verdict.PASS:
+        return C.skipped("reload_eval", f"the export did not pass ({export.reason})")
+    folder = Path(export.measurements["export_dir"])
+    work = folder.parent / "pilotrun-reload"
+    work.mkdir(parents=True, exist_ok=True)
+    dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
+    items = _items(dataset, trainer.args.per_device_eval_batch_size)
+    batch = {k: v.contiguous().cpu() for k, v in collate(items).items() if isinstance(v, torch.Tensor)}
+    save_file(batch, str(work / "inputs.safetensors"))
+    expected = outputs_of(copy.deepcopy(_model(trainer)).cpu(), batch)
+    run_worker("pilotrun.workers.reload", ["--export", str(folder), "--inputs", str(work / "inputs.safetensors"),
+                                           "--outputs", str(work / "outputs.safetensors"),
+                                           "--known-manifest", export.measurements["manifest_sha256"]],
+               work / "reload.json", work / "reload.log", "reload")
+    reloaded = load_file(str(work / "outputs.safetensors"))["outputs"]
+    return C.compare_reload(expected, reloaded, "export (transformers from_pretrained)", len(items))
+
+
+def run_probes(job, trainer: Trainer, collate) -> dict[str, GateResult]:
+    """Every in-process gate, in the pilot's order, each recorded as it finishes."""
+    out: dict[str, GateResult] = {}
+    out["inspect"] = C.run_probe(job, "inspect", lambda: probe_inspect(trainer, collate))
+    out["batch"] = C.run_probe(job, "batch", lambda: probe_batch(trainer))
+    out["accum_equivalence"] = C.run_probe(job, "accum_equivalence", lambda: probe_accum(trainer, collate))
+    out["overfit"] = C.run_probe(job, "overfit", lambda: probe_overfit(trainer, collate))
+    root = Path(job.checkpoint_dir or trainer.args.output_dir or ".")
+    out["export"] = C.run_probe(job, "export", lambda: probe_export(trainer, root / "pilotrun-export"))
+    out["reload_eval"] = C.run_probe(job, "reload_eval", lambda: probe_reload(trainer, collate, out["export"]))
+    return out

@@ -1,0 +1,77 @@
+"""The two framework examples piloted end to end by ``pilotrun run``: the program runner starts them as real
+subprocesses (control, interrupted — SIGKILLed after its save — and resumed), and the callbacks' in-process gates
+come back through the handle's event files. Every gate that can run on them passes; the rest say why."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import EXAMPLES, TEST_DIGEST
+
+pytestmark = pytest.mark.slow
+
+# Gates a program cannot have (README, "Pilot your own program"): skip with the reason, never a silent pass.
+NOT_ON_A_PROGRAM = {"split", "restore"}
+INTEGRATION_GATES = ["inspect", "batch", "accum_equivalence", "overfit", "export", "reload_eval"]
+
+
+def pilot(example: str, tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    folder = tmp_path / example
+    shutil.copytree(EXAMPLES / example, folder, ignore=shutil.ignore_patterns("runs", "out", "__pycache__"))
+    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", "pilot.yaml", "--json", "--container-digest",
+                          TEST_DIGEST, *extra], cwd=folder, capture_output=True, text=True, timeout=900)
+    assert out.stdout.strip(), out.stderr[-3000:]
+    return out.returncode, {g["gate"]: g for g in json.loads(out.stdout)["gates"]}
+
+
+@pytest.mark.parametrize("example", ["hf-trainer", "lightning"])
+def test_framework_example_passes_every_gate_it_can_run(tmp_path, example):
+    code, gates = pilot(example, tmp_path)
+    problems = {name: (g["verdict"], g["reason"][:300]) for name, g in gates.items()
+                if g["verdict"] not in ("pass", "skip") and not (name == "lock" and g["verdict"] == "warn")}
+    assert code == 0 and not problems, problems
+    for name in INTEGRATION_GATES + ["load", "first_step", "steady_step", "eval", "save", "resume"]:
+        assert gates[name]["verdict"] == "pass", (name, gates[name]["reason"])
+    for name in NOT_ON_A_PROGRAM:
+        assert gates[name]["verdict"] == "skip" and gates[name]["reason"], name
+    assert "SIGKILL" in gates["resume"]["reason"]
+
+
+PLANTED = '''
+import transformers
+import torch
+
+
+class IgnoresNumItems(transformers.GPT2LMHeadModel):
+    """Accepts num_items_in_batch and ignores it: each micro batch's own token mean (transformers#37766)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        kwargs.pop("num_items_in_batch", None)
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        logits = out.logits[:, :-1].flatten(0, 1)
+        out.loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
+        return out
+'''
+
+
+def test_a_trainer_whose_model_ignores_num_items_in_batch_is_caught_by_accum_equivalence(tmp_path):
+    folder = tmp_path / "hf-trainer"
+    shutil.copytree(EXAMPLES / "hf-trainer", folder, ignore=shutil.ignore_patterns("runs", "out", "__pycache__"))
+    (folder / "planted.py").write_text(PLANTED)
+    script = (folder / "train.py").read_text()
+    assert "model = chat.model()" in script
+    (folder / "train.py").write_text(script.replace("model = chat.model()", "import planted\n    model = "
+                                                    "chat.model(model_class=planted.IgnoresNumItems)"))
+    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", "pilot.yaml", "--json", "--gates",
+                          "accum_equivalence", "--container-digest", TEST_DIGEST], cwd=folder, capture_output=True,
+                         text=True, timeout=900)
+    gates = {g["gate"]: g for g in json.loads(out.stdout)["gates"]}
+    assert out.returncode == 1, out.stderr[-2000:]
+    row = gates["accum_equivalence"]
+    assert row["verdict"] == "fail" and "#37766" in row["reason"], row["reason"]
+    assert row["details"]["relative_grad_difference"] > 1e-3

@@ -1,0 +1,137 @@
+"""pilotrun.integrations.lightning.PilotrunCallback on a real Lightning Trainer (examples/lightning), driven by the
+real pilotrun.program() handle: its event files are what the pilot reads."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning.pytorch")
+
+from pilotrun.integrations import lightning as PL  # noqa: E402
+from pilotrun.ledger.records import Verdict  # noqa: E402
+from pilotrun.program import env as E  # noqa: E402
+from pilotrun.program.handle import ProgramHandle  # noqa: E402
+
+from .conftest import EXAMPLES, REPO  # noqa: E402
+
+sys.path.insert(0, str(EXAMPLES / "lightning"))
+import points  # noqa: E402
+
+
+def handle(tmp_path: Path, role: str, **env) -> ProgramHandle:
+    environ = {E.PROGRAM: "1", E.ROLE: role, E.RUN_ID: "test", E.EVENTS: str(tmp_path / "events"),
+               E.CHECKPOINT_DIR: str(tmp_path / role)}
+    environ.update({getattr(E, k.upper()): str(v) for k, v in env.items()})
+    return ProgramHandle(environ=environ)
+
+
+def events(job: ProgramHandle, kind: str) -> list[dict]:
+    assert job.events_path is not None
+    return [x for x in map(json.loads, job.events_path.read_text().splitlines()) if x["kind"] == kind]
+
+
+def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = False, **kw) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job, probes=probes)],
+                        **kw)
+    trainer.fit(points.Regressor(), points.loader(n), points.loader(8, seed=1, shuffle=False),
+                ckpt_path=job.resume_from)
+    return trainer
+
+
+def test_lightning_reports_every_update_stages_and_saves_and_stops_where_asked(tmp_path):
+    job = handle(tmp_path, "control", save_at="3", stop_at=5)
+    trainer = fit(job, tmp_path, max_steps=8, val_check_interval=8, limit_val_batches=1)
+    assert trainer.global_step == 5
+    updates = events(job, "update")
+    assert [u["update"] for u in updates] == [1, 2, 3, 4, 5] and not events(job, "problem")
+    ids = [i for u in updates for i in u["ids"]]
+    assert all(len(u["ids"]) == 8 for u in updates) and len(set(ids)) == 40
+    assert all(math.isfinite(u["loss"]) and u["grad_norm"] > 0 for u in updates)
+    assert [u["lr"] for u in updates] == pytest.approx([1e-2 / (1 + k) for k in range(5)]), "lr stepped with"
+    saved = events(job, "saved")
+    assert [(s["update"], Path(s["path"]).name) for s in saved] == [(3, "step-3.ckpt")]
+    stages = {s["row"]["gate"]: s["row"] for s in events(job, "stage")}
+    assert set(stages) == {"first_step", "steady_step", "save", "eval"}
+    assert all(r["verdict"] == "pass" for r in stages.values())
+
+
+class TokenMean(L.LightningModule):
+    """A tiny LM whose loss is the mean over each batch's own tokens: with variable lengths, accumulating micro
+    batches weighs tokens differently than one batch (Lightning passes no num_items_in_batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.out(self.emb(batch["input_ids"]))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def _token_items(n: int) -> list[dict]:
+    return [{"id": i, "tokens": [(i * 7 + j) % 16 for j in range(2 + (i * 5) % 9)]} for i in range(n)]
+
+
+def _pad(items: list[dict]) -> dict:
+    width = max(len(it["tokens"]) for it in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    labels = torch.full((len(items), width), -100)
+    for row, it in enumerate(items):
+        ids[row, :len(it["tokens"])] = torch.tensor(it["tokens"])
+        labels[row, :len(it["tokens"])] = torch.tensor(it["tokens"])
+    return {"id": [it["id"] for it in items], "input_ids": ids, "labels": labels}
+
+
+def test_accum_equivalence_catches_a_per_batch_token_mean_and_passes_a_fixed_size_loss():
+    loader = torch.utils.data.DataLoader(_token_items(16), batch_size=2, collate_fn=_pad)
+    bad = PL.probe_accum(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2), TokenMean())
+    assert bad.verdict == Verdict.FAIL and "averaged per micro batch" in bad.reason, bad.reason
+    assert len(set(bad.measurements["supervised_per_micro_batch"])) > 1
+    clean = PL.probe_accum(SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2),
+                           points.Regressor(dropout=0.5))
+    assert clean.verdict == Verdict.PASS, clean.reason
+
+
+def test_lightnings_own_resume_is_measured_bitwise(tmp_path):
+    """Lightning's ckpt_path resume, with dropout on and a shuffled loader (examples/lightning: RNG state kept by the
+    module's checkpoint hooks, a sampler seeded by (seed, epoch)), 3 updates per epoch. Measured on Lightning 2.6:
+    at an epoch boundary the resumed updates equal the control's bitwise; mid-epoch a plain DataLoader is not
+    resumable and Lightning replays the epoch from its start (its own warning says so), so the first resumed
+    update sees other examples."""
+    def run(job):
+        fit(job, tmp_path, max_steps=5, n=24, limit_val_batches=0)
+        return {u["update"]: u for u in events(job, "update")}
+
+    control = run(handle(tmp_path, "control"))
+    first = handle(tmp_path, "stages", save_at="2,3", stop_at=3)
+    run(first)
+    saved = {s["update"]: s["path"] for s in events(first, "saved")}
+    found = {}
+    for update in (2, 3):
+        got = run(handle(tmp_path / str(update), "resumed", resume_from=saved[update]))
+        assert sorted(got) == list(range(update + 1, 6))
+        found[update] = [f"update {n} {f}" for n in sorted(got) for f in ("ids", "lr", "loss", "grad_norm")
+                         if got[n][f] != control[n][f]]
+    assert found[3] == [], f"epoch boundary: {found[3]}"
+    assert found[2][0] == "update 3 ids", f"mid-epoch: {found[2]}"
+
+
+def test_importing_pilotrun_does_not_import_lightning_and_a_missing_extra_says_how_to_install():
+    code = ("import sys, pilotrun, pilotrun.integrations; "
+            "assert 'lightning' not in sys.modules, 'lightning imported'; "
+            "sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
+            "try:\n    import pilotrun.integrations.lightning\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pip install 'pilotrun[lightning]'" in out.stdout

@@ -1,0 +1,152 @@
+"""pilotrun.integrations.transformers.PilotrunCallback on a real transformers Trainer (tiny GPT-2 from a config,
+synthetic chat from examples/hf-trainer), driven by the real pilotrun.program() handle: its event files are what
+the pilot reads."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from pilotrun.integrations import transformers as T  # noqa: E402
+from pilotrun.ledger.records import Verdict  # noqa: E402
+from pilotrun.program import env as E  # noqa: E402
+from pilotrun.program.handle import ProgramHandle  # noqa: E402
+
+from .conftest import EXAMPLES  # noqa: E402
+
+sys.path.insert(0, str(EXAMPLES / "hf-trainer"))
+import chat  # noqa: E402
+
+
+def handle(tmp_path: Path, role: str, **env) -> ProgramHandle:
+    environ = {E.PROGRAM: "1", E.ROLE: role, E.RUN_ID: "test", E.EVENTS: str(tmp_path / "events"),
+               E.CHECKPOINT_DIR: str(tmp_path / role)}
+    environ.update({getattr(E, k.upper()): str(v) for k, v in env.items()})
+    return ProgramHandle(environ=environ)
+
+
+def events(job: ProgramHandle, kind: str) -> list[dict]:
+    assert job.events_path is not None
+    lines = [json.loads(x) for x in job.events_path.read_text().splitlines()]
+    return [x for x in lines if x["kind"] == kind]
+
+
+def trainer(job, tmp_path: Path, model=None, max_steps: int = 8, probes: bool = False,
+            **args) -> transformers.Trainer:
+    settings = dict(output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4,
+                    gradient_accumulation_steps=2, learning_rate=1e-3, lr_scheduler_type="linear",
+                    save_strategy="no", logging_steps=1, seed=0, report_to=[], dataloader_num_workers=0,
+                    use_cpu=True, disable_tqdm=True, per_device_eval_batch_size=8)
+    settings.update(args)
+    return transformers.Trainer(
+        model=model or chat.model(), args=transformers.TrainingArguments(**settings), data_collator=chat.collate,
+        processing_class=chat.tokenizer(), train_dataset=chat.ChatData(chat.dialogues(48)),
+        eval_dataset=chat.ChatData(chat.dialogues(8, seed=1)), callbacks=[T.PilotrunCallback(job, probes=probes)])
+
+
+def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp_path):
+    job = handle(tmp_path, "control", save_at="3", stop_at=5)
+    tr = trainer(job, tmp_path, eval_strategy="steps", eval_steps=4)
+    tr.train()
+    assert tr.state.global_step == 5, "the pilot's stop at update 5 is where the Trainer stopped"
+    updates = events(job, "update")
+    assert [u["update"] for u in updates] == [1, 2, 3, 4, 5]
+    assert not events(job, "problem")
+    seen: list = []
+    for u in updates:
+        assert math.isfinite(u["loss"]) and u["lr"] > 0 and u["grad_norm"] > 0
+        assert len(u["ids"]) == 8 and all(isinstance(i, int) for i in u["ids"])  # 4 × 2 examples, the dataset's ids
+        seen += u["ids"]
+    assert len(set(seen)) == len(seen) == 40, "within one epoch no example repeats"
+    lrs = [u["lr"] for u in updates]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] == pytest.approx(1e-3), "the lr the optimizer stepped with"
+    saved = events(job, "saved")
+    assert [s["update"] for s in saved] == [3]
+    assert Path(saved[0]["path"]).name == "checkpoint-3" and Path(saved[0]["path"]).parent == tmp_path / "control"
+    assert (Path(saved[0]["path"]) / "optimizer.pt").is_file()
+    stages = {s["row"]["gate"]: s["row"] for s in events(job, "stage")}
+    assert set(stages) == {"first_step", "steady_step", "save", "eval"}
+    assert all(r["verdict"] == "pass" and r["seconds"] > 0 for r in stages.values())
+
+
+class IgnoresNumItems(transformers.GPT2LMHeadModel):
+    """Takes num_items_in_batch (so the Trainer does not divide by the accumulation steps) but averages its own
+    micro batch: transformers#37766's normalisation bug, planted."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        kwargs.pop("num_items_in_batch", None)
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        logits = out.logits[:, :-1].flatten(0, 1)
+        out.loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
+        return out
+
+
+class NoLossKwargs(transformers.GPT2LMHeadModel):
+    """No **kwargs at all: the Trainer divides each micro batch's mean by the accumulation steps."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+@pytest.mark.parametrize("model_class", [IgnoresNumItems, NoLossKwargs])
+def test_accum_equivalence_catches_a_model_whose_loss_ignores_num_items_in_batch(tmp_path, model_class):
+    tr = trainer(None, tmp_path, model=chat.model(model_class=model_class))
+    result = T.probe_accum(tr, chat.collate)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert "num_items_in_batch" in result.reason and "#37766" in result.reason
+    assert result.measurements["relative_grad_difference"] > 1e-3
+    clean = T.probe_accum(trainer(None, tmp_path), chat.collate)
+    assert clean.verdict == Verdict.PASS, clean.reason
+
+
+def _differences(want: dict, got: dict) -> list[str]:
+    return [f"update {n} {field}" for n in sorted(got) for field in ("ids", "lr", "loss", "grad_norm")
+            if got[n][field] != want[n][field]]
+
+
+def test_the_trainers_own_resume_is_measured_bitwise(tmp_path):
+    """What the installed transformers' own resume does, with dropout on and a shuffled sampler, at an epoch
+    boundary with save_strategy="epoch" (transformers#17032: the RNG state of an epoch-end checkpoint). Measured on
+    transformers 5.24: bitwise equal to the uninterrupted control (mid-epoch, transformers#39215, is measured by the
+    hf-trainer example's pilot). ``ignore_data_skip=True`` (replay the epoch from its start) is the planted
+    difference that shows the comparison can fail."""
+    data = {"train_dataset": chat.ChatData(chat.dialogues(24))}  # 3 updates per epoch (4 × 2 examples each)
+
+    def run(job, **args):
+        tr = trainer(job, tmp_path, max_steps=5, save_strategy="epoch", **args)
+        tr.train_dataset = data["train_dataset"]
+        tr.train(resume_from_checkpoint=job.resume_from)
+        return {u["update"]: u for u in events(job, "update")}
+
+    control = run(handle(tmp_path, "control"))
+    first = handle(tmp_path, "stages", save_at="2,3", stop_at=3)
+    run(first)
+    saved = {s["update"]: s["path"] for s in events(first, "saved")}
+    assert sorted(saved) == [2, 3], "our save at 2, ours and the epoch strategy's at 3"
+    found = {}
+    # Mid-epoch without ignore_data_skip is the hf-trainer example's own pilot (tests/test_integration_examples.py:
+    # saved after update 3 of 12, SIGKILLed, resumed: bitwise).
+    for name, update, args in (("epoch boundary", 3, {}),
+                               ("mid-epoch, ignore_data_skip", 2, {"ignore_data_skip": True})):
+        got = run(handle(tmp_path / name, "resumed", resume_from=saved[update]), **args)
+        assert sorted(got) == list(range(update + 1, 6))
+        found[name] = _differences(control, got)
+    measured = f"transformers {transformers.__version__}: {found}"
+    assert not found["epoch boundary"], measured
+    assert found["mid-epoch, ignore_data_skip"][0] == "update 3 ids", measured
+
+
+def test_outside_a_pilot_the_callback_leaves_the_trainer_alone(tmp_path):
+    job = ProgramHandle(environ={})
+    assert not job.active
+    tr = trainer(job, tmp_path, max_steps=2)
+    tr.train()
+    assert tr.state.global_step == 2
+    assert "training_step" not in vars(tr) and "clip_grad_norm_" not in vars(tr.accelerator), "nothing wrapped"
+    assert not (tmp_path / "control").exists()
