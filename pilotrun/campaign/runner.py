@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -71,7 +72,7 @@ def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> lis
 class _Recorder:
     """The run's per-update points, written to the ledger in batches (at each validation and at the end)."""
 
-    def __init__(self, led: Ledger, run_id: str) -> None:
+    def __init__(self, led: Ledger | RunSink, run_id: str) -> None:
         self.led, self.run_id = led, run_id
         self.pending: list[dict] = []
         self.first_loss: float | None = None
@@ -143,19 +144,31 @@ def _keep(driver: LoopDriver, spec, plan: dict, out_dir: Path, finished: bool) -
     return kept
 
 
-def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, deadline: float | None,
-              stop_requested: Callable[[], bool] = lambda: False, how: Callable[[], str] = lambda: "Ctrl-C") -> dict:
+class RunSink(Protocol):
+    """Where a run's rows go: the ledger itself, or (on a Ray worker) a relay the driver drains into the ledger."""
+
+    def __enter__(self) -> RunSink: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def add_metrics(self, run_id: str, series: Series, points: list[dict]) -> None: ...
+    def finish_campaign_run(self, run_id: str, end: RunEnd, **fields: Any) -> None: ...
+
+
+def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: dict, deadline: float | None,
+              stop_requested: Callable[[], bool] = lambda: False, how: Callable[[], str] = lambda: "Ctrl-C",
+              sink: RunSink | None = None) -> dict:
     """Train one run and record it; returns its final state. ``plan`` holds updates, eval_every, stop, keep.
 
     ``stop_requested`` is polled between updates: a Ctrl-C stops the run at an update boundary, so
     no ledger write is cut in half and every update before it is kept exactly once. ``how`` names what
-    stopped it (Ctrl-C, SIGTERM, ...) for the run's reason.
+    stopped it (Ctrl-C, SIGTERM, ...) for the run's reason. ``sink`` replaces the ledger at ``ledger_path``
+    where this process must not write it (a Ray worker: only the campaign's driver writes the ledger).
     """
+    assert sink is not None or ledger_path is not None
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan.get("threads"):  # runs side by side share the cores instead of each taking all of them
         torch.set_num_threads(plan["threads"])
     result: dict = {"run_id": run_id, "val": []}
-    with Ledger(ledger_path) as led:
+    with sink if sink is not None else Ledger(ledger_path) as led:
         driver = build_job(spec)
         assert isinstance(driver, LoopDriver)
         rec = _Recorder(led, run_id)
