@@ -23,6 +23,9 @@ from ..ledger.store import Ledger
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
 
+# Points also reach the ledger at least this often, not only at validations: a run whose process or
+# Ray node dies between two validations still has the updates it made (its stopped row cites the last one).
+FLUSH_EVERY_S = 2.0
 STOP_REASON_FILE = "stopped-by"  # beside the campaign's plan.json: what stopped it ("Ctrl-C", "SIGTERM", ...)
 
 
@@ -76,18 +79,22 @@ class _Recorder:
         self.led, self.run_id = led, run_id
         self.pending: list[dict] = []
         self.first_loss: float | None = None
+        self.flushed = time.monotonic()
 
     def update(self, rec) -> None:
         self.first_loss = rec.loss if self.first_loss is None else self.first_loss
         point = rec.metric()
         point["extra"] = {"examples_per_second": rec.examples / rec.seconds if rec.seconds else None}
         self.pending.append(point)
+        if time.monotonic() - self.flushed > FLUSH_EVERY_S:  # a run killed between validations keeps its points
+            self.flush()
 
     def non_finite(self, exc: NonFiniteError, lr: float) -> None:
         self.pending.append({"step": exc.step, "loss": exc.value if exc.what == "loss" else None, "lr": lr,
                              "sample_ids": exc.ids, "extra": {"non_finite": exc.what}})
 
     def flush(self) -> None:
+        self.flushed = time.monotonic()
         if self.pending:
             self.led.add_metrics(self.run_id, Series.TRAIN, self.pending)
             self.pending = []

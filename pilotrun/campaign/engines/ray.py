@@ -23,10 +23,11 @@ import enum
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import ray
 import ray.exceptions as rex
@@ -116,6 +117,27 @@ def plan_ray(requested: int | None, runs: int, *, cluster: dict[str, float], gpu
                     + f", each {cpus_per_run} CPU" + (f" and {gpus_per_run} GPU" if gpus_per_run else "")}
 
 
+class _RayNoticesToStderr:
+    """sys.stdout while Ray runs: Ray's listener threads print cluster notices (a raylet's death, a worker killed
+    for memory) to stdout, and ``ray.shutdown`` prints the ones it held back; they are diagnostics, so they go
+    to stderr and ``--json`` output stays parseable."""
+
+    def __init__(self, out: TextIO, err: TextIO) -> None:
+        self.out, self.err = out, err
+        self.shutting_down = False
+
+    def write(self, text: str) -> int:
+        ray_s = self.shutting_down or threading.current_thread().name.startswith("ray_")
+        return (self.err if ray_s else self.out).write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+        self.err.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.out, name)
+
+
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class Relay:
     """On the driver's node: the rows runs send, until the driver takes them; and the campaign's stop flag."""
@@ -203,6 +225,17 @@ class RayEngine:
 
     # -- life cycle -------------------------------------------------------------------------------
     def __enter__(self) -> RayEngine:
+        self._stdout = sys.stdout
+        self._notices = _RayNoticesToStderr(sys.stdout, sys.stderr)
+        sys.stdout = self._notices
+        try:
+            self._start()
+        except BaseException:
+            sys.stdout = self._stdout
+            raise
+        return self
+
+    def _start(self) -> None:
         if self.choice.address:
             ray.init(address=self.choice.address, log_to_driver=False)
         else:
@@ -219,7 +252,6 @@ class RayEngine:
             raise
         self._drainer = threading.Thread(target=self._drain_loop, name="pilotrun-ray-drain", daemon=True)
         self._drainer.start()
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self._closed.set()
@@ -228,7 +260,9 @@ class RayEngine:
         try:
             self.drain()
         finally:
+            self._notices.shutting_down = True
             ray.shutdown()
+            sys.stdout = self._stdout
 
     def cluster(self) -> dict[str, float]:
         return dict(ray.cluster_resources())
