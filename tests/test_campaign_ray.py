@@ -256,3 +256,34 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
         assert json.loads(out)["conclusion"]["text"], out[:3000]
     finally:
         _kill(worker_mark)
+
+
+@pytest.mark.slow
+def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per_rank(tmp_path, ray_env):
+    spec = _campaign(tmp_path, seeds=[1], vary={"train.optimizer.lr": [3.0e-3, 1.0e-3]}, updates=4,
+                     eval={"every": 2}, processes=2, keep={"checkpoint": False, "export": True, "control_set": 2})
+    base = tmp_path / "tiny-sft" / "pilot.yaml"
+    base.write_text(base.read_text() + "\ndistributed: {strategy: ddp}\n")
+    ledger = tmp_path / "l.sqlite"
+    res = pilotrun_cli("campaign", str(spec), "--engine", "ray", "--ledger", str(ledger), "--out",
+                       str(tmp_path / "runs"), "--json", cwd=tmp_path, env=ray_env, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["parallel"]["resources"] == {"num_cpus": 2, "num_gpus": 0}  # a CPU per rank on a CPU-only machine
+    for r in _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run'"):
+        assert r["status"] == "finished", r["meta_json"]
+        by_rank = _rows(ledger, "SELECT gate, rank, COUNT(*) AS n FROM metrics WHERE run_id = ? GROUP BY gate, rank "
+                                "ORDER BY gate, rank", r["run_id"])
+        # Each rank writes its own update points (as `pilotrun launch` writes a row per rank); validation is rank 0's.
+        assert [(m["gate"], m["rank"], m["n"]) for m in by_rank] == [("train", 0, 4), ("train", 1, 4), ("val", 0, 2)]
+        losses = _rows(ledger, "SELECT rank, loss FROM metrics WHERE run_id = ? AND gate = 'train' ORDER BY step, rank",
+                       r["run_id"])
+        assert losses[0]["loss"] == losses[1]["loss"]  # the update's loss is reduced over the group
+        assert (Path(r["out_dir"]) / "export").is_dir() and (Path(r["out_dir"]) / "spool" / "rank1.jsonl").is_file()
+    # Without Ray the group has nowhere to run: refused before the start, naming the fix.
+    res = pilotrun_cli("campaign", str(spec), "--ledger", str(tmp_path / "local.sqlite"), cwd=tmp_path)
+    assert res.returncode == 2 and "add --engine ray" in res.stderr, res.stderr
+    base.write_text(base.read_text().replace("distributed: {strategy: ddp}", ""))
+    res = pilotrun_cli("campaign", str(spec), "--engine", "ray", "--ledger", str(tmp_path / "local.sqlite"),
+                       cwd=tmp_path, env=ray_env)
+    assert res.returncode == 2 and "distributed.strategy is single: set it to ddp or fsdp" in res.stderr, res.stderr

@@ -32,7 +32,7 @@ from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
-from .engines.base import ClusterEngine, Engine, EngineChoice
+from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .procs import process_mark
 from .resources import PerRun, pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
@@ -67,7 +67,7 @@ def _stamp() -> str:
 def run_plan(c: CampaignSpec) -> dict:
     """What every run of the campaign is told: updates, validation frequency, stop rules, what to keep."""
     return {"updates": c.updates, "eval_every": c.eval.every, "stop": c.canonical()["stop"],
-            "keep": c.canonical()["keep"]}
+            "keep": c.canonical()["keep"], "processes": c.processes}
 
 
 # A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
@@ -163,6 +163,9 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
                 if examples_per_update(spec) != examples_per_update(controls[seed]):
                     problems.append(f"{c.key} = {value!r} changes the examples per update "
                                     f"({examples_per_update(controls[seed])} -> {examples_per_update(spec)})")
+            if c.processes > 1 and spec.distributed.strategy == "single":
+                raise CampaignError(f"processes: {c.processes} runs each run as a group of {c.processes} processes, "
+                                    "but the base's distributed.strategy is single: set it to ddp or fsdp")
             runs.append({"variant": value, "variant_index": i, "seed": seed, "control": i == 0, "spec": spec})
     return runs, list(dict.fromkeys(problems))  # once per value, not once per seed
 
@@ -222,7 +225,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
     runs, problems = prepare(c)
     if problems:
         raise CampaignError("refused before the start: " + "; ".join(problems) + " (a campaign varies one key only)")
-    with engine_for(engine, ledger_path) as eng:
+    with engine_for(engine, ledger_path, c.processes) as eng:
         campaign_id = f"{name}-{_stamp()}-{secrets.token_hex(2)}"
         folder = out_root / campaign_id
         folder.mkdir(parents=True, exist_ok=True)
@@ -233,7 +236,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
         if eng is None:
             at_once = parallel_plan(c, runs[0]["spec"], parallel or 1, ledger_path)
         else:
-            at_once = eng.plan(parallel, len(runs), runs[0]["spec"], base_pilot(c, ledger_path))
+            at_once = cluster_plan(eng, parallel, len(runs), runs[0]["spec"], base_pilot(c, ledger_path), c.processes)
         at_once["warnings"] = warnings_for(c, runs)
         plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
         (folder / "plan.json").write_text(json.dumps(plan, indent=1))
@@ -281,10 +284,22 @@ def engine_meta(engine: EngineChoice | None, run_root: Path) -> dict:
     return {"name": e.name, "address": e.address, "storage": str(run_root.resolve())}
 
 
+def cluster_plan(eng: ClusterEngine, requested: int | None, runs: int, spec, per_run: PerRun | None,
+                 processes: int) -> dict:
+    """The engine's own plan (how many at once, what each asks for); its refusal as a CampaignError."""
+    try:
+        return eng.plan(requested, runs, spec, per_run, processes)
+    except EngineRefusal as exc:
+        raise CampaignError(str(exc)) from None
+
+
 @contextmanager
-def engine_for(engine: EngineChoice | None, ledger_path: Path) -> Iterator[ClusterEngine | None]:
+def engine_for(engine: EngineChoice | None, ledger_path: Path, processes: int = 1) -> Iterator[ClusterEngine | None]:
     """The engine to hand ``execute``, started for the block (None: the local engine, made by ``execute``)."""
     if engine is None or engine.name == "local":
+        if processes > 1:
+            raise CampaignError(f"processes: {processes} runs each run as a torchrun-style group inside a Ray task: "
+                                "add --engine ray (a local Ray instance needs no cluster), or set processes: 1")
         yield None
         return
     try:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
+from ..distributed import all_sum
 from ..drivers import LoopDriver, NonFiniteError, build_job
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
@@ -75,8 +76,8 @@ def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> lis
 class _Recorder:
     """The run's per-update points, written to the ledger in batches (at each validation and at the end)."""
 
-    def __init__(self, led: Ledger | RunSink, run_id: str) -> None:
-        self.led, self.run_id = led, run_id
+    def __init__(self, led: Ledger | RunSink, run_id: str, rank: int = 0) -> None:
+        self.led, self.run_id, self.rank = led, run_id, rank
         self.pending: list[dict] = []
         self.first_loss: float | None = None
         self.flushed = time.monotonic()
@@ -96,11 +97,13 @@ class _Recorder:
     def flush(self) -> None:
         self.flushed = time.monotonic()
         if self.pending:
-            self.led.add_metrics(self.run_id, Series.TRAIN, self.pending)
+            self.led.add_metrics(self.run_id, Series.TRAIN, self.pending, rank=self.rank)
             self.pending = []
 
     def validation(self, step: int, v: dict) -> None:
         self.flush()
+        if self.rank:  # every rank evaluates the same model: rank 0's point is the run's
+            return
         self.led.add_metrics(self.run_id, Series.VAL, [{"step": step, "loss": v["val_loss"],
                                                         "extra": {"accuracy": v["accuracy"]}}])
 
@@ -109,10 +112,15 @@ def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requeste
            rec: _Recorder, val: list[dict], how: Callable[[], str]) -> RunEnd:
     """The run's updates and validations until its end: finished, or stopped or diverged by a declared rule."""
     stop = plan["stop"]
+    env = driver.env
     for step in range(1, plan["updates"] + 1):
-        if stop_requested():
+        asked, late = stop_requested(), deadline is not None and time.time() > deadline
+        if env.active:  # a group stops together or not at all (one rank alone would hang the others' collectives)
+            asked = all_sum(env, float(asked), driver.device) > 0
+            late = all_sum(env, float(late), driver.device) > 0
+        if asked:
             return RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, interrupted(how()), driver.step)
-        if deadline is not None and time.time() > deadline:
+        if late:
             return RunEnd(RunStatus.STOPPED, StopKind.BUDGET, "budget: the campaign's time budget ran out",
                           driver.step)
         try:
@@ -138,15 +146,20 @@ def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requeste
 def _keep(driver: LoopDriver, spec, plan: dict, out_dir: Path, finished: bool) -> dict:
     """What a run leaves on disk: control-set predictions always, the checkpoint and export when it finished."""
     kept: dict = {}
-    preds = control_predictions(driver.plain_model, driver.data, spec, driver.device, plan["keep"]["control_set"],
-                                out_dir)
-    (out_dir / "predictions.json").write_text(json.dumps(preds, indent=1))
-    kept["control_predictions"] = str(out_dir / "predictions.json")
+    main = driver.env.is_main
+    if main:
+        preds = control_predictions(driver.plain_model, driver.data, spec, driver.device,
+                                    plan["keep"]["control_set"], out_dir)
+        (out_dir / "predictions.json").write_text(json.dumps(preds, indent=1))
+        kept["control_predictions"] = str(out_dir / "predictions.json")
     if plan["keep"]["checkpoint"] and finished:
-        driver.save(out_dir / "checkpoints" / "final")
+        driver.save(out_dir / "checkpoints" / "final")  # every rank: the strategy's layout (DCP shards for FSDP)
         kept["checkpoint"] = str(out_dir / "checkpoints" / "final")
     if plan["keep"].get("export", True) and finished:
-        driver.write_export(out_dir / "export")
+        # Every rank takes part in gathering the full weights; rank 0 writes them (as the export gate does).
+        weights = driver.export_weights() if driver.env.active else None
+        if main:
+            driver.write_export(out_dir / "export", weights)
         kept["export"] = str(out_dir / "export")
     return kept
 
@@ -156,7 +169,7 @@ class RunSink(Protocol):
 
     def __enter__(self) -> RunSink: ...
     def __exit__(self, *exc: object) -> None: ...
-    def add_metrics(self, run_id: str, series: Series, points: list[dict]) -> None: ...
+    def add_metrics(self, run_id: str, series: Series, points: list[dict], rank: int = 0) -> None: ...
     def finish_campaign_run(self, run_id: str, end: RunEnd, **fields: Any) -> None: ...
 
 
@@ -178,7 +191,7 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
     with sink if sink is not None else Ledger(ledger_path) as led:
         driver = build_job(spec)
         assert isinstance(driver, LoopDriver)
-        rec = _Recorder(led, run_id)
+        rec = _Recorder(led, run_id, driver.env.rank)
         try:
             end = _train(driver, plan, deadline, stop_requested, rec, result["val"], how)
             rec.flush()
@@ -202,6 +215,8 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
         result.update(status=str(end.status), **end.fields())
         result["final"] = result["val"][-1] if result["val"] else None
         result["first_loss"] = rec.first_loss
-        led.finish_campaign_run(run_id, end, final=result["final"], first_loss=rec.first_loss)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+        if driver.env.is_main:  # one end per run; the other ranks' rows are their points
+            led.finish_campaign_run(run_id, end, final=result["final"], first_loss=rec.first_loss)
+    if driver.env.is_main:
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     return result

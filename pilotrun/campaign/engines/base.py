@@ -24,6 +24,11 @@ from typing import Literal, Protocol
 ENGINES = ("local", "ray")
 
 
+class EngineRefusal(Exception):
+    """The engine cannot run the campaign as declared (e.g. GPUs asked of a cluster with none): the message names the
+    fix. The orchestrator reports it as a CampaignError (exit 2)."""
+
+
 @dataclass(frozen=True)
 class EngineChoice:
     """``--engine``, ``--address`` (an existing Ray cluster; None: a local Ray instance) and ``--storage`` (where
@@ -48,4 +53,4 @@ class Engine(Protocol):
 class ClusterEngine(Engine, Protocol):
     """An engine that schedules the runs itself (Ray): it says how many go at once and what each asks for."""
 
-    def plan(self, requested: int | None, runs: int, spec, per_run) -> dict: ...
+    def plan(self, requested: int | None, runs: int, spec, per_run, processes: int = 1) -> dict: ...

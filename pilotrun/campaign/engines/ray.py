@@ -23,12 +23,15 @@ import enum
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
 import ray
 import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -36,10 +39,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ...config.spec import spec_from_mapping
 from ...ledger.records import RunEnd, RunStatus, Series, StopKind
 from ...ledger.store import Ledger
-from ..orchestrate import CampaignError
+from ...workers.launch import worker_env
 from ..resources import PerRun
-from ..runner import train_run
-from .base import EngineChoice
+from ..runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
+from ..spool import SpoolReader, end_item
+from .base import EngineChoice, EngineRefusal
 
 # A local instance is a helper for this campaign, not a cluster: a small object store (the runs exchange only
 # rows and per-update points) and no dashboard, so it fits beside the runs on a small machine.
@@ -174,12 +178,11 @@ class RelaySink:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def add_metrics(self, run_id: str, series: Series, points: list[dict]) -> None:
-        ray.get(self.relay.put.remote([("metrics", run_id, str(series), list(points))]))
+    def add_metrics(self, run_id: str, series: Series, points: list[dict], rank: int = 0) -> None:
+        ray.get(self.relay.put.remote([("metrics", run_id, str(series), list(points), rank)]))
 
     def finish_campaign_run(self, run_id: str, end: RunEnd, **fields: Any) -> None:
-        ray.get(self.relay.put.remote([("end", run_id, (str(end.status), end.stop and str(end.stop), end.reason,
-                                                        end.at), fields)]))
+        ray.get(self.relay.put.remote([end_item(run_id, end, fields)]))
 
 
 def _run_task(payload: dict, run_id: str, out_dir: str, plan: dict, deadline: float | None, relay) -> str:
@@ -198,10 +201,51 @@ def _run_task(payload: dict, run_id: str, out_dir: str, plan: dict, deadline: fl
             seen["at"], seen["how"] = time.monotonic(), ray.get(relay.stopping.remote())
         return seen["how"]
 
+    if plan.get("processes", 1) > 1:
+        return _run_group(payload, run_id, Path(out_dir), plan, deadline, relay, how)
     spec = spec_from_mapping(payload["written"], payload["source"])
     result = train_run(spec, run_id, Path(out_dir), None, plan, deadline, lambda: how() is not None,
                        lambda: how() or "Ctrl-C", sink=RelaySink(relay))
     return str(result["status"])
+
+
+def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: float | None, relay,
+               how: Callable[[], str | None]) -> str:
+    """On a Ray worker: the run as ``plan["processes"]`` ranks under torchrun (pilotrun's own launch: a fresh
+    ``--standalone`` group on this node, on the GPUs Ray gave the task), each rank's rows forwarded to the relay."""
+    out.mkdir(parents=True, exist_ok=True)
+    spool = out / "spool"
+    spec_file, plan_file = out / "spec.json", out / "plan.json"
+    spec_file.write_text(json.dumps(payload))
+    plan_file.write_text(json.dumps({**plan, "threads": 1}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan['processes']}",
+           "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id, "--out", str(out),
+           "--spool", str(spool), "--plan", str(plan_file)] + (["--deadline", str(deadline)] if deadline else [])
+    reader, told = SpoolReader(spool), False
+    with open(out / "worker.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**worker_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        try:
+            while proc.poll() is None:
+                time.sleep(DRAIN_EVERY_S)
+                items = reader.new_items()
+                if items:
+                    ray.get(relay.put.remote(items))
+                stop = how()
+                if stop and not told:  # every rank is told; they agree on the update to stop at (runner._train)
+                    (out / STOP_REASON_FILE).write_text(stop)
+                    for child in psutil.Process(proc.pid).children(recursive=True):
+                        if "pilotrun.campaign.worker" in " ".join(child.cmdline()):
+                            child.send_signal(STOP_SIGNAL)
+                    told = True
+        finally:
+            if proc.poll() is None:  # this task is being torn down: the group goes with it
+                proc.kill()
+                proc.wait()
+    items = reader.new_items()
+    if items:
+        ray.get(relay.put.remote(items))
+    return f"exit {proc.returncode}"
 
 
 run_task = ray.remote(_run_task)
@@ -267,16 +311,18 @@ class RayEngine:
     def cluster(self) -> dict[str, float]:
         return dict(ray.cluster_resources())
 
-    def plan(self, requested: int | None, runs: int, spec, per_run: PerRun | None) -> dict:
-        """Runs at once on this cluster, and the resources each asks for (kept for ``launch``)."""
-        gpus = 0 if spec.train.device in ("cpu", "mps") else 1
+    def plan(self, requested: int | None, runs: int, spec, per_run: PerRun | None, processes: int = 1) -> dict:
+        """Runs at once on this cluster, and the resources each asks for (kept for ``launch``): a CPU per process,
+        and a GPU per process (the run's world size) unless the spec trains on the CPU."""
+        gpus = 0 if spec.train.device in ("cpu", "mps") else processes
         cluster = self.cluster()
         if gpus and not cluster.get("GPU"):
             if spec.train.device != "auto":
-                raise CampaignError(f"train.device is {spec.train.device} but the Ray cluster has no GPU: set "
+                raise EngineRefusal(f"train.device is {spec.train.device} but the Ray cluster has no GPU: set "
                                     "train.device: cpu (or auto), or give --address of a cluster with GPUs")
             gpus = 0  # auto: the runs use the CPU, as `auto` does on a machine without an accelerator
-        at_once = plan_ray(requested, runs, cluster=cluster, gpus_per_run=gpus, cpus_per_run=1, per_run=per_run)
+        at_once = plan_ray(requested, runs, cluster=cluster, gpus_per_run=gpus, cpus_per_run=processes,
+                           per_run=per_run)
         self.resources = at_once["resources"]
         return at_once
 
@@ -297,7 +343,7 @@ class RayEngine:
             with Ledger(self.ledger_path) as led:
                 for kind, run_id, *rest in items:
                     if kind == "metrics":
-                        led.add_metrics(run_id, Series(rest[0]), rest[1])
+                        led.add_metrics(run_id, Series(rest[0]), rest[1], rank=rest[2])
                     elif kind == "end":
                         (status, stop, reason, at), fields = rest
                         led.finish_campaign_run(run_id, RunEnd(RunStatus(status), stop and StopKind(stop), reason,
@@ -309,7 +355,8 @@ class RayEngine:
 
     # -- one run ----------------------------------------------------------------------------------
     def launch(self, r: dict, ledger: Path, plan_file: Path, deadline: float | None, threads: int | None) -> None:
-        plan = {**json.loads(plan_file.read_text()), "threads": self.resources["num_cpus"]}
+        plan = json.loads(plan_file.read_text())
+        plan["threads"] = 1 if plan.get("processes", 1) > 1 else self.resources["num_cpus"]
         payload = {"source": r["spec"].source, "written": r["spec"].written}
         with self.lock:
             if self.stopping.is_set():
