@@ -188,6 +188,16 @@ def test_a_local_ray_instance_keeps_exactly_the_rows_the_local_engine_keeps(tmp_
     print(f"ray campaign: {ray_s:.1f} s")
 
 
+def _lighter(base: Path) -> None:
+    """Smaller updates for the tests that are about where runs go, not what they learn."""
+    spec = yaml.safe_load(base.read_text())
+    spec["train"].update(micro_batch_size=4, grad_accum_steps=1)
+    base.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+UPDATES = 40  # long enough that the worker node is killed mid-run, short enough for the head's run to finish
+
+
 def _start_node(args: list[str], env: dict) -> str:
     res = subprocess.run([RAY, "start", *args, "--num-cpus=1", "--object-store-memory=80000000",
                           "--node-ip-address=127.0.0.1", "--disable-usage-stats"],
@@ -205,8 +215,9 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
     worker_mark = ray_env[MARK] + "-worker"
     try:
         _start_node([f"--address={address}"], {**ray_env, MARK: worker_mark})
-        spec = _campaign(tmp_path, seeds=[1], vary={"train.optimizer.lr": [3.0e-3, 1.0e-3]}, updates=80,
-                         eval={"every": 40}, keep={"checkpoint": False, "export": False, "control_set": 0})
+        spec = _campaign(tmp_path, seeds=[1], vary={"train.optimizer.lr": [3.0e-3, 1.0e-3]}, updates=UPDATES,
+                         eval={"every": UPDATES // 2}, keep={"checkpoint": False, "export": False, "control_set": 0})
+        _lighter(tmp_path / "tiny-sft" / "pilot.yaml")
         ledger = tmp_path / "l.sqlite"
         proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(spec), "--engine", "ray",
                                  "--address", address, "--ledger", str(ledger), "--out", str(tmp_path / "runs"),
@@ -250,7 +261,7 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
                 assert meta["stop_reason"].startswith("the Ray worker running it was lost (")
                 assert meta["stop_reason"].endswith(f"the last update this run recorded is {last}")
             else:
-                assert r["status"] == "finished" and last == 80, (r["status"], meta)
+                assert r["status"] == "finished" and last == UPDATES, (r["status"], meta)
         camp = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
         assert camp["status"] == "finished-with-stops"
         assert json.loads(out)["conclusion"]["text"], out[:3000]
@@ -263,6 +274,7 @@ def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per
     spec = _campaign(tmp_path, seeds=[1], vary={"train.optimizer.lr": [3.0e-3, 1.0e-3]}, updates=4,
                      eval={"every": 2}, processes=2, keep={"checkpoint": False, "export": True, "control_set": 2})
     base = tmp_path / "tiny-sft" / "pilot.yaml"
+    _lighter(base)
     base.write_text(base.read_text() + "\ndistributed: {strategy: ddp}\n")
     ledger = tmp_path / "l.sqlite"
     res = pilotrun_cli("campaign", str(spec), "--engine", "ray", "--ledger", str(ledger), "--out",

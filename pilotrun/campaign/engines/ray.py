@@ -117,7 +117,8 @@ def plan_ray(requested: int | None, runs: int, *, cluster: dict[str, float], gpu
     return {"requested": requested or runs, "parallel": allowed, "threads_per_run": cpus_per_run,
             "reasons": reasons, "checked": [f"{why}: room for {max(n, 0)}" for n, why in limits],
             "not_checked": not_checked, "engine": "ray", "resources": resources,
-            "text": f"Ray: {allowed} run(s) at once" + (f" (asked {want})" if allowed != want else "")
+            "text": f"Ray: {allowed} run(s) at once" + (f" ({'asked' if requested else 'of'} {want})"
+                                                        if allowed != want else "")
                     + f", each {cpus_per_run} CPU" + (f" and {gpus_per_run} GPU" if gpus_per_run else "")}
 
 
