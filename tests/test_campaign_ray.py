@@ -29,7 +29,8 @@ ray = pytest.importorskip("ray", reason="Ray is the optional extra: pip install 
 
 from pilotrun.campaign.engines.ray import Outcome, classify, lost_end, plan_ray  # noqa: E402
 from pilotrun.campaign.resources import PerRun  # noqa: E402
-from pilotrun.ledger.records import RunStatus, StopKind  # noqa: E402
+from pilotrun.campaign.spool import SpoolReader, SpoolSink  # noqa: E402
+from pilotrun.ledger.records import RunEnd, RunStatus, Series, StopKind  # noqa: E402
 
 from .conftest import TEST_DIGEST, copy_example, pilotrun_cli  # noqa: E402
 
@@ -66,6 +67,24 @@ def test_a_lost_worker_is_told_from_a_raised_error_and_a_cancel_by_its_type():
     assert (end.status, end.stop, end.at) == (RunStatus.STOPPED, StopKind.WORKER_LOST, 17)
     assert end.reason == ("the Ray worker running it was lost (NodeDiedError on node 127.0.0.1); the last update this "
                           "run recorded is 17")
+
+
+def test_the_spool_hands_over_complete_lines_once_and_keeps_each_rank(tmp_path):
+    spool = tmp_path / "spool"
+    with SpoolSink(spool / "rank0.jsonl") as r0, SpoolSink(spool / "rank1.jsonl") as r1:
+        r0.add_metrics("run", Series.TRAIN, [{"step": 1, "loss": 2.5}], rank=0)
+        r1.add_metrics("run", Series.TRAIN, [{"step": 1, "loss": 2.5}], rank=1)
+        reader = SpoolReader(spool)
+        assert reader.new_items() == [("metrics", "run", "train", [{"step": 1, "loss": 2.5}], 0),
+                                      ("metrics", "run", "train", [{"step": 1, "loss": 2.5}], 1)]
+        assert reader.new_items() == []
+        r0.file.write('["metrics", "run", "tr')  # a line being written: not read until it is whole
+        r0.file.flush()
+        assert reader.new_items() == []
+        r0.file.write('ain", [], 0]\n')
+        r0.finish_campaign_run("run", RunEnd(RunStatus.DIVERGED, StopKind.DIVERGENCE, "loss 9 > 3 x 2", 4), final=None)
+    assert reader.new_items() == [("metrics", "run", "train", [], 0),
+                                  ("end", "run", ["diverged", "divergence", "loss 9 > 3 x 2", 4], {"final": None})]
 
 
 def test_address_and_storage_without_the_ray_engine_are_refused(tmp_path):
