@@ -203,6 +203,16 @@ def test_a_local_ray_instance_keeps_exactly_the_rows_the_local_engine_keeps(tmp_
     cid = json.loads(camp["meta_json"])["engine"]["storage"].rsplit("/", 1)[1]
     rep = pilotrun_cli("report", cid, "--ledger", str(ray_ledger), "--out", str(tmp_path / "report.html"), cwd=tmp_path)
     assert rep.returncode == 0, rep.stderr
+    # A retry on Ray is a new run linked to its parent, in the campaign's storage; the parent's row is untouched.
+    before = _rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r03")[0]
+    res = pilotrun_cli("campaign", cid, "--retry", "r03", "--set", "train.micro_batch_size=4", "--set",
+                       "train.grad_accum_steps=4", "--engine", "ray", "--ledger", str(ray_ledger), "--json",
+                       cwd=tmp_path, env=ray_env, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    new = _rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r05")[0]
+    assert new["parent_id"] == f"{cid}-r03" and new["status"] in ("finished", "diverged")
+    assert Path(new["out_dir"]).parent == Path(engine["storage"]) and json.loads(new["meta_json"])["ray"]["pid"]
+    assert _rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r03")[0] == before
     assert not _marked(ray_env[MARK]), "the campaign left Ray processes behind"
     print(f"ray campaign: {ray_s:.1f} s")
 

@@ -53,7 +53,10 @@ def _run_root(camp: dict, cmeta: dict, engine: EngineChoice | None) -> Path:
     if engine is not None and engine.storage is not None:
         return runs_folder(engine, camp["run_id"], Path(camp["out_dir"]))
     stored = (cmeta.get("engine") or {}).get("storage")
-    return Path(stored) if stored else Path(camp["out_dir"])
+    if not stored:
+        return Path(camp["out_dir"])
+    # The campaign's storage as recorded (CAMPAIGN_ID included); made again if it was cleaned up meanwhile.
+    return runs_folder(EngineChoice("ray", storage=Path(stored).parent), camp["run_id"], Path(camp["out_dir"]))
 
 
 def _new_run(camp: dict, cmeta: dict, parent: dict, spec, ledger_path: Path, root: Path | None = None,
