@@ -30,7 +30,8 @@ A retry is a new run linked to its parent (never a replacement) and may change o
 experiment the same: micro batch with accumulation (examples per update held), activation checkpointing.
 A resume runs each run the interrupt cut short again from the start, as a new run linked to it, within
 the budget the campaign had left; runs with a result (finished, diverged, failed) are left as they are.
-With --engine ray each run is a Ray task (1 CPU, or 1 GPU when the spec trains on one); only this process
+With --engine ray each run is a Ray task (a CPU per process, and a GPU per process unless the spec trains on
+the CPU; `processes: N` in the campaign file makes each run a torchrun-style group of N); only this process
 writes the ledger; a run whose Ray worker or node was lost is kept as stopped at its last recorded update and
 --resume runs it again as a new linked run."""
 
