@@ -294,6 +294,13 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
         camp = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
         assert camp["status"] == "finished-with-stops"
         assert json.loads(out)["conclusion"]["text"], out[:3000]
+        # --resume runs the lost run again, on what is left of the cluster, as a new run linked to it.
+        res = pilotrun_cli("campaign", camp["run_id"], "--resume", "--engine", "ray", "--address", address,
+                           "--ledger", str(ledger), cwd=tmp_path, env=ray_env, timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        rows = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid")
+        assert len(rows) == 3 and rows[2]["status"] == "finished", rows[2]
+        assert json.loads(rows[2]["meta_json"])["continues"] == victim
     finally:
         _kill(worker_mark)
 
