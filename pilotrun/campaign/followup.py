@@ -21,9 +21,13 @@ from pathlib import Path
 from ..config.spec import parse_override, spec_from_mapping
 from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
+from .engines.base import EngineChoice
 from .orchestrate import (
     CampaignError,
     CampaignInterrupted,
+    base_pilot,
+    cluster_plan,
+    engine_for,
     execute,
     finish,
     led_runs,
@@ -31,6 +35,7 @@ from .orchestrate import (
     plan_run_row,
     record_lost_end,
     run_plan,
+    runs_folder,
 )
 from .procs import is_alive, process_mark
 from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, run_spec
@@ -43,17 +48,30 @@ def _campaign(led: Ledger, campaign_ref: str, ledger_path: Path) -> dict:
     return camp
 
 
-def _new_run(camp: dict, cmeta: dict, parent: dict, spec, ledger_path: Path, **extra) -> dict:
+def _run_root(camp: dict, cmeta: dict, engine: EngineChoice | None) -> Path:
+    """Where a new run's folder goes: this command's --storage, else the campaign's (its row keeps it)."""
+    if engine is not None and engine.storage is not None:
+        return runs_folder(engine, camp["run_id"], Path(camp["out_dir"]))
+    stored = (cmeta.get("engine") or {}).get("storage")
+    if not stored:
+        return Path(camp["out_dir"])
+    # The campaign's storage as recorded (CAMPAIGN_ID included); made again if it was cleaned up meanwhile.
+    return runs_folder(EngineChoice("ray", storage=Path(stored).parent), camp["run_id"], Path(camp["out_dir"]))
+
+
+def _new_run(camp: dict, cmeta: dict, parent: dict, spec, ledger_path: Path, root: Path | None = None,
+             **extra) -> dict:
     """A new row for ``parent``'s variant and seed, numbered after every run the campaign has."""
     pmeta = parent.get("meta") or json.loads(parent["meta_json"] or "{}")
     run_id = f"{camp['run_id']}-r{len(led_runs(ledger_path, camp['run_id'])) + 1:02d}"
-    out = Path(camp["out_dir"]) / run_id
+    out = (root or Path(camp["out_dir"])) / run_id
     with Ledger(ledger_path) as led:
         plan_run_row(led, camp["run_id"], cmeta["key"], run_id, spec, out, pmeta, parent_id=parent["run_id"], **extra)
     return {"run_id": run_id, "out": out, "spec": spec}
 
 
-def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path: Path) -> dict:
+def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path: Path,
+          engine: EngineChoice | None = None) -> dict:
     """A new run for a parent's variant and seed with some keys changed; linked, never a replacement."""
     with Ledger(ledger_path) as led:
         camp = _campaign(led, campaign_ref, ledger_path)
@@ -84,9 +102,13 @@ def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path:
     if examples_per_update(spec) != examples_per_update(before):
         raise CampaignError(f"the retry changes the examples per update ({examples_per_update(before)} -> "
                             f"{examples_per_update(spec)}): change train.grad_accum_steps with the micro batch")
-    r = _new_run(camp, cmeta, parent, spec, ledger_path, retry_of=parent["run_id"], changes=dict(changes))
-    execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), run_plan(c), None, 1, False,
-             json.loads(camp["lock_json"]), None)
+    with engine_for(engine, ledger_path, c.processes) as eng:
+        if eng is not None:
+            cluster_plan(eng, 1, 1, spec, None, c.processes)
+        r = _new_run(camp, cmeta, parent, spec, ledger_path, _run_root(camp, cmeta, engine), retry_of=parent["run_id"],
+                     changes=dict(changes))
+        execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), run_plan(c), None, 1, False,
+                json.loads(camp["lock_json"]), None, eng)
     return finish(camp["run_id"], ledger_path, after=f"retry {r['run_id']} of {parent['run_id']}")
 
 
@@ -148,8 +170,8 @@ def _seconds(a: str, b: str | None) -> float:
     return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds() if b else 0.0
 
 
-def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift: bool = False,
-           on_event=None, on_start=None) -> dict:
+def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow_drift: bool = False,
+           on_event=None, on_start=None, engine: EngineChoice | None = None) -> dict:
     """Continue an interrupted campaign: each run it stopped or never started runs again, from the start,
     as a new run linked to the one it continues. The time budget is what the campaign had left."""
     with Ledger(ledger_path) as led:
@@ -161,7 +183,9 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
         with Ledger(ledger_path) as led:
             camp, runs = led.run(cid) or camp, led.campaign_runs(cid)
         status = camp["status"]
-    if status != RunStatus.INTERRUPTED:
+    # A campaign that ended with runs whose Ray worker was lost continues them too: the loss was not theirs.
+    lost = [r for r in cut_short(runs) if r["meta"].get("stop_kind") == StopKind.WORKER_LOST]
+    if status != RunStatus.INTERRUPTED and not (status == RunStatus.FINISHED_WITH_STOPS and lost):
         raise CampaignError(f"{cid} was not interrupted (it ended {status}); --resume continues an interrupted "
                             f"campaign. To run one of its runs differently: --retry RUN --set KEY=VALUE")
     todo = cut_short(runs)
@@ -182,30 +206,36 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int = 1, allow_drift:
     specs = [run_spec(c, parent["meta"]["variant"], parent["meta"]["seed"], base_written=base_written)
              for parent in todo]
     base_hash = spec_from_mapping(base_written, c.folder / c.base).config_hash() if base_written else None
-    at_once = parallel_plan(c, specs[0], parallel, ledger_path, base_hash=base_hash)
-    at_once["warnings"] = (cmeta.get("parallel") or {}).get("warnings", [])  # said at the start; said again
-    plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
-    with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins
-        # With the status, the mark of the process that runs it now: in one transaction, so another resume
-        # never sees "running" under the old, dead process and takes it for a killed campaign.
-        if not led.claim(cid, RunStatus.INTERRUPTED, RunStatus.RUNNING, {"orchestrator": process_mark()}):
-            raise CampaignError(f"{cid} is being resumed by another pilotrun process")
-    began, new = time.time(), []
-    try:
-        for parent, spec in zip(todo, specs):
-            new.append(_new_run(camp, cmeta, parent, spec, ledger_path, continues=parent["run_id"]))
-        if on_start:
-            on_start(cid, at_once)
-        execute(new, c, cid, ledger_path, Path(camp["out_dir"]), plan, deadline, at_once["parallel"], allow_drift,
-                 json.loads(camp["lock_json"]), on_event)
-    except CampaignInterrupted:
-        raise
-    except BaseException:  # leave it resumable, not "running" for ever, and every new row with an end
-        for r in new:
-            record_lost_end(r, ledger_path, True, False)
-        finish(cid, ledger_path, interrupted=True)
-        raise
-    finally:
-        with Ledger(ledger_path) as led:
-            led.merge_meta(cid, {"budget_spent_s": spent + time.time() - began})
+    with engine_for(engine, ledger_path, c.processes) as eng:
+        if eng is None:
+            at_once = parallel_plan(c, specs[0], parallel or 1, ledger_path, base_hash=base_hash)
+        else:
+            at_once = cluster_plan(eng, parallel, len(specs), specs[0], base_pilot(c, ledger_path, base_hash),
+                                   c.processes)
+        at_once["warnings"] = (cmeta.get("parallel") or {}).get("warnings", [])  # said at the start; said again
+        plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
+        with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins
+            # With the status, the mark of the process that runs it now: in one transaction, so another resume
+            # never sees "running" under the old, dead process and takes it for a killed campaign.
+            if not led.claim(cid, RunStatus(status), RunStatus.RUNNING, {"orchestrator": process_mark()}):
+                raise CampaignError(f"{cid} is being resumed by another pilotrun process")
+        began, new = time.time(), []
+        root = _run_root(camp, cmeta, engine)
+        try:
+            for parent, spec in zip(todo, specs):
+                new.append(_new_run(camp, cmeta, parent, spec, ledger_path, root, continues=parent["run_id"]))
+            if on_start:
+                on_start(cid, at_once)
+            execute(new, c, cid, ledger_path, Path(camp["out_dir"]), plan, deadline, at_once["parallel"], allow_drift,
+                    json.loads(camp["lock_json"]), on_event, eng)
+        except CampaignInterrupted:
+            raise
+        except BaseException:  # leave it resumable, not "running" for ever, and every new row with an end
+            for r in new:
+                record_lost_end(r, ledger_path, True, False)
+            finish(cid, ledger_path, interrupted=True)
+            raise
+        finally:
+            with Ledger(ledger_path) as led:
+                led.merge_meta(cid, {"budget_spent_s": spent + time.time() - began})
     return finish(cid, ledger_path, after=f"resume ({len(new)} run(s) continued)")

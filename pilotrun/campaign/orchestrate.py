@@ -16,7 +16,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,8 +32,9 @@ from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
+from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .procs import process_mark
-from .resources import pilot_memory, plan_parallel
+from .resources import PerRun, pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
 from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
 
@@ -64,7 +67,7 @@ def _stamp() -> str:
 def run_plan(c: CampaignSpec) -> dict:
     """What every run of the campaign is told: updates, validation frequency, stop rules, what to keep."""
     return {"updates": c.updates, "eval_every": c.eval.every, "stop": c.canonical()["stop"],
-            "keep": c.canonical()["keep"]}
+            "keep": c.canonical()["keep"], "processes": c.processes}
 
 
 # A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
@@ -83,6 +86,11 @@ class _Running:
         self.started: set[str] = set()  # run ids whose worker was started (a lost end is "stopped", not "not-run")
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+
+    def launch(self, r: dict, ledger: Path, plan_file: Path, deadline: float | None, threads: int | None) -> None:
+        """One run in a fresh local worker process (the local engine; see engines/base.py for the interface)."""
+        spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
+        _launch(spec_file, r["run_id"], r["out"], ledger, plan_file, deadline, self, threads)
 
     def stop_all(self, how: str) -> None:
         self.how = how
@@ -155,6 +163,9 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
                 if examples_per_update(spec) != examples_per_update(controls[seed]):
                     problems.append(f"{c.key} = {value!r} changes the examples per update "
                                     f"({examples_per_update(controls[seed])} -> {examples_per_update(spec)})")
+            if c.processes > 1 and spec.distributed.strategy == "single":
+                raise CampaignError(f"processes: {c.processes} runs each run as a group of {c.processes} processes, "
+                                    "but the base's distributed.strategy is single: set it to ddp or fsdp")
             runs.append({"variant": value, "variant_index": i, "seed": seed, "control": i == 0, "spec": spec})
     return runs, list(dict.fromkeys(problems))  # once per value, not once per seed
 
@@ -203,50 +214,120 @@ def plan_run_row(led: Ledger, campaign_id: str, key: str, run_id: str, spec, out
     led.set_status(run_id, RunStatus.PLANNED)
 
 
-def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 1, allow_drift: bool = False,
-                 on_event=None, on_start=None) -> dict:
-    """Run every planned run; ``on_start(campaign_id, parallel_plan)`` and ``on_event(run_row)`` report progress."""
+def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | None = 1, allow_drift: bool = False,
+                 on_event=None, on_start=None, engine: EngineChoice | None = None) -> dict:
+    """Run every planned run; ``on_start(campaign_id, parallel_plan)`` and ``on_event(run_row)`` report progress.
+
+    ``engine``: where the runs go (engines/base.py); None or "local": worker processes on this machine.
+    ``parallel`` None: as many as the engine fits (Ray: the cluster's resources; local: one)."""
     c = load_campaign(path)
     name = c.name or Path(path).stem
     runs, problems = prepare(c)
     if problems:
         raise CampaignError("refused before the start: " + "; ".join(problems) + " (a campaign varies one key only)")
-    campaign_id = f"{name}-{_stamp()}-{secrets.token_hex(2)}"
-    folder = out_root / campaign_id
-    folder.mkdir(parents=True, exist_ok=True)
-    control_lock = collect_lock(runs[0]["spec"])
-    (folder / "campaign.json").write_text(json.dumps(c.canonical(), indent=1))
-    (folder / "lock.json").write_text(json.dumps(control_lock, indent=1, sort_keys=True))
-    at_once = parallel_plan(c, runs[0]["spec"], parallel, ledger_path)
-    at_once["warnings"] = warnings_for(c, runs)
-    plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
-    (folder / "plan.json").write_text(json.dumps(plan, indent=1))
-    deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
-    with Ledger(ledger_path) as led:
-        led.start_run(campaign_id, name, RunKind.CAMPAIGN, spec_path=str(Path(path).resolve()),
-                      out_dir=str(folder.resolve()), config_hash=c.digest(), lock=control_lock,
-                      meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
-                            "base": str((c.folder / c.base).resolve()), "parallel": at_once,
-                            "orchestrator": process_mark(),
-                            "base_written": load_spec(c.folder / c.base).written})
-        for i, r in enumerate(runs):
-            r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
-            r["out"] = folder / r["run_id"]
-            plan_run_row(led, campaign_id, c.key, r["run_id"], r["spec"], r["out"], r)
-    if on_start:
-        on_start(campaign_id, at_once)
-    execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift, control_lock,
-             on_event)
+    with engine_for(engine, ledger_path, c.processes) as eng:
+        campaign_id = f"{name}-{_stamp()}-{secrets.token_hex(2)}"
+        folder = out_root / campaign_id
+        folder.mkdir(parents=True, exist_ok=True)
+        run_root = runs_folder(engine, campaign_id, folder)
+        control_lock = collect_lock(runs[0]["spec"])
+        (folder / "campaign.json").write_text(json.dumps(c.canonical(), indent=1))
+        (folder / "lock.json").write_text(json.dumps(control_lock, indent=1, sort_keys=True))
+        if eng is None:
+            at_once = parallel_plan(c, runs[0]["spec"], parallel or 1, ledger_path)
+        else:
+            at_once = cluster_plan(eng, parallel, len(runs), runs[0]["spec"], base_pilot(c, ledger_path), c.processes)
+        at_once["warnings"] = warnings_for(c, runs)
+        plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
+        (folder / "plan.json").write_text(json.dumps(plan, indent=1))
+        deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
+        with Ledger(ledger_path) as led:
+            led.start_run(campaign_id, name, RunKind.CAMPAIGN, spec_path=str(Path(path).resolve()),
+                          out_dir=str(folder.resolve()), config_hash=c.digest(), lock=control_lock,
+                          meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
+                                "base": str((c.folder / c.base).resolve()), "parallel": at_once,
+                                "orchestrator": process_mark(), "engine": engine_meta(engine, run_root),
+                                "base_written": load_spec(c.folder / c.base).written})
+            for i, r in enumerate(runs):
+                r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
+                r["out"] = run_root / r["run_id"]
+                plan_run_row(led, campaign_id, c.key, r["run_id"], r["spec"], r["out"], r)
+        if on_start:
+            on_start(campaign_id, at_once)
+        execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift,
+                control_lock, on_event, eng)
     return finish(campaign_id, ledger_path)
+
+
+def base_pilot(c: CampaignSpec, ledger_path: Path, base_hash: str | None = None) -> PerRun | None:
+    """What one run needed in a pilot of the base spec (resources.py), or None when no pilot measured it."""
+    with Ledger(ledger_path) as led:
+        return pilot_memory(led, base_hash or load_spec(c.folder / c.base).config_hash())
+
+
+def runs_folder(engine: EngineChoice | None, campaign_id: str, folder: Path) -> Path:
+    """Where the runs' folders go: ``--storage``/CAMPAIGN_ID when given, else the campaign's own folder."""
+    if engine is None or engine.storage is None:
+        return folder
+    root = engine.storage.resolve() / campaign_id
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CampaignError(f"--storage {engine.storage}: cannot create {root} ({exc.strerror}); give a folder this "
+                            "machine can write (on a cluster, a shared filesystem every node mounts there)") from None
+    return root
+
+
+def engine_meta(engine: EngineChoice | None, run_root: Path) -> dict:
+    """What the campaign's row keeps about the engine: which, where (address), and where the runs' files are."""
+    e = engine or EngineChoice()
+    return {"name": e.name, "address": e.address, "storage": str(run_root.resolve())}
+
+
+def cluster_plan(eng: ClusterEngine, requested: int | None, runs: int, spec, per_run: PerRun | None,
+                 processes: int) -> dict:
+    """The engine's own plan (how many at once, what each asks for); its refusal as a CampaignError."""
+    try:
+        return eng.plan(requested, runs, spec, per_run, processes)
+    except EngineRefusal as exc:
+        raise CampaignError(str(exc)) from None
+
+
+@contextmanager
+def engine_for(engine: EngineChoice | None, ledger_path: Path, processes: int = 1) -> Iterator[ClusterEngine | None]:
+    """The engine to hand ``execute``, started for the block (None: the local engine, made by ``execute``)."""
+    if engine is None or engine.name == "local":
+        if processes > 1:
+            raise CampaignError(f"processes: {processes} runs each run as a torchrun-style group inside a Ray task: "
+                                "add --engine ray (a local Ray instance needs no cluster), or set processes: 1")
+        yield None
+        return
+    try:
+        from .engines.ray import RayEngine
+    except ImportError as exc:
+        raise CampaignError(f"--engine ray needs Ray ({exc}): pip install -e '.[ray]' (or pip install "
+                            "'ray[default]')") from None
+    try:
+        eng = RayEngine(engine, ledger_path).__enter__()
+    except ConnectionError as exc:
+        raise CampaignError(f"--address {engine.address}: no Ray cluster answered ({exc}); start one with "
+                            "`ray start --head` there, or leave out --address for a local Ray instance") from None
+    try:
+        yield eng
+    finally:
+        eng.__exit__(None, None, None)
 
 
 # Ctrl-C, SIGTERM (timeout, schedulers, preemption) and SIGHUP (a closed SSH session) all stop the campaign
 # cleanly, even when started with SIGINT ignored (a shell script's background job): no run is left "running".
 @interruptible()
-def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
-    """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more."""
+def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event,
+            engine: Engine | None = None):
+    """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more.
+
+    ``engine`` runs each one (engines/base.py); None: local worker processes on this machine."""
     plan_file = folder / "plan.json"
-    running = _Running(folder)
+    running: Engine = engine if engine is not None else _Running(folder)
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:
@@ -270,9 +351,8 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
             if drift:
                 led.merge_meta(r["run_id"], {"lock_drift": drift})
             led.set_status(r["run_id"], RunStatus.RUNNING)
-        spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
         try:
-            _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"))
+            running.launch(r, ledger_path, plan_file, deadline, plan.get("threads"))
         finally:
             record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started, running.how)
         if on_event:

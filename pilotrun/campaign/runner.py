@@ -12,16 +12,21 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
 
+from ..distributed import all_sum
 from ..drivers import LoopDriver, NonFiniteError, build_job
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
 
+# Points also reach the ledger at least this often, not only at validations: a run whose process or
+# Ray node dies between two validations still has the updates it made (its stopped row cites the last one).
+FLUSH_EVERY_S = 2.0
 STOP_REASON_FILE = "stopped-by"  # beside the campaign's plan.json: what stopped it ("Ctrl-C", "SIGTERM", ...)
 
 
@@ -71,28 +76,34 @@ def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> lis
 class _Recorder:
     """The run's per-update points, written to the ledger in batches (at each validation and at the end)."""
 
-    def __init__(self, led: Ledger, run_id: str) -> None:
-        self.led, self.run_id = led, run_id
+    def __init__(self, led: Ledger | RunSink, run_id: str, rank: int = 0) -> None:
+        self.led, self.run_id, self.rank = led, run_id, rank
         self.pending: list[dict] = []
         self.first_loss: float | None = None
+        self.flushed = time.monotonic()
 
     def update(self, rec) -> None:
         self.first_loss = rec.loss if self.first_loss is None else self.first_loss
         point = rec.metric()
         point["extra"] = {"examples_per_second": rec.examples / rec.seconds if rec.seconds else None}
         self.pending.append(point)
+        if time.monotonic() - self.flushed > FLUSH_EVERY_S:  # a run killed between validations keeps its points
+            self.flush()
 
     def non_finite(self, exc: NonFiniteError, lr: float) -> None:
         self.pending.append({"step": exc.step, "loss": exc.value if exc.what == "loss" else None, "lr": lr,
                              "sample_ids": exc.ids, "extra": {"non_finite": exc.what}})
 
     def flush(self) -> None:
+        self.flushed = time.monotonic()
         if self.pending:
-            self.led.add_metrics(self.run_id, Series.TRAIN, self.pending)
+            self.led.add_metrics(self.run_id, Series.TRAIN, self.pending, rank=self.rank)
             self.pending = []
 
     def validation(self, step: int, v: dict) -> None:
         self.flush()
+        if self.rank:  # every rank evaluates the same model: rank 0's point is the run's
+            return
         self.led.add_metrics(self.run_id, Series.VAL, [{"step": step, "loss": v["val_loss"],
                                                         "extra": {"accuracy": v["accuracy"]}}])
 
@@ -101,10 +112,15 @@ def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requeste
            rec: _Recorder, val: list[dict], how: Callable[[], str]) -> RunEnd:
     """The run's updates and validations until its end: finished, or stopped or diverged by a declared rule."""
     stop = plan["stop"]
+    env = driver.env
     for step in range(1, plan["updates"] + 1):
-        if stop_requested():
+        asked, late = stop_requested(), deadline is not None and time.time() > deadline
+        if env.active:  # a group stops together or not at all (one rank alone would hang the others' collectives)
+            asked = all_sum(env, float(asked), driver.device) > 0
+            late = all_sum(env, float(late), driver.device) > 0
+        if asked:
             return RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, interrupted(how()), driver.step)
-        if deadline is not None and time.time() > deadline:
+        if late:
             return RunEnd(RunStatus.STOPPED, StopKind.BUDGET, "budget: the campaign's time budget ran out",
                           driver.step)
         try:
@@ -130,35 +146,52 @@ def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requeste
 def _keep(driver: LoopDriver, spec, plan: dict, out_dir: Path, finished: bool) -> dict:
     """What a run leaves on disk: control-set predictions always, the checkpoint and export when it finished."""
     kept: dict = {}
-    preds = control_predictions(driver.plain_model, driver.data, spec, driver.device, plan["keep"]["control_set"],
-                                out_dir)
-    (out_dir / "predictions.json").write_text(json.dumps(preds, indent=1))
-    kept["control_predictions"] = str(out_dir / "predictions.json")
+    main = driver.env.is_main
+    if main:
+        preds = control_predictions(driver.plain_model, driver.data, spec, driver.device,
+                                    plan["keep"]["control_set"], out_dir)
+        (out_dir / "predictions.json").write_text(json.dumps(preds, indent=1))
+        kept["control_predictions"] = str(out_dir / "predictions.json")
     if plan["keep"]["checkpoint"] and finished:
-        driver.save(out_dir / "checkpoints" / "final")
+        driver.save(out_dir / "checkpoints" / "final")  # every rank: the strategy's layout (DCP shards for FSDP)
         kept["checkpoint"] = str(out_dir / "checkpoints" / "final")
     if plan["keep"].get("export", True) and finished:
-        driver.write_export(out_dir / "export")
+        # Every rank takes part in gathering the full weights; rank 0 writes them (as the export gate does).
+        weights = driver.export_weights() if driver.env.active else None
+        if main:
+            driver.write_export(out_dir / "export", weights)
         kept["export"] = str(out_dir / "export")
     return kept
 
 
-def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, deadline: float | None,
-              stop_requested: Callable[[], bool] = lambda: False, how: Callable[[], str] = lambda: "Ctrl-C") -> dict:
+class RunSink(Protocol):
+    """Where a run's rows go: the ledger itself, or (on a Ray worker) a relay the driver drains into the ledger."""
+
+    def __enter__(self) -> RunSink: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def add_metrics(self, run_id: str, series: Series, points: list[dict], rank: int = 0) -> None: ...
+    def finish_campaign_run(self, run_id: str, end: RunEnd, **fields: Any) -> None: ...
+
+
+def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: dict, deadline: float | None,
+              stop_requested: Callable[[], bool] = lambda: False, how: Callable[[], str] = lambda: "Ctrl-C",
+              sink: RunSink | None = None) -> dict:
     """Train one run and record it; returns its final state. ``plan`` holds updates, eval_every, stop, keep.
 
     ``stop_requested`` is polled between updates: a Ctrl-C stops the run at an update boundary, so
     no ledger write is cut in half and every update before it is kept exactly once. ``how`` names what
-    stopped it (Ctrl-C, SIGTERM, ...) for the run's reason.
+    stopped it (Ctrl-C, SIGTERM, ...) for the run's reason. ``sink`` replaces the ledger at ``ledger_path``
+    where this process must not write it (a Ray worker: only the campaign's driver writes the ledger).
     """
+    assert sink is not None or ledger_path is not None
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan.get("threads"):  # runs side by side share the cores instead of each taking all of them
         torch.set_num_threads(plan["threads"])
     result: dict = {"run_id": run_id, "val": []}
-    with Ledger(ledger_path) as led:
+    with sink if sink is not None else Ledger(ledger_path) as led:
         driver = build_job(spec)
         assert isinstance(driver, LoopDriver)
-        rec = _Recorder(led, run_id)
+        rec = _Recorder(led, run_id, driver.env.rank)
         try:
             end = _train(driver, plan, deadline, stop_requested, rec, result["val"], how)
             rec.flush()
@@ -182,6 +215,8 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path, plan: dict, d
         result.update(status=str(end.status), **end.fields())
         result["final"] = result["val"][-1] if result["val"] else None
         result["first_loss"] = rec.first_loss
-        led.finish_campaign_run(run_id, end, final=result["final"], first_loss=rec.first_loss)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+        if driver.env.is_main:  # one end per run; the other ranks' rows are their points
+            led.finish_campaign_run(run_id, end, final=result["final"], first_loss=rec.first_loss)
+    if driver.env.is_main:
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     return result

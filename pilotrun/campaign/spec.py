@@ -70,6 +70,9 @@ class CampaignSpec:
     eval: EvalEvery = doc("validation frequency", EvalEvery)
     stop: StopRules = doc("stop reasons, declared before the start", StopRules)
     keep: Keep = doc("what each run keeps", Keep)
+    processes: int = doc(
+        "processes per run: above 1, each run is a torchrun-style group (the base's distributed.strategy ddp or "
+        "fsdp, gloo on CPU) inside one Ray task with that many GPUs (or CPUs); needs --engine ray", 1)
     source: str = field(default="", init=False, metadata={"internal": True})
 
     def check(self):
@@ -91,6 +94,8 @@ class CampaignSpec:
             yield "seeds", "seeds repeat"
         if self.updates < 1:
             yield "updates", "must be at least 1"
+        if self.processes < 1:
+            yield "processes", "must be at least 1"
 
     @property
     def key(self) -> str:

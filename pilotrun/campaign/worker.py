@@ -1,11 +1,15 @@
 """One campaign run in its own process.
 
     python -m pilotrun.campaign.worker --spec SPEC.json --run-id ID --out DIR --ledger L.sqlite --plan PLAN.json
+
+Under torchrun inside a Ray task (a campaign with ``processes`` above 1), ``--spool DIR`` replaces
+``--ledger``: each rank appends its rows to DIR/rank<R>.jsonl and the task sends them to the driver.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -13,6 +17,7 @@ from pathlib import Path
 
 from ..workers.common import read_spec_file
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
+from .spool import SpoolSink
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--ledger", type=Path, required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--ledger", type=Path)
+    where.add_argument("--spool", type=Path, help="a folder for this rank's rows (spool.py), instead of the ledger")
     ap.add_argument("--plan", type=Path, required=True)
     ap.add_argument("--deadline", type=float)
     args = ap.parse_args(argv)
@@ -44,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             return "Ctrl-C"
 
+    sink = SpoolSink(args.spool / f"rank{os.environ.get('RANK', '0')}.jsonl") if args.spool else None
     result = train_run(read_spec_file(args.spec), args.run_id, args.out, args.ledger,
-                       json.loads(args.plan.read_text()), args.deadline, stop.is_set, how)
+                       json.loads(args.plan.read_text()), args.deadline, stop.is_set, how, sink=sink)
     if stop.is_set():
         return 130
     return 0 if result["status"] in ("finished", "diverged", "stopped") else 1

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..campaign.conclude import link_text, stop_text, table
+from ..campaign.engines.base import ENGINES, EngineChoice
 from ..campaign.followup import resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..ledger.records import final_val_loss
@@ -22,11 +23,17 @@ HELP = """examples:
   pilotrun campaign lr-sweep-2026 --retry r05 --set train.micro_batch_size=4 --set train.grad_accum_steps=4
   pilotrun campaign lr-sweep-2026 --resume --parallel 2   # after Ctrl-C: run what was stopped or not run
   pilotrun report lr-sweep-2026                  # the HTML report
+  pilotrun campaign examples/campaign/lr-sweep.yaml --engine ray                  # a local Ray instance
+  pilotrun campaign lr-sweep.yaml --engine ray --address 10.0.0.5:6379 --storage /shared/runs   # a Ray cluster
 
 A retry is a new run linked to its parent (never a replacement) and may change only what keeps the
 experiment the same: micro batch with accumulation (examples per update held), activation checkpointing.
 A resume runs each run the interrupt cut short again from the start, as a new run linked to it, within
-the budget the campaign had left; runs with a result (finished, diverged, failed) are left as they are."""
+the budget the campaign had left; runs with a result (finished, diverged, failed) are left as they are.
+With --engine ray each run is a Ray task (a CPU per process, and a GPU per process unless the spec trains on
+the CPU; `processes: N` in the campaign file makes each run a torchrun-style group of N); only this process
+writes the ledger; a run whose Ray worker or node was lost is kept as stopped at its last recorded update and
+--resume runs it again as a new linked run."""
 
 
 def add_parser(sub) -> None:
@@ -35,9 +42,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser("campaign", help="run a control and variants over seeds", description=__doc__, epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry or --resume")
-    p.add_argument("--parallel", type=int, default=1,
-                   help="runs at once on this machine, at most; fewer when the cores or the memory a pilot of "
-                        "the base spec measured do not allow it (the reason is printed and kept)")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="runs at once, at most (default: 1 locally; with --engine ray, what the cluster fits); "
+                        "fewer when the cores, the GPUs or the memory a pilot of the base spec measured do not "
+                        "allow it (the reason is printed and kept)")
+    p.add_argument("--engine", choices=ENGINES, default="local",
+                   help="local: worker processes on this machine; ray: one Ray task per run (pip install -e "
+                        "'.[ray]'), on a local Ray instance or the cluster at --address")
+    p.add_argument("--address", help="with --engine ray: an existing Ray cluster (HOST:PORT of its head, or 'auto')")
+    p.add_argument("--storage", type=Path,
+                   help="with --engine ray: the folder for the runs' checkpoints, exports and predictions "
+                        "(on a cluster, a shared filesystem mounted at the same path on every node; default: the "
+                        "campaign's folder under --out)")
     add_ledger_arg(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of the campaign's folder")
     p.add_argument("--allow-drift", action="store_true",
@@ -58,10 +74,13 @@ def main(args) -> int:
         if args.retry and args.resume:
             raise UsageError("--retry reruns one run differently, --resume continues an interrupted campaign: "
                              "give one of them")
+        if args.engine != "ray" and (args.address or args.storage):
+            raise UsageError("--address and --storage go with --engine ray")
+        engine = EngineChoice(args.engine, args.address, args.storage)
         if args.retry:
-            result = retry(args.campaign, args.retry, args.overrides, ledger)
+            result = retry(args.campaign, args.retry, args.overrides, ledger, engine)
         else:
-            if args.parallel < 1:
+            if args.parallel is not None and args.parallel < 1:
                 raise UsageError("--parallel must be at least 1")
             if args.overrides:
                 raise UsageError("--set goes with --retry; to change the campaign, edit its file")
@@ -78,16 +97,16 @@ def main(args) -> int:
             def start(campaign_id: str, at_once: dict) -> None:
                 for line in [] if args.json else at_once["warnings"]:
                     err_console().print(f"[yellow]warning[/]: {escape(line)}", highlight=False)
-                if not args.json and at_once["requested"] > 1:  # one at a time needs no explaining
+                if not args.json and (at_once["requested"] > 1 or at_once.get("engine")):  # one at a time: no need
                     console.print(f"campaign {campaign_id}: {at_once['text']}", highlight=False, markup=False)
                     for line in at_once["checked"] + at_once["not_checked"]:
                         console.print(f"  {line}", style="dim", highlight=False, markup=False)
 
             if args.resume:
-                result = resume(args.campaign, ledger, args.parallel, args.allow_drift, event, start)
+                result = resume(args.campaign, ledger, args.parallel, args.allow_drift, event, start, engine)
             else:
                 result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event,
-                                      start)
+                                      start, engine)
     except CampaignError as exc:
         raise UsageError(str(exc)) from None
     except CampaignInterrupted as exc:

@@ -138,6 +138,7 @@ class StopKind(TextEnum):
     LOCK_DRIFT = "lock-drift"          # refused: the environment drifted from the campaign's lock
     PROCESS_LOST = "process-lost"      # its process ended without recording where
     CAMPAIGN_KILLED = "campaign-killed"  # the campaign's own process was killed (found by --resume)
+    WORKER_LOST = "worker-lost"        # the Ray worker or node running it went away (campaign --engine ray)
 
 
 @dataclass(frozen=True)
