@@ -124,7 +124,8 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
 
     quant = spec.model.quantization if not meta else None
     if quant is not None:
-        require_kernels(spec, torch.device(device).type, [Kernel.MATMUL_4BIT if quant.bits == 4 else Kernel.MATMUL_8BIT])
+        kernel = Kernel.MATMUL_4BIT if quant.bits == 4 else Kernel.MATMUL_8BIT
+        require_kernels(spec, torch.device(device).type, [kernel])
     torch.manual_seed(spec.seed)
     loaded = (_build_factory(spec, meta) if spec.model.factory is not None
               else _build_hf(spec, label_names, tokenizer, meta, device=device))
