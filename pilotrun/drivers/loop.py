@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.export import export_model
+from ..checkpoint.export import export_adapter, export_model
 from ..checkpoint.state import fingerprint_state
 from ..distributed import all_sum
+from ..models.adapters import base_reference, merged_copy
 from ..models.loading import build_model
 from ..models.quantize import require_kernels
 from ..train.batches import seq_len, supervised_count
@@ -324,6 +325,10 @@ class LoopDriver(ModelDriver):
 
     def write_export(self, folder: Path, weights: dict | None = None):
         spec = self.spec
+        if self.loaded.base_identity is not None:
+            merged, note = merged_copy(self.plain_model, self.loaded) if spec.export.merge else (None, None)
+            return export_adapter(folder, self.plain_model, base_reference(spec, self.loaded, self.data.label_names),
+                                  tokenizer=self.tokenizer, merged=merged, merge_note=note)
         return export_model(folder, self.plain_model, tokenizer=self.tokenizer, factory=spec.model.factory,
                             model_mapping=spec.model_mapping() if spec.model.factory else None,
                             spec_folder=str(spec.folder), state_dict=weights)

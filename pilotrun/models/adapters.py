@@ -119,22 +119,59 @@ def parameter_split(model: torch.nn.Module) -> ParameterSplit:
                           sum(_bytes(p) for p in train), sum(_bytes(p) for p in frozen))
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters under their state_dict names: what a checkpoint of an adapter job holds."""
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+def is_adapter_parameter(name: str) -> bool:
+    """A parameter peft added (LoRA matrices, the trainable copy of a head it keeps): not part of the base."""
+    return ".lora_" in name or ".modules_to_save." in name
 
 
 def base_identity(model: torch.nn.Module) -> str:
-    """sha256 over the frozen parameters' names, shapes, dtypes and bytes, in order (call it right after the build,
-    before a forward)."""
+    """sha256 over the base's parameters (every one peft did not add), their shapes, dtypes and bytes, in order:
+    the same for the training job and for a fresh process that loads the exported adapter onto the rebuilt base
+    (call it right after the build, before a forward)."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if is_adapter_parameter(name):
             continue
         t = p.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         flat = t.contiguous().reshape(-1)
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
         h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
     return h.hexdigest()
+
+
+def base_reference(spec, loaded, label_names: list[str] | None) -> dict:
+    """What an exported adapter needs to be loaded on its base again (``base.json``): where the base comes from,
+    the spec that builds it, and its identity to check against."""
+    m = spec.model
+    if m.hf is not None:
+        where = f"the Hugging Face model {m.hf}" + (f" at revision {m.revision}" if m.revision else "")
+    elif m.config is not None:
+        where = f"a {m.config.get('model_type')} model built from the spec's model.config with seed {spec.seed}"
+    else:
+        where = f"the model returned by the factory {m.factory} (seed {spec.seed})"
+    quant = m.quantization
+    how = (f"load {where}"
+           + (f", quantised {quant.bits}-bit with bitsandbytes as in base.json's spec" if quant is not None else "")
+           + (", its floating-point weights cast to bf16" if spec.train.precision == "bf16-true" else "")
+           + "; then peft.PeftModel.from_pretrained(base, this_folder)")
+    return {"source": loaded.source, "hf": m.hf, "revision": m.revision, "seed": spec.seed, "head": loaded.head,
+            "label_names": label_names, "precision": spec.train.precision,
+            "quantization": None if quant is None else {"bits": quant.bits, "type": quant.type,
+                                                         "double_quant": quant.double_quant,
+                                                         "compute_dtype": quant.compute_dtype},
+            "base_identity": loaded.base_identity, "how_to_load": how,
+            "spec": {"source": spec.source, "written": spec.written}}
+
+
+def merged_copy(model: torch.nn.Module, loaded) -> tuple[torch.nn.Module | None, str | None]:
+    """A copy of the model with the adapter folded into the base (peft ``merge_and_unload``), or None and why not.
+    A quantised base is not merged: the sum would be rounded back into 4/8-bit weights (a different model from the
+    one trained), and the unquantised base is not in this process."""
+    import copy
+
+    if loaded.quantized:
+        return None, ("not written: merging into a quantised base rounds the adapter into its 4/8-bit weights; "
+                      "merge onto the unquantised base (base.json says which) with peft's merge_and_unload")
+    return copy.deepcopy(model).merge_and_unload(), None  # type: ignore[operator]
