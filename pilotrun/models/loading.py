@@ -305,13 +305,16 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> bool:
 
 
 def parameter_count(model: torch.nn.Module) -> tuple[int, int]:
+    from .adapters import logical_numel
+
     seen: set[int] = set()
     total = trainable = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
+        n = logical_numel(p)  # a 4-bit weight: its own size, not its packed uint8 elements
+        total += n
         if p.requires_grad:
-            trainable += p.numel()
+            trainable += n
     return total, trainable

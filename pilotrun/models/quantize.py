@@ -113,7 +113,7 @@ def keep_training_path(model: torch.nn.Module) -> int:
     n = 0
     for mod in model.modules():
         if getattr(mod, "support_avx512bf16_for_cpu", False):
-            mod.support_avx512bf16_for_cpu = False
+            setattr(mod, "support_avx512bf16_for_cpu", False)  # noqa: B010 - a library attribute torch types cannot see
             n += 1
     return n
 
