@@ -150,7 +150,9 @@ def adapt(model: torch.nn.Module, spec: Spec) -> tuple[torch.nn.Module, Adaptati
         base_dtype = DTYPES[quant.compute_dtype]
     else:
         base_dtype = torch.float32
-    model = model.to(base_dtype)
+    # Parameters only: transformers keeps buffers such as rotary inv_freq in fp32 when it loads in a dtype.
+    for p in model.parameters():
+        p.data = p.data.to(base_dtype)
     merged_dtype = base_dtype
     if spec.model.adapter is not None:
         model = _apply_lora(model, spec)
