@@ -109,7 +109,9 @@ def _apply_lora(model: torch.nn.Module, spec: Spec) -> torch.nn.Module:
         if missing:
             raise AdapterTargetError(f"model.adapter.target_modules: {missing} are not Linear modules of this model; "
                                      f"its Linear module names are {sorted(known)} (or use all-linear)")
-    config = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets)
+    # peft annotates lora_alpha as int but only computes alpha / r with it: the spec's float is kept.
+    config = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout,  # type: ignore[arg-type]
+                        target_modules=targets)
     return get_peft_model(model, config)
 
 
@@ -122,7 +124,8 @@ def _quantize(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: 
     q = spec.model.quantization
     assert q is not None
     compute = DTYPES[q.compute_dtype]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     swaps = [(name, m) for name, m in model.named_modules()
              if type(m) is torch.nn.Linear and m is not head and not _is_lora_part(name)
              and not name.endswith("lm_head") and not name.endswith("score")]
@@ -222,8 +225,8 @@ def trace_optimizer(model: torch.nn.Module, spec: Spec, target: str) -> tuple[to
         from transformers.optimization import Adafactor
 
         groups = param_groups(model, o.weight_decay)
-        opt = Adafactor([g for g in groups if g["params"]], lr=o.lr, beta1=None, relative_step=False,
-                        scale_parameter=False, warmup_init=False)
+        opt: torch.optim.Optimizer = Adafactor([g for g in groups if g["params"]], lr=o.lr, beta1=None,
+                                               relative_step=False, scale_parameter=False, warmup_init=False)
         return opt, "adafactor (transformers), factored second moment, no first moment"
     opt = build_optimizer(model, o)
     fused = o.name == "adamw" and o.fused is True
