@@ -215,3 +215,79 @@ def test_adapter_on_missing_modules_names_the_linear_modules():
         trace_job(spec, target="cuda")
     msg = str(err.value)
     assert "model.adapter.target_modules" in msg and "q_proj" in msg and "all-linear" in msg
+
+
+# -- what estimate, select, plan and the advisor do with adapter jobs ---------------------------------------------
+
+def test_adapter_view_plan_and_merged_export():
+    from pilotrun.estimate.experiments import adapter_line, adapter_view
+    from pilotrun.estimate.plan import pipeline_hours
+
+    spec = tiny_spec("model.adapter={r: 4}", "export.merge=true")
+    trace = trace_job(spec, target="cuda").to_dict()
+    view = adapter_view(trace, spec)
+    assert view is not None
+    base = trace["adaptation"]["base_parameters"]
+    assert view["parameters"] == base + view["trainable_parameters"]
+    assert view["trainable_share"] == pytest.approx(view["trainable_parameters"] / view["parameters"])
+    assert view["adapter_bytes"] == 4 * view["trainable_parameters"]
+    assert view["checkpoint_bytes"] == view["adapter_bytes"] + trace["optimizer_state_bytes"]
+    assert view["merged_export"]["bytes"] == 4 * base          # fp32 base, adapter merged in
+    assert "merged export" in adapter_line(view) and "trainable of" in adapter_line(view)
+    row = {"seconds_per_update": 1.0, "utilisation_source": "test", "gpus": 1, "price_per_gpu_hour": None}
+    items = {i["item"]: i for i in pipeline_hours(spec, row, trace)["items"]}
+    assert "adapter weights" in items["export"]["from"]
+    assert "merged export (export.merge)" in items
+    # checkpoints hold the adapter and its optimizer state, not the frozen base
+    assert f"{view['checkpoint_bytes'] / 1e9:.1f} GB" in items["checkpoints"]["from"]
+    assert adapter_view(trace_job(tiny_spec(), target="cuda").to_dict(), tiny_spec()) is None
+
+
+def test_other_experiments_are_labelled_and_never_advised():
+    from pilotrun.estimate.advise import FIX_KEYS, combinations, evaluate
+    from pilotrun.estimate.catalog import load_catalog
+    from pilotrun.estimate.experiments import other_experiments
+
+    spec = tiny_spec()
+    others = other_experiments(spec)
+    assert [o.model.adapter is not None for _, o in others] == [True, True]
+    assert all(label.startswith("a different experiment: ") for label, _ in others)
+    assert "QLoRA" in others[1][0] and others[1][1].model.quantization.bits == 4
+    assert other_experiments(others[0][1]) == []                   # an adapter job has no "other" adapter row
+
+    # Every combination the advisor can offer changes only the fix order's keys: no adapter, no quantisation.
+    class Stub:
+        def __init__(self, trace):
+            self.trace = trace
+
+        def get(self, ac=None, precision=None):
+            return self.trace
+
+    trace = trace_job(spec, target="cuda").to_dict()
+    catalog = load_catalog()
+    acc = catalog["A100-80GB"]
+    for c in combinations(spec, acc, "single", 1, catalog):
+        row = evaluate(spec, Stub(trace), c, "single", None, None)
+        assert set(row["changes"]) <= FIX_KEYS and not any(k.startswith("model.") for k in row["changes"])
+
+
+@pytest.mark.slow
+def test_select_lists_adapter_experiments_beside_the_full_fine_tune(tmp_path):
+    import json
+
+    from .conftest import pilotrun_cli
+
+    env = {"PILOTRUN_CACHE": str(tmp_path / "cache")}
+    r = pilotrun_cli("select", str(TINY), "--accelerator", "A100-80GB", "--other-experiments", "--json",
+                     cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["experiment"].split(":")[0] for row in rows] == ["full fine-tune", "a different experiment",
+                                                                 "a different experiment"]
+    full, lora, qlora = rows
+    assert full["adapter"] is None and lora["adapter"]["trainable_share"] < 0.5
+    assert qlora["adapter"]["quantized_layers"] > 0
+    bad = pilotrun_cli("estimate", str(TINY), "--set", "model.adapter={r: 4, target_modules: [query]}",
+                       "--accelerator", "A100-80GB", cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and "model.adapter.target_modules" in bad.stderr and "q_proj" in bad.stderr
+    assert "Traceback" not in bad.stderr

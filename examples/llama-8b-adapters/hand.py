@@ -11,8 +11,11 @@ Rules (README.md says where each number comes from):
   optimizer       AdamW: 2 moments in the parameter's dtype (+ a 4-byte step per tensor);
                   8-bit AdamW: 2 bytes per value + 2 x 4 bytes per 256 values (+ 2 KiB of maps)
   activations     with checkpointing at micro batch b, length s: every layer's input (b s h x residual bytes),
-                  the logits (b s V x (lm_head dtype + 4 + 4): the output, its fp32 copy and log-softmax), and one
-                  layer recomputed in backward (b s (4h + 2 kv + 3 I) x compute bytes)
+                  the logits (b s V x (lm_head dtype + 3 x 4): the output, its fp32 copy, log-softmax and its
+                  gradient at the start of backward), and one layer recomputed in backward
+                  (b s (4h + 2 kv + 3 I) x compute bytes)
+  step            torch's foreach AdamW (CUDA's default) holds one parameter-sized fp32 list of temporaries in
+                  optimizer.step(): the peak is the larger of the backward moment and the step moment
 """
 from __future__ import annotations
 
@@ -81,12 +84,15 @@ def hand(spec: dict) -> dict:
     compute = 4 if precision == "fp32" else 2
     head_bytes = compute if not true_bf16 else 2
     saved_inputs = L * b * seq * h * residual
-    logits = b * seq * V * (head_bytes + 4 + 4)
+    logits = b * seq * V * (head_bytes + 3 * 4)
     one_layer = b * seq * (4 * h + 2 * s["kv"] + 3 * s["i"]) * compute
     activations = saved_inputs + logits + one_layer
+    step_temporaries = trainable * BYTES[trainable_dtype] if opt == "adamw" else 0
+    state = parameter_bytes + gradients + optimizer
     out |= {"trainable_parameters": trainable, "parameter_bytes": parameter_bytes, "gradient_bytes": gradients,
             "optimizer_state_bytes": optimizer, "activation_bytes": activations,
-            "steady_step_bytes": parameter_bytes + gradients + optimizer + activations}
+            "step_temporary_bytes": step_temporaries,
+            "steady_step_bytes": state + max(activations, step_temporaries)}
     return out
 
 
