@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint.export import MERGED
 from ..drivers import Capability
 from ..train.batches import to_device
 from ..train.evaluation import outputs_of
@@ -17,6 +18,10 @@ from ..workers.launch import run_worker
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 RTOL, ATOL = 1e-4, 1e-5
+# A merged export folds B @ A into the base weights once, in their dtype: in fp32 the sum is rounded like any
+# matmul reordering (within RTOL/ATOL); in bf16 each merged weight is rounded to 8 bits of mantissa (relative
+# 2^-8 ≈ 0.4%), and the logits of a bf16 forward carry that rounding: compared at this looser tolerance.
+MERGED_TOL = {"bf16-true": (2e-2, 2e-2)}
 
 
 class ReloadEvalGate(Gate):
@@ -65,9 +70,16 @@ class ReloadEvalGate(Gate):
                 "--known-manifest", ctx.export_manifest_sha256]
         if ctx.spec.model.factory:
             args += ["--factory", ctx.spec.model.factory, "--spec-folder", str(ctx.spec.folder)]
+        merged_path = work / "reload-merged-outputs.safetensors"
+        merged = ctx.spec.model.adapter is not None and (ctx.export_dir / MERGED).is_dir()
+        if merged:
+            args += ["--merged-outputs", str(merged_path)]
         payload = run_worker("pilotrun.workers.reload", args, work / "reload.json", work / "reload.log", "reload")
         reloaded = load_file(str(outputs_path))["outputs"]
         out.details["reloaded_class"] = payload["model_class"]
+        merged_line = ""
+        if merged:
+            merged_line = self._compare_merged(ctx, load_file(str(merged_path))["outputs"], first, out)
         if reloaded.shape != first.shape:
             raise GateFailure(f"the reloaded artifact returns outputs of shape {tuple(reloaded.shape)}, the model "
                               f"{tuple(first.shape)}", inputs=out.inputs, details=out.details)
@@ -79,6 +91,22 @@ class ReloadEvalGate(Gate):
                               f"(rtol {RTOL:g}, atol {ATOL:g}) — "
                               "weights missing from the export, or state the artifact does not carry",
                               inputs=out.inputs, details=out.details)
-        out.reason = (f"{payload['model_class']} reloaded from {ctx.export_dir.name}/ in a fresh process reproduces "
-                      f"the outputs on {n} control inputs (max difference {diff:.2g}); eval mode is deterministic")
+        what = (f"{payload['model_class']} (the adapter on its rebuilt base, identity checked)"
+                if ctx.spec.model.adapter is not None else payload["model_class"])
+        out.reason = (f"{what} reloaded from {ctx.export_dir.name}/ in a fresh process reproduces "
+                      f"the outputs on {n} control inputs (max difference {diff:.2g}){merged_line}; eval mode is "
+                      "deterministic")
         return out
+
+    def _compare_merged(self, ctx, merged: torch.Tensor, first: torch.Tensor, out: Outcome) -> str:
+        rtol, atol = MERGED_TOL.get(ctx.spec.train.precision, (RTOL, ATOL))
+        if merged.shape != first.shape:
+            raise GateFailure(f"the merged model returns outputs of shape {tuple(merged.shape)}, the model "
+                              f"{tuple(first.shape)}", inputs=out.inputs, details=out.details)
+        diff = float((merged - first).abs().max()) if first.numel() else 0.0
+        out.details["merged"] = {"max_abs_difference": diff, "tolerance": {"rtol": rtol, "atol": atol}}
+        if not torch.allclose(merged, first, rtol=rtol, atol=atol):
+            raise GateFailure(f"the merged model in {ctx.export_dir.name}/{MERGED}/ does not reproduce the adapter "
+                              f"model's outputs: max difference {diff:.3g} (rtol {rtol:g}, atol {atol:g})",
+                              inputs=out.inputs, details=out.details)
+        return f"; the merged model in {MERGED}/ too (max difference {diff:.2g})"
