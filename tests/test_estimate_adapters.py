@@ -14,13 +14,12 @@ import torch
 
 from pilotrun.config import load_spec
 from pilotrun.estimate import layouts
-from pilotrun.estimate.adapted import AdapterTargetError, trace_optimizer
 from pilotrun.estimate.trace import _synthetic_batch, autocast_precision, quiet_transformers, trace_job
 from pilotrun.measure.tensors import CategoryTracker
-from pilotrun.models.loading import build_model
+from pilotrun.models.loading import ModelError, build_model
 from pilotrun.train.batches import supervised_count
 from pilotrun.train.loss import decide_loss_policy, window_backward
-from pilotrun.train.optim import param_groups
+from pilotrun.train.optim import build_optimizer
 
 from .conftest import EXAMPLES
 
@@ -51,40 +50,11 @@ def _quant_state_tensors(model) -> list[torch.Tensor]:
 
 
 def real_job(spec):
-    """The job as the pilot builds it, with real tensors: a transformers model (quantised through
-    BitsAndBytesConfig when asked), peft LoRA, the optimizer the spec names."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    torch.manual_seed(0)
+    """The job exactly as the pilot builds it (models.loading.build_model: a bitsandbytes base through
+    BitsAndBytesConfig, peft LoRA, bf16-true; train.optim: the optimizer), with real tensors on this CPU."""
     loaded = build_model(spec)
-    model = loaded.model
-    q, precision = spec.model.quantization, spec.train.precision
-    if q is not None:
-        dtype = torch.bfloat16 if precision == "bf16-true" else {"bf16": torch.bfloat16, "fp32": torch.float32,
-                                                                  "fp16": torch.float16}[q.compute_dtype]
-        cfg = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.type,
-                                  bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=dtype)
-               if q.bits == 4 else BitsAndBytesConfig(load_in_8bit=True))
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp)
-            model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=cfg, device_map="cpu", dtype=dtype)
-    elif precision == "bf16-true":
-        model = model.to(torch.bfloat16)
-    if spec.model.adapter is not None:
-        from peft import LoraConfig, get_peft_model
-
-        a = spec.model.adapter
-        model = get_peft_model(model, LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout,
-                                                 target_modules=a.target_modules))
-        if precision == "bf16-true":
-            model = model.to(torch.bfloat16)
-    o = spec.train.optimizer
-    if o.name in ("adamw8bit", "paged_adamw8bit"):
-        cls = bnb.optim.AdamW8bit if o.name == "adamw8bit" else bnb.optim.PagedAdamW8bit
-        opt = cls([g for g in param_groups(model, o.weight_decay) if g["params"]], lr=o.lr)
-    else:
-        opt, _ = trace_optimizer(model, spec, "cpu")
-    return model, loaded.config, opt
+    opt = build_optimizer(loaded.model, spec.train.optimizer, torch.device("cpu"))
+    return loaded.model, loaded.config, opt
 
 
 def measure_real(spec) -> dict:
@@ -211,8 +181,9 @@ class _nothing:
 
 def test_adapter_on_missing_modules_names_the_linear_modules():
     spec = tiny_spec("model.adapter={r: 4, target_modules: [query, value]}")
-    with pytest.raises(AdapterTargetError) as err:
+    with pytest.raises(ModelError) as err:
         trace_job(spec, target="cuda")
+    assert err.value.field == "model.adapter.target_modules"
     msg = str(err.value)
     assert "model.adapter.target_modules" in msg and "q_proj" in msg and "all-linear" in msg
 

@@ -14,8 +14,11 @@ Rules (README.md says where each number comes from):
                   the logits (b s V x (lm_head dtype + 3 x 4): the output, its fp32 copy, log-softmax and its
                   gradient at the start of backward), and one layer recomputed in backward
                   (b s (4h + 2 kv + 3 I) x compute bytes)
-  step            torch's foreach AdamW (CUDA's default) holds one parameter-sized fp32 list of temporaries in
-                  optimizer.step(): the peak is the larger of the backward moment and the step moment
+  weight casts    bf16 autocast's copies of the fp32 weights a matmul used (2 bytes each): the output head and
+                  the LoRA matrices (every Linear for a full fine-tune), kept for backward
+  step            fused AdamW (pilotrun's choice on CUDA) has no step temporaries; the foreach path
+                  (optimizer.fused: false) holds one parameter-sized list of them: the peak is then the larger of
+                  the backward moment and the step moment
 """
 from __future__ import annotations
 
@@ -51,7 +54,9 @@ def hand(spec: dict) -> dict:
     quant = spec["model"].get("quantization")
     precision = train["precision"]
     true_bf16 = precision == "bf16-true"
-    base_dtype = "bf16" if true_bf16 else (quant or {}).get("compute_dtype", "fp32") if quant else "fp32"
+    # bf16-true holds everything in bf16; otherwise the base is fp32 (a quantised base's unquantised tensors too:
+    # peft's prepare_model_for_kbit_training upcasts them)
+    base_dtype = "bf16" if true_bf16 else "fp32"
     out: dict = {"parameters": params}
     if adapter is None:
         trainable, trainable_dtype, tensors = params, base_dtype, 7 * L + 2 * L + 1 + (1 if s["tied"] else 2)
@@ -87,12 +92,20 @@ def hand(spec: dict) -> dict:
     logits = b * seq * V * (head_bytes + 3 * 4)
     one_layer = b * seq * (4 * h + 2 * s["kv"] + 3 * s["i"]) * compute
     activations = saved_inputs + logits + one_layer
-    step_temporaries = trainable * BYTES[trainable_dtype] if opt == "adamw" else 0
+    # bf16 autocast over fp32 weights keeps a bf16 copy of each weight a matmul used, for backward: the fp32
+    # output head, the LoRA matrices, and for a full fine-tune every Linear
+    casts = 0
+    if precision == "bf16":
+        casts = V * h * 2 + (trainable * 2 if adapter else linear_weights * 2)
+    # pilotrun runs AdamW fused on CUDA (optimizer.fused: auto): no step temporaries; foreach would hold one
+    # parameter-sized list of them
+    fused = train["optimizer"].get("fused", "auto") in ("auto", True)
+    step_temporaries = trainable * BYTES[trainable_dtype] if opt == "adamw" and not fused else 0
     state = parameter_bytes + gradients + optimizer
     out |= {"trainable_parameters": trainable, "parameter_bytes": parameter_bytes, "gradient_bytes": gradients,
             "optimizer_state_bytes": optimizer, "activation_bytes": activations,
-            "step_temporary_bytes": step_temporaries,
-            "steady_step_bytes": state + max(activations, step_temporaries)}
+            "weight_cast_bytes": casts, "step_temporary_bytes": step_temporaries,
+            "steady_step_bytes": state + max(activations + casts, step_temporaries)}
     return out
 
 

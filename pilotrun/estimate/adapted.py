@@ -7,10 +7,10 @@ after the matmul, as ``MatMul4Bit``/``MatMul8bitFp`` do; the 8-bit optimizers ar
 allocates ``layouts.optimizer_state`` and updates in place (the CUDA kernels are fused: no step temporaries).
 LoRA itself is the real ``peft`` model (on meta), so frozen parameters have no gradient and no optimizer state.
 
-Dtypes, as the pilot builds the job (``model.quantization`` through transformers' BitsAndBytesConfig):
+Dtypes, as the pilot builds the job (``models.loading.build_model``, which also builds the estimator's meta model):
 bf16-true holds every floating tensor in bf16, LoRA matrices included; otherwise LoRA matrices are fp32 (peft's
-``autocast_adapter_dtype``), a quantised base's unquantised tensors (embeddings, norms, output head) are in
-``quantization.compute_dtype`` (the dtype it is loaded in) and an unquantised base stays fp32.
+``autocast_adapter_dtype``) and a quantised base's unquantised tensors (embeddings, norms, output head) fp32 (peft's
+``prepare_model_for_kbit_training``).
 """
 from __future__ import annotations
 
@@ -24,10 +24,6 @@ from . import layouts
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TORCH_NAMES = {torch.uint8: "uint8", torch.int8: "int8", torch.bfloat16: "bf16", torch.float16: "fp16",
                torch.float32: "fp32"}
-
-
-class AdapterTargetError(ValueError):
-    """model.adapter.target_modules names no module of the model; the message lists its Linear names."""
 
 
 @dataclass
@@ -93,41 +89,17 @@ class QuantizedLinearStandIn(torch.nn.Module):
         return y.to(x.dtype)
 
 
-def _linear_names(model: torch.nn.Module) -> list[str]:
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-
-
-def _apply_lora(model: torch.nn.Module, spec: Spec) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    a = spec.model.adapter
-    assert a is not None
-    targets = a.target_modules if isinstance(a.target_modules, str) else list(a.target_modules)
-    if isinstance(targets, list):
-        known = set(_linear_names(model))
-        missing = [t for t in targets if t not in known]
-        if missing:
-            raise AdapterTargetError(f"model.adapter.target_modules: {missing} are not Linear modules of this model; "
-                                     f"its Linear module names are {sorted(known)} (or use all-linear)")
-    # peft annotates lora_alpha as int but only computes alpha / r with it: the spec's float is kept.
-    config = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout,  # type: ignore[arg-type]
-                        target_modules=targets)
-    return get_peft_model(model, config)
-
-
-def _is_lora_part(name: str) -> bool:
-    return any(part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B") for part in name.split("."))
-
-
 def _quantize(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: Adaptation) -> None:
     """Replace every Linear transformers would quantise (all but the output head and LoRA's own) by a stand-in."""
+    from ..models.adapters import is_adapter_parameter
+
     q = spec.model.quantization
     assert q is not None
     compute = DTYPES[q.compute_dtype]
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     swaps = [(name, m) for name, m in model.named_modules()
-             if type(m) is torch.nn.Linear and m is not head and not _is_lora_part(name)
+             if type(m) is torch.nn.Linear and m is not head and not is_adapter_parameter(name + ".weight")
              and not name.endswith("lm_head") and not name.endswith("score")]
     for name, linear in swaps:
         owner, _, attr = name.rpartition(".")
@@ -142,30 +114,22 @@ def _quantize(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: 
 
 
 def adapt(model: torch.nn.Module, spec: Spec) -> tuple[torch.nn.Module, Adaptation]:
-    """The meta model as the pilot trains it: adapter, quantised base and dtypes applied."""
+    """The meta model as the pilot trains it. ``models.loading.build_model(meta=True)`` already applied the adapter
+    (peft) and bf16-true; bitsandbytes cannot quantise meta weights, so the quantised Linears are swapped for
+    stand-ins here. Their unquantised neighbours keep the dtype the pilot gives them: fp32 (peft's
+    prepare_model_for_kbit_training upcasts them), bf16 under bf16-true."""
+    from ..models.adapters import is_adapter_parameter
+
     out = Adaptation()
-    out.base_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    precision = spec.train.precision
+    named = {id(p): (n, p) for n, p in model.named_parameters()}.values()
+    adapter = [p for n, p in named if is_adapter_parameter(n)]
+    out.base_parameters = sum(p.numel() for n, p in named if not is_adapter_parameter(n))
     quant = spec.model.quantization
-    if precision == "bf16-true":
-        base_dtype = torch.bfloat16
-    elif quant is not None:
-        base_dtype = DTYPES[quant.compute_dtype]
-    else:
-        base_dtype = torch.float32
-    # Parameters only: transformers keeps buffers such as rotary inv_freq in fp32 when it loads in a dtype.
-    for p in model.parameters():
-        p.data = p.data.to(base_dtype)
-    merged_dtype = base_dtype
+    base_dtype = torch.bfloat16 if spec.train.precision == "bf16-true" else torch.float32
     if spec.model.adapter is not None:
-        model = _apply_lora(model, spec)
-        lora = [(n, p) for n, p in model.named_parameters() if _is_lora_part(n)]
-        if precision == "bf16-true":
-            for _, p in lora:
-                p.data = p.data.to(torch.bfloat16)
-        out.adapter_parameters = sum(p.numel() for _, p in lora)
-        out.adapter_bytes = sum(p.numel() * p.element_size() for _, p in lora)
-        out.adapted_layers = sum(1 for n, _ in lora if n.split(".")[-2] == "default" and "lora_A" in n)
+        out.adapter_parameters = sum(p.numel() for p in adapter)
+        out.adapter_bytes = sum(p.numel() * p.element_size() for p in adapter)
+        out.adapted_layers = sum(1 for n, _ in named if ".lora_A." in n)
         out.notes.append(f"LoRA r={spec.model.adapter.r} on {out.adapted_layers} Linear layers: "
                          f"{out.adapter_parameters:,} trainable parameters; the base is frozen (no gradients, "
                          "no optimizer state)")
@@ -173,12 +137,14 @@ def adapt(model: torch.nn.Module, spec: Spec) -> tuple[torch.nn.Module, Adaptati
         _quantize(model, spec, base_dtype, out)
         out.notes.append(f"{quant.bits}-bit base: {out.quantized_layers} Linear layers held as bitsandbytes "
                          "stores them (packed weights + quantisation state), each dequantised only while in flight")
-        # Merging into a quantised base dequantises it: the merged model is written in the compute dtype.
-        merged_dtype = DTYPES[quant.compute_dtype]
     out.trainable_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()
                                    if p.requires_grad)
-    if spec.export.merge:
-        out.merged_bytes = out.base_parameters * torch.empty((), dtype=merged_dtype).element_size()
+    if spec.export.merge and quant is None:
+        # The export gate merges into the base as trained (models.adapters.merged_copy): the base's dtype.
+        out.merged_bytes = out.base_parameters * torch.empty((), dtype=base_dtype).element_size()
+    elif spec.export.merge:
+        out.notes.append("export.merge: the export gate does not merge into a quantised base (it would round the "
+                         "adapter into 4/8-bit weights); no merged model is counted")
     return model, out
 
 
@@ -213,27 +179,21 @@ class StateSizedOptimizer(torch.optim.Optimizer):
 
 
 def trace_optimizer(model: torch.nn.Module, spec: Spec, target: str) -> tuple[torch.optim.Optimizer, str]:
-    """The optimizer the trace steps, and how it runs on ``target`` (for the notes)."""
-    from ..train.optim import build_optimizer, param_groups
+    """The optimizer the trace steps, and how it runs on ``target`` (for the notes): the pilot's own choice
+    (``train.optim.build_optimizer_choice``: fused AdamW where the target has the kernel), except bitsandbytes'
+    8-bit AdamW, whose kernels do not run on fake tensors (a stand-in with its state, above)."""
+    from ..train.optim import build_optimizer_choice, param_groups
 
     o = spec.train.optimizer
     if o.name in ("adamw8bit", "paged_adamw8bit"):
         groups = param_groups(model, o.weight_decay)
         return StateSizedOptimizer([g for g in groups if g["params"]], o.name, o.lr), (
             f"{o.name}: bitsandbytes' state sizes (estimate/layouts.py), fused in-place update")
-    if o.name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        groups = param_groups(model, o.weight_decay)
-        opt: torch.optim.Optimizer = Adafactor([g for g in groups if g["params"]], lr=o.lr, beta1=None,
-                                               relative_step=False, scale_parameter=False, warmup_init=False)
-        return opt, "adafactor (transformers), factored second moment, no first moment"
-    opt = build_optimizer(model, o)
-    fused = o.name == "adamw" and o.fused is True
-    for group in opt.param_groups:
-        if fused:
-            group["fused"], group["foreach"] = True, False
-        else:
+    opt, choice = build_optimizer_choice(model, o, torch.device(target))
+    if o.name == "adamw" and choice.fused:
+        return opt, f"adamw fused (no step temporaries): {choice.reason}"
+    if o.name in ("adamw", "sgd"):
+        for group in opt.param_groups:
             group["foreach"] = target != "cpu"  # CUDA's default multi-tensor path, with its temporaries
-    return opt, ("adamw fused (no step temporaries)" if fused else
-                 f"{o.name} {'foreach' if target != 'cpu' else 'per-parameter'} path")
+        return opt, f"{o.name} {'foreach' if target != 'cpu' else 'per-parameter'} path ({choice.reason})"
+    return opt, choice.reason
