@@ -95,10 +95,9 @@ def _hours(hours: float | None) -> str:
 
 
 def markdown(spec, rows: list[dict]) -> str:
-    cols = ["experiment", "accelerator", "memory/device", "fits", "strategy", "GPUs", "precision",
-            "micro batch x accum",
+    cols = ["accelerator", "memory/device", "fits", "strategy", "GPUs", "precision", "micro batch x accum",
             "largest micro batch", "largest length", "device used", "time/update", "cost/update",
-            "time for updates", "cost for updates", "stack"]
+            "time for updates", "cost for updates", "stack", "experiment"]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
     lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
              f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, "
@@ -107,14 +106,13 @@ def markdown(spec, rows: list[dict]) -> str:
     for r in rows:
         ok = r["fits"]
         lines.append(
-            f"| {r['experiment']} | {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | "
-            f"{'yes' if ok else 'no'} | "
+            f"| {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | {'yes' if ok else 'no'} | "
             f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {r['gpus']} | {r['precision']} | "
             f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {_length(spec, r)} | "
             f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if ok else '—'} | "
             f"{money(r['cost_per_update'])} | "
             f"{_hours(r['hours_for_planned_updates'])} | "
-            f"{money(r['cost_for_planned_updates'])} | {r['software_stack']['text']} |")
+            f"{money(r['cost_for_planned_updates'])} | {r['software_stack']['text']} | {r['experiment']} |")
     lines += ["", *dict.fromkeys(f"- {adapter_line(r['adapter'])}" for r in rows if r.get("adapter"))]
     if len({r["experiment"] for r in rows}) > 1:
         lines += ["", OTHER_EXPERIMENT_NOTE[0].upper() + OTHER_EXPERIMENT_NOTE[1:] + "."]
