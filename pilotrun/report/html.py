@@ -179,11 +179,12 @@ def _adapter_section(rows: list[dict]) -> str:
     for key, name in (("trainable_bytes", "adapter size"), ("frozen_bytes", "frozen base")):
         if d.get(key) is not None:
             items.append([name, human_bytes(d[key])])
-    export = next((r for r in rows if r["gate"] == "export" and r.get("details")), None)
-    for key, value in ((export or {}).get("details") or {}).items():
-        if "merge" in key and isinstance(value, (int, float)):
-            items.append([key.replace("_", " "), human_bytes(value) if key.endswith("bytes") else
-                          human_seconds(value) if key.endswith("seconds") else f"{value:g}"])
+    # The export gate's row says what it wrote: the PEFT adapter and, with export.merge, the merged model (or why
+    # not), with its time.
+    export = next((r for r in rows if r["gate"] == "export"), None)
+    if export is not None:
+        items.append(["export", f"{export['verdict']}: {export['reason']}"
+                      + (f" ({human_seconds(export['seconds'])})" if export.get("seconds") else "")])
     return "<h2>Adapter</h2>" + _table(["", ""], items)
 
 
