@@ -64,10 +64,14 @@ def measured(spec_path: Path, overrides: list[str] | None = None) -> dict[str, i
         result = run_pilot(spec, PilotOptions(out_dir=Path(tmp) / "o", ledger_path=Path(tmp) / "l.sqlite",
                                               gates=["first_step", "steady_step", "eval"]))
         out: dict[str, int | str] = {}
+        # A stage skipped for want of an earlier gate carries that gate's reason (e.g. load: "not measured:
+        # paged optimizer state needs cuda").
+        cause = next((f"{r['gate']}: {r['reason']}" for r in result.rows if r["verdict"] in ("skip", "fail")
+                      and not r["reason"].startswith("skipped: needs")), "")
         for r in result.rows:
             if r["gate"] in STAGES:
                 peak = (r.get("memory") or {}).get("peak_allocated_bytes")
-                out[r["gate"]] = peak if peak else f"not measured: {r['verdict']}: {r['reason']}"
+                out[r["gate"]] = peak if peak else f"not measured: {r['verdict']}: {cause or r['reason']}"
         return out
 
 
