@@ -18,10 +18,13 @@ from ..workers.launch import run_worker
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 RTOL, ATOL = 1e-4, 1e-5
-# A merged export folds B @ A into the base weights once, in their dtype: in fp32 the sum is rounded like any
-# matmul reordering (within RTOL/ATOL); in bf16 each merged weight is rounded to 8 bits of mantissa (relative
-# 2^-8 ≈ 0.4%), and the logits of a bf16 forward carry that rounding: compared at this looser tolerance.
-MERGED_TOL = {"bf16-true": (2e-2, 2e-2)}
+# A merged export computes (W + s·BA) x instead of W x + s·B(A x): the same sum in another order, whose fp32
+# rounding is a few ulps of the outputs' scale per layer, not of each output (an output near 0 gets an error
+# of the size of its neighbours'). So the merged model is compared on the outputs' scale: the largest difference
+# at most this fraction of the largest output (at least 1). In bf16 each merged weight is itself rounded to 8
+# bits of mantissa (2^-8 ≈ 0.4%).
+MERGED_SCALE_TOL = {"bf16-true": 2e-2}
+MERGED_SCALE_TOL_DEFAULT = 1e-4
 
 
 class ReloadEvalGate(Gate):
@@ -99,14 +102,16 @@ class ReloadEvalGate(Gate):
         return out
 
     def _compare_merged(self, ctx, merged: torch.Tensor, first: torch.Tensor, out: Outcome) -> str:
-        rtol, atol = MERGED_TOL.get(ctx.spec.train.precision, (RTOL, ATOL))
+        fraction = MERGED_SCALE_TOL.get(ctx.spec.train.precision, MERGED_SCALE_TOL_DEFAULT)
+        scale = max(1.0, float(first.abs().max())) if first.numel() else 1.0
         if merged.shape != first.shape:
             raise GateFailure(f"the merged model returns outputs of shape {tuple(merged.shape)}, the model "
                               f"{tuple(first.shape)}", inputs=out.inputs, details=out.details)
         diff = float((merged - first).abs().max()) if first.numel() else 0.0
-        out.details["merged"] = {"max_abs_difference": diff, "tolerance": {"rtol": rtol, "atol": atol}}
-        if not torch.allclose(merged, first, rtol=rtol, atol=atol):
+        out.details["merged"] = {"max_abs_difference": diff, "output_scale": scale,
+                                 "tolerance": f"{fraction:g} x the output scale"}
+        if not diff <= fraction * scale:
             raise GateFailure(f"the merged model in {ctx.export_dir.name}/{MERGED}/ does not reproduce the adapter "
-                              f"model's outputs: max difference {diff:.3g} (rtol {rtol:g}, atol {atol:g})",
-                              inputs=out.inputs, details=out.details)
+                              f"model's outputs: max difference {diff:.3g}, more than {fraction:g} of the outputs' "
+                              f"scale {scale:.3g}", inputs=out.inputs, details=out.details)
         return f"; the merged model in {MERGED}/ too (max difference {diff:.2g})"

@@ -9,6 +9,7 @@ without its values changing).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,11 +112,19 @@ class ParameterSplit:
                 "trainable_share": round(self.trainable_share, 6)}
 
 
+def logical_numel(p: torch.Tensor) -> int:
+    """Parameters a tensor stands for: a bitsandbytes 4-bit weight packs two per uint8 element; its quant_state
+    keeps the weight's own shape."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
+
+
 def parameter_split(model: torch.nn.Module) -> ParameterSplit:
+    """Counts are parameters (a 4-bit weight's logical size), bytes are storage as held."""
     unique = {id(p): p for p in model.parameters()}.values()
     train = [p for p in unique if p.requires_grad]
     frozen = [p for p in unique if not p.requires_grad]
-    return ParameterSplit(sum(p.numel() for p in train), sum(p.numel() for p in frozen),
+    return ParameterSplit(sum(logical_numel(p) for p in train), sum(logical_numel(p) for p in frozen),
                           sum(_bytes(p) for p in train), sum(_bytes(p) for p in frozen))
 
 

@@ -132,6 +132,11 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
     if meta and spec.model.quantization is not None:
         loaded.notes.append("model.quantization not applied on the meta device (bitsandbytes quantises real weights)")
     if quant is not None:
+        from .quantize import keep_training_path
+
+        if keep_training_path(loaded.model):
+            loaded.notes.append("bitsandbytes' CPU eval-time repacking of 4-bit weights turned off: after it, training "
+                                "forwards run gemv_4bit, which has no autograd kernel (wrong gradients)")
         _prepare_quantized(loaded, spec)
     if spec.train.precision == "bf16-true":
         _cast_bf16(loaded.model)
@@ -300,13 +305,16 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> bool:
 
 
 def parameter_count(model: torch.nn.Module) -> tuple[int, int]:
+    from .adapters import logical_numel
+
     seen: set[int] = set()
     total = trainable = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
+        n = logical_numel(p)  # a 4-bit weight: its own size, not its packed uint8 elements
+        total += n
         if p.requires_grad:
-            trainable += p.numel()
+            trainable += n
     return total, trainable

@@ -14,8 +14,13 @@ tests/test_adapters.py, which runs every path this table calls available):
 (1) On CPU PagedAdamW8bit runs, but its state is ordinary host memory, never paged (measured here: no
 ``is_paged`` tensor in its state): the paging a user rents it for cannot be observed, so it is "not measured".
 
-On CPU a 4-bit layer also needs ``in_features`` to be a multiple of the 4-bit block size (64):
-bitsandbytes repacks the weight per block on its first CPU forward.
+On a CPU with AVX512-BF16, bitsandbytes 0.50.2 repacks a 4-bit weight in place (to bf16 scales) on its first
+eval-mode forward (``Linear4bit.forward`` -> ``functional._convert_weight_packed_for_cpu``), and from then on every
+forward, training included, goes through ``gemv_4bit``, which has no autograd kernel: gradients no longer flow
+through the base to earlier layers (torch warns "silently incorrect behavior"; measured here: after one eval
+forward, a first-layer LoRA gradient differs by as much as its own size). Training after evaluation — what every
+pilot and run does — would be wrong, so :func:`keep_training_path` turns that repacking off (it also asserts
+``out_features % 32 == 0``, a shape limit that then no longer applies).
 """
 from __future__ import annotations
 
@@ -100,6 +105,17 @@ def require_kernels(spec, device_type: str, kernels: list[Kernel] | None = None)
         problem = kernel_problem(kernel, device_type)
         if problem is not None:
             raise KernelUnavailable(kernel, problem)
+
+
+def keep_training_path(model: torch.nn.Module) -> int:
+    """Turn off bitsandbytes' CPU eval-time repacking of 4-bit weights (see the module's docstring) on every layer
+    that has it; returns how many layers had it on."""
+    n = 0
+    for mod in model.modules():
+        if getattr(mod, "support_avx512bf16_for_cpu", False):
+            setattr(mod, "support_avx512bf16_for_cpu", False)  # noqa: B010 - a library attribute torch types cannot see
+            n += 1
+    return n
 
 
 def bnb_config(q: QuantizationSpec):
