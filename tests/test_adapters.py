@@ -72,6 +72,24 @@ def test_fused_true_where_torch_has_no_kernel_names_the_field():
     assert fused is True
 
 
+def test_check_job_refuses_fused_true_without_a_kernel(lora_spec):
+    from pilotrun.drivers import check_job
+
+    spec = load_spec(lora_spec, ["train.optimizer.fused=true"])
+    check_job(spec, torch.device("cpu"))  # torch has a fused CPU AdamW
+    with pytest.raises(SpecError) as err:
+        check_job(spec, torch.device("meta"))
+    assert err.value.problems[0][0] == "train.optimizer.fused"
+
+
+def test_accum_equivalence_for_bf16_true_adapter_on_a_float64_copy(lora_spec, tmp_path):
+    rows = gate_rows(lora_spec, tmp_path, "train.precision=bf16-true", gates=["accum_equivalence"])
+    row = rows["accum_equivalence"]
+    assert row["verdict"] == "pass", row["reason"]
+    assert row["details"]["dtype"] == "float64"
+    assert all(w["relative_grad_difference"] < 1e-9 for w in row["details"]["windows"])
+
+
 def test_fused_true_builds_torch_fused_adamw_over_trainable_params_only(lora_spec):
     driver = _driver(lora_spec, "train.optimizer.fused=true")
     try:
