@@ -291,8 +291,17 @@ def test_export_reloads_on_rebuilt_base_and_tampering_is_refused(lora_spec, tmp_
 # -- the example, every gate, for real ------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_lora_example_passes_every_gate(lora_spec, tmp_path):
-    rows = gate_rows(lora_spec, tmp_path)
+def test_lora_example_passes_every_gate_and_its_archive_reloads_the_adapter(lora_spec, tmp_path):
+    import subprocess
+    import sys
+    import tarfile
+
+    from pilotrun.ledger.store import Ledger
+    from pilotrun.pilot import PilotOptions, run_pilot
+    from pilotrun.report.archive import archive_run
+
+    result = run_pilot(load_spec(lora_spec), PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite"))
+    rows = {r["gate"]: r for r in result.rows}
     bad = {g: (r["verdict"], r["reason"]) for g, r in rows.items() if r["verdict"] not in ("pass", "warn")}
     assert not bad, bad
     load = rows["load"]["details"]
@@ -301,4 +310,20 @@ def test_lora_example_passes_every_gate(lora_spec, tmp_path):
     assert "bitwise" in rows["resume"]["reason"] or rows["resume"]["details"].get("exact") is True
     assert rows["export"]["details"]["adapter"] is True and rows["export"]["details"]["merged"] == "merged"
     assert "identity checked" in rows["reload_eval"]["reason"]
+    assert rows["reload_eval"]["details"]["merged"]["max_abs_difference"] > 0  # the trained adapter, merged
     assert "adapter" in rows["inspect"]["details"]
+    led = Ledger(tmp_path / "l.sqlite")
+    try:
+        out, _ = archive_run(led, result.run_id, tmp_path / "a.tar.gz")
+    finally:
+        led.close()
+    with tarfile.open(out) as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    root = next((tmp_path / "x").iterdir())
+    for name in ("model/adapter_model.safetensors", "model/adapter_config.json", "model/base.json",
+                 "model/merged/model.safetensors", "rerun_control.py"):
+        assert (root / name).is_file(), name
+    assert not (root / "model" / "model.safetensors").exists()
+    assert "PeftModel.from_pretrained(base, 'model')" in (root / "README.md").read_text()
+    rerun = subprocess.run([sys.executable, "rerun_control.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and "PeftModelForCausalLM reproduces" in rerun.stdout, rerun.stdout + rerun.stderr

@@ -1,10 +1,10 @@
 """A LoRA adapter on a frozen base, built with ``peft`` (never re-implemented), and what the gates read about it:
 trainable vs frozen parameters and bytes, the adapter's own weights, and the frozen base's identity.
 
-The base's identity (:func:`base_identity`) is a sha256 over the frozen tensors as built: a checkpoint holds the
-adapter alone, so a restore proves it is loading onto the same base by comparing this, not the base's bytes
-(bitsandbytes repacks a 4-bit weight in place on its first CPU forward, so the live bytes of a frozen base change
-without its values changing).
+The base's identity (:func:`base_identity`) is a sha256 over the base's tensors as built (every parameter peft
+did not add): a checkpoint holds the adapter alone, so a restore proves it is loading onto the same base by
+comparing this, and a fresh process that loads an exported adapter compares it with ``base.json``'s. Fingerprints
+use it in place of the frozen parameters' digests: the base is checked once, as built.
 """
 from __future__ import annotations
 
