@@ -13,6 +13,7 @@ from ..config.spec import load_spec
 from ..estimate.advise import advise
 from ..estimate.cache import CACHE_ENV, TraceCache
 from ..estimate.catalog import CatalogError, find, load_catalog
+from ..estimate.experiments import adapter_line, adapter_view
 from ..estimate.model import estimate_fit
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
@@ -100,6 +101,7 @@ def main(args) -> int:
                                                "gradient_bytes", "optimizer_state_bytes", "largest_layer",
                                                "largest_layer_bytes", "layers", "precision",
                                                "activation_checkpointing")},
+              "adapter": adapter_view(trace, spec), "optimizer": trace.get("optimizer"),
               "trace_seconds": trace["seconds"], "trace_cache": traces.notes,
               "fits": [{k: f[k] for k in ("accelerator", "strategy", "gpus", "precision", "peak_allocated_bytes",
                                           "peak_reserved_bytes", "device_used_bytes", "capacity_bytes", "fits",
@@ -138,6 +140,11 @@ def _print(console, spec, trace, report) -> None:
                                 f" · {trace['parameters'] / 1e9:.2f}B parameters · {spec.train.precision} · "
                                 f"micro batch {spec.train.micro_batch_size} x {spec.train.grad_accum_steps}"
                                 f"{at_length(spec.data.max_length)} · traced in {trace['seconds']:.1f} s"))
+    if report.get("adapter"):
+        console.print(Text(adapter_line(report["adapter"]), style="cyan"))
+    if trace.get("optimizer"):
+        console.print(Text(f"optimizer: {trace['optimizer']}; state {human_bytes(trace['optimizer_state_bytes'])}",
+                           style="dim"))
     t = Table(box=None, header_style="bold", title="per-stage peaks on one device (traced, before target corrections)",
               title_justify="left")
     for col in ("stage", "peak", "parameters", "gradients", "optimizer", "activations", "weight casts"):

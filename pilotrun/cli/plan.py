@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..config.spec import load_spec
+from ..estimate.experiments import adapter_line
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
 from ..estimate.source import model_download
 from ..humanize import money
@@ -95,6 +96,8 @@ def main(args) -> int:
                                     f"{' + AC' if row['activation_checkpointing'] else ''}"
                                     f" · micro batch {row['micro_batch_size']} x {row['grad_accum_steps']}"
                                     f" · {'fits' if row['fits'] else 'DOES NOT FIT'}"))
+        if row.get("adapter"):
+            console.print(Text("  " + adapter_line(row["adapter"]), style="dim"))
         t = Table(box=None, header_style="bold")
         t.add_column("item")
         t.add_column("hours", justify="right")

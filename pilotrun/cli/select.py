@@ -10,6 +10,7 @@ from rich.text import Text
 
 from ..config.spec import load_spec
 from ..estimate.catalog import CatalogError, find, load_catalog
+from ..estimate.experiments import OTHER_EXPERIMENT_NOTE, adapter_line, other_experiments
 from ..estimate.runner import Traces
 from ..estimate.select import sheet_row
 from ..estimate.stack import installed_extensions
@@ -43,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--headroom", type=float,
                    help="share of device memory kept free, 0 to 0.5 (default from the catalog, 5%%)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--other-experiments", action="store_true",
+                   help="for a full fine-tune, also list LoRA and QLoRA versions of the job, each labelled as a "
+                        "different experiment (they train other parameters: never a memory fix)")
     add_trace_cache_arg(p)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
@@ -66,6 +70,11 @@ def build_sheet(spec, args, headroom, quiet) -> tuple[list[dict], Traces]:
     try:
         with (console.status("tracing with fake tensors...") if not quiet else contextlib.nullcontext()):
             rows = [sheet_row(spec, traces, acc, ledger, ext, headroom) for acc in accs]
+            for _label, other in (other_experiments(spec) if getattr(args, "other_experiments", False) else []):
+                other_traces = traces_for(other, args)
+                rows += [sheet_row(other, other_traces, acc, ledger, ext, headroom) | {"experiment": _label}
+                         for acc in accs]
+                traces.notes += other_traces.notes
     except TraceError as exc:
         raise UsageError(f"the trace failed: {exc}") from None
     return rows, traces
@@ -88,7 +97,7 @@ def _hours(hours: float | None) -> str:
 def markdown(spec, rows: list[dict]) -> str:
     cols = ["accelerator", "memory/device", "fits", "strategy", "GPUs", "precision", "micro batch x accum",
             "largest micro batch", "largest length", "device used", "time/update", "cost/update",
-            "time for updates", "cost for updates", "stack"]
+            "time for updates", "cost for updates", "stack", "experiment"]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
     lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
              f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, "
@@ -103,7 +112,10 @@ def markdown(spec, rows: list[dict]) -> str:
             f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if ok else '—'} | "
             f"{money(r['cost_per_update'])} | "
             f"{_hours(r['hours_for_planned_updates'])} | "
-            f"{money(r['cost_for_planned_updates'])} | {r['software_stack']['text']} |")
+            f"{money(r['cost_for_planned_updates'])} | {r['software_stack']['text']} | {r['experiment']} |")
+    lines += ["", *dict.fromkeys(f"- {adapter_line(r['adapter'])}" for r in rows if r.get("adapter"))]
+    if len({r["experiment"] for r in rows}) > 1:
+        lines += ["", OTHER_EXPERIMENT_NOTE[0].upper() + OTHER_EXPERIMENT_NOTE[1:] + "."]
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
               "Times use the utilisation each row names. Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
     lines += [f"- {n}" for n in price_notes(rows)]
@@ -122,13 +134,16 @@ def main(args) -> int:
         return 0
     console = out_console()
     t = Table(box=None, header_style="bold", title=f"selection sheet · {spec.name}", title_justify="left")
-    for col in ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum per rank", "largest mb",
-                "largest length", "used", "time/update", "cost/update", f"{spec.train.updates} updates", "cost",
-                "software stack"):
+    several = len({r["experiment"] for r in rows}) > 1
+    columns = ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum per rank", "largest mb",
+               "largest length", "used", "time/update", "cost/update", f"{spec.train.updates} updates", "cost",
+               "software stack")
+    for col in (("experiment",) if several else ()) + columns:
         t.add_column(col)
     for r in rows:
         ok = r["fits"]
-        t.add_row(r["accelerator"], human_bytes(r["memory_per_device_bytes"]),
+        t.add_row(*((r["experiment"],) if several else ()), r["accelerator"],
+                  human_bytes(r["memory_per_device_bytes"]),
                   Text("yes" if ok else "no", style="green" if ok else "red"),
                   (r["strategy"] + (" + AC" if r["activation_checkpointing"] else "")) if ok else "—",
                   str(r["gpus"]) if ok else "—",
@@ -143,6 +158,10 @@ def main(args) -> int:
     console.print(Text(f"{spec.train.precision}; examples per update held at "
                        f"{spec.train.micro_batch_size * spec.train.grad_accum_steps}; largest sizes assume activations "
                        "scale linearly (flash attention); utilisation: " + rows[0]["utilisation_source"], style="dim"))
+    for line in dict.fromkeys(adapter_line(r["adapter"]) for r in rows if r.get("adapter")):
+        console.print(Text(line, style="dim"))
+    if several:
+        console.print(Text(OTHER_EXPERIMENT_NOTE, style="dim"))
     for note in price_notes(rows):
         console.print(Text(note, style="dim"))
     return 0

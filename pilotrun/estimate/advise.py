@@ -14,7 +14,9 @@ with checkpointing is tried after FSDP2 over 2 alone and before FSDP2 over 4, be
 cost less than four. One knob at a time would miss it (issue 13: on an H100 the 7B fits as FSDP2 x2 +
 checkpointing, which the one-knob list never offered).
 
-Cutting the maximum length is never proposed: it changes the question, not the cost.
+Cutting the maximum length is never proposed: it changes the question, not the cost. Nor is an adapter (LoRA,
+QLoRA) or a quantised base: training other parameters changes the experiment, not its cost. ``select
+--other-experiments`` lists them beside the job, labelled as different experiments (``experiments.py``).
 """
 from __future__ import annotations
 
@@ -79,7 +81,13 @@ def combinations(spec, acc: Accelerator, strategy: str, gpus: int,
     return sorted(out, key=lambda c: c.cost)
 
 
+# The only keys a fix may change (docs/architecture.md "fix order"); model.* (adapter, quantization) never.
+FIX_KEYS = frozenset({"accelerator", "distributed.strategy", "gpus", "train.precision",
+                      "train.activation_checkpointing", "train.micro_batch_size", "train.grad_accum_steps"})
+
+
 def _row(c: Combination, fit: dict, base_s: float | None, changes: dict, experiment: str, why: str) -> dict:
+    assert set(changes) <= FIX_KEYS, f"a fix may not change {sorted(set(changes) - FIX_KEYS)}"
     s = fit["seconds_per_update"]
     return {
         "variant": c.name(), "changes": changes, "experiment": experiment, "reason": why,

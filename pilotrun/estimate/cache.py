@@ -33,7 +33,7 @@ from .. import __version__
 from ..config.spec import Spec
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 2  # bump when TraceResult's fields change meaning: older entries are then simply other keys
+FORMAT = 3  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters)
 
 
 def default_dir() -> Path:

@@ -32,10 +32,17 @@ def _kernel_notes(trace: dict) -> list[dict]:
     """Corrections that the trace already carries; listed with their size so none is silent."""
     step = trace["stages"]["steady_step"]
     foreach = trace.get("foreach", True)
+    path = trace.get("optimizer") or ""
+    if foreach:
+        how = ("traced with foreach=True as CUDA/ROCm run AdamW and SGD by default: the size is its step temporaries, "
+               "already inside the traced peak")
+    elif "fused" in path:
+        how = f"traced as it runs on the target: {path}"
+    else:
+        how = f"traced without foreach: {path or 'the per-parameter path'}"
     return [
         correction("optimizer foreach path", step.get("optimizer_step_extra_bytes", 0) if foreach else 0, "allocated",
-           "traced with foreach=True as CUDA/ROCm run AdamW by default: the size is its step temporaries, "
-           "already inside the traced peak" if foreach else "traced with the CPU's per-parameter path"),
+                   how),
         correction("attention kernels", 0, "allocated",
            "the CPU trace runs SDPA's flash kernel, which keeps the same tensors for backward as CUDA's "
            "flash/efficient kernels (output + logsumexp); an eager-attention model keeps L×L on both"),

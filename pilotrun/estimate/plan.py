@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .experiments import adapter_view
+
 PLANS_DAYS = (3, 7, 30)
 MARGIN = 0.20  # operational margin a plan must keep free (restarts, queueing, debugging)
 
@@ -53,7 +55,11 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     def add(name, seconds, how):
         items.append({"item": name, "hours": seconds / 3600 if seconds is not None else None, "from": how})
 
-    weights = trace["parameter_bytes"] // (2 if spec.train.precision != "fp32" else 1)  # the exported copy
+    adapter = adapter_view(trace, spec)
+    if adapter is not None:  # the export is the PEFT adapter; the merged model comes as its own item
+        weights = adapter["adapter_bytes"]
+    else:
+        weights = trace["parameter_bytes"] // (2 if spec.train.precision != "fp32" else 1)  # the exported copy
     dl = download or {"bytes": None, "reason": "not measured: the model source was not looked at"}
     add("model download", dl["bytes"] / (a.download_mb_s * 1e6) if dl["bytes"] is not None else None,
         f"{dl['reason']}" + (f", at {a.download_mb_s:g} MB/s (assumed)" if dl["bytes"] else ""))
@@ -73,13 +79,19 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     eval_s = eval_row["seconds"] * a.evals_per_run if eval_row else None
     add("validation", eval_s, f"{a.evals_per_run} evaluations x {eval_row['seconds']:.3g} s measured by {source}"
         if eval_row else "not measured: run a pilot (eval gate)")
-    ckpt_bytes = trace["parameter_bytes"] + trace["optimizer_state_bytes"]
+    ckpt_bytes = adapter["checkpoint_bytes"] if adapter else trace["parameter_bytes"] + trace["optimizer_state_bytes"]
     save_row = pilot.get("save") if pilot else None
     bw = (save_row or {}).get("details", {}).get("bytes_per_second") or a.disk_mb_s * 1e6
     add("checkpoints", a.checkpoints_per_run * ckpt_bytes / bw,
         f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {bw / 1e6:.0f} MB/s "
         f"({f'measured by {source}' if save_row else 'assumed'})")
-    add("export", weights / bw, f"{weights / 1e9:.1f} GB of weights at {bw / 1e6:.0f} MB/s")
+    add("export", weights / bw, f"{weights / 1e9:.1f} GB of {'adapter ' if adapter else ''}weights at "
+        f"{bw / 1e6:.0f} MB/s")
+    merged = adapter["merged_export"] if adapter else None
+    if merged:
+        add("merged export (export.merge)", merged["bytes"] / bw,
+            f"{merged['bytes'] / 1e9:.1f} GB: the base with the adapter merged in, at {bw / 1e6:.0f} MB/s")
+        weights += merged["bytes"]
     add("copy results off", (ckpt_bytes + weights) / (a.egress_mb_s * 1e6),
         f"last checkpoint + export at {a.egress_mb_s:g} MB/s (assumed)")
     # The node is rented for the whole pipeline, so every item costs GPUs x hours x price.

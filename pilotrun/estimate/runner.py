@@ -88,11 +88,15 @@ def stage_summary(trace: dict) -> dict:
                      "breakdown": st["breakdown"], "flops": st["flops"], "seq_len": st["seq_len"],
                      "batch_size": st["batch_size"]}
     resident = trace["parameter_bytes"] + trace["optimizer_state_bytes"] + trace["buffer_bytes"]
+    adapter = (trace.get("adaptation") or {}).get("adapter_bytes", 0)
     out["save"] = {
         "peak_bytes": resident,
-        "checkpoint_bytes": resident,
+        # An adapter job's checkpoint holds the adapter and its optimizer state, never the frozen base.
+        "checkpoint_bytes": adapter + trace["optimizer_state_bytes"] if adapter else resident,
         "note": ("after the step gradients are freed; torch.save copies one tensor at a time to host memory, so "
-                 "the device holds parameters, optimizer state and buffers, and the host one shard at a time"),
+                 "the device holds parameters, optimizer state and buffers, and the host one shard at a time"
+                 + ("; the checkpoint holds the adapter and optimizer state only (the frozen base is named by its "
+                    "revision and hash in the lock)" if adapter else "")),
     }
     return out
 

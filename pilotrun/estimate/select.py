@@ -8,6 +8,7 @@ import math
 
 from .. import strategies
 from .catalog import Accelerator, matches
+from .experiments import adapter_view, label
 from .model import estimate_fit, largest_scale_that_fits
 from .runner import calibrated_utilisation
 
@@ -115,4 +116,6 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "software_stack": stack_status(acc, verified, extensions),
         "steps": steps,
         "notes": acc.notes,
+        "experiment": label(spec),
+        "adapter": adapter_view(trace, spec),
     }

@@ -30,7 +30,7 @@ from ..models.loading import build_model
 from ..models.structure import largest_block
 from ..train.batches import autocast_for, item_length, seq_len, supervised_count
 from ..train.loss import LossPolicy, decide_loss_policy, window_backward
-from ..train.optim import build_optimizer
+from .adapted import Adaptation, adapt, trace_optimizer
 
 ROUND = 512  # bytes: the CUDA caching allocator's block granularity
 
@@ -96,6 +96,9 @@ class TraceResult:
     grad_accum_steps: int = 1
     max_positions: int | None = None     # the model's position limit, when its config has one
     notes: list[str] = field(default_factory=list)
+    optimizer: str = ""                  # the spec's optimizer name and the path traced
+    # Adapter / quantised base / bf16-true: trainable share, adapter and quantised bytes (adapted.Adaptation).
+    adaptation: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,6 +184,7 @@ class _Job:
     eval_batch: dict
     micro_batch: int
     notes: list[str]
+    adaptation: Adaptation
 
 
 def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
@@ -189,6 +193,8 @@ def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
     eval_len = max(spec.eval_max_length or length, length) if seq is None else max(seq, spec.eval_max_length or 0)
     loaded = build_model(spec, spec.data.labels, meta=True, activation_checkpointing=ac)
     notes = [n for n in loaded.notes if n.startswith("activation checkpointing requested")]
+    model, adaptation = adapt(loaded.model, spec)
+    notes += adaptation.notes
     policy = decide_loss_policy(loaded.model, t.loss_normalization)
     # Inputs are real tensors made before the fake mode starts: their values (label counts) are known.
     if spec.data.factory is not None:
@@ -197,12 +203,18 @@ def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
     else:
         train_batch = _synthetic_batch(spec, loaded.config, mb, length, loaded.head)
         eval_batch = _synthetic_batch(spec, loaded.config, spec.eval_batch_size, eval_len, loaded.head)
-    return _Job(loaded.model, loaded.config, policy, train_batch, eval_batch, mb, notes)
+    return _Job(model, loaded.config, policy, train_batch, eval_batch, mb, notes, adaptation)
+
+
+def autocast_precision(precision: str) -> str:
+    """The precision the loop's autocast sees: bf16-true holds bf16 weights and runs without autocast."""
+    return "fp32" if precision == "bf16-true" else precision
 
 
 def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: int) -> dict[str, StageTrace]:
     """first_step and steady_step: two micro batches per update, two updates (the second with optimizer state)."""
     t = spec.train
+    precision = autocast_precision(t.precision)
     device = torch.device("cpu")
     # Micro batches after the second repeat the second exactly (gradients already live): trace two per
     # update and scale the FLOPs of one by the accumulation.
@@ -217,7 +229,7 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
             inputs = [_clone(job.train_batch) for _ in range(held)]
             model.train()
             for k in range(traced):
-                window_backward(model, [(ids, inputs[min(k, held - 1)])], job.policy, device, t.precision,
+                window_backward(model, [(ids, inputs[min(k, held - 1)])], job.policy, device, precision,
                                 num_items=num_items, stats=False)
             before = tracker.live_bytes
             opt.step()
@@ -230,7 +242,7 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
     # checkpointing), which would inflate a peak measured at the same time.
     counter = FlopCounterMode(display=False)
     with counter:
-        window_backward(model, [(ids, _clone(job.train_batch))], job.policy, device, t.precision,
+        window_backward(model, [(ids, _clone(job.train_batch))], job.policy, device, precision,
                         num_items=num_items, stats=False)
     model.zero_grad(set_to_none=True)
     for traced_stage in stages.values():
@@ -240,12 +252,13 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
 
 def _trace_eval(job: _Job, model, opt, spec: Spec) -> StageTrace:
     device = torch.device("cpu")
+    precision = autocast_precision(spec.train.precision)
     with PhaseTracker(model, opt, fake=True, round_to=ROUND) as tracker:
         model.eval()
-        with torch.no_grad(), autocast_for(device, spec.train.precision):
+        with torch.no_grad(), autocast_for(device, precision):
             model(**_clone(job.eval_batch))
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad(), autocast_for(device, spec.train.precision):
+    with counter, torch.no_grad(), autocast_for(device, precision):
         model(**_clone(job.eval_batch))
     ids = job.eval_batch.get("input_ids")
     batch = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else spec.eval_batch_size
@@ -253,17 +266,27 @@ def _trace_eval(job: _Job, model, opt, spec: Spec) -> StageTrace:
                       counter.get_total_flops(), seq_len(job.eval_batch), batch, phases=tracker.phases())
 
 
-def _state_bytes(model, opt) -> dict:
+def _state_bytes(model, opt, adaptation: Adaptation) -> dict:
     params = list({id(p): p for p in model.parameters()}.values())
     return {
-        "parameters": sum(p.numel() for p in params),
+        # A quantised base's packed storage is not its parameter count: the model's own count is.
+        "parameters": adaptation.base_parameters + adaptation.adapter_parameters,
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         "gradient_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-        "optimizer_state_bytes": sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                                     if isinstance(v, torch.Tensor)),
+        "optimizer_state_bytes": _optimizer_bytes(opt),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
     }
+
+
+def _optimizer_bytes(opt) -> int:
+    """State bytes, each storage once (the 8-bit optimizers share their quantisation maps)."""
+    seen: dict[int, int] = {}
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                seen[id(v)] = v.numel() * v.element_size()
+    return sum(seen.values())
 
 
 def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool | None = None,
@@ -276,23 +299,21 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     torch.manual_seed(spec.seed)
     job = _prepare(spec, bool(ac), micro_batch_size or t.micro_batch_size, seq_len)
     layer_name, layer_bytes, layers = largest_block(job.model)
-    foreach = target != "cpu"
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = job.model.to_empty(device="cpu")
         _retie(model, shared)
-        opt = build_optimizer(model, t.optimizer)
-        for group in opt.param_groups:
-            group["foreach"] = foreach  # CUDA's default multi-tensor path, with its temporaries
+        opt, opt_path = trace_optimizer(model, spec, target)
+        foreach = any(g.get("foreach") for g in opt.param_groups)
         stages = _trace_training(job, model, opt, spec, target, num_items)
         stages["eval"] = _trace_eval(job, model, opt, spec)
-        totals = _state_bytes(model, opt)
+        totals = _state_bytes(model, opt, job.adaptation)
     max_pos = getattr(job.config, "max_position_embeddings", None) if job.config is not None else None
     return TraceResult(stages=stages, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos,
                        largest_layer_bytes=layer_bytes, largest_layer=layer_name, layers=layers, foreach=foreach,
                        precision=t.precision, activation_checkpointing=bool(ac), seconds=time.perf_counter() - t0,
-                       notes=job.notes, **totals)
+                       notes=job.notes, optimizer=opt_path, adaptation=asdict(job.adaptation), **totals)
 
 
 def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", required=True)
     ap.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--ac", choices=["on", "off", "spec"], default="spec")
-    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16", "bf16-true"])
     ap.add_argument("--micro-batch", type=int)
     ap.add_argument("--seq-len", type=int)
     args = ap.parse_args(argv)

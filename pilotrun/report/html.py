@@ -11,6 +11,7 @@ import html
 import json
 from pathlib import Path
 
+from ..estimate.experiments import adapter_line
 from ..gates.registry import job_memory_gates
 from ..humanize import human_bytes, human_seconds, money
 from ..ledger.records import Series
@@ -145,13 +146,16 @@ def _attachments(folder: Path) -> str:
         except ValueError:
             continue
         if name == "selection.json" and isinstance(data, dict) and "rows" in data:
-            rows = [[r["accelerator"], "yes" if r["fits"] else "no", f"{r['strategy']} x{r['gpus']}",
+            rows = [[r.get("experiment", ""), r["accelerator"], "yes" if r["fits"] else "no",
+                     f"{r['strategy']} x{r['gpus']}",
                      f"{r['micro_batch_size']} x {r['grad_accum_steps']}", human_bytes(r["device_used_bytes"]),
                      human_seconds(r.get("seconds_per_update")), money(r.get("cost_per_update")),
                      money(r.get("cost_for_planned_updates")), r["software_stack"]["text"]] for r in data["rows"]]
-            out.append(f"<h2>{title}</h2>" + _table(["accelerator", "fits", "strategy", "mb x accum", "used",
-                                                     "time/update", "cost/update", "cost for the updates", "stack"],
-                                                    rows))
+            out.append(f"<h2>{title}</h2>" + _table(["experiment", "accelerator", "fits", "strategy", "mb x accum",
+                                                     "used", "time/update", "cost/update", "cost for the updates",
+                                                     "stack"], rows))
+            adapters = dict.fromkeys(adapter_line(r["adapter"]) for r in data["rows"] if r.get("adapter"))
+            out += [f"<p>{_e(line)}</p>" for line in adapters]
         elif name == "plan.json" and isinstance(data, dict) and "accelerators" in data:
             rows = []
             for a in data["accelerators"]:
@@ -161,6 +165,27 @@ def _attachments(folder: Path) -> str:
             out.append(f"<h2>{title}</h2>" + _table(["accelerator", "days", "GPUs", "fits", "runs", "rental cost",
                                                      "advice"], rows))
     return "".join(out)
+
+
+def _adapter_section(rows: list[dict]) -> str:
+    """Trainable vs frozen parameters as the load gate measured them, and the export's artifacts, when only part
+    of the model trains (an adapter): the share trained, its size, and the merged export's size and time."""
+    load = next((r for r in rows if r["gate"] == "load" and r.get("details")), None)
+    d = (load or {}).get("details") or {}
+    total, trainable = d.get("parameters"), d.get("trainable_parameters")
+    if not total or trainable is None or trainable >= total:
+        return ""
+    items = [["trainable parameters", f"{trainable:,} of {total:,} ({trainable / total:.2%})"]]
+    for key, name in (("trainable_bytes", "adapter size"), ("frozen_bytes", "frozen base")):
+        if d.get(key) is not None:
+            items.append([name, human_bytes(d[key])])
+    # The export gate's row says what it wrote: the PEFT adapter and, with export.merge, the merged model (or why
+    # not), with its time.
+    export = next((r for r in rows if r["gate"] == "export"), None)
+    if export is not None:
+        items.append(["export", f"{export['verdict']}: {export['reason']}"
+                      + (f" ({human_seconds(export['seconds'])})" if export.get("seconds") else "")])
+    return "<h2>Adapter</h2>" + _table(["", ""], items)
 
 
 def render_pilot(led: Ledger, run: dict) -> str:
@@ -179,6 +204,7 @@ def render_pilot(led: Ledger, run: dict) -> str:
                            _e(r["reason"])])
     body.append(_table(["gate", "verdict", "time", "peak alloc", "peak reserved", "host RSS", "reason"], table_rows,
                        raw_cols=(1, 6)))
+    body.append(_adapter_section(rows))
     caps = {a.name: a.memory_bytes for a in load_catalog().values()}
     body.append("<h2>Memory per stage against each accelerator</h2>" + _memory_plot(rows, caps))
     share = []
