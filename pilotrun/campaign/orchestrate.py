@@ -10,6 +10,8 @@ Example::
 from __future__ import annotations
 
 import json
+import os
+import queue
 import secrets
 import signal
 import subprocess
@@ -30,6 +32,7 @@ from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
+from .devices import assign_devices, worker_device_env
 from .procs import process_mark
 from .resources import pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
@@ -106,7 +109,8 @@ class _Running:
 
 
 def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
-            running: _Running, threads: int | None = None) -> int | None:
+            running: _Running, threads: int | None = None, devices: dict | None = None,
+            slot: list[str] | None = None) -> int | None:
     """The worker's exit code; None when it was never started because the campaign is stopping."""
     cmd = [sys.executable, "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id,
            "--out", str(out), "--ledger", str(ledger), "--plan", str(plan_file)]
@@ -118,11 +122,16 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
                 return None
             env = {**worker_env(),
                    **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+            if devices is not None and slot is not None:
+                env = worker_device_env(devices, env, slot)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
             running.started.add(run_id)
-        with Ledger(ledger) as led:  # so a resume after this process was killed can tell a live run from a dead one
-            led.merge_meta(run_id, {"worker": process_mark(proc.pid)})
+        # The worker's mark, so a resume after this process was killed can tell a live run from a dead one; and
+        # the devices it was given (the visibility variable's value), so the row says where it ran.
+        seen = {devices["env_var"]: ",".join(slot)} if devices is not None and slot is not None else None
+        with Ledger(ledger) as led:
+            led.merge_meta(run_id, {"worker": process_mark(proc.pid), **({"devices": seen} if seen else {})})
         try:
             return proc.wait()
         except KeyboardInterrupt as exc:  # only when runs go one at a time: the main thread waits here
@@ -176,8 +185,10 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
     with Ledger(ledger_path) as led:
         per_run = pilot_memory(led, base_hash or load_spec(c.folder / c.base).config_hash())
     host = query_host()
+    # One device per run when several are visible; a campaign run is one process (world size 1).
+    devices = assign_devices(query_devices(), control_spec.train.device, per_run=1, environ=os.environ)
     return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
-                         accelerator=_accelerator(control_spec), per_run=per_run)
+                         accelerator=_accelerator(control_spec), per_run=per_run, devices=devices)
 
 
 def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:
@@ -236,17 +247,24 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int = 
     if on_start:
         on_start(campaign_id, at_once)
     execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift, control_lock,
-             on_event)
+             on_event, devices=at_once.get("devices"))
     return finish(campaign_id, ledger_path)
 
 
 # Ctrl-C, SIGTERM (timeout, schedulers, preemption) and SIGHUP (a closed SSH session) all stop the campaign
 # cleanly, even when started with SIGINT ignored (a shell script's background job): no run is left "running".
 @interruptible()
-def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event):
-    """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more."""
+def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event,
+            devices: dict | None = None):
+    """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more.
+
+    ``devices``: the parallel plan's device slots (campaign/devices.py); a run takes a free slot for its worker."""
     plan_file = folder / "plan.json"
     running = _Running(folder)
+    free: queue.Queue[list[str]] = queue.Queue()
+    pooled = bool((devices or {}).get("slots"))
+    for s in (devices or {}).get("slots") or []:  # as many slots as runs at once
+        free.put(s)
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:
@@ -271,9 +289,13 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
                 led.merge_meta(r["run_id"], {"lock_drift": drift})
             led.set_status(r["run_id"], RunStatus.RUNNING)
         spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
+        slot = free.get() if pooled else None  # a pool as big as the thread pool: one is free
         try:
-            _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"))
+            _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"),
+                    devices, slot)
         finally:
+            if slot is not None:
+                free.put(slot)
             record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started, running.how)
         if on_event:
             with Ledger(ledger_path) as led:
