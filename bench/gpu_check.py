@@ -47,6 +47,7 @@ BUDGET_S = 450  # the whole check, tests included, stays under 8 minutes on one 
 EXAMPLES = {"tiny-sft": REPO / "examples" / "tiny-sft" / "pilot.yaml",
             "lora-sft": REPO / "examples" / "lora-sft" / "pilot.yaml"}
 MEMORY_GATES = "first_step,steady_step,eval"  # what the comparison reads; the fp32 variant runs every gate
+PEAK_KEY = {"bf16-true": "bf16"}  # train.precision -> the catalog's peak_tflops key, where they differ
 DRY_ACCELERATOR = "H200-141GB"  # the dry run estimates for the device these sessions are lent
 
 
@@ -245,7 +246,8 @@ def run_item(item: dict, facts: dict, acc: Accelerator, deadline: float, work: P
            "failed_gates": [f"{r['gate']}: {r['reason']}" for r in rows if r["verdict"] == "fail"]}
     steady = next((r for r in rows if r["gate"] == "steady_step"), None)
     per_update = ((steady or {}).get("details") or {}).get("seconds_per_update")
-    peak = acc.peak_flops(trace["precision"])
+    # bf16-true computes in bf16 like autocast does: the same datasheet peak.
+    peak = acc.peak_flops(PEAK_KEY.get(trace["precision"], trace["precision"]))
     flops = trace["stages"]["steady_step"].get("flops")
     if per_update and peak and flops:
         out["utilisation"] = flops / (per_update * peak)

@@ -78,7 +78,12 @@ STOP_GRACE_S = 60
 class _Running:
     """The worker processes in flight, so an interrupt reaches every one of them, and the flag that stops new ones."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, devices: dict | None = None) -> None:
+        # The parallel plan's device slots (campaign/devices.py), as many as runs at once: a worker takes one.
+        self.devices = devices
+        self.free: queue.Queue[list[str]] = queue.Queue()
+        for slot in (devices or {}).get("slots") or []:
+            self.free.put(slot)
         self.reason_file = folder / STOP_REASON_FILE
         self.reason_file.unlink(missing_ok=True)  # a resumed campaign's earlier stop is not this one's
         self.how = "Ctrl-C"
@@ -109,9 +114,20 @@ class _Running:
 
 
 def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
-            running: _Running, threads: int | None = None, devices: dict | None = None,
-            slot: list[str] | None = None) -> int | None:
+            running: _Running, threads: int | None = None) -> int | None:
     """The worker's exit code; None when it was never started because the campaign is stopping."""
+    if not (running.devices or {}).get("slots"):
+        return _start(spec_file, run_id, out, ledger, plan_file, deadline, running, threads)
+    slot = running.free.get()  # as many slots as threads running runs: one is free
+    try:
+        return _start(spec_file, run_id, out, ledger, plan_file, deadline, running, threads, slot)
+    finally:
+        running.free.put(slot)
+
+
+def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
+           running: _Running, threads: int | None, slot: list[str] | None = None) -> int | None:
+    """Start the worker (with its device slot, when devices are assigned) and wait for it."""
     cmd = [sys.executable, "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id,
            "--out", str(out), "--ledger", str(ledger), "--plan", str(plan_file)]
     if deadline is not None:
@@ -122,14 +138,14 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
                 return None
             env = {**worker_env(),
                    **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
-            if devices is not None and slot is not None:
-                env = worker_device_env(devices, env, slot)
+            if running.devices is not None and slot is not None:
+                env = worker_device_env(running.devices, env, slot)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
             running.started.add(run_id)
         # The worker's mark, so a resume after this process was killed can tell a live run from a dead one; and
         # the devices it was given (the visibility variable's value), so the row says where it ran.
-        seen = {devices["env_var"]: ",".join(slot)} if devices is not None and slot is not None else None
+        seen = {running.devices["env_var"]: ",".join(slot)} if running.devices is not None and slot else None
         with Ledger(ledger) as led:
             led.merge_meta(run_id, {"worker": process_mark(proc.pid), **({"devices": seen} if seen else {})})
         try:
@@ -260,11 +276,7 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
 
     ``devices``: the parallel plan's device slots (campaign/devices.py); a run takes a free slot for its worker."""
     plan_file = folder / "plan.json"
-    running = _Running(folder)
-    free: queue.Queue[list[str]] = queue.Queue()
-    pooled = bool((devices or {}).get("slots"))
-    for s in (devices or {}).get("slots") or []:  # as many slots as runs at once
-        free.put(s)
+    running = _Running(folder, devices)
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:
@@ -289,13 +301,9 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
                 led.merge_meta(r["run_id"], {"lock_drift": drift})
             led.set_status(r["run_id"], RunStatus.RUNNING)
         spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
-        slot = free.get() if pooled else None  # a pool as big as the thread pool: one is free
         try:
-            _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"),
-                    devices, slot)
+            _launch(spec_file, r["run_id"], r["out"], ledger_path, plan_file, deadline, running, plan.get("threads"))
         finally:
-            if slot is not None:
-                free.put(slot)
             record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started, running.how)
         if on_event:
             with Ledger(ledger_path) as led:

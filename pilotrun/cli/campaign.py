@@ -36,8 +36,9 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry or --resume")
     p.add_argument("--parallel", type=int, default=1,
-                   help="runs at once on this machine, at most; fewer when the cores or the memory a pilot of "
-                        "the base spec measured do not allow it (the reason is printed and kept)")
+                   help="runs at once on this machine, at most; with several GPUs each run gets its own "
+                        "(CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES); fewer when the devices, the cores or the "
+                        "memory a pilot of the base spec measured do not allow it (the limit is printed and kept)")
     add_ledger_arg(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of the campaign's folder")
     p.add_argument("--allow-drift", action="store_true",
