@@ -226,6 +226,7 @@ def run_item(item: dict, facts: dict, acc: Accelerator, deadline: float, work: P
     t0 = time.perf_counter()
     trace = trace_in_subprocess(spec, target="cuda", timeout=max(30.0, left / 2))
     estimates = {s: stage_memory(trace, s, acc, "single", 1) for s in STAGES}
+    traced = time.perf_counter() - t0
     used_before = facts_used(facts)
     folder = work / item["key"].replace(":", "-")
     cmd = [sys.executable, "-m", "pilotrun", "run", str(spec_path), "--json", "--out", str(folder / "out"),
@@ -241,7 +242,8 @@ def run_item(item: dict, facts: dict, acc: Accelerator, deadline: float, work: P
         return {**item, "status": "error", "not_measured": f"not measured: the pilot exited {proc.returncode}: {tail}"}
     report = json.loads(proc.stdout)
     rows = report["gates"]
-    out = {**item, "status": report["status"], "seconds": time.perf_counter() - t0, "used_before": used_before,
+    out = {**item, "status": report["status"], "trace_seconds": traced,
+           "pilot_seconds": time.perf_counter() - t0 - traced, "used_before": used_before,
            "rows": rows, "comparison": compare(estimates, rows, used_before),
            "failed_gates": [f"{r['gate']}: {r['reason']}" for r in rows if r["verdict"] == "fail"]}
     steady = next((r for r in rows if r["gate"] == "steady_step"), None)
@@ -312,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + BUDGET_S
     facts = device_facts(args.dry)
     acc = accelerator(facts)
+    t0 = time.perf_counter()
     tests = gpu_tests(args.gpu_tests, deadline)
+    tests["seconds"] = time.perf_counter() - t0
     results = []
     with tempfile.TemporaryDirectory(prefix="pilotrun-gpu-check-") as tmp:
         for item in plan(facts, set(args.only.split(",")) if args.only else None):
