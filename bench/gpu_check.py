@@ -39,9 +39,10 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from _common import RESULTS, machine  # noqa: E402
 
 from pilotrun.config import load_spec  # noqa: E402
+from pilotrun.config.schema import SpecError  # noqa: E402
 from pilotrun.estimate.catalog import Accelerator, load_catalog, matches  # noqa: E402
 from pilotrun.estimate.model import STAGES, stage_memory  # noqa: E402
-from pilotrun.estimate.worker import trace_in_subprocess  # noqa: E402
+from pilotrun.estimate.worker import TraceError, trace_in_subprocess  # noqa: E402
 
 BUDGET_S = 450  # the whole check, tests included, stays under 8 minutes on one GPU with margin
 EXAMPLES = {"tiny-sft": REPO / "examples" / "tiny-sft" / "pilot.yaml",
@@ -222,10 +223,17 @@ def run_item(item: dict, facts: dict, acc: Accelerator, deadline: float, work: P
     if left < 30:
         return {**item, "not_measured": f"not measured: the {BUDGET_S} s budget ran out before it"}
     spec_path = EXAMPLES[item["example"]]
-    spec = load_spec(spec_path, item["overrides"])
+    try:
+        spec = load_spec(spec_path, item["overrides"])
+    except SpecError as exc:
+        return {**item, "not_measured": f"not measured: the spec is refused ({exc})"}
     t0 = time.perf_counter()
-    trace = trace_in_subprocess(spec, target="cuda", timeout=max(30.0, left / 2))
-    estimates = {s: stage_memory(trace, s, acc, "single", 1) for s in STAGES}
+    trace, estimates, estimate_error = None, {}, None
+    try:  # a job the estimator cannot trace is still piloted: its rows say "no estimate", with this reason
+        trace = trace_in_subprocess(spec, target="cuda", timeout=max(30.0, left / 2))
+        estimates = {s: stage_memory(trace, s, acc, "single", 1) for s in STAGES}
+    except TraceError as exc:
+        estimate_error = f"the estimate failed: {exc}"
     traced = time.perf_counter() - t0
     used_before = facts_used(facts)
     folder = work / item["key"].replace(":", "-")
@@ -246,13 +254,16 @@ def run_item(item: dict, facts: dict, acc: Accelerator, deadline: float, work: P
            "pilot_seconds": time.perf_counter() - t0 - traced, "used_before": used_before,
            "rows": rows, "comparison": compare(estimates, rows, used_before),
            "failed_gates": [f"{r['gate']}: {r['reason']}" for r in rows if r["verdict"] == "fail"]}
+    if estimate_error:
+        out["estimate_error"] = estimate_error
     steady = next((r for r in rows if r["gate"] == "steady_step"), None)
     per_update = ((steady or {}).get("details") or {}).get("seconds_per_update")
-    # bf16-true computes in bf16 like autocast does: the same datasheet peak.
-    peak = acc.peak_flops(PEAK_KEY.get(trace["precision"], trace["precision"]))
-    flops = trace["stages"]["steady_step"].get("flops")
-    if per_update and peak and flops:
-        out["utilisation"] = flops / (per_update * peak)
+    if trace is not None and per_update:
+        # bf16-true computes in bf16 like autocast does: the same datasheet peak.
+        peak = acc.peak_flops(PEAK_KEY.get(trace["precision"], trace["precision"]))
+        flops = trace["stages"]["steady_step"].get("flops")
+        if peak and flops:
+            out["utilisation"] = flops / (per_update * peak)
     if item["variant"] == "bf16-true":  # never a silent fallback: the load row must show bf16 weights
         load = next((r for r in rows if r["gate"] == "load"), {})
         if not re.search(r"bf16|bfloat16", load.get("reason", "")):
@@ -295,6 +306,9 @@ def markdown(payload: dict) -> str:
         if r.get("not_measured"):
             lines.append(f"| {r['example']} | {r['variant']} | | | | | | {r['not_measured']} |")
             continue
+        for note in (r.get("estimate_error"), r.get("warning"), *(r.get("failed_gates") or [])):
+            if note:
+                lines.append(f"| {r['example']} | {r['variant']} | | | | | | {note} |")
         for c in r["comparison"]:
             ratio = f"{c['ratio']:.3f}" if "ratio" in c else "—"
             lines.append(f"| {r['example']} | {r['variant']} | {c['stage']} | {c.get('counter', '')} | "

@@ -80,6 +80,16 @@ def test_the_comparison_and_the_fit_on_recorded_gpu_counters():
     assert f["context_bytes"] == {"fitted": int(0.75 * GIB), "n": 2}  # median of used - before - reserved
     assert f["utilisation"]["fitted"] == pytest.approx(0.4) and f["catalog_now"]["reserved_margin"] == 0.10
     assert gpu_check.fit([], acc)["reserved_margin"].startswith("not measured: ")
+    # The table shows every comparison, and what could not be measured or estimated, with its reason.
+    payload = {"device": {"name": "NVIDIA H100 80GB HBM3", "dry": False}, "date": "2026-12-01", "accelerator": acc.name,
+               "gpu_tests": {"command": "pytest -m gpu", "summary": "4 passed", "returncode": 0}, "fit": f,
+               "results": [{"example": "lora-sft", "variant": "qlora", "estimate_error": "the estimate failed: x",
+                            "comparison": gpu_check.compare({}, rows, None)},
+                           {"example": "tiny-sft", "variant": "bf16-true", "not_measured": "not measured: why"}]}
+    md = gpu_check.markdown(payload)
+    assert "| lora-sft | qlora | | | | | | the estimate failed: x |" in md
+    assert "| lora-sft | qlora | first_step |  | — | — | — | not measured: no first_step estimate |" in md
+    assert "| tiny-sft | bf16-true | | | | | | not measured: why |" in md and "Dry run" not in md
 
 
 @pytest.mark.slow
