@@ -122,8 +122,8 @@ def agree_run_id(env: DistEnv, given: str | None, make: Callable[[], str], confi
     path = os.environ.get(RUN_ID_FILE_VAR)
     if path and env.local_rank == 0:
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(chosen)
+        with open(tmp, "w") as f:  # the id, and this node's first global rank (whose report the launcher reads)
+            f.write(f"{chosen}\n{env.rank}\n")
         os.replace(tmp, path)
     return chosen
 

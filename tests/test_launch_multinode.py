@@ -36,7 +36,9 @@ def test_a_node_reads_the_combined_report_or_its_own_ranks(tmp_path):
     (tmp_path / "report-rank2.json").write_text("{}")
     assert find_report(tmp_path) == tmp_path / "report-rank2.json"
     (tmp_path / "report.json").write_text("{}")
-    assert find_report(tmp_path) == tmp_path / "report.json"
+    assert find_report(tmp_path) == find_report(tmp_path, 0) == tmp_path / "report.json"
+    # Another node reads its own first rank's report even where rank 0's is in the same (shared) folder.
+    assert find_report(tmp_path, 3) == tmp_path / "report-rank3.json"
 
 
 def _as_rank0_seeing(monkeypatch, proposals):
@@ -55,7 +57,7 @@ def test_rank_0s_id_is_taken_and_different_given_ids_or_configs_are_refused(monk
     env = _as_rank0_seeing(monkeypatch, [(1, None, "h1")])
     monkeypatch.setenv(distributed.RUN_ID_FILE_VAR, str(tmp_path / "id"))
     assert distributed.agree_run_id(env, None, lambda: "job-20260101-000000-abcd", "h1") == "job-20260101-000000-abcd"
-    assert (tmp_path / "id").read_text() == "job-20260101-000000-abcd"  # where this node's launcher finds it
+    assert (tmp_path / "id").read_text().split() == ["job-20260101-000000-abcd", "0"]  # for this node's launcher
     env = _as_rank0_seeing(monkeypatch, [(1, "other", "h1")])
     with pytest.raises(distributed.LaunchError, match="different --run-id values .mine on rank 0, other elsewhere"):
         distributed.agree_run_id(env, "mine", lambda: "unused", "h1")
@@ -130,3 +132,6 @@ def test_two_nodes_on_loopback_share_one_run_id_and_each_rank_writes_its_rows(tm
     combined = json.loads((tmp_path / ranks[0] / "runs" / run_id / "report.json").read_text())
     assert combined["run_id"] == run_id and sorted(g["rank"] for g in combined["gates"]) == [0, 1]
     assert (tmp_path / ranks[1] / "runs" / run_id / "report-rank1.json").exists()
+    said = dict(zip([home.name for home, _ in nodes], outputs))  # each launcher read the report its node wrote
+    assert f"report runs/{run_id}/report.json" in said[ranks[0]]
+    assert f"report runs/{run_id}/report-rank1.json" in said[ranks[1]]

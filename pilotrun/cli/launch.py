@@ -99,14 +99,21 @@ def rendezvous_id(name: str, endpoint: str, nnodes: int, run_id: str | None) -> 
     return f"pilotrun-{name}-{digest}"
 
 
-def find_report(out: Path | None) -> Path | None:
-    """The combined report (rank 0's node) or, on another node, one of this node's ranks' reports: each carries
-    the status over every rank (the ranks gather each other's rows)."""
+def _agreed(id_file: str) -> tuple[str | None, int | None]:
+    """What this node's first process wrote (distributed.agree_run_id): the run id and its global rank."""
+    lines = Path(id_file).read_text().split()
+    return (lines[0] if lines else None), (int(lines[1]) if len(lines) > 1 and lines[1].isdigit() else None)
+
+
+def find_report(out: Path | None, rank: int | None = None) -> Path | None:
+    """The report this node's exit code comes from: the combined one on rank 0's node; elsewhere this node's first
+    rank's own, which carries the status over every rank (the ranks gather each other's rows) and is complete once
+    this node's processes ended -- rank 0's, in a folder the nodes share, may still be being written."""
     if out is None:
         return None
-    combined = out / "report.json"
-    if combined.exists():
-        return combined
+    own = out / ("report.json" if rank in (0, None) else f"report-rank{rank}.json")
+    if own.exists():
+        return own
     ranks = sorted(out.glob("report-rank*.json"))
     return ranks[0] if ranks else None
 
@@ -167,14 +174,15 @@ def main(args) -> int:
             if stop.signum != signal.SIGINT:
                 proc.send_signal(stop.signum)
             proc.wait()
-            agreed = Path(id_file).read_text().strip() or run_id or "(not started: no run id agreed yet)"
+            agreed = _agreed(id_file)[0] or run_id or "(not started: no run id agreed yet)"
             console.print(f"[bold yellow]interrupted ({stop.how})[/]: run {escape(agreed)} recorded as interrupted; "
                           "a distributed pilot is continued by launching it again", highlight=False)
             return stop.exit_code
-        agreed = Path(id_file).read_text().strip() or run_id
+        agreed, first_rank = _agreed(id_file)
+        agreed = agreed or run_id
     finally:
         Path(id_file).unlink(missing_ok=True)
-    report = find_report(args.out or (Path("runs") / agreed if agreed else None))
+    report = find_report(args.out or (Path("runs") / agreed if agreed else None), first_rank)
     if report is None:
         console.print(f"[bold red]the processes ended (code {code}) without a report[/]")
         return EXIT_INTERNAL if code else EXIT_BAD_INPUT
