@@ -184,7 +184,8 @@ def main(args) -> int:
         Path(id_file).unlink(missing_ok=True)
     report = find_report(args.out or (Path("runs") / agreed if agreed else None), first_rank)
     if report is None:
-        console.print(f"[bold red]the processes ended (code {code}) without a report[/]")
+        when = "" if agreed else ", before the ranks agreed on a run id (each rank's error is above)"
+        console.print(f"[bold red]the processes ended (code {code}) without a report{escape(when)}[/]")
         return EXIT_INTERNAL if code else EXIT_BAD_INPUT
     if args.nnodes > 1:
         console.print(f"[bold]launch[/] node {args.node_rank}: run {escape(str(agreed))}, report {escape(str(report))}",
