@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="run the pilot on several processes (torchrun)", description=__doc__,
                        epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc-per-node", type=int, help="processes on this machine (default: visible GPUs)")
-    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the run, each running this same command")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this node's number, 0 .. nnodes-1, for messages (torchrun's c10d rendezvous gives the ranks "
                         "by arrival: global rank 0 may be on any node)")
