@@ -41,6 +41,34 @@ def export_model(folder: Path, model: torch.nn.Module, *, tokenizer=None, factor
     return f
 
 
+BASE_JSON = "base.json"
+MERGED = "merged"
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def export_adapter(folder: Path, model: torch.nn.Module, base: dict, *, tokenizer=None,
+                   merged: torch.nn.Module | None = None, merge_note: str | None = None) -> AtomicFolder:
+    """The PEFT artifact of an adapter job: ``adapter_model.safetensors`` + ``adapter_config.json`` (peft's
+    ``save_pretrained``: the adapter alone, never the frozen base), ``base.json`` (which base, how to load the adapter
+    on it, the base's identity), the tokenizer, and with ``merged`` a plain model folder ``merged/`` with the adapter
+    folded into the base weights (``merge_note`` says why a requested merge was not written)."""
+    meta = {"kind": "adapter", "base_identity": base.get("base_identity")}
+    with AtomicFolder(folder, "export", meta) as f:
+        model.save_pretrained(str(f.tmp), safe_serialization=True)  # type: ignore[operator]
+        missing = [n for n in ADAPTER_FILES if not (f.tmp / n).is_file()]
+        if missing:
+            raise CheckpointError(f"peft's save_pretrained wrote no {', '.join(missing)} in {folder}")
+        f.write_json(BASE_JSON, {**base, "merged": MERGED if merged is not None else None, "merge_note": merge_note})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(f.tmp))
+        if merged is not None:
+            merged.save_pretrained(str(f.tmp / MERGED), safe_serialization=True)  # type: ignore[operator]
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(f.tmp / MERGED))
+        f.adopt_existing()
+    return f
+
+
 class _StateDict(torch.nn.Module):
     """A module whose ``state_dict()`` is a given mapping: what ``safetensors.torch.save_model`` reads."""
 
@@ -53,7 +81,8 @@ class _StateDict(torch.nn.Module):
 
 
 def safetensors_tensor_count(folder: Path) -> int:
-    """Open every safetensors file's header (no tensor data is read) and count tensors."""
+    """Open every safetensors file's header (no tensor data is read) and count tensors (the top folder's files: a
+    merged model under ``merged/`` is counted on its own)."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} holds no .safetensors file")

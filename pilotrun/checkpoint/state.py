@@ -137,13 +137,24 @@ def _check_tensors(folder: Path, prefix: str, entries: dict, where: dict, refere
                                   f"{tuple(ref.shape)} {ref.dtype}")
 
 
+def model_state(trainer) -> dict:
+    """What a checkpoint holds of the model: its state_dict, or with an adapter (``trainer.base_identity`` set) the
+    trainable parameters alone — the frozen base is rebuilt from the spec and checked by its identity instead."""
+    if getattr(trainer, "base_identity", None) is None:
+        return trainer.model.state_dict()
+    return {name: p.detach() for name, p in trainer.model.named_parameters() if p.requires_grad}
+
+
 def save_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None = None) -> AtomicFolder:
     """Write the trainer's full state to ``folder`` atomically; returns the written folder's record."""
     rng_json, rng_tensors = capture_rng()
     meta = {"step": trainer.step, "config_hash": lock_hash}
+    base = getattr(trainer, "base_identity", None)
+    if base is not None:
+        meta["base_identity"] = base  # the frozen base the adapter was trained on (not saved: rebuilt, compared)
     opt = trainer.optimizer.state_dict()
     with AtomicFolder(folder, "checkpoint", meta) as f:
-        _save_sharded(f, "model", trainer.model.state_dict())
+        _save_sharded(f, "model", model_state(trainer))
         _save_sharded(f, "optimizer", opt["state"], {"param_groups": opt["param_groups"]})
         f.write_json("scheduler.json", trainer.scheduler.state_dict())
         if trainer.scaler is not None:
@@ -218,13 +229,32 @@ def load_state_json(path: Path, reference) -> dict:
     return loaded
 
 
+# Optimizer state entries shaped like their parameter (torch AdamW/SGD, bitsandbytes' state1/state2).
+PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2"})
+
+
 def restore_training_state(trainer, folder: Path) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` into a freshly built trainer (admitted by the policy
     first). Every file is checked against the live objects' own state before it is applied, so a wrong file is
     named with its field instead of failing inside torch."""
     folder = Path(folder)
-    model_state, _ = _load_sharded(folder, "model", trainer.model.state_dict())
-    trainer.model.load_state_dict(model_state)
+    base = getattr(trainer, "base_identity", None)
+    saved_base = read_manifest(folder).get("base_identity")
+    if base != saved_base:
+        if base is None or saved_base is None:
+            raise CheckpointError(f"{folder} holds {'an adapter alone' if saved_base else 'a full model'} but this job "
+                                  f"{'trains a full model' if base is None else 'trains an adapter'}: it was written "
+                                  "for another model.adapter setting")
+        raise CheckpointError(f"{folder}: its adapter was trained on another base (sha256 {saved_base[:12]}…), this "
+                              f"job's base is {base[:12]}…: the same model, revision, seed and quantization are needed")
+    weights, _ = _load_sharded(folder, "model", model_state(trainer))
+    if base is None:
+        trainer.model.load_state_dict(weights)
+    else:
+        with torch.no_grad():  # the adapter's parameters, in place (the base stays as built)
+            live = dict(trainer.model.named_parameters())
+            for name, value in weights.items():
+                live[name].copy_(value)
     opt_file = folder / min(n for n in read_manifest(folder)["files"] if n.startswith("optimizer-"))
     opt_state, opt_extra = _load_sharded(folder, "optimizer")
     live = trainer.optimizer.state_dict()
@@ -237,7 +267,9 @@ def restore_training_state(trainer, folder: Path) -> dict:
         if not isinstance(idx, int) or not 0 <= idx < len(params) or not isinstance(st, dict):
             raise CheckpointError(f"{folder}: optimizer state entry {idx!r} names no parameter of this model")
         for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != params[idx].shape:
+            # Only the moments shaped like their parameter: bitsandbytes' quantisation maps and block maxima and
+            # Adafactor's factored row/column statistics have shapes of their own.
+            if k in PARAM_SHAPED and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != params[idx].shape:
                 raise CheckpointError(f"{folder}: optimizer state {idx}.{k} is {tuple(v.shape)}, its parameter "
                                       f"{tuple(params[idx].shape)}")
     try:
@@ -277,6 +309,16 @@ def _json_digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _flat(state: dict, prefix: str = ""):
+    """(key, value) pairs of one parameter's optimizer state, nested mappings flattened with dots (bitsandbytes
+    keeps its quantisation state under ``__bnb_optimizer_quant_state__``): every tensor gets its own digest."""
+    for k, v in state.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
 def fingerprint_state(trainer, buffer_sync=None, env=None) -> dict:
     """Digests of everything a resumed run depends on, taken from the live objects (not from disk).
 
@@ -296,11 +338,15 @@ def fingerprint_state(trainer, buffer_sync=None, env=None) -> dict:
         "rng.python": _json_digest(rng_json["python"]),
         "rng.numpy": _json_digest(rng_json.get("numpy")),
         **{f"rng.{k}": _digest(v) for k, v in rng_tensors.items()},
-        "parameters": {n: _digest(p) for n, p in model.named_parameters()},
+        # With an adapter the frozen base counts by its identity as built (bitsandbytes repacks 4-bit weights in
+        # place on their first CPU forward, so their bytes are not a state); the adapter's parameters by digest.
+        "parameters": {n: _digest(p) for n, p in model.named_parameters()
+                       if getattr(trainer, "base_identity", None) is None or p.requires_grad},
+        **({"base": trainer.base_identity} if getattr(trainer, "base_identity", None) is not None else {}),
         "buffers": {n: {"digest": _digest(b), "persistent": n in persistent} for n, b in model.named_buffers()},
         "optimizer.hyperparameters": _json_digest(opt_state["param_groups"]),
         "optimizer.state": {f"{i}.{k}": (_digest(v) if isinstance(v, torch.Tensor) else repr(v))
-                            for i, st in opt_state["state"].items() for k, v in st.items()},
+                            for i, st in opt_state["state"].items() for k, v in _flat(st)},
     }
     if trainer.scaler is not None:
         fp["scaler"] = _json_digest(trainer.scaler.state_dict())
@@ -326,6 +372,7 @@ HINTS = {
     "optimizer": "optimizer state (moments, step counts or hyper-parameters) was not restored",
     "rng": "a random generator was not restored: dropout masks and augmentation would differ",
     "parameters": "a parameter differs: the weights were not restored",
+    "base": "the frozen base differs from the one the adapter was trained on",
 }
 
 

@@ -12,9 +12,9 @@ from .base import (
     UpdateRecord,
     UpdateRejected,
 )
-from .build import DRIVERS, build_driver, build_job, join_job, load_inputs
+from .build import DRIVERS, build_driver, build_job, check_job, join_job, load_inputs
 from .loop import LoopDriver
 
 __all__ = ["DRIVERS", "Capability", "ContractError", "Driver", "JobInputs", "JobProcess", "LoopDriver", "ModelDriver",
            "NonFiniteError", "TrainingCheckError", "Unsupported", "UpdateRecord", "UpdateRejected", "build_driver",
-           "build_job", "join_job", "load_inputs"]
+           "build_job", "check_job", "join_job", "load_inputs"]

@@ -47,6 +47,31 @@ def join_job(spec) -> JobProcess:
     return JobProcess(device, reason, device_name(device), env, strategy)
 
 
+def check_job(spec, device: torch.device) -> None:
+    """Before anything runs: the spec's adapter fits the model and the optimizer exists for this device, or
+    :class:`SpecError` (exit 2) naming the field and the fix. The model is built on the meta device (no weights,
+    no memory) to read its Linear layers' names."""
+    from ..config.schema import SpecError
+    from ..models.loading import ModelError, build_model
+    from ..train.optim import OptimizerError, choose_fused
+
+    problems: list[tuple[str, str]] = []
+    if spec.model.adapter is not None and spec.model.adapter.target_modules != "all-linear":
+        try:
+            build_model(spec, None, None, meta=True, activation_checkpointing=False)
+        except ModelError as exc:
+            if exc.field is None:
+                raise  # not the adapter's: the load gate reports it as before
+            problems.append((exc.field, str(exc).removeprefix(f"{exc.field}: ")))
+    dtype = torch.bfloat16 if spec.train.precision == "bf16-true" else torch.float32
+    try:
+        choose_fused(spec.train.optimizer, device, {dtype})
+    except OptimizerError as exc:
+        problems.append((exc.field, str(exc)))
+    if problems:
+        raise SpecError(problems, spec.source)
+
+
 def load_inputs(spec) -> JobInputs:
     """Tokenizer and datasets, seeded first (a factory may draw from the global generators)."""
     seed_everything(spec.seed)

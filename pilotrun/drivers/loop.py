@@ -14,14 +14,16 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.export import export_model
+from ..checkpoint.export import export_adapter, export_model
 from ..checkpoint.state import fingerprint_state
 from ..distributed import all_sum
+from ..models.adapters import base_reference, merged_copy
 from ..models.loading import build_model
+from ..models.quantize import require_kernels
 from ..train.batches import seq_len, supervised_count
 from ..train.evaluation import val_metrics
 from ..train.loss import LossPolicy, decide_loss_policy, probe_loss_policy, window_backward
-from ..train.optim import build_optimizer, build_scheduler
+from ..train.optim import build_optimizer_choice, build_scheduler
 from ..train.rng import derived_seed, seed_everything
 from ..train.sampler import DataPlan, PositionedBatchSampler
 from .base import (
@@ -74,7 +76,7 @@ class LoopDriver(ModelDriver):
         self.grad_scale = env.world_size / reduction_ratio if env.active else 1.0
         t = spec.train
         self.precision = t.precision
-        self.optimizer = build_optimizer(model, t.optimizer)
+        self.optimizer, self.optimizer_choice = build_optimizer_choice(model, t.optimizer, device)
         self.scheduler = build_scheduler(self.optimizer, t.scheduler, t.updates)
         self.scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16" else None
         self.policy: LossPolicy = decide_loss_policy(model, t.loss_normalization)
@@ -96,9 +98,11 @@ class LoopDriver(ModelDriver):
 
     @classmethod
     def build(cls, spec, inputs: JobInputs, process: JobProcess, on_model=None) -> LoopDriver:
+        require_kernels(spec, process.device.type)  # every bitsandbytes operation the job runs, before any work
         seed_everything(spec.seed)
-        loaded = build_model(spec, inputs.data.label_names, inputs.tokenizer)
-        loaded.model = loaded.model.to(process.device)
+        loaded = build_model(spec, inputs.data.label_names, inputs.tokenizer, device=process.device)
+        if not loaded.quantized:  # a bitsandbytes model was placed on the device as it loaded
+            loaded.model = loaded.model.to(process.device)
         if on_model is not None:
             on_model(loaded.model)
         ratio = process.strategy.reduction_ratio(process.env, process.device)
@@ -280,7 +284,8 @@ class LoopDriver(ModelDriver):
 
         if not self.env.active:
             return copy.deepcopy(self.plain_model)
-        return build_model(self.spec, self.data.label_names, self.tokenizer).model.to(self.device)
+        rebuilt = build_model(self.spec, self.data.label_names, self.tokenizer, device=self.device)
+        return rebuilt.model if rebuilt.quantized else rebuilt.model.to(self.device)
 
     # -- state ----------------------------------------------------------------
     def position(self) -> dict:
@@ -292,6 +297,11 @@ class LoopDriver(ModelDriver):
 
     def state(self) -> dict:
         return {"step": self.step, "examples_seen": self.examples_seen, "data_position": self.position()}
+
+    @property
+    def base_identity(self) -> str | None:
+        """With an adapter: the frozen base's sha256 as built; checkpoints then hold the adapter alone."""
+        return self.loaded.base_identity
 
     def load_state(self, state: dict) -> None:
         self.close()
@@ -315,6 +325,10 @@ class LoopDriver(ModelDriver):
 
     def write_export(self, folder: Path, weights: dict | None = None):
         spec = self.spec
+        if self.loaded.base_identity is not None:
+            merged, note = merged_copy(self.plain_model, self.loaded) if spec.export.merge else (None, None)
+            return export_adapter(folder, self.plain_model, base_reference(spec, self.loaded, self.data.label_names),
+                                  tokenizer=self.tokenizer, merged=merged, merge_note=note)
         return export_model(folder, self.plain_model, tokenizer=self.tokenizer, factory=spec.model.factory,
                             model_mapping=spec.model_mapping() if spec.model.factory else None,
                             spec_folder=str(spec.folder), state_dict=weights)

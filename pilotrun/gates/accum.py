@@ -157,6 +157,8 @@ class AccumEquivalenceGate(Gate):
         out.details = {"memory_note": "memory of this row is the check's own model copy, not the job's",
                        "windows": [asdict(r) for r in results], "tolerance": tol,
                        "dtype": str(dtype).replace("torch.", ""), "device": str(device), "mode": "eval (dropout off)",
+                       **({"dtype_reason": "the quantised base has no float64 form: float32 copy"}
+                          if dtype != torch.float64 and getattr(driver.loaded, "quantized", False) else {}),
                        "loss_normalization": policy.reason}
         return _judge(out, results, diagnosis, tol, device, spec.train.loss_normalization == "per_micro_batch")
 
@@ -180,10 +182,13 @@ def _checking_copy(driver, job_device: torch.device):
     """(model, device, dtype, tolerance): a float64 CPU copy when it fits in half the free host memory, else a
     float32 copy on the job's device."""
     n_params = sum(p.numel() for p in driver.plain_model.parameters())
-    if n_params * 8 * 4 < psutil.virtual_memory().available * 0.5:
+    # A bitsandbytes base holds integer weights dequantised to its compute dtype inside each matmul: it has no
+    # float64 form, so its copy is checked in float32 (the details say so).
+    quantized = getattr(getattr(driver, "loaded", None), "quantized", False)
+    if not quantized and n_params * 8 * 4 < psutil.virtual_memory().available * 0.5:
         try:
             return _float64_copy(driver.plain_model_copy()), torch.device("cpu"), torch.float64, TOL_FLOAT64
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, ValueError):
             pass
     return driver.plain_model_copy(), job_device, torch.float32, TOL_FLOAT32
 

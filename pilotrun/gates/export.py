@@ -1,9 +1,10 @@
 """``export``: the inference artifact (safetensors + config, or + export.json for factory models)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ..checkpoint.export import safetensors_tensor_count
+from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.trust import LoadPolicy, manifest_sha256
 from ..drivers import Capability
@@ -56,6 +57,20 @@ class ExportGate(Gate):
                        "manifest_sha256": ctx.export_manifest_sha256}
         trained = ctx.driver.step
         state = f"after {trained} update(s)" if trained else "as loaded (no update succeeded)"
+        if spec.model.adapter is not None:
+            base = json.loads((folder / BASE_JSON).read_text())
+            out.details.update({"adapter": True, "base_identity": base.get("base_identity"),
+                                "merged": base.get("merged"), "merge_note": base.get("merge_note")})
+            adapter_bytes = written.files["adapter_model.safetensors"]["bytes"]
+            out.reason = (f"PEFT adapter ({n_tensors} tensors, {human_bytes(adapter_bytes)}) + adapter_config.json + "
+                          f"base.json (the base's reference and identity, not its weights) to {folder.name}/ with a "
+                          f"sha256 manifest; the adapter {state}")
+            if base.get("merged"):
+                merged_bytes = sum(v["bytes"] for k, v in written.files.items() if k.startswith(f"{MERGED}/"))
+                out.reason += f"; merged model in {MERGED}/ ({human_bytes(merged_bytes)})"
+            elif spec.export.merge:
+                out.warn(f"{out.reason}; export.merge: merged model {base.get('merge_note')}")
+            return out
         out.reason = (f"{n_tensors} tensors in {len(weights)} safetensors file(s), {human_bytes(written.total_bytes)} "
                       f"in all, to {folder.name}/ with a sha256 manifest; the model {state}")
         return out

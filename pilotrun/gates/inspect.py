@@ -102,6 +102,31 @@ class InspectGate(Gate):
             out.reason = f"{scan['examples']} training examples; classes: {dist}"
         else:
             out.reason = f"{scan['examples']} training examples with non-class targets"
+        if spec.model.adapter is not None:
+            from ..models.loading import ModelError
+
+            try:
+                a = adapter_split(spec, data.label_names)
+            except ModelError as exc:  # the load gate reports the build itself
+                a = {"not_measured": f"not measured: the model does not build on the meta device ({exc})"}
+            out.details["adapter"] = a
+            if "trainable_parameters" in a:
+                out.reason += (f"; adapter: {a['trainable_parameters']:,} trainable of "
+                               f"{a['trainable_parameters'] + a['frozen_parameters']:,} parameters "
+                               f"({a['trainable_share']:.2%})")
         for w in warnings:
             out.warn(w)
         return out
+
+
+def adapter_split(spec, label_names) -> dict:
+    """Trainable vs frozen parameters of the adapter job, from the model built on the meta device (no weights, no
+    memory). Bytes are at the dtype the job holds them in before quantisation; the load row has the bytes as built
+    (a 4-bit base's packed weights)."""
+    from ..models.adapters import parameter_split
+    from ..models.loading import build_model
+
+    split = parameter_split(build_model(spec, label_names, meta=True, activation_checkpointing=False).model)
+    note = ("frozen bytes before quantisation (the load gate measures the quantised base)"
+            if spec.model.quantization is not None else "bytes at the dtype the job holds them")
+    return {**split.as_dict(), "bytes_note": note}

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from ..drivers import build_driver
 from ..humanize import human_bytes, human_count
+from ..ledger.records import Verdict
+from ..models.adapters import parameter_split
 from ..models.loading import parameter_count
+from ..models.quantize import KernelUnavailable
 from .base import Gate, Outcome, Product
 
 
@@ -24,7 +27,11 @@ class LoadGate(Gate):
         spec = ctx.spec
         data = ctx.ensure_data()
         assert ctx.inputs is not None
-        driver = build_driver(spec, ctx.inputs, ctx.process, on_model=lambda m: meter.register([m]))
+        try:
+            driver = build_driver(spec, ctx.inputs, ctx.process, on_model=lambda m: meter.register([m]))
+        except KernelUnavailable as exc:  # never a fake pass: the gates after this one are skipped with the reason
+            return Outcome(Verdict.SKIP, exc.reason, inputs=self.describe_inputs(ctx),
+                           details={"not_measured": exc.reason, "operation": exc.kernel.value})
         ctx.driver = driver
         restored = driver.restore(ctx.restore_from) if ctx.restore_from is not None else None
         if restored is not None:
@@ -57,7 +64,14 @@ class LoadGate(Gate):
                                    f"{'averages' if abs(ratio - 1) < 1e-6 else 'sums'} gradients over ranks "
                                    f"(ratio {ratio:g}); losses scaled by {md.grad_scale:g}"),
             "examples_per_update": spec.train.micro_batch_size * spec.train.grad_accum_steps * ctx.replicas,
+            "optimizer": {"name": md.optimizer_choice.name, "fused": md.optimizer_choice.fused,
+                          "reason": md.optimizer_choice.reason} if hasattr(md, "optimizer_choice") else None,
+            "precision": spec.train.precision,
         }
+        split = parameter_split(model)
+        if loaded.base_identity is not None:  # an adapter: what trains, what is frozen, and which base
+            out.details.update(split.as_dict())
+            out.details["base_identity"] = loaded.base_identity
         sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
         if restored is not None:
             out.details["restored_from"] = str(ctx.restore_from)
@@ -68,6 +82,10 @@ class LoadGate(Gate):
             f"from {loaded.source.split(' (')[0]} on {ctx.device}; {sizes} examples; loss over accumulation: "
             + ("num_items_in_batch passed" if policy.pass_num_items else "per-micro-batch means weighted by examples")
         )
+        if loaded.base_identity is not None:
+            out.reason += (f"; adapter: {human_count(split.trainable)} trainable ({human_bytes(split.trainable_bytes)},"
+                           f" {split.trainable_share:.2%}), {human_count(split.frozen)} frozen "
+                           f"({human_bytes(split.frozen_bytes)})")
         if env.active:
             out.reason += f"; {driver.how_wrapped}"
         if restored is not None and ctx.restore_from is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint.export import MERGED
 from ..drivers import Capability
 from ..train.batches import to_device
 from ..train.evaluation import outputs_of
@@ -17,6 +18,13 @@ from ..workers.launch import run_worker
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 RTOL, ATOL = 1e-4, 1e-5
+# A merged export computes (W + s·BA) x instead of W x + s·B(A x): the same sum in another order, whose fp32
+# rounding is a few ulps of the outputs' scale per layer, not of each output (an output near 0 gets an error
+# of the size of its neighbours'). So the merged model is compared on the outputs' scale: the largest difference
+# at most this fraction of the largest output (at least 1). In bf16 each merged weight is itself rounded to 8
+# bits of mantissa (2^-8 ≈ 0.4%).
+MERGED_SCALE_TOL = {"bf16-true": 2e-2}
+MERGED_SCALE_TOL_DEFAULT = 1e-4
 
 
 class ReloadEvalGate(Gate):
@@ -65,9 +73,16 @@ class ReloadEvalGate(Gate):
                 "--known-manifest", ctx.export_manifest_sha256]
         if ctx.spec.model.factory:
             args += ["--factory", ctx.spec.model.factory, "--spec-folder", str(ctx.spec.folder)]
+        merged_path = work / "reload-merged-outputs.safetensors"
+        merged = ctx.spec.model.adapter is not None and (ctx.export_dir / MERGED).is_dir()
+        if merged:
+            args += ["--merged-outputs", str(merged_path)]
         payload = run_worker("pilotrun.workers.reload", args, work / "reload.json", work / "reload.log", "reload")
         reloaded = load_file(str(outputs_path))["outputs"]
         out.details["reloaded_class"] = payload["model_class"]
+        merged_line = ""
+        if merged:
+            merged_line = self._compare_merged(ctx, load_file(str(merged_path))["outputs"], first, out)
         if reloaded.shape != first.shape:
             raise GateFailure(f"the reloaded artifact returns outputs of shape {tuple(reloaded.shape)}, the model "
                               f"{tuple(first.shape)}", inputs=out.inputs, details=out.details)
@@ -79,6 +94,24 @@ class ReloadEvalGate(Gate):
                               f"(rtol {RTOL:g}, atol {ATOL:g}) — "
                               "weights missing from the export, or state the artifact does not carry",
                               inputs=out.inputs, details=out.details)
-        out.reason = (f"{payload['model_class']} reloaded from {ctx.export_dir.name}/ in a fresh process reproduces "
-                      f"the outputs on {n} control inputs (max difference {diff:.2g}); eval mode is deterministic")
+        what = (f"{payload['model_class']} (the adapter on its rebuilt base, identity checked)"
+                if ctx.spec.model.adapter is not None else payload["model_class"])
+        out.reason = (f"{what} reloaded from {ctx.export_dir.name}/ in a fresh process reproduces "
+                      f"the outputs on {n} control inputs (max difference {diff:.2g}){merged_line}; eval mode is "
+                      "deterministic")
         return out
+
+    def _compare_merged(self, ctx, merged: torch.Tensor, first: torch.Tensor, out: Outcome) -> str:
+        fraction = MERGED_SCALE_TOL.get(ctx.spec.train.precision, MERGED_SCALE_TOL_DEFAULT)
+        scale = max(1.0, float(first.abs().max())) if first.numel() else 1.0
+        if merged.shape != first.shape:
+            raise GateFailure(f"the merged model returns outputs of shape {tuple(merged.shape)}, the model "
+                              f"{tuple(first.shape)}", inputs=out.inputs, details=out.details)
+        diff = float((merged - first).abs().max()) if first.numel() else 0.0
+        out.details["merged"] = {"max_abs_difference": diff, "output_scale": scale,
+                                 "tolerance": f"{fraction:g} x the output scale"}
+        if not diff <= fraction * scale:
+            raise GateFailure(f"the merged model in {ctx.export_dir.name}/{MERGED}/ does not reproduce the adapter "
+                              f"model's outputs: max difference {diff:.3g}, more than {fraction:g} of the outputs' "
+                              f"scale {scale:.3g}", inputs=out.inputs, details=out.details)
+        return f"; the merged model in {MERGED}/ too (max difference {diff:.2g})"

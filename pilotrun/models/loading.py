@@ -17,7 +17,12 @@ from ..config.spec import Spec, import_factory
 
 
 class ModelError(Exception):
-    """The model or tokenizer cannot be built as specified; the message says why and what to change."""
+    """The model or tokenizer cannot be built as specified; the message says why and what to change. ``field`` is
+    the spec key at fault when one is (the pre-flight check turns such an error into exit 2)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -28,6 +33,10 @@ class LoadedModel:
     source: str
     notes: list[str] = field(default_factory=list)
     config: Any = None  # the transformers config (or the factory model's .config), when there is one
+    # With model.adapter: the frozen base's sha256 as built (models.adapters.base_identity), which a checkpoint of
+    # the adapter alone records and a restore compares. None without an adapter.
+    base_identity: str | None = None
+    quantized: bool = False  # the base was loaded through bitsandbytes (it cannot be cast or moved by .to())
 
 
 def _hub_hint(exc: Exception, target: str) -> str:
@@ -96,17 +105,42 @@ def head_for(spec: Spec, label_names: list[str] | None) -> tuple[str, str]:
 
 
 def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None, *, meta: bool = False,
-                activation_checkpointing: bool | None = None) -> LoadedModel:
+                activation_checkpointing: bool | None = None, device: torch.device | str = "cpu") -> LoadedModel:
     """The one model builder: random init (seeded) or loaded weights, for the pilot, every worker and the estimator.
 
-    ``meta=True`` builds shapes only on the meta device — no weights read, no memory (the estimator's trace);
-    a Hub or local model then needs only its config. ``activation_checkpointing`` overrides the spec's
-    setting (the estimator traces both); a model without the switch fails the build when the spec asks for
-    it, and only gets a note when the estimator asked. Raises :class:`ModelError`.
+    In order: the base (a factory, a config or a Hub/local folder), quantised through bitsandbytes when
+    ``model.quantization`` says so (placed on ``device`` as it loads: a quantised model is not moved afterwards),
+    cast to bf16 for ``train.precision: bf16-true``, activation checkpointing, then the LoRA adapter of
+    ``model.adapter`` (peft; the base frozen). ``meta=True`` builds shapes only on the meta device — no weights
+    read, no memory (the estimator's trace); a Hub or local model then needs only its config, and a quantised base
+    is left unquantised (bitsandbytes quantises real weights only; a note says so). ``activation_checkpointing``
+    overrides the spec's setting (the estimator traces both); a model without the switch fails the build when
+    the spec asks for it, and only gets a note when the estimator asked. Raises :class:`ModelError`
+    (with ``field`` set for an adapter the model cannot take) or
+    :class:`pilotrun.models.quantize.KernelUnavailable` (an operation this device lacks).
     """
+    from .adapters import AdapterError, apply_adapter, base_identity
+    from .quantize import Kernel, require_kernels
+
+    quant = spec.model.quantization if not meta else None
+    if quant is not None:
+        kernel = Kernel.MATMUL_4BIT if quant.bits == 4 else Kernel.MATMUL_8BIT
+        require_kernels(spec, torch.device(device).type, [kernel])
     torch.manual_seed(spec.seed)
-    loaded = _build_factory(spec, meta) if spec.model.factory is not None else _build_hf(spec, label_names, tokenizer,
-                                                                                          meta)
+    loaded = (_build_factory(spec, meta) if spec.model.factory is not None
+              else _build_hf(spec, label_names, tokenizer, meta, device=device))
+    if meta and spec.model.quantization is not None:
+        loaded.notes.append("model.quantization not applied on the meta device (bitsandbytes quantises real weights)")
+    if quant is not None:
+        from .quantize import keep_training_path
+
+        if keep_training_path(loaded.model):
+            loaded.notes.append("bitsandbytes' CPU eval-time repacking of 4-bit weights turned off: after it, training "
+                                "forwards run gemv_4bit, which has no autograd kernel (wrong gradients)")
+        _prepare_quantized(loaded, spec)
+    if spec.train.precision == "bf16-true":
+        _cast_bf16(loaded.model)
+        loaded.notes.append("bf16-true: floating-point parameters held in bf16, no autocast")
     ac = spec.train.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     if ac:
         if enable_activation_checkpointing(loaded.model):
@@ -119,7 +153,48 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
         else:
             loaded.notes.append("activation checkpointing requested but the model has no "
                                 "gradient_checkpointing_enable()")
+    adapter = spec.model.adapter
+    if adapter is not None:
+        try:
+            loaded.model = apply_adapter(loaded.model, adapter, loaded.head,
+                                         keep_dtype=spec.train.precision == "bf16-true")
+        except AdapterError as exc:
+            raise ModelError(f"{exc.field}: {exc}", field=exc.field) from None
+        if spec.train.precision == "bf16-true":
+            _cast_bf16(loaded.model)  # peft creates LoRA matrices in fp32 on a non-float (quantised) base
+        loaded.notes.append(f"LoRA adapter (peft): r={adapter.r}, alpha={adapter.alpha:g}, dropout={adapter.dropout:g},"
+                            f" target_modules={adapter.target_modules}; the base is frozen")
+        if not meta:
+            loaded.base_identity = base_identity(loaded.model)
     return loaded
+
+
+def _cast_bf16(model: torch.nn.Module) -> None:
+    """Floating-point parameters to bf16 in place (tied weights stay tied: one Parameter object). Buffers keep their
+    dtype, as ``from_pretrained(torch_dtype=torch.bfloat16)`` keeps rotary frequencies in fp32; quantised weights
+    (uint8/int8) are not floating point and stay as they are."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.bfloat16)
+
+
+def _prepare_quantized(loaded: LoadedModel, spec: Spec) -> None:
+    """peft's QLoRA preparation (the base frozen, its fp16/bf16 non-quantised weights upcast to fp32 for stable
+    norms), except under bf16-true, which holds everything in bf16 by definition."""
+    q = spec.model.quantization
+    assert q is not None
+    loaded.quantized = True
+    what = f"{q.bits}-bit" + (f" {q.type}{' + double quant' if q.double_quant else ''}, compute {q.compute_dtype}"
+                              if q.bits == 4 else " LLM.int8")
+    if spec.train.precision == "bf16-true":
+        loaded.notes.append(f"base quantised ({what}, bitsandbytes); prepare_model_for_kbit_training not applied: "
+                            "its fp32 upcast contradicts bf16-true")
+        return
+    from peft import prepare_model_for_kbit_training
+
+    # Checkpointing is switched on by build_model itself (non-reentrant), not by peft's reentrant default.
+    loaded.model = prepare_model_for_kbit_training(loaded.model, use_gradient_checkpointing=False)
+    loaded.notes.append(f"base quantised ({what}, bitsandbytes), prepared with peft.prepare_model_for_kbit_training")
 
 
 def _build_factory(spec: Spec, meta: bool) -> LoadedModel:
@@ -171,7 +246,11 @@ def _hf_config(spec: Spec, head: str, label_names: list[str] | None, tokenizer):
     return config
 
 
-def _build_hf(spec: Spec, label_names: list[str] | None, tokenizer, meta: bool) -> LoadedModel:
+def _build_hf(spec: Spec, label_names: list[str] | None, tokenizer, meta: bool,
+              device: torch.device | str = "cpu") -> LoadedModel:
+    from .quantize import quantized_from_config, quantized_from_pretrained
+
+    quant = spec.model.quantization if not meta else None
     head, why = head_for(spec, label_names)
     cls = _hf_classes(head)
     notes = [f"head: {head} ({why})"]
@@ -186,14 +265,18 @@ def _build_hf(spec: Spec, label_names: list[str] | None, tokenizer, meta: bool) 
             source = f"config ({spec.model.config['model_type']}, random init, seed {spec.seed})"
         else:
             source = f"{spec.model.hf} (config only, on the meta device)"
+        if quant is not None:
+            model = quantized_from_config(cls, model, quant, device)
         return LoadedModel(model, "hf", head, source, notes, config=config)
     target = spec.model.hf
     assert target is not None
     local = local_path(spec, target)
     src = str(local) if local is not None else target
+    kwargs = {"revision": spec.model.revision, "trust_remote_code": spec.model.trust_remote_code,
+              **_label_kwargs(head, label_names)}
     try:
-        model = cls.from_pretrained(src, revision=spec.model.revision, trust_remote_code=spec.model.trust_remote_code,
-                                    **_label_kwargs(head, label_names))
+        model = (quantized_from_pretrained(cls, src, quant, device, **kwargs) if quant is not None
+                 else cls.from_pretrained(src, **kwargs))
     except Exception as exc:
         raise ModelError(_hub_hint(exc, target)) from None
     source = target if local is None else f"{target} ({src})" if target != src else src
@@ -222,13 +305,16 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> bool:
 
 
 def parameter_count(model: torch.nn.Module) -> tuple[int, int]:
+    from .adapters import logical_numel
+
     seen: set[int] = set()
     total = trainable = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
+        n = logical_numel(p)  # a 4-bit weight: its own size, not its packed uint8 elements
+        total += n
         if p.requires_grad:
-            trainable += p.numel()
+            trainable += n
     return total, trainable

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from .. import distributed
 from ..config.spec import Spec
-from ..drivers import join_job
+from ..drivers import check_job, join_job
 from ..gates import Gate, Outcome, PilotContext, Product, depends_on, select_gates
 from ..gates.base import fail_outcome, stops_the_pilot
 from ..interrupt import Interrupted, as_interrupted
@@ -91,6 +91,11 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     gates, notes = select_gates(options.gates or spec.pilot.gates)
     process = join_job(spec)
     env = process.env
+    try:
+        check_job(spec, process.device)  # an adapter the model cannot take, a fused kernel torch lacks: exit 2
+    except BaseException:
+        distributed.shutdown(env)
+        raise
     if env.active:
         if not env.is_main:
             observer = _Quiet()

@@ -110,6 +110,8 @@ def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: 
     lines += ["", "## Reload the model", ""]
     if no_model:
         lines += [f"There is no model in this archive: {no_model}.", ""]
+    elif has_model == ADAPTER:
+        lines += _adapter_lines(files)
     elif factory:
         lines += [f"`model/` holds `model.safetensors` for the factory `{factory}` (its module is in `code/`) and "
                   "`export.json` with the mapping it is called with:", "", "```python",
@@ -150,6 +152,30 @@ def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: 
     return "\n".join(lines) + "\n"
 
 
+ADAPTER = "adapter"  # model_class of an archive whose model/ is a PEFT adapter
+
+
+def _adapter_lines(files: dict) -> list[str]:
+    """How to load an archived adapter on its base (``model/base.json`` names the base and its identity)."""
+    lines = ["`model/` is a PEFT LoRA adapter (`adapter_model.safetensors`, `adapter_config.json`), not a whole "
+             "model: the frozen base is not in this archive. `model/base.json` says which base it was trained on "
+             "(`how_to_load`, the spec that builds it, its sha256 `base_identity`). Load the base the way "
+             "`how_to_load` says, then the adapter on it:", "", "```python", "import json, peft",
+             "base_info = json.load(open('model/base.json'))",
+             "print(base_info['how_to_load'])",
+             "base = ...  # the base model, built or loaded as base_info says",
+             "model = peft.PeftModel.from_pretrained(base, 'model')", "```", "",
+             "pilotrun rebuilds the base from that spec and checks its identity before loading the adapter:", "",
+             "```python", "from pathlib import Path",
+             "from pilotrun.checkpoint.trust import LoadPolicy",
+             "from pilotrun.workers.reload import load_artifact",
+             "model = load_artifact(Path('model'), LoadPolicy.of([], trust=True))", "```", ""]
+    if any(k.startswith("model/merged/") for k in files):
+        lines += ["`model/merged/` is the base with the adapter merged in, a plain Hugging Face folder "
+                  "(`transformers.AutoModelForCausalLM.from_pretrained('model/merged')`).", ""]
+    return lines
+
+
 def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
     """Fill ``root`` with one run's model, config, lock, raw metrics, control set and README."""
     folder = Path(run["out_dir"] or "")
@@ -165,6 +191,8 @@ def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
             raise ArchiveError(f"the model of {run['run_id']} does not match its manifest: {exc}") from None
         if (root / "model" / "export.json").is_file():
             factory = _factory_code(root / "model", root / "code")
+        elif (root / "model" / "base.json").is_file():  # a PEFT adapter: its base is referenced, not held
+            model_class = ADAPTER
         else:
             config = json.loads((root / "model" / "config.json").read_text())
             model_class = (config.get("architectures") or ["AutoModel"])[0]

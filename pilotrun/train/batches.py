@@ -22,8 +22,9 @@ def to_device(batch, device: torch.device):
 
 
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """fp32: nothing; bf16 / fp16: autocast to that dtype on the device's type."""
-    if precision == "fp32":
+    """fp32 and bf16-true (the weights themselves are bf16): nothing; bf16 / fp16: autocast to that dtype on the
+    device's type."""
+    if precision in ("fp32", "bf16-true"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -49,8 +49,16 @@ class LossPolicy:
 WEIGHTED = "each micro batch's loss weighted by its share of the window's examples"
 
 
+def unwrap_adapter(model):
+    """The model inside a peft ``PeftModel`` (whose forward passes every keyword through to it), else itself: its
+    type and signature decide the loss normalisation."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and type(model).__module__.startswith("peft.") else model
+
+
 def decide_loss_policy(model: torch.nn.Module, declared: str = "auto") -> LossPolicy:
     """Whether to pass ``num_items_in_batch`` (and how to count it), from the model's signature and type."""
+    model = unwrap_adapter(model)
     if declared == "per_micro_batch":
         return LossPolicy(False, False, "train.loss_normalization is per_micro_batch (declared): each micro batch's "
                           "own mean, weighted by its share of the window's examples; num_items_in_batch not passed",
@@ -90,6 +98,7 @@ def decide_loss_policy(model: torch.nn.Module, declared: str = "auto") -> LossPo
 
 
 def is_hf_causal_lm(model) -> bool:
+    model = unwrap_adapter(model)
     hf = sys.modules.get("transformers")
     if hf is None or not isinstance(model, hf.PreTrainedModel):
         return False

@@ -13,15 +13,60 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint.trust import LoadPolicy
+from ..checkpoint.export import BASE_JSON, MERGED
+from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal
 from ..train.evaluation import outputs_of
 from .common import write_result
 
 
+def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module:
+    """An exported adapter on its rebuilt base: the base from the spec ``base.json`` records (pilotrun's one builder,
+    the adapter removed), the adapter from ``adapter_model.safetensors`` by peft (safetensors, never a pickle), and
+    the base's identity checked against the one the training job recorded."""
+    import dataclasses
+
+    from peft import PeftModel
+
+    from ..config.spec import spec_from_mapping
+    from ..models.adapters import base_identity
+    from ..models.loading import build_model
+
+    folder = adm.folder
+    try:
+        base = json.loads((folder / BASE_JSON).read_text())
+        spec = spec_from_mapping(base["spec"]["written"], base["spec"]["source"], check_files=False)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LoadRefused(Refusal.DAMAGED, f"{folder / BASE_JSON}: field 'spec' is unreadable "
+                                           f"({type(exc).__name__}: {exc})") from None
+    factory = spec.model.factory
+    if factory is not None and not adm.known and factory != policy.factory:
+        raise LoadRefused(Refusal.FACTORY, (
+            f"{folder / BASE_JSON} builds its base with the factory {factory!r}, but this export is not recorded in "
+            "the ledger and that factory was not named: pilotrun imports nothing an unknown artifact names"))
+    base_spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, adapter=None))
+    tokenizer = None
+    if base.get("head") == "seq-classification" and "tokenizer.json" in adm.manifest["files"]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    built = build_model(base_spec, base.get("label_names"), tokenizer, device="cpu")
+    keep = spec.train.precision == "bf16-true"  # the adapter stays in bf16 as trained, not upcast by peft
+    model = PeftModel.from_pretrained(built.model, str(folder), is_trainable=False, autocast_adapter_dtype=not keep)
+    got = base_identity(model)
+    if got != base.get("base_identity"):
+        want = str(base.get("base_identity"))[:12]
+        raise RuntimeError(f"the base rebuilt from {folder / BASE_JSON} (sha256 {got[:12]}…) is not the one the "
+                           f"adapter was trained on ({want}…): {base.get('how_to_load')}")
+    return model
+
+
 def load_artifact(folder: Path, policy: LoadPolicy, spec_folder: Path | None = None) -> torch.nn.Module:
     """The exported model, admitted by the loading policy first: a factory is imported only when the export is
-    known or it is the one named on the command line (then from ``spec_folder``, not from the artifact)."""
+    known or it is the one named on the command line (then from ``spec_folder``, not from the artifact). An adapter
+    export (``base.json``) is loaded onto its rebuilt base."""
     adm = policy.admit(folder)
+    if BASE_JSON in adm.manifest["files"]:
+        return load_adapter_artifact(adm, policy)
     factory = policy.export_factory(adm)
     if factory is not None:
         from safetensors.torch import load_model
@@ -34,6 +79,11 @@ def load_artifact(folder: Path, policy: LoadPolicy, spec_folder: Path | None = N
         model = import_factory(factory, where)(info["model"])
         load_model(model, str(folder / "model.safetensors"))
         return model
+    return load_hf_folder(folder)
+
+
+def load_hf_folder(folder: Path) -> torch.nn.Module:
+    """A Hugging Face model folder (config + safetensors) by the architecture its config names; no remote code."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(folder))
@@ -53,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--known-manifest", action="append", default=[])
     ap.add_argument("--factory", help="module:function the user named (the spec's model.factory)")
     ap.add_argument("--spec-folder", type=Path, help="where --factory is imported from")
+    ap.add_argument("--merged-outputs", type=Path, help="also run the merged model (merged/ inside the export)")
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
     try:
@@ -60,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         model = load_artifact(args.export, policy, args.spec_folder)
         batch = load_file(str(args.inputs))
         save_file({"outputs": outputs_of(model, batch).contiguous()}, str(args.outputs))
-        write_result(args.result, {"model_class": type(model).__name__})
+        result = {"model_class": type(model).__name__}
+        if args.merged_outputs is not None:
+            # merged/ is inside the admitted folder (its files are in the manifest just checked): a plain HF folder.
+            merged = load_hf_folder(args.export / MERGED)
+            save_file({"outputs": outputs_of(merged, batch).contiguous()}, str(args.merged_outputs))
+            result["merged_class"] = type(merged).__name__
+        write_result(args.result, result)
         return 0
     except Exception as exc:  # reported to the gate, which names it in its row
         write_result(args.result, {"error": f"{type(exc).__name__}: {exc}",
