@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.pilotrun-installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,12 @@ bench: venv
 	$(PY) bench/save_overhead.py
 	$(PY) bench/estimate_accuracy.py
 	$(PY) bench/distributed_estimate.py
+
+# On a lent GPU machine: gpu tests, demo + LoRA pilots per precision, estimate vs measured, catalog fit (< 8 min).
+# Writes bench/results/gpu_check-<device>-<date>.{json,md}; commit them. `make gpu-check GPU_CHECK_ARGS=--dry` on a CPU.
+GPU_CHECK_ARGS ?=
+gpu-check: venv
+	timeout 480 $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache .mypy_cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,41 @@ def shutdown(env: DistEnv) -> None:
                     obj.__dict__.pop(attr, None)
         gc.collect()
         dist.destroy_process_group()
+
+
+# Set by `pilotrun launch` (cli/launch.py): the file where each node's first process writes the run id the ranks
+# agreed on, so the launcher of a node that did not create it finds the run's folder and report.
+RUN_ID_FILE_VAR = "PILOTRUN_RUN_ID_FILE"
+
+
+def agree_run_id(env: DistEnv, given: str | None, make: Callable[[], str], config_hash: str | None = None) -> str:
+    """One run id for every rank of every node: the one given (``--run-id``), else the one rank 0 makes.
+
+    Two machines started with the same command cannot agree on a fresh id by themselves (clocks, random parts);
+    torchrun's rendezvous put them in one process group, so rank 0's id reaches the others through it. Ranks given
+    different ids (nodes started with different ``--run-id``) are refused on every rank, naming the ids.
+    """
+    proposals = gather(env, (env.rank, given, config_hash))
+    chosen = broadcast(env, given or make())
+    others = sorted({p for _, p, _ in proposals if p is not None and p != chosen})
+    configs = {h for _, _, h in proposals}
+    if len(configs) > 1:  # a node started with another spec or --set would train another job under this id
+        ranks = ", ".join(f"rank {r}: {h}" for r, _, h in proposals)
+        shutdown(env)
+        raise LaunchError(f"the ranks run different configs ({ranks}): start every node with the same spec file "
+                          "and the same --set values")
+    if others:
+        shutdown(env)  # every rank raises here: the group goes with them, not with a hung collective
+        raise LaunchError(f"the nodes were given different --run-id values ({chosen} on rank 0, "
+                          f"{', '.join(others)} elsewhere): give every node the same one, or none (rank 0 then "
+                          "creates it and the others take it)")
+    path = os.environ.get(RUN_ID_FILE_VAR)
+    if path and env.local_rank == 0:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:  # the id, and this node's first global rank (whose report the launcher reads)
+            f.write(f"{chosen}\n{env.rank}\n")
+        os.replace(tmp, path)
+    return chosen
 
 
 def barrier(env: DistEnv) -> None:

@@ -227,7 +227,8 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow
             if on_start:
                 on_start(cid, at_once)
             execute(new, c, cid, ledger_path, Path(camp["out_dir"]), plan, deadline, at_once["parallel"], allow_drift,
-                    json.loads(camp["lock_json"]), on_event, eng)
+                    json.loads(camp["lock_json"]), on_event, eng,
+                    devices=at_once.get("devices"))
         except CampaignInterrupted:
             raise
         except BaseException:  # leave it resumable, not "running" for ever, and every new row with an end

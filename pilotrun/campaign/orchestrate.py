@@ -10,6 +10,8 @@ Example::
 from __future__ import annotations
 
 import json
+import os
+import queue
 import secrets
 import signal
 import subprocess
@@ -33,6 +35,7 @@ from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
+from .devices import assign_devices, worker_device_env
 from .procs import process_mark
 from .resources import PerRun, pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
@@ -78,7 +81,12 @@ STOP_GRACE_S = 60
 class _Running:
     """The worker processes in flight, so an interrupt reaches every one of them, and the flag that stops new ones."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, devices: dict | None = None) -> None:
+        # The parallel plan's device slots (campaign/devices.py), as many as runs at once: a worker takes one.
+        self.devices = devices
+        self.free: queue.Queue[list[str]] = queue.Queue()
+        for slot in (devices or {}).get("slots") or []:
+            self.free.put(slot)
         self.reason_file = folder / STOP_REASON_FILE
         self.reason_file.unlink(missing_ok=True)  # a resumed campaign's earlier stop is not this one's
         self.how = "Ctrl-C"
@@ -116,6 +124,18 @@ class _Running:
 def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
             running: _Running, threads: int | None = None) -> int | None:
     """The worker's exit code; None when it was never started because the campaign is stopping."""
+    if not (running.devices or {}).get("slots"):
+        return _start(spec_file, run_id, out, ledger, plan_file, deadline, running, threads)
+    slot = running.free.get()  # as many slots as threads running runs: one is free
+    try:
+        return _start(spec_file, run_id, out, ledger, plan_file, deadline, running, threads, slot)
+    finally:
+        running.free.put(slot)
+
+
+def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
+           running: _Running, threads: int | None, slot: list[str] | None = None) -> int | None:
+    """Start the worker (with its device slot, when devices are assigned) and wait for it."""
     cmd = [sys.executable, "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id,
            "--out", str(out), "--ledger", str(ledger), "--plan", str(plan_file)]
     if deadline is not None:
@@ -126,11 +146,16 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
                 return None
             env = {**worker_env(),
                    **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+            if running.devices is not None and slot is not None:
+                env = worker_device_env(running.devices, env, slot)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.procs[run_id] = proc
             running.started.add(run_id)
-        with Ledger(ledger) as led:  # so a resume after this process was killed can tell a live run from a dead one
-            led.merge_meta(run_id, {"worker": process_mark(proc.pid)})
+        # The worker's mark, so a resume after this process was killed can tell a live run from a dead one; and
+        # the devices it was given (the visibility variable's value), so the row says where it ran.
+        seen = {running.devices["env_var"]: ",".join(slot)} if running.devices is not None and slot else None
+        with Ledger(ledger) as led:
+            led.merge_meta(run_id, {"worker": process_mark(proc.pid), **({"devices": seen} if seen else {})})
         try:
             return proc.wait()
         except KeyboardInterrupt as exc:  # only when runs go one at a time: the main thread waits here
@@ -187,8 +212,10 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
     with Ledger(ledger_path) as led:
         per_run = pilot_memory(led, base_hash or load_spec(c.folder / c.base).config_hash())
     host = query_host()
+    # One device per run when several are visible; a campaign run is one process (world size 1).
+    devices = assign_devices(query_devices(), control_spec.train.device, per_run=1, environ=os.environ)
     return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
-                         accelerator=_accelerator(control_spec), per_run=per_run)
+                         accelerator=_accelerator(control_spec), per_run=per_run, devices=devices)
 
 
 def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:
@@ -255,7 +282,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
         if on_start:
             on_start(campaign_id, at_once)
         execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift,
-                control_lock, on_event, eng)
+                control_lock, on_event, eng, devices=at_once.get("devices"))
     return finish(campaign_id, ledger_path)
 
 
@@ -322,12 +349,13 @@ def engine_for(engine: EngineChoice | None, ledger_path: Path, processes: int = 
 # cleanly, even when started with SIGINT ignored (a shell script's background job): no run is left "running".
 @interruptible()
 def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel, allow_drift, control_lock, on_event,
-            engine: Engine | None = None):
+            engine: Engine | None = None, devices: dict | None = None):
     """Run every planned run; on Ctrl-C or SIGTERM, stop the running ones where they are and start no more.
 
-    ``engine`` runs each one (engines/base.py); None: local worker processes on this machine."""
+    ``engine`` runs each one (engines/base.py); None: local worker processes on this machine.
+    ``devices``: the parallel plan's device slots (campaign/devices.py); a local run takes a free slot."""
     plan_file = folder / "plan.json"
-    running: Engine = engine if engine is not None else _Running(folder)
+    running: Engine = engine if engine is not None else _Running(folder, devices)
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:

@@ -1,4 +1,4 @@
-"""How many campaign runs go at once on this machine: cores, host memory, accelerator memory.
+"""How many campaign runs go at once on this machine: cores, host memory, accelerators and their memory.
 
 ``plan_parallel`` is pure: numbers in (what was asked, what the machine has, what one run
 needs as a pilot measured it), a decision with its reasons out. The caller asks the machine
@@ -14,10 +14,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from ..gates.registry import job_memory_gates
 from ..ledger.records import RunKind
 from ..ledger.store import Ledger
+from .devices import DeviceMode, DeviceSlots
 
 # Share of the available host / accelerator memory parallel runs may take together; the rest is
 # for the orchestrator, the page cache and the allocator's fragmentation.
@@ -60,13 +62,35 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+class Limit(str, Enum):
+    """What decided how many runs go at once (the plan's ``limited_by``)."""
+
+    REQUESTED = "requested"          # --parallel itself: the machine has room for more
+    CPU_CORES = "cpu-cores"
+    HOST_MEMORY = "host-memory"
+    DEVICES = "devices"              # one run per device (or per world size of devices)
+    DEVICE_MEMORY = "device-memory"  # the pilot's measured peak against one device's memory
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def plan_parallel(requested: int, *, cpus: int, host_available_bytes: int, accelerator: tuple[str, int] | None,
-                  per_run: PerRun | None) -> dict:
-    """Runs at once and torch threads per run. ``accelerator`` is (name, memory bytes) of the device the runs share."""
-    limits: list[tuple[int, str]] = []
+                  per_run: PerRun | None, devices: DeviceSlots | None = None) -> dict:
+    """Runs at once and torch threads per run. ``accelerator`` is (name, memory bytes) of the device the runs share.
+
+    ``devices`` (from :func:`pilotrun.campaign.devices.assign_devices`) in mode per-run gives each run its own
+    device(s) instead: the slots cap the runs, and the pilot's peak is checked against one device."""
+    limits: list[tuple[int, str, Limit]] = []
+    fine: list[str] = []  # checks that cap nothing (a run fits its own device)
     not_checked: list[str] = []
-    if accelerator is None:
-        limits.append((cpus, f"{cpus} CPU core(s): more CPU runs than cores only makes each slower"))
+    own = devices is not None and devices.mode == DeviceMode.PER_RUN
+    if own:
+        assert devices is not None
+        accelerator = None
+        limits.append((len(devices.slots), devices.reason, Limit.DEVICES))
+    elif accelerator is None:
+        limits.append((cpus, f"{cpus} CPU core(s): more CPU runs than cores only makes each slower", Limit.CPU_CORES))
     if per_run is None:
         not_checked.append("memory not checked: no pilot of the base spec in the ledger (run `pilotrun run BASE` "
                            "with the same ledger to have it checked)")
@@ -74,24 +98,44 @@ def plan_parallel(requested: int, *, cpus: int, host_available_bytes: int, accel
         if per_run.host_bytes:
             n = int(HEADROOM * host_available_bytes // per_run.host_bytes)
             limits.append((n, f"host memory: {_gib(host_available_bytes)} available, one run peaked at "
-                              f"{_gib(per_run.host_bytes)} in pilot {per_run.source}"))
+                              f"{_gib(per_run.host_bytes)} in pilot {per_run.source}", Limit.HOST_MEMORY))
         if accelerator is not None:
             name, total = accelerator
             if per_run.device_bytes:
                 n = int(HEADROOM * total // per_run.device_bytes)
                 limits.append((n, f"{name}: {_gib(total)}, one run reserved {_gib(per_run.device_bytes)} in pilot "
-                                  f"{per_run.source}; the runs share this device"))
+                                  f"{per_run.source}; the runs share this device", Limit.DEVICE_MEMORY))
             else:
                 not_checked.append(f"{name} memory not checked: pilot {per_run.source} has no device measurement "
                                    "(it ran on another device)")
-    allowed = min([requested] + [n for n, _ in limits])
-    reasons = [why for n, why in limits if n < requested]
+        if own and devices is not None and devices.memory_bytes:
+            # Each run has its devices to itself: the measured peak either fits one device or no run fits.
+            if per_run.device_bytes:
+                why = (f"{devices.name}: {_gib(devices.memory_bytes)} per device, one run reserved "
+                       f"{_gib(per_run.device_bytes)} in pilot {per_run.source}; each run has its own")
+                if per_run.device_bytes <= HEADROOM * devices.memory_bytes:
+                    fine.append(f"{why}: fits")
+                else:
+                    limits.append((0, why, Limit.DEVICE_MEMORY))
+            else:
+                not_checked.append(f"{devices.name} memory not checked: pilot {per_run.source} has no device "
+                                   "measurement (it ran on another device)")
+    allowed = min([requested] + [n for n, _, _ in limits])
+    binding = [(n, why, kind) for n, why, kind in limits if n < requested]
+    reasons = [why for _, why, _ in binding]
+    limited_by = min(binding, key=lambda b: b[0])[2] if binding else Limit.REQUESTED
     if allowed < 1:
         reasons.append("even one run may not fit; running one at a time")
         allowed = 1
     threads = max(1, cpus // allowed)
-    return {"requested": requested, "parallel": allowed, "threads_per_run": threads,
-            "reasons": reasons, "checked": [f"{why}: room for {max(n, 0)}" for n, why in limits],
-            "not_checked": not_checked,
-            "text": (f"{allowed} run(s) at once" + (f" (asked {requested})" if allowed != requested else "")
-                     + f", {threads} CPU thread(s) each")}
+    plan: dict = {
+        "requested": requested, "parallel": allowed, "threads_per_run": threads, "limited_by": str(limited_by),
+        "reasons": reasons, "checked": [f"{why}: room for {max(n, 0)}" for n, why, _ in limits] + fine,
+        "not_checked": not_checked,
+        "text": (f"{allowed} run(s) at once" + (f" (asked {requested})" if allowed != requested else "")
+                 + f", {threads} CPU thread(s) each")}
+    if devices is not None:
+        plan["devices"] = devices.to_dict()
+        if own:  # the slots the workers take turns on: as many as run at once
+            plan["devices"]["slots"] = [list(s) for s in devices.slots[:allowed]]
+    return plan

@@ -44,6 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry or --resume")
     p.add_argument("--parallel", type=int, default=None,
                    help="runs at once, at most (default: 1 locally; with --engine ray, what the cluster fits); "
+                        "locally with several GPUs each run gets its own (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES); "
                         "fewer when the cores, the GPUs or the memory a pilot of the base spec measured do not "
                         "allow it (the reason is printed and kept)")
     p.add_argument("--engine", choices=ENGINES, default="local",

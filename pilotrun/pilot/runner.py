@@ -103,7 +103,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
             distributed.shutdown(env)
             raise distributed.LaunchError("--resume continues one process; resume a distributed pilot by running it "
                                           "again")
-    run_id = distributed.broadcast(env, options.run_id or new_run_id(spec.name))
+    run_id = distributed.agree_run_id(env, options.run_id, lambda: new_run_id(spec.name), spec.config_hash())
     out_dir = Path(options.out_dir) if options.out_dir else Path("runs") / run_id
     ledger = Ledger(options.ledger_path)
     try:
@@ -127,6 +127,8 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                                "strategy": process.strategy.name},
                          parent_id=plan.parent_id if plan else None)
     distributed.barrier(env)
+    node_row = _register_on_this_node(ledger, env, run_id, spec, out_dir)
+    distributed.barrier(env)  # this node's ranks write rows only once the run is in its ledger
     observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [f"device: {process.device_reason}"])
     progress = _Progress()
     stop: Interrupted | None = None
@@ -142,7 +144,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
         stop = as_interrupted(exc)
         result.status, result.interrupted_by = RunStatus.INTERRUPTED, stop.name
     finally:
-        _close(ctx, result, spec, ledger)
+        _close(ctx, result, spec, ledger, node_row)
     if stop is not None:
         raise PilotInterrupted(stop.signum, result) from None
     return result
@@ -187,13 +189,28 @@ def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict],
     observer.on_gate_end(out)
 
 
-def _close(ctx: PilotContext, result: PilotResult, spec: Spec, ledger: Ledger) -> None:
+def _register_on_this_node(ledger: Ledger, env: distributed.DistEnv, run_id: str, spec: Spec, out_dir: Path) -> bool:
+    """On a node of a multi-node launch whose ledger is its own file (another machine), the run goes in it too,
+    so the node's ranks can write their rows there. Where the ledger is shared, rank 0's row is already in it."""
+    if not env.active or env.is_main or env.local_rank != 0:
+        return False
+    if ledger.conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone():
+        return False
+    ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
+                     config_hash=spec.config_hash(),
+                     meta={"world_size": env.world_size, "node_first_rank": env.rank,
+                           "notes": [f"this ledger holds the rows of the ranks on this node (from rank {env.rank}); "
+                                     "rank 0's node holds the combined report.json"]})
+    return True
+
+
+def _close(ctx: PilotContext, result: PilotResult, spec: Spec, ledger: Ledger, node_row: bool = False) -> None:
     if ctx.driver is not None:
         ctx.driver.close()
     ctx.driver = None  # the DDP/FSDP model goes before the process group (distributed.shutdown)
     if result.status == RunStatus.RUNNING:
         result.status = RunStatus.ERROR
-    if ctx.env.is_main:
+    if ctx.env.is_main or node_row:
         if result.interrupted_by:
             ledger.merge_meta(result.run_id, {"interrupted_by": result.interrupted_by})
         ledger.end_run(result.run_id, result.status)

@@ -1,0 +1,128 @@
+"""One campaign run per accelerator: the device assignment, the cap on runs at once, and the worker's variable.
+
+The assignment is pure (an inventory in, slots out), tested on this CPU-only machine with inventories
+of several GPUs; the hook where workers start is tested by a real two-run campaign whose device query
+is patched to report two GPUs (the workers still train on the CPU: the variable is all they get).
+"""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from pilotrun.campaign.devices import DeviceMode, assign_devices, worker_device_env
+from pilotrun.campaign.resources import Limit, PerRun, plan_parallel
+from pilotrun.devices import DeviceInventory
+
+from .conftest import TEST_DIGEST, copy_example
+
+GIB = 2**30
+
+
+def _gpus(n: int, backend: str = "cuda", memory: int = 80 * GIB, name: str = "NVIDIA H100 80GB HBM3"):
+    return DeviceInventory(backend, n, (name,) * n, (memory,) * n)
+
+
+def test_each_run_gets_its_own_device_and_a_world_size_of_k_gets_k():
+    s = assign_devices(_gpus(8), "auto")
+    assert s.mode == DeviceMode.PER_RUN and s.env_var == "CUDA_VISIBLE_DEVICES"
+    assert s.slots == tuple((str(i),) for i in range(8))
+    assert s.env(s.slots[3]) == {"CUDA_VISIBLE_DEVICES": "3"}
+    s = assign_devices(_gpus(8), "cuda", per_run=2)
+    assert s.slots == (("0", "1"), ("2", "3"), ("4", "5"), ("6", "7"))
+    assert s.env(s.slots[1]) == {"CUDA_VISIBLE_DEVICES": "2,3"} and "2 devices (its world size)" in s.reason
+    s = assign_devices(_gpus(5), "auto", per_run=2)  # the fifth device is left idle, not half a run
+    assert s.slots == (("0", "1"), ("2", "3"))
+    s = assign_devices(_gpus(1), "auto", per_run=2)
+    assert s.slots == () and "not enough for one run, which needs 2" in s.reason
+
+
+def test_a_launcher_that_already_narrowed_the_devices_is_respected():
+    # Under CUDA_VISIBLE_DEVICES=2,5 this process's cuda:1 is the machine's device 5: the worker gets "5".
+    s = assign_devices(_gpus(2), "auto", environ={"CUDA_VISIBLE_DEVICES": "2,5"})
+    assert s.slots == (("2",), ("5",)) and "$CUDA_VISIBLE_DEVICES=2,5" in s.reason
+    uuids = "GPU-aaaa,GPU-bbbb"
+    assert assign_devices(_gpus(2), "auto", environ={"CUDA_VISIBLE_DEVICES": uuids}).slots == (("GPU-aaaa",),
+                                                                                                ("GPU-bbbb",))
+
+
+def test_rocm_workers_get_hip_visible_devices_and_no_inherited_cuda_selection():
+    s = assign_devices(_gpus(4, "rocm", 192 * GIB, "AMD Instinct MI300X"), "auto",
+                       environ={"HIP_VISIBLE_DEVICES": "0,1,2,3,4,5", "CUDA_VISIBLE_DEVICES": "1,3,4,5"})
+    assert s.env_var == "HIP_VISIBLE_DEVICES" and s.slots == (("1",), ("3",), ("4",), ("5",))
+    env = worker_device_env(s.to_dict(), {"CUDA_VISIBLE_DEVICES": "1,3,4,5", "PATH": "/bin"}, s.slots[2])
+    assert env == {"HIP_VISIBLE_DEVICES": "4", "PATH": "/bin"}
+
+
+@pytest.mark.parametrize("backend, device, mode", [
+    ("cpu", "auto", DeviceMode.CPU), ("cuda", "cpu", DeviceMode.CPU), ("mps", "auto", DeviceMode.CPU),
+    ("cuda", "cuda:1", DeviceMode.SHARED),
+])
+def test_cpu_machines_and_pinned_devices_change_nothing(backend, device, mode):
+    inv = _gpus(4, backend) if backend != "cpu" else DeviceInventory("cpu", 0)
+    s = assign_devices(inv, device, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert s.mode == mode and s.slots == () and s.env_var is None
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert worker_device_env(s.to_dict(), env, ["0"]) == env  # the launcher's environment, untouched
+    plan = plan_parallel(3, cpus=2, host_available_bytes=64 * GIB, accelerator=None, per_run=None, devices=s)
+    assert plan["parallel"] == 2 and plan["limited_by"] == Limit.CPU_CORES  # CPU: cores cap it, as before
+
+
+def test_the_devices_cap_the_runs_and_the_plan_says_which_limit_applied():
+    s = assign_devices(_gpus(4), "auto")
+    measured = PerRun(host_bytes=2 * GIB, device_bytes=30 * GIB, source="pilot-1")
+    p = plan_parallel(9, cpus=16, host_available_bytes=200 * GIB, accelerator=None, per_run=measured, devices=s)
+    assert (p["parallel"], p["limited_by"]) == (4, str(Limit.DEVICES))
+    assert p["reasons"] == ["4 cuda device(s) visible (all devices): each run gets one device through "
+                            "$CUDA_VISIBLE_DEVICES"]
+    assert p["devices"]["slots"] == [["0"], ["1"], ["2"], ["3"]] and p["threads_per_run"] == 4
+    assert any("80.0 GiB per device, one run reserved 30.0 GiB in pilot pilot-1" in c for c in p["checked"])
+    # Fewer asked than devices: the request is the limit, and only that many slots are handed out.
+    p = plan_parallel(2, cpus=16, host_available_bytes=200 * GIB, accelerator=None, per_run=measured, devices=s)
+    assert (p["parallel"], p["limited_by"], p["devices"]["slots"]) == (2, "requested", [["0"], ["1"]])
+    # Host memory binds before the devices do.
+    p = plan_parallel(4, cpus=16, host_available_bytes=5 * GIB, accelerator=None, per_run=measured, devices=s)
+    assert (p["parallel"], p["limited_by"]) == (2, str(Limit.HOST_MEMORY))
+
+
+def test_a_run_that_does_not_fit_one_device_is_said_and_runs_alone():
+    s = assign_devices(_gpus(4, memory=24 * GIB, name="NVIDIA L4"), "auto")
+    p = plan_parallel(4, cpus=16, host_available_bytes=200 * GIB, accelerator=None,
+                      per_run=PerRun(host_bytes=None, device_bytes=30 * GIB, source="pilot-h100"), devices=s)
+    assert (p["parallel"], p["limited_by"]) == (1, str(Limit.DEVICE_MEMORY))
+    assert p["reasons"][-1] == "even one run may not fit; running one at a time"
+    assert "NVIDIA L4: 24.0 GiB per device, one run reserved 30.0 GiB" in p["reasons"][0]
+    p = plan_parallel(4, cpus=16, host_available_bytes=200 * GIB, accelerator=None,
+                      per_run=PerRun(host_bytes=GIB, device_bytes=None, source="cpu-pilot"), devices=s)
+    assert p["parallel"] == 4 and "NVIDIA L4 memory not checked: pilot cpu-pilot has no device" in p["not_checked"][0]
+
+
+@pytest.mark.slow
+def test_each_campaign_worker_is_started_with_its_own_device(tmp_path, monkeypatch):
+    """A real two-run campaign, --parallel 3 on a node reporting two GPUs: two at once, each on its own device."""
+    from pilotrun.campaign import orchestrate
+
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(orchestrate, "query_devices", lambda: _gpus(2))
+    seen: dict[str, str | None] = {}
+    real_popen = subprocess.Popen
+
+    def spy(cmd, *args, **kw):  # the real worker runs; its environment is noted on the way
+        if "pilotrun.campaign.worker" in cmd:
+            seen[cmd[cmd.index("--run-id") + 1]] = kw["env"].get("CUDA_VISIBLE_DEVICES")
+        return real_popen(cmd, *args, **kw)
+
+    monkeypatch.setattr(orchestrate.subprocess, "Popen", spy)
+    copy_example("tiny-sft", tmp_path)
+    body = {"name": "gpus", "base": "tiny-sft/pilot.yaml", "vary": {"train.optimizer.lr": [3e-3, 1e-3]},
+            "seeds": [1], "updates": 2, "eval": {"every": 2},
+            "keep": {"checkpoint": False, "export": False, "control_set": 0}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(body))
+    res = orchestrate.run_campaign(tmp_path / "c.yaml", tmp_path / "l.sqlite", tmp_path / "runs", parallel=3)
+    assert res["parallel"]["parallel"] == 2 and res["parallel"]["limited_by"] == "devices"
+    assert [r["status"] for r in res["runs"]] == ["finished", "finished"]
+    assert sorted(v for v in seen.values() if v is not None) == ["0", "1"]  # two at once: one device each
+    for r in res["runs"]:  # the row says where its worker ran
+        assert r["meta"]["devices"] == {"CUDA_VISIBLE_DEVICES": seen[r["run_id"]]}
