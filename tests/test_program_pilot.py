@@ -240,3 +240,24 @@ def test_a_program_past_its_timeout_is_killed_with_its_whole_tree(tmp_path):
     assert outcome.timed_out and not outcome.ended_cleanly and child in outcome.killed_pids
     assert "program.timeout" in outcome.how_it_ended()
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_passing_resume_row_names_only_the_fields_the_program_reported(tmp_path):
+    # Found piloting a loop that reports no ids and no grad_norm: the warn row said "equal ... (ids, loss, lr,
+    # grad_norm, extra)" and then "the data order was not compared".
+    def bare(role, updates, **kw):
+        out = _outcome(role, updates, **kw)
+        for e in out.events[0]:
+            e.update(ids=None, grad_norm=None, extra={"micro_batches": 1.0} if e["kind"] == "update" else None)
+        return out
+    runs = {Role.CONTROL: bare(Role.CONTROL, [1, 2, 3, 4]), Role.RESUMED: bare(Role.RESUMED, [3, 4]),
+            Role.INTERRUPTED: bare(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9, tmp=tmp_path)}
+    (row,) = resume_rows(runs, 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.WARN and row.details["compared_fields"] == ["loss", "lr", "extra.micro_batches"]
+    assert "(loss, lr, extra.micro_batches)" in row.reason and "grad_norm" not in row.reason.split(";")[0]
+    assert "reports no ids" in row.reason
+    full = {role: _outcome(role, run_updates, killed=role == Role.INTERRUPTED, saved=2 if role == Role.INTERRUPTED
+                           else None, tmp=tmp_path) for role, run_updates in
+            ((Role.CONTROL, [1, 2, 3, 4]), (Role.INTERRUPTED, [1, 2]), (Role.RESUMED, [3, 4]))}
+    (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.PASS and "(ids, loss, lr, grad_norm)" in row.reason
