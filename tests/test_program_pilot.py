@@ -66,6 +66,10 @@ def test_program_spec_needs_no_model_and_hashes_the_script(tmp_path):
     ({"command": "python 'unclosed"}, "program.command", "close the quote"),
     ({"command": "python train.py", "files": ["*.nothing"]}, "program.files[0]", "matches no file"),
     ({"command": "python train.py", "timeout": 0}, "program.timeout", "must be positive"),
+    # found piloting independent programs: these two reached Popen and ended as an internal error (exit 3)
+    ({"command": "trainme-nowhere --fast"}, "program.command", "nor a command on PATH"),
+    ({"command": "./train.py --x 1"}, "program.command", "not an executable file"),  # exists, not executable
+    ({"command": "torchrun --nproc-per-node 2 gone.py"}, "program.command", "gone.py not found"),
 ])
 def test_bad_program_specs_name_the_field(tmp_path, program, field, words):
     path = _program(tmp_path)
