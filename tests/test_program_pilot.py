@@ -265,3 +265,21 @@ def test_a_passing_resume_row_names_only_the_fields_the_program_reported(tmp_pat
             ((Role.CONTROL, [1, 2, 3, 4]), (Role.INTERRUPTED, [1, 2]), (Role.RESUMED, [3, 4]))}
     (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
     assert row.verdict == Verdict.PASS and "(ids, loss, lr, grad_norm)" in row.reason
+
+
+@pytest.mark.slow
+def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path):
+    # Found piloting a program that ignores should_stop: the control run timed out, then the interrupted and the
+    # resumed runs were started anyway and the resumed one timed out too (3 x program.timeout for one known failure).
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "train.py").write_text("import sys, pilotrun\njob = pilotrun.program()\n"
+                                     "print('no config given', file=sys.stderr)\nsys.exit(1)\n")
+    spec = load_spec(write_spec(folder / "pilot.yaml", {"name": "crash", "program": {"command": "python train.py"}}),
+                     allow_program=True)
+    result = run_program_pilot(spec, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                                    gates=["resume"], container_digest=TEST_DIGEST))
+    row = next(r for r in result.rows if r["gate"] == "resume")
+    assert row["verdict"] == Verdict.FAIL and "exited with 1" in row["reason"] and "no config given" in row["reason"]
+    assert "were not started" in row["reason"] and result.exit_code == 1
+    assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]

@@ -39,11 +39,13 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
         return [_fail(f"the {role} run reported an invalid value at {where} on rank {first.get('rank', 0)}: "
                       f"{first['problem']}{more}", details,
                       Failure.NON_FINITE if any(e.get("non_finite") for _, e in problems) else Failure.CHECK)]
+    skipped = "; the interrupted and resumed runs were not started" if interrupted is None else ""
     if not control.ended_cleanly:
-        return [_fail(f"the control run {control.how_it_ended()} (log: {control.log})", details, Failure.ERROR)]
+        return [_fail(f"the control run {control.how_it_ended()} (log: {control.log}){skipped}", details,
+                      Failure.ERROR)]
     if not any(control.updates(r) for r in control.ranks):
-        return [_fail("the control run reported no updates: call job.update(update, loss=..., lr=...) after each "
-                      "optimizer.step()", details)]
+        return [_fail(f"the control run reported no updates{skipped}: call job.update(update, loss=..., lr=...) "
+                      "after each optimizer.step()", details)]
     assert interrupted is not None
     if not interrupted.killed:
         saved = [e["update"] for e in interrupted.of(Event.SAVED)]
