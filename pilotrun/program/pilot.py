@@ -222,8 +222,9 @@ def _stage_rows(name: str, run: RunOutcome, enable: str) -> list[GateRow]:
     reporting it) where there is none."""
     if not any(e["row"].get("gate") == name for e in run.of(Event.STAGE)):
         if not run.ended_cleanly:
-            return [GateRow.now(name, Verdict.FAIL, f"the {run.role} run {run.how_it_ended()} before reporting a "
-                                f"{name} stage (log: {run.log})", failure=Failure.ERROR, details={"log": str(run.log)})]
+            return [GateRow.now(name, Verdict.FAIL, f"the {run.role} run {run.how_it_ended()} before reporting "
+                                f"the {name!r} stage (log: {run.log})", failure=Failure.ERROR,
+                                details={"log": str(run.log)})]
         return [GateRow.now(name, Verdict.SKIP, f"not measured: the program reported no {name!r} stage; {enable}",
                             details={"on_program": "stage"})]
     out = []
