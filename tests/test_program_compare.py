@@ -80,3 +80,12 @@ def test_loss_differing_only_after_an_equal_first_resumed_update_is_the_optimize
     # at the first resumed update a loss difference still names the checkpoint's model state (or its dropout RNG)
     first = compare_updates(_run(5), _run(5, start=3, loss=lambda u: 2.0 / u), 3, 5, exact=True).difference
     assert (first.update, first.cause) == (3, Cause.STATE_SAVED_AT_WRONG_POINT) and "rng" in first.sentence().lower()
+
+
+def test_a_loop_numbering_updates_from_zero_has_its_update_zero_compared():
+    # Found piloting a loop that reports job.update(0, ...) first: its fresh runs were compared from update 1 only.
+    control = _run(4, start=0, loss=lambda u: 1.0 / (u + 1))
+    other = _run(2, start=0, loss=lambda u: 1.0 / (u + 1) + (1e-3 if u == 0 else 0.0))
+    d = reproducibility(control, other, 2, exact=True, rtol=0).difference
+    assert (d.update, d.field, d.cause) == (0, "loss", Cause.NOT_REPRODUCIBLE)
+    assert reproducibility(control, _run(2, start=0, loss=lambda u: 1.0 / (u + 1)), 2, exact=True, rtol=0).equal

@@ -167,7 +167,10 @@ def reproducibility(control: list[dict], interrupted: list[dict], until: int, ex
                     rtol: float) -> Comparison:
     """Updates 1..until of two fresh runs (control and the interrupted run before its save) must agree; a
     difference there is the program's non-determinism, whatever the field, not a resume defect."""
-    diff = compare_updates(control, interrupted, 1, until, exact, rtol, other_name="interrupted",
+    # A loop numbering its updates from 0 is consistent with itself (saved(N) then N+1 resumed); its update 0 is
+    # compared too, not skipped.
+    first = min([1, *(int(r["update"]) for r in control)])
+    diff = compare_updates(control, interrupted, first, until, exact, rtol, other_name="interrupted",
                            step_restored_check=False)
     if diff.difference is not None and diff.difference.cause != Cause.MISSING_UPDATES:
         diff.difference.cause = Cause.NOT_REPRODUCIBLE
