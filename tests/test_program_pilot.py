@@ -283,3 +283,14 @@ def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path)
     assert row["verdict"] == Verdict.FAIL and "exited with 1" in row["reason"] and "no config given" in row["reason"]
     assert "were not started" in row["reason"] and result.exit_code == 1
     assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
+
+
+def test_an_interrupted_run_whose_processes_outlive_sigkill_fails_resume_without_a_resumed_run(tmp_path):
+    # kill_tree now waits for the killed descendants (SIGKILL lands asynchronously; the timeout test saw the child
+    # still 'running' right after the kill); any still alive then are named and nothing is started beside them.
+    interrupted = _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9, tmp=tmp_path)
+    interrupted.survivors = [4242]
+    (row,) = resume_rows({Role.CONTROL: _outcome(Role.CONTROL, [1, 2, 3, 4]), Role.INTERRUPTED: interrupted}, 2, 2,
+                         True, 0.0, "bitwise")
+    assert row.verdict == Verdict.FAIL and row.failure == Failure.ERROR
+    assert "[4242] were still alive" in row.reason and "resumed run was not started" in row.reason

@@ -168,7 +168,7 @@ def _pilot(spec: Spec, options: ProgramOptions, names: list[str], sink: _Rows, o
                 spec.program, spec.folder, RunPlan(Role.INTERRUPTED, save_at=(before,), stop_at=before + after,
                                                    kill_after_save=before), out_dir, run_id, ledger_path, progress)
             saved = runs[Role.INTERRUPTED].of(Event.SAVED, 0)
-            if runs[Role.INTERRUPTED].killed and saved and fresh_runs_agree(
+            if runs[Role.INTERRUPTED].killed and not runs[Role.INTERRUPTED].survivors and saved and fresh_runs_agree(
                     recording, runs[Role.INTERRUPTED], before, exact, spec.pilot.resume.rtol):
                 runs[Role.RESUMED] = run_program(
                     spec.program, spec.folder, RunPlan(Role.RESUMED, stop_at=before + after,

@@ -53,6 +53,9 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
         return [_fail(f"the interrupted run {interrupted.how_it_ended()} and {said}; pilotrun asks for a save after "
                       f"update {before} (job.should_save({before}) is True there): save then call "
                       f"job.saved({before}, path) on rank 0", details, Failure.ERROR)]
+    if interrupted.survivors:
+        return [_fail(f"the interrupted run {interrupted.how_it_ended()}; the resumed run was not started beside "
+                      "them", details, Failure.ERROR)]
     checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
     details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
     rows = []
