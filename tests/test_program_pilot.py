@@ -294,3 +294,20 @@ def test_an_interrupted_run_whose_processes_outlive_sigkill_fails_resume_without
                          True, 0.0, "bitwise")
     assert row.verdict == Verdict.FAIL and row.failure == Failure.ERROR
     assert "[4242] were still alive" in row.reason and "resumed run was not started" in row.reason
+
+
+def test_a_failed_torchrun_rank_is_quoted_from_what_the_rank_printed_not_torchruns_summary():
+    from pilotrun.program.runner import failure_lines
+
+    # shortened from a real 2-rank gloo run whose rank 1 aborted at exit
+    log = ("*****************************************\nSetting OMP_NUM_THREADS environment variable for each process"
+           "\n*****************************************\nterminate called without an active exception\n"
+           "W1201 07:24:31.204000 22742 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22747 "
+           "closing signal SIGTERM\nE1201 07:24:31.240000 22742 torch/distributed/elastic/multiprocessing/api.py:1002]"
+           " failed (exitcode: -6) local_rank: 1 (pid: 22748) of binary: /usr/bin/python\nTraceback (most recent "
+           "call last):\n  File \"run.py\", line 1032\ntorch.distributed.elastic.multiprocessing.errors."
+           "ChildFailedError: \n=====\n  traceback : Signal 6 (SIGABRT) received by PID 22748\n=====\n")
+    said = failure_lines(log)
+    assert "terminate called without an active exception" in said and "failed (exitcode: -6) local_rank: 1" in said
+    assert "*****" not in said and "SIGTERM" not in said
+    assert failure_lines("step 1\nTraceback:\nKeyError: 'scheduler'\n") == "step 1 | Traceback: | KeyError: 'scheduler'"

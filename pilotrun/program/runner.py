@@ -98,10 +98,29 @@ class RunOutcome:
 
     def log_tail(self, lines: int = 3) -> str:
         try:
-            text = self.log.read_text(errors="replace").strip().splitlines()
+            text = self.log.read_text(errors="replace")
         except OSError:
             return "(no log)"
-        return " | ".join(text[-lines:])[-400:] or "(empty log)"
+        return failure_lines(text, lines)
+
+
+# torchrun's own report of a failed rank: the lines after it are its traceback and a summary, not the rank's error.
+TORCHRUN_FAILED = "torch/distributed/elastic/multiprocessing/api.py"
+
+
+def failure_lines(text: str, lines: int = 3) -> str:
+    """The lines of a program's log that say why it failed: its last lines; under torchrun, what the ranks printed
+    last before torchrun reported the failure, and torchrun's line naming the failed rank and exit code."""
+    all_lines = [line for line in text.strip().splitlines() if line.strip().strip("*")]  # not torchrun's banner
+    first = next((i for i, line in enumerate(all_lines) if TORCHRUN_FAILED in line), None)
+    if first is None:
+        return " | ".join(all_lines[-lines:])[-400:] or "(empty log)"
+    # Found piloting a 2-rank loop whose rank 1 aborted: the row quoted torchrun's summary ("error_file: <N/A> |
+    # traceback : Signal 6 ...") instead of the rank's "terminate called without an active exception".
+    failed = next((line for line in all_lines[first:] if "failed (exitcode" in line), "")
+    rank_said = all_lines[max(0, first - (lines - 1)):first]
+    shown = [*rank_said, failed.split("] ", 1)[-1]] if failed else rank_said
+    return " | ".join(shown)[-400:] or "(empty log)"
 
 
 @dataclass
