@@ -67,3 +67,25 @@ def test_registry_says_how_every_gate_runs_on_a_program():
         if how in (OnProgram.INTEGRATION, OnProgram.NEVER):  # a skip row must say what would enable the gate
             assert any(w in why for w in ("integration", "give", "resume gate")), (name, why)
     assert PROGRAM_GATES["resume"][0] == OnProgram.PILOT and PROGRAM_GATES["eval"][0] == OnProgram.STAGE
+
+
+def test_loss_differing_only_after_an_equal_first_resumed_update_is_the_optimizer_state():
+    # Found piloting a loop that did not save optimizer.state_dict(): update N+1 (loss computed before the first
+    # resumed optimizer.step()) matched on every field; N+2 differed. Blaming "saved before optimizer.step()" there
+    # sent the user to the wrong line.
+    resumed = _run(5, start=3, loss=lambda u: 1.0 / u + (1e-3 if u >= 4 else 0.0))
+    d = compare_updates(_run(5), resumed, 3, 5, exact=True).difference
+    assert (d.update, d.field, d.cause) == (4, "loss", Cause.OPTIMIZER_STATE_NOT_RESTORED)
+    assert "optimizer.state_dict()" in d.sentence()
+    # at the first resumed update a loss difference still names the checkpoint's model state (or its dropout RNG)
+    first = compare_updates(_run(5), _run(5, start=3, loss=lambda u: 2.0 / u), 3, 5, exact=True).difference
+    assert (first.update, first.cause) == (3, Cause.STATE_SAVED_AT_WRONG_POINT) and "rng" in first.sentence().lower()
+
+
+def test_a_loop_numbering_updates_from_zero_has_its_update_zero_compared():
+    # Found piloting a loop that reports job.update(0, ...) first: its fresh runs were compared from update 1 only.
+    def zero_based(n, bump=0.0):
+        return _run(n, start=0, lr=lambda u: 0.1 / (u + 1), loss=lambda u: 1.0 / (u + 1) + (bump if u == 0 else 0.0))
+    d = reproducibility(zero_based(4), zero_based(2, bump=1e-3), 2, exact=True, rtol=0).difference
+    assert (d.update, d.field, d.cause) == (0, "loss", Cause.NOT_REPRODUCIBLE)
+    assert reproducibility(zero_based(4), zero_based(2), 2, exact=True, rtol=0).equal

@@ -66,6 +66,10 @@ def test_program_spec_needs_no_model_and_hashes_the_script(tmp_path):
     ({"command": "python 'unclosed"}, "program.command", "close the quote"),
     ({"command": "python train.py", "files": ["*.nothing"]}, "program.files[0]", "matches no file"),
     ({"command": "python train.py", "timeout": 0}, "program.timeout", "must be positive"),
+    # found piloting independent programs: these two reached Popen and ended as an internal error (exit 3)
+    ({"command": "trainme-nowhere --fast"}, "program.command", "nor a command on PATH"),
+    ({"command": "./train.py --x 1"}, "program.command", "not an executable file"),  # exists, not executable
+    ({"command": "torchrun --nproc-per-node 2 gone.py"}, "program.command", "gone.py not found"),
 ])
 def test_bad_program_specs_name_the_field(tmp_path, program, field, words):
     path = _program(tmp_path)
@@ -240,3 +244,70 @@ def test_a_program_past_its_timeout_is_killed_with_its_whole_tree(tmp_path):
     assert outcome.timed_out and not outcome.ended_cleanly and child in outcome.killed_pids
     assert "program.timeout" in outcome.how_it_ended()
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_passing_resume_row_names_only_the_fields_the_program_reported(tmp_path):
+    # Found piloting a loop that reports no ids and no grad_norm: the warn row said "equal ... (ids, loss, lr,
+    # grad_norm, extra)" and then "the data order was not compared".
+    def bare(role, updates, **kw):
+        out = _outcome(role, updates, **kw)
+        for e in out.events[0]:
+            e.update(ids=None, grad_norm=None, extra={"micro_batches": 1.0} if e["kind"] == "update" else None)
+        return out
+    runs = {Role.CONTROL: bare(Role.CONTROL, [1, 2, 3, 4]), Role.RESUMED: bare(Role.RESUMED, [3, 4]),
+            Role.INTERRUPTED: bare(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9, tmp=tmp_path)}
+    (row,) = resume_rows(runs, 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.WARN and row.details["compared_fields"] == ["loss", "lr", "extra.micro_batches"]
+    assert "(loss, lr, extra.micro_batches)" in row.reason and "grad_norm" not in row.reason.split(";")[0]
+    assert "reports no ids" in row.reason
+    full = {role: _outcome(role, run_updates, killed=role == Role.INTERRUPTED, saved=2 if role == Role.INTERRUPTED
+                           else None, tmp=tmp_path) for role, run_updates in
+            ((Role.CONTROL, [1, 2, 3, 4]), (Role.INTERRUPTED, [1, 2]), (Role.RESUMED, [3, 4]))}
+    (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.PASS and "(ids, loss, lr, grad_norm)" in row.reason
+
+
+@pytest.mark.slow
+def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path):
+    # Found piloting a program that ignores should_stop: the control run timed out, then the interrupted and the
+    # resumed runs were started anyway and the resumed one timed out too (3 x program.timeout for one known failure).
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "train.py").write_text("import sys, pilotrun\njob = pilotrun.program()\n"
+                                     "print('no config given', file=sys.stderr)\nsys.exit(1)\n")
+    spec = load_spec(write_spec(folder / "pilot.yaml", {"name": "crash", "program": {"command": "python train.py"}}),
+                     allow_program=True)
+    result = run_program_pilot(spec, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                                    gates=["resume"], container_digest=TEST_DIGEST))
+    row = next(r for r in result.rows if r["gate"] == "resume")
+    assert row["verdict"] == Verdict.FAIL and "exited with 1" in row["reason"] and "no config given" in row["reason"]
+    assert "were not started" in row["reason"] and result.exit_code == 1
+    assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
+
+
+def test_an_interrupted_run_whose_processes_outlive_sigkill_fails_resume_without_a_resumed_run(tmp_path):
+    # kill_tree now waits for the killed descendants (SIGKILL lands asynchronously; the timeout test saw the child
+    # still 'running' right after the kill); any still alive then are named and nothing is started beside them.
+    interrupted = _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9, tmp=tmp_path)
+    interrupted.survivors = [4242]
+    (row,) = resume_rows({Role.CONTROL: _outcome(Role.CONTROL, [1, 2, 3, 4]), Role.INTERRUPTED: interrupted}, 2, 2,
+                         True, 0.0, "bitwise")
+    assert row.verdict == Verdict.FAIL and row.failure == Failure.ERROR
+    assert "[4242] were still alive" in row.reason and "resumed run was not started" in row.reason
+
+
+def test_a_failed_torchrun_rank_is_quoted_from_what_the_rank_printed_not_torchruns_summary():
+    from pilotrun.program.runner import failure_lines
+
+    # shortened from a real 2-rank gloo run whose rank 1 aborted at exit
+    log = ("*****************************************\nSetting OMP_NUM_THREADS environment variable for each process"
+           "\n*****************************************\nterminate called without an active exception\n"
+           "W1201 07:24:31.204000 22742 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22747 "
+           "closing signal SIGTERM\nE1201 07:24:31.240000 22742 torch/distributed/elastic/multiprocessing/api.py:1002]"
+           " failed (exitcode: -6) local_rank: 1 (pid: 22748) of binary: /usr/bin/python\nTraceback (most recent "
+           "call last):\n  File \"run.py\", line 1032\ntorch.distributed.elastic.multiprocessing.errors."
+           "ChildFailedError: \n=====\n  traceback : Signal 6 (SIGABRT) received by PID 22748\n=====\n")
+    said = failure_lines(log)
+    assert "terminate called without an active exception" in said and "failed (exitcode: -6) local_rank: 1" in said
+    assert "*****" not in said and "SIGTERM" not in said
+    assert failure_lines("step 1\nTraceback:\nKeyError: 'scheduler'\n") == "step 1 | Traceback: | KeyError: 'scheduler'"

@@ -14,7 +14,9 @@ Example::
 from __future__ import annotations
 
 import glob
+import os
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -81,9 +83,29 @@ def program_file_problems(spec: ProgramSpec, folder: Path) -> list[tuple[str, st
             problems.append((f"program.files[{i}]", f"{pattern!r} matches no file in {folder} (patterns are relative "
                              "to the spec's folder)"))
     words = spec.words
-    if words and words[0] in PYTHON_WORDS:
-        script = next((w for w in words[1:] if not w.startswith("-")), None)
-        if words[1:2] != ["-m"] and script is not None and script.endswith(".py") and not (folder / script).is_file():
+    if not words:
+        return problems
+    if words[0] in PYTHON_WORDS or words[0] == TORCHRUN_WORD:
+        # python's script is its first plain word; torchrun's options take values, so its first word ending in .py
+        if words[0] == TORCHRUN_WORD:
+            script = next((w for w in words[1:] if w.endswith(".py") and not w.startswith("-")), None)
+        else:
+            script = next((w for w in words[1:] if not w.startswith("-")), None)
+        if "-m" not in words[1:3] and script is not None and script.endswith(".py") and not (folder / script).is_file():
             problems.append(("program.command", f"{script} not found in {folder} (the command runs from the spec's "
                              "folder)"))
+    elif not _executable(words[0], folder):
+        # Found piloting `command: trainme --fast`: Popen's FileNotFoundError surfaced as an internal error (exit 3).
+        problems.append(("program.command", f"{words[0]!r} is not an executable file in {folder} nor a command on "
+                         "PATH; start the command with python or torchrun (they run with pilotrun's interpreter), or "
+                         "give the program's path relative to the spec's folder"))
     return problems
+
+
+def _executable(word: str, folder: Path) -> bool:
+    """Whether the command's first word runs: a path (relative to the spec's folder) to an executable file, or a
+    name found on PATH (how Popen resolves it)."""
+    if os.sep in word:
+        path = folder / word
+        return path.is_file() and os.access(path, os.X_OK)
+    return shutil.which(word) is not None

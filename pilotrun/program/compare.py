@@ -6,8 +6,9 @@ For one rank, updates ``start..end`` of the control run and of the other run are
 update — ids, loss, lr, grad_norm, then each extra field — and the first update that differs names its first
 differing field, so a consequence is never reported before its cause: a loss moves when the ids do; the loss of
 the first resumed update is computed from the restored model alone (the lr reported for it acts only on the
-next one), so a loss difference there is the model/optimizer state, and an lr difference with equal losses is the
-scheduler.
+next one), so a loss difference there is the model state (or the dropout RNG), an lr difference with equal losses is
+the scheduler, and a loss that differs only from the second resumed update on is the optimizer's state (the first
+resumed optimizer.step() used it).
 
 Example::
 
@@ -31,6 +32,7 @@ class Cause(TextEnum):
     SCHEDULER_NOT_RESTORED = "scheduler-not-restored"    # lr: scheduler state not saved or not loaded
     STATE_SAVED_AT_WRONG_POINT = "state-saved-at-wrong-point"  # loss with the same ids: model/optimizer state
     GRADIENT_STATE = "gradient-state"                    # grad_norm alone: e.g. gradients not zeroed / scaler state
+    OPTIMIZER_STATE_NOT_RESTORED = "optimizer-state-not-restored"  # loss/grad_norm only after an equal first update
     EXTRA_FIELD = "extra-field"                          # a field the program added
     NOT_REPRODUCIBLE = "not-reproducible"                # two fresh runs differ before any resume (unseeded)
     MISSING_UPDATES = "missing-updates"                  # updates the comparison needs were not reported
@@ -42,11 +44,17 @@ CAUSE_TEXT = {
                                    "per epoch) and the position in the epoch",
     Cause.SCHEDULER_NOT_RESTORED: "the learning-rate scheduler was not saved or not restored "
                                   "(scheduler.state_dict() in the checkpoint, load_state_dict() on resume)",
-    Cause.STATE_SAVED_AT_WRONG_POINT: "same examples, different loss: the model/optimizer state in the checkpoint "
-                                      "is not the state after the update it names (saved before optimizer.step(), "
-                                      "or not all of it restored)",
+    Cause.STATE_SAVED_AT_WRONG_POINT: "same examples, different loss: the model state in the checkpoint is not the "
+                                      "state after the update it names (saved before optimizer.step(), or not all "
+                                      "of it restored), or the RNG that dropout/augmentation draws from was not "
+                                      "saved and restored (torch.get_rng_state()/set_rng_state(), set after "
+                                      "anything on resume that draws from it, such as iter(DataLoader))",
     Cause.GRADIENT_STATE: "same loss, different gradient norm: gradients not zeroed before the first resumed update, "
                           "or a grad scaler's state not restored",
+    Cause.OPTIMIZER_STATE_NOT_RESTORED: "the first resumed update matched and a later one differs: the optimizer "
+                                        "state (optimizer.state_dict(): Adam moments, step counts) or a grad "
+                                        "scaler's was not saved or not restored, so the first resumed "
+                                        "optimizer.step() moved the weights differently",
     Cause.EXTRA_FIELD: "a value the program reported with job.update(**extra) differs",
     Cause.NOT_REPRODUCIBLE: "two fresh runs differ before any resume: the program is not seeded (torch.manual_seed, "
                             "the sampler's generator, dropout), so a resume cannot be compared",
@@ -136,7 +144,12 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
                 continue  # the program did not report ids: nothing to compare (the row says so)
             ok, rel = values_equal(va, vb, exact, rtol)
             if not ok:
-                out.difference = Difference(n, name, va, vb, FIELD_CAUSE[name], other_name)
+                cause = FIELD_CAUSE[name]
+                if name in ("loss", "grad_norm") and out.compared:
+                    # Every field of the first resumed update matched, so the restored weights, data and lr were
+                    # right; what moved the weights differently since is the optimizer's own state.
+                    cause = Cause.OPTIMIZER_STATE_NOT_RESTORED
+                out.difference = Difference(n, name, va, vb, cause, other_name)
                 return out
             if math.isfinite(rel):
                 out.largest_rel = max(out.largest_rel, rel)
@@ -154,7 +167,10 @@ def reproducibility(control: list[dict], interrupted: list[dict], until: int, ex
                     rtol: float) -> Comparison:
     """Updates 1..until of two fresh runs (control and the interrupted run before its save) must agree; a
     difference there is the program's non-determinism, whatever the field, not a resume defect."""
-    diff = compare_updates(control, interrupted, 1, until, exact, rtol, other_name="interrupted",
+    # A loop numbering its updates from 0 is consistent with itself (saved(N) then N+1 resumed); its update 0 is
+    # compared too, not skipped.
+    first = min([1, *(int(r["update"]) for r in control)])
+    diff = compare_updates(control, interrupted, first, until, exact, rtol, other_name="interrupted",
                            step_restored_check=False)
     if diff.difference is not None and diff.difference.cause != Cause.MISSING_UPDATES:
         diff.difference.cause = Cause.NOT_REPRODUCIBLE

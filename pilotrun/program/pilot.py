@@ -157,12 +157,18 @@ def _pilot(spec: Spec, options: ProgramOptions, names: list[str], sink: _Rows, o
         if name == "resume":
             assert recording is not None
             observer.on_gate_start("resume")
+            exact, mode = compare_mode(spec)
+            if not recording.ended_cleanly or not any(recording.updates(r) for r in recording.ranks):
+                # The row names the control run's failure; two more runs would each cost up to program.timeout
+                # (found piloting a program that ignores should_stop: control, interrupted and resumed all timed out).
+                for row in resume_rows(runs, before, after, exact, spec.pilot.resume.rtol, mode):
+                    sink.add(row)
+                continue
             runs[Role.INTERRUPTED] = run_program(
                 spec.program, spec.folder, RunPlan(Role.INTERRUPTED, save_at=(before,), stop_at=before + after,
                                                    kill_after_save=before), out_dir, run_id, ledger_path, progress)
             saved = runs[Role.INTERRUPTED].of(Event.SAVED, 0)
-            exact, mode = compare_mode(spec)
-            if runs[Role.INTERRUPTED].killed and saved and fresh_runs_agree(
+            if runs[Role.INTERRUPTED].killed and not runs[Role.INTERRUPTED].survivors and saved and fresh_runs_agree(
                     recording, runs[Role.INTERRUPTED], before, exact, spec.pilot.resume.rtol):
                 runs[Role.RESUMED] = run_program(
                     spec.program, spec.folder, RunPlan(Role.RESUMED, stop_at=before + after,
@@ -216,8 +222,9 @@ def _stage_rows(name: str, run: RunOutcome, enable: str) -> list[GateRow]:
     reporting it) where there is none."""
     if not any(e["row"].get("gate") == name for e in run.of(Event.STAGE)):
         if not run.ended_cleanly:
-            return [GateRow.now(name, Verdict.FAIL, f"the {run.role} run {run.how_it_ended()} before reporting a "
-                                f"{name} stage (log: {run.log})", failure=Failure.ERROR, details={"log": str(run.log)})]
+            return [GateRow.now(name, Verdict.FAIL, f"the {run.role} run {run.how_it_ended()} before reporting "
+                                f"the {name!r} stage (log: {run.log})", failure=Failure.ERROR,
+                                details={"log": str(run.log)})]
         return [GateRow.now(name, Verdict.SKIP, f"not measured: the program reported no {name!r} stage; {enable}",
                             details={"on_program": "stage"})]
     out = []

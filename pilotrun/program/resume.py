@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..ledger.records import Failure, GateRow, Verdict
-from .compare import CAUSE_TEXT, Comparison, compare_updates, reproducibility
+from .compare import CAUSE_TEXT, FIELDS, Comparison, compare_updates, reproducibility
 from .env import Event, Role
 from .runner import RunOutcome
 
@@ -39,11 +39,13 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
         return [_fail(f"the {role} run reported an invalid value at {where} on rank {first.get('rank', 0)}: "
                       f"{first['problem']}{more}", details,
                       Failure.NON_FINITE if any(e.get("non_finite") for _, e in problems) else Failure.CHECK)]
+    skipped = "; the interrupted and resumed runs were not started" if interrupted is None else ""
     if not control.ended_cleanly:
-        return [_fail(f"the control run {control.how_it_ended()} (log: {control.log})", details, Failure.ERROR)]
+        return [_fail(f"the control run {control.how_it_ended()} (log: {control.log}){skipped}", details,
+                      Failure.ERROR)]
     if not any(control.updates(r) for r in control.ranks):
-        return [_fail("the control run reported no updates: call job.update(update, loss=..., lr=...) after each "
-                      "optimizer.step()", details)]
+        return [_fail(f"the control run reported no updates{skipped}: call job.update(update, loss=..., lr=...) "
+                      "after each optimizer.step()", details)]
     assert interrupted is not None
     if not interrupted.killed:
         saved = [e["update"] for e in interrupted.of(Event.SAVED)]
@@ -51,21 +53,31 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
         return [_fail(f"the interrupted run {interrupted.how_it_ended()} and {said}; pilotrun asks for a save after "
                       f"update {before} (job.should_save({before}) is True there): save then call "
                       f"job.saved({before}, path) on rank 0", details, Failure.ERROR)]
+    if interrupted.survivors:
+        return [_fail(f"the interrupted run {interrupted.how_it_ended()}; the resumed run was not started beside "
+                      "them", details, Failure.ERROR)]
     checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
     details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
     rows = []
     for rank in [r for r in control.ranks if control.updates(r)]:
         repro = reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
         if not repro.equal:  # nothing after a resume can be compared (the resumed run is not started)
-            rows.append(_row(rank, repro, False, before, end, checkpoint, mode, dict(details), True))
+            rows.append(_row(rank, repro, False, before, end, checkpoint, mode, dict(details)))
         elif resumed is None or not resumed.ended_cleanly:
             how = resumed.how_it_ended() if resumed is not None else "was not started"
             rows.append(_fail(f"the resumed run (from {checkpoint}) {how}", dict(details), Failure.ERROR, rank))
         else:
             diff = compare_updates(control.updates(rank), resumed.updates(rank), before + 1, end, exact, rtol)
             rows.append(_row(rank, diff, True, before, end, checkpoint, mode, dict(details),
-                             ids_reported=any(u.get("ids") is not None for u in control.updates(rank))))
+                             reported=reported_fields(control.updates(rank))))
     return rows
+
+
+def reported_fields(updates: list[dict]) -> list[str]:
+    """The fields the program reported a value for (the row names only what was really compared)."""
+    out = [name for name in FIELDS if any(u.get(name) is not None for u in updates)]
+    extra = sorted({key for u in updates for key in (u.get("extra") or {})})
+    return out + [f"extra.{key}" for key in extra]
 
 
 def fresh_runs_agree(control: RunOutcome, interrupted: RunOutcome, before: int, exact: bool, rtol: float) -> bool:
@@ -75,7 +87,7 @@ def fresh_runs_agree(control: RunOutcome, interrupted: RunOutcome, before: int, 
 
 
 def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int, checkpoint: str, mode: str,
-         details: dict, ids_reported: bool) -> GateRow:
+         details: dict, reported: list[str] | None = None) -> GateRow:
     details["compared_updates"] = diff.compared
     if diff.difference is not None:
         d = diff.difference
@@ -87,10 +99,12 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
     span = f"updates {before + 1}–{end}" if end > before + 1 else f"update {end}"
     how = "bitwise" if mode.startswith("bitwise") else mode.partition(":")[0]
     killed = len(details.get("killed_pids") or [])
-    reason = (f"{span} equal the control's {how} (ids, loss, lr, grad_norm, extra) after SIGKILL of the interrupted "
-              f"run ({killed} process(es)) at update {before} and a resume from {Path(checkpoint).name}")
+    fields = list(FIELDS) if reported is None else reported
+    details["compared_fields"] = fields
+    reason = (f"{span} equal the control's {how} ({', '.join(fields) or 'no field reported'}) after SIGKILL of the "
+              f"interrupted run ({killed} process(es)) at update {before} and a resume from {Path(checkpoint).name}")
     row = GateRow.now(GATE, Verdict.PASS, reason, details=details, rank=rank)
-    if not ids_reported:
+    if "ids" not in fields:
         row.verdict = Verdict.WARN
         row.reason = (f"{reason}; the data order was not compared: the program reports no ids (pass "
                       "ids=[...] of the update's examples to job.update)")

@@ -25,6 +25,8 @@ from . import env as E
 from .env import Event, Role
 
 POLL_S = 0.02
+# Seconds to wait for SIGKILLed descendants to disappear (a process in uninterruptible sleep can take a while).
+KILL_WAIT_S = 10.0
 # Variables of an enclosing torchrun that must not leak into the program's own launch.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                "ROLE_RANK", "TORCHELASTIC_RUN_ID")
@@ -65,6 +67,7 @@ class RunOutcome:
     events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> its events in order
     killed: bool = False        # SIGKILLed by pilotrun after its save (the interrupted run)
     killed_pids: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)  # pids still alive KILL_WAIT_S after SIGKILL
     timed_out: bool = False
 
     def of(self, kind: Event, rank: int | None = None) -> list[dict]:
@@ -83,6 +86,9 @@ class RunOutcome:
         return self.returncode == 0 and not self.timed_out
 
     def how_it_ended(self) -> str:
+        if self.survivors:
+            return (f"was killed with SIGKILL but processes {self.survivors} were still alive {KILL_WAIT_S:g} s later "
+                    "(stuck in the kernel: check them with ps before piloting again)")
         if self.timed_out:
             return ("ran past program.timeout and was killed (does it end when job.should_stop(update) is True, and "
                     "save when job.should_save(update) is?)")
@@ -92,10 +98,29 @@ class RunOutcome:
 
     def log_tail(self, lines: int = 3) -> str:
         try:
-            text = self.log.read_text(errors="replace").strip().splitlines()
+            text = self.log.read_text(errors="replace")
         except OSError:
             return "(no log)"
-        return " | ".join(text[-lines:])[-400:] or "(empty log)"
+        return failure_lines(text, lines)
+
+
+# torchrun's own report of a failed rank: the lines after it are its traceback and a summary, not the rank's error.
+TORCHRUN_FAILED = "torch/distributed/elastic/multiprocessing/api.py"
+
+
+def failure_lines(text: str, lines: int = 3) -> str:
+    """The lines of a program's log that say why it failed: its last lines; under torchrun, what the ranks printed
+    last before torchrun reported the failure, and torchrun's line naming the failed rank and exit code."""
+    all_lines = [line for line in text.strip().splitlines() if line.strip().strip("*")]  # not torchrun's banner
+    first = next((i for i, line in enumerate(all_lines) if TORCHRUN_FAILED in line), None)
+    if first is None:
+        return " | ".join(all_lines[-lines:])[-400:] or "(empty log)"
+    # Found piloting a 2-rank loop whose rank 1 aborted: the row quoted torchrun's summary ("error_file: <N/A> |
+    # traceback : Signal 6 ...") instead of the rank's "terminate called without an active exception".
+    failed = next((line for line in all_lines[first:] if "failed (exitcode" in line), "")
+    rank_said = all_lines[max(0, first - (lines - 1)):first]
+    shown = [*rank_said, failed.split("] ", 1)[-1]] if failed else rank_said
+    return " | ".join(shown)[-400:] or "(empty log)"
 
 
 @dataclass
@@ -109,13 +134,14 @@ class RunPlan:
     kill_after_save: int | None = None  # SIGKILL the tree once rank 0 reports saved(this update)
 
 
-def kill_tree(pid: int) -> list[int]:
-    """SIGKILL ``pid``, every descendant and every process group among them (never our own); the pids killed."""
+def kill_tree(pid: int) -> tuple[list[int], list[int]]:
+    """SIGKILL ``pid``, every descendant and every process group among them (never our own); the pids killed and
+    those still alive ``KILL_WAIT_S`` later (stuck in the kernel; the run's row names them)."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return []
+        return [], []
     ours = os.getpgrp()
     groups = set()
     for p in procs:
@@ -135,7 +161,11 @@ def kill_tree(pid: int) -> list[int]:
             killed.append(p.pid)
         except psutil.NoSuchProcess:
             killed.append(p.pid)  # already gone with its group
-    return killed
+    # SIGKILL is delivered asynchronously: wait until the descendants are gone, so that the next run (the resumed
+    # one) never starts beside a rank of the killed one. The root is our child: Popen.wait() reaps it (reaping it
+    # here would lose its return code).
+    _, alive = psutil.wait_procs(procs[1:], timeout=KILL_WAIT_S)
+    return killed, [p.pid for p in alive]
 
 
 def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path, run_id: str, ledger_path: Path,
@@ -167,18 +197,18 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
             while proc.poll() is None:
                 if time.monotonic() - started > program.timeout:
                     outcome.timed_out = True
-                    outcome.killed_pids = kill_tree(proc.pid)
+                    outcome.killed_pids, outcome.survivors = kill_tree(proc.pid)
                     break
                 if plan.kill_after_save is not None and any(
                         e.get("kind") == Event.SAVED and e.get("update") == plan.kill_after_save
                         for e in read_events(rank0)):
-                    outcome.killed_pids = kill_tree(proc.pid)
+                    outcome.killed_pids, outcome.survivors = kill_tree(proc.pid)
                     outcome.killed = True
                     break
                 time.sleep(POLL_S)
         finally:
             if proc.poll() is None and not outcome.killed_pids:  # an exception or Ctrl-C here: leave nothing behind
-                outcome.killed_pids = kill_tree(proc.pid)
+                outcome.killed_pids, outcome.survivors = kill_tree(proc.pid)
             outcome.returncode = proc.wait()
     outcome.seconds = time.monotonic() - started
     for path in sorted(events_dir.glob(f"{plan.role}-rank*.jsonl")):
