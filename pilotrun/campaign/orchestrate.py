@@ -34,8 +34,8 @@ from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
-from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .devices import assign_devices, worker_device_env
+from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .procs import process_mark
 from .resources import PerRun, pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
