@@ -20,7 +20,7 @@ import contextlib
 import copy
 import math
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,32 +71,6 @@ def runs_probes(job) -> bool:
         return Role(role_name(job)).records
     except ValueError:
         return False
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Every RNG the program may draw from, put back after the probes: the control run then draws exactly what the
-    interrupted and resumed runs (which run no probe) draw, so the resume comparison is not disturbed."""
-    import random
-
-    state_py = random.getstate()
-    state_torch = torch.get_rng_state()
-    state_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        import numpy as np
-
-        state_np: Any = np.random.get_state()
-    except ImportError:
-        np, state_np = None, None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        random.setstate(state_py)
-        torch.set_rng_state(state_torch)
-        if state_cuda is not None:
-            torch.cuda.set_rng_state_all(state_cuda)
-        if np is not None:
-            np.random.set_state(state_np)
 
 
 def record(job, result: GateResult) -> GateResult:

@@ -39,6 +39,7 @@ import torch
 
 from ..checkpoint.io import AtomicFolder
 from ..ledger.records import Verdict
+from ..train.loss import rng_untouched
 from . import common as C
 from .common import GateResult
 
@@ -96,7 +97,7 @@ class PilotrunCallback(pl.Callback):
         self.spans = C.StageSpans(self.job)
         self.last_step = trainer.global_step
         if self.probes and C.runs_probes(self.job):
-            with C.preserved_rng():
+            with rng_untouched():  # the control run then draws what the runs without probes draw
                 self.probe_results = run_probes(self.job, trainer, pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

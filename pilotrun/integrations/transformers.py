@@ -42,6 +42,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint.io import AtomicFolder
 from ..ledger.records import Verdict
+from ..train.loss import rng_untouched
 from . import common as C
 from .common import GateResult
 
@@ -110,7 +111,7 @@ class PilotrunCallback(TrainerCallback):
         if dataloader is not None:
             self._carry_ids(dataloader, trainer)
         if self.probes and C.runs_probes(self.job):
-            with C.preserved_rng():
+            with rng_untouched():  # the control run then draws what the runs without probes draw
                 self.probe_results = run_probes(self.job, trainer, self.collate)
 
     def on_step_begin(self, args, state, control, **kwargs):

@@ -114,7 +114,7 @@ def is_hf_causal_lm(model) -> bool:
 
 
 @contextlib.contextmanager
-def _rng_untouched():
+def rng_untouched():
     """Every generator as it was before: a probe must leave no trace in the random streams."""
     py, cpu = random.getstate(), torch.get_rng_state()
     np_state = None
@@ -150,7 +150,7 @@ def probe_loss_policy(model, batch: dict, device: torch.device, precision: str, 
     was_training = model.training
     model.eval()
     try:
-        with _rng_untouched(), torch.no_grad(), autocast_for(device, precision):
+        with rng_untouched(), torch.no_grad(), autocast_for(device, precision):
             b = to_device(batch, device)
             one = loss_of(model(**b, num_items_in_batch=torch.tensor(n, device=device)))
             two = loss_of(model(**b, num_items_in_batch=torch.tensor(2 * n, device=device)))
