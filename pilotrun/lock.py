@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import site
 import subprocess
 import sys
 from collections.abc import Callable
@@ -116,9 +117,18 @@ def _versions() -> dict:
     return out
 
 
+def _installed_paths() -> list[str]:
+    # What is installed, not what this process has imported: some packages put their vendored copies on sys.path
+    # when imported (ray adds ray/thirdparty_files, whose colorama made a campaign resumed from a fresh process
+    # refuse every run as drifted). A sys.path entry inside a site directory is such a copy, so it is left out.
+    sites = [os.path.realpath(s) for s in (*site.getsitepackages(), site.getusersitepackages())]
+    inside = [s + os.sep for s in sites]
+    return [p for p in sys.path if not any(os.path.realpath(p or ".").startswith(i) for i in inside)]
+
+
 def _distributions() -> dict:
     out = {}
-    for dist in importlib.metadata.distributions():
+    for dist in importlib.metadata.distributions(path=_installed_paths()):
         name = dist.metadata["Name"]
         if name:
             out[re.sub(r"[-_.]+", "-", name).lower()] = dist.version

@@ -1,6 +1,8 @@
 """The lock: what a run depends on, and drift reported field by field."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pilotrun import lock as lock_mod
@@ -153,3 +155,19 @@ def test_the_gate_says_config_changes_and_warns_on_environment_drift(tmp_path, m
     assert row["verdict"] == "warn" and "the environment drifted from" in row["reason"], row["reason"]
     assert "data.sha256" in row["reason"] and "config changed" not in row["reason"]
     assert {d["kind"] for d in row["details"]["drift"]} == {"environment"}
+
+
+def test_the_installed_distributions_do_not_depend_on_what_the_process_imported():
+    # Ray puts its vendored packages (ray/thirdparty_files) on sys.path when imported; a lock taken after that
+    # once listed their colorama, so a campaign resumed from a fresh process refused every run as drifted.
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    code = ("import json, sys; {imp}; from pilotrun.lock import _distributions; "
+            "print(json.dumps([_distributions(), [p for p in sys.path if 'thirdparty' in p]]))")
+    plain, with_ray = (json.loads(subprocess.run([sys.executable, "-c", code.format(imp=imp)], capture_output=True,
+                                                 text=True, check=True).stdout)
+                       for imp in ("pass", "import ray"))
+    assert with_ray[1], "ray no longer puts its vendored folder on sys.path; this test checks nothing now"
+    assert plain[0] == with_ray[0]
