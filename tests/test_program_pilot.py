@@ -172,6 +172,48 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
     assert "never called job.saved" in row.reason and "job.saved(2, path)" in row.reason
 
 
+def _two_ranks(role, updates, differ=None, killed=False, saved=None, tmp=Path("/nonexistent")):
+    """A 2-rank run; ``differ``: {rank: (update, field)} whose value moves from that update on."""
+    events = {}
+    for rank in (0, 1):
+        moved = (differ or {}).get(rank)
+        events[rank] = [{"kind": "update", "rank": rank, "update": u, "ids": [2 * u + rank], "lr": 0.1, "extra": {},
+                         "loss": 1.0 / u + (1e-3 if moved and moved[1] == "loss" and u >= moved[0] else 0.0),
+                         "grad_norm": 1.0 + (1e-3 if moved and moved[1] == "grad_norm" and u >= moved[0] else 0.0)}
+                        for u in updates]
+    if saved:
+        events[0].append({"kind": "saved", "update": saved, "path": str(tmp / "ck.pt")})
+    return RunOutcome(role, -9 if killed else 0, 0.1, tmp / f"{role}.log", events=events, killed=killed,
+                      killed_pids=[1] if killed else [])
+
+
+def test_a_rank_whose_grad_norm_follows_another_ranks_loss_is_pointed_at_that_rank(tmp_path):
+    # Found piloting a DDP loop that restored rank 0's RNG on both ranks: rank 1's dropout, so its loss, differed at
+    # the first resumed update; rank 0's loss matched but its grad_norm (all-reduced gradients) moved, and its row
+    # blamed rank 0's own gradients ("not zeroed, or a grad scaler's state"), sending the fix to the wrong rank.
+    control = _two_ranks(Role.CONTROL, [1, 2, 3, 4])
+    interrupted = _two_ranks(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)
+    resumed = _two_ranks(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm"), 1: (3, "loss")})
+    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                                            Role.RESUMED: resumed}, 2, 2, True, 0.0, "bitwise")}
+    assert rows[1].details["difference"]["cause"] == Cause.STATE_SAVED_AT_WRONG_POINT
+    diff = rows[0].details["difference"]
+    assert (diff["field"], diff["cause"]) == ("grad_norm", Cause.OTHER_RANK), rows[0].reason
+    assert "rank 1 differs first: loss at update 3" in rows[0].reason and "scaler" not in rows[0].reason
+    # the same in two fresh runs (rank 1 seeded from its pid): rank 0's row stays "not reproducible" but names rank 1
+    unseeded = _two_ranks(Role.INTERRUPTED, [1, 2], differ={0: (1, "grad_norm"), 1: (1, "loss")}, killed=True,
+                          saved=2, tmp=tmp_path)
+    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: unseeded}, 2, 2, True, 0.0,
+                                           "bitwise")}
+    assert rows[0].details["difference"]["cause"] == Cause.NOT_REPRODUCIBLE
+    assert "rank 1 differs first: loss at update 1" in rows[0].reason
+    # a grad_norm difference with no other rank behind it keeps its own cause
+    alone = _two_ranks(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm")})
+    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                                            Role.RESUMED: alone}, 2, 2, True, 0.0, "bitwise")}
+    assert rows[0].details["difference"]["cause"] == Cause.GRADIENT_STATE and rows[1].verdict == Verdict.PASS
+
+
 @pytest.mark.slow
 def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_run(tmp_path):
     folder = tmp_path / "own-loop"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..ledger.records import Failure, GateRow, Verdict
-from .compare import CAUSE_TEXT, FIELDS, Comparison, compare_updates, reproducibility
+from .compare import CAUSE_TEXT, FIELDS, Comparison, attribute_across_ranks, compare_updates, reproducibility
 from .env import Event, Role
 from .runner import RunOutcome
 
@@ -58,17 +58,25 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
                       "them", details, Failure.ERROR)]
     checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
     details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
+    ranks = [r for r in control.ranks if control.updates(r)]
+    fresh = {rank: reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
+             for rank in ranks}
+    after_resume: dict[int, Comparison] = {}
+    if resumed is not None and resumed.ended_cleanly:
+        after_resume = {rank: compare_updates(control.updates(rank), resumed.updates(rank), before + 1, end, exact,
+                                              rtol) for rank in ranks if fresh[rank].equal}
+    # Within one comparison, a rank's grad_norm difference may follow another rank's (gradients are all-reduced).
+    for comparisons in ({r: c for r, c in fresh.items() if not c.equal}, after_resume):
+        attribute_across_ranks({r: c.difference for r, c in comparisons.items() if c.difference is not None})
     rows = []
-    for rank in [r for r in control.ranks if control.updates(r)]:
-        repro = reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
-        if not repro.equal:  # nothing after a resume can be compared (the resumed run is not started)
-            rows.append(_row(rank, repro, False, before, end, checkpoint, mode, dict(details)))
-        elif resumed is None or not resumed.ended_cleanly:
+    for rank in ranks:
+        if not fresh[rank].equal:  # nothing after a resume can be compared (the resumed run is not started)
+            rows.append(_row(rank, fresh[rank], False, before, end, checkpoint, mode, dict(details)))
+        elif rank not in after_resume:
             how = resumed.how_it_ended() if resumed is not None else "was not started"
             rows.append(_fail(f"the resumed run (from {checkpoint}) {how}", dict(details), Failure.ERROR, rank))
         else:
-            diff = compare_updates(control.updates(rank), resumed.updates(rank), before + 1, end, exact, rtol)
-            rows.append(_row(rank, diff, True, before, end, checkpoint, mode, dict(details),
+            rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, mode, dict(details),
                              reported=reported_fields(control.updates(rank))))
     return rows
 
@@ -92,7 +100,8 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
     if diff.difference is not None:
         d = diff.difference
         details["difference"] = {"update": d.update, "field": d.field, "control": d.control, "other": d.other,
-                                 "run": d.other_name, "cause": str(d.cause), "fix": CAUSE_TEXT[d.cause]}
+                                 "run": d.other_name, "cause": str(d.cause), "fix": CAUSE_TEXT[d.cause],
+                                 **({"origin": d.origin} if d.origin else {})}
         stage = "before the save (fresh runs)" if not reproducible else "after the resume"
         return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
     details["largest_relative_difference"] = diff.largest_rel
