@@ -60,6 +60,24 @@ def test_program_spec_needs_no_model_and_hashes_the_script(tmp_path):
     assert "program" not in load_spec(copy_fixture("toy", tmp_path / "c")).canonical()
 
 
+def test_a_module_run_with_dash_m_is_the_file_the_lock_hashes(tmp_path):
+    # Found piloting `command: [python, -m, mlp_train, ...]`: the lock passed with "0 file(s) hashed", so an edited
+    # training script would not show as drift.
+    from pilotrun.config.program import program_files
+
+    for i, command in enumerate((["python", "-m", "train", "--updates", "4"],
+                                 "torchrun --standalone --nproc_per_node=2 -m train")):
+        spec = load_spec(_program(tmp_path / str(i), command=command), allow_program=True)
+        files, why = program_files(spec.program, spec.folder)
+        assert [f.name for f in files] == ["train.py"] and "(train.py)" in why, (command, why)
+    spec_path = _program(tmp_path / "pkg", command="python -m trainer")
+    (spec_path.parent / "trainer").mkdir()
+    (spec_path.parent / "trainer" / "__main__.py").write_text("print('hi')\n")
+    spec = load_spec(spec_path, allow_program=True)
+    assert [f.relative_to(spec.folder).as_posix() for f in program_files(spec.program, spec.folder)[0]] == [
+        "trainer/__main__.py"]
+
+
 @pytest.mark.parametrize("program, field, words", [
     ({"command": "python missing.py"}, "program.command", "missing.py not found"),
     ({"command": ""}, "program.command", "give the program's command line"),
