@@ -327,6 +327,20 @@ def test_a_passing_resume_row_names_only_the_fields_the_program_reported(tmp_pat
     assert row.verdict == Verdict.PASS and "(ids, loss, lr, grad_norm)" in row.reason
 
 
+def test_one_resumed_update_compared_warns_that_the_optimizer_state_was_not_checked(tmp_path):
+    # Found piloting a loop that saved no AdamW state: with pilot.resume.after: 1 only the first resumed update was
+    # compared, whose loss and grad_norm precede any optimizer.step(), and the row passed.
+    def runs(after):
+        return {Role.CONTROL: _outcome(Role.CONTROL, range(1, 3 + after)), Role.RESUMED: _outcome(Role.RESUMED,
+                range(3, 3 + after)), Role.INTERRUPTED: _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2,
+                                                                 returncode=-9, tmp=tmp_path)}
+    (row,) = resume_rows(runs(1), 2, 1, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.WARN and "optimizer state was not checked" in row.reason
+    assert "pilot.resume.after: 2" in row.reason
+    (row,) = resume_rows(runs(2), 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.PASS and "optimizer" not in row.reason
+
+
 @pytest.mark.slow
 def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path):
     # Found piloting a program that ignores should_stop: the control run timed out, then the interrupted and the

@@ -117,4 +117,11 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
         row.verdict = Verdict.WARN
         row.reason = (f"{reason}; the data order was not compared: the program reports no ids (pass "
                       "ids=[...] of the update's examples to job.update)")
+    if len(diff.compared) < 2:
+        # The first resumed update's loss and grad_norm come from the restored weights before any optimizer.step();
+        # a lost optimizer state shows only from the second one (found piloting a loop that saved no AdamW state:
+        # it passed with pilot.resume.after: 1).
+        row.verdict = Verdict.WARN
+        row.reason = (f"{row.reason}; the optimizer state was not checked: with one resumed update compared, a lost "
+                      "optimizer (or grad scaler) state cannot show; set pilot.resume.after: 2 or more")
     return row
