@@ -232,6 +232,25 @@ def test_a_rank_whose_grad_norm_follows_another_ranks_loss_is_pointed_at_that_ra
     assert rows[0].details["difference"]["cause"] == Cause.GRADIENT_STATE and rows[1].verdict == Verdict.PASS
 
 
+def test_a_rank_reporting_no_updates_is_named_not_passed_over(tmp_path):
+    # Found piloting a DDP loop calling job.update on rank 0 only, whose rank 1 resumed with rank 0's RNG: the one
+    # row (rank 0's grad_norm) blamed rank 0's own gradients, and a clean run of that loop passed for "all" ranks.
+    def rank0_only(role, updates, **kw):
+        run = _two_ranks(role, updates, **kw)
+        run.events[1] = [{"kind": "start", "rank": 1, "world_size": 2}]
+        return run
+    control = rank0_only(Role.CONTROL, [1, 2, 3, 4])
+    interrupted = rank0_only(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4])}, 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.WARN and "rank(s) 1 reported no updates" in row.reason
+    assert row.details["ranks_without_updates"] == [1]
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm")})}, 2, 2, True,
+                         0.0, "bitwise")
+    assert row.verdict == Verdict.FAIL and "a difference on rank(s) 1" in row.reason and "every rank" in row.reason
+
+
 @pytest.mark.slow
 def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_run(tmp_path):
     folder = tmp_path / "own-loop"

@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,7 +183,7 @@ def reproducibility(control: list[dict], interrupted: list[dict], until: int, ex
     return diff
 
 
-def attribute_across_ranks(differences: Mapping[int, Difference]) -> None:
+def attribute_across_ranks(differences: Mapping[int, Difference], silent: Sequence[int] = ()) -> None:
     """Point a rank's gradient-norm difference at the rank whose own data or loss differs first.
 
     ``differences``: each rank's first difference in one comparison (the same two runs). The gradient norm is
@@ -192,6 +192,8 @@ def attribute_across_ranks(differences: Mapping[int, Difference]) -> None:
     before: naming this rank's own gradient state (or optimizer) there sent the fix to the wrong rank (found
     piloting a DDP loop that restored rank 0's RNG on every rank). The cause becomes :attr:`Cause.OTHER_RANK`
     (fresh runs keep :attr:`Cause.NOT_REPRODUCIBLE`: the program is still unseeded) and ``origin`` names the rank.
+    ``silent``: ranks that reported no updates (``job.update`` on rank 0 only); a grad_norm difference with no
+    other rank behind it may come from them, and its ``origin`` says so.
     """
     upstream = {rank: d for rank, d in differences.items() if d.field in ("ids", "loss") and d.update is not None}
     for rank, diff in differences.items():
@@ -199,6 +201,9 @@ def attribute_across_ranks(differences: Mapping[int, Difference]) -> None:
             continue
         sources = sorted((d.update, r) for r, d in upstream.items() if r != rank and d.update <= diff.update)
         if not sources:
+            if silent:
+                diff.origin = (f"or a difference on rank(s) {', '.join(map(str, silent))}, whose gradients are "
+                               "averaged with this rank's but which report no updates: call job.update on every rank")
             continue
         source = upstream[sources[0][1]]
         if diff.cause != Cause.NOT_REPRODUCIBLE:

@@ -59,6 +59,9 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
     checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
     details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
     ranks = [r for r in control.ranks if control.updates(r)]
+    # Ranks that started (their handle wrote its start event) but reported no update: a loop calling job.update on
+    # rank 0 only. Their resume cannot be compared; every row says so rather than passing for all ranks.
+    silent = [r for r in control.ranks if not control.updates(r)]
     fresh = {rank: reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
              for rank in ranks}
     after_resume: dict[int, Comparison] = {}
@@ -67,7 +70,7 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
                                               rtol) for rank in ranks if fresh[rank].equal}
     # Within one comparison, a rank's grad_norm difference may follow another rank's (gradients are all-reduced).
     for comparisons in ({r: c for r, c in fresh.items() if not c.equal}, after_resume):
-        attribute_across_ranks({r: c.difference for r, c in comparisons.items() if c.difference is not None})
+        attribute_across_ranks({r: c.difference for r, c in comparisons.items() if c.difference is not None}, silent)
     rows = []
     for rank in ranks:
         if not fresh[rank].equal:  # nothing after a resume can be compared (the resumed run is not started)
@@ -78,6 +81,13 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
         else:
             rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, mode, dict(details),
                              reported=reported_fields(control.updates(rank))))
+    for row in rows:
+        if silent and row.verdict == Verdict.PASS:
+            row.verdict = Verdict.WARN
+            row.reason = (f"{row.reason}; rank(s) {', '.join(map(str, silent))} reported no updates, so their resume "
+                          "was not compared: call job.update on every rank, each with its own ids")
+        if silent:
+            row.details = {**row.details, "ranks_without_updates": silent}
     return rows
 
 
