@@ -78,6 +78,16 @@ def test_a_module_run_with_dash_m_is_the_file_the_lock_hashes(tmp_path):
         "trainer/__main__.py"]
 
 
+def test_the_headline_of_a_program_pilot_shows_no_time_per_update_it_did_not_measure():
+    from pilotrun.ui.console import headline
+
+    rows = [{"gate": "steady_step", "verdict": "pass", "details": {"stages": 8}, "memory": {}},
+            {"gate": "resume", "verdict": "pass", "details": {}, "memory": {}}]
+    assert "/update" not in headline(rows, "pass").plain
+    rows[0]["details"]["seconds_per_update"] = 0.25
+    assert "250 ms/update" in headline(rows, "pass").plain
+
+
 @pytest.mark.parametrize("program, field, words", [
     ({"command": "python missing.py"}, "program.command", "missing.py not found"),
     ({"command": ""}, "program.command", "give the program's command line"),

@@ -97,8 +97,10 @@ def headline(rows: list[dict], status: str) -> Text:
         text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top['gate']}"
                     + (f" ({shape})" if shape else ""))
     steady = next((r for r in rows if r["gate"] == "steady_step" and r["verdict"] in ("pass", "warn")), None)
-    if steady:
-        text.append(f" · {human_seconds(steady['details'].get('seconds_per_update'))}/update")
+    # A program's steady_step row times the stages the program wrapped, not an update: it has no per-update time,
+    # and the headline said "n/a/update" (found piloting a plain loop).
+    if steady and steady["details"].get("seconds_per_update") is not None:
+        text.append(f" · {human_seconds(steady['details']['seconds_per_update'])}/update")
     return text
 
 
