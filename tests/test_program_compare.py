@@ -46,7 +46,8 @@ def test_bitwise_versus_tolerance():
 
 def test_step_counter_missing_updates_and_extra_fields():
     restarted = _run(2)  # the resumed run counted from 1 again
-    assert compare_updates(_run(4), restarted, 3, 4, exact=True).cause == Cause.STEP_NOT_RESTORED
+    diff = compare_updates(_run(4), restarted, 3, 4, exact=True)
+    assert diff.cause == Cause.STEP_NOT_RESTORED and "job.resume_from" in diff.difference.sentence()
     short = _run(3, start=3)
     d = compare_updates(_run(4), short, 3, 4, exact=True).difference
     assert (d.update, d.cause) == (4, Cause.MISSING_UPDATES) and "resumed" in d.field

@@ -191,6 +191,11 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: crashed}, 2, 2, True,
                          0.0, "bitwise")
     assert row.failure == Failure.ERROR and "exited with 1" in row.reason and "KeyError" in row.reason
+    assert "job.saved only once the write is complete" not in row.reason  # it got past the load: update 3
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                          Role.RESUMED: _outcome(Role.RESUMED, [], returncode=1, tmp=tmp_path)}, 2, 2, True, 0.0,
+                         "bitwise")
+    assert "before its first update" in row.reason and "job.saved only once the write is complete" in row.reason
     short = _outcome(Role.RESUMED, [3])
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: short}, 2, 2, True,
                          0.0, "bitwise")

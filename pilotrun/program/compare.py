@@ -61,8 +61,9 @@ CAUSE_TEXT = {
     Cause.NOT_REPRODUCIBLE: "two fresh runs differ before any resume: the program is not seeded (torch.manual_seed, "
                             "the sampler's generator, dropout), so a resume cannot be compared",
     Cause.MISSING_UPDATES: "the run did not report these updates (it stopped early, crashed, or skips job.update)",
-    Cause.STEP_NOT_RESTORED: "the resumed run numbered its updates from 1 again: restore the update counter from the "
-                             "checkpoint so the first resumed update is N+1",
+    Cause.STEP_NOT_RESTORED: "the resumed run did not continue after the checkpoint's update: it did not load "
+                             "job.resume_from (ignored, or not found and training started over) or did not restore "
+                             "the update counter from it; the first resumed update must be N+1",
     Cause.OTHER_RANK: "same examples and loss on this rank, different gradient norm: the gradients are averaged "
                       "across ranks (DDP/FSDP), so this follows another rank's difference, not this rank's state",
 }

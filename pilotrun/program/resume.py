@@ -77,7 +77,15 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
             rows.append(_row(rank, fresh[rank], False, before, end, checkpoint, mode, dict(details)))
         elif rank not in after_resume:
             how = resumed.how_it_ended() if resumed is not None else "was not started"
-            rows.append(_fail(f"the resumed run (from {checkpoint}) {how}", dict(details), Failure.ERROR, rank))
+            hint = ""
+            if resumed is not None and not resumed.timed_out and not any(resumed.updates(r) for r in resumed.ranks):
+                # Found piloting a loop that called job.saved before writing the file: the resumed run's
+                # FileNotFoundError was quoted without saying what it means for the program.
+                hint = ("; it failed before its first update, so it could not load the checkpoint the interrupted "
+                        "run reported: call job.saved only once the write is complete (the process is killed "
+                        "there), and load what the save wrote")
+            rows.append(_fail(f"the resumed run (from {checkpoint}) {how}{hint}", dict(details), Failure.ERROR,
+                              rank))
         else:
             rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, mode, dict(details),
                              reported=reported_fields(control.updates(rank))))
