@@ -90,3 +90,13 @@ def test_a_loop_numbering_updates_from_zero_has_its_update_zero_compared():
     d = reproducibility(zero_based(4), zero_based(2, bump=1e-3), 2, exact=True, rtol=0).difference
     assert (d.update, d.field, d.cause) == (0, "loss", Cause.NOT_REPRODUCIBLE)
     assert reproducibility(zero_based(4), zero_based(2), 2, exact=True, rtol=0).equal
+
+
+def test_a_loop_reporting_its_update_after_saving_it_is_told_the_order():
+    # The interrupted run is killed inside job.saved(2): a loop calling job.update(2) after job.saved(2) never reports
+    # update 2, and the row said "stopped early, crashed, or skips job.update".
+    d = reproducibility(_run(4), _run(1), 2, exact=True, rtol=0).difference
+    assert (d.update, d.cause) == (2, Cause.UPDATE_AFTER_SAVED)
+    assert "job.update(N, ...) before job.saved(N)" in d.sentence()
+    d = reproducibility(_run(4), _run(0), 2, exact=True, rtol=0).difference  # nothing reported at all: not that
+    assert d.cause == Cause.MISSING_UPDATES

@@ -38,6 +38,7 @@ class Cause(TextEnum):
     NOT_REPRODUCIBLE = "not-reproducible"                # two fresh runs differ before any resume (unseeded)
     MISSING_UPDATES = "missing-updates"                  # updates the comparison needs were not reported
     STEP_NOT_RESTORED = "step-not-restored"              # the resumed run numbered its updates from the start again
+    UPDATE_AFTER_SAVED = "update-after-saved"            # job.update(N) after job.saved(N): killed before reporting
     OTHER_RANK = "other-rank"                            # grad_norm alone here, after another rank's ids/loss moved
 
 
@@ -64,6 +65,8 @@ CAUSE_TEXT = {
     Cause.STEP_NOT_RESTORED: "the resumed run did not continue after the checkpoint's update: it did not load "
                              "job.resume_from (ignored, or not found and training started over) or did not restore "
                              "the update counter from it; the first resumed update must be N+1",
+    Cause.UPDATE_AFTER_SAVED: "the interrupted run was killed inside job.saved(N), as planned, before it reported "
+                              "update N: call job.update(N, ...) before job.saved(N)",
     Cause.OTHER_RANK: "same examples and loss on this rank, different gradient norm: the gradients are averaged "
                       "across ranks (DDP/FSDP), so this follows another rank's difference, not this rank's state",
 }
@@ -179,8 +182,14 @@ def reproducibility(control: list[dict], interrupted: list[dict], until: int, ex
     first = min([1, *(int(r["update"]) for r in control)])
     diff = compare_updates(control, interrupted, first, until, exact, rtol, other_name="interrupted",
                            step_restored_check=False)
-    if diff.difference is not None and diff.difference.cause != Cause.MISSING_UPDATES:
-        diff.difference.cause = Cause.NOT_REPRODUCIBLE
+    d = diff.difference
+    if d is not None and d.cause != Cause.MISSING_UPDATES:
+        d.cause = Cause.NOT_REPRODUCIBLE
+    elif d is not None and d.update == until and d.other == "missing" and by_update(interrupted) and max(
+            by_update(interrupted)) < until:
+        # Only the last update before the kill is missing: the loop saves before it reports (found piloting a loop
+        # that logged at the end of its body); "stopped early, crashed, or skips job.update" did not say that.
+        d.cause = Cause.UPDATE_AFTER_SAVED
     return diff
 
 
