@@ -266,6 +266,24 @@ def test_a_rank_reporting_no_updates_is_named_not_passed_over(tmp_path):
     assert row.verdict == Verdict.FAIL and "a difference on rank(s) 1" in row.reason and "every rank" in row.reason
 
 
+def test_two_ranks_rows_say_their_rank_and_world_size_in_the_table(tmp_path):
+    # Found piloting a 2-rank DDP loop: the resume rows said "rank 1 of world size 1" and the table showed two
+    # identical "resume pass" lines.
+    from rich.console import Console
+
+    from pilotrun.ui.console import gate_table
+
+    runs = {Role.CONTROL: _two_ranks(Role.CONTROL, [1, 2, 3, 4]), Role.RESUMED: _two_ranks(Role.RESUMED, [3, 4]),
+            Role.INTERRUPTED: _two_ranks(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)}
+    rows = [r.to_dict() for r in resume_rows(runs, 2, 2, True, 0.0, "bitwise")]
+    assert [(r["rank"], r["world_size"], r["verdict"]) for r in rows] == [(0, 2, "pass"), (1, 2, "pass")]
+    lock = {"gate": "lock", "verdict": "pass", "reason": "ok", "rank": 0, "world_size": 1}
+    console = Console(width=200, record=True)
+    console.print(gate_table([lock, *rows]))
+    text = console.export_text()
+    assert "resume [rank 0]" in text and "resume [rank 1]" in text and "lock [rank" not in text
+
+
 @pytest.mark.slow
 def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_run(tmp_path):
     folder = tmp_path / "own-loop"

@@ -90,6 +90,7 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
             rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, mode, dict(details),
                              reported=reported_fields(control.updates(rank))))
     for row in rows:
+        row.world_size = control.world_size  # a rank's row says of how many (found: "rank 1 of 1" on 2 ranks)
         if silent and row.verdict == Verdict.PASS:
             row.verdict = Verdict.WARN
             row.reason = (f"{row.reason}; rank(s) {', '.join(map(str, silent))} reported no updates, so their resume "
