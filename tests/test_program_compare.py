@@ -46,7 +46,8 @@ def test_bitwise_versus_tolerance():
 
 def test_step_counter_missing_updates_and_extra_fields():
     restarted = _run(2)  # the resumed run counted from 1 again
-    assert compare_updates(_run(4), restarted, 3, 4, exact=True).cause == Cause.STEP_NOT_RESTORED
+    diff = compare_updates(_run(4), restarted, 3, 4, exact=True)
+    assert diff.cause == Cause.STEP_NOT_RESTORED and "job.resume_from" in diff.difference.sentence()
     short = _run(3, start=3)
     d = compare_updates(_run(4), short, 3, 4, exact=True).difference
     assert (d.update, d.cause) == (4, Cause.MISSING_UPDATES) and "resumed" in d.field
@@ -89,3 +90,13 @@ def test_a_loop_numbering_updates_from_zero_has_its_update_zero_compared():
     d = reproducibility(zero_based(4), zero_based(2, bump=1e-3), 2, exact=True, rtol=0).difference
     assert (d.update, d.field, d.cause) == (0, "loss", Cause.NOT_REPRODUCIBLE)
     assert reproducibility(zero_based(4), zero_based(2), 2, exact=True, rtol=0).equal
+
+
+def test_a_loop_reporting_its_update_after_saving_it_is_told_the_order():
+    # The interrupted run is killed inside job.saved(2): a loop calling job.update(2) after job.saved(2) never reports
+    # update 2, and the row said "stopped early, crashed, or skips job.update".
+    d = reproducibility(_run(4), _run(1), 2, exact=True, rtol=0).difference
+    assert (d.update, d.cause) == (2, Cause.UPDATE_AFTER_SAVED)
+    assert "job.update(N, ...) before job.saved(N)" in d.sentence()
+    d = reproducibility(_run(4), _run(0), 2, exact=True, rtol=0).difference  # nothing reported at all: not that
+    assert d.cause == Cause.MISSING_UPDATES

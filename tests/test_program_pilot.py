@@ -60,6 +60,34 @@ def test_program_spec_needs_no_model_and_hashes_the_script(tmp_path):
     assert "program" not in load_spec(copy_fixture("toy", tmp_path / "c")).canonical()
 
 
+def test_a_module_run_with_dash_m_is_the_file_the_lock_hashes(tmp_path):
+    # Found piloting `command: [python, -m, mlp_train, ...]`: the lock passed with "0 file(s) hashed", so an edited
+    # training script would not show as drift.
+    from pilotrun.config.program import program_files
+
+    for i, command in enumerate((["python", "-m", "train", "--updates", "4"],
+                                 "torchrun --standalone --nproc_per_node=2 -m train")):
+        spec = load_spec(_program(tmp_path / str(i), command=command), allow_program=True)
+        files, why = program_files(spec.program, spec.folder)
+        assert [f.name for f in files] == ["train.py"] and "(train.py)" in why, (command, why)
+    spec_path = _program(tmp_path / "pkg", command="python -m trainer")
+    (spec_path.parent / "trainer").mkdir()
+    (spec_path.parent / "trainer" / "__main__.py").write_text("print('hi')\n")
+    spec = load_spec(spec_path, allow_program=True)
+    assert [f.relative_to(spec.folder).as_posix() for f in program_files(spec.program, spec.folder)[0]] == [
+        "trainer/__main__.py"]
+
+
+def test_the_headline_of_a_program_pilot_shows_no_time_per_update_it_did_not_measure():
+    from pilotrun.ui.console import headline
+
+    rows = [{"gate": "steady_step", "verdict": "pass", "details": {"stages": 8}, "memory": {}},
+            {"gate": "resume", "verdict": "pass", "details": {}, "memory": {}}]
+    assert "/update" not in headline(rows, "pass").plain
+    rows[0]["details"]["seconds_per_update"] = 0.25
+    assert "250 ms/update" in headline(rows, "pass").plain
+
+
 @pytest.mark.parametrize("program, field, words", [
     ({"command": "python missing.py"}, "program.command", "missing.py not found"),
     ({"command": ""}, "program.command", "give the program's command line"),
@@ -163,6 +191,11 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: crashed}, 2, 2, True,
                          0.0, "bitwise")
     assert row.failure == Failure.ERROR and "exited with 1" in row.reason and "KeyError" in row.reason
+    assert "job.saved only once the write is complete" not in row.reason  # it got past the load: update 3
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                          Role.RESUMED: _outcome(Role.RESUMED, [], returncode=1, tmp=tmp_path)}, 2, 2, True, 0.0,
+                         "bitwise")
+    assert "before its first update" in row.reason and "job.saved only once the write is complete" in row.reason
     short = _outcome(Role.RESUMED, [3])
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: short}, 2, 2, True,
                          0.0, "bitwise")
@@ -170,6 +203,85 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
     never_saved = _outcome(Role.INTERRUPTED, [1, 2, 3, 4])  # ran to its end: no job.saved(), so no kill
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: never_saved}, 2, 2, True, 0.0, "bitwise")
     assert "never called job.saved" in row.reason and "job.saved(2, path)" in row.reason
+
+
+def _two_ranks(role, updates, differ=None, killed=False, saved=None, tmp=Path("/nonexistent")):
+    """A 2-rank run; ``differ``: {rank: (update, field)} whose value moves from that update on."""
+    events = {}
+    for rank in (0, 1):
+        moved = (differ or {}).get(rank)
+        events[rank] = [{"kind": "update", "rank": rank, "update": u, "ids": [2 * u + rank], "lr": 0.1, "extra": {},
+                         "loss": 1.0 / u + (1e-3 if moved and moved[1] == "loss" and u >= moved[0] else 0.0),
+                         "grad_norm": 1.0 + (1e-3 if moved and moved[1] == "grad_norm" and u >= moved[0] else 0.0)}
+                        for u in updates]
+    if saved:
+        events[0].append({"kind": "saved", "update": saved, "path": str(tmp / "ck.pt")})
+    return RunOutcome(role, -9 if killed else 0, 0.1, tmp / f"{role}.log", events=events, killed=killed,
+                      killed_pids=[1] if killed else [])
+
+
+def test_a_rank_whose_grad_norm_follows_another_ranks_loss_is_pointed_at_that_rank(tmp_path):
+    # Found piloting a DDP loop that restored rank 0's RNG on both ranks: rank 1's dropout, so its loss, differed at
+    # the first resumed update; rank 0's loss matched but its grad_norm (all-reduced gradients) moved, and its row
+    # blamed rank 0's own gradients ("not zeroed, or a grad scaler's state"), sending the fix to the wrong rank.
+    control = _two_ranks(Role.CONTROL, [1, 2, 3, 4])
+    interrupted = _two_ranks(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)
+    resumed = _two_ranks(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm"), 1: (3, "loss")})
+    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                                            Role.RESUMED: resumed}, 2, 2, True, 0.0, "bitwise")}
+    assert rows[1].details["difference"]["cause"] == Cause.STATE_SAVED_AT_WRONG_POINT
+    diff = rows[0].details["difference"]
+    assert (diff["field"], diff["cause"]) == ("grad_norm", Cause.OTHER_RANK), rows[0].reason
+    assert "rank 1 differs first: loss at update 3" in rows[0].reason and "scaler" not in rows[0].reason
+    # the same in two fresh runs (rank 1 seeded from its pid): rank 0's row stays "not reproducible" but names rank 1
+    unseeded = _two_ranks(Role.INTERRUPTED, [1, 2], differ={0: (1, "grad_norm"), 1: (1, "loss")}, killed=True,
+                          saved=2, tmp=tmp_path)
+    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: unseeded}, 2, 2, True, 0.0,
+                                           "bitwise")}
+    assert rows[0].details["difference"]["cause"] == Cause.NOT_REPRODUCIBLE
+    assert "rank 1 differs first: loss at update 1" in rows[0].reason
+    # a grad_norm difference with no other rank behind it keeps its own cause
+    alone = _two_ranks(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm")})
+    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                                            Role.RESUMED: alone}, 2, 2, True, 0.0, "bitwise")}
+    assert rows[0].details["difference"]["cause"] == Cause.GRADIENT_STATE and rows[1].verdict == Verdict.PASS
+
+
+def test_a_rank_reporting_no_updates_is_named_not_passed_over(tmp_path):
+    # Found piloting a DDP loop calling job.update on rank 0 only, whose rank 1 resumed with rank 0's RNG: the one
+    # row (rank 0's grad_norm) blamed rank 0's own gradients, and a clean run of that loop passed for "all" ranks.
+    def rank0_only(role, updates, **kw):
+        run = _two_ranks(role, updates, **kw)
+        run.events[1] = [{"kind": "start", "rank": 1, "world_size": 2}]
+        return run
+    control = rank0_only(Role.CONTROL, [1, 2, 3, 4])
+    interrupted = rank0_only(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4])}, 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.WARN and "rank(s) 1 reported no updates" in row.reason
+    assert row.details["ranks_without_updates"] == [1]
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
+                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm")})}, 2, 2, True,
+                         0.0, "bitwise")
+    assert row.verdict == Verdict.FAIL and "a difference on rank(s) 1" in row.reason and "every rank" in row.reason
+
+
+def test_two_ranks_rows_say_their_rank_and_world_size_in_the_table(tmp_path):
+    # Found piloting a 2-rank DDP loop: the resume rows said "rank 1 of world size 1" and the table showed two
+    # identical "resume pass" lines.
+    from rich.console import Console
+
+    from pilotrun.ui.console import gate_table
+
+    runs = {Role.CONTROL: _two_ranks(Role.CONTROL, [1, 2, 3, 4]), Role.RESUMED: _two_ranks(Role.RESUMED, [3, 4]),
+            Role.INTERRUPTED: _two_ranks(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)}
+    rows = [r.to_dict() for r in resume_rows(runs, 2, 2, True, 0.0, "bitwise")]
+    assert [(r["rank"], r["world_size"], r["verdict"]) for r in rows] == [(0, 2, "pass"), (1, 2, "pass")]
+    lock = {"gate": "lock", "verdict": "pass", "reason": "ok", "rank": 0, "world_size": 1}
+    console = Console(width=200, record=True)
+    console.print(gate_table([lock, *rows]))
+    text = console.export_text()
+    assert "resume [rank 0]" in text and "resume [rank 1]" in text and "lock [rank" not in text
 
 
 @pytest.mark.slow
@@ -265,6 +377,20 @@ def test_a_passing_resume_row_names_only_the_fields_the_program_reported(tmp_pat
             ((Role.CONTROL, [1, 2, 3, 4]), (Role.INTERRUPTED, [1, 2]), (Role.RESUMED, [3, 4]))}
     (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
     assert row.verdict == Verdict.PASS and "(ids, loss, lr, grad_norm)" in row.reason
+
+
+def test_one_resumed_update_compared_warns_that_the_optimizer_state_was_not_checked(tmp_path):
+    # Found piloting a loop that saved no AdamW state: with pilot.resume.after: 1 only the first resumed update was
+    # compared, whose loss and grad_norm precede any optimizer.step(), and the row passed.
+    def runs(after):
+        return {Role.CONTROL: _outcome(Role.CONTROL, range(1, 3 + after)), Role.RESUMED: _outcome(Role.RESUMED,
+                range(3, 3 + after)), Role.INTERRUPTED: _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2,
+                                                                 returncode=-9, tmp=tmp_path)}
+    (row,) = resume_rows(runs(1), 2, 1, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.WARN and "optimizer state was not checked" in row.reason
+    assert "pilot.resume.after: 2" in row.reason
+    (row,) = resume_rows(runs(2), 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.PASS and "optimizer" not in row.reason
 
 
 @pytest.mark.slow

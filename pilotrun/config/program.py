@@ -35,7 +35,7 @@ class ProgramSpec:
         "python/python3 or torchrun runs with pilotrun's own interpreter (torchrun as python -m torch.distributed.run)")
     files: list[str] | None = doc(
         "files (glob patterns, relative to the spec's folder) the lock hashes; default: the command's words that "
-        "name existing files", None)
+        "name existing files, and the file of a module run with -m (python -m train: train.py)", None)
     timeout: float = doc("seconds each run of the program may take before pilotrun kills its process group", 600.0)
     compare: Literal["auto", "bitwise", "rtol"] = doc(
         "how the resume gate compares runs: bitwise, within pilot.resume.rtol, or auto (bitwise when this machine has "
@@ -58,8 +58,19 @@ class ProgramSpec:
 
 
 def script_words(words: list[str], folder: Path) -> list[str]:
-    """The command's words that name existing files in ``folder`` (the script and its config files)."""
-    return [w for w in words[1:] if not w.startswith("-") and (folder / w).is_file()]
+    """The command's words that name existing files in ``folder`` (the script and its config files), and the file of
+    a module run with ``-m`` (``python -m train`` → ``train.py``, a package's ``__main__.py``)."""
+    out = []
+    for before, word in zip(words, words[1:]):
+        if word.startswith("-"):
+            continue
+        if (folder / word).is_file():
+            out.append(word)
+        elif before in ("-m", "--module"):
+            # Found piloting `python -m mlp_train`: the lock hashed no file, so an edited script went unnoticed.
+            base = word.replace(".", "/")
+            out += [f for f in (f"{base}.py", f"{base}/__main__.py") if (folder / f).is_file()][:1]
+    return out
 
 
 def program_files(spec: ProgramSpec, folder: Path) -> tuple[list[Path], str]:

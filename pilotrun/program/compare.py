@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,8 @@ class Cause(TextEnum):
     NOT_REPRODUCIBLE = "not-reproducible"                # two fresh runs differ before any resume (unseeded)
     MISSING_UPDATES = "missing-updates"                  # updates the comparison needs were not reported
     STEP_NOT_RESTORED = "step-not-restored"              # the resumed run numbered its updates from the start again
+    UPDATE_AFTER_SAVED = "update-after-saved"            # job.update(N) after job.saved(N): killed before reporting
+    OTHER_RANK = "other-rank"                            # grad_norm alone here, after another rank's ids/loss moved
 
 
 CAUSE_TEXT = {
@@ -59,8 +62,13 @@ CAUSE_TEXT = {
     Cause.NOT_REPRODUCIBLE: "two fresh runs differ before any resume: the program is not seeded (torch.manual_seed, "
                             "the sampler's generator, dropout), so a resume cannot be compared",
     Cause.MISSING_UPDATES: "the run did not report these updates (it stopped early, crashed, or skips job.update)",
-    Cause.STEP_NOT_RESTORED: "the resumed run numbered its updates from 1 again: restore the update counter from the "
-                             "checkpoint so the first resumed update is N+1",
+    Cause.STEP_NOT_RESTORED: "the resumed run did not continue after the checkpoint's update: it did not load "
+                             "job.resume_from (ignored, or not found and training started over) or did not restore "
+                             "the update counter from it; the first resumed update must be N+1",
+    Cause.UPDATE_AFTER_SAVED: "the interrupted run was killed inside job.saved(N), as planned, before it reported "
+                              "update N: call job.update(N, ...) before job.saved(N)",
+    Cause.OTHER_RANK: "same examples and loss on this rank, different gradient norm: the gradients are averaged "
+                      "across ranks (DDP/FSDP), so this follows another rank's difference, not this rank's state",
 }
 # The order fields are compared in within one update (cause before consequence).
 FIELDS = ("ids", "loss", "lr", "grad_norm")
@@ -76,11 +84,13 @@ class Difference:
     other: Any
     cause: Cause
     other_name: str = "resumed"
+    origin: str = ""  # the other rank this difference follows from (attribute_across_ranks), else empty
 
     def sentence(self) -> str:
         where = f"update {self.update}" if self.update is not None else "updates"
+        origin = f" ({self.origin})" if self.origin else ""
         return (f"{where}: {self.field} {_show(self.control)} (control) vs {_show(self.other)} ({self.other_name}) — "
-                f"{CAUSE_TEXT[self.cause]}")
+                f"{CAUSE_TEXT[self.cause]}{origin}")
 
 
 @dataclass
@@ -172,6 +182,40 @@ def reproducibility(control: list[dict], interrupted: list[dict], until: int, ex
     first = min([1, *(int(r["update"]) for r in control)])
     diff = compare_updates(control, interrupted, first, until, exact, rtol, other_name="interrupted",
                            step_restored_check=False)
-    if diff.difference is not None and diff.difference.cause != Cause.MISSING_UPDATES:
-        diff.difference.cause = Cause.NOT_REPRODUCIBLE
+    d = diff.difference
+    if d is not None and d.cause != Cause.MISSING_UPDATES:
+        d.cause = Cause.NOT_REPRODUCIBLE
+    elif d is not None and d.update == until and d.other == "missing" and by_update(interrupted) and max(
+            by_update(interrupted)) < until:
+        # Only the last update before the kill is missing: the loop saves before it reports (found piloting a loop
+        # that logged at the end of its body); "stopped early, crashed, or skips job.update" did not say that.
+        d.cause = Cause.UPDATE_AFTER_SAVED
     return diff
+
+
+def attribute_across_ranks(differences: Mapping[int, Difference], silent: Sequence[int] = ()) -> None:
+    """Point a rank's gradient-norm difference at the rank whose own data or loss differs first.
+
+    ``differences``: each rank's first difference in one comparison (the same two runs). The gradient norm is
+    taken after DDP/FSDP averaged every rank's gradients, so a rank whose ids and loss matched sees its grad_norm
+    move when another rank's examples or loss (dropout RNG, a state only rank 0 restored) differ at that update or
+    before: naming this rank's own gradient state (or optimizer) there sent the fix to the wrong rank (found
+    piloting a DDP loop that restored rank 0's RNG on every rank). The cause becomes :attr:`Cause.OTHER_RANK`
+    (fresh runs keep :attr:`Cause.NOT_REPRODUCIBLE`: the program is still unseeded) and ``origin`` names the rank.
+    ``silent``: ranks that reported no updates (``job.update`` on rank 0 only); a grad_norm difference with no
+    other rank behind it may come from them, and its ``origin`` says so.
+    """
+    upstream = {rank: d for rank, d in differences.items() if d.field in ("ids", "loss") and d.update is not None}
+    for rank, diff in differences.items():
+        if diff.field != "grad_norm" or diff.update is None:
+            continue
+        sources = sorted((d.update, r) for r, d in upstream.items() if r != rank and d.update <= diff.update)
+        if not sources:
+            if silent:
+                diff.origin = (f"or a difference on rank(s) {', '.join(map(str, silent))}, whose gradients are "
+                               "averaged with this rank's but which report no updates: call job.update on every rank")
+            continue
+        source = upstream[sources[0][1]]
+        if diff.cause != Cause.NOT_REPRODUCIBLE:
+            diff.cause = Cause.OTHER_RANK
+        diff.origin = f"rank {sources[0][1]} differs first: {source.field} at update {source.update}; see its row"

@@ -232,7 +232,8 @@ def _stage_rows(name: str, run: RunOutcome, enable: str) -> list[GateRow]:
         rows = [e["row"] for e in run.of(Event.STAGE, rank) if e["row"].get("gate") == name]
         if not rows:
             out.append(GateRow.now(name, Verdict.SKIP, f"not measured on rank {rank}: it reported no {name!r} stage "
-                                   "(other ranks did)", rank=rank, details={"on_program": "stage"}))
+                                   "(other ranks did)", rank=rank, world_size=run.world_size,
+                                   details={"on_program": "stage"}))
             continue
         if name == "first_step" or len(rows) == 1:
             row = GateRow.from_mapping(rows[0])

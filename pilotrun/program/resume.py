@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..ledger.records import Failure, GateRow, Verdict
-from .compare import CAUSE_TEXT, FIELDS, Comparison, compare_updates, reproducibility
+from .compare import CAUSE_TEXT, FIELDS, Comparison, attribute_across_ranks, compare_updates, reproducibility
 from .env import Event, Role
 from .runner import RunOutcome
 
@@ -58,18 +58,45 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
                       "them", details, Failure.ERROR)]
     checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
     details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
+    ranks = [r for r in control.ranks if control.updates(r)]
+    # Ranks that started (their handle wrote its start event) but reported no update: a loop calling job.update on
+    # rank 0 only. Their resume cannot be compared; every row says so rather than passing for all ranks.
+    silent = [r for r in control.ranks if not control.updates(r)]
+    fresh = {rank: reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
+             for rank in ranks}
+    after_resume: dict[int, Comparison] = {}
+    if resumed is not None and resumed.ended_cleanly:
+        after_resume = {rank: compare_updates(control.updates(rank), resumed.updates(rank), before + 1, end, exact,
+                                              rtol) for rank in ranks if fresh[rank].equal}
+    # Within one comparison, a rank's grad_norm difference may follow another rank's (gradients are all-reduced).
+    for comparisons in ({r: c for r, c in fresh.items() if not c.equal}, after_resume):
+        attribute_across_ranks({r: c.difference for r, c in comparisons.items() if c.difference is not None}, silent)
     rows = []
-    for rank in [r for r in control.ranks if control.updates(r)]:
-        repro = reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
-        if not repro.equal:  # nothing after a resume can be compared (the resumed run is not started)
-            rows.append(_row(rank, repro, False, before, end, checkpoint, mode, dict(details)))
-        elif resumed is None or not resumed.ended_cleanly:
+    for rank in ranks:
+        if not fresh[rank].equal:  # nothing after a resume can be compared (the resumed run is not started)
+            rows.append(_row(rank, fresh[rank], False, before, end, checkpoint, mode, dict(details)))
+        elif rank not in after_resume:
             how = resumed.how_it_ended() if resumed is not None else "was not started"
-            rows.append(_fail(f"the resumed run (from {checkpoint}) {how}", dict(details), Failure.ERROR, rank))
+            hint = ""
+            if resumed is not None and not resumed.timed_out and not any(resumed.updates(r) for r in resumed.ranks):
+                # Found piloting a loop that called job.saved before writing the file: the resumed run's
+                # FileNotFoundError was quoted without saying what it means for the program.
+                hint = ("; it failed before its first update, so it could not load the checkpoint the interrupted "
+                        "run reported: call job.saved only once the write is complete (the process is killed "
+                        "there), and load what the save wrote")
+            rows.append(_fail(f"the resumed run (from {checkpoint}) {how}{hint}", dict(details), Failure.ERROR,
+                              rank))
         else:
-            diff = compare_updates(control.updates(rank), resumed.updates(rank), before + 1, end, exact, rtol)
-            rows.append(_row(rank, diff, True, before, end, checkpoint, mode, dict(details),
+            rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, mode, dict(details),
                              reported=reported_fields(control.updates(rank))))
+    for row in rows:
+        row.world_size = control.world_size  # a rank's row says of how many (found: "rank 1 of 1" on 2 ranks)
+        if silent and row.verdict == Verdict.PASS:
+            row.verdict = Verdict.WARN
+            row.reason = (f"{row.reason}; rank(s) {', '.join(map(str, silent))} reported no updates, so their resume "
+                          "was not compared: call job.update on every rank, each with its own ids")
+        if silent:
+            row.details = {**row.details, "ranks_without_updates": silent}
     return rows
 
 
@@ -92,7 +119,8 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
     if diff.difference is not None:
         d = diff.difference
         details["difference"] = {"update": d.update, "field": d.field, "control": d.control, "other": d.other,
-                                 "run": d.other_name, "cause": str(d.cause), "fix": CAUSE_TEXT[d.cause]}
+                                 "run": d.other_name, "cause": str(d.cause), "fix": CAUSE_TEXT[d.cause],
+                                 **({"origin": d.origin} if d.origin else {})}
         stage = "before the save (fresh runs)" if not reproducible else "after the resume"
         return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
     details["largest_relative_difference"] = diff.largest_rel
@@ -108,4 +136,11 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
         row.verdict = Verdict.WARN
         row.reason = (f"{reason}; the data order was not compared: the program reports no ids (pass "
                       "ids=[...] of the update's examples to job.update)")
+    if len(diff.compared) < 2:
+        # The first resumed update's loss and grad_norm come from the restored weights before any optimizer.step();
+        # a lost optimizer state shows only from the second one (found piloting a loop that saved no AdamW state:
+        # it passed with pilot.resume.after: 1).
+        row.verdict = Verdict.WARN
+        row.reason = (f"{row.reason}; the optimizer state was not checked: with one resumed update compared, a lost "
+                      "optimizer (or grad scaler) state cannot show; set pilot.resume.after: 2 or more")
     return row

@@ -82,6 +82,11 @@ class RunOutcome:
         return sorted(self.events)
 
     @property
+    def world_size(self) -> int:
+        """The processes the run started, as their handles reported them (1 without a start event)."""
+        return max([int(e.get("world_size") or 1) for e in self.of(Event.START)] + [len(self.events), 1])
+
+    @property
     def ended_cleanly(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 

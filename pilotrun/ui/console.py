@@ -35,6 +35,15 @@ def _clip(text: str, width: int | None) -> str:
     return text[: max(1, width - 1)] + "…"
 
 
+def gate_label(row: dict, rows: Sequence[dict] = ()) -> str:
+    """The gate's name, with its rank where ``rows`` hold that gate for several ranks, or the row is not rank 0's (a
+    program under torchrun writes one row per gate and rank: two identical "resume pass" lines said neither rank)."""
+    rank = row.get("rank") or 0
+    if rank > 0 or len({r.get("rank") or 0 for r in rows if r["gate"] == row["gate"]}) > 1:
+        return f"{row['gate']} [rank {rank}]"
+    return row["gate"]
+
+
 def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | None = None,
                width: int | None = None, full: bool = False) -> Table:
     """Gates as rows; counters never measured on this device (reserved on CPU) get no column.
@@ -44,7 +53,7 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
     show_reserved = any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows)
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
     # Fixed columns keep their width; only the reason gives way on a narrow terminal.
-    gate_w = max([len(r["gate"]) for r in rows] + [len(p) for p in pending] + [4])
+    gate_w = max([len(gate_label(r, rows)) for r in rows] + [len(p) for p in pending] + [4])
     table.add_column("", width=1, no_wrap=True)
     table.add_column("gate", no_wrap=True, min_width=gate_w)
     table.add_column("verdict", no_wrap=True, min_width=7)
@@ -60,7 +69,7 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
     for r in rows:
         v = r["verdict"]
         mem = r.get("memory") or {}
-        cells = [Text(MARK[v], style=STYLE[v]), r["gate"], Text(v, style=STYLE[v]),
+        cells = [Text(MARK[v], style=STYLE[v]), Text(gate_label(r, rows)), Text(v, style=STYLE[v]),
                  human_seconds(r.get("seconds")) if r.get("seconds") is not None else "",
                  human_bytes(mem.get("peak_allocated_bytes")) if mem.get("peak_allocated_bytes") is not None else ""]
         if show_reserved:
@@ -97,8 +106,10 @@ def headline(rows: list[dict], status: str) -> Text:
         text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top['gate']}"
                     + (f" ({shape})" if shape else ""))
     steady = next((r for r in rows if r["gate"] == "steady_step" and r["verdict"] in ("pass", "warn")), None)
-    if steady:
-        text.append(f" · {human_seconds(steady['details'].get('seconds_per_update'))}/update")
+    # A program's steady_step row times the stages the program wrapped, not an update: it has no per-update time,
+    # and the headline said "n/a/update" (found piloting a plain loop).
+    if steady and steady["details"].get("seconds_per_update") is not None:
+        text.append(f" · {human_seconds(steady['details']['seconds_per_update'])}/update")
     return text
 
 
@@ -153,7 +164,7 @@ class ConsoleObserver:
             self.task = None
         if self.live is None:
             v = row["verdict"]
-            self.console.print(Text.assemble((f"{MARK[v]} ", STYLE[v]), (f"{row['gate']:<18}", "bold"),
+            self.console.print(Text.assemble((f"{MARK[v]} ", STYLE[v]), (f"{gate_label(row):<18}", "bold"),
                                              (f"{v:<5}", STYLE[v]), f" {human_seconds(row.get('seconds')):>8}  ",
                                              row.get("reason", "")))
         self._refresh()
@@ -188,5 +199,6 @@ class ConsoleObserver:
         for r in self.rows:
             if r["verdict"] in ("fail", "warn"):
                 v = r["verdict"]
-                self.console.print(Text.assemble((f"  {MARK[v]} ", STYLE[v]), (r["gate"], "bold"), f": {r['reason']}"))
+                self.console.print(Text.assemble((f"  {MARK[v]} ", STYLE[v]), (gate_label(r, self.rows), "bold"),
+                                                 f": {r['reason']}"))
         self.console.print(Text(f"report {out_dir / 'report.json'} · ledger {ledger}", style="dim"))
