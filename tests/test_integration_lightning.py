@@ -97,10 +97,39 @@ def test_accum_equivalence_catches_a_per_batch_token_mean_and_passes_a_fixed_siz
     loader = torch.utils.data.DataLoader(_token_items(16), batch_size=2, collate_fn=_pad)
     bad = PL.probe_accum(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2), TokenMean())
     assert bad.verdict == Verdict.FAIL and "averaged per micro batch" in bad.reason, bad.reason
+    # Lightning's own remedy, not the Trainer's (a LightningModule has no num_items_in_batch or compute_loss_func)
+    assert "accumulate_grad_batches" in bad.reason and "num_items_in_batch" not in bad.reason, bad.reason
     assert len(set(bad.measurements["supervised_per_micro_batch"])) > 1
     clean = PL.probe_accum(SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2),
                            points.Regressor(dropout=0.5))
     assert clean.verdict == Verdict.PASS, clean.reason
+
+
+class MaskingPad:
+    """_pad plus random input masking from the collate's own random.Random (state no global RNG holds)."""
+
+    def __init__(self) -> None:
+        import random
+
+        self.rng = random.Random(0)
+
+    def __call__(self, items):
+        batch = _pad(items)
+        keep = torch.tensor([[self.rng.random() >= 0.3 for _ in row] for row in batch["input_ids"].tolist()])
+        batch["input_ids"] = batch["input_ids"] * keep
+        return batch
+
+
+def test_the_probes_leave_the_collates_own_state_alone_and_skip_accum_on_a_random_collate():
+    collate = MaskingPad()
+    state = collate.rng.getstate()
+    loader = torch.utils.data.DataLoader(_token_items(16), batch_size=2, collate_fn=collate)
+    fake = SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2)
+    result = PL.probe_accum(fake, TokenMean())
+    assert result.verdict == Verdict.SKIP and "'input_ids' differs" in result.reason, result.reason
+    PL.probe_inspect(fake, TokenMean())
+    PL.probe_overfit(fake, TokenMean())
+    assert collate.rng.getstate() == state, "the probes advanced the program's own collate"
 
 
 def test_lightnings_own_resume_is_measured_bitwise(tmp_path):

@@ -21,8 +21,9 @@ Outside a pilot the handle is inert and the callback does nothing. Inside one it
   afterwards, runs inspect, batch, accum_equivalence (``training_step``'s loss with Lightning's own
   accumulation scaling, loss / accumulate_grad_batches), overfit, export (``trainer.save_checkpoint``) and
   reload_eval (a fresh process: ``load_from_checkpoint(weights_only=True)`` of the class, after pilotrun's loading
-  policy admitted the recorded manifest) at train start, on copies of the module; a ``probe`` run stops after one
-  update.
+  policy admitted the recorded manifest) at train start, on copies of the module and of the collate (its own
+  random generator, if any, does not advance); a collate that gives different batches for the same examples
+  makes accum_equivalence ``skip``; a ``probe`` run stops after one update.
 
 Lightning is an optional extra: this module says how to install it when it is missing; ``import pilotrun`` never
 imports it.
@@ -182,7 +183,15 @@ def _loader_parts(trainer) -> tuple[Any, Callable, int]:
     loader = trainer.train_dataloader
     if loader is None or not hasattr(loader, "dataset"):
         raise RuntimeError("the trainer has no map-style train dataloader to take examples from")
-    return loader.dataset, loader.collate_fn, int(loader.batch_size or 1)
+    # A private copy: a collate with its own state (a random generator) must not advance in the control run only.
+    return loader.dataset, C.private_collate(loader.collate_fn), int(loader.batch_size or 1)
+
+
+# Lightning passes no token count: training_step must weigh its micro batch by the window's labels itself.
+LIGHTNING_FIX = ("Lightning divides each training_step loss by accumulate_grad_batches and passes no token count, "
+                 "so return the micro batch's summed token losses × accumulate_grad_batches / the supervised tokens "
+                 "of the whole accumulation window (count them where the batches are built), or average over "
+                 "examples instead of tokens")
 
 
 def probe_accum(trainer, module) -> GateResult:
@@ -192,6 +201,9 @@ def probe_accum(trainer, module) -> GateResult:
     if len(items) < n * size:
         return C.skipped("accum_equivalence", f"the training set has {len(items)} examples; {n} micro batches of "
                          f"{size} need {n * size}")
+    augmented = C.random_collate(collate, items[:size])
+    if augmented is not None:
+        return augmented
     micro = [C.to_float64(collate(items[i * size:(i + 1) * size])) for i in range(n)]
     big = C.to_float64(collate(items))
     model = detached_copy(module, torch.float64).eval()
@@ -213,7 +225,8 @@ def probe_accum(trainer, module) -> GateResult:
 
     counts = [C.supervised(b, shift=False) for b in micro]
     return C.accum_equivalence(model, accumulate, one_batch, [size] * n, counts,
-                               "LightningModule.training_step with Lightning's loss / accumulate_grad_batches")
+                               "LightningModule.training_step with Lightning's loss / accumulate_grad_batches",
+                               LIGHTNING_FIX)
 
 
 def probe_overfit(trainer, module) -> GateResult:
