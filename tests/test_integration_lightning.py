@@ -132,6 +132,30 @@ def test_the_probes_leave_the_collates_own_state_alone_and_skip_accum_on_a_rando
     assert collate.rng.getstate() == state, "the probes advanced the program's own collate"
 
 
+class ReadsItsTrainer(points.Regressor):
+    """A clean module whose training_step reads its trainer (the lr it logs, the accumulation it scales by)."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx) * (self.trainer.accumulate_grad_batches / 2)
+
+
+def test_a_training_step_that_reads_its_trainer_is_probed_not_failed(tmp_path):
+    # Found piloting a clean script that logs self.lr_schedulers().get_last_lr() in training_step: accum_equivalence,
+    # overfit and reload_eval all failed with "SeqClassifier is not attached to a `Trainer`".
+    job = handle(tmp_path, "control", stop_at=1)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job)])
+    trainer.fit(ReadsItsTrainer(), points.loader(16))
+    rows = {g["row"]["gate"]: g["row"] for g in events(job, "gate")}
+    assert rows["accum_equivalence"]["verdict"] == "pass", rows["accum_equivalence"]["reason"]
+    assert rows["overfit"]["verdict"] == "pass", rows["overfit"]["reason"]
+    reload = rows["reload_eval"]
+    assert reload["verdict"] == "skip" and "fails without its Trainer" in reload["reason"], reload["reason"]
+
+
 def test_lightnings_own_resume_is_measured_bitwise(tmp_path):
     """Lightning's ckpt_path resume, with dropout on and a shuffled loader (examples/lightning: RNG state kept by the
     module's checkpoint hooks, a sampler seeded by (seed, epoch)), 3 updates per epoch. Measured on Lightning 2.6:

@@ -21,7 +21,8 @@ Outside a pilot the handle is inert and the callback does nothing. Inside one it
   afterwards, runs inspect, batch, accum_equivalence (``training_step``'s loss with Lightning's own
   accumulation scaling, loss / accumulate_grad_batches), overfit, export (``trainer.save_checkpoint``) and
   reload_eval (a fresh process: ``load_from_checkpoint(weights_only=True)`` of the class, after pilotrun's loading
-  policy admitted the recorded manifest) at train start, on copies of the module and of the collate (its own
+  policy admitted the recorded manifest) at train start, on copies of the module (reading the fit's trainer
+  through a :class:`TrainerView`, logging nothing) and of the collate (its own
   random generator, if any, does not advance); a collate that gives different batches for the same examples
   makes accum_equivalence ``skip``; a ``probe`` run stops after one update.
 
@@ -161,13 +162,37 @@ class PilotrunCallback(pl.Callback):
 # ------------------------------------------------------------------------------------------------------ probes
 
 
-def detached_copy(module: pl.LightningModule, dtype: torch.dtype | None = None) -> pl.LightningModule:
-    """A deep copy of the module without its trainer (copying the trainer would copy the whole fit)."""
+class TrainerView:
+    """What a probe's copy of the module sees as ``self.trainer``: the fit's trainer for reading (a training_step
+    may read ``self.trainer.accumulate_grad_batches``, ``self.lr_schedulers()``, ``self.global_step``); an attribute
+    the copy sets stays on the view, never on the fit's trainer."""
+
+    def __init__(self, trainer: Any) -> None:
+        object.__setattr__(self, "_fit_trainer", trainer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_fit_trainer"), name)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """The copy's ``self.log``/``self.log_dict``: a probe's values never reach the fit's logged metrics."""
+
+
+def detached_copy(module: pl.LightningModule, dtype: torch.dtype | None = None,
+                  view_of: Any = None) -> pl.LightningModule:
+    """A deep copy of the module without its trainer (copying the trainer would copy the whole fit); with
+    ``view_of``, the copy reads that trainer through a :class:`TrainerView` (a training_step that reads its trainer
+    made every probe fail with "not attached to a `Trainer`") and logs nothing."""
     trainer, module._trainer = module._trainer, None
     try:
         out = copy.deepcopy(module).to("cpu")
     finally:
         module._trainer = trainer
+    if view_of is not None:
+        out.trainer = TrainerView(view_of)  # the setter gives nested LightningModules the view too
+        for child in out.modules():
+            if isinstance(child, pl.LightningModule):
+                child.log, child.log_dict = _no_log, _no_log
     return out.to(dtype) if dtype is not None else out
 
 
@@ -206,7 +231,7 @@ def probe_accum(trainer, module) -> GateResult:
         return augmented
     micro = [C.to_float64(collate(items[i * size:(i + 1) * size])) for i in range(n)]
     big = C.to_float64(collate(items))
-    model = detached_copy(module, torch.float64).eval()
+    model = detached_copy(module, torch.float64, view_of=trainer).eval()
 
     def accumulate(m) -> float:
         total = 0.0
@@ -233,7 +258,7 @@ def probe_overfit(trainer, module) -> GateResult:
     dataset, collate, _ = _loader_parts(trainer)
     items = [dataset[i] for i in range(min(C.OVERFIT_EXAMPLES, len(dataset)))]
     batch = collate(items)
-    model = detached_copy(module)
+    model = detached_copy(module, view_of=trainer)
 
     def eval_loss(m) -> float:
         m.eval()
@@ -322,9 +347,14 @@ def probe_reload(trainer, module, export: GateResult) -> GateResult:
     work = folder.parent / "pilotrun-reload"
     work.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(work / "inputs.safetensors"))
-    model = detached_copy(module).eval()
-    with torch.no_grad():
-        expected = _loss(model, batch).detach().float().reshape(1)
+    model = detached_copy(module).eval()  # as the fresh process has it: no trainer
+    try:
+        with torch.no_grad():
+            expected = _loss(model, batch).detach().float().reshape(1)
+    except Exception as exc:  # training_step needs its trainer (or the fit's state): the reload cannot run it either
+        return C.skipped("reload_eval", f"not measured: {cls.__qualname__}.training_step fails without its Trainer "
+                         f"({type(exc).__name__}: {str(exc)[:200]}), and the fresh process that loads the checkpoint "
+                         "has none; a training_step that reads nothing from self.trainer gets its reload checked")
     where = str(Path(inspect.getfile(cls)).resolve().parent)
     run_worker("pilotrun.integrations.lightning_reload",
                ["--export", str(folder), "--known-manifest", export.measurements["manifest_sha256"],
