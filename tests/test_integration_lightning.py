@@ -156,6 +156,14 @@ def test_a_training_step_that_reads_its_trainer_is_probed_not_failed(tmp_path):
     assert reload["verdict"] == "skip" and "fails without its Trainer" in reload["reason"], reload["reason"]
 
 
+def test_the_batch_row_reads_a_dataloader_built_with_a_batch_sampler():
+    data = points.Points(48)
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 4, drop_last=False)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    row = PL.probe_batch(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2, world_size=1))
+    assert row.reason.startswith("4 × 2 × 1 = 8 examples per update; 48 examples → 6 updates per epoch"), row.reason
+
+
 def test_lightnings_own_resume_is_measured_bitwise(tmp_path):
     """Lightning's ckpt_path resume, with dropout on and a shuffled loader (examples/lightning: RNG state kept by the
     module's checkpoint hooks, a sampler seeded by (seed, epoch)), 3 updates per epoch. Measured on Lightning 2.6:

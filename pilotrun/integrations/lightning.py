@@ -208,8 +208,13 @@ def _loader_parts(trainer) -> tuple[Any, Callable, int]:
     loader = trainer.train_dataloader
     if loader is None or not hasattr(loader, "dataset"):
         raise RuntimeError("the trainer has no map-style train dataloader to take examples from")
+    # A DataLoader built with batch_sampler= has batch_size None: the micro batch size is the sampler's (a bucketing
+    # sampler without one: its first batch's). Read as 1, the batch row had 4x too many updates per epoch.
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    if size is None:
+        size = len(next(iter(loader.batch_sampler)))
     # A private copy: a collate with its own state (a random generator) must not advance in the control run only.
-    return loader.dataset, C.private_collate(loader.collate_fn), int(loader.batch_size or 1)
+    return loader.dataset, C.private_collate(loader.collate_fn), int(size)
 
 
 # Lightning passes no token count: training_step must weigh its micro batch by the window's labels itself.
@@ -293,8 +298,9 @@ def probe_batch(trainer) -> GateResult:
     dataset, _, micro = _loader_parts(trainer)
     accum, replicas, n = int(trainer.accumulate_grad_batches), int(trainer.world_size), len(dataset)
     per_update = micro * accum * replicas
-    drop_last = bool(getattr(trainer.train_dataloader, "drop_last", False))
-    micro_batches = n // (micro * replicas) if drop_last else -(-n // (micro * replicas))
+    # The loader's own length: its sampler's count per process (drop_last, a batch_sampler, Lightning's
+    # DistributedSampler), not arithmetic on batch_size.
+    micro_batches = len(trainer.train_dataloader)
     updates = -(-micro_batches // accum)
     last = micro_batches - (updates - 1) * accum
     partial = f"the last window has {last} of {accum} micro batches" if last != accum else "no partial window"
