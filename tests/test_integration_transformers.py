@@ -105,6 +105,25 @@ def test_accum_equivalence_catches_a_model_whose_loss_ignores_num_items_in_batch
     assert clean.verdict == Verdict.PASS, clean.reason
 
 
+class MeanPerMicroBatch(transformers.Trainer):
+    """A custom loss in a compute_loss override that averages its own micro batch and ignores num_items_in_batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        out = model(**inputs)
+        loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                 label_smoothing=0.1)
+        return (loss, out) if return_outputs else loss
+
+
+def test_accum_equivalence_names_a_compute_loss_override_as_the_place_to_fix(tmp_path):
+    tr = trainer(None, tmp_path)
+    tr.__class__ = MeanPerMicroBatch  # the helper builds a plain Trainer; the override is all that differs
+    result = T.probe_accum(tr, chat.collate)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert "MeanPerMicroBatch.compute_loss overrides" in result.reason and "forward" not in result.reason
+
+
 def _differences(want: dict, got: dict) -> list[str]:
     return [f"update {n} {field}" for n in sorted(got) for field in ("ids", "lr", "loss", "grad_norm")
             if got[n][field] != want[n][field]]

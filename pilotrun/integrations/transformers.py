@@ -264,6 +264,9 @@ def _trainer_backward(trainer: Trainer, model, batches: list) -> float:
 
 TRAINER_FIX = ("make the model's forward accept num_items_in_batch (or **kwargs) and divide the summed token losses by "
                "it, or give the trainer a compute_loss_func that does")
+# A Trainer subclass's own compute_loss gets the window's count as its num_items_in_batch argument.
+OVERRIDE_FIX = ("{cls}.compute_loss overrides the Trainer's: sum its token losses and divide by its num_items_in_batch "
+                "argument (the window's supervised tokens) instead of averaging the micro batch")
 
 
 def probe_accum(trainer: Trainer, collate) -> GateResult:
@@ -294,7 +297,9 @@ def probe_accum(trainer: Trainer, collate) -> GateResult:
         return C.accum_equivalence(
             model, lambda m: _trainer_backward(trainer, m, micro64), lambda m: _trainer_backward(trainer, m, [big64]),
             [size] * n, [C.supervised(b, shift) for b in micro],
-            "Trainer.compute_loss with its num_items_in_batch and accumulation scaling", TRAINER_FIX)
+            "Trainer.compute_loss with its num_items_in_batch and accumulation scaling",
+            OVERRIDE_FIX.format(cls=type(trainer).__name__) if type(trainer).compute_loss is not Trainer.compute_loss
+            else TRAINER_FIX)
     finally:
         del model
 
