@@ -97,10 +97,71 @@ def test_accum_equivalence_catches_a_per_batch_token_mean_and_passes_a_fixed_siz
     loader = torch.utils.data.DataLoader(_token_items(16), batch_size=2, collate_fn=_pad)
     bad = PL.probe_accum(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2), TokenMean())
     assert bad.verdict == Verdict.FAIL and "averaged per micro batch" in bad.reason, bad.reason
+    # Lightning's own remedy, not the Trainer's (a LightningModule has no num_items_in_batch or compute_loss_func)
+    assert "accumulate_grad_batches" in bad.reason and "num_items_in_batch" not in bad.reason, bad.reason
     assert len(set(bad.measurements["supervised_per_micro_batch"])) > 1
     clean = PL.probe_accum(SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2),
                            points.Regressor(dropout=0.5))
     assert clean.verdict == Verdict.PASS, clean.reason
+
+
+class MaskingPad:
+    """_pad plus random input masking from the collate's own random.Random (state no global RNG holds)."""
+
+    def __init__(self) -> None:
+        import random
+
+        self.rng = random.Random(0)
+
+    def __call__(self, items):
+        batch = _pad(items)
+        keep = torch.tensor([[self.rng.random() >= 0.3 for _ in row] for row in batch["input_ids"].tolist()])
+        batch["input_ids"] = batch["input_ids"] * keep
+        return batch
+
+
+def test_the_probes_leave_the_collates_own_state_alone_and_skip_accum_on_a_random_collate():
+    collate = MaskingPad()
+    state = collate.rng.getstate()
+    loader = torch.utils.data.DataLoader(_token_items(16), batch_size=2, collate_fn=collate)
+    fake = SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2)
+    result = PL.probe_accum(fake, TokenMean())
+    assert result.verdict == Verdict.SKIP and "'input_ids' differs" in result.reason, result.reason
+    PL.probe_inspect(fake, TokenMean())
+    PL.probe_overfit(fake, TokenMean())
+    assert collate.rng.getstate() == state, "the probes advanced the program's own collate"
+
+
+class ReadsItsTrainer(points.Regressor):
+    """A clean module whose training_step reads its trainer (the lr it logs, the accumulation it scales by)."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx) * (self.trainer.accumulate_grad_batches / 2)
+
+
+def test_a_training_step_that_reads_its_trainer_is_probed_not_failed(tmp_path):
+    # Found piloting a clean script that logs self.lr_schedulers().get_last_lr() in training_step: accum_equivalence,
+    # overfit and reload_eval all failed with "SeqClassifier is not attached to a `Trainer`".
+    job = handle(tmp_path, "control", stop_at=1)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job)])
+    trainer.fit(ReadsItsTrainer(), points.loader(16))
+    rows = {g["row"]["gate"]: g["row"] for g in events(job, "gate")}
+    assert rows["accum_equivalence"]["verdict"] == "pass", rows["accum_equivalence"]["reason"]
+    assert rows["overfit"]["verdict"] == "pass", rows["overfit"]["reason"]
+    reload = rows["reload_eval"]
+    assert reload["verdict"] == "skip" and "fails without its Trainer" in reload["reason"], reload["reason"]
+
+
+def test_the_batch_row_reads_a_dataloader_built_with_a_batch_sampler():
+    data = points.Points(48)
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 4, drop_last=False)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    row = PL.probe_batch(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2, world_size=1))
+    assert row.reason.startswith("4 × 2 × 1 = 8 examples per update; 48 examples → 6 updates per epoch"), row.reason
 
 
 def test_lightnings_own_resume_is_measured_bitwise(tmp_path):

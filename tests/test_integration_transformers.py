@@ -105,6 +105,25 @@ def test_accum_equivalence_catches_a_model_whose_loss_ignores_num_items_in_batch
     assert clean.verdict == Verdict.PASS, clean.reason
 
 
+class MeanPerMicroBatch(transformers.Trainer):
+    """A custom loss in a compute_loss override that averages its own micro batch and ignores num_items_in_batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        out = model(**inputs)
+        loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                 label_smoothing=0.1)
+        return (loss, out) if return_outputs else loss
+
+
+def test_accum_equivalence_names_a_compute_loss_override_as_the_place_to_fix(tmp_path):
+    tr = trainer(None, tmp_path)
+    tr.__class__ = MeanPerMicroBatch  # the helper builds a plain Trainer; the override is all that differs
+    result = T.probe_accum(tr, chat.collate)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert "MeanPerMicroBatch.compute_loss overrides" in result.reason and "forward" not in result.reason
+
+
 def _differences(want: dict, got: dict) -> list[str]:
     return [f"update {n} {field}" for n in sorted(got) for field in ("ids", "lr", "loss", "grad_norm")
             if got[n][field] != want[n][field]]
@@ -150,3 +169,55 @@ def test_outside_a_pilot_the_callback_leaves_the_trainer_alone(tmp_path):
     assert tr.state.global_step == 2
     assert "training_step" not in vars(tr) and "clip_grad_norm_" not in vars(tr.accelerator), "nothing wrapped"
     assert not (tmp_path / "control").exists()
+
+
+class MaskingCollator:
+    """chat.collate plus random input masking drawn from the collator's own random.Random: state that is in no
+    global RNG, so rng_untouched cannot put it back."""
+
+    def __init__(self) -> None:
+        import random
+
+        self.rng = random.Random(0)
+
+    def __call__(self, items):
+        batch = chat.collate(items)
+        masked = torch.tensor([[self.rng.random() < 0.3 for _ in row] for row in batch["input_ids"].tolist()])
+        batch["input_ids"] = batch["input_ids"].masked_fill(masked, 1)
+        return batch
+
+
+def test_the_probes_leave_a_collators_own_random_state_alone_and_skip_accum_on_a_random_collate(tmp_path):
+    """The control run (probes on) must draw what the interrupted run (no probes) draws, or the resume gate calls
+    the program unseeded; the probes' one-batch-vs-micro-batches comparison means nothing on random masking."""
+    first: dict = {}
+    for probes in (False, True):
+        job = handle(tmp_path / str(probes), "control", stop_at=1)
+        tr = trainer(job, tmp_path / str(probes), max_steps=1, probes=probes)
+        tr.data_collator = collator = MaskingCollator()
+        tr.train()
+        first[probes] = (events(job, "update")[0]["loss"], collator.rng.getstate())
+    assert first[True] == first[False], "the probes advanced the program's own collator"
+    accum = next(g["row"] for g in events(job, "gate") if g["row"]["gate"] == "accum_equivalence")
+    assert accum["verdict"] == "skip" and "'input_ids' differs" in accum["reason"], accum
+
+
+class PlainLM(torch.nn.Module):
+    """A Trainer model that is no PreTrainedModel: save_model writes model.safetensors and no config.json."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.head(self.emb(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def test_reload_eval_is_not_measured_for_a_model_from_pretrained_cannot_rebuild(tmp_path):
+    tr = trainer(None, tmp_path, model=PlainLM())
+    export = T.probe_export(tr, tmp_path / "export")
+    assert export.verdict == Verdict.PASS and "config.json" not in export.measurements["files"], export.reason
+    reload = T.probe_reload(tr, chat.collate, export)
+    assert reload.verdict == Verdict.SKIP and "PlainLM is not a transformers PreTrainedModel" in reload.reason

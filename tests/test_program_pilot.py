@@ -411,6 +411,25 @@ def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path)
     assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
 
 
+@pytest.mark.slow
+def test_a_control_run_that_stops_before_resume_before_plus_after_says_so_and_starts_no_other_run(tmp_path):
+    # Found piloting a Lightning script with max_steps 8 and pilot.resume {before: 8, after: 2}: the row said
+    # "update 9: update (missing in control) 'missing' (control) vs 'missing' (resumed)".
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "train.py").write_text("import pilotrun\njob = pilotrun.program()\n"
+                                     "for u in range(1, 4):\n    job.update(u, loss=1.0 / u, lr=0.1, ids=[u])\n")
+    spec = load_spec(write_spec(folder / "pilot.yaml", {"name": "short", "program": {"command": "python train.py"},
+                                                        "pilot": {"resume": {"before": 2, "after": 2}}}),
+                     allow_program=True)
+    result = run_program_pilot(spec, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                                    gates=["resume"], container_digest=TEST_DIGEST))
+    row = next(r for r in result.rows if r["gate"] == "resume")
+    assert row["verdict"] == Verdict.FAIL and "exited with 0 after update 3" in row["reason"], row["reason"]
+    assert "updates up to 4" in row["reason"] and "pilot.resume.before/after" in row["reason"]
+    assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
+
+
 def test_an_interrupted_run_whose_processes_outlive_sigkill_fails_resume_without_a_resumed_run(tmp_path):
     # kill_tree now waits for the killed descendants (SIGKILL lands asynchronously; the timeout test saw the child
     # still 'running' right after the kill); any still alive then are named and nothing is started beside them.

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,51 @@ class StageSpans:
 # ---------------------------------------------------------------------------------------------------- the probes
 
 
+def private_collate(collate: Callable) -> Callable:
+    """A deep copy of the program's collate for the probes: a collate with state of its own (an augmenting
+    collator's ``random.Random``, a counter) must not advance in the control run only, or its updates stop matching
+    the interrupted run's, which the resume gate then reports as an unseeded program. (The global RNGs are put back
+    by ``rng_untouched``; this is the state that guard cannot see.)"""
+    try:
+        return copy.deepcopy(collate)
+    except Exception as exc:  # an uncopyable member (a lock, an open file): the probes use the program's own
+        warnings.warn(f"pilotrun: the collate {collate!r} cannot be copied ({type(exc).__name__}: {exc}); the probes "
+                      "call the program's own, so any state of its own (a random generator) advances in the "
+                      "control run only and the resume gate may report updates 1..N as not reproducible",
+                      RuntimeWarning, stacklevel=2)
+        return collate
+
+
+def first_difference(a: Any, b: Any, name: str = "batch") -> str | None:
+    """The first field in which two collated batches differ (tensors by value), or None when they are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+        return None if same else name
+    if hasattr(a, "keys") and hasattr(b, "keys"):
+        if set(a.keys()) != set(b.keys()):
+            return name
+        return next((d for k in a.keys() if (d := first_difference(a[k], b[k], str(k))) is not None), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b, strict=True))
+                     if (d := first_difference(x, y, f"{name}[{i}]")) is not None), None)
+    return None if a == b else name
+
+
+def random_collate(collate: Callable, items: list) -> GateResult | None:
+    """The accum_equivalence skip when ``collate`` gives different batches for the same examples (random masking
+    or augmentation): its micro batches and its one batch would then be different inputs, and any gradient
+    difference would be the augmentation's, not the loss normalisation's. None when two collations agree."""
+    differs = first_difference(collate(items), collate(items))
+    if differs is None:
+        return None
+    return skipped("accum_equivalence", f"not measured: the collate gives different batches for the same examples "
+                   f"('{differs}' differs between two collations of the first micro batch): it draws random numbers "
+                   "(masking, augmentation), so micro batches and one batch of the same examples are different "
+                   "inputs; pilot once with the augmentation off to have the accumulation checked")
+
+
+
 def supervised(batch: Any, shift: bool) -> int:
     """Supervised label positions of a collated batch (labels != -100; a causal LM's first position never is)."""
     labels = batch["labels"] if hasattr(batch, "keys") and "labels" in batch.keys() else None
@@ -210,10 +256,10 @@ def flat_grads(model: torch.nn.Module) -> torch.Tensor:
 
 def accum_equivalence(model: torch.nn.Module, accumulate: Callable[[torch.nn.Module], float],
                       one_batch: Callable[[torch.nn.Module], float], micro_sizes: list[int],
-                      supervised_counts: list[int], how: str) -> GateResult:
+                      supervised_counts: list[int], how: str, fix: str) -> GateResult:
     """Compare the gradient of ``accumulate`` (the framework's own accumulation over the micro batches) with
     ``one_batch`` (the same examples as one batch) on ``model`` (a float64 eval copy). ``how`` says which code
-    computed each, for the reason."""
+    computed each, for the reason; ``fix`` is the framework's own remedy for a loss averaged per micro batch."""
     gate = "accum_equivalence"
     model.zero_grad(set_to_none=True)
     acc_loss = accumulate(model)
@@ -247,9 +293,7 @@ def accum_equivalence(model: torch.nn.Module, accumulate: Callable[[torch.nn.Mod
                           f"(tolerance {TOL_FLOAT64:.0e}, float64 on CPU){note}", measurements)
     if len(set(supervised_counts)) > 1:
         cause = ("the loss is averaged per micro batch, so tokens of micro batches with fewer supervised labels weigh "
-                 "more than in one big batch (transformers#37766): make the model's forward accept "
-                 "num_items_in_batch (or **kwargs) and divide the summed token losses by it, or give the trainer a "
-                 "compute_loss_func that does")
+                 f"more than in one big batch (transformers#37766): {fix}")
     else:
         cause = ("examples influence each other's loss (labels or statistics that depend on which examples share a "
                  "batch), or the accumulation is scaled wrongly")

@@ -21,8 +21,10 @@ Outside a pilot the handle is inert and the callback does nothing. Inside one it
   afterwards, runs inspect, batch, accum_equivalence (``training_step``'s loss with Lightning's own
   accumulation scaling, loss / accumulate_grad_batches), overfit, export (``trainer.save_checkpoint``) and
   reload_eval (a fresh process: ``load_from_checkpoint(weights_only=True)`` of the class, after pilotrun's loading
-  policy admitted the recorded manifest) at train start, on copies of the module; a ``probe`` run stops after one
-  update.
+  policy admitted the recorded manifest) at train start, on copies of the module (reading the fit's trainer
+  through a :class:`TrainerView`, logging nothing) and of the collate (its own
+  random generator, if any, does not advance); a collate that gives different batches for the same examples
+  makes accum_equivalence ``skip``; a ``probe`` run stops after one update.
 
 Lightning is an optional extra: this module says how to install it when it is missing; ``import pilotrun`` never
 imports it.
@@ -160,13 +162,37 @@ class PilotrunCallback(pl.Callback):
 # ------------------------------------------------------------------------------------------------------ probes
 
 
-def detached_copy(module: pl.LightningModule, dtype: torch.dtype | None = None) -> pl.LightningModule:
-    """A deep copy of the module without its trainer (copying the trainer would copy the whole fit)."""
+class TrainerView:
+    """What a probe's copy of the module sees as ``self.trainer``: the fit's trainer for reading (a training_step
+    may read ``self.trainer.accumulate_grad_batches``, ``self.lr_schedulers()``, ``self.global_step``); an attribute
+    the copy sets stays on the view, never on the fit's trainer."""
+
+    def __init__(self, trainer: Any) -> None:
+        object.__setattr__(self, "_fit_trainer", trainer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_fit_trainer"), name)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """The copy's ``self.log``/``self.log_dict``: a probe's values never reach the fit's logged metrics."""
+
+
+def detached_copy(module: pl.LightningModule, dtype: torch.dtype | None = None,
+                  view_of: Any = None) -> pl.LightningModule:
+    """A deep copy of the module without its trainer (copying the trainer would copy the whole fit); with
+    ``view_of``, the copy reads that trainer through a :class:`TrainerView` (a training_step that reads its trainer
+    made every probe fail with "not attached to a `Trainer`") and logs nothing."""
     trainer, module._trainer = module._trainer, None
     try:
         out = copy.deepcopy(module).to("cpu")
     finally:
         module._trainer = trainer
+    if view_of is not None:
+        out.trainer = TrainerView(view_of)  # the setter gives nested LightningModules the view too
+        for child in out.modules():
+            if isinstance(child, pl.LightningModule):
+                child.log, child.log_dict = _no_log, _no_log
     return out.to(dtype) if dtype is not None else out
 
 
@@ -182,7 +208,20 @@ def _loader_parts(trainer) -> tuple[Any, Callable, int]:
     loader = trainer.train_dataloader
     if loader is None or not hasattr(loader, "dataset"):
         raise RuntimeError("the trainer has no map-style train dataloader to take examples from")
-    return loader.dataset, loader.collate_fn, int(loader.batch_size or 1)
+    # A DataLoader built with batch_sampler= has batch_size None: the micro batch size is the sampler's (a bucketing
+    # sampler without one: its first batch's). Read as 1, the batch row had 4x too many updates per epoch.
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    if size is None:
+        size = len(next(iter(loader.batch_sampler)))
+    # A private copy: a collate with its own state (a random generator) must not advance in the control run only.
+    return loader.dataset, C.private_collate(loader.collate_fn), int(size)
+
+
+# Lightning passes no token count: training_step must weigh its micro batch by the window's labels itself.
+LIGHTNING_FIX = ("Lightning divides each training_step loss by accumulate_grad_batches and passes no token count, "
+                 "so return the micro batch's summed token losses × accumulate_grad_batches / the supervised tokens "
+                 "of the whole accumulation window (count them where the batches are built), or average over "
+                 "examples instead of tokens")
 
 
 def probe_accum(trainer, module) -> GateResult:
@@ -192,9 +231,12 @@ def probe_accum(trainer, module) -> GateResult:
     if len(items) < n * size:
         return C.skipped("accum_equivalence", f"the training set has {len(items)} examples; {n} micro batches of "
                          f"{size} need {n * size}")
+    augmented = C.random_collate(collate, items[:size])
+    if augmented is not None:
+        return augmented
     micro = [C.to_float64(collate(items[i * size:(i + 1) * size])) for i in range(n)]
     big = C.to_float64(collate(items))
-    model = detached_copy(module, torch.float64).eval()
+    model = detached_copy(module, torch.float64, view_of=trainer).eval()
 
     def accumulate(m) -> float:
         total = 0.0
@@ -213,14 +255,15 @@ def probe_accum(trainer, module) -> GateResult:
 
     counts = [C.supervised(b, shift=False) for b in micro]
     return C.accum_equivalence(model, accumulate, one_batch, [size] * n, counts,
-                               "LightningModule.training_step with Lightning's loss / accumulate_grad_batches")
+                               "LightningModule.training_step with Lightning's loss / accumulate_grad_batches",
+                               LIGHTNING_FIX)
 
 
 def probe_overfit(trainer, module) -> GateResult:
     dataset, collate, _ = _loader_parts(trainer)
     items = [dataset[i] for i in range(min(C.OVERFIT_EXAMPLES, len(dataset)))]
     batch = collate(items)
-    model = detached_copy(module)
+    model = detached_copy(module, view_of=trainer)
 
     def eval_loss(m) -> float:
         m.eval()
@@ -255,8 +298,9 @@ def probe_batch(trainer) -> GateResult:
     dataset, _, micro = _loader_parts(trainer)
     accum, replicas, n = int(trainer.accumulate_grad_batches), int(trainer.world_size), len(dataset)
     per_update = micro * accum * replicas
-    drop_last = bool(getattr(trainer.train_dataloader, "drop_last", False))
-    micro_batches = n // (micro * replicas) if drop_last else -(-n // (micro * replicas))
+    # The loader's own length: its sampler's count per process (drop_last, a batch_sampler, Lightning's
+    # DistributedSampler), not arithmetic on batch_size.
+    micro_batches = len(trainer.train_dataloader)
     updates = -(-micro_batches // accum)
     last = micro_batches - (updates - 1) * accum
     partial = f"the last window has {last} of {accum} micro batches" if last != accum else "no partial window"
@@ -309,9 +353,14 @@ def probe_reload(trainer, module, export: GateResult) -> GateResult:
     work = folder.parent / "pilotrun-reload"
     work.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(work / "inputs.safetensors"))
-    model = detached_copy(module).eval()
-    with torch.no_grad():
-        expected = _loss(model, batch).detach().float().reshape(1)
+    model = detached_copy(module).eval()  # as the fresh process has it: no trainer
+    try:
+        with torch.no_grad():
+            expected = _loss(model, batch).detach().float().reshape(1)
+    except Exception as exc:  # training_step needs its trainer (or the fit's state): the reload cannot run it either
+        return C.skipped("reload_eval", f"not measured: {cls.__qualname__}.training_step fails without its Trainer "
+                         f"({type(exc).__name__}: {str(exc)[:200]}), and the fresh process that loads the checkpoint "
+                         "has none; a training_step that reads nothing from self.trainer gets its reload checked")
     where = str(Path(inspect.getfile(cls)).resolve().parent)
     run_worker("pilotrun.integrations.lightning_reload",
                ["--export", str(folder), "--known-manifest", export.measurements["manifest_sha256"],

@@ -23,8 +23,10 @@ Outside a pilot the handle is inert and the callback does nothing. Inside one it
   into ``job.checkpoint_dir`` and reports each one (``job.saved``) after the Trainer wrote it;
 - in the run whose rows the pilot records (the ``control`` run; also ``stages`` and ``probe``) runs inspect, batch,
   accum_equivalence, overfit, export and reload_eval at train begin on the trainer's own model, collator and loss
-  (copies where they train), with every RNG put back afterwards so the run still draws what the interrupted and
-  resumed runs draw; a ``probe`` run stops after one update.
+  (copies where they train, and a copy of the collator), with every RNG put back afterwards so the run still
+  draws what the interrupted and resumed runs draw; a collator that gives different batches for the same examples
+  (random masking) makes accum_equivalence ``skip``, an export without ``config.json`` (a plain ``nn.Module``)
+  reload_eval; a ``probe`` run stops after one update.
 
 Trainer callbacks are not given the trainer, so at ``on_train_begin`` the callback finds it in the calling frame
 (the Trainer's own method that fires the event); ``PilotrunCallback(trainer=...)``/``bind()`` name it instead.
@@ -112,7 +114,7 @@ class PilotrunCallback(TrainerCallback):
             self._carry_ids(dataloader, trainer)
         if self.probes and C.runs_probes(self.job):
             with rng_untouched():  # the control run then draws what the runs without probes draw
-                self.probe_results = run_probes(self.job, trainer, self.collate)
+                self.probe_results = run_probes(self.job, trainer, C.private_collate(self.collate))
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self.active or self.spans is None:
@@ -260,6 +262,13 @@ def _trainer_backward(trainer: Trainer, model, batches: list) -> float:
     return total
 
 
+TRAINER_FIX = ("make the model's forward accept num_items_in_batch (or **kwargs) and divide the summed token losses by "
+               "it, or give the trainer a compute_loss_func that does")
+# A Trainer subclass's own compute_loss gets the window's count as its num_items_in_batch argument.
+OVERRIDE_FIX = ("{cls}.compute_loss overrides the Trainer's: sum its token losses and divide by its num_items_in_batch "
+                "argument (the window's supervised tokens) instead of averaging the micro batch")
+
+
 def probe_accum(trainer: Trainer, collate) -> GateResult:
     args = trainer.args
     n = max(args.gradient_accumulation_steps, 2)
@@ -273,6 +282,9 @@ def probe_accum(trainer: Trainer, collate) -> GateResult:
     def chunks(its):
         return [collate(its[i * size:(i + 1) * size]) for i in range(n)]
 
+    augmented = C.random_collate(collate, items[:size])
+    if augmented is not None:
+        return augmented
     micro = chunks(items)
     if len({C.supervised(b, shift) for b in micro}) == 1:
         # Equal label counts would not exercise length normalisation: group the examples by their own length.
@@ -285,7 +297,9 @@ def probe_accum(trainer: Trainer, collate) -> GateResult:
         return C.accum_equivalence(
             model, lambda m: _trainer_backward(trainer, m, micro64), lambda m: _trainer_backward(trainer, m, [big64]),
             [size] * n, [C.supervised(b, shift) for b in micro],
-            "Trainer.compute_loss with its num_items_in_batch and accumulation scaling")
+            "Trainer.compute_loss with its num_items_in_batch and accumulation scaling",
+            OVERRIDE_FIX.format(cls=type(trainer).__name__) if type(trainer).compute_loss is not Trainer.compute_loss
+            else TRAINER_FIX)
     finally:
         del model
 
@@ -391,6 +405,13 @@ def probe_reload(trainer: Trainer, collate, export: GateResult) -> GateResult:
 
     if export.verdict != Verdict.PASS:
         return C.skipped("reload_eval", f"the export did not pass ({export.reason})")
+    if "config.json" not in export.measurements["files"]:
+        # save_model of a plain nn.Module (or an adapter alone) writes weights without the config from_pretrained
+        # needs: the reload would fail on pilotrun's side, not on a defect of the program.
+        kind = type(trainer.accelerator.unwrap_model(_model(trainer))).__name__
+        return C.skipped("reload_eval", f"not measured: the export has no config.json ({kind} is not a transformers "
+                         "PreTrainedModel), so from_pretrained cannot rebuild it in a fresh process; a "
+                         "PreTrainedModel with a config gets its reload checked")
     folder = Path(export.measurements["export_dir"])
     work = folder.parent / "pilotrun-reload"
     work.mkdir(parents=True, exist_ok=True)

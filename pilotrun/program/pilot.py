@@ -31,7 +31,7 @@ from ..ledger.store import Ledger
 from ..measure.meter import StageMeter
 from ..pilot.report import PilotResult, write_report
 from .env import Event, Role
-from .resume import fresh_runs_agree, resume_rows
+from .resume import fresh_runs_agree, resume_rows, short_of
 from .runner import RunOutcome, RunPlan, run_program
 
 
@@ -158,9 +158,11 @@ def _pilot(spec: Spec, options: ProgramOptions, names: list[str], sink: _Rows, o
             assert recording is not None
             observer.on_gate_start("resume")
             exact, mode = compare_mode(spec)
-            if not recording.ended_cleanly or not any(recording.updates(r) for r in recording.ranks):
+            if (not recording.ended_cleanly or not any(recording.updates(r) for r in recording.ranks)
+                    or short_of(recording, before + after) is not None):
                 # The row names the control run's failure; two more runs would each cost up to program.timeout
-                # (found piloting a program that ignores should_stop: control, interrupted and resumed all timed out).
+                # (found piloting a program that ignores should_stop: control, interrupted and resumed all timed out;
+                # and a Lightning script whose max_steps was below pilot.resume.before + after).
                 for row in resume_rows(runs, before, after, exact, spec.pilot.resume.rtol, mode):
                     sink.add(row)
                 continue

@@ -46,6 +46,13 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
     if not any(control.updates(r) for r in control.ranks):
         return [_fail(f"the control run reported no updates{skipped}: call job.update(update, loss=..., lr=...) "
                       "after each optimizer.step()", details)]
+    short = short_of(control, end)
+    if short is not None:
+        rank, last = short
+        return [_fail(f"the control run {control.how_it_ended()} after update {last} (rank {rank}), but the resume "
+                      f"gate compares updates up to {end} (pilot.resume.before {before} + after {after}){skipped}: "
+                      f"let the program run at least {end} updates (its max_steps, epochs or --updates), or lower "
+                      "pilot.resume.before/after", details)]
     assert interrupted is not None
     if not interrupted.killed:
         saved = [e["update"] for e in interrupted.of(Event.SAVED)]
@@ -98,6 +105,16 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
         if silent:
             row.details = {**row.details, "ranks_without_updates": silent}
     return rows
+
+
+def short_of(control: RunOutcome, end: int) -> tuple[int, int] | None:
+    """(rank, last update) of the first rank whose control run ended before update ``end`` (the program's own
+    step count is below pilot.resume.before + after), else None: nothing after it can be compared."""
+    for rank in control.ranks:
+        updates = [int(u["update"]) for u in control.updates(rank)]
+        if updates and max(updates) < end:
+            return rank, max(updates)
+    return None
 
 
 def reported_fields(updates: list[dict]) -> list[str]:
