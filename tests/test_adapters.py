@@ -219,6 +219,29 @@ def test_one_function_decides_availability(lora_spec, tmp_path, monkeypatch):
 
 # -- checkpoints hold the adapter alone; restore is exact ----------------------------------------------------------
 
+def test_an_adapter_on_a_random_base_that_learns_but_cannot_memorise_warns_and_one_that_does_not_learn_fails(
+        lora_spec, tmp_path):
+    # At Llama's default init (0.02) the frozen random embeddings bound the logits: no adapter memorises the subset
+    # (the example raises initializer_range for that). That is the base, not a defect: warn, saying so.
+    random_base, short = "model.config.initializer_range=0.02", "pilot.overfit.max_updates=20"
+    row = gate_rows(lora_spec, tmp_path / "a", random_base, short, gates=["overfit"])["overfit"]
+    assert row["verdict"] == "warn", row["reason"]
+    assert "randomly initialised (built from a config)" in row["reason"] and "frozen" in row["reason"]
+    # An adapter whose loss does not move (lr too small to change it) is still a failure.
+    row = gate_rows(lora_spec, tmp_path / "b", random_base, short, "train.optimizer.lr=1e-9",
+                   gates=["overfit"])["overfit"]
+    assert row["verdict"] == "fail", row["reason"]
+
+
+def test_the_frozen_base_shortfall_rule():
+    from pilotrun.gates.overfit import frozen_base_shortfall
+
+    assert frozen_base_shortfall(4.5, 4.2, 0.99, random_base=True)      # learns, random base: warn
+    assert frozen_base_shortfall(4.5, 4.2, 0.99, random_base=None)      # cannot tell: warn, naming both cases
+    assert frozen_base_shortfall(4.5, 4.2, 0.99, random_base=False) is None   # pretrained base: a failure
+    assert frozen_base_shortfall(4.5, 4.2, 0.0, random_base=True) is None     # full fine-tune: a failure
+    assert frozen_base_shortfall(4.5, 4.49, 0.99, random_base=True) is None   # the loss did not fall: a failure
+
 def test_save_holds_adapter_not_base_and_restore_continues_bitwise(lora_spec, tmp_path):
     from pilotrun.checkpoint.io import CheckpointError, read_manifest
     from pilotrun.checkpoint.state import compare_fingerprints, load_torch_file

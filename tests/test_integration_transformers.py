@@ -221,3 +221,37 @@ def test_reload_eval_is_not_measured_for_a_model_from_pretrained_cannot_rebuild(
     assert export.verdict == Verdict.PASS and "config.json" not in export.measurements["files"], export.reason
     reload = T.probe_reload(tr, chat.collate, export)
     assert reload.verdict == Verdict.SKIP and "PlainLM is not a transformers PreTrainedModel" in reload.reason
+
+
+def test_overfit_of_an_adapter_on_a_config_built_base_warns_and_on_a_pretrained_one_fails(tmp_path):
+    # A LoRA adapter on a randomly initialised frozen base (what a Trainer pilot without the weights has) cannot
+    # memorise: the row warns and says why, not a false failure. The same shortfall on a pretrained base fails.
+    import peft
+    import transformers
+
+    from pilotrun.integrations import common as C
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    batch = {"input_ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"].clone()
+
+    def verdict(model):
+        torch.manual_seed(0)
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+        def loss(m):
+            return m(**batch).loss
+
+        def eval_loss(m):
+            with torch.no_grad():
+                return float(m(**batch).loss)
+        return C.overfit(lora, loss, eval_loss, 4, C.OVERFIT_LR)
+
+    torch.manual_seed(0)
+    random_base = transformers.LlamaForCausalLM(cfg)
+    random_base.save_pretrained(tmp_path / "base")
+    row = verdict(random_base)
+    assert row.verdict == Verdict.WARN and "randomly initialised (built from a config)" in row.reason, row.reason
+    pretrained = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    row = verdict(pretrained)
+    assert row.verdict == Verdict.FAIL, row.reason

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..gates.accum import TOL_FLOAT64
+from ..gates.overfit import frozen_base_shortfall
 from ..gates.reload_eval import ATOL as RELOAD_ATOL
 from ..gates.reload_eval import RTOL as RELOAD_RTOL
 from ..ledger.records import Verdict
@@ -301,6 +302,17 @@ def accum_equivalence(model: torch.nn.Module, accumulate: Callable[[torch.nn.Mod
                       f"{window}, relative difference {rel:.1e} (tolerance {TOL_FLOAT64:.0e}); {cause}", measurements)
 
 
+def built_from_config(model: torch.nn.Module) -> bool | None:
+    """Whether the transformers model in ``model`` (itself, a peft wrapper's base, or a LightningModule's submodule)
+    was built from a config, so randomly initialised: ``from_config``/``Model(config)`` leave
+    ``config._name_or_path`` empty, ``from_pretrained`` sets it. None without a transformers config (cannot tell)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_name_or_path"):
+            return not config._name_or_path
+    return None
+
+
 def overfit(model: torch.nn.Module, train_loss: Callable[[torch.nn.Module], torch.Tensor],
             eval_loss: Callable[[torch.nn.Module], float], examples: int, lr: float) -> GateResult:
     """Train ``model`` (a copy) on a few examples with AdamW at a constant ``lr`` until the loss falls below
@@ -338,6 +350,12 @@ def overfit(model: torch.nn.Module, train_loss: Callable[[torch.nn.Module], torc
     if last < threshold:
         return GateResult(gate, Verdict.PASS, f"{examples} examples learned in {len(losses)} updates: loss "
                           f"{start:.3g} -> {last:.3g} (< {threshold:.3g})", measurements)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    shortfall = frozen_base_shortfall(start, last, frozen / total if total else 0.0, built_from_config(model))
+    if shortfall:
+        return GateResult(gate, Verdict.WARN, f"{examples} examples not learned in {len(losses)} updates at lr "
+                          f"{lr:g}: {shortfall}", measurements)
     return GateResult(gate, Verdict.FAIL, f"{examples} examples not learned in {len(losses)} updates at lr {lr:g}: "
                       f"loss {start:.3g} -> {last:.3g} (needs < {threshold:.3g}). Usual causes: labels that do not "
                       "belong to their inputs, inputs the model cannot see, frozen parameters", measurements)

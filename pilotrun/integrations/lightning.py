@@ -189,10 +189,11 @@ def detached_copy(module: pl.LightningModule, dtype: torch.dtype | None = None,
     finally:
         module._trainer = trainer
     if view_of is not None:
-        out.trainer = TrainerView(view_of)  # the setter gives nested LightningModules the view too
+        # The setter gives nested LightningModules the view too; a view, not a Trainer, hence the ignores.
+        out.trainer = TrainerView(view_of)  # type: ignore[assignment]
         for child in out.modules():
             if isinstance(child, pl.LightningModule):
-                child.log, child.log_dict = _no_log, _no_log
+                child.log, child.log_dict = _no_log, _no_log  # type: ignore[method-assign]
     return out.to(dtype) if dtype is not None else out
 
 

@@ -209,7 +209,9 @@ def attribute_across_ranks(differences: Mapping[int, Difference], silent: Sequen
     for rank, diff in differences.items():
         if diff.field != "grad_norm" or diff.update is None:
             continue
-        sources = sorted((d.update, r) for r, d in upstream.items() if r != rank and d.update <= diff.update)
+        at = diff.update
+        sources = sorted((d.update, r) for r, d in upstream.items()
+                         if r != rank and d.update is not None and d.update <= at)
         if not sources:
             if silent:
                 diff.origin = (f"or a difference on rank(s) {', '.join(map(str, silent))}, whose gradients are "

@@ -69,7 +69,7 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
     for r in rows:
         v = r["verdict"]
         mem = r.get("memory") or {}
-        cells = [Text(MARK[v], style=STYLE[v]), Text(gate_label(r, rows)), Text(v, style=STYLE[v]),
+        cells: list[Text | str] = [Text(MARK[v], style=STYLE[v]), Text(gate_label(r, rows)), Text(v, style=STYLE[v]),
                  human_seconds(r.get("seconds")) if r.get("seconds") is not None else "",
                  human_bytes(mem.get("peak_allocated_bytes")) if mem.get("peak_allocated_bytes") is not None else ""]
         if show_reserved:
