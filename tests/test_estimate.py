@@ -64,6 +64,9 @@ def test_time_from_flops_and_the_datasheet_peak():
     fit = estimate_fit(synthetic_trace(), h100, "single", 1, utilisation=0.5)
     assert fit["seconds_per_update"] == pytest.approx(1e15 / (989e12 * 0.5))
     assert fit["time"]["bound"] == "compute"
+    # bf16-true multiplies in bf16: the bf16 peak, not "no peak for bf16-true" (every such row read n/a).
+    fit = estimate_fit(synthetic_trace(precision="bf16-true"), h100, "single", 1, utilisation=0.5)
+    assert fit["seconds_per_update"] == pytest.approx(1e15 / (989e12 * 0.5))
 
 
 def test_catalog_unknown_and_user_override(tmp_path):

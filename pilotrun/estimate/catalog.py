@@ -50,9 +50,13 @@ class Accelerator:
                 "and pass --catalog (docs/catalog.md)")
 
     def peak_flops(self, precision: str) -> float | None:
-        tf = self.peak_tflops.get(precision)
+        tf = self.peak_tflops.get(PEAK_OF_PRECISION.get(precision, precision))
         return None if tf is None else float(tf) * 1e12
 
+
+# A train.precision whose matmuls run in another precision's peak: bf16-true holds bf16 weights and multiplies
+# in bf16 (the catalog has no "bf16-true" peak, so every bf16-true row showed no time).
+PEAK_OF_PRECISION = {"bf16-true": "bf16"}
 
 REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", "interconnect", "context_bytes",
             "blas_workspace_bytes", "nccl_buffer_bytes")
