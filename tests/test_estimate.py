@@ -72,7 +72,7 @@ def test_time_from_flops_and_the_datasheet_peak():
 def test_catalog_unknown_and_user_override(tmp_path):
     cat = load_catalog()
     assert set(cat) >= {"A100-80GB", "H100-80GB", "H200-141GB", "MI300X-192GB", "L40S-48GB", "L4-24GB", "A10G-24GB",
-                        "A6000-48GB", "RTX4090-24GB"}
+                        "A6000-48GB", "RTX4090-24GB", "H100-NVL-94GB"}
     assert find(cat, "h100").name == "H100-80GB" and find(cat, "NVIDIA H100 80GB HBM3").name == "H100-80GB"
     with pytest.raises(CatalogError, match="unknown accelerator 'tpu-v5'.*known: A100-80GB"):
         find(cat, "tpu-v5")
