@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 
 import pytest
+import yaml
 
 from pilotrun.config import load_spec
-from pilotrun.estimate.catalog import CatalogError, find, load_catalog, local_accelerator
+from pilotrun.estimate.catalog import OPTIONAL, REQUIRED, CatalogError, find, load_catalog, local_accelerator, matches
 from pilotrun.estimate.model import estimate_fit
 from pilotrun.estimate.plan import Assumptions, rental_plans
 from pilotrun.estimate.worker import trace_in_subprocess
@@ -62,22 +64,26 @@ def test_time_from_flops_and_the_datasheet_peak():
     fit = estimate_fit(synthetic_trace(), h100, "single", 1, utilisation=0.5)
     assert fit["seconds_per_update"] == pytest.approx(1e15 / (989e12 * 0.5))
     assert fit["time"]["bound"] == "compute"
+    # bf16-true multiplies in bf16: the bf16 peak, not "no peak for bf16-true" (every such row read n/a).
+    fit = estimate_fit(synthetic_trace(precision="bf16-true"), h100, "single", 1, utilisation=0.5)
+    assert fit["seconds_per_update"] == pytest.approx(1e15 / (989e12 * 0.5))
 
 
 def test_catalog_unknown_and_user_override(tmp_path):
     cat = load_catalog()
-    assert set(cat) >= {"A100-80GB", "H100-80GB", "H200-141GB", "MI300X-192GB"}
+    assert set(cat) >= {"A100-80GB", "H100-80GB", "H200-141GB", "MI300X-192GB", "L40S-48GB", "L4-24GB", "A10G-24GB",
+                        "A6000-48GB", "RTX4090-24GB", "H100-NVL-94GB"}
     assert find(cat, "h100").name == "H100-80GB" and find(cat, "NVIDIA H100 80GB HBM3").name == "H100-80GB"
     with pytest.raises(CatalogError, match="unknown accelerator 'tpu-v5'.*known: A100-80GB"):
         find(cat, "tpu-v5")
     user = tmp_path / "mine.yaml"
-    user.write_text("accelerators:\n  H100-80GB: {price_per_gpu_hour: 2.5}\n  L40S-48GB:\n    vendor: nvidia\n"
+    user.write_text("accelerators:\n  H100-80GB: {price_per_gpu_hour: 2.5}\n  A40-48GB:\n    vendor: nvidia\n"
                     "    stack: cuda\n    memory_bytes: 48000000000\n    bandwidth_tb_s: 0.86\n"
                     "    peak_tflops: {fp32: 91.6, bf16: 362, fp16: 362}\n    interconnect: {per_gpu_gb_s: 64}\n"
                     "    context_bytes: 536870912\n    blas_workspace_bytes: 8519680\n    nccl_buffer_bytes: 536870912\n")
     merged = load_catalog(user)
     assert merged["H100-80GB"].price_per_gpu_hour == 2.5 and merged["H100-80GB"].memory_bytes == cat["H100-80GB"].memory_bytes
-    assert merged["L40S-48GB"].memory_bytes == 48000000000
+    assert merged["A40-48GB"].memory_bytes == 48000000000 and "A40-48GB" not in cat  # a new name, added
     bad = tmp_path / "bad.yaml"
     bad.write_text("accelerators:\n  X: {vendor: nvidia}\n")
     with pytest.raises(CatalogError, match="lacks stack"):
@@ -229,3 +235,31 @@ def test_cutting_the_maximum_length_is_marked_a_different_experiment(tmp_path, m
     assert lock["verdict"] == "warn" and "data.max_length was cut from 96 to 48" in lock["reason"]
     assert "different experiment" in lock["reason"]
     assert {d["field"] for d in lock["details"]["different_experiment"]} == {"data.max_length", "eval.max_length"}
+
+
+def test_every_built_in_entry_is_complete_and_named_as_torch_names_its_device():
+    """Every built-in accelerator gives every key with a value (a precision it lacks is an explicit null),
+    and one alias is the device name torch reports, matching that entry and no other."""
+    raw = yaml.safe_load(resources.files("pilotrun.estimate").joinpath("catalog.yaml").read_text())["accelerators"]
+    cat = load_catalog()
+    for name, entry in raw.items():
+        assert set(entry) == (set(REQUIRED) | set(OPTIONAL)) - {"price_per_gpu_hour"}, name
+        assert all(entry[k] is not None for k in REQUIRED + ("compute_capability", "memory_spec_gb")), name
+        assert set(entry["peak_tflops"]) == {"fp32", "tf32", "bf16", "fp16", "fp8"}, name
+        assert {"kind", "per_gpu_gb_s", "gpus_per_node"} <= set(entry["interconnect"]), name
+        assert entry["memory_bytes"] < entry["memory_spec_gb"] * 2**30, name  # the runtime sees less than the label
+        device_names = [a for a in entry["aliases"] if a.startswith(("NVIDIA ", "AMD "))]
+        assert device_names, f"{name} has no alias with the torch device name"
+        for device in device_names:
+            assert [a.name for a in cat.values() if matches(a, device)] == [name], device
+
+
+def test_a_short_device_name_does_not_claim_a_longer_one(monkeypatch):
+    """"NVIDIA L4" is a prefix of "NVIDIA L40S": a substring match credited L40S pilots to the L4."""
+    from pilotrun import devices
+
+    cat = load_catalog()
+    assert not matches(cat["L4-24GB"], "NVIDIA L40S") and matches(cat["L4-24GB"], "NVIDIA L4")
+    monkeypatch.setattr(devices, "query_devices", lambda: devices.DeviceInventory(
+        "cuda", 1, ("NVIDIA L4",), (23580639232,)))
+    assert local_accelerator(cat).name == "L4-24GB"

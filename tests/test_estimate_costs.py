@@ -35,6 +35,9 @@ def test_the_example_catalog_loads_with_prices():
     assert cat["H100-80GB"].price_per_gpu_hour == 2.99
     assert cat["H100-80GB"].memory_bytes == load_catalog()["H100-80GB"].memory_bytes  # only the price overridden
     assert cat["L40S-48GB"].price_per_gpu_hour == 0.99 and cat["L40S-48GB"].peak_flops("bf16") == 362e12
+    assert cat["L40S-48GB"].memory_bytes == load_catalog()["L40S-48GB"].memory_bytes  # built in: price only
+    new = cat["A100-40GB-PCIe"]  # not built in: the example gives every key
+    assert "A100-40GB-PCIe" not in load_catalog() and new.memory_bytes == 42298834944 and new.price_per_gpu_hour == 1.29
     assert cat["H100-80GB"].defaults["headroom"] == 0.08
     assert cat["H100-80GB"].cost(2.0, 4) == pytest.approx(2.0 * 4 * 2.99)
 

@@ -5,6 +5,7 @@ An accelerator that is in neither is unknown — never guessed.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -49,9 +50,13 @@ class Accelerator:
                 "and pass --catalog (docs/catalog.md)")
 
     def peak_flops(self, precision: str) -> float | None:
-        tf = self.peak_tflops.get(precision)
+        tf = self.peak_tflops.get(PEAK_OF_PRECISION.get(precision, precision))
         return None if tf is None else float(tf) * 1e12
 
+
+# A train.precision whose matmuls run in another precision's peak: bf16-true holds bf16 weights and multiplies
+# in bf16 (the catalog has no "bf16-true" peak, so every bf16-true row showed no time).
+PEAK_OF_PRECISION = {"bf16-true": "bf16"}
 
 REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", "interconnect", "context_bytes",
             "blas_workspace_bytes", "nccl_buffer_bytes")
@@ -130,12 +135,19 @@ def find(catalog: dict[str, Accelerator], name: str) -> Accelerator:
     raise CatalogError(f"unknown accelerator {name!r}; known: {known} (add it to a catalog file and pass --catalog)")
 
 
+def _contains_name(text: str, name: str) -> bool:
+    """``name`` inside ``text`` as whole words: "nvidia l4" is not in "nvidia l40s"."""
+    return re.search(r"(?<![\w.-])" + re.escape(name) + r"(?![\w.-])", text) is not None
+
+
 def matches(acc: Accelerator, device_name: str | None) -> bool:
-    """Whether a device's reported name ("NVIDIA H100 80GB HBM3") is this catalog entry."""
+    """Whether a device's reported name ("NVIDIA H100 80GB HBM3") is this catalog entry. Names match as
+    whole words, so the L4's "NVIDIA L4" does not claim an "NVIDIA L40S" (a plain substring test did)."""
     if not device_name:
         return False
     name = device_name.lower()
-    return acc.name.lower() in name or any(a.lower() == name or (len(a) > 4 and a.lower() in name) for a in acc.aliases)
+    return _contains_name(name, acc.name.lower()) or any(
+        a.lower() == name or (len(a) > 4 and _contains_name(name, a.lower())) for a in acc.aliases)
 
 
 def local_accelerator(catalog: dict[str, Accelerator], device_index: int = 0) -> Accelerator | None:
