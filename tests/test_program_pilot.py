@@ -393,19 +393,23 @@ def test_one_resumed_update_compared_warns_that_the_optimizer_state_was_not_chec
     assert row.verdict == Verdict.PASS and "optimizer" not in row.reason
 
 
+def _resume_of(tmp_path: Path, source: str, spec: dict):
+    """The resume gate alone on a one-file program ``train.py`` (``spec`` without its program section)."""
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "train.py").write_text(source)
+    loaded = load_spec(write_spec(folder / "pilot.yaml", {**spec, "program": {"command": "python train.py"}}),
+                       allow_program=True)
+    result = run_program_pilot(loaded, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                                      gates=["resume"], container_digest=TEST_DIGEST))
+    return result, next(r for r in result.rows if r["gate"] == "resume")
+
 @pytest.mark.slow
 def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path):
     # Found piloting a program that ignores should_stop: the control run timed out, then the interrupted and the
     # resumed runs were started anyway and the resumed one timed out too (3 x program.timeout for one known failure).
-    folder = tmp_path / "p"
-    folder.mkdir()
-    (folder / "train.py").write_text("import sys, pilotrun\njob = pilotrun.program()\n"
-                                     "print('no config given', file=sys.stderr)\nsys.exit(1)\n")
-    spec = load_spec(write_spec(folder / "pilot.yaml", {"name": "crash", "program": {"command": "python train.py"}}),
-                     allow_program=True)
-    result = run_program_pilot(spec, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
-                                                    gates=["resume"], container_digest=TEST_DIGEST))
-    row = next(r for r in result.rows if r["gate"] == "resume")
+    result, row = _resume_of(tmp_path, "import sys, pilotrun\njob = pilotrun.program()\n"
+                                       "print('no config given', file=sys.stderr)\nsys.exit(1)\n", {"name": "crash"})
     assert row["verdict"] == Verdict.FAIL and "exited with 1" in row["reason"] and "no config given" in row["reason"]
     assert "were not started" in row["reason"] and result.exit_code == 1
     assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
@@ -415,16 +419,9 @@ def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path)
 def test_a_control_run_that_stops_before_resume_before_plus_after_says_so_and_starts_no_other_run(tmp_path):
     # Found piloting a Lightning script with max_steps 8 and pilot.resume {before: 8, after: 2}: the row said
     # "update 9: update (missing in control) 'missing' (control) vs 'missing' (resumed)".
-    folder = tmp_path / "p"
-    folder.mkdir()
-    (folder / "train.py").write_text("import pilotrun\njob = pilotrun.program()\n"
-                                     "for u in range(1, 4):\n    job.update(u, loss=1.0 / u, lr=0.1, ids=[u])\n")
-    spec = load_spec(write_spec(folder / "pilot.yaml", {"name": "short", "program": {"command": "python train.py"},
-                                                        "pilot": {"resume": {"before": 2, "after": 2}}}),
-                     allow_program=True)
-    result = run_program_pilot(spec, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
-                                                    gates=["resume"], container_digest=TEST_DIGEST))
-    row = next(r for r in result.rows if r["gate"] == "resume")
+    _, row = _resume_of(tmp_path, "import pilotrun\njob = pilotrun.program()\n"
+                                  "for u in range(1, 4):\n    job.update(u, loss=1.0 / u, lr=0.1, ids=[u])\n",
+                        {"name": "short", "pilot": {"resume": {"before": 2, "after": 2}}})
     assert row["verdict"] == Verdict.FAIL and "exited with 0 after update 3" in row["reason"], row["reason"]
     assert "updates up to 4" in row["reason"] and "pilot.resume.before/after" in row["reason"]
     assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
