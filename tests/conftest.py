@@ -1,6 +1,7 @@
 """Shared fixtures. Every test is checked for leaks: child processes, process groups, files in the repo."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -195,3 +196,21 @@ def killed_after_export(spec: Path, tmp_path: Path, ledger: Path, *extra: str) -
         parent = led.runs()[0]
     assert parent["status"] == "running"
     return parent
+
+
+def program_handle(tmp_path: Path, role: str, **env):
+    """A ProgramHandle as a pilot's ``role`` run sees it (events and checkpoints under tmp_path), for the integration
+    tests that drive a Trainer in this process; ``env`` sets more of pilotrun.program.env's variables by name."""
+    from pilotrun.program import env as E
+    from pilotrun.program.handle import ProgramHandle
+
+    environ = {E.PROGRAM: "1", E.ROLE: role, E.RUN_ID: "test", E.EVENTS: str(tmp_path / "events"),
+               E.CHECKPOINT_DIR: str(tmp_path / role)}
+    environ.update({getattr(E, k.upper()): str(v) for k, v in env.items()})
+    return ProgramHandle(environ=environ)
+
+
+def program_events(job, kind: str) -> list[dict]:
+    """The events of one kind a handle wrote."""
+    assert job.events_path is not None
+    return [x for x in map(json.loads, job.events_path.read_text().splitlines()) if x["kind"] == kind]

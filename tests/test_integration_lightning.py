@@ -2,7 +2,6 @@
 real pilotrun.program() handle: its event files are what the pilot reads."""
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -16,25 +15,13 @@ L = pytest.importorskip("lightning.pytorch")
 
 from pilotrun.integrations import lightning as PL  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
-from pilotrun.program import env as E  # noqa: E402
-from pilotrun.program.handle import ProgramHandle  # noqa: E402
 
-from .conftest import EXAMPLES, REPO  # noqa: E402
+from .conftest import EXAMPLES, REPO, program_events, program_handle  # noqa: E402
 
 sys.path.insert(0, str(EXAMPLES / "lightning"))
 import points  # noqa: E402
 
-
-def handle(tmp_path: Path, role: str, **env) -> ProgramHandle:
-    environ = {E.PROGRAM: "1", E.ROLE: role, E.RUN_ID: "test", E.EVENTS: str(tmp_path / "events"),
-               E.CHECKPOINT_DIR: str(tmp_path / role)}
-    environ.update({getattr(E, k.upper()): str(v) for k, v in env.items()})
-    return ProgramHandle(environ=environ)
-
-
-def events(job: ProgramHandle, kind: str) -> list[dict]:
-    assert job.events_path is not None
-    return [x for x in map(json.loads, job.events_path.read_text().splitlines()) if x["kind"] == kind]
+handle, events = program_handle, program_events
 
 
 def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = False, **kw) -> L.Trainer:

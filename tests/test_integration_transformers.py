@@ -3,7 +3,6 @@ synthetic chat from examples/hf-trainer), driven by the real pilotrun.program() 
 the pilot reads."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -15,26 +14,14 @@ transformers = pytest.importorskip("transformers")
 
 from pilotrun.integrations import transformers as T  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
-from pilotrun.program import env as E  # noqa: E402
 from pilotrun.program.handle import ProgramHandle  # noqa: E402
 
-from .conftest import EXAMPLES  # noqa: E402
+from .conftest import EXAMPLES, program_events, program_handle  # noqa: E402
 
 sys.path.insert(0, str(EXAMPLES / "hf-trainer"))
 import chat  # noqa: E402
 
-
-def handle(tmp_path: Path, role: str, **env) -> ProgramHandle:
-    environ = {E.PROGRAM: "1", E.ROLE: role, E.RUN_ID: "test", E.EVENTS: str(tmp_path / "events"),
-               E.CHECKPOINT_DIR: str(tmp_path / role)}
-    environ.update({getattr(E, k.upper()): str(v) for k, v in env.items()})
-    return ProgramHandle(environ=environ)
-
-
-def events(job: ProgramHandle, kind: str) -> list[dict]:
-    assert job.events_path is not None
-    lines = [json.loads(x) for x in job.events_path.read_text().splitlines()]
-    return [x for x in lines if x["kind"] == kind]
+handle, events = program_handle, program_events
 
 
 def trainer(job, tmp_path: Path, model=None, max_steps: int = 8, probes: bool = False,

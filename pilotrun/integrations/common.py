@@ -170,6 +170,14 @@ class StageSpans:
     def is_open(self, name: str) -> bool:
         return name in self.open_spans
 
+    def update_done(self, updates_here: int) -> None:
+        """After this process's ``updates_here``-th update: first_step spans the first, steady_step the
+        ``STEADY_UPDATES`` after it."""
+        if updates_here == 1:
+            self.close("first_step")
+        elif updates_here == 1 + STEADY_UPDATES:
+            self.close("steady_step")
+
     def close_all(self) -> None:
         for name in list(self.open_spans):
             self.close(name)

@@ -131,10 +131,7 @@ class PilotrunCallback(pl.Callback):
         window, self.window = self.window, C.UpdateWindow()
         window.report(self.job, update, sum(window.losses) / len(window.losses))
         self.updates_here += 1
-        if self.updates_here == 1:
-            self.spans.close("first_step")
-        elif self.updates_here == 1 + C.STEADY_UPDATES:
-            self.spans.close("steady_step")
+        self.spans.update_done(self.updates_here)
         if self.job.should_save(update):
             folder = Path(self.job.checkpoint_dir or trainer.default_root_dir)
             path = folder / f"step-{update}.ckpt"

@@ -137,10 +137,7 @@ class PilotrunCallback(TrainerCallback):
         window, self.window = self.window, C.UpdateWindow()
         window.report(self.job, update, sum(window.losses) if window.losses else None)
         self.updates_here += 1
-        if self.updates_here == 1:
-            self.spans.close("first_step")
-        elif self.updates_here == 1 + C.STEADY_UPDATES:
-            self.spans.close("steady_step")
+        self.spans.update_done(self.updates_here)
         if self.job.should_save(update):
             control.should_save = True
         if self.job.should_stop(update) or C.role_name(self.job) == "probe":
