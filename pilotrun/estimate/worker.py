@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 from ..config.spec import Spec
-from ..workers.common import read_spec_file, write_result, write_spec_file
+from ..workers.common import read_spec_file, write_error, write_result, write_spec_file
 
 
 class TraceError(RuntimeError):
@@ -43,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.result, result.to_dict())
         return 0
     except Exception as exc:
-        write_result(args.result, {"error": f"{type(exc).__name__}: {exc}",
-                                   "traceback": traceback.format_exc()[-4000:]})
+        write_error(args.result, exc)
         return 1
 
 

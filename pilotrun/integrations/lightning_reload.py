@@ -14,7 +14,6 @@ import argparse
 import importlib
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint.trust import LoadPolicy
 from ..program import env as E
-from ..workers.common import write_result
+from ..workers.common import write_error, write_result
 
 
 def _class(spec: str, folder: str):
@@ -61,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.result, {"model_class": cls.__qualname__})
         return 0
     except Exception as exc:  # reported to the probe, which names it in its row
-        write_result(args.result, {"error": f"{type(exc).__name__}: {exc}",
-                                   "traceback": traceback.format_exc()[-4000:]})
+        write_error(args.result, exc)
         return 1
 
 

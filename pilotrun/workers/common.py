@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -41,3 +42,9 @@ def write_result(path: str | Path, payload: dict) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(payload, default=str))
     os.replace(tmp, path)
+
+
+def write_error(path: str | Path, exc: BaseException, **fields) -> None:
+    """A worker's exception as its result file says it: the parent names ``error`` in its row and keeps the
+    traceback's tail (call inside the ``except``)."""
+    write_result(path, {**fields, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]})

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint.export import BASE_JSON, MERGED
 from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal
 from ..train.evaluation import outputs_of
-from .common import write_result
+from .common import write_error, write_result
 
 
 def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module:
@@ -120,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.result, result)
         return 0
     except Exception as exc:  # reported to the gate, which names it in its row
-        write_result(args.result, {"error": f"{type(exc).__name__}: {exc}",
-                                   "traceback": traceback.format_exc()[-4000:]})
+        write_error(args.result, exc)
         return 1
 
 

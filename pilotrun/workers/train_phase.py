@@ -16,7 +16,6 @@ import argparse
 import math
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from ..checkpoint.io import latest_checkpoint
@@ -24,7 +23,7 @@ from ..checkpoint.state import compare_fingerprints, load_state_json
 from ..checkpoint.trust import LoadPolicy
 from ..drivers import Driver, ModelDriver, build_job
 from ..measure.meter import StageMeter
-from .common import peak_memory, read_spec_file, write_result
+from .common import peak_memory, read_spec_file, write_error, write_result
 
 
 def _float(x: float | None) -> str | None:
@@ -119,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:  # reported to the gate, which names it in its row
         if env is None or env.is_main:
-            write_result(args.result, {"phase": args.phase, "error": f"{type(exc).__name__}: {exc}",
-                                       "traceback": traceback.format_exc()[-4000:]})
+            write_error(args.result, exc, phase=args.phase)
         return 1
 
 
