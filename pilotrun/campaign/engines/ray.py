@@ -249,7 +249,10 @@ def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: floa
     return f"exit {proc.returncode}"
 
 
-run_task = ray.remote(_run_task)
+# max_calls=1: each run in a fresh worker process, as the local engine starts one per run. Ray otherwise reuses a
+# CPU task's worker, and what one run left in the process (a factory module's globals, torch's thread count and
+# flags, anything imported) would reach the next run of the campaign on that worker.
+run_task = ray.remote(max_calls=1)(_run_task)
 
 
 class RayEngine:
@@ -397,7 +400,8 @@ class RayEngine:
                 led.finish_campaign_run(run_id, lost_end(error, last, where))
             elif outcome == Outcome.RAISED and not self.stopping.is_set():
                 assert error is not None
-                cause = error.as_instanceof_cause() if isinstance(error, rex.RayTaskError) else error
+                # The run's own exception (RayTaskError.cause), not the wrapper whose text is Ray's traceback.
+                cause = getattr(error, "cause", None) or error
                 last = max((m["step"] for m in led.metrics(run_id, Series.TRAIN)), default=0)
                 led.finish_campaign_run(run_id, RunEnd(RunStatus.FAILED, StopKind.ERROR,
                                                        f"{type(cause).__name__}: {str(cause)[:300]}", last))
