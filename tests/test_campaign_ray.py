@@ -123,10 +123,24 @@ def _marked(mark: str) -> list[psutil.Process]:
     return out
 
 
+def _with_children(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` and everything they started. A raylet's agents (ray::DashboardAgent, ray::RuntimeEnvAgent) and
+    workers retitle themselves over their environment, so the mark cannot be read there: they are found as the
+    raylet's children, before it is killed and they are orphaned."""
+    out = {p.pid: p for p in procs}
+    for p in procs:
+        try:
+            out.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    return list(out.values())
+
+
 def _kill(mark: str) -> None:
-    """Every process that carries ``mark`` (a Ray node and its workers), then check none is left."""
+    """Every process that carries ``mark`` (a Ray node and its workers) and their children, then check none is
+    left."""
     for _ in range(3):
-        procs = _marked(mark)
+        procs = _with_children(_marked(mark))
         for p in procs:
             try:
                 p.kill()
