@@ -51,6 +51,7 @@ LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 DRAIN_EVERY_S = 0.25   # how often the driver moves relayed rows into the ledger
 STOP_POLL_S = 0.5      # how often a run asks whether the campaign is stopping (one actor call)
 STOP_GRACE_S = 60      # a run told to stop records where it stopped; then it is cancelled by force
+LOCAL_EXIT_WAIT_S = 10  # a local instance's processes get this long to exit after ray.shutdown
 
 
 class Outcome(enum.Enum):
@@ -309,7 +310,18 @@ class RayEngine:
             self.drain()
         finally:
             self._notices.shutting_down = True
+            # A local instance is this process's children (gcs_server, raylet) and theirs (workers, a worker still
+            # starting): ray.shutdown ends the node, and a worker it had just started can outlive it for seconds.
+            # Waited for, then killed, so the campaign leaves no Ray process behind. A cluster's are not ours.
+            ours = psutil.Process().children(recursive=True) if not self.choice.address else []
             ray.shutdown()
+            _, left = psutil.wait_procs(ours, timeout=LOCAL_EXIT_WAIT_S)
+            for proc in left:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(left, timeout=LOCAL_EXIT_WAIT_S)
             sys.stdout = self._stdout
 
     def cluster(self) -> dict[str, float]:
