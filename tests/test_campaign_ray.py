@@ -34,7 +34,8 @@ from pilotrun.ledger.records import RunEnd, RunStatus, Series, StopKind  # noqa:
 
 from .conftest import FIXTURES, TEST_DIGEST, copy_example, pilotrun_cli  # noqa: E402
 
-LRS = [3.0e-3, 1.0]  # the control, and one that diverges on the demo model
+LRS = [3.0e-3, 3.0]  # the control, and one that diverges on the demo model (1.0 ended near 3x the first
+# loss, so whether it tripped the 3x rule depended on the machine: seed 1 did not on a 2-core CPU box)
 MARK = "PILOTRUN_RAY_TEST"
 RAY = str(Path(sys.executable).with_name("ray"))
 
