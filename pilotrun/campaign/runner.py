@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from ..distributed import all_sum
+from ..distributed import all_sum, env_from_os
 from ..drivers import LoopDriver, NonFiniteError, build_job
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
@@ -189,7 +189,20 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
         torch.set_num_threads(plan["threads"])
     result: dict = {"run_id": run_id, "val": []}
     with sink if sink is not None else Ledger(ledger_path) as led:
-        driver = build_job(spec)
+        try:
+            driver = build_job(spec)
+        except Exception as exc:
+            # The run's own job could not be built (its model or data factory raised, a file is missing): the run
+            # records that itself, so every engine keeps the same row. Left to propagate, a local worker would end
+            # as "process lost" with a log to read and a Ray task as whatever Ray made of the error.
+            end = RunEnd(RunStatus.FAILED, StopKind.ERROR,
+                         f"building the job raised {type(exc).__name__}: {str(exc)[:300]}", 0)
+            result.update(status=str(end.status), **end.fields(), final=None, first_loss=None)
+            main = env_from_os()[0] == 0  # every rank of a group fails alike; rank 0 records the run's end
+            if main:
+                led.finish_campaign_run(run_id, end, final=None, first_loss=None)
+                (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+            return result
         assert isinstance(driver, LoopDriver)
         rec = _Recorder(led, run_id, driver.env.rank)
         try:

@@ -51,6 +51,7 @@ LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 DRAIN_EVERY_S = 0.25   # how often the driver moves relayed rows into the ledger
 STOP_POLL_S = 0.5      # how often a run asks whether the campaign is stopping (one actor call)
 STOP_GRACE_S = 60      # a run told to stop records where it stopped; then it is cancelled by force
+LOCAL_EXIT_WAIT_S = 10  # a local instance's processes get this long to exit after ray.shutdown
 
 
 class Outcome(enum.Enum):
@@ -249,7 +250,10 @@ def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: floa
     return f"exit {proc.returncode}"
 
 
-run_task = ray.remote(_run_task)
+# max_calls=1: each run in a fresh worker process, as the local engine starts one per run. Ray otherwise reuses a
+# CPU task's worker, and what one run left in the process (a factory module's globals, torch's thread count and
+# flags, anything imported) would reach the next run of the campaign on that worker.
+run_task = ray.remote(max_calls=1)(_run_task)
 
 
 class RayEngine:
@@ -306,7 +310,18 @@ class RayEngine:
             self.drain()
         finally:
             self._notices.shutting_down = True
+            # A local instance is this process's children (gcs_server, raylet) and theirs (workers, a worker still
+            # starting): ray.shutdown ends the node, and a worker it had just started can outlive it for seconds.
+            # Waited for, then killed, so the campaign leaves no Ray process behind. A cluster's are not ours.
+            ours = psutil.Process().children(recursive=True) if not self.choice.address else []
             ray.shutdown()
+            _, left = psutil.wait_procs(ours, timeout=LOCAL_EXIT_WAIT_S)
+            for proc in left:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(left, timeout=LOCAL_EXIT_WAIT_S)
             sys.stdout = self._stdout
 
     def cluster(self) -> dict[str, float]:
@@ -397,7 +412,8 @@ class RayEngine:
                 led.finish_campaign_run(run_id, lost_end(error, last, where))
             elif outcome == Outcome.RAISED and not self.stopping.is_set():
                 assert error is not None
-                cause = error.as_instanceof_cause() if isinstance(error, rex.RayTaskError) else error
+                # The run's own exception (RayTaskError.cause), not the wrapper whose text is Ray's traceback.
+                cause = getattr(error, "cause", None) or error
                 last = max((m["step"] for m in led.metrics(run_id, Series.TRAIN)), default=0)
                 led.finish_campaign_run(run_id, RunEnd(RunStatus.FAILED, StopKind.ERROR,
                                                        f"{type(cause).__name__}: {str(cause)[:300]}", last))
