@@ -27,6 +27,10 @@ from pilotrun.config.schema import SpecError
 from .conftest import TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli
 
 LRS = [3.0e-3, 1.0e-3, 1.0]  # control, a plausible variant, one that diverges
+# At lr 1.0 the loss jumps around; whether it passes 3x its first within 12 updates depends on the CPU's arithmetic
+# (seed 1 peaked at 2.3x on one 2-core VM and passed 3x on another), while every lr-1.0 trajectory seen passes 1.5x
+# within 5 updates and the two smaller lrs only fall: the fixture's rule is 1.5x so the test does not hang on a CPU.
+DIVERGENCE = 1.5
 
 
 def _run(variant, seed, status="finished", loss=None, parent=None, drift=None):
@@ -191,7 +195,8 @@ def test_a_resume_continues_only_runs_cut_short_and_they_stop_counting_as_not_ru
 def _campaign(tmp_path, **over) -> Path:
     copy_example("tiny-sft", tmp_path)
     body = {"name": "sweep", "base": "tiny-sft/pilot.yaml", "vary": {"train.optimizer.lr": LRS}, "seeds": [1, 2],
-            "updates": 12, "eval": {"every": 6}, "stop": {"non_finite": True, "divergence": 3.0, "budget_minutes": 20},
+            "updates": 12, "eval": {"every": 6}, "stop": {"non_finite": True, "divergence": DIVERGENCE,
+                                                            "budget_minutes": 20},
             "keep": {"checkpoint": False, "export": True, "control_set": 4}}
     body.update(over)
     path = tmp_path / "sweep.yaml"
@@ -344,7 +349,7 @@ def test_every_run_is_kept_with_its_reason_and_the_conclusion_is_honest(campaign
     # Declared before the start and stored: the campaign row holds the whole declaration.
     camp = _ledger(campaign["ledger"], "SELECT * FROM runs WHERE run_id = ?", campaign["id"])[0]
     declared = json.loads(camp["meta_json"])["campaign"]
-    assert declared["stop"] == {"non_finite": True, "divergence": 3.0, "budget_minutes": 20}
+    assert declared["stop"] == {"non_finite": True, "divergence": DIVERGENCE, "budget_minutes": 20}
     assert declared["vary"] == {"train.optimizer.lr": LRS} and declared["updates"] == 12
 
 
@@ -452,7 +457,9 @@ def test_the_report_renders_in_a_real_browser(campaign):
     assert res.returncode == 0, res.stderr
     page = (work / "r.html").read_text()
     assert f"Campaign run: {bad['run_id']}" in page and html_escape(bad["meta"]["stop_reason"]) in page
-    assert "Pilot:" not in page and page.count("data:image/png") == 3
+    # Its curves: loss and lr, and validation loss when it lived to the first validation (update 6).
+    val = _ledger(campaign["ledger"], "SELECT step FROM metrics WHERE run_id = ? AND gate = 'val'", bad["run_id"])
+    assert "Pilot:" not in page and page.count("data:image/png") == 2 + bool(val)
     res = pilotrun_cli("ledger", "--ledger", str(campaign["ledger"]), cwd=work)
     assert res.returncode == 0 and f"seed {bad['meta']['seed']} · update {bad['meta']['stopped_at']}:" in res.stdout
 
