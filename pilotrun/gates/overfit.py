@@ -43,6 +43,7 @@ def frozen_base_shortfall(start: float, last: float, frozen_share: float, random
             f"memorise the examples: {frozen_share:.1%} of the parameters are frozen and {base}. "
             "Pilot with the pretrained base to prove it")
 
+
 def _own_targets(model, data, items, device, precision) -> tuple[float, float | None]:
     """Mean loss and accuracy of each example alone (its own targets, no neighbours)."""
     losses, correct, counted = [], 0, 0
