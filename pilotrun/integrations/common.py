@@ -32,6 +32,7 @@ from ..gates.overfit import frozen_base_shortfall
 from ..gates.reload_eval import ATOL as RELOAD_ATOL
 from ..gates.reload_eval import RTOL as RELOAD_RTOL
 from ..ledger.records import Verdict
+from ..models.adapters import parameter_split
 from ..train.batches import IGNORE
 
 OVERFIT_UPDATES = 100     # the copy's updates at most; a few examples are learned well within this
@@ -358,9 +359,8 @@ def overfit(model: torch.nn.Module, train_loss: Callable[[torch.nn.Module], torc
     if last < threshold:
         return GateResult(gate, Verdict.PASS, f"{examples} examples learned in {len(losses)} updates: loss "
                           f"{start:.3g} -> {last:.3g} (< {threshold:.3g})", measurements)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    shortfall = frozen_base_shortfall(start, last, frozen / total if total else 0.0, built_from_config(model))
+    frozen_share = 1 - parameter_split(model).trainable_share  # a 4-bit weight counted as the weights it holds
+    shortfall = frozen_base_shortfall(start, last, frozen_share, built_from_config(model))
     if shortfall:
         return GateResult(gate, Verdict.WARN, f"{examples} examples not learned in {len(losses)} updates at lr "
                           f"{lr:g}: {shortfall}", measurements)

@@ -183,10 +183,10 @@ def reproducibility(control: list[dict], interrupted: list[dict], until: int, ex
     diff = compare_updates(control, interrupted, first, until, exact, rtol, other_name="interrupted",
                            step_restored_check=False)
     d = diff.difference
+    reported = by_update(interrupted)
     if d is not None and d.cause != Cause.MISSING_UPDATES:
         d.cause = Cause.NOT_REPRODUCIBLE
-    elif d is not None and d.update == until and d.other == "missing" and by_update(interrupted) and max(
-            by_update(interrupted)) < until:
+    elif d is not None and d.update == until and d.other == "missing" and reported and max(reported) < until:
         # Only the last update before the kill is missing: the loop saves before it reports (found piloting a loop
         # that logged at the end of its body); "stopped early, crashed, or skips job.update" did not say that.
         d.cause = Cause.UPDATE_AFTER_SAVED
