@@ -56,13 +56,18 @@ class StageFailed(RuntimeError):
         self.stage, self.reason, self.failure = stage, reason, failure
 
 
-def measured_summary(seconds: float | None, memory: dict) -> str:
-    """A passing row's reason: what was measured ("0.42 s; peak allocated 1.2 GiB, host RSS 3.1 GiB")."""
+def peaks_phrase(memory: dict) -> str:
+    """The measured memory counters, kept apart ("peak allocated 1.2 GiB, host RSS 3.1 GiB"); "" when none was."""
     labels = (("peak_allocated_bytes", "peak allocated"), ("peak_reserved_bytes", "peak reserved"),
               ("device_used_bytes", "device used"), ("host_rss_peak_bytes", "host RSS"))
-    peaks = [f"{label} {human_bytes(memory[key])}" for key, label in labels if memory.get(key) is not None]
+    return ", ".join(f"{label} {human_bytes(memory[key])}" for key, label in labels if memory.get(key) is not None)
+
+
+def measured_summary(seconds: float | None, memory: dict) -> str:
+    """A passing row's reason: what was measured ("0.42 s; peak allocated 1.2 GiB, host RSS 3.1 GiB")."""
+    peaks = peaks_phrase(memory)
     return "; ".join([f"{human_seconds(seconds)}" if seconds is not None else "time not measured"]
-                     + ([", ".join(peaks)] if peaks else []))
+                     + ([peaks] if peaks else []))
 
 
 def _infer_device(track: Iterable) -> torch.device:

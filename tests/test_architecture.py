@@ -15,17 +15,18 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"ui", "report"},
     {"integrations"},
-    {"pilot", "campaign", "estimate", "api", "program"},
+    {"pilot", "campaign", "estimate"},
     {"gates"},
     {"workers"},
     {"drivers"},
+    {"program", "api"},
     {"strategies"},
     {"train", "checkpoint", "models", "data"},
     {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
-# program/: the handle measures stages with api's code; its pilot writes report.json with pilot's writer.
-SIBLINGS = {("lock", "config"), ("program", "api"), ("program", "pilot")}
+# program/: the handle measures stages with api's code.
+SIBLINGS = {("lock", "config"), ("program", "api")}
 
 
 def _modules() -> dict[str, Path]:

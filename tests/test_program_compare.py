@@ -1,7 +1,8 @@
 """The resume comparison on a program's updates (pure logic): the first update and field that differ, and why."""
 from __future__ import annotations
 
-from pilotrun.gates.registry import GATE_NAMES, PROGRAM_GATES, OnProgram
+from pilotrun.drivers import OnProgram
+from pilotrun.gates.registry import BY_NAME, GATES
 from pilotrun.program.compare import Cause, compare_updates, reproducibility, values_equal
 
 
@@ -61,13 +62,16 @@ def test_fresh_runs_that_differ_are_not_reproducible():
     assert (d.update, d.field, d.cause, d.other_name) == (1, "ids", Cause.NOT_REPRODUCIBLE, "interrupted")
 
 
-def test_registry_says_how_every_gate_runs_on_a_program():
-    assert list(PROGRAM_GATES) == GATE_NAMES
-    for name, (how, why) in PROGRAM_GATES.items():
-        assert why, name
-        if how in (OnProgram.INTEGRATION, OnProgram.NEVER):  # a skip row must say what would enable the gate
-            assert any(w in why for w in ("integration", "give", "resume gate")), (name, why)
-    assert PROGRAM_GATES["resume"][0] == OnProgram.PILOT and PROGRAM_GATES["eval"][0] == OnProgram.STAGE
+def test_every_gate_declares_how_it_runs_on_a_program():
+    for gate in GATES:
+        assert gate.program_note, gate.name
+        if gate.on_program in (OnProgram.INTEGRATION, OnProgram.NEVER):  # a skip row must say what would enable it
+            assert any(w in gate.program_note for w in ("integration", "give", "resume gate")), gate.name
+    assert BY_NAME["resume"].on_program == OnProgram.RUNS and BY_NAME["eval"].on_program == OnProgram.STAGE
+    assert BY_NAME["lock"].on_program == OnProgram.PILOT
+    # the invalid values a program reported go on the update stages; first_step keeps its first stage only
+    assert [g.name for g in GATES if g.program_problems] == ["first_step", "steady_step"]
+    assert [g.name for g in GATES if not g.program_combines] == ["first_step"]
 
 
 def test_loss_differing_only_after_an_equal_first_resumed_update_is_the_optimizer_state():

@@ -17,9 +17,9 @@ from pilotrun.config.schema import SpecError
 from pilotrun.config.spec import ProgramOnlySpec, ProgramSpecRefused, load_spec
 from pilotrun.ledger.records import Failure, Verdict
 from pilotrun.ledger.store import Ledger
+from pilotrun.pilot import PilotOptions, run_pilot
 from pilotrun.program.compare import Cause
 from pilotrun.program.env import Event, Role
-from pilotrun.program.pilot import ProgramOptions, run_program_pilot
 from pilotrun.program.resume import resume_rows
 from pilotrun.program.runner import RunOutcome
 
@@ -44,8 +44,8 @@ def _program(tmp_path: Path, patches: dict[str, str] | None = None, command: str
 
 def _pilot(spec_path: Path, tmp_path: Path, gates=("resume",)):
     spec = load_spec(spec_path, allow_program=True)
-    return run_program_pilot(spec, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
-                                                  gates=list(gates), container_digest=TEST_DIGEST))
+    return run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                        gates=list(gates), container_digest=TEST_DIGEST))
 
 
 # -- the spec --------------------------------------------------------------------------------------------------
@@ -400,8 +400,8 @@ def _resume_of(tmp_path: Path, source: str, spec: dict):
     (folder / "train.py").write_text(source)
     loaded = load_spec(write_spec(folder / "pilot.yaml", {**spec, "program": {"command": "python train.py"}}),
                        allow_program=True)
-    result = run_program_pilot(loaded, ProgramOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
-                                                      gates=["resume"], container_digest=TEST_DIGEST))
+    result = run_pilot(loaded, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                            gates=["resume"], container_digest=TEST_DIGEST))
     return result, next(r for r in result.rows if r["gate"] == "resume")
 
 @pytest.mark.slow

@@ -81,8 +81,6 @@ def main(args) -> int:
 def _run(args) -> tuple[int, str | None]:
     spec = load_spec(args.spec, args.overrides, allow_program=True)
     resolve_container_digest(args.container_digest)  # a malformed digest is exit 2 before anything runs
-    if spec.program is not None:
-        return _run_program(spec, args)
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
     options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates,
                            container_digest=args.container_digest, resume=args.resume, trust=args.trust,
@@ -99,7 +97,7 @@ def _run(args) -> tuple[int, str | None]:
         if observer.live is not None:
             observer.live.stop()
             observer.live = None
-        _stopped(stop, args, console)
+        _stopped(stop, spec, args, console)
         return stop.exit_code, (stop.result.out_dir / "report.json").read_text() if args.json else None
     except UnknownGate as exc:
         raise UsageError(f"--gates: {exc}") from None
@@ -122,41 +120,15 @@ def _run(args) -> tuple[int, str | None]:
     return code, report
 
 
-def _run_program(spec, args) -> tuple[int, str | None]:
-    """``program:`` in the spec: the gates on the user's own program (pilotrun.program.pilot)."""
-    from ..program.pilot import ProgramOptions, run_program_pilot
-
-    if args.resume:
-        raise UsageError("--resume continues pilotrun's own loop; a program pilot is run again (its resume gate "
-                         "already interrupts and resumes the program)")
-    gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
-    options = ProgramOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates,
-                             container_digest=args.container_digest, run_id=args.run_id)
-    console = console_for(stderr=True) if args.json else out_console()
-    writable_folder(args.out or Path("runs"), "--out" if args.out else "the output folder runs/ (or pass --out)")
-    observer = ConsoleObserver(console, title=spec.name)
-    try:
-        with interruptible():
-            result = run_program_pilot(spec, options, observer)
-    except UnknownGate as exc:
-        raise UsageError(f"--gates: {exc}") from None
-    except LedgerError as exc:
-        raise UsageError(str(exc)) from None
-    finally:
-        if observer.live is not None:
-            observer.live.stop()
-    observer.finish(result.status, result.out_dir, result.ledger_path, None)
-    return result.exit_code, (result.out_dir / "report.json").read_text() if args.json else None
-
-
-def _stopped(stop: PilotInterrupted, args, console) -> None:
+def _stopped(stop: PilotInterrupted, spec, args, console) -> None:
     """What a stop signal left: the run recorded as interrupted, by which signal, and how to continue it."""
     result = stop.result
     done = len(result.rows)
     console.print(f"[bold yellow]interrupted ({stop.how})[/]: run {escape(result.run_id)} recorded as interrupted "
                   f"after {done} gate row(s) (ledger {escape(str(result.ledger_path))})", highlight=False)
-    if result.world_size > 1:  # --resume continues one process (pilot.runner refuses it under torchrun)
-        console.print("  a distributed pilot is continued by running it again", highlight=False)
+    if result.world_size > 1 or spec.program is not None:  # --resume continues one process of pilotrun's loop
+        what = "a program pilot" if spec.program is not None else "a distributed pilot"
+        console.print(f"  {what} is continued by running it again", highlight=False)
         return
     words = ["pilotrun", "run", str(args.spec), "--resume", result.run_id]
     words += ["--ledger", str(args.ledger)] if args.ledger else []
@@ -168,7 +140,7 @@ def _advise_after_oom(spec, result, console) -> None:
     """A gate that ran out of accelerator memory gets the advisor's variants, and a note in the ledger."""
     oom = [r for r in result.rows if r["verdict"] == Verdict.FAIL
            and (r.get("details") or {}).get("failure") == Failure.OUT_OF_MEMORY]
-    if not oom:
+    if not oom or spec.program is not None:  # the advisor traces pilotrun's loop, not a program's
         return
     from ..estimate.advise import advise
     from ..estimate.catalog import load_catalog, local_accelerator

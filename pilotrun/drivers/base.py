@@ -1,25 +1,30 @@
-"""What a driver is: whatever runs the job's updates — pilotrun's own loop today, a user's program tomorrow.
+"""What a driver is: whatever runs the job's updates — pilotrun's own loop, or the user's own program.
 
 The gates talk to a driver through this interface and ask it what it can do
 (:class:`Capability`); a gate that needs a capability the driver lacks is written as ``skip``
-with the reason, never run on a guess. A new driver (a PEFT-wrapped model, a user's ``train.py``,
-a Trainer) is one module in ``pilotrun/drivers/`` and a line in the registry; see
-docs/architecture.md.
+with the reason, never run on a guess. A driver may also prove gates itself
+(:meth:`Driver.proven_rows`): the program driver turns what the program reported into rows, as each
+gate's ``on_program`` declaration says. A new driver is one module in ``pilotrun/drivers/`` and a line
+in the registry (``drivers/build.py``); see docs/architecture.md.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+
+from ..ledger.records import TextEnum
 
 if TYPE_CHECKING:
     from ..config.spec import Spec
     from ..data.bundle import DataBundle
     from ..distributed import DistEnv
+    from ..ledger.records import GateRow
     from ..models.loading import LoadedModel
     from ..strategies import Strategy
     from ..train.loss import LossPolicy
@@ -29,7 +34,7 @@ if TYPE_CHECKING:
 class Capability(str, Enum):
     """What a driver can do; gates declare the ones they require (``Gate.requires``)."""
 
-    UPDATES = "updates"        # runs one optimizer update at a time and reports it (ids, lr, loss, grad norm)
+    UPDATES = "updates"        # runs optimizer updates and reports each one (ids, lr, loss, grad norm)
     MODEL = "model"            # the model, its loss normalisation and the data order are in this process
     FULL_STATE = "full-state"  # saves and restores the full training state (model, optimizer, RNG, data position)
     EXPORT = "export"          # writes an inference artifact that reloads in a fresh process
@@ -45,6 +50,38 @@ class Capability(str, Enum):
             Capability.EXPORT: "write an inference artifact",
             Capability.RESTART: "be rebuilt in fresh processes from the spec",
         }[self]
+
+
+class OnProgram(TextEnum):
+    """How a gate is proven when the job is the user's own program (``program:`` in the spec): each gate declares
+    it (``Gate.on_program``), the program driver acts on it."""
+
+    PILOT = "pilot"              # runs in the pilot's own process, as for any job (lock)
+    RUNS = "runs"                # pilotrun runs the program again and compares (resume: control/interrupted/resumed)
+    STAGE = "stage"              # from the stage the program reports with job.stage(name), each rank's
+    INTEGRATION = "integration"  # recorded from inside the program (job.record_gate) by an integration
+    NEVER = "never"              # cannot run on a program: a skip row says why and what would enable it
+
+
+class GateDeclaration(Protocol):
+    """What a driver may read of a gate (a ``pilotrun.gates.base.Gate`` class): its name and how it is proven on a
+    program. Drivers sit below the gates, so they see them through this."""
+
+    name: str
+    on_program: OnProgram
+    program_note: str      # on a program: what it proves there, or why it cannot run and what would enable it
+    program_problems: bool  # on a program: its rows carry the invalid values the program reported
+    program_combines: bool  # on a program: several stages of its name on one rank are combined (else the first kept)
+
+
+@dataclass(frozen=True)
+class RunSite:
+    """Where the pilot's run lives: what a driver that starts processes of its own (the program) writes to."""
+
+    run_id: str
+    out_dir: Path
+    ledger_path: Path
+    progress: Callable[[str], None] = lambda text: None
 
 
 class TrainingCheckError(RuntimeError):
@@ -124,6 +161,9 @@ class Driver(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[Capability]]
+    # True: the load gate builds it in this process (its model lives here). False: the pilot builds it before the
+    # gates, from the spec alone (the user's program, run in child processes).
+    in_process: ClassVar[bool] = True
 
     spec: Spec
     device: torch.device
@@ -134,16 +174,31 @@ class Driver(ABC):
 
     @classmethod
     @abstractmethod
-    def build(cls, spec: Spec, inputs: JobInputs, process: JobProcess, on_model=None) -> Driver:
-        """The driver for ``spec`` in this process, ready to update (``on_model`` sees the plain model first)."""
+    def build(cls, spec: Spec, inputs: JobInputs | None, process: JobProcess, on_model=None,
+              site: RunSite | None = None) -> Driver:
+        """The driver for ``spec`` in this process, ready to update (``on_model`` sees the plain model first;
+        ``site`` is the pilot's run, for a driver that starts processes of its own)."""
 
     def can(self, capability: Capability) -> bool:
         return capability in self.capabilities
 
-    @abstractmethod
+    def prepare(self, gates: Sequence[GateDeclaration], known: Sequence[str] = ()) -> None:  # noqa: B027
+        """The gates this pilot will run, in order, before the first (a program driver plans its runs from them);
+        ``known`` names every gate there is. Most drivers plan nothing."""
+
+    def proven_rows(self, gate: GateDeclaration) -> list[GateRow] | None:
+        """The rows of ``gate`` when this driver proves it itself (a program's reported stages, an integration's
+        recorded rows, its resume runs, a skip naming what would enable it); None: the gate runs in this process."""
+        return None
+
+    def notes(self) -> list[str]:
+        """Observations for the run's ledger notes once every gate ran (values that went on no row)."""
+        return []
+
     def update(self, pad_to: int | None = None, strict: bool = False) -> UpdateRecord:
-        """One optimizer update. ``pad_to`` pads every micro batch to the long run's worst length (when the
-        driver can); ``strict`` refuses, before the optimizer steps, a window that teaches nothing."""
+        """One optimizer update in this process. ``pad_to`` pads every micro batch to the long run's worst length
+        (when the driver can); ``strict`` refuses, before the optimizer steps, a window that teaches nothing."""
+        raise Unsupported(f"the {self.name} driver runs no update in this process")
 
     def evaluate(self, on_batch=None) -> dict:
         """Validation loss and accuracy (``val_loss``, ``accuracy``, ``examples``, ``batches``)."""

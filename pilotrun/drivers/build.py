@@ -23,20 +23,32 @@ from ..data.bundle import build_data
 from ..devices import device_name, pick_device
 from ..models.loading import load_tokenizer
 from ..train.rng import seed_everything
-from .base import Driver, JobInputs, JobProcess
+from .base import Driver, JobInputs, JobProcess, RunSite
 from .loop import LoopDriver
+from .program import ProgramDriver
 
-# Whatever runs the updates, by name. A spec chooses one (today every spec runs pilotrun's loop).
-DRIVERS: dict[str, type[Driver]] = {LoopDriver.name: LoopDriver}
+# Whatever runs the updates, by name: pilotrun's own loop, or the user's own program (``program:`` in the spec).
+DRIVERS: dict[str, type[Driver]] = {LoopDriver.name: LoopDriver, ProgramDriver.name: ProgramDriver}
 
 
 def driver_name(spec) -> str:
-    """The driver a spec asks for."""
-    return LoopDriver.name
+    """The driver a spec asks for: ``program:`` names the user's program, else pilotrun's loop runs the factories."""
+    return ProgramDriver.name if spec.program is not None else LoopDriver.name
+
+
+def driver_class(spec) -> type[Driver]:
+    return DRIVERS[driver_name(spec)]
 
 
 def join_job(spec) -> JobProcess:
-    """Pick the device, resolve the strategy for the processes launched, and join their process group."""
+    """Pick the device, resolve the strategy for the processes launched, and join their process group.
+
+    A program job's pilot is one process that starts the program (which launches its own ranks and picks its own
+    devices): it joins no group."""
+    if not driver_class(spec).in_process:
+        strategy = strategies.for_processes(spec.distributed.strategy, 1)  # one process: single
+        return JobProcess(torch.device("cpu"), "the program picks its own devices", "cpu", distributed.DistEnv(),
+                          strategy)
     device, reason = pick_device(spec.train.device)
     _, _, world = distributed.env_from_os()
     strategy = strategies.for_processes(spec.distributed.strategy, world)
@@ -55,6 +67,8 @@ def check_job(spec, device: torch.device) -> None:
     from ..models.loading import ModelError, build_model
     from ..train.optim import OptimizerError, choose_fused
 
+    if not driver_class(spec).in_process:
+        return  # the program builds its own model and optimizer; its spec section was checked when loaded
     problems: list[tuple[str, str]] = []
     if spec.model.adapter is not None and spec.model.adapter.target_modules != "all-linear":
         try:
@@ -79,12 +93,13 @@ def load_inputs(spec) -> JobInputs:
     return JobInputs(tokenizer, build_data(spec, tokenizer))
 
 
-def build_driver(spec, inputs: JobInputs, process: JobProcess,
-                 on_model: Callable[[torch.nn.Module], None] | None = None) -> Driver:
+def build_driver(spec, inputs: JobInputs | None, process: JobProcess,
+                 on_model: Callable[[torch.nn.Module], None] | None = None, site: RunSite | None = None) -> Driver:
     """The spec's driver, built (model seeded, moved to the device, wrapped by the strategy) and ready to update.
 
-    ``on_model`` sees the plain model on the device before it is wrapped (the load gate's meter counts it)."""
-    return DRIVERS[driver_name(spec)].build(spec, inputs, process, on_model)
+    ``on_model`` sees the plain model on the device before it is wrapped (the load gate's meter counts it);
+    ``site`` is the pilot's run, where a driver that starts processes of its own (the program) writes."""
+    return driver_class(spec).build(spec, inputs, process, on_model, site)
 
 
 def build_job(spec) -> Driver:

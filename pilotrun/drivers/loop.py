@@ -97,7 +97,9 @@ class LoopDriver(ModelDriver):
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     @classmethod
-    def build(cls, spec, inputs: JobInputs, process: JobProcess, on_model=None) -> LoopDriver:
+    def build(cls, spec, inputs: JobInputs | None, process: JobProcess, on_model=None, site=None) -> LoopDriver:
+        if inputs is None:
+            raise ValueError("pilotrun's loop trains on the spec's data: load its inputs first (load_inputs)")
         require_kernels(spec, process.device.type)  # every bitsandbytes operation the job runs, before any work
         seed_everything(spec.seed)
         loaded = build_model(spec, inputs.data.label_names, inputs.tokenizer, device=process.device)

@@ -17,7 +17,7 @@ import torch
 from ..drivers import Capability
 from ..train.batches import IGNORE, loss_of, supervised_count, to_device
 from ..train.loss import PolicySource, window_backward
-from .base import Gate, GateFailure, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
 
 TOL_FLOAT64 = 1e-5  # relative gradient difference; real bugs give 1e-2 and more
 TOL_FLOAT32 = 1e-3
@@ -120,6 +120,8 @@ def _is_dtype_error(exc: RuntimeError) -> bool:
 
 class AccumEquivalenceGate(Gate):
     name = "accum_equivalence"
+    on_program = OnProgram.INTEGRATION
+    program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)
     requires = (Capability.MODEL,)
     carry = True

@@ -10,7 +10,9 @@ A gate class declares, in one place:
 * ``job_memory`` — whether its memory row is the job's own (summary peak, report chart, campaign sizing)
   rather than a private copy's;
 * ``carry`` — whether ``pilotrun run --resume`` may keep a parent run's row instead of re-running it
-  (:meth:`Gate.recover` then restores what it produced).
+  (:meth:`Gate.recover` then restores what it produced);
+* ``on_program`` and ``program_note`` — how it is proven when the job is the user's own program
+  (:class:`pilotrun.drivers.OnProgram`), and in words what it proves there or what would enable it.
 
 The pilot, ``--resume``, the console, the HTML report and campaign sizing read these declarations
 (:mod:`pilotrun.gates.registry`); none of them keeps its own list of gate names.
@@ -23,13 +25,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ..config.exitguard import ExitCalled
-from ..drivers.base import Capability, NonFiniteError, TrainingCheckError
+from ..drivers.base import Capability, NonFiniteError, OnProgram, TrainingCheckError
 from ..ledger.records import Failure, Verdict
 from ..measure.meter import StageMeter, is_oom, out_of_memory_reason
 from .products import Product
 
 if TYPE_CHECKING:
     from .context import PilotContext
+
+
+# The skip reason of a model-level gate on a bare program: what it needs and what would give it.
+NEEDS_INTEGRATION = ("needs the model and batches inside the program: the transformers or Lightning integration "
+                     "(pilotrun.integrations) records it; a bare script cannot")
 
 
 @dataclass
@@ -81,6 +88,14 @@ class Gate:
     # Whether a failure reason starts with the shape ("eval at length 4096, batch 8"): only where the
     # shape is what the gate is about.
     shape_in_reason: ClassVar[bool] = False
+    # On a program job: how the gate is proven, what it proves there or (skipped) what would enable it, and whether
+    # its rows carry the invalid values the program reported (the last selected such gate does, without a RUNS gate).
+    on_program: ClassVar[OnProgram] = OnProgram.NEVER
+    program_note: ClassVar[str] = ""
+    program_problems: ClassVar[bool] = False
+    # On a program job: several stages of its name on one rank are combined (median time, largest peaks); False
+    # keeps the first (first_step: the update that allocates the optimizer state).
+    program_combines: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.live_inputs: dict | None = None  # what the gate had reached when it failed (see failure_inputs)

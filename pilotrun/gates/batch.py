@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from ..batching import batch_plan
-from .base import Gate, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, OnProgram, Outcome, Product
 
 
 class BatchGate(Gate):
     name = "batch"
+    on_program = OnProgram.INTEGRATION
+    program_note = NEEDS_INTEGRATION
     needs = (Product.DATA,)
     uses = (Product.SCAN,)
     carry = True

@@ -14,13 +14,15 @@ import torch
 from ..drivers import Capability
 from ..ledger.records import Failure
 from ..train.batches import autocast_for, item_length, loss_of, seq_len, to_device
-from .base import Gate, GateFailure, Outcome, Product
+from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 MAX_SCAN = 5000  # validation items scanned to find the longest ones
 
 
 class EvalGate(Gate):
     name = "eval"
+    on_program = OnProgram.STAGE
+    program_note = "wrap the evaluation in `with job.stage(\"eval\"):`"
     needs = (Product.DRIVER,)
     requires = (Capability.MODEL,)
     job_memory = True

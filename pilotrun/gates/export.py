@@ -9,11 +9,13 @@ from ..checkpoint.io import CheckpointError
 from ..checkpoint.trust import LoadPolicy, manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes
-from .base import Gate, GateFailure, Outcome, Product, on_main_rank
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
 
 class ExportGate(Gate):
     name = "export"
+    on_program = OnProgram.INTEGRATION
+    program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)
     produces = (Product.EXPORT,)
     requires = (Capability.EXPORT,)

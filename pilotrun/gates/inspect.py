@@ -8,7 +8,7 @@ supervised label left after truncation (any at all warns).
 from __future__ import annotations
 
 from ..data.audit import class_problems, render_example, scan_split
-from .base import Gate, GateFailure, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
 
 
 def model_label_info(spec, label_names) -> tuple[int | None, dict | None, str]:
@@ -60,6 +60,8 @@ def judge(scan: dict, label_names, spec) -> tuple[list[str], list[str], dict]:
 
 class InspectGate(Gate):
     name = "inspect"
+    on_program = OnProgram.INTEGRATION
+    program_note = NEEDS_INTEGRATION
     needs = (Product.DATA,)
     produces = (Product.SCAN,)
     carry = True

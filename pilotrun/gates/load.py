@@ -11,11 +11,13 @@ from ..ledger.records import Verdict
 from ..models.adapters import parameter_split
 from ..models.loading import parameter_count
 from ..models.quantize import KernelUnavailable
-from .base import Gate, Outcome, Product
+from .base import Gate, OnProgram, Outcome, Product
 
 
 class LoadGate(Gate):
     name = "load"
+    on_program = OnProgram.STAGE
+    program_note = "wrap the model loading in `with job.stage(\"load\"):`"
     needs = (Product.DATA,)
     produces = (Product.DRIVER,)
     job_memory = True

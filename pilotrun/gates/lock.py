@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from ..lock import DriftKind, classify_drift, collect_lock, config_changes, diff_locks, summarize_drift
-from .base import Gate, Outcome, Product
+from .base import Gate, OnProgram, Outcome, Product
 
 # Cutting a length changes the expected outputs (SPEC §4): a different experiment, said as a warning.
 LENGTH_KEYS = ("data.max_length", "eval.max_length")
@@ -16,6 +16,8 @@ LENGTH_KEYS = ("data.max_length", "eval.max_length")
 
 class LockGate(Gate):
     name = "lock"
+    on_program = OnProgram.PILOT
+    program_note = "pilotrun hashes the program's files and records its command"
     produces = (Product.LOCK,)
 
     def track(self, ctx):
@@ -84,6 +86,11 @@ class LockGate(Gate):
         if lock["code"].get("dirty"):
             warnings.append(f"the git checkout at {lock['code']['commit'][:10]} has uncommitted changes: "
                             "the code is not fully recorded")
+        if ctx.spec.program is not None:
+            program = lock.get("program", {})
+            out.details["program"] = program
+            info.append(f"program: {len(program.get('files', {}))} file(s) hashed ({program.get('files_from')}), "
+                        "command recorded")
         for text in warnings:
             out.warn(text)
         out.reason = "; ".join(([out.reason] if out.reason else []) + info)

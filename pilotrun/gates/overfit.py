@@ -19,7 +19,7 @@ from ..train.evaluation import accuracy_counts, shift_convention
 from ..train.loss import window_backward
 from ..train.optim import build_optimizer
 from ..train.rng import derived_seed
-from .base import Gate, GateFailure, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
 
 # An adapter on a frozen base learns only what the base's features allow. On a randomly initialised base (a model
 # built from a config, as a pilot without the weights is) the logits stay near zero whatever the adapter does, so a
@@ -84,6 +84,8 @@ def _update(model, opt, scaler, window, policy, spec, device, step: int) -> floa
 
 class OverfitGate(Gate):
     name = "overfit"
+    on_program = OnProgram.INTEGRATION
+    program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)
     requires = (Capability.MODEL,)
     carry = True

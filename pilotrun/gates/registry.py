@@ -4,7 +4,8 @@ Dependencies come from what each gate ``needs`` and which gate ``produces`` it; 
 modules need (the gates whose memory is the job's, the gates ``--resume`` may carry) are read
 from the declarations here, never written out elsewhere.
 
-Adding a gate: one module in ``pilotrun/gates/`` and one line in ``GATES`` (see docs/architecture.md).
+Adding a gate: one module in ``pilotrun/gates/`` and one line in ``GATES`` (see docs/architecture.md); how it runs
+on the user's own program is its own declaration (``Gate.on_program``), read by the program driver.
 
 Example::
 
@@ -13,9 +14,8 @@ Example::
 """
 from __future__ import annotations
 
-from ..ledger.records import TextEnum
 from .accum import AccumEquivalenceGate
-from .base import Gate
+from .base import Gate, OnProgram
 from .batch import BatchGate
 from .eval import EvalGate
 from .export import ExportGate
@@ -38,39 +38,6 @@ GATES: tuple[type[Gate], ...] = (
 )
 GATE_NAMES = [g.name for g in GATES]
 BY_NAME = {g.name: g for g in GATES}
-
-
-class OnProgram(TextEnum):
-    """How a gate runs when the spec names a ``program:`` (the user's own training program) instead of factories."""
-
-    PILOT = "pilot"              # pilotrun runs it around the program (lock; resume: three runs compared)
-    STAGE = "stage"              # from the stage the program reports with job.stage(name), each rank's
-    INTEGRATION = "integration"  # recorded from inside the program (job.record_gate) by an integration
-    NEVER = "never"              # cannot run on a program: a skip row says why and what would enable it
-
-
-# Per gate: how it runs on a program, and for the gates that may not run, the skip reason with what enables it.
-_NEEDS_INTEGRATION = ("needs the model and batches inside the program: the transformers or Lightning integration "
-                      "(pilotrun.integrations) records it; a bare script cannot")
-PROGRAM_GATES: dict[str, tuple[OnProgram, str]] = {
-    "lock": (OnProgram.PILOT, "pilotrun hashes the program's files and records its command"),
-    "inspect": (OnProgram.INTEGRATION, _NEEDS_INTEGRATION),
-    "split": (OnProgram.NEVER, "the program splits its own data and pilotrun cannot see the leakage unit; give "
-                               "data.factory with a group_key (or data.task) to have it checked"),
-    "batch": (OnProgram.INTEGRATION, _NEEDS_INTEGRATION),
-    "load": (OnProgram.STAGE, "wrap the model loading in `with job.stage(\"load\"):`"),
-    "first_step": (OnProgram.STAGE, "wrap the first update in `with job.stage(\"first_step\"):`"),
-    "steady_step": (OnProgram.STAGE, "wrap the later updates in `with job.stage(\"steady_step\"):`"),
-    "accum_equivalence": (OnProgram.INTEGRATION, _NEEDS_INTEGRATION),
-    "eval": (OnProgram.STAGE, "wrap the evaluation in `with job.stage(\"eval\"):`"),
-    "save": (OnProgram.STAGE, "wrap the checkpoint write in `with job.stage(\"save\"):`"),
-    "export": (OnProgram.INTEGRATION, _NEEDS_INTEGRATION),
-    "restore": (OnProgram.NEVER, "the program's checkpoint format is its own, so pilotrun cannot read its step, lr "
-                                 "and RNG back; the resume gate proves the same by continuing from it"),
-    "resume": (OnProgram.PILOT, "control, interrupted (SIGKILL after its save) and resumed runs, updates compared"),
-    "overfit": (OnProgram.INTEGRATION, _NEEDS_INTEGRATION),
-    "reload_eval": (OnProgram.INTEGRATION, _NEEDS_INTEGRATION),
-}
 
 
 class UnknownGate(ValueError):
@@ -143,8 +110,9 @@ def problems() -> list[str]:
             maker = producer_of(product)
             if maker is not None and GATE_NAMES.index(maker.name) >= i:
                 out.append(f"{gate.name} reads {product.value}, produced later by {maker.name}")
-    if set(PROGRAM_GATES) != set(GATE_NAMES):
-        out.append(f"PROGRAM_GATES must name every gate once: {sorted(set(PROGRAM_GATES) ^ set(GATE_NAMES))}")
+    for gate in GATES:  # a skip row on a program must say what would enable the gate; a stage, which one to report
+        if gate.on_program != OnProgram.PILOT and not gate.program_note:
+            out.append(f"{gate.name} declares on_program {gate.on_program} without a program_note")
     if len(set(GATE_NAMES)) != len(GATE_NAMES):
         out.append("two gates share a name")
     return out

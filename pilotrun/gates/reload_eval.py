@@ -15,7 +15,7 @@ from ..drivers import Capability
 from ..train.batches import to_device
 from ..train.evaluation import outputs_of
 from ..workers.launch import run_worker
-from .base import Gate, GateFailure, Outcome, Product, on_main_rank
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
 RTOL, ATOL = 1e-4, 1e-5
 # A merged export computes (W + s·BA) x instead of W x + s·B(A x): the same sum in another order, whose fp32
@@ -29,6 +29,8 @@ MERGED_SCALE_TOL_DEFAULT = 1e-4
 
 class ReloadEvalGate(Gate):
     name = "reload_eval"
+    on_program = OnProgram.INTEGRATION
+    program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER, Product.EXPORT)
     requires = (Capability.MODEL, Capability.EXPORT)
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from ..drivers import Capability
 from ..workers.launch import run_worker
-from .base import Gate, GateFailure, Outcome, Product, on_main_rank
+from .base import Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
 
 class RestoreGate(Gate):
     name = "restore"
+    on_program = OnProgram.NEVER
+    program_note = ("the program's checkpoint format is its own, so pilotrun cannot read its step, lr "
+                    "and RNG back; the resume gate proves the same by continuing from it")
     needs = (Product.CHECKPOINT,)
     requires = (Capability.FULL_STATE, Capability.RESTART)
     job_memory = True

@@ -12,7 +12,7 @@ import math
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..workers.launch import run_and_kill, run_worker
-from .base import Gate, GateFailure, Outcome, Product, on_main_rank
+from .base import Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
 CAUSES = {
     "sample_ids": ("the data order differs: the sampler position or its seed was not restored, so the run replays or "
@@ -56,6 +56,8 @@ def first_difference(a: list[dict], b: list[dict], exact: bool, rtol: float) -> 
 
 class ResumeGate(Gate):
     name = "resume"
+    on_program = OnProgram.RUNS
+    program_note = "control, interrupted (SIGKILL after its save) and resumed runs, updates compared"
     needs = (Product.FIRST_UPDATE,)
     requires = (Capability.RESTART, Capability.UPDATES)
     # Its row summarises three processes (the largest host RSS, no allocator peak): not one run's memory.

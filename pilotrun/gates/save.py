@@ -14,7 +14,7 @@ from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
 from ..ledger.records import Failure
-from .base import Gate, GateFailure, Outcome, Product
+from .base import Gate, GateFailure, OnProgram, Outcome, Product
 from .context import SavedCheckpoint
 
 
@@ -27,6 +27,8 @@ def expect_path(folder: Path, rank: int | str | None = None) -> Path:
 
 class SaveGate(Gate):
     name = "save"
+    on_program = OnProgram.STAGE
+    program_note = "wrap the checkpoint write in `with job.stage(\"save\"):`"
     needs = (Product.FIRST_UPDATE,)
     produces = (Product.CHECKPOINT,)
     requires = (Capability.FULL_STATE,)

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from ..data.audit import audit_splits
-from .base import Gate, GateFailure, Outcome, Product
+from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 
 class SplitGate(Gate):
     name = "split"
+    on_program = OnProgram.NEVER
+    program_note = ("the program splits its own data and pilotrun cannot see the leakage unit; give "
+                    "data.factory with a group_key (or data.task) to have it checked")
     needs = (Product.DATA,)
     carry = True
 

@@ -13,7 +13,7 @@ import statistics
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
 from ..ledger.records import Failure
-from .base import Gate, GateFailure, Outcome, Product
+from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 # Warn when the loop waits on data for more than this share of each update, and
 # for more than an absolute floor: a 2 ms CPU toy update waiting 0.3 ms is noise.
@@ -58,6 +58,10 @@ def _check_params(ctx, step: int) -> None:
 
 class FirstStepGate(Gate):
     name = "first_step"
+    on_program = OnProgram.STAGE
+    program_note = "wrap the first update in `with job.stage(\"first_step\"):`"
+    program_problems = True
+    program_combines = False
     needs = (Product.DRIVER,)
     produces = (Product.FIRST_UPDATE,)
     requires = (Capability.UPDATES, Capability.MODEL)
@@ -97,6 +101,9 @@ class FirstStepGate(Gate):
 
 class SteadyStepGate(Gate):
     name = "steady_step"
+    on_program = OnProgram.STAGE
+    program_note = "wrap the later updates in `with job.stage(\"steady_step\"):`"
+    program_problems = True
     needs = (Product.FIRST_UPDATE,)
     requires = (Capability.UPDATES, Capability.MODEL)
     job_memory = True

@@ -1,8 +1,11 @@
-"""Run the gates of one pilot in order; every gate writes one row to the ledger and ``report.json``.
+"""Run the gates of one pilot in order; every gate writes its rows to the ledger and ``report.json``.
 
-This module decides nothing about presentation: an observer (the terminal UI, or nothing in
-tests) is told when gates start, progress and end. What runs, what is skipped and why, and what
-``--resume`` keeps all come from the gates' declarations (:mod:`pilotrun.gates.registry`).
+One runner for every driver: pilotrun's own loop (the load gate builds it, the gates run on it in this process) and
+the user's own program (``program:`` in the spec: the driver is built before the gates and proves each one as the
+gate's ``on_program`` declares — from the program's reported stages and recorded rows, or by running it again for
+the resume proof — with one row per gate and rank). This module decides nothing about presentation: an observer
+(the terminal UI, or nothing in tests) is told when gates start, progress and end. What runs, what is skipped and
+why, and what ``--resume`` keeps all come from the gates' declarations (:mod:`pilotrun.gates.registry`).
 
 Example::
 
@@ -23,15 +26,15 @@ from typing import Any, Protocol
 
 from .. import distributed
 from ..config.spec import Spec
-from ..drivers import check_job, join_job
-from ..gates import Gate, Outcome, PilotContext, Product, depends_on, select_gates
+from ..drivers import RunSite, build_driver, check_job, driver_class, join_job
+from ..gates import GATE_NAMES, Gate, Outcome, PilotContext, Product, depends_on, select_gates
 from ..gates.base import fail_outcome, stops_the_pilot
 from ..interrupt import Interrupted, as_interrupted
 from ..ledger.records import GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from ..ledger.store import Ledger
 from ..measure.meter import StageMeter
 from .report import PilotResult, write_report
-from .resume import ResumePlan, carry_rows, plan_resume
+from .resume import ResumeError, ResumePlan, carry_rows, plan_resume
 
 
 class Observer(Protocol):
@@ -41,7 +44,9 @@ class Observer(Protocol):
     def on_gate_end(self, row: dict) -> None: ...
 
 
-class _Quiet:
+class Quiet:
+    """The observer that shows nothing (tests, ranks other than 0)."""
+
     def on_start(self, *a) -> None: ...
     def on_gate_start(self, *a) -> None: ...
     def on_progress(self, *a) -> None: ...
@@ -87,8 +92,11 @@ class _Progress:
 def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observer | None = None) -> PilotResult:
     """Run the selected gates; never raises for a gate failure (it becomes a row)."""
     options = options or PilotOptions()
-    observer = observer or _Quiet()
+    observer = observer or Quiet()
     gates, notes = select_gates(options.gates or spec.pilot.gates)
+    if options.resume and not driver_class(spec).in_process:
+        raise ResumeError("--resume continues pilotrun's own loop; a program pilot is run again (its resume gate "
+                          "already interrupts and resumes the program)")
     process = join_job(spec)
     env = process.env
     try:
@@ -98,7 +106,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
         raise
     if env.active:
         if not env.is_main:
-            observer = _Quiet()
+            observer = Quiet()
         if options.resume:
             distributed.shutdown(env)
             raise distributed.LaunchError("--resume continues one process; resume a distributed pilot by running it "
@@ -122,14 +130,17 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     result = PilotResult(run_id, out_dir, ledger.path, rank=env.rank, world_size=env.world_size)
     if env.is_main:
         ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
-                         config_hash=spec.config_hash(),
-                         meta={"gates": [g.name for g in gates], "notes": notes, "world_size": env.world_size,
-                               "strategy": process.strategy.name},
+                         config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes,
+                                                               **_job_meta(spec, process)},
                          parent_id=plan.parent_id if plan else None)
     distributed.barrier(env)
     node_row = _register_on_this_node(ledger, env, run_id, spec, out_dir)
     distributed.barrier(env)  # this node's ranks write rows only once the run is in its ledger
-    observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [f"device: {process.device_reason}"])
+    observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [_where(spec, process)])
+    if not driver_class(spec).in_process:  # the program: built from the spec alone, before its gates
+        site = RunSite(run_id, out_dir, ledger.path, progress=lambda text: observer.on_progress(0, 1, text))
+        ctx.driver = build_driver(spec, None, process, site=site)
+        ctx.driver.prepare(gates, GATE_NAMES)
     progress = _Progress()
     stop: Interrupted | None = None
     try:
@@ -150,9 +161,29 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     return result
 
 
+def _job_meta(spec: Spec, process) -> dict:
+    """What the run row records of how the job runs: the program's command, or pilotrun's processes."""
+    if spec.program is not None:
+        return {"program": spec.program.words}
+    return {"world_size": process.env.world_size, "strategy": process.strategy.name}
+
+
+def _where(spec: Spec, process) -> str:
+    return f"program: {' '.join(spec.program.words)}" if spec.program is not None else \
+        f"device: {process.device_reason}"
+
+
 def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict], plan: ResumePlan | None,
               observer: Observer, result: PilotResult, progress: _Progress) -> None:
-    """Decide whether the gate runs, is skipped or carried; write its row everywhere it goes."""
+    """Decide whether the gate runs, is skipped, carried or proven by the driver; write its rows everywhere."""
+    started = ctx.driver is not None and not ctx.driver.in_process
+    if started:
+        assert ctx.driver is not None
+        observer.on_gate_start(gate_cls.name)  # a program's rows may take a run of it to prove
+        proven = ctx.driver.proven_rows(gate_cls)
+        if proven is not None:
+            _write_rows(gate_cls.name, [r.to_dict() for r in proven], [], ctx, result, progress, observer)
+            return
     gate = gate_cls()
     metrics: list[dict] = []
     blockers = progress.blockers(gate_cls)
@@ -173,20 +204,29 @@ def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict],
                         + "; nor ".join(c.missing for c in missing))
         progress.root_causes[gate.name] = (gate.name, row.reason, Verdict.SKIP)
     else:
-        observer.on_gate_start(gate.name)
+        if not started:
+            observer.on_gate_start(gate.name)
         row, metrics = _run_gate(gate, ctx)
     if row.verdict == Verdict.SKIP and gate.name not in progress.root_causes and not blockers:
         fail = next((r for r in result.rows if r["verdict"] == Verdict.FAIL), None)
         progress.root_causes[gate.name] = ((fail["gate"], fail["reason"], Verdict.FAIL) if fail else
                                            ("data", ctx.data_error or "", Verdict.FAIL))
     row.rank, row.world_size = ctx.rank, ctx.world_size
-    out = row.to_dict()
-    progress.verdicts[gate.name] = _agreed_verdict(ctx.env, out)
-    if ctx.ledger is not None:
-        ctx.ledger.add_gate_row(ctx.run_id, out, metrics)
-    result.rows.append(out)
-    write_report(result, ctx.spec)
-    observer.on_gate_end(out)
+    _write_rows(gate.name, [row.to_dict()], metrics, ctx, result, progress, observer)
+
+
+def _write_rows(gate: str, rows: list[dict], metrics: list[dict], ctx: PilotContext, result: PilotResult,
+                progress: _Progress, observer: Observer) -> None:
+    """A gate's rows (one, or a program's one per rank) to the ledger, the report and the observer; the gate's
+    verdict for the gates after it is its worst row's, agreed over this pilot's ranks."""
+    for out in rows:
+        if ctx.ledger is not None:
+            ctx.ledger.add_gate_row(ctx.run_id, out, metrics)
+        result.rows.append(out)
+        write_report(result, ctx.spec)
+        observer.on_gate_end(out)
+    worst = min(rows, key=lambda r: Verdict(r["verdict"]).severity)
+    progress.verdicts[gate] = _agreed_verdict(ctx.env, worst)
 
 
 def _register_on_this_node(ledger: Ledger, env: distributed.DistEnv, run_id: str, spec: Spec, out_dir: Path) -> bool:
@@ -206,6 +246,9 @@ def _register_on_this_node(ledger: Ledger, env: distributed.DistEnv, run_id: str
 
 def _close(ctx: PilotContext, result: PilotResult, spec: Spec, ledger: Ledger, node_row: bool = False) -> None:
     if ctx.driver is not None:
+        if ctx.env.is_main:
+            for text in ctx.driver.notes():
+                ledger.add_note(result.run_id, text)
         ctx.driver.close()
     ctx.driver = None  # the DDP/FSDP model goes before the process group (distributed.shutdown)
     if result.status == RunStatus.RUNNING:

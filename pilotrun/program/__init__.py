@@ -1,7 +1,8 @@
 """Pilot the training program a user already has (SPEC §10): ``pilotrun.program()`` returns its handle.
 
 ``handle`` (the program's side, stable API), ``env`` (the one place the parent→program variables and event kinds
-are named), the spec section ``program:`` (``config/spec.py``), the runner and the run comparison (the parent's side).
+are named), the spec section ``program:`` (``config/program.py``), the runner, the run comparison and the resume rows
+(the parent's side, used by the program driver, :mod:`pilotrun.drivers.program`).
 
 ``pilotrun.program`` is this package and is callable: ``job = pilotrun.program()``.
 """

@@ -1,0 +1,225 @@
+"""The user's own training program as a driver (``program:`` in the spec; SPEC §10).
+
+The program runs in child processes (:mod:`pilotrun.program.runner`); this driver turns what it reported into the
+pilot's rows, as each gate declares (``Gate.on_program``):
+
+- ``PILOT`` gates (lock) run in the pilot's own process as for any job (:meth:`ProgramDriver.proven_rows` is None);
+- ``RUNS`` (resume): control, interrupted (SIGKILL after its save) and resumed runs, compared update by update;
+- ``STAGE`` gates: the stages the recording run reported, one row per rank (several of one name combined);
+- ``INTEGRATION`` gates: the rows an integration recorded inside the program (``job.record_gate``);
+- ``NEVER``: a skip row with the reason and what would enable it — never a silent pass.
+
+One recording run serves every gate: it starts when the first gate needs it. With the resume gate selected it is the
+control run, which saves after ``pilot.resume.before`` like the interrupted run (so both do the same work up to the
+kill, and the save stage is measured) and runs on to ``before + after`` uninterrupted.
+
+Example::
+
+    from pilotrun.pilot import PilotOptions, run_pilot
+    result = run_pilot(load_spec("examples/own-loop/pilot.yaml", allow_program=True), PilotOptions())
+    [(r["gate"], r["verdict"]) for r in result.rows]
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..api import peaks_phrase
+from ..humanize import human_seconds
+from ..ledger.records import Failure, GateRow, Verdict
+from ..program.env import Event, Role
+from ..program.resume import fresh_runs_agree, resume_rows, short_of
+from ..program.runner import RunOutcome, RunPlan, run_program
+from .base import Capability, Driver, GateDeclaration, JobProcess, OnProgram, RunSite
+
+
+def compare_mode(spec) -> tuple[bool, str]:
+    """(bitwise?, why) — the automatic choice records its reason."""
+    assert spec.program is not None
+    mode = spec.program.compare
+    if mode == "bitwise":
+        return True, "bitwise (program.compare: bitwise)"
+    if mode == "rtol":
+        return False, f"within rtol {spec.pilot.resume.rtol:g} (program.compare: rtol)"
+    if torch.cuda.is_available():
+        return False, (f"within rtol {spec.pilot.resume.rtol:g}: this machine has an accelerator, so the program may "
+                       "not run in CPU fp32 (program.compare: auto)")
+    return True, "bitwise: no accelerator on this machine, so the program ran on CPU (program.compare: auto)"
+
+
+class ProgramDriver(Driver):
+    """Runs the spec's program as the pilot's gates need it and proves them from what it reported."""
+
+    name = "program"
+    capabilities = frozenset({Capability.UPDATES, Capability.RESTART})
+    in_process = False
+
+    def __init__(self, spec, process: JobProcess, site: RunSite) -> None:
+        assert spec.program is not None
+        self.spec, self.site, self.program = spec, site, spec.program
+        self.device, self.env, self.strategy = process.device, process.env, process.strategy
+        self.step = 0
+        self.how_wrapped = f"the program's own: {' '.join(spec.program.words)}"
+        self.runs: dict[Role, RunOutcome] = {}
+        self.resume_selected = False     # a RUNS gate will run: the recording run is the control
+        self.problems_gate: str | None = None  # the gate whose rows carry the program's invalid values
+        self.known: list[str] = []       # every gate's name, in order (a recorded row for another is named in a note)
+
+    @classmethod
+    def build(cls, spec, inputs, process: JobProcess, on_model=None, site: RunSite | None = None) -> ProgramDriver:
+        if site is None:
+            raise ValueError("the program driver writes into the pilot's run: give its site")
+        return cls(spec, process, site)
+
+    def prepare(self, gates: Sequence[GateDeclaration], known: Sequence[str] = ()) -> None:
+        """Plan the runs from the selected gates: the recording run is the control when the resume gate runs; the
+        program's invalid values go on the last stage gate that carries them when no resume row reports them."""
+        self.known = list(known) or [g.name for g in gates]
+        self.resume_selected = any(g.on_program == OnProgram.RUNS for g in gates)
+        carriers = [g.name for g in gates if g.on_program == OnProgram.STAGE and g.program_problems]
+        self.problems_gate = carriers[-1] if carriers and not self.resume_selected else None
+
+    # -- the runs -----------------------------------------------------------------------------------------
+    @property
+    def before(self) -> int:
+        return self.spec.pilot.resume.before
+
+    @property
+    def end(self) -> int:
+        return self.spec.pilot.resume.before + self.spec.pilot.resume.after
+
+    def _run(self, plan: RunPlan) -> RunOutcome:
+        self.runs[plan.role] = run_program(self.program, self.spec.folder, plan, self.site.out_dir,
+                                           self.site.run_id, self.site.ledger_path, self.site.progress)
+        return self.runs[plan.role]
+
+    def recording(self) -> RunOutcome:
+        """The run whose stages and gate rows are the pilot's, started on first use."""
+        role = Role.CONTROL if self.resume_selected else Role.STAGES
+        return self.runs.get(role) or self._run(RunPlan(role, save_at=(self.before,), stop_at=self.end))
+
+    def _recorded(self) -> RunOutcome | None:
+        return next((run for role, run in self.runs.items() if role.records), None)
+
+    # -- the rows -----------------------------------------------------------------------------------------
+    def proven_rows(self, gate: GateDeclaration) -> list[GateRow] | None:
+        how = gate.on_program
+        if how == OnProgram.PILOT:
+            return None
+        if how == OnProgram.NEVER:
+            return [_not_on_program(gate)]
+        if how == OnProgram.RUNS:
+            return self._resume_rows()
+        recording = self.recording()
+        if how == OnProgram.STAGE:
+            rows = stage_rows(gate.name, recording, gate.program_note, gate.program_combines)
+            if gate.name == self.problems_gate:
+                mark_problems(rows, recording)
+            return rows
+        recorded = [e["row"] for e in recording.of(Event.GATE) if e["row"].get("gate") == gate.name]
+        return [GateRow.from_mapping(m) for m in recorded] if recorded else [_not_on_program(gate)]
+
+    def _resume_rows(self) -> list[GateRow]:
+        """Control, then (when it can be compared) interrupted and resumed runs; one row per rank."""
+        exact, mode = compare_mode(self.spec)
+        rtol = self.spec.pilot.resume.rtol
+        control = self.recording()
+        # A control run that failed, reported nothing or ended early is the row's whole story: two more runs would
+        # each cost up to program.timeout (found piloting a program that ignores should_stop: all three timed out;
+        # and a Lightning script whose max_steps was below pilot.resume.before + after).
+        if (control.ended_cleanly and any(control.updates(r) for r in control.ranks)
+                and short_of(control, self.end) is None):
+            interrupted = self._run(RunPlan(Role.INTERRUPTED, save_at=(self.before,), stop_at=self.end,
+                                            kill_after_save=self.before))
+            saved = interrupted.of(Event.SAVED, 0)
+            if interrupted.killed and not interrupted.survivors and saved and fresh_runs_agree(
+                    control, interrupted, self.before, exact, rtol):
+                self._run(RunPlan(Role.RESUMED, stop_at=self.end, resume_from=saved[-1]["path"]))
+        return resume_rows(self.runs, self.before, self.spec.pilot.resume.after, exact, rtol, mode)
+
+    def notes(self) -> list[str]:
+        recording = self._recorded()
+        if recording is None:
+            return []
+        out = []
+        if not self.resume_selected and self.problems_gate is None and recording.of(Event.PROBLEM):
+            out.append("invalid values the program reported: " + "; ".join(
+                f"update {e.get('update')}: {e['problem']}" for e in recording.of(Event.PROBLEM)))
+        unknown = sorted({e["row"].get("gate") for e in recording.of(Event.GATE)} - set(self.known))
+        if unknown:
+            out.append(f"the program recorded rows for unknown gate(s) {unknown}; known: {', '.join(self.known)}")
+        return out
+
+
+def _not_on_program(gate: GateDeclaration) -> GateRow:
+    return GateRow.now(gate.name, Verdict.SKIP, f"not measured on a program: {gate.program_note}",
+                       details={"on_program": str(gate.on_program)})
+
+
+def stage_rows(name: str, run: RunOutcome, enable: str, combines: bool = True) -> list[GateRow]:
+    """One row per rank from the stages the run reported under ``name`` (several combined, or with ``combines``
+    False the first kept); skip (or fail, when the run crashed before reporting it) where there is none."""
+    if not any(e["row"].get("gate") == name for e in run.of(Event.STAGE)):
+        if not run.ended_cleanly:
+            return [GateRow.now(name, Verdict.FAIL, f"the {run.role} run {run.how_it_ended()} before reporting "
+                                f"the {name!r} stage (log: {run.log})", failure=Failure.ERROR,
+                                details={"log": str(run.log)})]
+        return [GateRow.now(name, Verdict.SKIP, f"not measured: the program reported no {name!r} stage; {enable}",
+                            details={"on_program": str(OnProgram.STAGE)})]
+    out = []
+    for rank in run.ranks:
+        rows = [e["row"] for e in run.of(Event.STAGE, rank) if e["row"].get("gate") == name]
+        if not rows:
+            out.append(GateRow.now(name, Verdict.SKIP, f"not measured on rank {rank}: it reported no {name!r} stage "
+                                   "(other ranks did)", rank=rank, world_size=run.world_size,
+                                   details={"on_program": str(OnProgram.STAGE)}))
+            continue
+        if not combines or len(rows) == 1:
+            row = GateRow.from_mapping(rows[0])
+            if len(rows) > 1:
+                row.details = {**row.details, "note": f"{len(rows)} {name} stages reported; the first is kept"}
+        else:
+            row = combine(name, rows)
+        row.rank = rank
+        out.append(row)
+    return out
+
+
+def mark_problems(rows: list[GateRow], run: RunOutcome) -> None:
+    """Each rank's refused values fail (non-finite) or warn its row, naming the update and field."""
+    for row in rows:
+        problems = run.of(Event.PROBLEM, row.rank)
+        if not problems:
+            continue
+        text = "; ".join(f"update {e.get('update')}: {e['problem']}" for e in problems[:3])
+        row.details = {**row.details, "problems": problems}
+        if any(e.get("non_finite") for e in problems):
+            row.verdict, row.failure, row.reason = Verdict.FAIL, Failure.NON_FINITE, f"the program reported {text}"
+        elif row.verdict != Verdict.FAIL:
+            row.verdict, row.reason = Verdict.WARN, f"{row.reason}; the program reported invalid values: {text}"
+
+
+def combine(name: str, rows: list[dict]) -> GateRow:
+    """Several stages of one name on one rank (steady_step per update, eval per evaluation): the worst verdict, the
+    median time, each memory counter's largest value (counters stay apart)."""
+    worst = min(rows, key=lambda r: Verdict(r["verdict"]).severity)
+    seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
+    memory: dict[str, Any] = {}
+    for r in rows:
+        for key, value in (r.get("memory") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                memory[key] = max(value, memory.get(key, value))
+            else:
+                memory.setdefault(key, value)
+    median = statistics.median(seconds) if seconds else None
+    reason = worst["reason"] if worst["verdict"] != Verdict.PASS else (
+        f"{len(rows)} stages: median {human_seconds(median)} ({human_seconds(min(seconds))}–"
+        f"{human_seconds(max(seconds))}); the largest peaks of them: {peaks_phrase(memory) or 'not measured'}"
+        if median is not None else f"{len(rows)} stages; time not measured")
+    return GateRow(name, Verdict(worst["verdict"]), reason, inputs=rows[0].get("inputs") or {}, memory=memory,
+                   seconds=median, started_at=rows[0]["started_at"], ended_at=rows[-1]["ended_at"],
+                   details={"count": len(rows), "seconds_each": seconds, **(worst.get("details") or {})},
+                   world_size=rows[0].get("world_size", 1))
