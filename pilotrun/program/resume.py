@@ -23,12 +23,18 @@ def _fail(reason: str, details: dict, failure: Failure = Failure.CHECK, rank: in
 
 def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool, rtol: float,
                 mode: str) -> list[GateRow]:
-    control = runs[Role.CONTROL]
-    interrupted, resumed = runs.get(Role.INTERRUPTED), runs.get(Role.RESUMED)
-    end = before + after
     details: dict = {"before": before, "after": after, "compare": mode,
                      "logs": {str(role): str(run.log) for role, run in runs.items()},
                      "seconds": {str(role): round(run.seconds, 3) for role, run in runs.items()}}
+    refused = _not_comparable(runs, before, after, details)
+    return refused if refused is not None else _compared(runs, before, after, exact, rtol, mode, details)
+
+
+def _not_comparable(runs: dict[Role, RunOutcome], before: int, after: int, details: dict) -> list[GateRow] | None:
+    """The row when the runs cannot be compared (invalid values, a control run that failed or ended early, an
+    interrupted run that was not killed after its save); None when they can."""
+    control, interrupted = runs[Role.CONTROL], runs.get(Role.INTERRUPTED)
+    end = before + after
     problems = [(role, e) for role, run in runs.items() for e in run.of(Event.PROBLEM)]
     if problems:
         details["problems"] = [{"run": str(role), **{k: e.get(k) for k in ("rank", "update", "field", "problem")}}
@@ -63,6 +69,14 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
     if interrupted.survivors:
         return [_fail(f"the interrupted run {interrupted.how_it_ended()}; the resumed run was not started beside "
                       "them", details, Failure.ERROR)]
+    return None
+
+
+def _compared(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool, rtol: float, mode: str,
+              details: dict) -> list[GateRow]:
+    """Updates 1..N of the two fresh runs, then N+1..N+K of the resumed run against the control, per rank."""
+    control, interrupted, resumed = runs[Role.CONTROL], runs[Role.INTERRUPTED], runs.get(Role.RESUMED)
+    end = before + after
     checkpoint = interrupted.of(Event.SAVED, 0)[-1]["path"]
     details.update(checkpoint=checkpoint, killed_pids=interrupted.killed_pids, killed_after_update=before)
     ranks = [r for r in control.ranks if control.updates(r)]
