@@ -15,12 +15,15 @@ import math
 
 def batch_plan(micro_batch_size: int, grad_accum_steps: int, replicas: int, examples: int, drop_last: bool = False,
                model_parallel: int = 1, tokens_per_example: float | None = None,
-               passes_num_items: bool | None = None) -> dict:
+               passes_num_items: bool | None = None, micro_steps: int | None = None) -> dict:
+    """``micro_steps``: the loader's own count of micro batches per epoch and process, where the framework has one (a
+    batch sampler, a distributed sampler); else it follows from the sizes."""
     if min(micro_batch_size, grad_accum_steps, replicas, model_parallel) < 1 or examples < 0:
         raise ValueError("micro batch, accumulation, replicas and model parallelism must be at least 1")
     per_micro_step = micro_batch_size * replicas
     per_update = per_micro_step * grad_accum_steps
-    micro_steps = examples // per_micro_step if drop_last else math.ceil(examples / per_micro_step)
+    if micro_steps is None:
+        micro_steps = examples // per_micro_step if drop_last else math.ceil(examples / per_micro_step)
     updates = math.ceil(micro_steps / grad_accum_steps)
     dropped = examples - micro_steps * per_micro_step if drop_last else 0
     plan: dict = {

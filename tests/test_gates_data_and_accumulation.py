@@ -45,9 +45,9 @@ def test_per_micro_batch_declared_on_purpose(toylm, tmp_path):
 
 def test_a_loop_that_scales_the_short_window_as_if_full_is_caught(toylm, tmp_path, monkeypatch):
     """Break pilotrun's own normalisation on purpose: divide by grad_accum_steps, not by the window's size."""
-    import pilotrun.gates.accum as accum
+    import pilotrun.gates.loop_view as loop_view  # the loop's side of the check: its own window_backward
 
-    real = accum.window_backward
+    real = loop_view.window_backward
 
     def as_if_full(model, window, policy, device, precision, scaler=None):
         out = real(model, window, policy, device, precision, scaler)
@@ -56,7 +56,7 @@ def test_a_loop_that_scales_the_short_window_as_if_full_is_caught(toylm, tmp_pat
                 p.grad.mul_(len(window) / 3)  # grad_accum_steps is 3 in the fixture
         return out
 
-    monkeypatch.setattr(accum, "window_backward", as_if_full)
+    monkeypatch.setattr(loop_view, "window_backward", as_if_full)
     rows = verdicts(toylm, tmp_path, gates=["accum_equivalence"])
     assert rows["accum_equivalence"]["verdict"] == "fail"
     assert "only the short last window differs" in rows["accum_equivalence"]["reason"]

@@ -13,6 +13,11 @@ import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
+from pilotrun.gates.accum import check_accum  # noqa: E402
+from pilotrun.gates.base import run_check  # noqa: E402
+from pilotrun.gates.batch import check_batch  # noqa: E402
+from pilotrun.gates.inspect import check_inspect  # noqa: E402
+from pilotrun.gates.overfit import check_overfit  # noqa: E402
 from pilotrun.integrations import lightning as PL  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
 
@@ -80,15 +85,21 @@ def _pad(items: list[dict]) -> dict:
     return {"id": [it["id"] for it in items], "input_ids": ids, "labels": labels}
 
 
+def _check(check, fake, module):
+    """A gate's own check on the Lightning view of a fit (a stand-in trainer: what the view reads of one)."""
+    return run_check("probe", lambda: check(PL.LightningView(fake, module)))
+
+
 def test_accum_equivalence_catches_a_per_batch_token_mean_and_passes_a_fixed_size_loss():
     loader = torch.utils.data.DataLoader(_token_items(16), batch_size=2, collate_fn=_pad)
-    bad = PL.probe_accum(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2), TokenMean())
+    bad = _check(check_accum, SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2, world_size=1),
+                 TokenMean())
     assert bad.verdict == Verdict.FAIL and "averaged per micro batch" in bad.reason, bad.reason
     # Lightning's own remedy, not the Trainer's (a LightningModule has no num_items_in_batch or compute_loss_func)
     assert "accumulate_grad_batches" in bad.reason and "num_items_in_batch" not in bad.reason, bad.reason
-    assert len(set(bad.measurements["supervised_per_micro_batch"])) > 1
-    clean = PL.probe_accum(SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2),
-                           points.Regressor(dropout=0.5))
+    assert len(set(bad.details["windows"][0]["supervised_per_micro_batch"])) > 1
+    clean = _check(check_accum, SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2,
+                                                world_size=1), points.Regressor(dropout=0.5))
     assert clean.verdict == Verdict.PASS, clean.reason
 
 
@@ -111,11 +122,11 @@ def test_the_probes_leave_the_collates_own_state_alone_and_skip_accum_on_a_rando
     collate = MaskingPad()
     state = collate.rng.getstate()
     loader = torch.utils.data.DataLoader(_token_items(16), batch_size=2, collate_fn=collate)
-    fake = SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2)
-    result = PL.probe_accum(fake, TokenMean())
+    fake = SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2, world_size=1)
+    result = _check(check_accum, fake, TokenMean())
     assert result.verdict == Verdict.SKIP and "'input_ids' differs" in result.reason, result.reason
-    PL.probe_inspect(fake, TokenMean())
-    PL.probe_overfit(fake, TokenMean())
+    for check in (check_inspect, check_overfit):
+        _check(check, fake, TokenMean())
     assert collate.rng.getstate() == state, "the probes advanced the program's own collate"
 
 
@@ -147,8 +158,10 @@ def test_the_batch_row_reads_a_dataloader_built_with_a_batch_sampler():
     data = points.Points(48)
     sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 4, drop_last=False)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
-    row = PL.probe_batch(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2, world_size=1))
-    assert row.reason.startswith("4 × 2 × 1 = 8 examples per update; 48 examples → 6 updates per epoch"), row.reason
+    row = _check(check_batch, SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=2, world_size=1),
+                 points.Regressor())
+    assert row.reason.startswith("4 x 2 x 1 replica(s) = 8 examples per update; 48 examples -> 6 updates per "
+                                 "epoch"), row.reason
 
 
 def test_lightnings_own_resume_is_measured_bitwise(tmp_path):

@@ -12,6 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from pilotrun.gates.accum import check_accum  # noqa: E402
+from pilotrun.gates.base import run_check  # noqa: E402
+from pilotrun.gates.export import check_export  # noqa: E402
+from pilotrun.integrations import common as C  # noqa: E402
 from pilotrun.integrations import transformers as T  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
 from pilotrun.program.handle import ProgramHandle  # noqa: E402
@@ -84,12 +88,17 @@ class NoLossKwargs(transformers.GPT2LMHeadModel):
 @pytest.mark.parametrize("model_class", [IgnoresNumItems, NoLossKwargs])
 def test_accum_equivalence_catches_a_model_whose_loss_ignores_num_items_in_batch(tmp_path, model_class):
     tr = trainer(None, tmp_path, model=chat.model(model_class=model_class))
-    result = T.probe_accum(tr, chat.collate)
+    result = _accum(tr)
     assert result.verdict == Verdict.FAIL, result.reason
     assert "num_items_in_batch" in result.reason and "#37766" in result.reason
-    assert result.measurements["relative_grad_difference"] > 1e-3
-    clean = T.probe_accum(trainer(None, tmp_path), chat.collate)
+    assert result.details["relative_grad_difference"] > 1e-3
+    clean = _accum(trainer(None, tmp_path))
     assert clean.verdict == Verdict.PASS, clean.reason
+
+
+def _accum(tr):
+    """The accumulation gate's own check on the Trainer's view, as the callback runs it."""
+    return run_check("accum_equivalence", lambda: check_accum(T.TrainerView(tr, chat.collate)))
 
 
 class MeanPerMicroBatch(transformers.Trainer):
@@ -106,7 +115,7 @@ class MeanPerMicroBatch(transformers.Trainer):
 def test_accum_equivalence_names_a_compute_loss_override_as_the_place_to_fix(tmp_path):
     tr = trainer(None, tmp_path)
     tr.__class__ = MeanPerMicroBatch  # the helper builds a plain Trainer; the override is all that differs
-    result = T.probe_accum(tr, chat.collate)
+    result = _accum(tr)
     assert result.verdict == Verdict.FAIL, result.reason
     assert "MeanPerMicroBatch.compute_loss overrides" in result.reason and "forward" not in result.reason
 
@@ -204,9 +213,10 @@ class PlainLM(torch.nn.Module):
 
 def test_reload_eval_is_not_measured_for_a_model_from_pretrained_cannot_rebuild(tmp_path):
     tr = trainer(None, tmp_path, model=PlainLM())
-    export = T.probe_export(tr, tmp_path / "export")
-    assert export.verdict == Verdict.PASS and "config.json" not in export.measurements["files"], export.reason
-    reload = T.probe_reload(tr, chat.collate, export)
+    view = T.TrainerView(tr, chat.collate)
+    export = run_check("export", lambda: check_export(view, tmp_path / "export"))
+    assert export.verdict == Verdict.PASS and "config.json" not in export.details["files"], export.reason
+    reload = run_check("reload_eval", lambda: C.reload_after(view, export, tmp_path / "reload"))
     assert reload.verdict == Verdict.SKIP and "PlainLM is not a transformers PreTrainedModel" in reload.reason
 
 
@@ -216,23 +226,39 @@ def test_overfit_of_an_adapter_on_a_config_built_base_warns_and_on_a_pretrained_
     import peft
     import transformers
 
-    from pilotrun.integrations import common as C
+    from pilotrun.gates.overfit import check_overfit
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1)
-    batch = {"input_ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))}
-    batch["labels"] = batch["input_ids"].clone()
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    items = [{"id": i, "input_ids": row} for i, row in enumerate(ids)]
+
+    def collate(its):
+        stacked = torch.stack([it["input_ids"] for it in its])
+        return {"input_ids": stacked, "labels": stacked.clone()}
+
+    class ModelView(C.FrameworkView):
+        """A framework's view reduced to a model and its own loss (what the overfit check reads)."""
+
+        framework = "a model's own loss"
+
+        def __init__(self, model):
+            self._model, self.data = model, C.framework_data(items, items, collate)
+
+        @property
+        def model(self):
+            return self._model
+
+        def loss(self, m, batch):
+            return m(**batch).loss
+
+        def model_copy(self, dtype):
+            return self._model, torch.device("cpu")
 
     def verdict(model):
         torch.manual_seed(0)
         lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-        def loss(m):
-            return m(**batch).loss
-
-        def eval_loss(m):
-            with torch.no_grad():
-                return float(m(**batch).loss)
-        return C.overfit(lora, loss, eval_loss, 4, C.OVERFIT_LR)
+        return run_check("overfit", lambda: check_overfit(ModelView(lora)))
 
     torch.manual_seed(0)
     random_base = transformers.LlamaForCausalLM(cfg)

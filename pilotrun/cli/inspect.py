@@ -10,6 +10,7 @@ from ..data.audit import render_example, scan_split
 from ..data.bundle import build_data
 from ..data.jsonl import DataError
 from ..gates.inspect import judge
+from ..gates.loop_view import model_label_info
 from ..models.loading import ModelError, load_tokenizer
 from .common import EXIT_GATE_FAILED, UsageError, out_console
 
@@ -67,7 +68,9 @@ def main(args) -> int:
     n = spec.pilot.inspect.examples if args.n is None else args.n
     views = [render_example(data, ds[i], args.split) for i in range(min(n, len(ds)))]
     scan = scan_split(data, args.split)
-    problems, warnings, info = judge(scan, data.label_names, spec) if args.split == "train" else ([], [], {})
+    problems, warnings, info = (judge(scan, data.label_names, model_label_info(spec, data.label_names),
+                                      spec.pilot.inspect.max_unsupervised_share)
+                                if args.split == "train" else ([], [], {}))
     if args.json:
         print(json.dumps({"examples": [{"id": v.id, "text": v.plain(), "supervised": v.supervised,
                                         "padding": v.padding, "batch_keys": v.keys} for v in views],

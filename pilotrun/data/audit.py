@@ -135,10 +135,18 @@ def _per_row_supervised(labels: torch.Tensor) -> list[int]:
     return (labels != IGNORE).reshape(labels.shape[0], -1).sum(1).tolist()
 
 
-def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progress: ProgressFn = no_progress) -> dict:
-    """Counts over a whole split, as the collate produces it (truncation and masking included)."""
+def _id(item, position: int) -> str:
+    """An item's id for the reason; its position where it has none (a framework's dataset need not carry one)."""
+    return str(item["id"]) if isinstance(item, dict) and item.get("id") is not None else f"#{position}"
+
+
+def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progress: ProgressFn = no_progress,
+               limit: int | None = None) -> dict:
+    """Counts over a whole split (its first ``limit`` examples when given), as the collate produces it (truncation
+    and masking included)."""
     ds = getattr(bundle, split)
-    n = len(ds)
+    total = len(ds)
+    n = total if limit is None else min(total, limit)
     unsupervised: list[str] = []
     supervised_total = input_total = 0
     label_counts: Counter = Counter()
@@ -152,9 +160,9 @@ def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progre
             raise TypeError("the collate returned no 'labels' tensor "
                             f"(keys: {sorted(batch) if isinstance(batch, dict) else type(batch).__name__})")
         rows = _per_row_supervised(labels)
-        for it, s in zip(items, rows):
+        for pos, (it, s) in enumerate(zip(items, rows), start=start):
             if s == 0:
-                unsupervised.append(str(it["id"]))
+                unsupervised.append(_id(it, pos))
         supervised_total += sum(rows)
         mask = batch.get("attention_mask")
         ids = batch.get("input_ids")
@@ -178,7 +186,8 @@ def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progre
         progress(min(n, start + chunk), n, f"{split} examples")
     out = {
         "split": split,
-        "examples": n,
+        "examples": total,
+        "scanned": n,
         "unsupervised_examples": len(unsupervised),
         "unsupervised_share": len(unsupervised) / n if n else 0.0,
         "unsupervised_ids": unsupervised[:20],

@@ -20,6 +20,7 @@ The pilot, ``--resume``, the console, the HTML report and campaign sizing read t
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -29,6 +30,7 @@ from ..drivers.base import Capability, NonFiniteError, OnProgram, TrainingCheckE
 from ..ledger.records import Failure, Verdict
 from ..measure.meter import StageMeter, is_oom, out_of_memory_reason
 from .products import Product
+from .view import NotMeasured
 
 if TYPE_CHECKING:
     from .context import PilotContext
@@ -182,12 +184,32 @@ HINTS = [
 
 
 def fail_outcome(gate: Gate, exc: BaseException, ctx: PilotContext) -> Outcome:
-    """A failed gate's outcome from the exception it raised."""
+    """A failed gate's outcome from the exception it raised (a check that could not run: ``skip`` with its reason)."""
+    if isinstance(exc, NotMeasured):
+        return Outcome(Verdict.SKIP, str(exc), gate.describe_inputs(ctx))
     inputs = gate.failure_inputs(ctx)
     if isinstance(exc, GateFailure):
         inputs.update(exc.inputs)
     return Outcome(Verdict.FAIL, failure_reason(gate, exc, ctx, inputs), inputs,
                    dict(getattr(exc, "details", {}) or {}), failure=failure_of(exc))
+
+
+def run_check(gate: str, check: Callable[[], Outcome]) -> Outcome:
+    """A gate's check run outside the pilot's runner (an integration, inside the user's program): its outcome, a
+    ``skip`` where it could not measure, a ``fail`` with the reason for a GateFailure, and for anything else the
+    exception's first line (traceback in the details) — never an exception into the user's program."""
+    try:
+        return check()
+    except NotMeasured as exc:
+        return Outcome(Verdict.SKIP, str(exc))
+    except GateFailure as exc:
+        return Outcome(Verdict.FAIL, exc.reason, exc.inputs, dict(exc.details), failure=exc.failure)
+    except TrainingCheckError as exc:  # an update refused (a non-finite loss): the message is the reason
+        return Outcome(Verdict.FAIL, str(exc), failure=failure_of(exc))
+    except Exception as exc:  # user code (model, collate, save) raised inside the check: that is the finding
+        first = (str(exc).splitlines() or [""])[0][:300]
+        return Outcome(Verdict.FAIL, f"{gate} raised {type(exc).__name__}: {first}{_user_frame(exc.__traceback__)}",
+                       details={"traceback": traceback.format_exc()[-4000:]}, failure=failure_of(exc))
 
 
 def on_main_rank(ctx: PilotContext, gate: Gate, work) -> Outcome:

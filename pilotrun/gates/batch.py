@@ -1,8 +1,49 @@
-"""``batch``: micro batch x accumulation x data replicas = examples per update, and what follows from it."""
+"""``batch``: micro batch x accumulation x data replicas = examples per update, and what follows from it.
+
+Written once for every view (:mod:`pilotrun.gates.view`): pilotrun's loop reads its spec, a framework's view its
+own arguments (a Trainer's ``TrainingArguments``, a Lightning loader's length).
+"""
 from __future__ import annotations
 
 from ..batching import batch_plan
 from .base import NEEDS_INTEGRATION, Gate, OnProgram, Outcome, Product
+from .view import TrainingView
+
+
+def check_batch(view: TrainingView, out: Outcome | None = None) -> Outcome:
+    """The batch arithmetic of any view: examples per update, updates per epoch, the last window."""
+    out = out or Outcome()
+    b = view.batching()
+    n = b.examples
+    plan = batch_plan(b.micro_batch_size, b.grad_accum_steps, b.replicas, n, b.drop_last,
+                      model_parallel=b.model_parallel, tokens_per_example=b.tokens_per_example,
+                      micro_steps=b.micro_batches_per_epoch)
+    if b.normalisation is not None:
+        plan["normalisation"] = b.normalisation
+    text = (f"{b.micro_batch_size} x {b.grad_accum_steps} x {b.replicas} replica(s) = "
+            f"{plan['examples_per_update']} examples per update; {n} examples -> {plan['updates_per_epoch']} "
+            "updates per epoch")
+    if b.planned is not None:
+        where, updates = b.planned
+        epochs = updates / plan["updates_per_epoch"] if plan["updates_per_epoch"] else 0.0
+        plan.update(planned_updates=updates, planned_epochs=epochs,
+                    planned_examples=updates * plan["examples_per_update"])
+        text += f"; {where} {updates} = {epochs:.2f} epochs"
+    if b.tokens_per_example is not None:
+        text += f"; ~{plan['tokens_per_update']:,.0f} tokens per update"
+    last = plan["last_window"]
+    if last:
+        text += (f"; the last window of each epoch has {last['examples']} examples "
+                 f"({last['share_of_full']:.0%} of full), {b.short_window}")
+    else:
+        text += "; no partial window"
+    out.details, out.reason = plan, text
+    if plan["examples_per_update"] > n:
+        out.warn(f"one update ({plan['examples_per_update']} examples) needs more than the {n} training examples")
+    if b.warmup_updates is not None and b.planned is not None and b.warmup_updates >= b.planned[1]:
+        out.warn(f"warm-up ({b.warmup_updates} updates) is as long as the run ({b.planned[1]}): "
+                 "the peak lr is never reached")
+    return out
 
 
 class BatchGate(Gate):
@@ -17,35 +58,4 @@ class BatchGate(Gate):
         return []
 
     def run(self, ctx, meter) -> Outcome:
-        spec, t = ctx.spec, ctx.spec.train
-        data = ctx.ensure_data()
-        scan = ctx.scan or {}
-        n = len(data.train)
-        input_tokens = scan.get("input_tokens")
-        tokens = input_tokens / n if input_tokens and n else None
-        replicas = ctx.replicas
-        plan = batch_plan(t.micro_batch_size, t.grad_accum_steps, replicas, n, spec.data.drop_last,
-                          model_parallel=max(1, ctx.world_size // replicas), tokens_per_example=tokens)
-        epochs = t.updates / plan["updates_per_epoch"] if plan["updates_per_epoch"] else 0.0
-        plan["planned_updates"] = t.updates
-        plan["planned_epochs"] = epochs
-        plan["planned_examples"] = t.updates * plan["examples_per_update"]
-        out = Outcome(inputs={**ctx.base_inputs(), "replicas": replicas}, details=plan)
-        text = (f"{t.micro_batch_size} x {t.grad_accum_steps} x {replicas} replica(s) = "
-                f"{plan['examples_per_update']} examples per update; {n} examples -> {plan['updates_per_epoch']} "
-                f"updates per epoch; train.updates {t.updates} = {epochs:.2f} epochs")
-        if tokens is not None:
-            text += f"; ~{plan['tokens_per_update']:,.0f} tokens per update"
-        last = plan["last_window"]
-        if last:
-            text += (f"; the last window of each epoch has {last['examples']} examples "
-                     f"({last['share_of_full']:.0%} of full), a mean over its own examples")
-        else:
-            text += "; no partial window"
-        out.reason = text
-        if plan["examples_per_update"] > n:
-            out.warn(f"one update ({plan['examples_per_update']} examples) needs more than the {n} training examples")
-        if t.scheduler.warmup_updates >= t.updates:
-            out.warn(f"warm-up ({t.scheduler.warmup_updates} updates) is as long as the run ({t.updates}): "
-                     "the peak lr is never reached")
-        return out
+        return check_batch(ctx.view(), Outcome(inputs={**ctx.base_inputs(), "replicas": ctx.replicas}))

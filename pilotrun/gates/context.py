@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ..distributed import DistEnv
     from ..ledger.store import Ledger
     from ..strategies import Strategy
+    from .loop_view import LoopView
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,12 @@ class PilotContext:
             name = self.driver.name if self.driver is not None else "no"
             raise Unsupported(f"the {name} driver cannot {Capability.MODEL.missing}")
         return self.driver
+
+    def view(self, **kw: Any) -> LoopView:
+        """pilotrun's loop as the model-level checks read it (:class:`pilotrun.gates.view.TrainingView`)."""
+        from .loop_view import LoopView
+
+        return LoopView(self, **kw)
 
     @property
     def model(self) -> torch.nn.Module | None:

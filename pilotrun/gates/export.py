@@ -1,15 +1,59 @@
-"""``export``: the inference artifact (safetensors + config, or + export.json for factory models)."""
+"""``export``: the inference artifact (safetensors + config, export.json for factory models, an adapter + base.json;
+or the framework's own save), written atomically with a sha256 manifest whose hash the row records.
+
+Written once for every view (:mod:`pilotrun.gates.view`): the view writes its artifact (pilotrun's export, a
+Trainer's ``save_model``, Lightning's ``save_checkpoint``); the check refuses one without weights in the format its
+reload reads, or without tensors, and says what was written.
+"""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
 from ..checkpoint.io import CheckpointError
-from ..checkpoint.trust import LoadPolicy, manifest_sha256
+from ..checkpoint.trust import LoadPolicy
 from ..drivers import Capability
 from ..humanize import human_bytes
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
+from .view import Exported, TrainingView
+
+
+def _adapter_reason(out: Outcome, written: Exported) -> None:
+    a = written.adapter or {}
+    out.details.update({"adapter": True, "base_identity": a.get("base_identity"), "merged": a.get("merged"),
+                        "merge_note": a.get("merge_note")})
+    out.reason = (f"PEFT adapter ({written.tensors} tensors, {human_bytes(a.get('adapter_bytes', 0))}) + "
+                  f"adapter_config.json + base.json (the base's reference and identity, not its weights) to "
+                  f"{written.folder.name}/ with a sha256 manifest; the adapter {written.state}")
+    if a.get("merged"):
+        out.reason += f"; merged model in {a['merged_folder']}/ ({human_bytes(a.get('merged_bytes', 0))})"
+    elif a.get("merge_requested"):
+        out.warn(f"{out.reason}; export.merge: merged model {a.get('merge_note')}")
+
+
+def check_export(view: TrainingView, folder: Path, out: Outcome | None = None) -> Outcome:
+    """Write the view's artifact to ``folder`` and judge it; GateFailure when it cannot be reloaded."""
+    out = out or Outcome()
+    written = view.export(folder)
+    who = written.written_by or "the export"
+    if not written.weights:
+        raise GateFailure(f"{who} wrote no {written.weights_format} weights in {folder} "
+                          f"({', '.join(sorted(written.files))}): pilotrun reloads {written.weights_format} only",
+                          inputs=out.inputs, details={"files": sorted(written.files), "path": str(folder)})
+    if written.tensors == 0:
+        raise GateFailure(f"the export in {folder} holds no tensors", inputs=out.inputs)
+    out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes,
+                   "tensors": written.tensors, "manifest_sha256": written.manifest_sha256,
+                   **({"written_by": written.written_by} if written.written_by else {}), **written.details}
+    if written.adapter is not None:
+        _adapter_reason(out, written)
+        return out
+    counted = f"{written.tensors} tensors in " if written.tensors is not None else ""
+    out.reason = (f"{counted}{len(written.weights)} {written.weights_format} file(s), "
+                  f"{human_bytes(written.total_bytes)} in all, to {folder.name}/ with a sha256 manifest"
+                  + (f", written by {written.written_by}" if written.written_by else "")
+                  + (f"; the model {written.state}" if written.state else "")
+                  + (f"; {written.note}" if written.note else ""))
+    return out
 
 
 class ExportGate(Gate):
@@ -38,41 +82,15 @@ class ExportGate(Gate):
 
     def run(self, ctx, meter) -> Outcome:
         # Every rank takes part in gathering the full weights; rank 0 alone receives and writes them.
-        weights = ctx.driver.export_weights()
-        out = on_main_rank(ctx, self, lambda: self._export(ctx, weights))
-        ctx.export_dir = ctx.out_dir / "export"  # on every rank: what reload_eval reads (rank 0 wrote it)
+        view = ctx.view(export_weights=ctx.driver.export_weights())
+        folder = ctx.out_dir / "export"
+        inputs = {"precision": ctx.spec.train.precision, "rank": ctx.rank, "world_size": ctx.world_size}
+        out = on_main_rank(ctx, self, lambda: self._export(ctx, view, folder, inputs))
+        ctx.export_dir = folder  # on every rank: what reload_eval reads (rank 0 wrote it)
         return out
 
-    def _export(self, ctx, weights) -> Outcome:
-        spec = ctx.spec
-        folder = ctx.out_dir / "export"
-        written = ctx.driver.write_export(folder, weights)
-        ctx.export_dir = folder
+    def _export(self, ctx, view, folder: Path, inputs: dict) -> Outcome:
+        out = check_export(view, folder, Outcome(inputs=inputs))
         # Recorded in the row: what makes the export known to reload_eval, --resume and archive.
-        ctx.export_manifest_sha256 = written.manifest_sha256 or manifest_sha256(folder)
-        n_tensors = safetensors_tensor_count(folder)
-        if n_tensors == 0:
-            raise GateFailure(f"the export in {folder} holds no tensors")
-        weights = {k: v for k, v in written.files.items() if k.endswith(".safetensors")}
-        out = Outcome(inputs={"precision": spec.train.precision, "rank": ctx.rank, "world_size": ctx.world_size})
-        out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes, "tensors": n_tensors,
-                       "manifest_sha256": ctx.export_manifest_sha256}
-        trained = ctx.driver.step
-        state = f"after {trained} update(s)" if trained else "as loaded (no update succeeded)"
-        if spec.model.adapter is not None:
-            base = json.loads((folder / BASE_JSON).read_text())
-            out.details.update({"adapter": True, "base_identity": base.get("base_identity"),
-                                "merged": base.get("merged"), "merge_note": base.get("merge_note")})
-            adapter_bytes = written.files["adapter_model.safetensors"]["bytes"]
-            out.reason = (f"PEFT adapter ({n_tensors} tensors, {human_bytes(adapter_bytes)}) + adapter_config.json + "
-                          f"base.json (the base's reference and identity, not its weights) to {folder.name}/ with a "
-                          f"sha256 manifest; the adapter {state}")
-            if base.get("merged"):
-                merged_bytes = sum(v["bytes"] for k, v in written.files.items() if k.startswith(f"{MERGED}/"))
-                out.reason += f"; merged model in {MERGED}/ ({human_bytes(merged_bytes)})"
-            elif spec.export.merge:
-                out.warn(f"{out.reason}; export.merge: merged model {base.get('merge_note')}")
-            return out
-        out.reason = (f"{n_tensors} tensors in {len(weights)} safetensors file(s), {human_bytes(written.total_bytes)} "
-                      f"in all, to {folder.name}/ with a sha256 manifest; the model {state}")
+        ctx.export_manifest_sha256 = out.details["manifest_sha256"]
         return out

@@ -1,9 +1,11 @@
 """``overfit``: a tiny subset is learned — loss below a threshold, every value finite, its own targets recovered.
 
-A copy of the model trains on ``pilot.overfit.examples`` training examples with the
-spec's optimizer (constant lr) in small batches whose order changes every pass, so
-targets that depend on which examples share a batch (labels taken from a neighbour)
-cannot be memorised. Targets are then checked one example at a time, in eval mode.
+Written once for every view (:mod:`pilotrun.gates.view`): a copy of the model trains on a few training examples in
+small batches whose order changes every pass, so targets that depend on which examples share a batch (labels taken
+from a neighbour) cannot be memorised; its targets are then scored one example at a time, in eval mode. pilotrun's
+loop trains the copy with the spec's optimizer (constant lr) and ``pilot.overfit``'s budget and thresholds; a
+framework's view with AdamW at a fixed lr on its own loss (the run's lr may be too low to memorise in a pilot's
+budget). An adapter on a randomly initialised frozen base that learns but cannot memorise warns and says why.
 """
 from __future__ import annotations
 
@@ -11,15 +13,11 @@ import math
 
 import torch
 
-from ..drivers import Capability, NonFiniteError
+from ..drivers import Capability
 from ..ledger.records import Failure
 from ..models.adapters import parameter_split
-from ..train.batches import autocast_for, loss_of, to_device
-from ..train.evaluation import accuracy_counts, shift_convention
-from ..train.loss import window_backward
-from ..train.optim import build_optimizer
-from ..train.rng import derived_seed
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
+from .view import OverfitPlan, TrainingView
 
 # An adapter on a frozen base learns only what the base's features allow. On a randomly initialised base (a model
 # built from a config, as a pilot without the weights is) the logits stay near zero whatever the adapter does, so a
@@ -44,42 +42,77 @@ def frozen_base_shortfall(start: float, last: float, frozen_share: float, random
             "Pilot with the pretrained base to prove it")
 
 
-def _own_targets(model, data, items, device, precision) -> tuple[float, float | None]:
-    """Mean loss and accuracy of each example alone (its own targets, no neighbours)."""
-    losses, correct, counted = [], 0, 0
-    shift = shift_convention(model, data)
-    model.eval()
-    with torch.no_grad(), autocast_for(device, precision):
-        for it in items:
-            batch = to_device(data.collate([it]), device)
-            out = model(**batch)
-            losses.append(float(loss_of(out)))
-            c, k = accuracy_counts(out, batch["labels"], shift)
-            correct, counted = correct + c, counted + k
+def _train(view: TrainingView, model, plan: OverfitPlan, subset: list, threshold: float,
+           checks: list[dict]) -> tuple[list[float], bool]:
+    """Updates on the subset in reshuffled small batches until its targets are learned or the budget is spent."""
+    updater = view.overfit_updater(model, plan)
+    gen = torch.Generator().manual_seed(plan.seed)
+    micro = min(plan.micro_batch_size, len(subset))
+    queue: list[int] = []
+    losses: list[float] = []
+    for step in range(1, plan.max_updates + 1):
+        if len(queue) < micro:
+            queue += torch.randperm(len(subset), generator=gen).tolist()
+        take, queue = queue[:micro], queue[micro:]
+        losses.append(updater.update([subset[i] for i in take], step))
+        view.progress(step, plan.max_updates, "overfit updates")
+        if step % plan.check_every == 0 or step == plan.max_updates:
+            eval_loss, acc = view.target_scores(model, subset)
+            checks.append({"update": step, "loss": eval_loss, "accuracy": acc})
+            if not math.isfinite(eval_loss):
+                raise GateFailure(f"the subset's loss is {eval_loss} at update {step}", failure=Failure.NON_FINITE)
+            if eval_loss < threshold and (plan.accuracy_at_least is None or acc is None
+                                          or acc >= plan.accuracy_at_least):
+                return losses, True
+    return losses, False
+
+
+def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
+    """The overfit check on any view; GateFailure when the subset is not learned."""
+    out = out or Outcome()
+    plan = view.overfit_plan()
+    subset = view.overfit_items(plan.examples)
+    ids = [str(it["id"]) if isinstance(it, dict) and "id" in it else str(i) for i, it in enumerate(subset)]
+    model, _ = view.model_copy(None)
+    split = parameter_split(model)
     model.train()
-    return sum(losses) / len(losses), (correct / counted if counted else None)
-
-
-def _update(model, opt, scaler, window, policy, spec, device, step: int) -> float:
-    """One update of the copy on one small window; the loss, or NonFiniteError."""
-    ids = window[0][0]
-    stats = window_backward(model, window, policy, device, spec.train.precision, scaler)
-    loss = float(stats["loss"])
-    if not math.isfinite(loss):
-        raise NonFiniteError("loss", step, loss, ids)
-    if scaler is not None:
-        scaler.unscale_(opt)
-    norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                spec.train.max_grad_norm or float("inf")))
-    if scaler is None and not math.isfinite(norm):
-        raise NonFiniteError("gradient norm", step, norm, ids)
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+    start_loss, start_acc = view.target_scores(model, subset)
+    if not math.isfinite(start_loss):
+        raise GateFailure(f"the subset's loss is {start_loss} before training (ids {', '.join(ids)})",
+                          failure=Failure.NON_FINITE)
+    threshold = plan.loss_below if plan.loss_below is not None else start_loss * plan.loss_fraction
+    checks: list[dict] = [{"update": 0, "loss": start_loss, "accuracy": start_acc}]
+    try:
+        losses, passed = _train(view, model, plan, subset, threshold, checks)
+        bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p.detach()).all()), None)
+        if bad is not None:
+            raise GateFailure(f"parameter {bad!r} holds inf/NaN after overfitting", failure=Failure.NON_FINITE)
+        random_base = view.random_base(model)
+    finally:
+        del model
+    last = checks[-1]
+    out.details = {"memory_note": "memory of this row includes the check's own model copy", "losses": losses,
+                   "checks": checks, "ids": ids, "updates": len(losses), "examples": len(subset), "lr": plan.lr,
+                   "trained_by": view.framework,
+                   "thresholds": {"loss_below": threshold, "accuracy_at_least": plan.accuracy_at_least,
+                                  "loss_below_from": plan.loss_below_from}}
+    acc_text = f", {last['accuracy']:.0%} of its own targets recovered" if last["accuracy"] is not None else ""
+    if passed:
+        out.reason = (f"{len(subset)} examples learned in {len(losses)} updates: loss {start_loss:.3g} -> "
+                      f"{last['loss']:.3g} (< {threshold:.3g}){acc_text}")
+        return out
+    shortfall = frozen_base_shortfall(start_loss, last["loss"], 1 - split.trainable_share, random_base)
+    if shortfall:
+        out.warn(f"{len(subset)} examples not learned in {len(losses)} updates: {shortfall}")
+        return out
+    needs = [f"loss {start_loss:.3g} -> {last['loss']:.3g} (needs < {threshold:.3g})"]
+    if last["accuracy"] is not None and plan.accuracy_at_least is not None:
+        needs.append(f"{last['accuracy']:.0%} of targets recovered (needs {plan.accuracy_at_least:.0%})")
+    raise GateFailure(
+        f"{len(subset)} examples not learned in {len(losses)} updates at lr {plan.lr:g}: " + ", ".join(needs)
+        + ". Usual causes: labels that do not belong to their inputs (shifted, taken from another example), inputs "
+        f"the model cannot see, or an lr too low to memorise a few examples{plan.budget_hint}", inputs=out.inputs,
+        details=out.details)
 
 
 class OverfitGate(Gate):
@@ -99,74 +132,4 @@ class OverfitGate(Gate):
                 "max_updates": o.max_updates, "lr": ctx.spec.train.optimizer.lr}
 
     def run(self, ctx, meter) -> Outcome:
-        spec, data, o, driver = ctx.spec, ctx.ensure_data(), ctx.spec.pilot.overfit, ctx.model_driver()
-        policy = driver.policy
-        order = driver.plan.order(0)
-        subset = [data.train[i] for i in order[: o.examples]]
-        ids = [str(it["id"]) for it in subset]
-        model = driver.plain_model_copy()
-        split = parameter_split(model)
-        model.train()
-        opt = build_optimizer(model, spec.train.optimizer)  # constant lr: the schedule belongs to the long run
-        scaler = torch.amp.GradScaler(ctx.device.type) if spec.train.precision == "fp16" else None
-        gen = torch.Generator().manual_seed(derived_seed(spec.seed + 7))
-        losses: list[float] = []
-        checks: list[dict] = []
-        passed = False
-        micro = min(o.micro_batch_size, len(subset))
-        queue: list[int] = []
-        out = Outcome(inputs=self.describe_inputs(ctx))
-        start_loss, start_acc = _own_targets(model, data, subset, ctx.device, spec.train.precision)
-        if not math.isfinite(start_loss):
-            raise GateFailure(f"the subset's loss is {start_loss} before training (ids {', '.join(ids)})",
-                              failure=Failure.NON_FINITE)
-        threshold = o.loss_below if o.loss_below is not None else start_loss / 10
-        checks.append({"update": 0, "loss": start_loss, "accuracy": start_acc})
-        try:
-            for step in range(1, o.max_updates + 1):
-                if len(queue) < micro:
-                    queue += torch.randperm(len(subset), generator=gen).tolist()
-                take, queue = queue[:micro], queue[micro:]
-                items = [subset[i] for i in take]
-                window = [([ids[i] for i in take], data.collate(items))]
-                losses.append(_update(model, opt, scaler, window, policy, spec, ctx.device, step))
-                ctx.progress(step, o.max_updates, "overfit updates")
-                if step % o.check_every == 0 or step == o.max_updates:
-                    eval_loss, acc = _own_targets(model, data, subset, ctx.device, spec.train.precision)
-                    checks.append({"update": step, "loss": eval_loss, "accuracy": acc})
-                    if not math.isfinite(eval_loss):
-                        raise GateFailure(f"the subset's loss is {eval_loss} at update {step}",
-                                          failure=Failure.NON_FINITE)
-                    if eval_loss < threshold and (acc is None or acc >= o.accuracy_at_least):
-                        passed = True
-                        break
-            bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p.detach()).all()), None)
-            if bad is not None:
-                raise GateFailure(f"parameter {bad!r} holds inf/NaN after overfitting", failure=Failure.NON_FINITE)
-        finally:
-            del model, opt
-        last = checks[-1]
-        out.details = {"memory_note": "memory of this row includes the check's own model copy", "losses": losses,
-                       "checks": checks, "ids": ids, "updates": len(losses),
-                       "thresholds": {"loss_below": threshold, "accuracy_at_least": o.accuracy_at_least,
-                                      "loss_below_from": "pilot.overfit.loss_below" if o.loss_below is not None
-                                      else "a tenth of the starting loss"}}
-        acc_text = f", {last['accuracy']:.0%} of its own targets recovered" if last["accuracy"] is not None else ""
-        if passed:
-            out.reason = (f"{len(subset)} examples learned in {len(losses)} updates: loss {start_loss:.3g} -> "
-                          f"{last['loss']:.3g} (< {threshold:.3g}){acc_text}")
-            return out
-        # model.hf is pretrained; model.config alone is a random init; a factory's model may be either.
-        random_base = False if spec.model.hf else (True if spec.model.config is not None else None)
-        shortfall = frozen_base_shortfall(start_loss, last["loss"], 1 - split.trainable_share, random_base)
-        if shortfall:
-            out.warn(f"{len(subset)} examples not learned in {len(losses)} updates: {shortfall}")
-            return out
-        needs = [f"loss {start_loss:.3g} -> {last['loss']:.3g} (needs < {threshold:.3g})"]
-        if last["accuracy"] is not None:
-            needs.append(f"{last['accuracy']:.0%} of targets recovered (needs {o.accuracy_at_least:.0%})")
-        raise GateFailure(
-            f"{len(subset)} examples not learned in {len(losses)} updates at lr {spec.train.optimizer.lr:g}: "
-            + ", ".join(needs) + ". Usual causes: labels that do not belong to their inputs (shifted, taken from "
-            "another example), inputs the model cannot see, or an lr too low to memorise a few examples (raise "
-            "pilot.overfit.max_updates to tell)", inputs=out.inputs, details=out.details)
+        return check_overfit(ctx.view(), Outcome(inputs=self.describe_inputs(ctx)))

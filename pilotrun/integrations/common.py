@@ -1,58 +1,45 @@
-"""What the Trainer and Lightning callbacks share: the update window, the stage spans and the probe gates.
+"""What the Trainer and Lightning callbacks share: the update window, the stage spans, and the probe gates' runner.
 
-The probe gates run in the program's own process (the ``probe`` role), on copies of the framework's model
-and on batches from its own dataloader and collate, so what they prove is the user's actual setup:
-
-- ``accum_equivalence``: one update of N micro batches of different lengths through the framework's own loss and
-  accumulation scaling, vs the same examples as one batch (float64 copy on CPU, eval mode); passes when the
-  relative gradient difference is at most ``TOL_FLOAT64`` (the gate's own, :mod:`pilotrun.gates.accum`).
-- ``overfit``: a copy trains on ``OVERFIT_EXAMPLES`` examples (AdamW at ``OVERFIT_LR``, its own loss); passes when
-  the loss falls below ``OVERFIT_FRACTION`` of its start with every value finite.
-- ``reload_eval``: a fresh process loads the export through pilotrun's loading policy (manifest hash recorded,
-  safetensors only); passes when its outputs on control inputs are within ``RELOAD_RTOL``/``RELOAD_ATOL``.
-
-Every probe returns a :class:`GateResult`; :func:`run_probe` turns an exception into a ``fail`` row with the
-exception's first line, so one broken probe never hides the others.
+The probe gates run in the program's own process (the run whose rows the pilot records), on copies of the
+framework's model and on batches from its own dataset and collate, so what they prove is the user's actual setup.
+Their checks are the gates' own, written once in :mod:`pilotrun.gates` against a
+:class:`~pilotrun.gates.view.TrainingView`; each framework module gives its objects to them through a small view
+(:class:`FrameworkView` holds what the two views share: the overfit copy's budget and optimizer, its per-example
+scores, the model copies). :func:`run_probes` runs every check and records its row (``job.record_gate``): one broken
+check never hides the others.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
-import traceback
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..gates.accum import TOL_FLOAT64
-from ..gates.overfit import frozen_base_shortfall
-from ..gates.reload_eval import ATOL as RELOAD_ATOL
-from ..gates.reload_eval import RTOL as RELOAD_RTOL
+from ..config.spec import InspectSpec
+from ..data.bundle import DataBundle
+from ..drivers import NonFiniteError
+from ..gates.accum import check_accum
+from ..gates.base import Outcome, run_check
+from ..gates.batch import check_batch
+from ..gates.export import check_export
+from ..gates.inspect import check_inspect
+from ..gates.overfit import check_overfit
+from ..gates.reload_eval import compare_reload, reference
+from ..gates.view import Artifact, Batching, OverfitPlan, TrainingView
 from ..ledger.records import Verdict
 from ..models.adapters import parameter_split
-from ..train.batches import IGNORE
 
-OVERFIT_UPDATES = 100     # the copy's updates at most; a few examples are learned well within this
-OVERFIT_CHECK_EVERY = 10  # the subset's loss is re-measured (eval mode) this often
-OVERFIT_FRACTION = 0.1    # learned: the subset's loss fell below this share of its starting loss
 STEADY_UPDATES = 3        # the steady_step stage spans this many updates after the first
-# The overfit copy's lr: the question is whether the model can learn its own targets at all, not whether the run's lr
-# is good (a tiny GPT-2 learns 4 chats in 50 updates at 3e-3 and does not in 100 at 1e-3, measured on CPU).
-OVERFIT_LR = 3e-3
-OVERFIT_EXAMPLES = 4
-
-
-@dataclass
-class GateResult:
-    """One probe's row, as ``job.record_gate(gate, verdict, reason, **measurements)`` takes it."""
-
-    gate: str
-    verdict: Verdict
-    reason: str
-    measurements: dict = field(default_factory=dict)
+# The overfit copy's budget. Its lr: the question is whether the model can learn its own targets at all, not whether
+# the run's lr is good (a tiny GPT-2 learns 4 chats in 50 updates at 3e-3 and does not in 100 at 1e-3, measured on
+# CPU); one batch of all its examples per update.
+OVERFIT = OverfitPlan(examples=4, micro_batch_size=4, max_updates=100, check_every=10, lr=3e-3)
+SCAN_LIMIT = 2048  # training examples inspect counts inside a program (it runs before the program's first update)
 
 
 def role_name(job) -> str:
@@ -74,27 +61,6 @@ def runs_probes(job) -> bool:
         return Role(role_name(job)).records
     except ValueError:
         return False
-
-
-def record(job, result: GateResult) -> GateResult:
-    job.record_gate(result.gate, result.verdict, result.reason, **result.measurements)
-    return result
-
-
-def run_probe(job, gate: str, probe: Callable[[], GateResult]) -> GateResult:
-    """Run one probe and record its row; an exception is the gate's ``fail`` row (its first line, a traceback in
-    the measurements), never a crash of the user's program."""
-    try:
-        result = probe()
-    except Exception as exc:  # user code (model, collate, save) raised inside the probe: that is the finding
-        first = (str(exc).splitlines() or [""])[0][:300]
-        result = GateResult(gate, Verdict.FAIL, f"{gate} raised {type(exc).__name__}: {first}",
-                            {"traceback": traceback.format_exc()[-4000:]})
-    return record(job, result)
-
-
-def skipped(gate: str, reason: str) -> GateResult:
-    return GateResult(gate, Verdict.SKIP, reason)
 
 
 # ---------------------------------------------------------------------------------------------- updates and stages
@@ -184,9 +150,6 @@ class StageSpans:
             self.close(name)
 
 
-# ---------------------------------------------------------------------------------------------------- the probes
-
-
 def private_collate(collate: Callable) -> Callable:
     """A deep copy of the program's collate for the probes: a collate with state of its own (an augmenting
     collator's ``random.Random``, a counter) must not advance in the control run only, or its updates stop matching
@@ -202,113 +165,7 @@ def private_collate(collate: Callable) -> Callable:
         return collate
 
 
-def first_difference(a: Any, b: Any, name: str = "batch") -> str | None:
-    """The first field in which two collated batches differ (tensors by value), or None when they are equal."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.equal(a, b))
-        return None if same else name
-    if hasattr(a, "keys") and hasattr(b, "keys"):
-        if set(a.keys()) != set(b.keys()):
-            return name
-        return next((d for k in a.keys() if (d := first_difference(a[k], b[k], str(k))) is not None), None)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return next((d for i, (x, y) in enumerate(zip(a, b, strict=True))
-                     if (d := first_difference(x, y, f"{name}[{i}]")) is not None), None)
-    return None if a == b else name
-
-
-def random_collate(collate: Callable, items: list) -> GateResult | None:
-    """The accum_equivalence skip when ``collate`` gives different batches for the same examples (random masking
-    or augmentation): its micro batches and its one batch would then be different inputs, and any gradient
-    difference would be the augmentation's, not the loss normalisation's. None when two collations agree."""
-    differs = first_difference(collate(items), collate(items))
-    if differs is None:
-        return None
-    return skipped("accum_equivalence", f"not measured: the collate gives different batches for the same examples "
-                   f"('{differs}' differs between two collations of the first micro batch): it draws random numbers "
-                   "(masking, augmentation), so micro batches and one batch of the same examples are different "
-                   "inputs; pilot once with the augmentation off to have the accumulation checked")
-
-
-
-def supervised(batch: Any, shift: bool) -> int:
-    """Supervised label positions of a collated batch (labels != -100; a causal LM's first position never is)."""
-    labels = batch["labels"] if hasattr(batch, "keys") and "labels" in batch.keys() else None
-    if not isinstance(labels, torch.Tensor):
-        return 0
-    if shift and labels.ndim >= 2:
-        labels = labels[..., 1:]
-    return int((labels != IGNORE).sum())
-
-
-def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A CPU float64 copy in eval mode (dropout off: both computations must see the same function)."""
-    return copy.deepcopy(model).to("cpu").to(torch.float64).eval()
-
-
-def to_float64(batch: Any) -> Any:
-    """The batch with floating tensors in float64 on the CPU (integer ids and labels unchanged)."""
-    def cast(v):
-        if isinstance(v, torch.Tensor):
-            v = v.to("cpu")
-            return v.to(torch.float64) if v.is_floating_point() else v
-        return v
-    if hasattr(batch, "items"):
-        return {k: cast(v) for k, v in batch.items()}
-    return cast(batch)
-
-
-def flat_grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
-                      for p in model.parameters() if p.requires_grad])
-
-
-def accum_equivalence(model: torch.nn.Module, accumulate: Callable[[torch.nn.Module], float],
-                      one_batch: Callable[[torch.nn.Module], float], micro_sizes: list[int],
-                      supervised_counts: list[int], how: str, fix: str) -> GateResult:
-    """Compare the gradient of ``accumulate`` (the framework's own accumulation over the micro batches) with
-    ``one_batch`` (the same examples as one batch) on ``model`` (a float64 eval copy). ``how`` says which code
-    computed each, for the reason; ``fix`` is the framework's own remedy for a loss averaged per micro batch."""
-    gate = "accum_equivalence"
-    model.zero_grad(set_to_none=True)
-    acc_loss = accumulate(model)
-    g_acc = flat_grads(model)
-    model.zero_grad(set_to_none=True)
-    one_loss = one_batch(model)
-    g_one = flat_grads(model)
-    model.zero_grad(set_to_none=True)
-    one_batch(model)
-    g_again = flat_grads(model)
-    model.zero_grad(set_to_none=True)
-    scale = float(g_one.norm()) or 1.0
-    rel = float((g_acc - g_one).norm()) / scale
-    measurements = {"relative_grad_difference": rel, "tolerance": TOL_FLOAT64, "accumulated_loss": acc_loss,
-                    "one_batch_loss": one_loss, "micro_batch_sizes": micro_sizes,
-                    "supervised_per_micro_batch": supervised_counts, "dtype": "float64", "mode": "eval (dropout off)",
-                    "computed_by": how}
-    labelled = any(supervised_counts)
-    window = f"{len(micro_sizes)} micro batches ({'+'.join(map(str, micro_sizes))} examples" + (
-        f", {'/'.join(map(str, supervised_counts))} supervised labels)" if labelled else ")")
-    if float((g_one - g_again).norm()) / scale > TOL_FLOAT64:
-        return GateResult(gate, Verdict.FAIL, "the model is not deterministic in eval mode (the same batch twice gives "
-                          "different gradients): a random op that ignores model.eval(); no comparison means anything "
-                          "until that is fixed", measurements)
-    if rel <= TOL_FLOAT64:
-        note = "" if len(set(supervised_counts)) > 1 else (
-            "; note: the micro batches held equal numbers of labels, so length normalisation was not exercised"
-            if labelled else "; the batches have no 'labels' field (fixed-size examples): the accumulation scaling "
-            "is what was compared")
-        return GateResult(gate, Verdict.PASS, f"{window}: relative gradient difference {rel:.1e} "
-                          f"(tolerance {TOL_FLOAT64:.0e}, float64 on CPU){note}", measurements)
-    if len(set(supervised_counts)) > 1:
-        cause = ("the loss is averaged per micro batch, so tokens of micro batches with fewer supervised labels weigh "
-                 f"more than in one big batch (transformers#37766): {fix}")
-    else:
-        cause = ("examples influence each other's loss (labels or statistics that depend on which examples share a "
-                 "batch), or the accumulation is scaled wrongly")
-    return GateResult(gate, Verdict.FAIL, f"accumulated gradient differs from one batch of the same examples: "
-                      f"{window}, relative difference {rel:.1e} (tolerance {TOL_FLOAT64:.0e}); {cause}", measurements)
+# ------------------------------------------------------------------------------------------------------ the views
 
 
 def built_from_config(model: torch.nn.Module) -> bool | None:
@@ -322,66 +179,134 @@ def built_from_config(model: torch.nn.Module) -> bool | None:
     return None
 
 
-def overfit(model: torch.nn.Module, train_loss: Callable[[torch.nn.Module], torch.Tensor],
-            eval_loss: Callable[[torch.nn.Module], float], examples: int, lr: float) -> GateResult:
-    """Train ``model`` (a copy) on a few examples with AdamW at a constant ``lr`` until the loss falls below
-    ``OVERFIT_FRACTION`` of its start; ``train_loss`` is the framework's own loss of the subset (backward is ours)."""
-    gate = "overfit"
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    start = eval_loss(model)
-    if not math.isfinite(start):
-        return GateResult(gate, Verdict.FAIL, f"the subset's loss is {start} before training")
-    threshold = start * OVERFIT_FRACTION
-    checks = [{"update": 0, "loss": start}]
-    losses: list[float] = []
-    for step in range(1, OVERFIT_UPDATES + 1):
-        model.train()
-        loss = train_loss(model)
+
+
+def framework_data(train: Any, val: Any, collate: Callable, decode: Callable | None = None,
+                   label_names: list[str] | None = None) -> DataBundle:
+    """A framework's examples as the checks read them (its own dataset and collate; no pilotrun task)."""
+    return DataBundle(train=train, val=val if val is not None else train, collate=collate, decode=decode,
+                      label_names=label_names)
+
+
+class FrameworkUpdater:
+    """The overfit copy's update inside a program: AdamW at the plan's constant lr on the framework's own loss."""
+
+    def __init__(self, view: FrameworkView, model: torch.nn.Module, plan: OverfitPlan) -> None:
+        self.view, self.model = view, model
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=plan.lr, weight_decay=0.0)
+
+    def update(self, items: list, step: int) -> float:
+        loss = self.view.loss(self.model, self.view.data.collate(items))
         value = float(loss.detach())
         if not math.isfinite(value):
-            return GateResult(gate, Verdict.FAIL, f"loss is {value} at update {step} of the overfit copy",
-                              {"losses": losses})
+            raise NonFiniteError("loss", step, value, [str(it.get("id", i)) if isinstance(it, dict) else str(i)
+                                                       for i, it in enumerate(items)], " of the overfit copy")
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(value)
-        if step % OVERFIT_CHECK_EVERY == 0 or step == OVERFIT_UPDATES:
-            now = eval_loss(model)
-            checks.append({"update": step, "loss": now})
-            if now < threshold:
-                break
-    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p.detach()).all()), None)
-    last = checks[-1]["loss"]
-    measurements = {"examples": examples, "lr": lr, "updates": len(losses), "losses": losses, "checks": checks,
-                    "loss_below": threshold, "loss_below_from": f"{OVERFIT_FRACTION:g} of the starting loss"}
-    if bad is not None:
-        return GateResult(gate, Verdict.FAIL, f"parameter {bad!r} holds inf/NaN after overfitting", measurements)
-    if last < threshold:
-        return GateResult(gate, Verdict.PASS, f"{examples} examples learned in {len(losses)} updates: loss "
-                          f"{start:.3g} -> {last:.3g} (< {threshold:.3g})", measurements)
-    frozen_share = 1 - parameter_split(model).trainable_share  # a 4-bit weight counted as the weights it holds
-    shortfall = frozen_base_shortfall(start, last, frozen_share, built_from_config(model))
-    if shortfall:
-        return GateResult(gate, Verdict.WARN, f"{examples} examples not learned in {len(losses)} updates at lr "
-                          f"{lr:g}: {shortfall}", measurements)
-    return GateResult(gate, Verdict.FAIL, f"{examples} examples not learned in {len(losses)} updates at lr {lr:g}: "
-                      f"loss {start:.3g} -> {last:.3g} (needs < {threshold:.3g}). Usual causes: labels that do not "
-                      "belong to their inputs, inputs the model cannot see, frozen parameters", measurements)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return value
 
 
-def compare_reload(expected: torch.Tensor, reloaded: torch.Tensor, what: str, n: int) -> GateResult:
-    """The fresh process's outputs against the training process's on the same control inputs."""
-    gate = "reload_eval"
-    measurements: dict = {"control_examples": n, "tolerance": {"rtol": RELOAD_RTOL, "atol": RELOAD_ATOL},
-                          "output_shape": list(expected.shape)}
-    if reloaded.shape != expected.shape:
-        return GateResult(gate, Verdict.FAIL, f"the reloaded {what} returns outputs of shape {tuple(reloaded.shape)}, "
-                          f"the trained model {tuple(expected.shape)}", measurements)
-    diff = float((reloaded - expected).abs().max()) if expected.numel() else 0.0
-    measurements["max_abs_difference"] = diff
-    if not torch.allclose(reloaded, expected, rtol=RELOAD_RTOL, atol=RELOAD_ATOL):
-        return GateResult(gate, Verdict.FAIL, f"the reloaded {what} does not reproduce the model's outputs on {n} "
-                          f"control inputs: max difference {diff:.3g} (rtol {RELOAD_RTOL:g}, atol {RELOAD_ATOL:g}) "
-                          "— weights missing from the export, or state the artifact does not carry", measurements)
-    return GateResult(gate, Verdict.PASS, f"the {what}, reloaded in a fresh process, reproduces the outputs on {n} "
-                      f"control inputs (max difference {diff:.2g})", measurements)
+class FrameworkView:
+    """What the Trainer's and Lightning's views share. Subclasses set ``framework``, ``data``, ``shift_labels``,
+    ``targets_key`` and implement ``model``, ``batching``, ``loss`` and the model copy, accumulation, export and
+    reload methods of :class:`~pilotrun.gates.view.TrainingView`."""
+
+    requires_targets: bool = False  # a framework's batch need not follow pilotrun's factory contract
+    scan_limit: int | None = SCAN_LIMIT
+    targets_key: str | None = None
+    shift_labels: bool = False
+    data: DataBundle
+
+    @property
+    def model(self) -> torch.nn.Module:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def batching(self) -> Batching:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def progress(self, done: int, total: int, text: str) -> None:
+        return None
+
+    def inspect_limits(self) -> tuple[int, float]:
+        # The first micro batch shown; the share of unsupervised examples that fails is the spec's default.
+        return self.batching().micro_batch_size, InspectSpec().max_unsupervised_share
+
+    def class_outputs(self) -> tuple[int | None, dict | None, str]:
+        config = getattr(self.model, "config", None)
+        id2label = {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()}
+        if not id2label or all(v == f"LABEL_{k}" for k, v in id2label.items()):
+            return None, None, "the model has no class names in its config"
+        return len(id2label), id2label, "the model's config"
+
+    def parameter_split(self) -> dict | None:
+        split = parameter_split(self.model)
+        return split.as_dict() if split.trainable_share < 1 else None
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def float64_problem(self) -> str | None:
+        if getattr(self.model, "is_quantized", False) or getattr(self.model, "is_loaded_in_4bit", False):
+            return "the quantised base has no float64 form: float32 copy"
+        return None
+
+    def declared_per_micro_batch(self) -> bool:
+        return False
+
+    def overfit_plan(self) -> OverfitPlan:
+        return OVERFIT
+
+    def overfit_items(self, n: int) -> list:
+        return [self.data.train[i] for i in range(min(n, len(self.data.train)))]
+
+    def overfit_updater(self, model: torch.nn.Module, plan: OverfitPlan) -> FrameworkUpdater:
+        return FrameworkUpdater(self, model, plan)
+
+    def target_scores(self, model: torch.nn.Module, items: list) -> tuple[float, float | None]:
+        """The framework's own loss of each example alone, in eval mode (no accuracy: its outputs are its own)."""
+        model.eval()
+        try:
+            with torch.no_grad():
+                losses = [float(self.loss(model, self.data.collate([it])).detach()) for it in items]
+        finally:
+            model.train()
+        return sum(losses) / len(losses), None
+
+    def random_base(self, model: torch.nn.Module) -> bool | None:
+        return built_from_config(model)
+
+    def control_items(self) -> list:
+        val = self.data.val
+        return [val[i] for i in range(min(self.batching().micro_batch_size, len(val)))]
+
+
+def reload_after(view: TrainingView, export: Outcome, work: Path) -> Outcome:
+    """reload_eval on the export the probes just wrote; skip (naming why) when the export did not pass."""
+    if export.verdict.blocks:
+        return Outcome(Verdict.SKIP, f"skipped: export did not pass ({export.reason})")
+    items, batch, first, second = reference(view)
+    work.mkdir(parents=True, exist_ok=True)
+    artifact = Artifact(Path(export.details["path"]), export.details["manifest_sha256"])
+    return compare_reload(view, artifact, items, batch, first, second, work)
+
+
+def record(job, gate: str, outcome: Outcome) -> Outcome:
+    job.record_gate(gate, outcome.verdict, outcome.reason, **outcome.details)
+    return outcome
+
+
+def run_probes(job, view: TrainingView, export_folder: Path) -> dict[str, Outcome]:
+    """Every in-process gate, in the pilot's order, each recorded as it finishes."""
+    out: dict[str, Outcome] = {}
+    for gate, check in (("inspect", check_inspect), ("batch", check_batch), ("accum_equivalence", check_accum),
+                        ("overfit", check_overfit)):
+        out[gate] = record(job, gate, run_check(gate, lambda check=check: check(view)))  # type: ignore[misc]
+    out["export"] = record(job, "export", run_check("export", lambda: check_export(view, export_folder)))
+    work = export_folder.parent / "pilotrun-reload"
+    out["reload_eval"] = record(job, "reload_eval", run_check("reload_eval",
+                                                              lambda: reload_after(view, out["export"], work)))
+    return out

@@ -40,10 +40,11 @@ from typing import Any
 import torch
 
 from ..checkpoint.io import AtomicFolder
-from ..ledger.records import Verdict
+from ..gates.accum import first_examples_window
+from ..gates.base import Outcome
+from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, Window, tensors_of
 from ..train.loss import rng_untouched
 from . import common as C
-from .common import GateResult
 
 try:
     import lightning.pytorch as pl
@@ -80,7 +81,7 @@ class PilotrunCallback(pl.Callback):
         self.updates_here = 0
         self.last_step: int | None = None
         self.spans: C.StageSpans | None = None
-        self.probe_results: dict[str, GateResult] = {}
+        self.probe_results: dict[str, Outcome] = {}
 
     @property
     def active(self) -> bool:
@@ -222,162 +223,117 @@ LIGHTNING_FIX = ("Lightning divides each training_step loss by accumulate_grad_b
                  "examples instead of tokens")
 
 
-def probe_accum(trainer, module) -> GateResult:
-    dataset, collate, size = _loader_parts(trainer)
-    n = max(int(trainer.accumulate_grad_batches), 2)
-    items = [dataset[i] for i in range(min(n * size, len(dataset)))]
-    if len(items) < n * size:
-        return C.skipped("accum_equivalence", f"the training set has {len(items)} examples; {n} micro batches of "
-                         f"{size} need {n * size}")
-    augmented = C.random_collate(collate, items[:size])
-    if augmented is not None:
-        return augmented
-    micro = [C.to_float64(collate(items[i * size:(i + 1) * size])) for i in range(n)]
-    big = C.to_float64(collate(items))
-    model = detached_copy(module, torch.float64, view_of=trainer).eval()
+class LightningView(C.FrameworkView):
+    """A Lightning fit as the gates' checks read it (:class:`pilotrun.gates.view.TrainingView`): its train
+    dataloader's dataset and (a private copy of) its collate, the module's ``training_step`` with Lightning's own
+    ``loss / accumulate_grad_batches``, ``save_checkpoint`` and ``load_from_checkpoint`` — on copies of the module
+    that read the fit's trainer through a :class:`TrainerView` and log nothing."""
 
-    def accumulate(m) -> float:
+    framework = "LightningModule.training_step with Lightning's loss / accumulate_grad_batches"
+    targets_key: str | None = None  # training_step reads whatever fields it wants
+
+    def __init__(self, trainer, module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, module
+        dataset, collate, self.size = _loader_parts(trainer)
+        self.data = C.framework_data(dataset, None, collate)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.module
+
+    def loss(self, model, batch) -> torch.Tensor:
+        return _loss(model, batch)
+
+    def batching(self) -> Batching:
+        trainer = self.trainer
+        accum = int(trainer.accumulate_grad_batches)
+        # The loader's own length: its sampler's count per process (drop_last, a batch_sampler, Lightning's
+        # DistributedSampler), not arithmetic on batch_size.
+        return Batching(self.size, accum, int(trainer.world_size), len(self.data.train),
+                        micro_batches_per_epoch=len(trainer.train_dataloader),
+                        short_window="each micro batch's loss / accumulate_grad_batches (Lightning)",
+                        normalisation="each micro batch's loss / accumulate_grad_batches (Lightning)",
+                        planned=("max_steps", int(steps)) if (steps := getattr(trainer, "max_steps", None) or 0) > 0
+                        else None)
+
+    def accum_windows(self) -> list[Window]:
+        return first_examples_window(self.data, self.size, int(self.trainer.accumulate_grad_batches), False)
+
+    def model_copy(self, dtype):
+        return detached_copy(self.module, dtype, view_of=self.trainer), torch.device("cpu")
+
+    def accumulate(self, model, micro: list, device) -> float:
         total = 0.0
-        for i, batch in enumerate(micro):
+        for i, (_, batch) in enumerate(micro):
             # Lightning's automatic optimization divides each micro batch's loss by accumulate_grad_batches
             # (loops/optimization/automatic.py, ClosureResult.from_training_step_output).
-            loss = _loss(m, batch, i) / n
+            loss = _loss(model, batch, i) / len(micro)
             loss.backward()
             total += float(loss.detach())
         return total
 
-    def one_batch(m) -> float:
-        loss = _loss(m, big)
+    def one_batch(self, model, batch, device) -> float:
+        loss = _loss(model, batch)
         loss.backward()
         return float(loss.detach())
 
-    counts = [C.supervised(b, shift=False) for b in micro]
-    return C.accum_equivalence(model, accumulate, one_batch, [size] * n, counts,
-                               "LightningModule.training_step with Lightning's loss / accumulate_grad_batches",
-                               LIGHTNING_FIX)
+    def normalisation_cause(self, counts: list[int], sizes: list[int]) -> str | None:
+        if len(set(counts)) <= 1:
+            return None
+        return ("the loss is averaged per micro batch, so tokens of micro batches with fewer supervised labels weigh "
+                f"more than in one big batch: {LIGHTNING_FIX}")
+
+    def export(self, folder: Path) -> Exported:
+        if self.trainer.world_size > 1:
+            raise NotMeasured("with several processes Lightning's save_checkpoint is collective (a barrier every "
+                              "process must reach) and the probe runs on rank 0 alone; pilot the export with one "
+                              "process")
+        with AtomicFolder(folder, "export", {"written_by": "lightning Trainer.save_checkpoint"}) as out:
+            self.trainer.save_checkpoint(out.tmp / CHECKPOINT, weights_only=True)
+            out.adopt_existing()
+        return Exported(folder, out.files, out.total_bytes, str(out.manifest_sha256), [CHECKPOINT],
+                        weights_format="Lightning checkpoint", written_by="trainer.save_checkpoint")
+
+    def outputs(self, batch) -> torch.Tensor:
+        model = detached_copy(self.module).eval()  # as the fresh process has it: no trainer
+        try:
+            with torch.no_grad():
+                return _loss(model, batch).detach().float().reshape(1)
+        except Exception as exc:  # training_step needs its trainer (or the fit's state): the reload cannot run it
+            raise NotMeasured(f"not measured: {type(self.module).__qualname__}.training_step fails without its "
+                              f"Trainer ({type(exc).__name__}: {str(exc)[:200]}), and the fresh process that loads "
+                              "the checkpoint has none; a training_step that reads nothing from self.trainer gets its "
+                              "reload checked") from None
+
+    def reload_problem(self, artifact: Artifact) -> str | None:
+        cls = type(self.module)
+        if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+            return (f"{cls.__qualname__} is defined in the program's own script (or inside a function): a fresh "
+                    "process cannot build it without running the program again; define the LightningModule in an "
+                    "importable module to enable reload_eval")
+        return None
+
+    def reload(self, artifact: Artifact, batch, work: Path) -> Reloaded:
+        """A fresh process: ``load_from_checkpoint(weights_only=True)`` of the class, after pilotrun's loading policy
+        admitted the recorded manifest; its ``training_step`` loss on the same batch, in eval mode."""
+        from safetensors.torch import load_file, save_file
+
+        from ..workers.launch import run_worker
+
+        cls = type(self.module)
+        save_file(tensors_of(batch), str(work / "inputs.safetensors"))
+        where = str(Path(inspect.getfile(cls)).resolve().parent)
+        run_worker("pilotrun.integrations.lightning_reload",
+                   ["--export", str(artifact.folder), "--known-manifest", str(artifact.manifest_sha256),
+                    "--module-class", f"{cls.__module__}:{cls.__qualname__}", "--module-folder", where,
+                    "--batch-kind", "dict" if isinstance(batch, dict) else "tuple",
+                    "--inputs", str(work / "inputs.safetensors"), "--outputs", str(work / "outputs.safetensors")],
+                   work / "reload.json", work / "reload.log", "reload")
+        return Reloaded(load_file(str(work / "outputs.safetensors"))["outputs"], cls.__qualname__,
+                        f"{cls.__qualname__} checkpoint (its training_step loss, eval mode)")
 
 
-def probe_overfit(trainer, module) -> GateResult:
-    dataset, collate, _ = _loader_parts(trainer)
-    items = [dataset[i] for i in range(min(C.OVERFIT_EXAMPLES, len(dataset)))]
-    batch = collate(items)
-    model = detached_copy(module, view_of=trainer)
-
-    def eval_loss(m) -> float:
-        m.eval()
-        with torch.no_grad():
-            value = float(_loss(m, batch))
-        m.train()
-        return value
-
-    return C.overfit(model, lambda m: _loss(m, batch), eval_loss, len(items), C.OVERFIT_LR)
-
-
-def probe_inspect(trainer, module) -> GateResult:
-    dataset, collate, size = _loader_parts(trainer)
-    items = [dataset[i] for i in range(min(size, len(dataset)))]
-    batch = collate(items)
-    fields = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (list, tuple))
-                                                                      else [batch])
-    shapes = {str(k): (list(v.shape), str(v.dtype).replace("torch.", "")) if isinstance(v, torch.Tensor)
-              else type(v).__name__ for k, v in fields}
-    ids = C.ids_of(batch)
-    measurements = {"fields": shapes, "ids": ids, "first_item": repr(items[0])[:500] if items else None}
-    if ids is None:
-        return GateResult("inspect", Verdict.WARN, f"the first batch ({', '.join(shapes)}) has no 'id' field: updates "
-                          "carry no sample ids, so resume cannot compare which examples each update saw; keep the "
-                          "items' id in your collate", measurements)
-    return GateResult("inspect", Verdict.PASS, f"first batch: {len(ids)} examples (ids "
-                      f"{', '.join(map(str, ids[:8]))}), fields " + ", ".join(f"{k} {v}" for k, v in shapes.items()),
-                      measurements)
-
-
-def probe_batch(trainer) -> GateResult:
-    dataset, _, micro = _loader_parts(trainer)
-    accum, replicas, n = int(trainer.accumulate_grad_batches), int(trainer.world_size), len(dataset)
-    per_update = micro * accum * replicas
-    # The loader's own length: its sampler's count per process (drop_last, a batch_sampler, Lightning's
-    # DistributedSampler), not arithmetic on batch_size.
-    micro_batches = len(trainer.train_dataloader)
-    updates = -(-micro_batches // accum)
-    last = micro_batches - (updates - 1) * accum
-    partial = f"the last window has {last} of {accum} micro batches" if last != accum else "no partial window"
-    return GateResult("batch", Verdict.PASS, f"{micro} × {accum} × {replicas} = {per_update} examples per update; "
-                      f"{n} examples → {updates} updates per epoch; {partial}",
-                      {"micro_batch_size": micro, "grad_accum_steps": accum, "data_replicas": replicas,
-                       "examples_per_update": per_update, "updates_per_epoch": updates,
-                       "last_window_micro_batches": last,
-                       "normalisation": "each micro batch's loss / accumulate_grad_batches (Lightning)"})
-
-
-def probe_export(trainer, folder: Path) -> GateResult:
-    if trainer.world_size > 1:
-        return C.skipped("export", "with several processes Lightning's save_checkpoint is collective (a barrier every "
-                         "process must reach) and the probe runs on rank 0 alone; pilot the export with one process")
-    with AtomicFolder(folder, "export", {"written_by": "lightning Trainer.save_checkpoint"}) as out:
-        trainer.save_checkpoint(out.tmp / CHECKPOINT, weights_only=True)
-        out.adopt_existing()
-    sha = str(out.manifest_sha256)
-    return GateResult("export", Verdict.PASS, f"trainer.save_checkpoint wrote {CHECKPOINT} ({out.total_bytes} "
-                      f"bytes) to {folder}; manifest sha256 {sha[:12]}… recorded",
-                      {"manifest_sha256": sha, "export_dir": str(folder), "files": sorted(out.files),
-                       "bytes": out.total_bytes})
-
-
-def _tensors(batch: Any) -> dict[str, torch.Tensor]:
-    """The batch's tensors by name (a tuple's by position), for the fresh process."""
-    pairs = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (list, tuple))
-                                                                     else [batch])
-    return {str(k): v.contiguous().cpu() for k, v in pairs if isinstance(v, torch.Tensor)}
-
-
-def probe_reload(trainer, module, export: GateResult) -> GateResult:
-    from safetensors.torch import load_file, save_file
-
-    from ..workers.launch import run_worker
-
-    if export.verdict != Verdict.PASS:
-        return C.skipped("reload_eval", f"the export did not pass ({export.reason})")
-    cls = type(module)
-    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
-        return C.skipped("reload_eval", f"{cls.__qualname__} is defined in the program's own script (or inside a "
-                         "function): a fresh process cannot build it without running the program again; define the "
-                         "LightningModule in an importable module to enable reload_eval")
-    dataset, collate, size = _loader_parts(trainer)
-    batch = collate([dataset[i] for i in range(min(size, len(dataset)))])
-    tensors = _tensors(batch)
-    kind = "dict" if isinstance(batch, dict) else "tuple"
-    folder = Path(export.measurements["export_dir"])
-    work = folder.parent / "pilotrun-reload"
-    work.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(work / "inputs.safetensors"))
-    model = detached_copy(module).eval()  # as the fresh process has it: no trainer
-    try:
-        with torch.no_grad():
-            expected = _loss(model, batch).detach().float().reshape(1)
-    except Exception as exc:  # training_step needs its trainer (or the fit's state): the reload cannot run it either
-        return C.skipped("reload_eval", f"not measured: {cls.__qualname__}.training_step fails without its Trainer "
-                         f"({type(exc).__name__}: {str(exc)[:200]}), and the fresh process that loads the checkpoint "
-                         "has none; a training_step that reads nothing from self.trainer gets its reload checked")
-    where = str(Path(inspect.getfile(cls)).resolve().parent)
-    run_worker("pilotrun.integrations.lightning_reload",
-               ["--export", str(folder), "--known-manifest", export.measurements["manifest_sha256"],
-                "--module-class", f"{cls.__module__}:{cls.__qualname__}", "--module-folder", where,
-                "--batch-kind", kind, "--inputs", str(work / "inputs.safetensors"),
-                "--outputs", str(work / "outputs.safetensors")],
-               work / "reload.json", work / "reload.log", "reload")
-    reloaded = load_file(str(work / "outputs.safetensors"))["outputs"]
-    return C.compare_reload(expected, reloaded, f"{cls.__qualname__} checkpoint (its training_step loss, eval mode)",
-                            len(next(iter(tensors.values()))) if tensors else 0)
-
-
-def run_probes(job, trainer, module) -> dict[str, GateResult]:
-    out: dict[str, GateResult] = {}
-    out["inspect"] = C.run_probe(job, "inspect", lambda: probe_inspect(trainer, module))
-    out["batch"] = C.run_probe(job, "batch", lambda: probe_batch(trainer))
-    out["accum_equivalence"] = C.run_probe(job, "accum_equivalence", lambda: probe_accum(trainer, module))
-    out["overfit"] = C.run_probe(job, "overfit", lambda: probe_overfit(trainer, module))
+def run_probes(job, trainer, module) -> dict[str, Outcome]:
+    """Every in-process gate on the fit, in the pilot's order, each recorded as it finishes."""
     root = Path(job.checkpoint_dir or trainer.default_root_dir)
-    out["export"] = C.run_probe(job, "export", lambda: probe_export(trainer, root / "pilotrun-export"))
-    out["reload_eval"] = C.run_probe(job, "reload_eval", lambda: probe_reload(trainer, module, out["export"]))
-    return out
+    return C.run_probes(job, LightningView(trainer, module), root / "pilotrun-export")

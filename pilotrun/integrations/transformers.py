@@ -42,11 +42,14 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..checkpoint.export import safetensors_tensor_count
 from ..checkpoint.io import AtomicFolder
-from ..ledger.records import Verdict
+from ..gates.accum import first_examples_window
+from ..gates.base import Outcome
+from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, Window, tensors_of
+from ..train.evaluation import outputs_of
 from ..train.loss import rng_untouched
 from . import common as C
-from .common import GateResult
 
 # The key the wrapped collate adds to a batch to carry its sample ids to training_step (popped there, before the
 # model sees the batch).
@@ -82,7 +85,7 @@ class PilotrunCallback(TrainerCallback):
         self.updates_here = 0
         self.pending_save = False
         self.spans: C.StageSpans | None = None
-        self.probe_results: dict[str, GateResult] = {}
+        self.probe_results: dict[str, Outcome] = {}
 
     def bind(self, trainer: Trainer) -> PilotrunCallback:
         self.trainer = trainer
@@ -218,11 +221,7 @@ class PilotrunCallback(TrainerCallback):
         setattr(trainer.accelerator, "clip_grad_norm_", clip_grad_norm_)  # noqa: B010
 
 
-# ------------------------------------------------------------------------------------------------------ probes
-
-
-def _items(dataset: Any, n: int) -> list:
-    return [dataset[i] for i in range(min(n, len(dataset)))]
+# ------------------------------------------------------------------------------------------------------ the view
 
 
 def _loss_scaled(trainer: Trainer, num_items) -> bool:
@@ -237,12 +236,6 @@ def _loss_scaled(trainer: Trainer, num_items) -> bool:
 def _loss(trainer: Trainer, model, batch, num_items=None) -> torch.Tensor:
     out = trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items)
     return out if isinstance(out, torch.Tensor) else out[0]
-
-
-def _model(trainer: Trainer) -> torch.nn.Module:
-    if trainer.model is None:
-        raise RuntimeError("the Trainer has no model")
-    return trainer.model
 
 
 def _trainer_backward(trainer: Trainer, model, batches: list) -> float:
@@ -266,173 +259,115 @@ OVERRIDE_FIX = ("{cls}.compute_loss overrides the Trainer's: sum its token losse
                 "argument (the window's supervised tokens) instead of averaging the micro batch")
 
 
-def probe_accum(trainer: Trainer, collate) -> GateResult:
-    args = trainer.args
-    n = max(args.gradient_accumulation_steps, 2)
-    size = args.per_device_train_batch_size
-    shift = bool(getattr(trainer, "_loss_shifts_labels", False))
-    items = _items(trainer.train_dataset, n * size)
-    if len(items) < n * size:
-        return C.skipped("accum_equivalence", f"the training set has {len(items)} examples; {n} micro batches of "
-                         f"{size} need {n * size}")
+class TrainerView(C.FrameworkView):
+    """A ``transformers.Trainer`` as the gates' checks read it (:class:`pilotrun.gates.view.TrainingView`): its
+    datasets and (a private copy of) its collator, its ``compute_loss`` with its own ``num_items_in_batch`` and
+    accumulation scaling, ``save_model`` and ``from_pretrained``."""
 
-    def chunks(its):
-        return [collate(its[i * size:(i + 1) * size]) for i in range(n)]
+    framework = "Trainer.compute_loss with its num_items_in_batch and accumulation scaling"
+    targets_key: str | None = "labels"
 
-    augmented = C.random_collate(collate, items[:size])
-    if augmented is not None:
-        return augmented
-    micro = chunks(items)
-    if len({C.supervised(b, shift) for b in micro}) == 1:
-        # Equal label counts would not exercise length normalisation: group the examples by their own length.
-        items = sorted(items, key=lambda it: C.supervised(collate([it]), shift))
-        micro = chunks(items)
-    micro64 = [C.to_float64(b) for b in micro]
-    big64 = C.to_float64(collate(items))
-    model = C.float64_copy(_model(trainer))
-    try:
-        return C.accum_equivalence(
-            model, lambda m: _trainer_backward(trainer, m, micro64), lambda m: _trainer_backward(trainer, m, [big64]),
-            [size] * n, [C.supervised(b, shift) for b in micro],
-            "Trainer.compute_loss with its num_items_in_batch and accumulation scaling",
-            OVERRIDE_FIX.format(cls=type(trainer).__name__) if type(trainer).compute_loss is not Trainer.compute_loss
-            else TRAINER_FIX)
-    finally:
-        del model
+    def __init__(self, trainer: Trainer, collate) -> None:
+        self.trainer = trainer
+        decode = getattr(trainer.processing_class, "decode", None)
+        self.data = C.framework_data(trainer.train_dataset, trainer.eval_dataset, collate, decode)
+        self.shift_labels = bool(getattr(trainer, "_loss_shifts_labels", False))
 
+    @property
+    def model(self) -> torch.nn.Module:
+        if self.trainer.model is None:
+            raise RuntimeError("the Trainer has no model")
+        return self.trainer.model
 
-def probe_overfit(trainer: Trainer, collate) -> GateResult:
-    items = _items(trainer.train_dataset, C.OVERFIT_EXAMPLES)
-    batch = collate(items)
-    model = copy.deepcopy(_model(trainer))
+    def loss(self, model, batch) -> torch.Tensor:
+        return _loss(self.trainer, model, batch)
 
-    def eval_loss(m) -> float:
-        m.eval()
-        with torch.no_grad():
-            value = float(_loss(trainer, m, batch))
-        m.train()
-        return value
+    def batching(self) -> Batching:
+        trainer, args = self.trainer, self.trainer.args
+        kwargs = bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
+        how = ("num_items_in_batch: the model takes loss kwargs, so every token of the window weighs the same" if kwargs
+               else "each micro batch's own mean divided by the window's micro-batch count (the model takes no "
+                    "num_items_in_batch): see accum_equivalence")
+        short = ("a mean over its own supervised tokens (the Trainer counts the window's own num_items_in_batch)"
+                 if kwargs else "each micro batch's mean divided by its own micro-batch count (the Trainer's)")
+        return Batching(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
+                        len(self.data.train), drop_last=bool(args.dataloader_drop_last), short_window=short,
+                        normalisation=how, planned=("max_steps", args.max_steps) if args.max_steps > 0 else None)
 
-    try:
-        return C.overfit(model, lambda m: _loss(trainer, m, batch), eval_loss, len(items), C.OVERFIT_LR)
-    finally:
-        del model
+    def accum_windows(self) -> list[Window]:
+        b = self.batching()
+        return first_examples_window(self.data, b.micro_batch_size, b.grad_accum_steps, self.shift_labels)
 
+    def model_copy(self, dtype):
+        if dtype is None:
+            copied = copy.deepcopy(self.model)
+            return copied, next(copied.parameters()).device
+        return copy.deepcopy(self.model).to("cpu").to(dtype), torch.device("cpu")
 
-def probe_inspect(trainer: Trainer, collate) -> GateResult:
-    """The first micro batch as the loss sees it: decoded inputs, the supervised positions, padding."""
-    items = _items(trainer.train_dataset, trainer.args.per_device_train_batch_size)
-    batch = collate(items)
-    ids = C.ids_of(items) or list(range(len(items)))
-    tok = trainer.processing_class
-    decode = getattr(tok, "decode", None)
-    shown = []
-    for row, sample in enumerate(ids):
-        input_ids = batch["input_ids"][row].tolist() if "input_ids" in batch else []
-        labels = batch["labels"][row].tolist() if "labels" in batch else []
-        mask = batch["attention_mask"][row].tolist() if "attention_mask" in batch else [1] * len(input_ids)
-        supervised = [t for t in labels if t != -100]
-        shown.append({"id": C.plain(sample), "tokens": len(input_ids), "padding": len(mask) - int(sum(mask)),
-                      "supervised": len(supervised),
-                      "input": decode(input_ids) if decode else input_ids[:64],
-                      "labels_fed_to_loss": decode(supervised) if decode else supervised[:64]})
-    measurements = {"examples": shown, "decoded_with": type(tok).__name__ if decode else "nothing (token ids shown)"}
-    if "labels" not in batch:
-        return GateResult("inspect", Verdict.WARN, "the collated batch has no 'labels': the model must build its own "
-                          "targets; check that its loss is what the long run should learn", measurements)
-    if not any(ex["supervised"] for ex in shown):
-        return GateResult("inspect", Verdict.FAIL, f"no position of the first {len(shown)} examples is supervised "
-                          "(every label is -100): the loss learns nothing from them", measurements)
-    return GateResult("inspect", Verdict.PASS, f"{len(shown)} examples shown as the loss sees them (ids "
-                      f"{', '.join(str(e['id']) for e in shown)}): "
-                      f"{sum(e['supervised'] for e in shown)} supervised positions, "
-                      f"{sum(e['padding'] for e in shown)} padding", measurements)
+    def accumulate(self, model, micro: list, device) -> float:
+        return _trainer_backward(self.trainer, model, [batch for _, batch in micro])
 
+    def one_batch(self, model, batch, device) -> float:
+        return _trainer_backward(self.trainer, model, [batch])
 
-def probe_batch(trainer: Trainer) -> GateResult:
-    args = trainer.args
-    dataset: Any = trainer.train_dataset
-    n = len(dataset)
-    micro, accum, replicas = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
-    per_update = micro * accum * replicas
-    micro_batches = -(-n // (micro * replicas)) if not args.dataloader_drop_last else n // (micro * replicas)
-    updates = -(-micro_batches // accum)
-    last = micro_batches - (updates - 1) * accum
-    how = ("num_items_in_batch: the model takes loss kwargs, so every token of the window weighs the same"
-           if trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None else
-           "each micro batch's own mean divided by the window's micro-batch count (the model takes no "
-           "num_items_in_batch): see accum_equivalence")
-    partial = (f"the last window has {last} of {accum} micro batches" if last != accum else "no partial window")
-    return GateResult("batch", Verdict.PASS, f"{micro} × {accum} × {replicas} = {per_update} examples per update; "
-                      f"{n} examples → {updates} updates per epoch; {partial}",
-                      {"micro_batch_size": micro, "grad_accum_steps": accum, "data_replicas": replicas,
-                       "examples_per_update": per_update, "updates_per_epoch": updates,
-                       "last_window_micro_batches": last, "normalisation": how})
+    def normalisation_cause(self, counts: list[int], sizes: list[int]) -> str | None:
+        if len(set(counts)) <= 1:
+            return None
+        fix = (OVERRIDE_FIX.format(cls=type(self.trainer).__name__)
+               if type(self.trainer).compute_loss is not Trainer.compute_loss else TRAINER_FIX)
+        return ("the loss is averaged per micro batch, so tokens of micro batches with fewer supervised labels weigh "
+                f"more than in one big batch (transformers#37766): {fix}")
 
+    def export(self, folder: Path) -> Exported:
+        """``trainer.save_model`` (the framework's own save) into an atomic folder whose manifest pilotrun records."""
+        if self.trainer.is_fsdp_enabled or self.trainer.is_deepspeed_enabled:
+            raise NotMeasured("under FSDP or DeepSpeed trainer.save_model gathers the shards with a collective every "
+                              "process must join, and the probe runs on rank 0 alone; pilot the export with one "
+                              "process")
+        with AtomicFolder(folder, "export", {"written_by": "transformers.Trainer.save_model"}) as out:
+            self.trainer.save_model(str(out.tmp))
+            out.adopt_existing()
+        weights = sorted(f for f in out.files if f.endswith(".safetensors"))
+        return Exported(folder, out.files, out.total_bytes, str(out.manifest_sha256), weights,
+                        tensors=safetensors_tensor_count(folder) if weights else None,
+                        written_by="trainer.save_model",
+                        note="training_args.bin, a pickle, is never read back")
 
-def probe_export(trainer: Trainer, folder: Path) -> GateResult:
-    """``trainer.save_model`` (the framework's own save) into an atomic folder whose manifest pilotrun records."""
-    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
-        return C.skipped("export", "under FSDP or DeepSpeed trainer.save_model gathers the shards with a collective "
-                         "every process must join, and the probe runs on rank 0 alone; pilot the export with one "
-                         "process")
-    with AtomicFolder(folder, "export", {"written_by": "transformers.Trainer.save_model"}) as out:
-        trainer.save_model(str(out.tmp))
-        out.adopt_existing()
-    files = sorted(out.files)
-    weights = [f for f in files if f.endswith(".safetensors")]
-    sha = str(out.manifest_sha256)
-    measurements = {"manifest_sha256": sha, "export_dir": str(folder), "files": files,
-                    "bytes": out.total_bytes}
-    if not weights:
-        return GateResult("export", Verdict.FAIL, f"trainer.save_model wrote no safetensors weights in {folder} "
-                          f"({', '.join(files)}): pilotrun reloads safetensors only", measurements)
-    return GateResult("export", Verdict.PASS, f"trainer.save_model wrote {len(files)} files "
-                      f"({out.total_bytes} bytes) to {folder}; manifest sha256 {sha[:12]}… recorded "
-                      "(training_args.bin, a pickle, is never read back)", measurements)
+    def control_items(self) -> list:
+        val = self.data.val
+        return [val[i] for i in range(min(self.trainer.args.per_device_eval_batch_size, len(val)))]
 
+    def outputs(self, batch) -> torch.Tensor:
+        return outputs_of(copy.deepcopy(self.model).cpu(), tensors_of(batch))
 
-def probe_reload(trainer: Trainer, collate, export: GateResult) -> GateResult:
-    """A fresh process loads the export with transformers' own ``from_pretrained`` (safetensors only, no remote
-    code), admitted by pilotrun's loading policy against the manifest the export row recorded."""
-    from safetensors.torch import load_file, save_file
-
-    from ..train.evaluation import outputs_of
-    from ..workers.launch import run_worker
-
-    if export.verdict != Verdict.PASS:
-        return C.skipped("reload_eval", f"the export did not pass ({export.reason})")
-    if "config.json" not in export.measurements["files"]:
+    def reload_problem(self, artifact: Artifact) -> str | None:
+        if (artifact.folder / "config.json").is_file():
+            return None
         # save_model of a plain nn.Module (or an adapter alone) writes weights without the config from_pretrained
         # needs: the reload would fail on pilotrun's side, not on a defect of the program.
-        kind = type(trainer.accelerator.unwrap_model(_model(trainer))).__name__
-        return C.skipped("reload_eval", f"not measured: the export has no config.json ({kind} is not a transformers "
-                         "PreTrainedModel), so from_pretrained cannot rebuild it in a fresh process; a "
-                         "PreTrainedModel with a config gets its reload checked")
-    folder = Path(export.measurements["export_dir"])
-    work = folder.parent / "pilotrun-reload"
-    work.mkdir(parents=True, exist_ok=True)
-    dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
-    items = _items(dataset, trainer.args.per_device_eval_batch_size)
-    batch = {k: v.contiguous().cpu() for k, v in collate(items).items() if isinstance(v, torch.Tensor)}
-    save_file(batch, str(work / "inputs.safetensors"))
-    expected = outputs_of(copy.deepcopy(_model(trainer)).cpu(), batch)
-    run_worker("pilotrun.workers.reload", ["--export", str(folder), "--inputs", str(work / "inputs.safetensors"),
-                                           "--outputs", str(work / "outputs.safetensors"),
-                                           "--known-manifest", export.measurements["manifest_sha256"]],
-               work / "reload.json", work / "reload.log", "reload")
-    reloaded = load_file(str(work / "outputs.safetensors"))["outputs"]
-    return C.compare_reload(expected, reloaded, "export (transformers from_pretrained)", len(items))
+        kind = type(self.trainer.accelerator.unwrap_model(self.model)).__name__
+        return (f"not measured: the export has no config.json ({kind} is not a transformers PreTrainedModel), so "
+                "from_pretrained cannot rebuild it in a fresh process; a PreTrainedModel with a config gets its "
+                "reload checked")
+
+    def reload(self, artifact: Artifact, batch, work: Path) -> Reloaded:
+        """A fresh process loads the export with transformers' own ``from_pretrained`` (safetensors only, no remote
+        code), admitted by pilotrun's loading policy against the manifest the export row recorded."""
+        from safetensors.torch import load_file, save_file
+
+        from ..workers.launch import run_worker
+
+        save_file(tensors_of(batch), str(work / "inputs.safetensors"))
+        payload = run_worker("pilotrun.workers.reload",
+                             ["--export", str(artifact.folder), "--inputs", str(work / "inputs.safetensors"),
+                              "--outputs", str(work / "outputs.safetensors"),
+                              "--known-manifest", str(artifact.manifest_sha256)],
+                             work / "reload.json", work / "reload.log", "reload")
+        return Reloaded(load_file(str(work / "outputs.safetensors"))["outputs"], payload["model_class"],
+                        f"{payload['model_class']} (transformers from_pretrained)")
 
 
-def run_probes(job, trainer: Trainer, collate) -> dict[str, GateResult]:
-    """Every in-process gate, in the pilot's order, each recorded as it finishes."""
-    out: dict[str, GateResult] = {}
-    out["inspect"] = C.run_probe(job, "inspect", lambda: probe_inspect(trainer, collate))
-    out["batch"] = C.run_probe(job, "batch", lambda: probe_batch(trainer))
-    out["accum_equivalence"] = C.run_probe(job, "accum_equivalence", lambda: probe_accum(trainer, collate))
-    out["overfit"] = C.run_probe(job, "overfit", lambda: probe_overfit(trainer, collate))
+def run_probes(job, trainer: Trainer, collate) -> dict[str, Outcome]:
+    """Every in-process gate on the trainer, in the pilot's order, each recorded as it finishes."""
     root = Path(job.checkpoint_dir or trainer.args.output_dir or ".")
-    out["export"] = C.run_probe(job, "export", lambda: probe_export(trainer, root / "pilotrun-export"))
-    out["reload_eval"] = C.run_probe(job, "reload_eval", lambda: probe_reload(trainer, collate, out["export"]))
-    return out
+    return C.run_probes(job, TrainerView(trainer, collate), root / "pilotrun-export")

@@ -207,6 +207,8 @@ def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict],
         if not started:
             observer.on_gate_start(gate.name)
         row, metrics = _run_gate(gate, ctx)
+        if row.verdict == Verdict.SKIP:  # it ran and could not measure: the gates after it name it as the cause
+            progress.root_causes[gate.name] = (gate.name, row.reason, Verdict.SKIP)
     if row.verdict == Verdict.SKIP and gate.name not in progress.root_causes and not blockers:
         fail = next((r for r in result.rows if r["verdict"] == Verdict.FAIL), None)
         progress.root_causes[gate.name] = ((fail["gate"], fail["reason"], Verdict.FAIL) if fail else

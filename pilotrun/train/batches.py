@@ -47,7 +47,8 @@ def item_length(item, collate) -> int:
 def supervised_count(batch, shift_labels: bool) -> int:
     """Supervised labels in a batch (``labels != -100``); next-token positions only (``labels[..., 1:]``) when
     the model shifts its labels, as Hugging Face causal LMs do. 0 for a batch without labels."""
-    labels = batch.get("labels") if isinstance(batch, dict) else None
+    # Any mapping: a tokenizer's BatchEncoding is a UserDict, not a dict.
+    labels = batch.get("labels") if hasattr(batch, "keys") and hasattr(batch, "get") else None
     if not isinstance(labels, torch.Tensor):
         return 0
     if shift_labels and labels.ndim >= 2:

@@ -1,0 +1,194 @@
+"""What a model-level gate needs from whatever owns the training loop: one protocol, one check per gate.
+
+The checks of ``inspect``, ``batch``, ``accum_equivalence``, ``overfit``, ``export`` and ``reload_eval`` are written
+once, in their gate modules, against :class:`TrainingView`. pilotrun's loop implements it
+(:class:`pilotrun.gates.loop_view.LoopView`, over the loop driver), and each framework integration implements it as
+a small adapter over the framework's own objects (``TrainerView`` in :mod:`pilotrun.integrations.transformers`,
+``LightningView`` in :mod:`pilotrun.integrations.lightning`): the same check then runs inside the user's program on
+the framework's own model, collate and loss. Adding a framework is one adapter file and its tests.
+
+A view answers in the job's own terms, and says where it cannot (:class:`NotMeasured`, which makes the check's row
+``skip`` with that reason):
+
+- ``data``: the training and validation examples and the collate, as a :class:`~pilotrun.data.bundle.DataBundle`;
+- ``batching()``: micro batch × accumulation × replicas, the examples, how a window's loss is normalised;
+- ``accum_windows()``, ``accumulate(model, micro_batches, device)``, ``one_batch(model, batch, device)``: update
+  windows to check, one update's backward as the job computes it, and the same examples as one batch through the
+  model's own loss (the reference); ``normalisation_cause(...)`` names the framework's own fix;
+- ``model_copy(dtype)``: a private copy of the model (a check never touches the job's own);
+- ``overfit_plan()``, ``overfit_updater(model)``, ``target_scores(model, items)``: how a copy learns a few examples;
+- ``export(folder)``, ``control_items()``, ``outputs(batch)``, ``reload(artifact, batch, work)``: the framework's own
+  artifact and its reload in a fresh process through pilotrun's loading policy.
+
+Example (any view; the loop's is built by the gates, an integration's by its callback)::
+
+    from pilotrun.gates.accum import check_accum
+    outcome = check_accum(view)          # an Outcome: verdict, reason, details; GateFailure on a fail
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ..ledger.records import TextEnum
+
+if TYPE_CHECKING:
+    from ..data.bundle import DataBundle
+
+
+class NotMeasured(Exception):
+    """Raised by a view that cannot give what a check asks (a framework's export is collective, a model class a
+    fresh process cannot import); the check's row is ``skip`` with this reason, which says what would enable it."""
+
+
+class WindowKind(TextEnum):
+    """Which update window an accumulation check compares."""
+
+    FIRST = "first"            # the job's first update window, in its data order
+    LAST_SHORT = "last-short"  # an epoch's last window, shorter than the others
+    SAMPLE = "sample"          # micro batches of the first examples (the framework's sampler order is its own)
+
+
+@dataclass
+class Window:
+    """The items of each micro batch of one update window, and how to name it to a person."""
+
+    kind: WindowKind
+    label: str
+    micro: list[list[Any]]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the job batches its examples, as its own loop does it."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    replicas: int
+    examples: int
+    drop_last: bool = False
+    model_parallel: int = 1
+    micro_batches_per_epoch: int | None = None   # the loader's own count per process, where the framework has one
+    tokens_per_example: float | None = None
+    short_window: str = "a mean over its own examples"  # how an epoch's short last window is normalised
+    normalisation: str | None = None             # how any window's loss is normalised (the framework's rule)
+    planned: tuple[str, int] | None = None       # the long run's length in updates and where it is set
+    warmup_updates: int | None = None
+
+
+@dataclass(frozen=True)
+class OverfitPlan:
+    """How a copy of the model learns a few examples: the budget, the thresholds and where they come from."""
+
+    examples: int
+    micro_batch_size: int
+    max_updates: int
+    check_every: int
+    lr: float
+    loss_below: float | None = None          # None: ``loss_fraction`` of the starting loss
+    loss_fraction: float = 0.1
+    accuracy_at_least: float | None = None   # None: the accuracy is not a condition
+    loss_below_from: str = "a tenth of the starting loss"
+    seed: int = 0
+    budget_hint: str = ""                    # how to tell a too-small budget apart (the reason's last words)
+
+
+class Updater(Protocol):
+    """One optimizer update of an overfit copy on a few items; the update's loss (NonFiniteError on inf/NaN)."""
+
+    def update(self, items: list, step: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """An export as the reload reads it: the folder and the manifest sha256 its export row recorded."""
+
+    folder: Path
+    manifest_sha256: str | None
+
+
+@dataclass
+class Exported:
+    """What a view's ``export`` wrote (atomically, with a manifest)."""
+
+    folder: Path
+    files: dict[str, dict]              # name -> {"sha256", "bytes"}
+    total_bytes: int
+    manifest_sha256: str
+    weights: list[str]                  # the files holding the weights, in the format the reload reads
+    weights_format: str = "safetensors"
+    tensors: int | None = None          # tensors in the weights, where they can be counted without loading
+    written_by: str | None = None       # the framework's own save; None: pilotrun's
+    note: str = ""                      # what the reason adds (a pickle that is never read back)
+    state: str | None = None            # what the weights are ("after 8 update(s)")
+    adapter: dict | None = None         # an adapter export: base identity, merged model, sizes
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class Reloaded:
+    """The fresh process's outputs on the control inputs."""
+
+    outputs: torch.Tensor
+    model_class: str
+    what: str                           # for the reason: what was rebuilt ("LlamaForCausalLM (from_pretrained)")
+    merged_outputs: torch.Tensor | None = None
+
+
+class TrainingView(Protocol):
+    """See the module docstring. Every method may raise :class:`NotMeasured`."""
+
+    framework: str                # "pilotrun's loop", "transformers.Trainer", "Lightning"
+    data: DataBundle
+    shift_labels: bool            # a causal LM's labels are shifted by the loss (the first position is never one)
+    targets_key: str | None       # the batch field the loss reads targets from; None: the loss picks its own
+    requires_targets: bool        # a batch without them breaks the job's contract (pilotrun's factory contract)
+    scan_limit: int | None        # training examples inspect counts at most (None: all of them)
+
+    def progress(self, done: int, total: int, text: str) -> None: ...
+    def batching(self) -> Batching: ...
+    def parameter_count(self) -> int: ...
+    def inspect_limits(self) -> tuple[int, float]: ...
+    def class_outputs(self) -> tuple[int | None, dict | None, str]: ...
+    def parameter_split(self) -> dict | None: ...
+    def accum_windows(self) -> list[Window]: ...
+    def float64_problem(self) -> str | None: ...
+    def model_copy(self, dtype: torch.dtype | None) -> tuple[torch.nn.Module, torch.device]: ...
+    def accumulate(self, model: torch.nn.Module, micro: list, device: torch.device) -> float: ...
+    def one_batch(self, model: torch.nn.Module, batch: Any, device: torch.device) -> float: ...
+    def normalisation_cause(self, counts: list[int], sizes: list[int]) -> str | None: ...
+    def declared_per_micro_batch(self) -> bool: ...
+    def overfit_plan(self) -> OverfitPlan: ...
+    def overfit_items(self, n: int) -> list: ...
+    def overfit_updater(self, model: torch.nn.Module, plan: OverfitPlan) -> Updater: ...
+    def target_scores(self, model: torch.nn.Module, items: list) -> tuple[float, float | None]: ...
+    def random_base(self, model: torch.nn.Module) -> bool | None: ...
+    def export(self, folder: Path) -> Exported: ...
+    def control_items(self) -> list: ...
+    def outputs(self, batch: Any) -> torch.Tensor: ...
+    def reload_problem(self, artifact: Artifact) -> str | None: ...
+    def reload(self, artifact: Artifact, batch: Any, work: Path) -> Reloaded: ...
+
+
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """The batch with its floating tensors in ``dtype`` (integer ids and labels unchanged)."""
+    if isinstance(batch, dict):
+        return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cast_floats(v, dtype) for v in batch)
+    return batch.to(dtype) if isinstance(batch, torch.Tensor) and batch.is_floating_point() else batch
+
+
+def tensors_of(batch: Any) -> dict[str, torch.Tensor]:
+    """A batch's tensors by name (a tuple's by position), contiguous on the CPU: what a fresh process is given."""
+    pairs = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (list, tuple))
+                                                                     else [batch])
+    return {str(k): v.contiguous().cpu() for k, v in pairs if isinstance(v, torch.Tensor)}
+
+
+Check = Callable[[TrainingView], Any]
