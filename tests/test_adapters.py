@@ -58,7 +58,7 @@ def test_cli_exit_2_without_traceback_for_missing_targets(lora_spec, tmp_path):
 
 
 def test_fused_true_where_torch_has_no_kernel_names_the_field():
-    from pilotrun.config.spec import OptimizerSpec
+    from pilotrun.config.sections import OptimizerSpec
     from pilotrun.train.optim import OptimizerError, choose_fused
 
     with pytest.raises(OptimizerError) as err:

@@ -5,7 +5,7 @@ import json
 
 from rich.text import Text
 
-from ..config.spec import load_spec
+from ..config.load import load_spec
 from ..data.audit import render_example, scan_split
 from ..data.bundle import build_data
 from ..data.jsonl import DataError

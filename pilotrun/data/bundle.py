@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.spec import Spec, import_factory
+from ..config.factories import import_factory
+from ..config.spec import Spec
 from .jsonl import DataError, read_jsonl
 from .split import IndexedSubset, split_by_group
 from .tasks import CausalLMDataset, ClassificationDataset, PadCollate, class_names, label_index
@@ -106,7 +107,7 @@ def builtin_data(spec: Spec, tokenizer) -> DataBundle:
 def factory_data(spec: Spec) -> DataBundle:
     assert spec.data.factory is not None
     fn = import_factory(spec.data.factory, spec.folder)
-    out = fn(spec.data_mapping())
+    out = fn(spec.data.factory_mapping())
     where = f"data.factory {spec.data.factory!r}"
     if not isinstance(out, dict):
         raise DataError(f"{where} returned {type(out).__name__}; expected a mapping with 'train', 'val' and 'collate'")

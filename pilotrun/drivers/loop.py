@@ -330,5 +330,5 @@ class LoopDriver(ModelDriver):
             return export_adapter(folder, self.plain_model, base_reference(spec, self.loaded, self.data.label_names),
                                   tokenizer=self.tokenizer, merged=merged, merge_note=note)
         return export_model(folder, self.plain_model, tokenizer=self.tokenizer, factory=spec.model.factory,
-                            model_mapping=spec.model_mapping() if spec.model.factory else None,
+                            model_mapping=spec.model.factory_mapping() if spec.model.factory else None,
                             spec_folder=str(spec.folder), state_dict=weights)

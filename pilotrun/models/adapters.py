@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..config.spec import AdapterSpec
+from ..config.sections import AdapterSpec
 
 # peft's task types by pilotrun's model head: the task type picks the PeftModel subclass, whose forward passes
 # labels through, and for classification keeps the new head trainable (modules_to_save).

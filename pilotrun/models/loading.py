@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from ..config.factories import import_factory
 from ..config.hub_cache import TokenizerNotFound
-from ..config.spec import Spec, import_factory
+from ..config.spec import Spec
 
 
 class ModelError(Exception):
@@ -201,7 +202,7 @@ def _build_factory(spec: Spec, meta: bool) -> LoadedModel:
     assert spec.model.factory is not None
     fn = import_factory(spec.model.factory, spec.folder)
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = fn(spec.model_mapping())
+        model = fn(spec.model.factory_mapping())
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
         raise ModelError(f"model.factory {spec.model.factory!r} returned the class {model.__name__}, not an "
                          "instance: call it and return the module")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..config.spec import QuantizationSpec
+from ..config.sections import QuantizationSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

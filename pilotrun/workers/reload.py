@@ -26,7 +26,7 @@ def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module
 
     from peft import PeftModel
 
-    from ..config.spec import spec_from_mapping
+    from ..config.load import spec_from_mapping
     from ..models.adapters import base_identity
     from ..models.loading import build_model
 
@@ -70,7 +70,7 @@ def load_artifact(folder: Path, policy: LoadPolicy, spec_folder: Path | None = N
     if factory is not None:
         from safetensors.torch import load_model
 
-        from ..config.spec import import_factory
+        from ..config.factories import import_factory
 
         info = json.loads((folder / "export.json").read_text())
         where = spec_folder if spec_folder is not None and factory == policy.factory else Path(info["spec_folder"])
