@@ -57,8 +57,8 @@ def render(view) -> Text:
 def main(args) -> int:
     spec = load_spec(args.spec, args.overrides)
     try:
-        tok = load_tokenizer(spec) if spec.data.task is not None else None
-        data = build_data(spec, tok)
+        tok = load_tokenizer(spec.model, spec.folder) if spec.data.task is not None else None
+        data = build_data(spec.data, spec.build_context(), tok, spec.eval_max_length)
     except (DataError, ModelError) as exc:
         raise UsageError(str(exc)) from None
     ds = getattr(data, args.split)

@@ -1,5 +1,9 @@
 """The sections of ``pilot.yaml`` (``model``, ``data``, ``train`` ...): every key declared once, with its type,
 default and meaning (rendered into docs/spec.md), and the checks that need only the section itself.
+
+Each building block reads the section it builds from (``models.loading.build_model(spec.model, ...)``,
+``data.bundle.build_data(spec.data, ...)``, ``train.optim.build_optimizer(model, spec.train.optimizer)``); what
+several of them share beyond their section travels in :class:`pilotrun.config.spec.BuildContext`.
 """
 from __future__ import annotations
 

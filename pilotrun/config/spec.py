@@ -1,5 +1,6 @@
 """``pilot.yaml`` as one typed object: :class:`Spec` (its sections in :mod:`.sections`) and what is derived from
-it — the folder relative paths start from and the canonical config and its hash.
+it — the folder relative paths start from, the canonical config and its hash, and :class:`BuildContext`, what the
+building blocks read beyond their own section.
 
 The spec is validated at the edge (:func:`pilotrun.config.load.load_spec`), before anything runs; code further in
 receives a :class:`Spec` and never re-parses configuration. Keys fixed by the product (``name``, ``seed``,
@@ -30,10 +31,22 @@ from .sections import (
     ExportSpec,
     ModelSpec,
     PilotSpec,
+    Precision,
     TrainSpec,
 )
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What the building blocks (``models/``, ``data/``) read from a spec beyond the section they build from."""
+
+    folder: Path  # the spec file's folder: relative paths and factory modules are found from here
+    seed: int  # seeds random initialisation and the split by group
+    precision: Precision  # train.precision: bf16-true holds the model's weights in bf16
+    activation_checkpointing: bool  # train.activation_checkpointing
+    task: str | None  # data.task: with a Hugging Face model it picks the head (None: the data's label_names do)
 
 
 @dataclass
@@ -89,6 +102,15 @@ class Spec:
     def tokenizer_source(self) -> TokenizerSource:
         """Where ``model.tokenizer`` is (:meth:`ModelSpec.tokenizer_source` from the spec's folder)."""
         return self.model.tokenizer_source(self.folder)
+
+    def build_context(self) -> BuildContext:
+        """What ``build_model``, ``load_tokenizer`` and ``build_data`` read besides their own section."""
+        return BuildContext(self.folder, self.seed, self.train.precision, self.train.activation_checkpointing,
+                            self.data.task)
+
+    def record(self) -> dict:
+        """What a child process rebuilds this exact spec from (``load.spec_from_mapping(written, source)``)."""
+        return {"source": self.source, "written": self.written}
 
     def canonical(self) -> dict:
         """The config with every default filled in, as plain JSON types, for hashing and the lock."""

@@ -42,13 +42,13 @@ def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module
         raise LoadRefused(Refusal.FACTORY, (
             f"{folder / BASE_JSON} builds its base with the factory {factory!r}, but this export is not recorded in "
             "the ledger and that factory was not named: pilotrun imports nothing an unknown artifact names"))
-    base_spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, adapter=None))
+    base_model = dataclasses.replace(spec.model, adapter=None)
     tokenizer = None
     if base.get("head") == "seq-classification" and "tokenizer.json" in adm.manifest["files"]:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    built = build_model(base_spec, base.get("label_names"), tokenizer, device="cpu")
+    built = build_model(base_model, spec.build_context(), base.get("label_names"), tokenizer, device="cpu")
     keep = spec.train.precision == "bf16-true"  # the adapter stays in bf16 as trained, not upcast by peft
     model = PeftModel.from_pretrained(built.model, str(folder), is_trainable=False, autocast_adapter_dtype=not keep)
     got = base_identity(model)
