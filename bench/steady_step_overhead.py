@@ -42,9 +42,9 @@ CASES = {
 def bare_loop(spec, updates: int) -> float:
     """Median seconds per update of the loop a user would write by hand."""
     torch.manual_seed(spec.seed)
-    tok = load_tokenizer(spec)
-    data = build_data(spec, tok)
-    model = build_model(spec, data.label_names, tok).model
+    tok = load_tokenizer(spec.model, spec.folder)
+    data = build_data(spec.data, spec.build_context(), tok, spec.eval_max_length)
+    model = build_model(spec.model, spec.build_context(), data.label_names, tok).model
     opt = build_optimizer(model, spec.train.optimizer)
     sched = build_scheduler(opt, spec.train.scheduler, spec.train.updates)
     # The same batches in the same order as the pilot (the order changes the lengths, hence the time).

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from . import __version__
+from .config.factories import import_factory
+from .config.paths import looks_local
 from .config.program import program_files
-from .config.spec import Spec, import_factory, looks_local
+from .config.spec import Spec
 
 CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
 CONTAINER_FLAG = "--container-digest"

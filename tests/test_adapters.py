@@ -9,7 +9,7 @@ import torch
 
 from pilotrun.config import load_spec
 from pilotrun.config.schema import SpecError
-from tests.conftest import copy_example, gate_rows, pilotrun_cli
+from tests.conftest import copy_example, copy_fixture, gate_rows, pilotrun_cli
 
 SMALL = ["train.micro_batch_size=2", "train.grad_accum_steps=1"]
 QLORA = ["model.quantization={bits: 4, type: nf4, double_quant: true, compute_dtype: fp32}"]
@@ -58,7 +58,7 @@ def test_cli_exit_2_without_traceback_for_missing_targets(lora_spec, tmp_path):
 
 
 def test_fused_true_where_torch_has_no_kernel_names_the_field():
-    from pilotrun.config.spec import OptimizerSpec
+    from pilotrun.config.sections import OptimizerSpec
     from pilotrun.train.optim import OptimizerError, choose_fused
 
     with pytest.raises(OptimizerError) as err:
@@ -185,7 +185,7 @@ def test_qlora_gradients_after_an_eval_forward_are_those_without_it(lora_spec):
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
 
     def grads(evaluate_first: bool) -> dict[str, torch.Tensor]:
-        model = build_model(spec).model
+        model = build_model(spec.model, spec.build_context()).model
         if evaluate_first:
             model.eval()
             with torch.no_grad():
@@ -309,6 +309,27 @@ def test_export_reloads_on_rebuilt_base_and_tampering_is_refused(lora_spec, tmp_
     with pytest.raises(LoadRefused) as err:
         load_artifact(folder, known)
     assert err.value.kind is Refusal.DAMAGED and "adapter_model.safetensors" in str(err.value)
+
+
+def test_an_adapter_export_on_a_factory_base_is_rebuilt_from_the_spec_folder_with_its_mapping(tmp_path, monkeypatch):
+    """The reload builds the base from base.json's spec: its factory imported from the spec's folder (not the
+    current directory) and called with the model mapping as written (dim 24, not the factory's default 48)."""
+    from pilotrun.checkpoint.trust import LoadPolicy
+    from pilotrun.train.evaluation import outputs_of
+    from pilotrun.workers.reload import load_artifact
+
+    driver = _driver(copy_fixture("toylm", tmp_path), "model.adapter={target_modules: [head]}", "model.dim=24")
+    try:
+        driver.update()
+        written = driver.write_export(tmp_path / "export")
+        batch = driver.data.collate([driver.data.val[i] for i in range(4)])
+        control = outputs_of(driver.model, batch)
+    finally:
+        driver.close()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    reloaded = load_artifact(tmp_path / "export", LoadPolicy.of({written.manifest_sha256}))
+    assert torch.equal(outputs_of(reloaded, batch), control)
 
 
 # -- the example, every gate, for real ------------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_the_spec_and_the_registry_share_one_strategy_vocabulary():
     import typing
 
     from pilotrun import strategies
-    from pilotrun.config.spec import DistributedSpec
+    from pilotrun.config.sections import DistributedSpec
 
     declared = typing.get_args(typing.get_type_hints(DistributedSpec)["strategy"])
     assert list(declared) == strategies.names()

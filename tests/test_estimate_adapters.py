@@ -52,7 +52,7 @@ def _quant_state_tensors(model) -> list[torch.Tensor]:
 def real_job(spec):
     """The job exactly as the pilot builds it (models.loading.build_model: a bitsandbytes base through
     BitsAndBytesConfig, peft LoRA, bf16-true; train.optim: the optimizer), with real tensors on this CPU."""
-    loaded = build_model(spec)
+    loaded = build_model(spec.model, spec.build_context())
     opt = build_optimizer(loaded.model, spec.train.optimizer, torch.device("cpu"))
     return loaded.model, loaded.config, opt
 
@@ -127,7 +127,7 @@ def test_quantized_storage_table_matches_bitsandbytes():
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     spec = tiny_spec()
-    model = build_model(spec).model
+    model = build_model(spec.model, spec.build_context()).model
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         for bits, dq in ((4, True), (4, False), (8, False)):

@@ -88,7 +88,7 @@ def test_builtin_items_that_supervise_their_prompt_still_fail_inspect(tmp_path):
 
     spec = load_spec(copy_example("tiny-sft", tmp_path))
 
-    bundle = build_data(spec, load_tokenizer(spec))
+    bundle = build_data(spec.data, spec.build_context(), load_tokenizer(spec.model, spec.folder), spec.eval_max_length)
     item = bundle.train[0]
     item["labels"] = list(item["input_ids"])  # every prompt token supervised, as an unmasked SFT would do
     scan = scan_split(bundle, "train")

@@ -13,8 +13,9 @@ import psutil
 import pytest
 
 from pilotrun.cli import main
+from pilotrun.config.load import ProgramSpecRefused, load_spec
 from pilotrun.config.schema import SpecError
-from pilotrun.config.spec import ProgramOnlySpec, ProgramSpecRefused, load_spec
+from pilotrun.config.spec import ProgramOnlySpec
 from pilotrun.ledger.records import Failure, Verdict
 from pilotrun.ledger.store import Ledger
 from pilotrun.pilot import PilotOptions, run_pilot

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 
 from pilotrun.config import SpecError, load_spec
-from pilotrun.config.schema import describe_fields
+from pilotrun.config.schema import Problem, ProblemKind, build, describe_fields
 from pilotrun.config.spec import Spec
 
 from .conftest import copy_fixture, write_spec
@@ -54,7 +55,21 @@ def test_valid_spec_fills_defaults(toy_dir):
     assert spec.train.scheduler.name == "constant"
     assert spec.eval_batch_size == 2  # defaults to the micro batch
     assert spec.model.extra == {"dim": 16}  # factory arguments are kept
-    assert spec.model_mapping()["dim"] == 16 and spec.model_mapping()["factory"] == "toy:build_model"
+    assert spec.model.factory_mapping()["dim"] == 16 and spec.model.factory_mapping()["factory"] == "toy:build_model"
+
+
+def test_a_section_keeps_its_mapping_as_written_outside_the_config(toy_dir):
+    import dataclasses
+
+    spec = load_spec(write_spec(toy_dir / "s.yaml", VALID))
+    assert spec.model.factory_mapping() == VALID["model"] and spec.data.factory_mapping() == VALID["data"]
+    assert "written" not in spec.canonical()["model"] and "written" not in spec.canonical()["data"]
+    assert dataclasses.replace(spec.model, adapter=None).factory_mapping() == VALID["model"]
+    # A factory's own argument of that name is the user's: kept in the config, passed to the factory.
+    named = load_spec(write_spec(toy_dir / "n.yaml", with_change("model.written", 3)))
+    assert named.canonical()["model"]["written"] == 3 and named.model.factory_mapping()["written"] == 3
+    assert "unknown key" in problems_for(toy_dir, {**VALID, "model": {"config": {"model_type": "llama"},
+                                                                      "written": {}}})["model.written"]
 
 
 def test_config_hash_is_stable_and_sensitive(toy_dir):
@@ -117,6 +132,27 @@ def test_unknown_model_key_without_factory(toy_dir):
     spec = copy.deepcopy(VALID)
     spec["model"] = {"config": {"model_type": "llama"}, "hidden": 4, "tokenizer": "."}
     assert "unknown key" in problems_for(toy_dir, spec)["model.hidden"]
+
+
+def test_schema_problems_carry_their_kind():
+    with pytest.raises(SpecError) as info:
+        build(Spec, {"name": "t", "model": {"factory": "toy:build_model"}, "data": 3})
+    kinds = {p[0]: Problem.kind_of(p) for p in info.value.problems}
+    assert kinds == {"data": ProblemKind.INVALID, "train": ProblemKind.MISSING}
+    missing = next(p for p in info.value.problems if p[0] == "train")
+    assert missing == ("train", missing[1]) and dict([missing]) == {"train": missing[1]}  # still a (field, message)
+    for copied in (copy.deepcopy(missing), pickle.loads(pickle.dumps(missing))):
+        assert copied == missing and copied.kind is ProblemKind.MISSING
+
+
+def test_a_missing_section_gets_the_program_hint_by_its_kind(toy_dir):
+    spec = copy.deepcopy(VALID)
+    del spec["train"]
+    spec["data"] = "toy:build_data"  # the wrong type, in a section that may also be left out with program:
+    problems = problems_for(toy_dir, spec)
+    assert problems["train"].startswith("missing; expected a mapping")
+    assert problems["train"].endswith("(or pilot your own training program with program.command instead)")
+    assert "program.command" not in problems["data"]
 
 
 def test_builtin_task_needs_path_and_length(toy_dir):

@@ -55,10 +55,10 @@ def test_a_cached_hub_id_is_the_tokenizer_and_is_locked(tmp_path, hub):
     snapshot = cache_tokenizer(hub, "acme/tiny-tok", EXAMPLES / "tiny-sft" / "tokenizer",
                                {"model.safetensors": b"not the tokenizer"})
     spec = load_spec(spec_with_tokenizer(tmp_path, "acme/tiny-tok"))
-    tok = load_tokenizer(spec)
+    tok = load_tokenizer(spec.model, spec.folder)
     ids = tok("The capital of France is Paris.")["input_ids"]
     reference = load_spec(EXAMPLES / "tiny-sft" / "pilot.yaml")
-    assert ids == load_tokenizer(reference)("The capital of France is Paris.")["input_ids"] and len(ids) > 3
+    assert ids == load_tokenizer(reference.model, reference.folder)("The capital of France is Paris.")["input_ids"] and len(ids) > 3
     locked = collect_lock(spec)["model"]["tokenizer"]
     assert locked["hub_id"] == "acme/tiny-tok" and locked["commit"] == COMMIT
     assert Path(locked["path"]) == snapshot and "model.safetensors" not in locked["files"]

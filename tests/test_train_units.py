@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from pilotrun import strategies
-from pilotrun.config.spec import Spec, build
+from pilotrun.config.schema import build
+from pilotrun.config.spec import Spec
 from pilotrun.data.bundle import DataBundle
 from pilotrun.distributed import DistEnv
 from pilotrun.drivers import LoopDriver, NonFiniteError

@@ -18,7 +18,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from ..config.spec import parse_override, spec_from_mapping
+from ..config.load import parse_override, spec_from_mapping
 from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
 from .engines.base import EngineChoice

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..config.load import load_spec
 from ..config.schema import SpecError
-from ..config.spec import load_spec
 from ..devices import query_devices, query_host
 from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config.load import set_dotted, spec_from_mapping
 from ..config.schema import SpecError, build, doc
-from ..config.spec import Spec, set_dotted, spec_from_mapping
+from ..config.spec import Spec
 from ..config.yamlsafe import parse_bounded, read_spec_text
 
 
@@ -159,7 +160,7 @@ def load_campaign(path: str | Path) -> CampaignSpec:
                                   f"{spec.base.rstrip('/')}/pilot.yaml?)")], str(p))
     if not base.is_file():
         raise SpecError([("base", f"pilot spec not found: {base}")], str(p))
-    from ..config.spec import load_spec
+    from ..config.load import load_spec
 
     try:  # a broken base is the base's fault, not the varied value's
         load_spec(base)
@@ -198,7 +199,7 @@ def run_spec(campaign: CampaignSpec, value, seed: int, extra: Sequence[tuple[str
     ``base_written``: the base as written when the campaign started (a retry uses it, so an
     edit to the file since cannot slip into the retry).
     """
-    from ..config.spec import load_spec
+    from ..config.load import load_spec
 
     base_path = campaign.folder / campaign.base
     raw = copy.deepcopy(base_written if base_written is not None else load_spec(base_path).written)

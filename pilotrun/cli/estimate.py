@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import strategies
-from ..config.spec import load_spec
+from ..config.load import load_spec
 from ..estimate.advise import advise
 from ..estimate.cache import CACHE_ENV, TraceCache
 from ..estimate.catalog import CatalogError, find, load_catalog

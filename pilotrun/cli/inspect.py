@@ -5,7 +5,7 @@ import json
 
 from rich.text import Text
 
-from ..config.spec import load_spec
+from ..config.load import load_spec
 from ..data.audit import render_example, scan_split
 from ..data.bundle import build_data
 from ..data.jsonl import DataError
@@ -58,8 +58,8 @@ def render(view) -> Text:
 def main(args) -> int:
     spec = load_spec(args.spec, args.overrides)
     try:
-        tok = load_tokenizer(spec) if spec.data.task is not None else None
-        data = build_data(spec, tok)
+        tok = load_tokenizer(spec.model, spec.folder) if spec.data.task is not None else None
+        data = build_data(spec.data, spec.build_context(), tok, spec.eval_max_length)
     except (DataError, ModelError) as exc:
         raise UsageError(str(exc)) from None
     ds = getattr(data, args.split)

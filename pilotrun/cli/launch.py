@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from .. import strategies
-from ..config.spec import load_spec
+from ..config.load import load_spec
 from ..devices import query_devices
 from ..distributed import RUN_ID_FILE_VAR
 from ..interrupt import Interrupted, interruptible

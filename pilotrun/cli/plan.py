@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from ..config.spec import load_spec
+from ..config.load import load_spec
 from ..estimate.experiments import adapter_line
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
 from ..estimate.source import model_download

@@ -11,8 +11,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from ..config.load import load_spec
 from ..config.schema import SpecError
-from ..config.spec import load_spec
 from ..devices import DeviceUnavailable
 from ..distributed import LaunchError, env_from_os
 from ..gates import UnknownGate

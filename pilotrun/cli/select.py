@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from ..config.spec import load_spec
+from ..config.load import load_spec
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import OTHER_EXPERIMENT_NOTE, adapter_line, other_experiments
 from ..estimate.runner import Traces

@@ -1,7 +1,7 @@
 """The spec reference (docs/spec.md), generated from the fields' own declarations.
 
-Every key is documented once, where it is declared (``config/spec.py``); this module renders
-those declarations so the reference cannot drift from the code (a test compares the file).
+Every key is documented once, where it is declared (``config/sections.py``, the top level in ``config/spec.py``);
+this module renders those declarations so the reference cannot drift from the code (a test compares the file).
 
 Example::
 
@@ -15,8 +15,9 @@ from .spec import Spec
 HEADER = """# pilot.yaml reference
 
 Every key a spec may hold, with its type, default and meaning — generated from the declarations in
-`pilotrun/config/spec.py` (`python -m pilotrun.config.reference > docs/spec.md`; a test keeps this file
-equal to them). A wrong key or value stops the run with exit 2 and a message naming the key and the fix.
+`pilotrun/config/sections.py` and `pilotrun/config/spec.py` (`python -m pilotrun.config.reference > docs/spec.md`;
+a test keeps this file equal to them). A wrong key or value stops the run with exit 2 and a message naming the key
+and the fix.
 `model` and `data` factories also receive any further keys of their section.
 
 | key | type | default | meaning |

@@ -14,7 +14,34 @@ import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
+from enum import Enum
 from typing import Any, Literal, Union, get_args, get_origin
+
+
+class ProblemKind(Enum):
+    """What is wrong with a field, for code that reacts to it (the message is for people)."""
+
+    MISSING = "missing"  # a required key is absent
+    INVALID = "invalid"  # present, but of the wrong type or value (every other problem)
+
+
+class Problem(tuple[str, str]):
+    """One ``(field, message)`` pair as every problem list holds them, with its :class:`ProblemKind`: code branches
+    on ``kind``, never on the message's words. Plain ``(field, message)`` tuples are read as ``INVALID``."""
+
+    kind: ProblemKind
+
+    def __new__(cls, field: str, message: str, kind: ProblemKind = ProblemKind.INVALID) -> Problem:
+        self = super().__new__(cls, (field, message))
+        self.kind = kind
+        return self
+
+    def __reduce__(self):  # copy and pickle rebuild it with its kind (tuple's own reduce would drop it)
+        return type(self), (self[0], self[1], self.kind)
+
+    @staticmethod
+    def kind_of(problem: tuple[str, str]) -> ProblemKind:
+        return problem.kind if isinstance(problem, Problem) else ProblemKind.INVALID
 
 
 class SpecError(Exception):
@@ -186,6 +213,11 @@ _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 _CONTAINERS = {list: _to_list, tuple: _to_tuple, dict: _to_dict}
 
 
+def _declared(f: dataclasses.Field) -> bool:
+    """A key the user may write: not one set by the loader (``init=False`` or ``metadata={"internal": True}``)."""
+    return f.init and not f.metadata.get("internal")
+
+
 def _build(cls: type, data: Any, path: str, problems: list) -> Any:
     if hasattr(cls, "normalize"):
         data = cls.normalize(data)
@@ -193,7 +225,7 @@ def _build(cls: type, data: Any, path: str, problems: list) -> Any:
         problems.append((path or "(top level)", f"expected a mapping, got {_describe(data)}"))
         return None
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if _declared(f)}
     allow_extra = getattr(cls, "allow_extra", None)
     extras_ok = bool(allow_extra(data)) if callable(allow_extra) else bool(allow_extra)
     kwargs: dict[str, Any] = {}
@@ -220,7 +252,8 @@ def _build(cls: type, data: Any, path: str, problems: list) -> Any:
         if f.default is MISSING and f.default_factory is MISSING:
             sub = f"{path}.{name}" if path else name
             what = f.metadata.get("doc", "")
-            problems.append((sub, f"missing; expected {_type_name(hints[name])}" + (f" — {what}" if what else "")))
+            message = f"missing; expected {_type_name(hints[name])}" + (f" — {what}" if what else "")
+            problems.append(Problem(sub, message, ProblemKind.MISSING))
     if "extra" in fields:
         kwargs["extra"] = extras
     try:
@@ -248,7 +281,7 @@ def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, st
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name == "extra" or not f.init:
+        if f.name == "extra" or not _declared(f):
             continue
         name = f"{prefix}{f.name}"
         tp = hints[f.name]
@@ -268,4 +301,4 @@ def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, st
     return rows
 
 
-__all__ = ["SpecError", "build", "doc", "describe_fields", "dataclass"]
+__all__ = ["Problem", "ProblemKind", "SpecError", "build", "doc", "describe_fields", "dataclass"]

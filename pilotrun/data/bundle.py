@@ -13,7 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.spec import Spec, import_factory
+from ..config.factories import import_factory
+from ..config.paths import resolve_path
+from ..config.sections import DataSpec
+from ..config.spec import BuildContext
 from .jsonl import DataError, read_jsonl
 from .split import IndexedSubset, split_by_group
 from .tasks import CausalLMDataset, ClassificationDataset, PadCollate, class_names, label_index
@@ -49,30 +52,32 @@ class DataBundle:
         return out
 
 
-def held_out(spec: Spec) -> dict[str, float]:
-    return {"val": spec.data.val_fraction, "test": spec.data.test_fraction}
+def held_out(data: DataSpec) -> dict[str, float]:
+    return {"val": data.val_fraction, "test": data.test_fraction}
 
 
-def _split_rows(rows: list[dict], spec: Spec) -> dict[str, list[dict]]:
-    parts = split_by_group([r["group"] for r in rows], held_out(spec), spec.seed)
+def _split_rows(rows: list[dict], data: DataSpec, seed: int) -> dict[str, list[dict]]:
+    parts = split_by_group([r["group"] for r in rows], held_out(data), seed)
     return {name: [rows[i] for i in idx] for name, idx in parts.items()}
 
 
-def builtin_data(spec: Spec, tokenizer) -> DataBundle:
-    task = spec.data.task
+def builtin_data(spec: DataSpec, job: BuildContext, tokenizer, eval_max_length: int | None = None) -> DataBundle:
+    """A built-in task's splits from JSONL; val and test are truncated to ``eval_max_length`` (``Spec.eval_max_length``;
+    default ``data.max_length``)."""
+    task = spec.task
     required = ("id", "group", "prompt", "response") if task == "causal-lm" else ("id", "group", "text", "label")
-    if isinstance(spec.data.path, str):
-        rows_by_split = _split_rows(read_jsonl(spec.resolve(spec.data.path), required), spec)
-        note = (f"split {spec.data.path} by group: val_fraction {spec.data.val_fraction}, "
-                f"test_fraction {spec.data.test_fraction}, seed {spec.seed}")
+    if isinstance(spec.path, str):
+        rows_by_split = _split_rows(read_jsonl(resolve_path(spec.path, job.folder), required), spec, job.seed)
+        note = (f"split {spec.path} by group: val_fraction {spec.val_fraction}, "
+                f"test_fraction {spec.test_fraction}, seed {job.seed}")
     else:
-        rows_by_split = {k: read_jsonl(spec.resolve(v), required) for k, v in (spec.data.path or {}).items()}
+        rows_by_split = {k: read_jsonl(resolve_path(v, job.folder), required) for k, v in (spec.path or {}).items()}
         note = "splits given by data.path"
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token; set one in its tokenizer_config.json (pad_token)")
-    max_len = spec.data.max_length
+    max_len = spec.max_length
     assert max_len is not None  # the spec requires data.max_length for built-in tasks
-    eval_len = spec.eval_max_length or max_len
+    eval_len = eval_max_length or max_len
     sets: dict[str, CausalLMDataset | ClassificationDataset]
     if task == "causal-lm":
         sets = {
@@ -82,7 +87,7 @@ def builtin_data(spec: Spec, tokenizer) -> DataBundle:
         names = None
         collate = PadCollate(tokenizer.pad_token_id, classification=False)
     else:
-        names = class_names(rows_by_split, spec.data.labels)
+        names = class_names(rows_by_split, spec.labels)
         index = label_index(names, rows_by_split)
         sets = {
             name: ClassificationDataset(rows, tokenizer, max_len if name == "train" else eval_len, index)
@@ -103,11 +108,11 @@ def builtin_data(spec: Spec, tokenizer) -> DataBundle:
     )
 
 
-def factory_data(spec: Spec) -> DataBundle:
-    assert spec.data.factory is not None
-    fn = import_factory(spec.data.factory, spec.folder)
-    out = fn(spec.data_mapping())
-    where = f"data.factory {spec.data.factory!r}"
+def factory_data(spec: DataSpec, job: BuildContext) -> DataBundle:
+    assert spec.factory is not None
+    fn = import_factory(spec.factory, job.folder)
+    out = fn(spec.factory_mapping())
+    where = f"data.factory {spec.factory!r}"
     if not isinstance(out, dict):
         raise DataError(f"{where} returned {type(out).__name__}; expected a mapping with 'train', 'val' and 'collate'")
     unknown = set(out) - CONTRACT_KEYS
@@ -133,14 +138,14 @@ def factory_data(spec: Spec) -> DataBundle:
                 raise DataError(f"{where}: item {i} of 'all' has no field {key!r} (the group_key)")
             groups.append(item[key])
         try:
-            parts = split_by_group(groups, held_out(spec), spec.seed)
+            parts = split_by_group(groups, held_out(spec), job.seed)
         except TypeError as exc:
             raise DataError(f"{where}: the group_key {key!r} values cannot be compared ({exc})") from None
         train, val = IndexedSubset(whole, parts["train"]), IndexedSubset(whole, parts["val"])
         if "test" in parts:
             out["test"] = IndexedSubset(whole, parts["test"])
-        notes.append(f"split 'all' by {key!r}: val_fraction {spec.data.val_fraction}, "
-                     f"test_fraction {spec.data.test_fraction}, seed {spec.seed}")
+        notes.append(f"split 'all' by {key!r}: val_fraction {spec.val_fraction}, "
+                     f"test_fraction {spec.test_fraction}, seed {job.seed}")
     else:
         for need in ("train", "val"):
             if need not in out:
@@ -174,7 +179,9 @@ def factory_data(spec: Spec) -> DataBundle:
     )
 
 
-def build_data(spec: Spec, tokenizer=None) -> DataBundle:
-    if spec.data.factory is not None:
-        return factory_data(spec)
-    return builtin_data(spec, tokenizer)
+def build_data(spec: DataSpec, job: BuildContext, tokenizer=None, eval_max_length: int | None = None) -> DataBundle:
+    """The spec's ``data`` section as datasets: its factory's, or a built-in task's (tokenized with ``tokenizer``,
+    val and test truncated to ``eval_max_length``). Paths and factory modules are found from ``job.folder``."""
+    if spec.factory is not None:
+        return factory_data(spec, job)
+    return builtin_data(spec, job, tokenizer, eval_max_length)

@@ -72,7 +72,7 @@ def check_job(spec, device: torch.device) -> None:
     problems: list[tuple[str, str]] = []
     if spec.model.adapter is not None and spec.model.adapter.target_modules != "all-linear":
         try:
-            build_model(spec, None, None, meta=True, activation_checkpointing=False)
+            build_model(spec.model, spec.build_context(), None, None, meta=True, activation_checkpointing=False)
         except ModelError as exc:
             if exc.field is None:
                 raise  # not the adapter's: the load gate reports it as before
@@ -89,8 +89,8 @@ def check_job(spec, device: torch.device) -> None:
 def load_inputs(spec) -> JobInputs:
     """Tokenizer and datasets, seeded first (a factory may draw from the global generators)."""
     seed_everything(spec.seed)
-    tokenizer = load_tokenizer(spec) if spec.data.task is not None else None
-    return JobInputs(tokenizer, build_data(spec, tokenizer))
+    tokenizer = load_tokenizer(spec.model, spec.folder) if spec.data.task is not None else None
+    return JobInputs(tokenizer, build_data(spec.data, spec.build_context(), tokenizer, spec.eval_max_length))
 
 
 def build_driver(spec, inputs: JobInputs | None, process: JobProcess,

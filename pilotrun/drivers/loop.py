@@ -19,7 +19,7 @@ from ..checkpoint.state import fingerprint_state
 from ..distributed import all_sum
 from ..models.adapters import base_reference, merged_copy
 from ..models.loading import build_model
-from ..models.quantize import require_kernels
+from ..models.quantize import kernels_needed, require_kernels
 from ..train.batches import seq_len, supervised_count
 from ..train.evaluation import val_metrics
 from ..train.loss import LossPolicy, decide_loss_policy, probe_loss_policy, window_backward
@@ -100,9 +100,11 @@ class LoopDriver(ModelDriver):
     def build(cls, spec, inputs: JobInputs | None, process: JobProcess, on_model=None, site=None) -> LoopDriver:
         if inputs is None:
             raise ValueError("pilotrun's loop trains on the spec's data: load its inputs first (load_inputs)")
-        require_kernels(spec, process.device.type)  # every bitsandbytes operation the job runs, before any work
+        # every bitsandbytes operation the job runs, before any work
+        require_kernels(kernels_needed(spec.model.quantization, spec.train.optimizer), process.device.type)
         seed_everything(spec.seed)
-        loaded = build_model(spec, inputs.data.label_names, inputs.tokenizer, device=process.device)
+        loaded = build_model(spec.model, spec.build_context(), inputs.data.label_names, inputs.tokenizer,
+                             device=process.device)
         if not loaded.quantized:  # a bitsandbytes model was placed on the device as it loaded
             loaded.model = loaded.model.to(process.device)
         if on_model is not None:
@@ -277,7 +279,9 @@ class LoopDriver(ModelDriver):
     # -- evaluation and copies ----------------------------------------------------
     def evaluate(self, on_batch=None) -> dict:
         # The module itself, not a DDP wrapper (whose forward would sync buffers): what the eval gate always ran.
-        return val_metrics(self.plain_model, self.data, self.spec, self.device, on_batch=on_batch)
+        return val_metrics(self.plain_model, self.data, self.device, batch_size=self.spec.eval_batch_size,
+                           max_batches=self.spec.eval.max_batches, precision=self.spec.train.precision,
+                           on_batch=on_batch)
 
     def plain_model_copy(self) -> torch.nn.Module:
         """A copy of the model outside any distributed wrapper, for checks that run on one rank alone.
@@ -286,7 +290,8 @@ class LoopDriver(ModelDriver):
 
         if not self.env.active:
             return copy.deepcopy(self.plain_model)
-        rebuilt = build_model(self.spec, self.data.label_names, self.tokenizer, device=self.device)
+        rebuilt = build_model(self.spec.model, self.spec.build_context(), self.data.label_names, self.tokenizer,
+                              device=self.device)
         return rebuilt.model if rebuilt.quantized else rebuilt.model.to(self.device)
 
     # -- state ----------------------------------------------------------------
@@ -329,8 +334,9 @@ class LoopDriver(ModelDriver):
         spec = self.spec
         if self.loaded.base_identity is not None:
             merged, note = merged_copy(self.plain_model, self.loaded) if spec.export.merge else (None, None)
-            return export_adapter(folder, self.plain_model, base_reference(spec, self.loaded, self.data.label_names),
-                                  tokenizer=self.tokenizer, merged=merged, merge_note=note)
+            base = base_reference(spec.model, spec.build_context(), self.loaded, self.data.label_names, spec.record())
+            return export_adapter(folder, self.plain_model, base, tokenizer=self.tokenizer, merged=merged,
+                                  merge_note=note)
         return export_model(folder, self.plain_model, tokenizer=self.tokenizer, factory=spec.model.factory,
-                            model_mapping=spec.model_mapping() if spec.model.factory else None,
+                            model_mapping=spec.model.factory_mapping() if spec.model.factory else None,
                             spec_folder=str(spec.folder), state_dict=weights)

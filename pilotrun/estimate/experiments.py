@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 
-from ..config.spec import Spec, set_dotted, spec_from_mapping
+from ..config.load import set_dotted, spec_from_mapping
+from ..config.spec import Spec
 from ..humanize import human_bytes, human_seconds
 
 # Merging writes the merged model once; with no pilot measuring the disk, this is plan.Assumptions' default.

@@ -166,7 +166,7 @@ def _factory_batches(spec: Spec, batch: int, split: str) -> dict:
     """A user's data factory, collated over its longest items (real tensors, used as fake inputs)."""
     from ..data.bundle import build_data
 
-    data = build_data(spec, None)
+    data = build_data(spec.data, spec.build_context(), None, spec.eval_max_length)
     ds = data.train if split == "train" else data.val
     scan = min(len(ds), 5000)
     longest = sorted(((item_length(ds[i], data.collate), i) for i in range(scan)), reverse=True)[:batch]
@@ -191,7 +191,7 @@ def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
     t = spec.train
     length = seq or spec.data.max_length or 0
     eval_len = max(spec.eval_max_length or length, length) if seq is None else max(seq, spec.eval_max_length or 0)
-    loaded = build_model(spec, spec.data.labels, meta=True, activation_checkpointing=ac)
+    loaded = build_model(spec.model, spec.build_context(), spec.data.labels, meta=True, activation_checkpointing=ac)
     notes = [n for n in loaded.notes if n.startswith("activation checkpointing requested")]
     model, adaptation = adapt(loaded.model, spec)
     notes += adaptation.notes

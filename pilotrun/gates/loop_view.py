@@ -38,7 +38,7 @@ def model_label_info(spec, label_names) -> tuple[int | None, dict | None, str]:
 
         from ..models.loading import local_path
 
-        local = local_path(spec, m.hf)
+        local = local_path(m.hf, spec.folder)
         config = AutoConfig.from_pretrained(str(local) if local else m.hf, revision=m.revision,
                                             trust_remote_code=m.trust_remote_code)
     except Exception as exc:  # the load gate reports loading problems in full
@@ -55,7 +55,8 @@ def adapter_split(spec, label_names) -> dict:
     from ..models.adapters import parameter_split
     from ..models.loading import build_model
 
-    split = parameter_split(build_model(spec, label_names, meta=True, activation_checkpointing=False).model)
+    built = build_model(spec.model, spec.build_context(), label_names, meta=True, activation_checkpointing=False)
+    split = parameter_split(built.model)
     note = ("frozen bytes before quantisation (the load gate measures the quantised base)"
             if spec.model.quantization is not None else "bytes at the dtype the job holds them")
     return {**split.as_dict(), "bytes_note": note}

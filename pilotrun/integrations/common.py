@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config.spec import InspectSpec
+from ..config.sections import InspectSpec
 from ..data.bundle import DataBundle
 from ..drivers import NonFiniteError
 from ..gates.accum import check_accum

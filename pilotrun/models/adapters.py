@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..config.spec import AdapterSpec
+from ..config.sections import AdapterSpec, ModelSpec
+from ..config.spec import BuildContext
 
 # peft's task types by pilotrun's model head: the task type picks the PeftModel subclass, whose forward passes
 # labels through, and for classification keeps the new head trainable (modules_to_save).
@@ -150,28 +151,28 @@ def base_identity(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def base_reference(spec, loaded, label_names: list[str] | None) -> dict:
-    """What an exported adapter needs to be loaded on its base again (``base.json``): where the base comes from,
-    the spec that builds it, and its identity to check against."""
-    m = spec.model
+def base_reference(m: ModelSpec, job: BuildContext, loaded, label_names: list[str] | None, spec_record: dict) -> dict:
+    """What an exported adapter needs to be loaded on its base again (``base.json``): where the base comes from
+    (the spec's ``model`` section, built with ``job``), the spec that builds it (``spec_record``,
+    ``Spec.record()``), and its identity to check against."""
     if m.hf is not None:
         where = f"the Hugging Face model {m.hf}" + (f" at revision {m.revision}" if m.revision else "")
     elif m.config is not None:
-        where = f"a {m.config.get('model_type')} model built from the spec's model.config with seed {spec.seed}"
+        where = f"a {m.config.get('model_type')} model built from the spec's model.config with seed {job.seed}"
     else:
-        where = f"the model returned by the factory {m.factory} (seed {spec.seed})"
+        where = f"the model returned by the factory {m.factory} (seed {job.seed})"
     quant = m.quantization
     how = (f"load {where}"
            + (f", quantised {quant.bits}-bit with bitsandbytes as in base.json's spec" if quant is not None else "")
-           + (", its floating-point weights cast to bf16" if spec.train.precision == "bf16-true" else "")
+           + (", its floating-point weights cast to bf16" if job.precision == "bf16-true" else "")
            + "; then peft.PeftModel.from_pretrained(base, this_folder)")
-    return {"source": loaded.source, "hf": m.hf, "revision": m.revision, "seed": spec.seed, "head": loaded.head,
-            "label_names": label_names, "precision": spec.train.precision,
+    return {"source": loaded.source, "hf": m.hf, "revision": m.revision, "seed": job.seed, "head": loaded.head,
+            "label_names": label_names, "precision": job.precision,
             "quantization": None if quant is None else {"bits": quant.bits, "type": quant.type,
                                                          "double_quant": quant.double_quant,
                                                          "compute_dtype": quant.compute_dtype},
             "base_identity": loaded.base_identity, "how_to_load": how,
-            "spec": {"source": spec.source, "written": spec.written}}
+            "spec": spec_record}
 
 
 def merged_copy(model: torch.nn.Module, loaded) -> tuple[torch.nn.Module | None, str | None]:

@@ -12,8 +12,11 @@ from typing import Any
 
 import torch
 
+from ..config.factories import import_factory
 from ..config.hub_cache import TokenizerNotFound
-from ..config.spec import Spec, import_factory
+from ..config.paths import resolve_path
+from ..config.sections import ModelSpec, Precision, QuantizationSpec
+from ..config.spec import BuildContext
 
 
 class ModelError(Exception):
@@ -46,29 +49,31 @@ def _hub_hint(exc: Exception, target: str) -> str:
     )
 
 
-def local_path(spec: Spec, target: str) -> Path | None:
-    """The local file or folder a model/tokenizer value names, or None for a Hub id."""
+def local_path(target: str, folder: Path) -> Path | None:
+    """The local file or folder a model/tokenizer value names (relative to ``folder``, the spec's), or None for a
+    Hub id."""
     try:
-        p = spec.resolve(target)
+        p = resolve_path(target, folder)
     except FileNotFoundError:
         return None
     return p if p.exists() else None
 
 
-def load_tokenizer(spec: Spec):
-    """The tokenizer for built-in tasks (None for factory data that brings its own).
+def load_tokenizer(model: ModelSpec, folder: Path):
+    """The tokenizer for built-in tasks (None for factory data that brings its own), from the spec's ``model``
+    section; local paths are relative to ``folder`` (the spec's).
 
     ``model.tokenizer`` is a local path or a Hub id found in the local cache (never downloaded); without it the
     tokenizer of ``model.hf`` is loaded the way the model is."""
-    target = spec.model.tokenizer or spec.model.hf
+    target = model.tokenizer or model.hf
     if target is None:
         return None
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    local = local_path(spec, target)
-    if spec.model.tokenizer is not None:
+    local = local_path(target, folder)
+    if model.tokenizer is not None:
         try:
-            local = spec.tokenizer_source().path
+            local = model.tokenizer_source(folder).path
         except TokenizerNotFound as exc:
             raise ModelError(f"model.tokenizer: {exc}") from None
     tok: Any
@@ -76,10 +81,10 @@ def load_tokenizer(spec: Spec):
         if local is not None and local.is_file():
             tok = PreTrainedTokenizerFast(tokenizer_file=str(local))
         elif local is not None:
-            tok = AutoTokenizer.from_pretrained(str(local), trust_remote_code=spec.model.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(str(local), trust_remote_code=model.trust_remote_code)
         else:
-            tok = AutoTokenizer.from_pretrained(target, revision=spec.model.revision,
-                                                trust_remote_code=spec.model.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(target, revision=model.revision,
+                                                trust_remote_code=model.trust_remote_code)
     except Exception as exc:
         raise ModelError(_hub_hint(exc, target)) from None
     if tok.pad_token_id is None and tok.eos_token_id is not None:
@@ -95,18 +100,21 @@ def _hf_classes(head: str):
     return transformers.AutoModelForCausalLM
 
 
-def head_for(spec: Spec, label_names: list[str] | None) -> tuple[str, str]:
-    """The model head a spec implies, and why."""
-    if spec.data.task is not None:
-        return spec.data.task, f"data.task is {spec.data.task}"
+def head_for(task: str | None, label_names: list[str] | None) -> tuple[str, str]:
+    """The model head the data implies (``data.task``, else the factory's label_names), and why."""
+    if task is not None:
+        return task, f"data.task is {task}"
     if label_names:
         return "seq-classification", "the data factory returned label_names, so a sequence-classification head"
     return "causal-lm", "the data factory returned no label_names, so a causal-LM head"
 
 
-def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None, *, meta: bool = False,
-                activation_checkpointing: bool | None = None, device: torch.device | str = "cpu") -> LoadedModel:
+def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | None = None, tokenizer=None, *,
+                meta: bool = False, activation_checkpointing: bool | None = None,
+                device: torch.device | str = "cpu") -> LoadedModel:
     """The one model builder: random init (seeded) or loaded weights, for the pilot, every worker and the estimator.
+    It reads the spec's ``model`` section and, from ``job`` (``spec.build_context()``), the folder relative paths
+    and factories start from, the seed, ``train.precision``, ``train.activation_checkpointing`` and ``data.task``.
 
     In order: the base (a factory, a config or a Hub/local folder), quantised through bitsandbytes when
     ``model.quantization`` says so (placed on ``device`` as it loads: a quantised model is not moved afterwards),
@@ -122,14 +130,13 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
     from .adapters import AdapterError, apply_adapter, base_identity
     from .quantize import Kernel, require_kernels
 
-    quant = spec.model.quantization if not meta else None
+    quant = model.quantization if not meta else None
     if quant is not None:
-        kernel = Kernel.MATMUL_4BIT if quant.bits == 4 else Kernel.MATMUL_8BIT
-        require_kernels(spec, torch.device(device).type, [kernel])
-    torch.manual_seed(spec.seed)
-    loaded = (_build_factory(spec, meta) if spec.model.factory is not None
-              else _build_hf(spec, label_names, tokenizer, meta, device=device))
-    if meta and spec.model.quantization is not None:
+        require_kernels([Kernel.MATMUL_4BIT if quant.bits == 4 else Kernel.MATMUL_8BIT], torch.device(device).type)
+    torch.manual_seed(job.seed)
+    loaded = (_build_factory(model, job.folder, meta) if model.factory is not None
+              else _build_hf(model, job, label_names, tokenizer, meta, device=device))
+    if meta and model.quantization is not None:
         loaded.notes.append("model.quantization not applied on the meta device (bitsandbytes quantises real weights)")
     if quant is not None:
         from .quantize import keep_training_path
@@ -137,11 +144,11 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
         if keep_training_path(loaded.model):
             loaded.notes.append("bitsandbytes' CPU eval-time repacking of 4-bit weights turned off: after it, training "
                                 "forwards run gemv_4bit, which has no autograd kernel (wrong gradients)")
-        _prepare_quantized(loaded, spec)
-    if spec.train.precision == "bf16-true":
+        _prepare_quantized(loaded, quant, job.precision)
+    if job.precision == "bf16-true":
         _cast_bf16(loaded.model)
         loaded.notes.append("bf16-true: floating-point parameters held in bf16, no autocast")
-    ac = spec.train.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    ac = job.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     if ac:
         if enable_activation_checkpointing(loaded.model):
             loaded.notes.append("activation checkpointing on (non-reentrant)")
@@ -153,14 +160,13 @@ def build_model(spec: Spec, label_names: list[str] | None = None, tokenizer=None
         else:
             loaded.notes.append("activation checkpointing requested but the model has no "
                                 "gradient_checkpointing_enable()")
-    adapter = spec.model.adapter
+    adapter = model.adapter
     if adapter is not None:
         try:
-            loaded.model = apply_adapter(loaded.model, adapter, loaded.head,
-                                         keep_dtype=spec.train.precision == "bf16-true")
+            loaded.model = apply_adapter(loaded.model, adapter, loaded.head, keep_dtype=job.precision == "bf16-true")
         except AdapterError as exc:
             raise ModelError(f"{exc.field}: {exc}", field=exc.field) from None
-        if spec.train.precision == "bf16-true":
+        if job.precision == "bf16-true":
             _cast_bf16(loaded.model)  # peft creates LoRA matrices in fp32 on a non-float (quantised) base
         loaded.notes.append(f"LoRA adapter (peft): r={adapter.r}, alpha={adapter.alpha:g}, dropout={adapter.dropout:g},"
                             f" target_modules={adapter.target_modules}; the base is frozen")
@@ -178,15 +184,13 @@ def _cast_bf16(model: torch.nn.Module) -> None:
             p.data = p.data.to(torch.bfloat16)
 
 
-def _prepare_quantized(loaded: LoadedModel, spec: Spec) -> None:
+def _prepare_quantized(loaded: LoadedModel, q: QuantizationSpec, precision: Precision) -> None:
     """peft's QLoRA preparation (the base frozen, its fp16/bf16 non-quantised weights upcast to fp32 for stable
     norms), except under bf16-true, which holds everything in bf16 by definition."""
-    q = spec.model.quantization
-    assert q is not None
     loaded.quantized = True
     what = f"{q.bits}-bit" + (f" {q.type}{' + double quant' if q.double_quant else ''}, compute {q.compute_dtype}"
                               if q.bits == 4 else " LLM.int8")
-    if spec.train.precision == "bf16-true":
+    if precision == "bf16-true":
         loaded.notes.append(f"base quantised ({what}, bitsandbytes); prepare_model_for_kbit_training not applied: "
                             "its fp32 upcast contradicts bf16-true")
         return
@@ -197,19 +201,19 @@ def _prepare_quantized(loaded: LoadedModel, spec: Spec) -> None:
     loaded.notes.append(f"base quantised ({what}, bitsandbytes), prepared with peft.prepare_model_for_kbit_training")
 
 
-def _build_factory(spec: Spec, meta: bool) -> LoadedModel:
-    assert spec.model.factory is not None
-    fn = import_factory(spec.model.factory, spec.folder)
+def _build_factory(spec: ModelSpec, folder: Path, meta: bool) -> LoadedModel:
+    assert spec.factory is not None
+    fn = import_factory(spec.factory, folder)
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = fn(spec.model_mapping())
+        model = fn(spec.factory_mapping())
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
-        raise ModelError(f"model.factory {spec.model.factory!r} returned the class {model.__name__}, not an "
+        raise ModelError(f"model.factory {spec.factory!r} returned the class {model.__name__}, not an "
                          "instance: call it and return the module")
     if not isinstance(model, torch.nn.Module):
         raise ModelError(
-            f"model.factory {spec.model.factory!r} returned {type(model).__name__}; expected a torch.nn.Module"
+            f"model.factory {spec.factory!r} returned {type(model).__name__}; expected a torch.nn.Module"
         )
-    return LoadedModel(model, "factory", "custom", spec.model.factory, config=getattr(model, "config", None))
+    return LoadedModel(model, "factory", "custom", spec.factory, config=getattr(model, "config", None))
 
 
 def _label_kwargs(head: str, label_names: list[str] | None) -> dict[str, Any]:
@@ -220,13 +224,13 @@ def _label_kwargs(head: str, label_names: list[str] | None) -> dict[str, Any]:
             "label2id": {n: i for i, n in enumerate(label_names)}}
 
 
-def _hf_config(spec: Spec, head: str, label_names: list[str] | None, tokenizer):
+def _hf_config(spec: ModelSpec, folder: Path, head: str, label_names: list[str] | None, tokenizer):
     """The transformers config the spec names (model.config, or the config of model.hf)."""
     import transformers
 
     extra = _label_kwargs(head, label_names)
-    if spec.model.config is not None:
-        cfg_map = dict(spec.model.config)
+    if spec.config is not None:
+        cfg_map = dict(spec.config)
         model_type = cfg_map.pop("model_type")
         try:
             config = transformers.AutoConfig.for_model(model_type, **cfg_map, **extra)
@@ -235,44 +239,44 @@ def _hf_config(spec: Spec, head: str, label_names: list[str] | None, tokenizer):
         if tokenizer is not None and getattr(config, "pad_token_id", None) is None and head == "seq-classification":
             config.pad_token_id = tokenizer.pad_token_id
         return config
-    target = spec.model.hf
+    target = spec.hf
     assert target is not None
-    local = local_path(spec, target)
+    local = local_path(target, folder)
     try:
-        config = transformers.AutoConfig.from_pretrained(str(local) if local else target, revision=spec.model.revision,
-                                                         trust_remote_code=spec.model.trust_remote_code, **extra)
+        config = transformers.AutoConfig.from_pretrained(str(local) if local else target, revision=spec.revision,
+                                                         trust_remote_code=spec.trust_remote_code, **extra)
     except Exception as exc:
         raise ModelError(_hub_hint(exc, target)) from None
     return config
 
 
-def _build_hf(spec: Spec, label_names: list[str] | None, tokenizer, meta: bool,
+def _build_hf(spec: ModelSpec, job: BuildContext, label_names: list[str] | None, tokenizer, meta: bool,
               device: torch.device | str = "cpu") -> LoadedModel:
     from .quantize import quantized_from_config, quantized_from_pretrained
 
-    quant = spec.model.quantization if not meta else None
-    head, why = head_for(spec, label_names)
+    quant = spec.quantization if not meta else None
+    head, why = head_for(job.task, label_names)
     cls = _hf_classes(head)
     notes = [f"head: {head} ({why})"]
-    if spec.model.config is not None or meta:
-        config = _hf_config(spec, head, label_names, tokenizer)
+    if spec.config is not None or meta:
+        config = _hf_config(spec, job.folder, head, label_names, tokenizer)
         try:
             with torch.device("meta") if meta else contextlib.nullcontext():
                 model = cls.from_config(config)
         except ValueError as exc:
             raise ModelError(f"model.config: {exc}") from None
-        if spec.model.config is not None:
-            source = f"config ({spec.model.config['model_type']}, random init, seed {spec.seed})"
+        if spec.config is not None:
+            source = f"config ({spec.config['model_type']}, random init, seed {job.seed})"
         else:
-            source = f"{spec.model.hf} (config only, on the meta device)"
+            source = f"{spec.hf} (config only, on the meta device)"
         if quant is not None:
             model = quantized_from_config(cls, model, quant, device)
         return LoadedModel(model, "hf", head, source, notes, config=config)
-    target = spec.model.hf
+    target = spec.hf
     assert target is not None
-    local = local_path(spec, target)
+    local = local_path(target, job.folder)
     src = str(local) if local is not None else target
-    kwargs = {"revision": spec.model.revision, "trust_remote_code": spec.model.trust_remote_code,
+    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code,
               **_label_kwargs(head, label_names)}
     try:
         model = (quantized_from_pretrained(cls, src, quant, device, **kwargs) if quant is not None

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..config.spec import QuantizationSpec
+from ..config.sections import BNB_OPTIMIZERS, OptimizerSpec, QuantizationSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -76,15 +76,15 @@ def kernel_problem(kernel: Kernel, device_type: str) -> str | None:
     return f"not measured: {kernel.value} needs {NEEDS.get(kernel, 'cuda')} (bitsandbytes {version})"
 
 
-def kernels_needed(spec) -> list[Kernel]:
-    """The bitsandbytes operations a spec's job runs."""
+def kernels_needed(q: QuantizationSpec | None, optimizer: OptimizerSpec) -> list[Kernel]:
+    """The bitsandbytes operations a job runs: its base's (``model.quantization``) and its optimizer's
+    (``train.optimizer``)."""
     out = []
-    q = spec.model.quantization
     if q is not None:
         out.append(Kernel.MATMUL_4BIT if q.bits == 4 else Kernel.MATMUL_8BIT)
-    if spec.train.optimizer.name in ("adamw8bit", "paged_adamw8bit"):
+    if optimizer.name in BNB_OPTIMIZERS:
         out.append(Kernel.OPTIMIZER_8BIT)
-    if spec.train.optimizer.name == "paged_adamw8bit":
+    if optimizer.name == "paged_adamw8bit":
         out.append(Kernel.PAGED_STATE)
     return out
 
@@ -98,10 +98,10 @@ class KernelUnavailable(RuntimeError):
         self.reason = reason
 
 
-def require_kernels(spec, device_type: str, kernels: list[Kernel] | None = None) -> None:
-    """Raise :class:`KernelUnavailable` for the first operation the job needs (or of ``kernels``) that this device
+def require_kernels(kernels: list[Kernel], device_type: str) -> None:
+    """Raise :class:`KernelUnavailable` for the first of ``kernels`` (:func:`kernels_needed`) that this device
     lacks."""
-    for kernel in kernels_needed(spec) if kernels is None else kernels:
+    for kernel in kernels:
         problem = kernel_problem(kernel, device_type)
         if problem is not None:
             raise KernelUnavailable(kernel, problem)

@@ -48,22 +48,24 @@ def shift_convention(model, data) -> bool | None:
     return None
 
 
-def val_metrics(model, data, spec, device, on_batch=None) -> dict:
-    """Loss and accuracy over the validation split (its first ``eval.max_batches`` batches when set).
+def val_metrics(model, data, device, *, batch_size: int, max_batches: int | None, precision: str,
+                on_batch=None) -> dict:
+    """Loss and accuracy over the validation split in batches of ``batch_size`` (``Spec.eval_batch_size``), its
+    first ``max_batches`` (``eval.max_batches``) when set, under ``precision``'s autocast (``train.precision``).
 
     ``on_batch(index, items, loss)`` sees each batch's loss before it is counted (the gate stops
     at a non-finite one and reports progress). The model is left in the mode it came in.
     """
-    bs = spec.eval_batch_size
+    bs = batch_size
     total_loss = 0.0
     n_batches = n_examples = correct = counted = 0
-    limit = spec.eval.max_batches or math.inf
+    limit = max_batches or math.inf
     val = data.val
     shift = shift_convention(model, data)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), autocast_for(device, spec.train.precision):
+        with torch.no_grad(), autocast_for(device, precision):
             for start in range(0, len(val), bs):
                 if n_batches >= limit:
                     break

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.spec import OptimizerSpec, SchedulerSpec
+from ..config.sections import OptimizerSpec, SchedulerSpec
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..config.spec import Spec, spec_from_mapping
+from ..config.load import spec_from_mapping
+from ..config.spec import Spec
 
 
 def write_spec_file(spec: Spec, path: Path) -> Path:

@@ -26,7 +26,7 @@ def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module
 
     from peft import PeftModel
 
-    from ..config.spec import spec_from_mapping
+    from ..config.load import spec_from_mapping
     from ..models.adapters import base_identity
     from ..models.loading import build_model
 
@@ -42,13 +42,13 @@ def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module
         raise LoadRefused(Refusal.FACTORY, (
             f"{folder / BASE_JSON} builds its base with the factory {factory!r}, but this export is not recorded in "
             "the ledger and that factory was not named: pilotrun imports nothing an unknown artifact names"))
-    base_spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, adapter=None))
+    base_model = dataclasses.replace(spec.model, adapter=None)
     tokenizer = None
     if base.get("head") == "seq-classification" and "tokenizer.json" in adm.manifest["files"]:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    built = build_model(base_spec, base.get("label_names"), tokenizer, device="cpu")
+    built = build_model(base_model, spec.build_context(), base.get("label_names"), tokenizer, device="cpu")
     keep = spec.train.precision == "bf16-true"  # the adapter stays in bf16 as trained, not upcast by peft
     model = PeftModel.from_pretrained(built.model, str(folder), is_trainable=False, autocast_adapter_dtype=not keep)
     got = base_identity(model)
@@ -70,7 +70,7 @@ def load_artifact(folder: Path, policy: LoadPolicy, spec_folder: Path | None = N
     if factory is not None:
         from safetensors.torch import load_model
 
-        from ..config.spec import import_factory
+        from ..config.factories import import_factory
 
         info = json.loads((folder / "export.json").read_text())
         where = spec_folder if spec_folder is not None and factory == policy.factory else Path(info["spec_folder"])

@@ -36,7 +36,7 @@ import ray
 import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ...config.spec import spec_from_mapping
+from ...config.load import spec_from_mapping
 from ...ledger.records import RunEnd, RunStatus, Series, StopKind
 from ...ledger.store import Ledger
 from ...workers.launch import worker_env

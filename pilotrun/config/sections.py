@@ -1,0 +1,342 @@
+"""The sections of ``pilot.yaml`` (``model``, ``data``, ``train`` ...): every key declared once, with its type,
+default and meaning (rendered into docs/spec.md), and the checks that need only the section itself.
+
+Each building block reads the section it builds from (``models.loading.build_model(spec.model, ...)``,
+``data.bundle.build_data(spec.data, ...)``, ``train.optim.build_optimizer(model, spec.train.optimizer)``); what
+several of them share beyond their section travels in :class:`pilotrun.config.spec.BuildContext`.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .hub_cache import TokenizerSource, locate_tokenizer
+from .paths import looks_local, resolve_path
+from .schema import doc
+
+# Optimizers whose state lives in bitsandbytes' 8-bit blockwise format (2 bytes per trainable parameter
+# plus block statistics); `paged_` pages that state to host memory under pressure (CUDA only).
+BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
+
+Precision = Literal["fp32", "bf16", "fp16", "bf16-true"]
+
+# The section as the user wrote it (+ --set), set by the loader: what a factory is called with. Internal: no user
+# key, not in the canonical config (config.spec.Spec.canonical), and kept by dataclasses.replace (an init field).
+_WRITTEN = {"internal": True}
+
+
+@dataclass
+class AdapterSpec:
+    """A PEFT adapter trained on a frozen base (LoRA today): only the adapter's matrices get gradients and
+    optimizer state, checkpoints hold the adapter alone, and export writes the PEFT artifact."""
+
+    type: Literal["lora"] = doc("adapter kind, built with the peft library", "lora")
+    r: int = doc("LoRA rank: each adapted Linear(in, out) gains r*(in+out) trainable parameters", 16)
+    alpha: float = doc("LoRA scaling numerator: the update is scaled by alpha / r", 32.0)
+    dropout: float = doc("dropout on the adapter's input", 0.05)
+    target_modules: list[str] | str = doc(
+        "module names to adapt (e.g. [q_proj, v_proj]), or 'all-linear' as PEFT reads it (every Linear but the "
+        "output head)", "all-linear")
+
+    def check(self):
+        if self.r < 1:
+            yield "r", f"must be at least 1, got {self.r}"
+        if self.alpha <= 0:
+            yield "alpha", f"must be positive, got {self.alpha}"
+        if not 0.0 <= self.dropout < 1.0:
+            yield "dropout", f"must be in [0, 1), got {self.dropout}"
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            yield "target_modules", (f"expected a list of module names or 'all-linear', got {self.target_modules!r}")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            yield "target_modules", "is empty; name the modules to adapt (e.g. [q_proj, v_proj]) or use all-linear"
+
+
+@dataclass
+class QuantizationSpec:
+    """A quantised frozen base through transformers' BitsAndBytesConfig (bitsandbytes). With model.adapter this
+    is QLoRA; a quantised base alone cannot be trained."""
+
+    bits: Literal[4, 8] = doc("4 (Linear4bit, packed two weights per byte) or 8 (LLM.int8 Linear8bitLt)")
+    type: Literal["nf4", "fp4"] = doc("4-bit data type (bits: 4 only)", "nf4")
+    double_quant: bool = doc("quantise the 4-bit blocks' scales too (about 0.37 bits per weight saved)", True)
+    compute_dtype: Literal["bf16", "fp16", "fp32"] = doc("dtype the 4-bit weights are dequantised to for matmuls",
+                                                          "bf16")
+
+
+@dataclass
+class ExportSpec:
+    merge: bool = doc("with model.adapter, also export the base with the adapter merged in (a plain model folder)",
+                      False)
+
+
+@dataclass
+class ModelSpec:
+    factory: str | None = doc(
+        '"module:function" called with this mapping; returns an nn.Module whose forward(**batch) returns .loss', None)
+    hf: str | None = doc(
+        "Hugging Face model: a local folder, 'pkg:PACKAGE/sub/folder' inside an installed package, or a Hub id", None)
+    revision: str | None = doc("Hub commit for model.hf (a 40-hex commit pins it; a branch name does not)", None)
+    config: dict[str, Any] | None = doc(
+        "a transformers config mapping with model_type; the model is built from it with random weights", None)
+    tokenizer: str | None = doc("tokenizer folder, tokenizer.json, or a Hub id already in the local Hugging Face "
+                                "cache (never downloaded) for built-in tasks (defaults to model.hf)", None)
+    trust_remote_code: bool = doc("let transformers run model code shipped with model.hf", False)
+    adapter: AdapterSpec | None = doc("train a LoRA adapter on the frozen model instead of every weight", None)
+    quantization: QuantizationSpec | None = doc(
+        "load the frozen base quantised to 4 or 8 bits with bitsandbytes (needs model.hf or model.config)", None)
+    extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
+    written: dict[str, Any] = field(default_factory=dict, metadata=_WRITTEN)
+
+    @staticmethod
+    def allow_extra(data: dict) -> bool:
+        # The factory receives the whole mapping, so its own keys are legitimate.
+        return isinstance(data, dict) and data.get("factory") is not None
+
+    def factory_mapping(self) -> dict:
+        """What model.factory is called with: the model mapping as the user wrote it (no defaults added)."""
+        return copy.deepcopy(self.written)
+
+    def tokenizer_source(self, folder: Path) -> TokenizerSource:
+        """Where ``tokenizer`` is: a local path (relative to ``folder``, the spec's), or a Hub id in the local cache
+        (at ``revision`` when it names ``hf``'s repo). Raises :class:`~pilotrun.config.hub_cache.TokenizerNotFound`."""
+        value = self.tokenizer
+        assert value is not None
+        revision = self.revision if value == self.hf else None
+        return locate_tokenizer(value, lambda p: resolve_path(p, folder), revision, hub_id_like=not looks_local(value))
+
+    def check(self):
+        chosen = [k for k in ("factory", "hf", "config") if getattr(self, k) is not None]
+        if len(chosen) != 1:
+            yield "", (
+                "give exactly one of model.factory, model.hf or model.config"
+                + (f" (got {', '.join(chosen)})" if chosen else "")
+            )
+        if self.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", self.factory):
+            yield "factory", f"expected 'module:function', got {self.factory!r}"
+        if self.config is not None and "model_type" not in self.config:
+            yield "config", "needs a model_type (e.g. llama, bert) so transformers knows which architecture to build"
+        if self.revision is not None and self.hf is None:
+            yield "revision", "only applies to model.hf"
+        if self.quantization is not None:
+            if self.factory is not None:
+                yield "quantization", ("applies to transformers models (model.hf or model.config); quantise inside "
+                                       "your factory instead")
+            if self.adapter is None:
+                yield "quantization", ("a quantised base cannot be trained: its weights are frozen integers; add "
+                                       "model.adapter (LoRA on a 4-bit base is QLoRA) or remove model.quantization")
+
+
+@dataclass
+class DataSpec:
+    factory: str | None = doc(
+        '"module:function" called with this mapping; returns {"train", "val", "collate", ...} '
+        '(README, "Your own model and data")', None)
+    task: Literal["causal-lm", "seq-classification"] | None = doc("built-in task on JSONL data", None)
+    path: str | dict[str, str] | None = doc(
+        "JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
+    max_length: int | None = doc("tokens per training example after truncation (the length the long run uses)", None)
+    val_fraction: float = doc(
+        "share of groups held out for validation when the data is one file (or a factory's 'all')", 0.1)
+    test_fraction: float = doc("share of groups held out for test, the same way", 0.0)
+    labels: list[str] | None = doc(
+        "class names in index order for seq-classification (default: sorted names found in the data)", None)
+    num_workers: int = doc("DataLoader worker processes", 0)
+    drop_last: bool = doc("drop an epoch's last partial micro batch", False)
+    extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
+    written: dict[str, Any] = field(default_factory=dict, metadata=_WRITTEN)
+
+    @staticmethod
+    def allow_extra(data: dict) -> bool:
+        return isinstance(data, dict) and data.get("factory") is not None
+
+    def factory_mapping(self) -> dict:
+        """What data.factory is called with: the data mapping as written."""
+        return copy.deepcopy(self.written)
+
+    def check(self):
+        if (self.factory is None) == (self.task is None):
+            yield "", "give exactly one of data.factory or data.task (causal-lm | seq-classification)"
+        if self.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", self.factory):
+            yield "factory", f"expected 'module:function', got {self.factory!r}"
+        if self.task is not None:
+            # data.path is required only where data is read (config/load.py): estimate/select/plan need a shape only.
+            if self.max_length is None:
+                yield "max_length", "missing; built-in tasks truncate to data.max_length"
+        if isinstance(self.path, dict):
+            unknown = set(self.path) - {"train", "val", "test"}
+            if unknown:
+                yield "path", f"unknown split(s) {sorted(unknown)}; use train, val and optionally test"
+            for need in ("train", "val"):
+                if need not in self.path:
+                    yield f"path.{need}", "missing; a split mapping needs train and val"
+        if self.max_length is not None and self.max_length < 2:
+            yield "max_length", (f"must be at least 2, got {self.max_length} (leave it out when the inputs have no "
+                                 "sequence, e.g. images or feature vectors)")
+        if not 0.0 < self.val_fraction < 1.0:
+            yield "val_fraction", f"must be between 0 and 1 (exclusive), got {self.val_fraction}"
+        if not 0.0 <= self.test_fraction < 1.0 or self.val_fraction + self.test_fraction >= 1.0:
+            yield "test_fraction", (f"must be 0 or more and leave groups for training (val + test < 1), "
+                                    f"got {self.test_fraction}")
+        if self.num_workers < 0:
+            yield "num_workers", "must be 0 or more"
+
+
+@dataclass
+class OptimizerSpec:
+    lr: float = doc("peak learning rate")
+    name: Literal["adamw", "sgd", "adamw8bit", "paged_adamw8bit", "adafactor"] = doc(
+        "adamw (torch), sgd, adamw8bit / paged_adamw8bit (bitsandbytes 8-bit state), adafactor (transformers, "
+        "factored second moment, no first moment)", "adamw")
+    fused: Literal["auto", True, False] = doc(
+        "AdamW's fused kernel: auto uses it where torch has one for the device and dtype, true requires it", "auto")
+    weight_decay: float = doc("decoupled weight decay (not applied to biases and norm weights)", 0.0)
+    betas: tuple[float, float] = doc("AdamW betas", (0.9, 0.999))
+    eps: float = doc("AdamW epsilon", 1e-8)
+    momentum: float = doc("SGD momentum", 0.0)
+
+    def check(self):
+        if self.lr <= 0:
+            yield "lr", f"must be positive, got {self.lr}"
+        if self.weight_decay < 0:
+            yield "weight_decay", "must be 0 or more"
+        if self.fused is True and self.name != "adamw":
+            yield "fused", f"applies to adamw only (optimizer.name is {self.name!r}); remove it or use adamw"
+
+
+@dataclass
+class SchedulerSpec:
+    name: Literal["constant", "cosine", "linear"] = doc("learning-rate shape after warm-up", "constant")
+    warmup_updates: int = doc("linear warm-up from 0 over this many updates", 0)
+    min_lr_ratio: float = doc("final lr as a fraction of optimizer.lr (cosine, linear)", 0.0)
+
+    @staticmethod
+    def normalize(data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    def check(self):
+        if self.warmup_updates < 0:
+            yield "warmup_updates", "must be 0 or more"
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            yield "min_lr_ratio", "must be between 0 and 1"
+
+
+@dataclass
+class TrainSpec:
+    micro_batch_size: int = doc("examples per forward/backward on one device")
+    updates: int = doc(
+        "optimizer updates of the real run; sizes the lr schedule (the pilot runs pilot.updates of them)")
+    optimizer: OptimizerSpec = doc("optimizer and its hyper-parameters")
+    grad_accum_steps: int = doc("micro batches accumulated per optimizer update", 1)
+    precision: Precision = doc(
+        "fp32; bf16 autocast over fp32 weights; fp16 autocast with a grad scaler; bf16-true: weights, gradients and "
+        "optimizer state held in bf16, no autocast (torch_dtype=bfloat16 fine-tuning)", "fp32")
+    scheduler: SchedulerSpec = doc("learning-rate schedule (a name or a mapping)", SchedulerSpec)
+    max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
+    activation_checkpointing: bool = doc("recompute activations in backward (Hugging Face models)", False)
+    device: str = doc("auto (first accelerator, else CPU), cpu, cuda, cuda:N or mps", "auto")
+    shuffle: bool = doc("shuffle the training set each epoch (seeded)", True)
+    loss_normalization: Literal["auto", "per_micro_batch"] = doc(
+        "auto: token-exact accumulation via num_items_in_batch when the model accepts it; per_micro_batch: "
+        "declare on purpose that each micro batch's own mean is averaged (accum_equivalence then only reports)", "auto")
+
+    def check(self):
+        for name in ("micro_batch_size", "grad_accum_steps", "updates"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value < 1:
+                yield name, f"must be at least 1, got {value}"
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            yield "max_grad_norm", "must be positive, or null to disable clipping"
+        if not re.match(r"^(auto|cpu|mps|cuda(:\d+)?)$", self.device):
+            yield "device", f"expected auto, cpu, cuda, cuda:N or mps, got {self.device!r}"
+
+
+@dataclass
+class EvalSpec:
+    batch_size: int | None = doc("evaluation batch size (default: train.micro_batch_size)", None)
+    max_length: int | None = doc(
+        "longest evaluation length; the eval gate measures a batch padded to it (default: data.max_length)", None)
+    max_batches: int | None = doc("validation batches for the eval metric (null: the whole split)", 20)
+
+    def check(self):
+        for name in ("batch_size", "max_length", "max_batches"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                yield name, f"must be at least 1, got {value}"
+
+
+@dataclass
+class InspectSpec:
+    examples: int = doc("examples shown by the inspect gate (and pilotrun inspect -n)", 3)
+    max_unsupervised_share: float = doc(
+        "fail when more than this share of training examples has no supervised label left after truncation "
+        "(any at all warns)", 0.05)
+
+    def check(self):
+        if self.examples < 0:
+            yield "examples", "must be 0 or more"
+        if not 0.0 <= self.max_unsupervised_share <= 1.0:
+            yield "max_unsupervised_share", "must be between 0 and 1"
+
+
+@dataclass
+class OverfitSpec:
+    examples: int = doc("training examples in the subset the model must learn", 8)
+    max_updates: int = doc("update budget; stops early once both thresholds are met", 200)
+    micro_batch_size: int = doc("examples per update, drawn in a new order each pass (not one fixed batch)", 4)
+    loss_below: float | None = doc(
+        "pass when the subset's loss falls below this (default: a tenth of its loss before training)", None)
+    accuracy_at_least: float = doc("pass when at least this share of the subset's own targets is predicted", 0.95)
+    check_every: int = doc("updates between checks of loss and accuracy", 10)
+
+    def check(self):
+        for name in ("examples", "max_updates", "micro_batch_size", "check_every"):
+            if getattr(self, name) < 1:
+                yield name, "must be at least 1"
+        if not 0.0 <= self.accuracy_at_least <= 1.0:
+            yield "accuracy_at_least", "must be between 0 and 1"
+
+
+@dataclass
+class ResumeSpec:
+    before: int = doc("updates the interrupted process runs before it saves and is killed", 2)
+    after: int = doc("updates the restored process runs; compared with the control run's", 2)
+    rtol: float = doc(
+        "relative tolerance for loss and gradient norm off CPU or in bf16/fp16 (CPU fp32 is bitwise)", 1e-3)
+
+    def check(self):
+        if self.before < 1 or self.after < 1:
+            yield "", "before and after must be at least 1"
+        if self.rtol < 0:
+            yield "rtol", "must be 0 or more"
+
+
+@dataclass
+class PilotSpec:
+    updates: int = doc("updates the pilot runs: the first (first_step) and the rest (steady_step)", 6)
+    gates: list[str] | None = doc("gates to run (default: all, in order)", None)
+    inspect: InspectSpec = doc("the inspect gate", InspectSpec)
+    overfit: OverfitSpec = doc("the overfit gate", OverfitSpec)
+    resume: ResumeSpec = doc("the resume gate", ResumeSpec)
+
+    def check(self):
+        if self.updates < 2:
+            yield "updates", f"must be at least 2 (one first_step and at least one steady_step), got {self.updates}"
+
+
+@dataclass
+class DistributedSpec:
+    # The names of pilotrun.strategies.STRATEGIES (a test keeps them equal); `none` is read as `single`.
+    strategy: Literal["single", "ddp", "fsdp"] = doc(
+        "single: one process; ddp: a full replica per process, gradients all-reduced; fsdp: FSDP2 fully_shard of "
+        "each repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)", "single")
+
+    @staticmethod
+    def normalize(data: Any) -> Any:
+        # Specs written before the spec, the CLI and the estimator shared one vocabulary said `none`.
+        if isinstance(data, dict) and data.get("strategy") == "none":
+            return {**data, "strategy": "single"}
+        return data
+
