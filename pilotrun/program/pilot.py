@@ -22,6 +22,7 @@ import torch
 
 from ..api import measured_summary
 from ..config.spec import Spec
+from ..devices import query_devices
 from ..gates.lock import LockGate
 from ..gates.registry import GATE_NAMES, PROGRAM_GATES, OnProgram, select_gates
 from ..humanize import human_seconds
@@ -82,7 +83,7 @@ def compare_mode(spec: Spec) -> tuple[bool, str]:
         return True, "bitwise (program.compare: bitwise)"
     if mode == "rtol":
         return False, f"within rtol {spec.pilot.resume.rtol:g} (program.compare: rtol)"
-    if torch.cuda.is_available():
+    if query_devices().runtime.indexed:  # a CUDA/ROCm device (an MPS machine has compared bitwise so far)
         return False, (f"within rtol {spec.pilot.resume.rtol:g}: this machine has an accelerator, so the program may "
                        "not run in CPU fp32 (program.compare: auto)")
     return True, "bitwise: no accelerator on this machine, so the program ran on CPU (program.compare: auto)"
