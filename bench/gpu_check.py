@@ -88,14 +88,17 @@ def device_facts(dry: bool) -> dict:
         return {"dry": True, "device": "cpu", "name": f"dry run on CPU (estimates for {DRY_ACCELERATOR})",
                 "catalog": DRY_ACCELERATOR, "total_bytes": None, "used_bytes": None, "bnb_cuda": False,
                 "bnb_reason": "dry run: no CUDA device"}
-    import torch
+    from pilotrun.devices import query_devices
 
-    if not torch.cuda.is_available():
+    inv = query_devices()  # pilotrun's own device query; the counters are its backend's (pilotrun.backends)
+    runtime = inv.runtime
+    if not runtime.indexed or not inv.count:
         raise SystemExit("gpu_check: no CUDA/ROCm device visible; run with --dry on a CPU machine")
-    free, total = torch.cuda.mem_get_info(0)
-    facts = {"dry": False, "device": "cuda", "name": torch.cuda.get_device_name(0), "catalog": None,
-             "total_bytes": int(total), "used_bytes": int(total - free), "torch_cuda": torch.version.cuda,
-             "hip": getattr(torch.version, "hip", None)}
+    device = runtime.device(0)
+    facts = {"dry": False, "device": runtime.device_type, "backend": inv.backend, "name": inv.names[0],
+             "catalog": None, "total_bytes": runtime.total_memory(device),
+             "used_bytes": runtime.device_used(device).value, "torch_cuda": inv.versions.get("cuda"),
+             "hip": inv.versions.get("hip")}
     try:
         from bitsandbytes.cextension import CudaBNBNativeLibrary, lib
 
@@ -147,7 +150,7 @@ def accelerator(facts: dict) -> Accelerator:
         if matches(acc, facts["name"]):
             return acc
     base = next(iter(catalog.values()))
-    return Accelerator(name=facts["name"], vendor="unknown", stack="rocm" if facts.get("hip") else "cuda",
+    return Accelerator(name=facts["name"], vendor="unknown", stack=facts.get("backend", "cuda"),
                        memory_bytes=facts["total_bytes"], memory_spec_gb=0, bandwidth_tb_s=0, peak_tflops={},
                        interconnect={}, context_bytes=base.context_bytes,
                        blas_workspace_bytes=base.blas_workspace_bytes, nccl_buffer_bytes=base.nccl_buffer_bytes,

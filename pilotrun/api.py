@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from .devices import query_devices
 from .humanize import human_bytes, human_seconds
 from .ledger.records import Failure, GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from .ledger.store import Ledger
@@ -77,7 +78,7 @@ def _infer_device(track: Iterable) -> torch.device:
                 return p.device
         if isinstance(obj, torch.Tensor):
             return obj.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return query_devices().runtime.current_device() or torch.device("cpu")
 
 
 class StageHandle:

@@ -1,7 +1,8 @@
 """Every question about which accelerators exist goes through :func:`query_devices`.
 
 Selection logic is tested on a CPU-only machine by patching that one function
-(the pattern of Fabric's ``num_cuda_devices``).
+(the pattern of Fabric's ``num_cuda_devices``). What differs between runtimes is a
+:mod:`pilotrun.backends` object; the inventory names it (``DeviceInventory.runtime``).
 """
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import backends
+
 
 @dataclass(frozen=True)
 class DeviceInventory:
-    """What this process can see. ``backend`` is cuda, rocm, mps or cpu."""
+    """What this process can see. ``backend`` is the name of a :mod:`pilotrun.backends` backend: cuda, rocm, mps
+    or cpu."""
 
     backend: str
     count: int
@@ -20,48 +24,45 @@ class DeviceInventory:
     total_memory_bytes: tuple[int, ...] = ()
     versions: dict = field(default_factory=dict)
 
+    @property
+    def runtime(self) -> backends.Backend:
+        """The backend object that ``backend`` names (what differs per runtime: counters, variables, streams)."""
+        return backends.get(self.backend)
+
 
 def query_devices() -> DeviceInventory:
-    """The single place that asks torch which accelerators are visible."""
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        props = [torch.cuda.get_device_properties(i) for i in range(n)]
-        backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-        return DeviceInventory(
-            backend=backend,
-            count=n,
-            names=tuple(p.name for p in props),
-            total_memory_bytes=tuple(int(p.total_memory) for p in props),
-            versions={"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)},
-        )
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return DeviceInventory(backend="mps", count=1, names=("Apple MPS",))
-    return DeviceInventory(backend="cpu", count=0, names=())
+    """The single place that asks torch which accelerators are visible: the first available backend's devices."""
+    for rt in backends.BACKENDS:
+        if rt.available():
+            seen = rt.visible()
+            return DeviceInventory(backend=rt.name, count=len(seen.names), names=seen.names,
+                                   total_memory_bytes=seen.total_memory_bytes, versions=dict(seen.versions))
+    raise AssertionError("the CPU backend is always available")  # pragma: no cover
 
 
 def pick_device(requested: str) -> tuple[torch.device, str]:
     """Resolve train.device to a torch.device and say why, e.g. ('cuda:0', 'auto: 1 cuda device visible')."""
     inv = query_devices()
+    rt = inv.runtime
     if requested == "auto":
-        if inv.backend in ("cuda", "rocm"):
-            return torch.device("cuda", 0), (f"auto: {inv.count} {inv.backend} device(s) visible, "
-                                             f"using the first ({inv.names[0]})")
-        if inv.backend == "mps":
-            return torch.device("mps"), "auto: Apple MPS visible"
+        if rt.accelerator and rt.indexed:
+            return rt.device(0), (f"auto: {inv.count} {inv.backend} device(s) visible, using the first "
+                                  f"({inv.names[0]})")
+        if rt.accelerator:
+            return rt.device(0), f"auto: {inv.names[0]} visible"
         return torch.device("cpu"), "auto: no accelerator visible, running on CPU"
     dev = torch.device(requested)
-    if dev.type == "cuda":
-        if inv.backend not in ("cuda", "rocm"):
-            raise DeviceUnavailable(f"train.device is {requested!r} but no CUDA/ROCm device is visible "
-                                    "(use cpu or auto)")
-        index = dev.index or 0
-        if index >= inv.count:
-            raise DeviceUnavailable(f"train.device is {requested!r} but only {inv.count} device(s) are visible")
-        return torch.device("cuda", index), f"requested {requested} ({inv.names[index]})"
-    if dev.type == "mps" and inv.backend != "mps":
-        raise DeviceUnavailable("train.device is 'mps' but MPS is not available here (use cpu or auto)")
-    return dev, f"requested {requested}"
+    wanted = backends.for_device(dev)
+    if not wanted.accelerator or isinstance(wanted, backends.Unlisted):
+        return dev, f"requested {requested}"
+    if rt.device_type != dev.type:
+        raise DeviceUnavailable(wanted.unavailable(requested))
+    if not rt.indexed:
+        return dev, f"requested {requested}"
+    index = dev.index or 0
+    if index >= inv.count:
+        raise DeviceUnavailable(f"train.device is {requested!r} but only {inv.count} device(s) are visible")
+    return rt.device(index), f"requested {requested} ({inv.names[index]})"
 
 
 class DeviceUnavailable(RuntimeError):
@@ -71,9 +72,9 @@ class DeviceUnavailable(RuntimeError):
 def device_name(device: torch.device) -> str:
     """The accelerator's marketing name ("NVIDIA H100 80GB HBM3"), or the device type."""
     inv = query_devices()
-    if device.type == "cuda" and inv.names:
+    if inv.names and device.type == inv.runtime.device_type:
         return inv.names[device.index or 0]
-    return inv.names[0] if device.type == "mps" and inv.names else device.type
+    return device.type
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Several processes, one job: the process group, each rank's place in it, and the collectives pilotrun uses.
 
 Launched by ``pilotrun launch`` or ``torchrun -m pilotrun run``: one process per device,
-``LOCAL_RANK`` picks the device, gloo on CPU and NCCL on GPUs. How the model is wrapped and
+``LOCAL_RANK`` picks the device, and the device's backend the process group (gloo on CPU and
+NCCL on GPUs: :mod:`pilotrun.backends`). How the model is wrapped and
 its gradients reduced is a strategy's business (:mod:`pilotrun.strategies`); this module only
 knows processes.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from . import backends
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,9 @@ def init(strategy: str, device_type: str) -> DistEnv:
     if world == 1:
         return DistEnv(strategy=strategy)
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        if device_type == "cuda":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend)
+        rt = backends.for_type(device_type)
+        rt.set_device(local_rank)
+        dist.init_process_group(rt.dist_backend)
     return DistEnv(rank, local_rank, world, strategy)
 
 

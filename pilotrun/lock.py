@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from . import __version__, backends
 from .config.factories import import_factory
 from .config.paths import looks_local
 from .config.program import program_files
@@ -98,25 +98,8 @@ def hash_tree(root: Path, cache: dict | None = None, keep: Callable[[str], bool]
 
 
 def _versions() -> dict:
-    out = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "hip": getattr(torch.version, "hip", None),
-        "cudnn": None,
-        "nccl": None,
-    }
-    try:
-        out["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    except Exception:
-        pass
-    if torch.cuda.is_available():
-        try:
-            v = torch.cuda.nccl.version()
-            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:
-            pass
-    return out
+    # The device runtimes' libraries (cuda, hip, cudnn, nccl) come from their backends, the same keys everywhere.
+    return {"python": platform.python_version(), "torch": torch.__version__, **backends.build_versions()}
 
 
 def _installed_paths() -> list[str]:

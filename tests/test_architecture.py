@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"strategies"},
     {"train", "checkpoint", "models", "data"},
     {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt"},
+    {"backends"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
 # program/: the handle measures stages with api's code.

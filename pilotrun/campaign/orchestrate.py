@@ -198,7 +198,7 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
 def _accelerator(spec) -> tuple[str, int] | None:
     """The accelerator the runs will share (name, memory), or None when they run on the CPU."""
     inv = query_devices()
-    if spec.train.device == "cpu" or inv.backend not in ("cuda", "rocm") or not inv.count:
+    if spec.train.device == "cpu" or not inv.runtime.indexed or not inv.count:
         return None
     index = int(spec.train.device.split(":")[1]) if spec.train.device.startswith("cuda:") else 0
     return (inv.names[index], inv.total_memory_bytes[index]) if index < inv.count else None

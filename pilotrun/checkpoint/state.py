@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..devices import query_devices
 from .io import AtomicFolder, CheckpointError, read_manifest
 
 
@@ -30,10 +31,9 @@ def capture_rng() -> tuple[dict, dict]:
                        "cached_gaussian": float(cached)}
     except ImportError:  # pragma: no cover
         pass
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, st in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda_{i}"] = st
+    # The host's generator is every process's; the accelerator's streams are its backend's ("cuda_<i>" on CUDA
+    # and ROCm), under the keys every checkpoint so far has.
+    tensors = {"torch_cpu": torch.get_rng_state(), **query_devices().runtime.rng_state()}
     return js, tensors
 
 
@@ -47,9 +47,7 @@ def restore_rng(js: dict, tensors: dict) -> None:
         np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
                              n["cached_gaussian"]))
     torch.set_rng_state(tensors["torch_cpu"])
-    for key, st in tensors.items():
-        if key.startswith("cuda_") and torch.cuda.is_available():
-            torch.cuda.set_rng_state(st, int(key.split("_")[1]))
+    query_devices().runtime.set_rng_state(tensors)  # another runtime's streams (a GPU's, on a CPU) stay unused
 
 
 SHARD_BYTES = 64 << 20  # shards let hashing and fsync of one overlap the writing of the next

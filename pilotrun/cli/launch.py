@@ -72,7 +72,7 @@ def add_parser(sub) -> None:
 def plan_processes(requested: int | None, nnodes: int) -> tuple[int, str]:
     """How many processes per node, and why; an error that says what to change when they cannot run."""
     inv = query_devices()
-    if inv.backend in ("cuda", "rocm"):
+    if inv.runtime.indexed:  # one process per device
         if requested is None:
             return inv.count, f"{inv.count} visible {inv.backend} device(s)"
         if requested > inv.count:

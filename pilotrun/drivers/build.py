@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import distributed, strategies
+from .. import backends, distributed, strategies
 from ..data.bundle import build_data
 from ..devices import device_name, pick_device
 from ..models.loading import load_tokenizer
@@ -53,9 +53,10 @@ def join_job(spec) -> JobProcess:
     _, _, world = distributed.env_from_os()
     strategy = strategies.for_processes(spec.distributed.strategy, world)
     env = distributed.init(strategy.name, device.type)
-    if env.active and device.type == "cuda":
-        device = torch.device("cuda", env.local_rank)
-        reason = f"LOCAL_RANK {env.local_rank} chooses cuda:{env.local_rank}"
+    runtime = backends.for_device(device)
+    if env.active and runtime.indexed:  # one device per process
+        device = runtime.device(env.local_rank)
+        reason = f"LOCAL_RANK {env.local_rank} chooses {device}"
     return JobProcess(device, reason, device_name(device), env, strategy)
 
 

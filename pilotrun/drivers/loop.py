@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import backends
 from ..checkpoint.export import export_adapter, export_model
 from ..checkpoint.state import fingerprint_state
 from ..distributed import all_sum
@@ -139,7 +140,7 @@ class LoopDriver(ModelDriver):
             gen.manual_seed(derived_seed((self.plan.seed * 1_000_003 + self.epoch) * 1_000_003 + self.micro_index))
             loader = torch.utils.data.DataLoader(
                 self.train_set, batch_sampler=sampler, collate_fn=self.collate,
-                num_workers=self.spec.data.num_workers, pin_memory=self.device.type == "cuda",
+                num_workers=self.spec.data.num_workers, pin_memory=backends.for_device(self.device).pin_memory,
                 persistent_workers=False, generator=gen,
             )
             self._iter = iter(loader)

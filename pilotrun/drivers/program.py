@@ -25,9 +25,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ..api import peaks_phrase
+from ..devices import query_devices
 from ..humanize import human_seconds
 from ..ledger.records import Failure, GateRow, Verdict
 from ..program.env import Event, Role
@@ -44,7 +43,7 @@ def compare_mode(spec) -> tuple[bool, str]:
         return True, "bitwise (program.compare: bitwise)"
     if mode == "rtol":
         return False, f"within rtol {spec.pilot.resume.rtol:g} (program.compare: rtol)"
-    if torch.cuda.is_available():
+    if query_devices().runtime.indexed:  # a CUDA/ROCm device (an MPS machine has compared bitwise so far)
         return False, (f"within rtol {spec.pilot.resume.rtol:g}: this machine has an accelerator, so the program may "
                        "not run in CPU fp32 (program.compare: auto)")
     return True, "bitwise: no accelerator on this machine, so the program ran on CPU (program.compare: auto)"

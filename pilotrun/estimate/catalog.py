@@ -156,7 +156,7 @@ def local_accelerator(catalog: dict[str, Accelerator], device_index: int = 0) ->
     from ..devices import query_devices
 
     inv = query_devices()
-    if inv.backend not in ("cuda", "rocm") or device_index >= inv.count:
+    if not inv.runtime.indexed or device_index >= inv.count:
         return None
     name = inv.names[device_index]
     for acc in catalog.values():

@@ -9,8 +9,9 @@ Counters are kept apart and never added (docs/architecture.md, "Contracts": memo
   ``mem_get_info`` (includes the CUDA context and other processes).
 * ``host_rss_peak_bytes`` – peak resident set size of this process, sampled.
 
-A counter that cannot be read on this device is ``None`` and its reason is in
-``not_measured``: never a silent zero.
+The device's counters are its backend's (:mod:`pilotrun.backends`, ``for_device``). A counter
+that cannot be read on this device is ``None`` and its reason is in ``not_measured``: never a
+silent zero.
 """
 from __future__ import annotations
 
@@ -22,38 +23,39 @@ from collections.abc import Iterable
 import psutil
 import torch
 
+from .. import backends
 from .tensors import LiveTensorTracker, category_bytes
 
 SAMPLE_INTERVAL_S = 0.01
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
+    """Wait for the device's queued work (its backend's synchronise; nothing on the CPU)."""
+    backends.for_device(device).synchronize(device)
 
 
 class _Sampler(threading.Thread):
-    """Samples host RSS (and device-level used bytes on CUDA) until stopped."""
+    """Samples host RSS (and device-level used bytes where the backend reads them) until stopped."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(daemon=True, name="pilotrun-memory-sampler")
         self.device = device
+        self.backend = backends.for_device(device)
         self.proc = psutil.Process()
         self.rss_peak = self.proc.memory_info().rss
         self.device_used_peak: int | None = None
+        self.device_used_reason: str | None = None  # why device_used_peak is None
         self._stop_event = threading.Event()
 
     def sample(self) -> None:
         rss = self.proc.memory_info().rss
         if rss > self.rss_peak:
             self.rss_peak = rss
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            if self.device_used_peak is None or used > self.device_used_peak:
-                self.device_used_peak = used
+        used = self.backend.device_used(self.device)
+        if used.value is None:
+            self.device_used_reason = used.reason
+        elif self.device_used_peak is None or used.value > self.device_used_peak:
+            self.device_used_peak = used.value
 
     def run(self) -> None:
         while not self._stop_event.wait(SAMPLE_INTERVAL_S):
@@ -75,6 +77,7 @@ class StageMeter:
 
     def __init__(self, device: torch.device, track: Iterable = (), tensor_tracking: str = "stage") -> None:
         self.device = device
+        self.backend = backends.for_device(device)
         self.track = list(track)
         self.tensor_tracking = tensor_tracking
         self.memory: dict = {}
@@ -86,7 +89,7 @@ class StageMeter:
 
     @property
     def uses_tensor_tracker(self) -> bool:
-        return self.device.type not in ("cuda",)
+        return not self.backend.allocator_counts
 
     @contextlib.contextmanager
     def track_tensors(self):
@@ -109,8 +112,7 @@ class StageMeter:
     def __enter__(self) -> StageMeter:
         synchronize(self.device)
         self.state_before = category_bytes(self.track)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.backend.reset_peaks(self.device)
         self._sampler = _Sampler(self.device)
         self._sampler.start()
         if self.uses_tensor_tracker and self.tensor_tracking == "stage":
@@ -133,6 +135,13 @@ class StageMeter:
         self.memory = self._collect()
         return None
 
+    def _device_used(self) -> backends.Reading:
+        """The sampled peak of the device's used bytes, or why there is none."""
+        if self._sampler is None or self._sampler.device_used_peak is None:
+            reason = self._sampler.device_used_reason if self._sampler else None
+            return backends.Reading(None, reason or "the sampler did not run")
+        return backends.Reading(self._sampler.device_used_peak)
+
     def _collect(self) -> dict:
         not_measured: dict[str, str] = {}
         mem: dict = {
@@ -141,21 +150,23 @@ class StageMeter:
             "device_used_bytes": None,
             "host_rss_peak_bytes": int(self._sampler.rss_peak) if self._sampler else None,
         }
-        if self.device.type == "cuda":
-            mem["source"] = "cuda-allocator"
-            mem["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
-            mem["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(self.device))
-            mem["device_used_bytes"] = self._sampler.device_used_peak if self._sampler else None
-            stats = torch.cuda.memory_stats(self.device)
-            mem["alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+        rt, dev = self.backend, self.device
+        readings = {"peak_reserved_bytes": rt.peak_reserved(dev), "device_used_bytes": self._device_used()}
+        if rt.allocator_counts:
+            mem["source"] = f"{rt.device_type}-allocator"
+            readings["peak_allocated_bytes"] = rt.peak_allocated(dev)
+            retries = rt.alloc_retries(dev)
+            if retries.value is not None:
+                mem["alloc_retries"] = retries.value
         else:
-            mem["source"] = f"{self.device.type}-live-tensors"
-            mem["peak_allocated_bytes"] = self._tracked_peak
-            if self._tracked_peak is None:
-                not_measured["peak_allocated_bytes"] = "no block of this stage was tracked"
-            not_measured["peak_reserved_bytes"] = (f"{self.device.type} has no caching-allocator counter; "
-                                                   "see host_rss_peak_bytes")
-            not_measured["device_used_bytes"] = f"{self.device.type} has no device-level memory counter"
+            mem["source"] = f"{dev.type}-live-tensors"
+            tracked = self._tracked_peak  # the live-tensor tracker's, where the allocator keeps no peak
+            readings["peak_allocated_bytes"] = (backends.Reading(tracked) if tracked is not None else
+                                                backends.Reading(None, "no block of this stage was tracked"))
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes"):
+            mem[key] = readings[key].value
+            if readings[key].value is None:
+                not_measured[key] = readings[key].reason or "not read"
         try:
             state_after = category_bytes(self.track)
         except Exception:
@@ -177,17 +188,18 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def oom_detail(device: torch.device) -> str:
-    """'at 78.2 GiB reserved of 79.1 GiB' on CUDA; host figures on CPU."""
-    if device.type == "cuda":
-        reserved = torch.cuda.max_memory_reserved(device)
-        total = torch.cuda.get_device_properties(device).total_memory
+    """'at 78.2 GiB reserved of 79.1 GiB' where the backend counts reserved memory (CUDA); host figures on CPU."""
+    rt = backends.for_device(device)
+    reserved = rt.peak_reserved(device).value
+    total = rt.total_memory(device) if reserved is not None else None
+    if reserved is not None and total is not None:
         return f"out of memory at {reserved / 2**30:.1f} GiB reserved of {total / 2**30:.1f} GiB"
     vm = psutil.virtual_memory()
     return f"out of host memory ({vm.available / 2**30:.1f} GiB available of {vm.total / 2**30:.1f} GiB)"
 
 
 # Words an accelerator allocator's message carries (CUDA and ROCm's HIP, Apple's MPS, Intel's XPU).
-ACCELERATOR_WORDS = ("cuda", "hip", "mps", "xpu", "gpu")
+ACCELERATOR_WORDS = backends.OOM_WORDS
 
 
 def out_of_memory_reason(error: BaseException, device: torch.device) -> str | None:
@@ -206,9 +218,10 @@ def out_of_memory_reason(error: BaseException, device: torch.device) -> str | No
     accelerator = isinstance(error, torch.OutOfMemoryError) or (
         not isinstance(error, MemoryError) and "DefaultCPUAllocator" not in text
         and any(w in text.lower() for w in ACCELERATOR_WORDS))
-    if accelerator and device.type == "cuda":  # ROCm's torch is "cuda" too
+    rt = backends.for_device(device)
+    if accelerator and rt.allocator_counts:
         where = oom_detail(device).replace("out of memory", "out of accelerator memory", 1)
-    elif accelerator and device.type == "cpu":
+    elif accelerator and not rt.accelerator:
         where = ("out of accelerator memory (its counters not measured: the stage measured the cpu; pass device= "
                  "or track= the model)")
     elif accelerator:

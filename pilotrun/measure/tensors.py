@@ -188,6 +188,8 @@ class CategoryTracker(TorchDispatchMode):
 
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         kind = st.device.type
+        # Where a trace's tensors can live (the CPU, a GPU in the device tests, meta when fake), not a runtime's
+        # behaviour: nothing here asks a backend.
         if kind not in ("cpu", "cuda") and not (self.fake and kind == "meta"):
             return
         n = st.nbytes()

@@ -6,6 +6,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .. import backends
 from .base import BufferSync, DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
 
 
@@ -14,7 +15,7 @@ class DDP(DistributedCheckpoint):
     description = "a full replica per process, gradients all-reduced"
 
     def wrap(self, model, env, device):
-        ids = [device.index] if device.type == "cuda" else None
+        ids = backends.for_device(device).ddp_device_ids(device)
         return (torch.nn.parallel.DistributedDataParallel(model, device_ids=ids),
                 f"DDP over {env.world_size} processes ({dist.get_backend()})")
 
@@ -31,8 +32,8 @@ class DDP(DistributedCheckpoint):
 
     def reduction_ratio(self, env, device):
         probe = reduction_probe(device)
-        wrapped = torch.nn.parallel.DistributedDataParallel(probe, device_ids=[device.index] if device.type == "cuda"
-                                                            else None)
+        ids = backends.for_device(device).ddp_device_ids(device)
+        wrapped = torch.nn.parallel.DistributedDataParallel(probe, device_ids=ids)
         return probe_reduction(wrapped, probe, device)
 
     def micro_batch(self, model, index, count):

@@ -23,6 +23,7 @@ from enum import Enum
 
 import torch
 
+from ..devices import query_devices
 from .batches import autocast_for, loss_of, seq_len, supervised_count, to_device
 
 
@@ -124,7 +125,8 @@ def rng_untouched():
         np_state = np.random.get_state()
     except ImportError:  # pragma: no cover
         pass
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    accelerator = query_devices().runtime
+    streams = accelerator.rng_state()
     try:
         yield
     finally:
@@ -134,8 +136,7 @@ def rng_untouched():
             import numpy as np
 
             np.random.set_state(np_state)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        accelerator.set_rng_state(streams)
 
 
 def probe_loss_policy(model, batch: dict, device: torch.device, precision: str, static: LossPolicy) -> LossPolicy:

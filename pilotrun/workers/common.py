@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .. import backends
 from ..config.load import spec_from_mapping
 from ..config.spec import Spec
 
@@ -31,11 +32,12 @@ def read_spec_file(path: str | Path, check_files: bool = True) -> Spec:
 
 def peak_memory(device: torch.device) -> dict:
     """This process's peaks, for the gate row (children report their own memory)."""
-    mem = {"host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    mem: dict[str, int | None] = {"host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                   * (1 if sys.platform == "darwin" else 1024)}
-    if device.type == "cuda":
-        mem["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-        mem["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+    rt = backends.for_device(device)
+    if rt.allocator_counts:  # elsewhere no peak is kept outside a meter (its tracker counts inside one only)
+        mem["peak_allocated_bytes"] = rt.peak_allocated(device).value
+        mem["peak_reserved_bytes"] = rt.peak_reserved(device).value
     return mem
 
 

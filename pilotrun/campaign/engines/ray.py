@@ -36,6 +36,7 @@ import ray
 import ray.exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ... import backends
 from ...config.load import spec_from_mapping
 from ...ledger.records import RunEnd, RunStatus, Series, StopKind
 from ...ledger.store import Ledger
@@ -330,7 +331,7 @@ class RayEngine:
     def plan(self, requested: int | None, runs: int, spec, per_run: PerRun | None, processes: int = 1) -> dict:
         """Runs at once on this cluster, and the resources each asks for (kept for ``launch``): a CPU per process,
         and a GPU per process (the run's world size) unless the spec trains on the CPU."""
-        gpus = 0 if spec.train.device in ("cpu", "mps") else processes
+        gpus = processes if backends.numbered(spec.train.device) else 0
         cluster = self.cluster()
         if gpus and not cluster.get("GPU"):
             if spec.train.device != "auto":
