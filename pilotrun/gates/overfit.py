@@ -62,22 +62,19 @@ def _own_targets(model, data, items, device, precision) -> tuple[float, float | 
 
 def _update(model, opt, scaler, window, policy, spec, device, step: int) -> float:
     """One update of the copy on one small window; the loss, or NonFiniteError."""
+    from .. import strategies
+
+    # The copy is a plain model in this process alone: the one-process strategy's step, whatever runs the job.
+    strategy = strategies.one_process()
     ids = window[0][0]
-    stats = window_backward(model, window, policy, device, spec.train.precision, scaler)
+    stats = window_backward(model, window, policy, device, spec.train.precision, scaler, backward=strategy.backward)
     loss = float(stats["loss"])
     if not math.isfinite(loss):
         raise NonFiniteError("loss", step, loss, ids)
-    if scaler is not None:
-        scaler.unscale_(opt)
-    norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                spec.train.max_grad_norm or float("inf")))
-    if scaler is None and not math.isfinite(norm):
+    norm = strategy.clip_gradients(model.parameters(), spec.train.max_grad_norm, opt, scaler)
+    if scaler is None and norm is not None and not math.isfinite(norm):
         raise NonFiniteError("gradient norm", step, norm, ids)
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
+    strategy.optimizer_step(opt, scaler)
     opt.zero_grad(set_to_none=True)
     return loss
 

@@ -35,6 +35,11 @@ def names() -> list[str]:
     return list(STRATEGIES)
 
 
+def one_process() -> Strategy:
+    """The strategy one process runs: the registry's one that is not multi-process."""
+    return next(s for s in STRATEGIES.values() if not s.multi_process)
+
+
 def multi_process_names() -> list[str]:
     return [n for n, s in STRATEGIES.items() if s.multi_process]
 
@@ -53,8 +58,8 @@ def for_processes(name: str, world_size: int) -> Strategy:
     if world_size > 1 and not declared.multi_process:
         raise ProcessMismatch(f"{world_size} processes were launched but distributed.strategy is {declared.name!r}: "
                               f"set it to {' or '.join(multi_process_names())}")
-    return declared if world_size > 1 else STRATEGIES["single"]
+    return declared if world_size > 1 else one_process()
 
 
 __all__ = ["ALIASES", "STRATEGIES", "BufferSync", "ProcessMismatch", "StageBytes", "Strategy", "UnknownStrategy",
-           "correction", "for_processes", "get", "multi_process_names", "names"]
+           "correction", "for_processes", "get", "multi_process_names", "names", "one_process"]

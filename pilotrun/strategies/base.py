@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
+from ..train.loss import plain_backward
 
 if TYPE_CHECKING:
     from ..distributed import DistEnv
@@ -99,6 +101,45 @@ class Strategy(ABC):
     def buffer_sync(self, model: torch.nn.Module) -> BufferSync:
         """Whose buffers are the state when ranks' copies differ; ``model`` as :meth:`wrap` returned it."""
         return BufferSync(None, "")
+
+    # -- the training step (drivers/loop.py; the overfit gate's copy uses the one-process strategy's) ----------
+    def init_context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Around building the model: where a strategy that initialises shards or on the meta device would act.
+        The default builds it as the model builder does."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Backward of one micro batch's (already normalised) loss; through the fp16 scaler when there is one."""
+        plain_backward(loss, scaler)
+
+    def clip_gradients(self, params: Iterable[torch.nn.Parameter], max_norm: float | None,
+                       optimizer: torch.optim.Optimizer | None = None,
+                       scaler: torch.amp.GradScaler | None = None) -> float | None:
+        """Clip the global gradient norm of ``params`` to ``max_norm`` (None: measure only) and return it as it was
+        before clipping; None when no parameter has a gradient. With an fp16 ``scaler`` the gradients are unscaled
+        first (``optimizer`` is the one they belong to), so the norm and the clip are in true units."""
+        if scaler is not None:
+            if optimizer is None:
+                raise ValueError("unscaling fp16 gradients needs the optimizer that holds them")
+            scaler.unscale_(optimizer)
+        grads = [p for p in params if p.grad is not None]
+        if not grads:
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"))
+        # FSDP2's sharded gradients are DTensors: their norm is one too, and its value is the whole tensor's.
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> bool:
+        """Step the optimizer (through the fp16 scaler, which it then updates); True when the scaler skipped the
+        step (inf/NaN gradients: it lowered its scale). Refusing a non-finite norm without a scaler is the
+        caller's, which knows the update and its examples."""
+        if scaler is None:
+            optimizer.step()
+            return False
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() < scale_before
 
     # -- state on disk ------------------------------------------------------------------------
     @abstractmethod
