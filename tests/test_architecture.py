@@ -165,13 +165,33 @@ def test_no_private_names_imported_across_modules():
 
 
 def test_the_spec_and_the_registry_share_one_strategy_vocabulary():
+    import types
     import typing
 
     from pilotrun import strategies
-    from pilotrun.config.spec import DistributedSpec
+    from pilotrun.config import strategy_names
+    from pilotrun.config.schema import SpecError, build
+    from pilotrun.config.spec import DistributedSpec, Spec
 
+    # The spec validates against config's mirror of the names; the registry refuses to import unless it is exact.
     declared = typing.get_args(typing.get_type_hints(DistributedSpec)["strategy"])
-    assert list(declared) == strategies.names()
+    assert list(declared) == list(strategy_names.NAMES) == strategies.names()
+    assert strategies.vocabulary_problems(strategies.STRATEGIES) == []
+    grown = {**strategies.STRATEGIES, "tensor": strategies.get("ddp")}
+    assert strategies.vocabulary_problems(grown) == [
+        "the spec's choices ['single', 'ddp', 'fsdp'] are not the registry's ['single', 'ddp', 'fsdp', 'tensor']"]
+    stale = types.SimpleNamespace(NAMES=strategy_names.NAMES, DEFAULT="ddp", ALIASES={"none": "solo"})
+    assert strategies.vocabulary_problems(strategies.STRATEGIES, stale) == [
+        "the spec's default 'ddp' is not the one-process strategy ['single']",
+        "the alias 'none' names 'solo', which is not registered"]
+    minimal = {"name": "v", "model": {"factory": "x:y"}, "data": {"factory": "x:y"},
+               "train": {"micro_batch_size": 1, "grad_accum_steps": 1, "updates": 2, "optimizer": {"name": "sgd", "lr": 0.1}}}
+    with pytest.raises(SpecError) as info:
+        build(Spec, {**minimal, "distributed": {"strategy": "fsdp2"}})
+    assert info.value.problems == [("distributed.strategy", "expected one of 'single', 'ddp', 'fsdp', got 'fsdp2' "
+                                                            "(str) (did you mean 'fsdp'?)")]
+    assert build(Spec, minimal).distributed.strategy == strategies.one_process().name
+    assert build(Spec, {**minimal, "distributed": {"strategy": "none"}}).distributed.strategy == "single"
     with pytest.raises(strategies.UnknownStrategy, match="choose one of: single .*, ddp .*, fsdp"):
         strategies.get("tensor")
     assert strategies.get("none") is strategies.get("single")  # specs written before the rename

@@ -29,6 +29,9 @@ from .hub_cache import TokenizerNotFound, TokenizerSource, locate_tokenizer
 from .limits import bound_problems
 from .program import ProgramSpec, program_file_problems
 from .schema import SpecError, build, doc
+from .strategy_names import ALIASES as STRATEGY_ALIASES
+from .strategy_names import DEFAULT as DEFAULT_STRATEGY
+from .strategy_names import StrategyName
 from .yamlsafe import parse_bounded, parse_override_value, read_spec_text, regular_file_problem
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
@@ -324,16 +327,19 @@ class PilotSpec:
 
 @dataclass
 class DistributedSpec:
-    # The names of pilotrun.strategies.STRATEGIES (a test keeps them equal); `none` is read as `single`.
-    strategy: Literal["single", "ddp", "fsdp"] = doc(
+    # The registry's names (pilotrun.strategies.STRATEGIES), mirrored in config/strategy_names.py, which the
+    # registry checks at its import; an alias (`none`) is read as the name it stands for.
+    strategy: StrategyName = doc(
         "single: one process; ddp: a full replica per process, gradients all-reduced; fsdp: FSDP2 fully_shard of "
-        "each repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)", "single")
+        "each repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)",
+        DEFAULT_STRATEGY)
 
     @staticmethod
     def normalize(data: Any) -> Any:
         # Specs written before the spec, the CLI and the estimator shared one vocabulary said `none`.
-        if isinstance(data, dict) and data.get("strategy") == "none":
-            return {**data, "strategy": "single"}
+        named = data.get("strategy") if isinstance(data, dict) else None
+        if isinstance(named, str) and named in STRATEGY_ALIASES:
+            return {**data, "strategy": STRATEGY_ALIASES[named]}
         return data
 
 

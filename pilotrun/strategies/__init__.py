@@ -2,7 +2,12 @@
 
 One vocabulary everywhere: ``distributed.strategy`` in the spec, ``--strategy`` of ``estimate``,
 the advisor's variants and the ledger use these names. Adding a strategy is one module here and
-one line in ``STRATEGIES`` (and its name in the spec's ``distributed.strategy`` choices).
+one line in ``STRATEGIES``, and its name in ``config/strategy_names.py``: the spec validates
+against that mirror (config/ cannot import this package) and this module refuses to import
+while the two differ (:func:`vocabulary_problems`).
+
+Callers ask the objects and the registry, never compare names: ``get(name).multi_process``,
+``one_process()`` (what one process runs).
 
 Example::
 
@@ -12,6 +17,9 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Any
+
+from ..config import strategy_names
 from ..distributed import LaunchError
 from .base import BufferSync, StageBytes, Strategy, correction
 from .ddp import DDP
@@ -19,8 +27,8 @@ from .fsdp import FSDP
 from .single import Single
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Single(), DDP(), FSDP())}
-# Accepted in specs written before the vocabulary was one: `none` meant one process.
-ALIASES = {"none": "single"}
+# Accepted in specs written before the vocabulary was one (`none` meant one process); declared with the mirror.
+ALIASES = strategy_names.ALIASES
 
 
 class UnknownStrategy(ValueError):
@@ -38,6 +46,19 @@ def names() -> list[str]:
 def one_process() -> Strategy:
     """The strategy one process runs: the registry's one that is not multi-process."""
     return next(s for s in STRATEGIES.values() if not s.multi_process)
+
+
+def vocabulary_problems(registry: dict[str, Strategy], mirror: Any = strategy_names) -> list[str]:
+    """Where the spec's mirror of the names (``config/strategy_names.py``) and ``registry`` differ; [] when equal."""
+    problems = []
+    if tuple(registry) != tuple(mirror.NAMES):
+        problems.append(f"the spec's choices {list(mirror.NAMES)} are not the registry's {list(registry)}")
+    single = [n for n, s in registry.items() if not s.multi_process]
+    if single != [mirror.DEFAULT]:
+        problems.append(f"the spec's default {mirror.DEFAULT!r} is not the one-process strategy {single}")
+    problems += [f"the alias {old!r} names {new!r}, which is not registered"
+                 for old, new in mirror.ALIASES.items() if new not in registry]
+    return problems
 
 
 def multi_process_names() -> list[str]:
@@ -61,5 +82,12 @@ def for_processes(name: str, world_size: int) -> Strategy:
     return declared if world_size > 1 else one_process()
 
 
+_problems = vocabulary_problems(STRATEGIES)
+if _problems:  # not an assert: the check must hold under python -O as well
+    raise ImportError("pilotrun/config/strategy_names.py must mirror pilotrun.strategies.STRATEGIES: "
+                      + "; ".join(_problems))
+
+
 __all__ = ["ALIASES", "STRATEGIES", "BufferSync", "ProcessMismatch", "StageBytes", "Strategy", "UnknownStrategy",
-           "correction", "for_processes", "get", "multi_process_names", "names", "one_process"]
+           "correction", "for_processes", "get", "multi_process_names", "names", "one_process",
+           "vocabulary_problems"]
