@@ -6,14 +6,15 @@ one line in ``STRATEGIES``, and its name in ``config/strategy_names.py``: the sp
 against that mirror (config/ cannot import this package) and this module refuses to import
 while the two differ (:func:`vocabulary_problems`).
 
-Callers ask the objects and the registry, never compare names: ``get(name).multi_process``,
-``one_process()`` (what one process runs).
+Callers ask the objects and the registry, never compare names: ``get(name).shards``,
+``one_process()`` (what one process runs), ``sharding()`` (the advisor's sharding fix).
 
 Example::
 
     from pilotrun import strategies
     strategies.get("fsdp").data_replicas(4)   # 4
     strategies.for_processes("ddp", 1).name    # "single": one process is single whatever the spec says
+    strategies.sharding().name                 # "fsdp"
 """
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def names() -> list[str]:
 def one_process() -> Strategy:
     """The strategy one process runs: the registry's one that is not multi-process."""
     return next(s for s in STRATEGIES.values() if not s.multi_process)
+
+
+def sharding() -> Strategy:
+    """The strategy the advisor proposes when parameters, gradients and optimizer state must be split over GPUs:
+    the registry's first that shards."""
+    return next(s for s in STRATEGIES.values() if s.shards)
 
 
 def vocabulary_problems(registry: dict[str, Strategy], mirror: Any = strategy_names) -> list[str]:
@@ -89,5 +96,5 @@ if _problems:  # not an assert: the check must hold under python -O as well
 
 
 __all__ = ["ALIASES", "STRATEGIES", "BufferSync", "ProcessMismatch", "StageBytes", "Strategy", "UnknownStrategy",
-           "correction", "for_processes", "get", "multi_process_names", "names", "one_process",
+           "correction", "for_processes", "get", "multi_process_names", "names", "one_process", "sharding",
            "vocabulary_problems"]

@@ -1,11 +1,12 @@
 """What a distribution strategy is: one object that owns everything that changes with it.
 
-A strategy decides how the model is wrapped, how many data replicas its processes are (so
-model parallelism can say it does not multiply the batch), how gradients are reduced over
-micro batches and ranks, the checkpoint layout it writes and reads, and how the estimator
-sizes its memory and communication, and how its processes hold module buffers (whose copy a
-checkpoint must keep). Nothing outside ``pilotrun/strategies/`` tests a
-strategy's name: callers ask the object.
+A strategy decides how the model is built and wrapped, how many data replicas its processes are
+(so model parallelism can say it does not multiply the batch), how gradients are reduced over
+micro batches and ranks, the training step itself (backward, gradient clipping, the optimizer
+step), the checkpoint layout it writes and reads, how the estimator sizes its memory and
+communication, and how its processes hold module buffers (whose copy a checkpoint must keep).
+Whether it shards is its own attribute (``shards``). Nothing outside ``pilotrun/strategies/``
+tests a strategy's name: callers ask the object (or the registry: ``strategies.sharding()``).
 
 Adding one is a module here and a line in the registry (``strategies/__init__.py``); see
 docs/architecture.md.
@@ -75,6 +76,9 @@ class Strategy(ABC):
     description: ClassVar[str]     # one line for --help and error messages
     multi_process: ClassVar[bool]  # needs a process group of 2 or more
     checkpoint_layout: ClassVar[str]  # what `save` writes (manifest "layout")
+    # Parameters, gradients and optimizer state split over the ranks. False: every process keeps a full
+    # replica of them. The advisor's sharding fix is the registry's strategy that shards (strategies.sharding()).
+    shards: ClassVar[bool] = False
 
     # -- data --------------------------------------------------------------------------------
     def data_replicas(self, world_size: int) -> int:
