@@ -167,16 +167,100 @@ def test_no_private_names_imported_across_modules():
 
 
 def test_the_spec_and_the_registry_share_one_strategy_vocabulary():
+    import types
     import typing
 
     from pilotrun import strategies
+    from pilotrun.config import strategy_names
+    from pilotrun.config.schema import SpecError, build
     from pilotrun.config.sections import DistributedSpec
+    from pilotrun.config.spec import Spec
 
+    # The spec validates against config's mirror of the names; the registry refuses to import unless it is exact.
     declared = typing.get_args(typing.get_type_hints(DistributedSpec)["strategy"])
-    assert list(declared) == strategies.names()
+    assert list(declared) == list(strategy_names.NAMES) == strategies.names()
+    assert strategies.vocabulary_problems(strategies.STRATEGIES) == []
+    grown = {**strategies.STRATEGIES, "tensor": strategies.get("ddp")}
+    assert strategies.vocabulary_problems(grown) == [
+        "the spec's choices ['single', 'ddp', 'fsdp'] are not the registry's ['single', 'ddp', 'fsdp', 'tensor']"]
+    stale = types.SimpleNamespace(NAMES=strategy_names.NAMES, DEFAULT="ddp", ALIASES={"none": "solo"})
+    assert strategies.vocabulary_problems(strategies.STRATEGIES, stale) == [
+        "the spec's default 'ddp' is not the one-process strategy ['single']",
+        "the alias 'none' names 'solo', which is not registered"]
+    minimal = {"name": "v", "model": {"factory": "x:y"}, "data": {"factory": "x:y"},
+               "train": {"micro_batch_size": 1, "grad_accum_steps": 1, "updates": 2, "optimizer": {"name": "sgd", "lr": 0.1}}}
+    with pytest.raises(SpecError) as info:
+        build(Spec, {**minimal, "distributed": {"strategy": "fsdp2"}})
+    assert info.value.problems == [("distributed.strategy", "expected one of 'single', 'ddp', 'fsdp', got 'fsdp2' "
+                                                            "(str) (did you mean 'fsdp'?)")]
+    assert build(Spec, minimal).distributed.strategy == strategies.one_process().name
+    assert build(Spec, {**minimal, "distributed": {"strategy": "none"}}).distributed.strategy == "single"
     with pytest.raises(strategies.UnknownStrategy, match="choose one of: single .*, ddp .*, fsdp"):
         strategies.get("tensor")
     assert strategies.get("none") is strategies.get("single")  # specs written before the rename
+
+
+def test_the_registry_answers_what_callers_would_otherwise_ask_by_name():
+    from pilotrun import strategies
+
+    assert [n for n in strategies.names() if strategies.get(n).shards] == ["fsdp"]
+    assert strategies.sharding() is strategies.get("fsdp")
+    assert strategies.one_process() is strategies.get("single") is strategies.for_processes("ddp", 1)
+
+
+# A strategy's name as a value outside pilotrun/strategies/ is a comparison (`== "fsdp"`, `in ("single", ...)`) or a
+# choice (`"fsdp" if shard else name`, `{"distributed.strategy": "fsdp"}`, `advise(..., "single")`) made by name:
+# ask the object (`get(name).shards`, `.multi_process`) or the registry (`sharding()`, `one_process()`) instead.
+# Docstrings (examples) are text. Allowed, with why:
+NAME_VALUES_ALLOWED: dict[str, set[str] | None] = {
+    "config/strategy_names.py": None,  # the mirror of the registry's names the spec validates against (all of it)
+    "distributed.py": {"strategy"},   # DistEnv.strategy's default: layer 9 records the name, cannot ask the registry
+}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def strategy_names_used(source: str, names: set[str], allowed_fields: set[str] = frozenset()) -> list[int]:
+    """Lines where ``source`` uses one of ``names`` as a string value (docstrings and the defaults of the
+    annotated fields ``allowed_fields`` excepted)."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in allowed_fields and node.value:
+            skip.add(id(node.value))
+    return sorted(node.lineno for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in names and id(node) not in skip)
+
+
+def test_the_check_for_strategy_names_finds_comparisons_and_choices():
+    names = {"single", "fsdp"}
+    source = ('"""fsdp"""\nif s == "fsdp":\n    pass\nx = "fsdp" if a else s\nok = s in ("single",)\n'
+              'd = {"distributed.strategy": "fsdp"}\nf(s, "single")\nclass E:\n    strategy: str = "single"\n')
+    assert strategy_names_used(source, names) == [2, 4, 5, 6, 7, 9]
+    assert strategy_names_used(source, names, {"strategy"}) == [2, 4, 5, 6, 7]
+
+
+def test_no_module_outside_strategies_chooses_or_compares_a_strategy_by_name():
+    from pilotrun import strategies
+
+    names = set(strategies.names())
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("strategies/") or (rel in NAME_VALUES_ALLOWED and NAME_VALUES_ALLOWED[rel] is None):
+            continue
+        lines = strategy_names_used(path.read_text(), names, NAME_VALUES_ALLOWED.get(rel) or set())
+        found += [f"pilotrun/{rel}:{line}" for line in lines]
+    assert not found, ("a strategy named outside pilotrun/strategies/ (ask the object or the registry: "
+                       f"get(name).shards, one_process(), sharding()): {', '.join(found)}")
 
 
 def test_gate_declarations_are_consistent_and_derive_the_old_dependencies():

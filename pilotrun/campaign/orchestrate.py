@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .. import strategies
 from ..config.load import load_spec
 from ..config.schema import SpecError
 from ..devices import query_devices, query_host
@@ -188,9 +189,10 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
                 if examples_per_update(spec) != examples_per_update(controls[seed]):
                     problems.append(f"{c.key} = {value!r} changes the examples per update "
                                     f"({examples_per_update(controls[seed])} -> {examples_per_update(spec)})")
-            if c.processes > 1 and spec.distributed.strategy == "single":
+            if c.processes > 1 and not strategies.get(spec.distributed.strategy).multi_process:
                 raise CampaignError(f"processes: {c.processes} runs each run as a group of {c.processes} processes, "
-                                    "but the base's distributed.strategy is single: set it to ddp or fsdp")
+                                    f"but the base's distributed.strategy is {spec.distributed.strategy}: set it to "
+                                    f"{' or '.join(strategies.multi_process_names())}")
             runs.append({"variant": value, "variant_index": i, "seed": seed, "control": i == 0, "spec": spec})
     return runs, list(dict.fromkeys(problems))  # once per value, not once per seed
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from .. import strategies
 from ..config.load import load_spec
 from ..config.schema import SpecError
 from ..devices import DeviceUnavailable
@@ -153,7 +154,7 @@ def _advise_after_oom(spec, result, console) -> None:
         return
     try:
         with console.status("out of memory: tracing variants that would fit..."):
-            variants = advise(spec, Traces(spec), acc, "single", 1, catalog)
+            variants = advise(spec, Traces(spec), acc, strategies.one_process().name, 1, catalog)
     except Exception as exc:  # advice is a help, never a second failure
         console.print(f"[yellow]no advice: {type(exc).__name__}: {escape(str(exc))}[/]")
         return

@@ -16,6 +16,9 @@ from typing import Any, Literal
 from .hub_cache import TokenizerSource, locate_tokenizer
 from .paths import looks_local, resolve_path
 from .schema import doc
+from .strategy_names import ALIASES as STRATEGY_ALIASES
+from .strategy_names import DEFAULT as DEFAULT_STRATEGY
+from .strategy_names import StrategyName
 
 # Optimizers whose state lives in bitsandbytes' 8-bit blockwise format (2 bytes per trainable parameter
 # plus block statistics); `paged_` pages that state to host memory under pressure (CUDA only).
@@ -328,15 +331,18 @@ class PilotSpec:
 
 @dataclass
 class DistributedSpec:
-    # The names of pilotrun.strategies.STRATEGIES (a test keeps them equal); `none` is read as `single`.
-    strategy: Literal["single", "ddp", "fsdp"] = doc(
+    # The registry's names (pilotrun.strategies.STRATEGIES), mirrored in config/strategy_names.py, which the
+    # registry checks at its import; an alias (`none`) is read as the name it stands for.
+    strategy: StrategyName = doc(
         "single: one process; ddp: a full replica per process, gradients all-reduced; fsdp: FSDP2 fully_shard of "
-        "each repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)", "single")
+        "each repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)",
+        DEFAULT_STRATEGY)
 
     @staticmethod
     def normalize(data: Any) -> Any:
         # Specs written before the spec, the CLI and the estimator shared one vocabulary said `none`.
-        if isinstance(data, dict) and data.get("strategy") == "none":
-            return {**data, "strategy": "single"}
+        named = data.get("strategy") if isinstance(data, dict) else None
+        if isinstance(named, str) and named in STRATEGY_ALIASES:
+            return {**data, "strategy": STRATEGY_ALIASES[named]}
         return data
 

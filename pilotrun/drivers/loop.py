@@ -104,8 +104,9 @@ class LoopDriver(ModelDriver):
         # every bitsandbytes operation the job runs, before any work
         require_kernels(kernels_needed(spec.model.quantization, spec.train.optimizer), process.device.type)
         seed_everything(spec.seed)
-        loaded = build_model(spec.model, spec.build_context(), inputs.data.label_names, inputs.tokenizer,
-                             device=process.device)
+        with process.strategy.init_context(process.device):
+            loaded = build_model(spec.model, spec.build_context(), inputs.data.label_names, inputs.tokenizer,
+                                 device=process.device)
         if not loaded.quantized:  # a bitsandbytes model was placed on the device as it loaded
             loaded.model = loaded.model.to(process.device)
         if on_model is not None:
@@ -220,18 +221,12 @@ class LoopDriver(ModelDriver):
             window_examples = self.plan.global_window_examples(micro_start, epoch)
         return window_backward(self.model, window, self.policy, self.device, self.precision, self.scaler,
                                num_items=num_items, window_examples=window_examples, grad_scale=self.grad_scale,
-                               micro_batch=self.strategy.micro_batch)
+                               micro_batch=self.strategy.micro_batch, backward=self.strategy.backward)
 
     def _clip(self) -> float | None:
-        """Unscale (fp16), clip to ``train.max_grad_norm`` and return the global gradient norm (None: no gradient)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.spec.train.max_grad_norm
-        grads = [p for p in self.params if p.grad is not None]
-        if not grads:
-            return None
-        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"))
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        """Unscale (fp16), clip to ``train.max_grad_norm`` and return the global gradient norm (None: no gradient),
+        as the strategy does it."""
+        return self.strategy.clip_gradients(self.params, self.spec.train.max_grad_norm, self.optimizer, self.scaler)
 
     def _refuse_if_empty(self, step: int, supervised: int, examples: int, grad_norm: float | None) -> None:
         problem = None
@@ -249,17 +244,12 @@ class LoopDriver(ModelDriver):
             raise UpdateRejected(problem)
 
     def _step(self, step: int, grad_norm: float | None, ids: list[str]) -> bool:
-        """Optimizer and scheduler step; True when the fp16 scaler skipped the update."""
-        skipped = False
-        if self.scaler is not None:
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < scale_before
-        else:
-            if grad_norm is not None and not math.isfinite(grad_norm):
-                raise NonFiniteError("gradient norm", step, grad_norm, ids)
-            self.optimizer.step()
+        """Optimizer (the strategy's step) and scheduler step; True when the fp16 scaler skipped the update."""
+        # Without a scaler nothing would skip a non-finite update: refuse it here, where the update and its
+        # examples are known. With one, the scaler skips it and lowers its scale (reported as skipped).
+        if self.scaler is None and grad_norm is not None and not math.isfinite(grad_norm):
+            raise NonFiniteError("gradient norm", step, grad_norm, ids)
+        skipped = self.strategy.optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()
         # Free gradients right after the step, as HF Trainer and most loops do: they are not live
         # during the next forward or during evaluation.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from .. import strategies
 from .catalog import Accelerator
 from .model import estimate_fit
 
@@ -64,7 +65,9 @@ def combinations(spec, acc: Accelerator, strategy: str, gpus: int,
     """Every combination of the fixes that apply to ``spec``, cheapest first (the empty one left out)."""
     t = spec.train
     per_node = int(acc.interconnect.get("gpus_per_node", 8))
-    shards = [0] + [n for n in (2, 4, 8, 16) if n <= per_node * 2 and not (strategy == "fsdp" and n <= gpus)]
+    # Already sharded over `gpus`: only more ranks are a further fix.
+    sharded = strategies.get(strategy).shards
+    shards = [0] + [n for n in (2, 4, 8, 16) if n <= per_node * 2 and not (sharded and n <= gpus)]
     # Meaningfully larger (10% or more), not a rounding of the same class.
     larger = sorted((a for a in catalog.values() if a.memory_bytes >= acc.memory_bytes * 1.10),
                     key=lambda a: a.memory_bytes)
@@ -110,7 +113,7 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
     """One combination's row: the trace it needs, its fit, and what it changes in the spec."""
     t = spec.train
     trace = traces.get(ac=True if c.checkpointing else None, precision="bf16" if c.precision else None)
-    strat = "fsdp" if c.shard_level else strategy
+    strat = strategies.sharding().name if c.shard_level else strategy
     util = utilisation if not c.accelerator_level else None  # a pilot's utilisation is per accelerator
     changes: dict = {}
     why: list[str] = []
@@ -119,7 +122,7 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
         changes["accelerator"] = c.accelerator.name
         why.append(f"{c.accelerator.memory_bytes / 2**30:.0f} GiB per device")
     if c.shard_level:
-        changes |= {"distributed.strategy": "fsdp", "gpus": c.gpus}
+        changes |= {"distributed.strategy": strat, "gpus": c.gpus}
         experiment = "same experiment if examples per update are held (accumulation divided by the replicas)"
         why.append("parameters, gradients and optimizer state sharded; activations per rank unchanged")
     if c.precision:

@@ -38,8 +38,9 @@ def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict,
     steps: list[str] = []
     budget = acc.memory_bytes * (1 - headroom)
     spec_ac = spec.train.activation_checkpointing
-    options = [("single", 1, False)] + ([("single", 1, True)] if not spec_ac else [])
-    options += [("fsdp", n, ac) for n in (2, 4, 8) for ac in ((False, True) if not spec_ac else (True,))]
+    one, shard = strategies.one_process().name, strategies.sharding().name
+    options = [(one, 1, False)] + ([(one, 1, True)] if not spec_ac else [])
+    options += [(shard, n, ac) for n in (2, 4, 8) for ac in ((False, True) if not spec_ac else (True,))]
     for strategy, gpus, ac in options:
         trace = traces.get(ac=True) if ac else traces.get()
         fit = estimate_fit(trace, acc, strategy, gpus)

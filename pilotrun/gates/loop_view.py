@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import strategies
 from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import ModelDriver, NonFiniteError
@@ -89,24 +90,19 @@ class LoopUpdater:
         self.scaler = torch.amp.GradScaler(device.type) if spec.train.precision == "fp16" else None
 
     def update(self, items: list, step: int) -> float:
+        # The copy is a plain model in this process alone: the one-process strategy's step, whatever runs the job.
+        strategy = strategies.one_process()
         ids = [str(it["id"]) for it in items]
         window = [(ids, self.data.collate(items))]
         model, opt, scaler = self.model, self.opt, self.scaler
-        loss = float(window_backward(model, window, self.policy, self.device, self.spec.train.precision,
-                                     scaler)["loss"])
+        loss = float(window_backward(model, window, self.policy, self.device, self.spec.train.precision, scaler,
+                                     backward=strategy.backward)["loss"])
         if not math.isfinite(loss):
             raise NonFiniteError("loss", step, loss, ids)
-        if scaler is not None:
-            scaler.unscale_(opt)
-        norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                    self.spec.train.max_grad_norm or float("inf")))
-        if scaler is None and not math.isfinite(norm):
+        norm = strategy.clip_gradients(model.parameters(), self.spec.train.max_grad_norm or None, opt, scaler)
+        if scaler is None and norm is not None and not math.isfinite(norm):
             raise NonFiniteError("gradient norm", step, norm, ids)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        strategy.optimizer_step(opt, scaler)
         opt.zero_grad(set_to_none=True)
         return loss
 

@@ -1,11 +1,12 @@
 """What a distribution strategy is: one object that owns everything that changes with it.
 
-A strategy decides how the model is wrapped, how many data replicas its processes are (so
-model parallelism can say it does not multiply the batch), how gradients are reduced over
-micro batches and ranks, the checkpoint layout it writes and reads, and how the estimator
-sizes its memory and communication, and how its processes hold module buffers (whose copy a
-checkpoint must keep). Nothing outside ``pilotrun/strategies/`` tests a
-strategy's name: callers ask the object.
+A strategy decides how the model is built and wrapped, how many data replicas its processes are
+(so model parallelism can say it does not multiply the batch), how gradients are reduced over
+micro batches and ranks, the training step itself (backward, gradient clipping, the optimizer
+step), the checkpoint layout it writes and reads, how the estimator sizes its memory and
+communication, and how its processes hold module buffers (whose copy a checkpoint must keep).
+Whether it shards is its own attribute (``shards``). Nothing outside ``pilotrun/strategies/``
+tests a strategy's name: callers ask the object (or the registry: ``strategies.sharding()``).
 
 Adding one is a module here and a line in the registry (``strategies/__init__.py``); see
 docs/architecture.md.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
+from ..train.loss import plain_backward
 
 if TYPE_CHECKING:
     from ..distributed import DistEnv
@@ -73,6 +76,9 @@ class Strategy(ABC):
     description: ClassVar[str]     # one line for --help and error messages
     multi_process: ClassVar[bool]  # needs a process group of 2 or more
     checkpoint_layout: ClassVar[str]  # what `save` writes (manifest "layout")
+    # Parameters, gradients and optimizer state split over the ranks. False: every process keeps a full
+    # replica of them. The advisor's sharding fix is the registry's strategy that shards (strategies.sharding()).
+    shards: ClassVar[bool] = False
 
     # -- data --------------------------------------------------------------------------------
     def data_replicas(self, world_size: int) -> int:
@@ -99,6 +105,45 @@ class Strategy(ABC):
     def buffer_sync(self, model: torch.nn.Module) -> BufferSync:
         """Whose buffers are the state when ranks' copies differ; ``model`` as :meth:`wrap` returned it."""
         return BufferSync(None, "")
+
+    # -- the training step (drivers/loop.py; the overfit gate's copy uses the one-process strategy's) ----------
+    def init_context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Around building the model: where a strategy that initialises shards or on the meta device would act.
+        The default builds it as the model builder does."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Backward of one micro batch's (already normalised) loss; through the fp16 scaler when there is one."""
+        plain_backward(loss, scaler)
+
+    def clip_gradients(self, params: Iterable[torch.nn.Parameter], max_norm: float | None,
+                       optimizer: torch.optim.Optimizer | None = None,
+                       scaler: torch.amp.GradScaler | None = None) -> float | None:
+        """Clip the global gradient norm of ``params`` to ``max_norm`` (None: measure only) and return it as it was
+        before clipping; None when no parameter has a gradient. With an fp16 ``scaler`` the gradients are unscaled
+        first (``optimizer`` is the one they belong to), so the norm and the clip are in true units."""
+        if scaler is not None:
+            if optimizer is None:
+                raise ValueError("unscaling fp16 gradients needs the optimizer that holds them")
+            scaler.unscale_(optimizer)
+        grads = [p for p in params if p.grad is not None]
+        if not grads:
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"))
+        # FSDP2's sharded gradients are DTensors: their norm is one too, and its value is the whole tensor's.
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> bool:
+        """Step the optimizer (through the fp16 scaler, which it then updates); True when the scaler skipped the
+        step (inf/NaN gradients: it lowered its scale). Refusing a non-finite norm without a scaler is the
+        caller's, which knows the update and its examples."""
+        if scaler is None:
+            optimizer.step()
+            return False
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() < scale_before
 
     # -- state on disk ------------------------------------------------------------------------
     @abstractmethod

@@ -13,6 +13,7 @@ from .base import BufferSync, DistributedCheckpoint, StageBytes, correction, pro
 class FSDP(DistributedCheckpoint):
     name = "fsdp"
     description = "FSDP2 fully_shard of each repeated block and the root"
+    shards = True
 
     def wrap(self, model, env, device):
         from torch.distributed.fsdp import fully_shard

@@ -175,21 +175,33 @@ def probe_loss_policy(model, batch: dict, device: torch.device, precision: str, 
 
 
 MicroBatchContext = Callable[[torch.nn.Module, int, int], contextlib.AbstractContextManager]
+# (loss, fp16 grad scaler or None): one micro batch's backward. The loop passes its strategy's
+# (pilotrun.strategies.Strategy.backward, one layer up); everyone else runs the plain one.
+Backward = Callable[[torch.Tensor, torch.amp.GradScaler | None], None]
 
 
 def _no_context(model, index, count):
     return contextlib.nullcontext()
 
 
+def plain_backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+    """Backward of ``loss``, scaled by the fp16 grad scaler when there is one (every strategy's default)."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
+
+
 def window_backward(model, window: list, policy: LossPolicy, device: torch.device, precision: str,
                     scaler=None, num_items: int | None = None, stats: bool = True,
                     window_examples: int | None = None, grad_scale: float = 1.0,
-                    micro_batch: MicroBatchContext = _no_context) -> dict:
+                    micro_batch: MicroBatchContext = _no_context, backward: Backward = plain_backward) -> dict:
     """Forward and backward over one update window ``[(ids, batch), ...]``, normalised as described above.
 
     With several ranks, ``num_items`` and ``window_examples`` count the whole window over all of them and
     ``grad_scale`` undoes the strategy's averaging, so the update equals one process's; ``micro_batch`` is
-    the strategy's context around each micro batch (DDP's ``no_sync`` on all but the last).
+    the strategy's context around each micro batch (DDP's ``no_sync`` on all but the last) and ``backward``
+    its backward of each micro batch's loss (with ``scaler``).
     """
     ids_all = [i for ids, _ in window for i in ids]
     if num_items is None:
@@ -212,10 +224,7 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
             if not policy.pass_num_items:
                 loss = loss * (len(ids) / window_examples)
             backward_loss = loss * grad_scale if grad_scale != 1.0 else loss
-            if scaler is not None:
-                scaler.scale(backward_loss).backward()
-            else:
-                backward_loss.backward()
+            backward(backward_loss, scaler)
         total += loss.detach()
         examples += len(ids)
         if not stats:  # fake tensors (the estimator): counting would need their values
