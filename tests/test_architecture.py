@@ -3,6 +3,7 @@ and the registries agree with what reads them."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,63 @@ def test_every_module_imports():
     for module in sorted(MODULES):
         if module != "pilotrun.__main__":
             importlib.import_module(module)
+
+
+# -- the doc's "Where to add" lists ----------------------------------------------------------------------------------
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _where_to_add() -> dict[str, str]:
+    """The doc's "Where to add" entries: title -> the entry's text."""
+    section = DOC.read_text().split("## Where to add", 1)[1].split("\n## ", 1)[0]
+    parts = re.split(r"^\*\*(.+?)\*\*", section, flags=re.M)
+    return {title: body for title, body in zip(parts[1::2], parts[2::2])}
+
+
+def _module_names(path: Path) -> set[str]:
+    """Names bound at a module's top level (assignments, classes, functions)."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def test_where_to_add_names_files_and_registries_that_exist():
+    entries = _where_to_add()
+    assert {"A gate", "A driver", "A strategy", "A framework integration", "A device backend",
+            "An accelerator"} <= set(entries), sorted(entries)
+    for title, body in entries.items():
+        for line in body.splitlines():
+            paths = re.findall(r"`(pilotrun/[\w/.]+\.(?:py|yaml))`", line)
+            for path in paths:
+                assert (PACKAGE.parent / path).exists(), f"{title}: {path} does not exist"
+            if len(paths) == 1 and paths[0].endswith(".py"):
+                for name in re.findall(r"`([A-Z][A-Z_]{2,})`", line):  # a registry the entry says to extend
+                    assert name in _module_names(PACKAGE.parent / paths[0]), f"{title}: {paths[0]} defines no {name}"
+
+
+def test_every_registered_extension_lives_where_the_doc_says_a_new_one_goes():
+    from pilotrun import backends, strategies
+    from pilotrun.drivers import DRIVERS
+    from pilotrun.gates.registry import GATES
+
+    entries = _where_to_add()
+    registries = {"A gate": ("pilotrun/gates/<name>.py", GATES),
+                  "A driver": ("pilotrun/drivers/<name>.py", DRIVERS.values()),
+                  "A strategy": ("pilotrun/strategies/<name>.py", [type(s) for s in strategies.STRATEGIES.values()]),
+                  "A device backend": ("pilotrun/backends/<name>.py", [type(b) for b in backends.BACKENDS])}
+    for title, (template, members) in registries.items():
+        assert f"`{template}`" in entries[title], f"{title}: the doc no longer says new ones go in {template}"
+        package = template.rsplit("/", 1)[0].replace("/", ".")
+        for member in members:
+            assert member.__module__.startswith(package + "."), f"{member.__name__} lives in {member.__module__}"
+    integrations = sorted(p.stem for p in (PACKAGE / "integrations").glob("*.py")
+                          if "PilotrunCallback" in _module_names(p))
+    assert integrations == ["lightning", "transformers"]
+    assert "`pilotrun/integrations/<framework>.py`" in entries["A framework integration"]

@@ -84,9 +84,14 @@ def _first(batch: dict, key: str):
     return t[0] if isinstance(t, torch.Tensor) and t.ndim >= 1 else None
 
 
+def _id(item, position: int) -> str:
+    """An item's id for the reason; its position where it has none (a framework's dataset need not carry one)."""
+    return str(item["id"]) if isinstance(item, dict) and item.get("id") is not None else f"#{position}"
+
+
 def render_example(bundle: DataBundle, item: dict, split: str) -> ExampleView:
     batch = bundle.collate([item])
-    view = ExampleView(id=str(item.get("id")), split=split, keys=sorted(batch) if isinstance(batch, dict) else [])
+    view = ExampleView(id=_id(item, 0), split=split, keys=sorted(batch) if isinstance(batch, dict) else [])
     if not isinstance(batch, dict):
         return view
     ids = _first(batch, "input_ids")
@@ -133,11 +138,6 @@ def _per_row_supervised(labels: torch.Tensor) -> list[int]:
             return [1] * labels.shape[0]
         return (labels != IGNORE).long().tolist()
     return (labels != IGNORE).reshape(labels.shape[0], -1).sum(1).tolist()
-
-
-def _id(item, position: int) -> str:
-    """An item's id for the reason; its position where it has none (a framework's dataset need not carry one)."""
-    return str(item["id"]) if isinstance(item, dict) and item.get("id") is not None else f"#{position}"
 
 
 def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progress: ProgressFn = no_progress,
