@@ -189,6 +189,29 @@ def test_gate_declarations_are_consistent_and_derive_the_old_dependencies():
     assert registry.job_memory_gates() == ("load", "first_step", "steady_step", "eval", "save", "export", "restore")
 
 
+def test_the_registry_refuses_gates_out_of_step_with_the_gate_name_enum(monkeypatch):
+    from pilotrun.gates import registry
+    from pilotrun.gates.split import SplitGate
+
+    def use(gates: list) -> list[str]:
+        monkeypatch.setattr(registry, "GATES", tuple(gates))
+        monkeypatch.setattr(registry, "GATE_NAMES", [g.name for g in gates])
+        return registry.problems()
+
+    declared = list(registry.GATES)
+    swapped = list(declared)
+    i = swapped.index(SplitGate)
+    swapped[i - 1], swapped[i] = swapped[i], swapped[i - 1]  # split before inspect: neither reads the other's products
+    assert [p.split(":")[0] for p in use(swapped)] == ["GateName and GATES must list the same gates in the same order"]
+
+    class PlainSplit(SplitGate):
+        name = "split"  # the text, not GateName.SPLIT
+
+    assert use([PlainSplit if g is SplitGate else g for g in declared]) == [
+        "gate names not taken from ledger.records.GateName: ['split']"]
+    assert use(declared) == []
+
+
 def test_an_unknown_gate_is_an_exception_that_lists_the_known_ones():
     from pilotrun.gates import UnknownGate, select_gates
 
@@ -206,3 +229,4 @@ def test_every_module_imports():
     for module in sorted(MODULES):
         if module != "pilotrun.__main__":
             importlib.import_module(module)
+

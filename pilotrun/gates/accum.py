@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from ..drivers import Capability
+from ..ledger.records import GateName
 from ..train.batches import IGNORE, loss_of, supervised_count, to_device
 from ..train.loss import PolicySource, window_backward
 from .base import Gate, GateFailure, Outcome, Product
@@ -119,7 +120,7 @@ def _is_dtype_error(exc: RuntimeError) -> bool:
 
 
 class AccumEquivalenceGate(Gate):
-    name = "accum_equivalence"
+    name = GateName.ACCUM_EQUIVALENCE
     needs = (Product.DRIVER,)
     requires = (Capability.MODEL,)
     carry = True

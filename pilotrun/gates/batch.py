@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from ..batching import batch_plan
+from ..ledger.records import GateName
 from .base import Gate, Outcome, Product
 
 
 class BatchGate(Gate):
-    name = "batch"
+    name = GateName.BATCH
     needs = (Product.DATA,)
     uses = (Product.SCAN,)
     carry = True

@@ -9,11 +9,12 @@ from ..checkpoint.io import CheckpointError
 from ..checkpoint.trust import LoadPolicy, manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes
+from ..ledger.records import GateName
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 
 class ExportGate(Gate):
-    name = "export"
+    name = GateName.EXPORT
     needs = (Product.DRIVER,)
     produces = (Product.EXPORT,)
     requires = (Capability.EXPORT,)

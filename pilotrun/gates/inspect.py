@@ -8,6 +8,7 @@ supervised label left after truncation (any at all warns).
 from __future__ import annotations
 
 from ..data.audit import class_problems, render_example, scan_split
+from ..ledger.records import GateName
 from .base import Gate, GateFailure, Outcome, Product
 
 
@@ -59,7 +60,7 @@ def judge(scan: dict, label_names, spec) -> tuple[list[str], list[str], dict]:
 
 
 class InspectGate(Gate):
-    name = "inspect"
+    name = GateName.INSPECT
     needs = (Product.DATA,)
     produces = (Product.SCAN,)
     carry = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..drivers import build_driver
 from ..humanize import human_bytes, human_count
-from ..ledger.records import Verdict
+from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
 from ..models.loading import parameter_count
 from ..models.quantize import KernelUnavailable
@@ -15,7 +15,7 @@ from .base import Gate, Outcome, Product
 
 
 class LoadGate(Gate):
-    name = "load"
+    name = GateName.LOAD
     needs = (Product.DATA,)
     produces = (Product.DRIVER,)
     job_memory = True

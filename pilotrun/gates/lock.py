@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from ..ledger.records import GateName
 from ..lock import DriftKind, classify_drift, collect_lock, config_changes, diff_locks, summarize_drift
 from .base import Gate, Outcome, Product
 
@@ -15,7 +16,7 @@ LENGTH_KEYS = ("data.max_length", "eval.max_length")
 
 
 class LockGate(Gate):
-    name = "lock"
+    name = GateName.LOCK
     produces = (Product.LOCK,)
 
     def track(self, ctx):

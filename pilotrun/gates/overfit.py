@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..drivers import Capability, NonFiniteError
-from ..ledger.records import Failure
+from ..ledger.records import Failure, GateName
 from ..models.adapters import parameter_split
 from ..train.batches import autocast_for, loss_of, to_device
 from ..train.evaluation import accuracy_counts, shift_convention
@@ -83,7 +83,7 @@ def _update(model, opt, scaler, window, policy, spec, device, step: int) -> floa
 
 
 class OverfitGate(Gate):
-    name = "overfit"
+    name = GateName.OVERFIT
     needs = (Product.DRIVER,)
     requires = (Capability.MODEL,)
     carry = True

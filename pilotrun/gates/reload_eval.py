@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint.export import MERGED
 from ..drivers import Capability
+from ..ledger.records import GateName
 from ..train.batches import to_device
 from ..train.evaluation import outputs_of
 from ..workers.launch import run_worker
@@ -28,7 +29,7 @@ MERGED_SCALE_TOL_DEFAULT = 1e-4
 
 
 class ReloadEvalGate(Gate):
-    name = "reload_eval"
+    name = GateName.RELOAD_EVAL
     needs = (Product.DRIVER, Product.EXPORT)
     requires = (Capability.MODEL, Capability.EXPORT)
 

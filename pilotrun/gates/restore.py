@@ -13,12 +13,13 @@ forward, not the rank's own copy from its last forward; the reason says which co
 from __future__ import annotations
 
 from ..drivers import Capability
+from ..ledger.records import GateName
 from ..workers.launch import run_worker
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
 
 class RestoreGate(Gate):
-    name = "restore"
+    name = GateName.RESTORE
     needs = (Product.CHECKPOINT,)
     requires = (Capability.FULL_STATE, Capability.RESTART)
     job_memory = True

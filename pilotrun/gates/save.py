@@ -13,7 +13,7 @@ from ..checkpoint.io import disk_full_error, free_bytes, remove_stale_temps
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
-from ..ledger.records import Failure
+from ..ledger.records import Failure, GateName
 from .base import Gate, GateFailure, Outcome, Product
 from .context import SavedCheckpoint
 
@@ -26,7 +26,7 @@ def expect_path(folder: Path, rank: int | str | None = None) -> Path:
 
 
 class SaveGate(Gate):
-    name = "save"
+    name = GateName.SAVE
     needs = (Product.FIRST_UPDATE,)
     produces = (Product.CHECKPOINT,)
     requires = (Capability.FULL_STATE,)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from ..data.audit import audit_splits
+from ..ledger.records import GateName
 from .base import Gate, GateFailure, Outcome, Product
 
 
 class SplitGate(Gate):
-    name = "split"
+    name = GateName.SPLIT
     needs = (Product.DATA,)
     carry = True
 

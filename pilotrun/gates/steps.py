@@ -12,7 +12,7 @@ import statistics
 
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
-from ..ledger.records import Failure
+from ..ledger.records import Failure, GateName
 from .base import Gate, GateFailure, Outcome, Product
 
 # Warn when the loop waits on data for more than this share of each update, and
@@ -57,7 +57,7 @@ def _check_params(ctx, step: int) -> None:
 
 
 class FirstStepGate(Gate):
-    name = "first_step"
+    name = GateName.FIRST_STEP
     needs = (Product.DRIVER,)
     produces = (Product.FIRST_UPDATE,)
     requires = (Capability.UPDATES, Capability.MODEL)
@@ -96,7 +96,7 @@ class FirstStepGate(Gate):
 
 
 class SteadyStepGate(Gate):
-    name = "steady_step"
+    name = GateName.STEADY_STEP
     needs = (Product.FIRST_UPDATE,)
     requires = (Capability.UPDATES, Capability.MODEL)
     job_memory = True
