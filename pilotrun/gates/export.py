@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
@@ -9,6 +10,7 @@ from ..checkpoint.io import CheckpointError
 from ..checkpoint.trust import LoadPolicy, manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes
+from ..ledger.details import ExportDetails
 from ..ledger.records import GateName
 from .base import Gate, GateFailure, Outcome, Product, on_main_rank
 
@@ -54,14 +56,15 @@ class ExportGate(Gate):
             raise GateFailure(f"the export in {folder} holds no tensors")
         weights = {k: v for k, v in written.files.items() if k.endswith(".safetensors")}
         out = Outcome(inputs={"precision": spec.train.precision, "rank": ctx.rank, "world_size": ctx.world_size})
-        out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes, "tensors": n_tensors,
-                       "manifest_sha256": ctx.export_manifest_sha256}
+        details = ExportDetails(path=str(folder), files=written.files, bytes=written.total_bytes, tensors=n_tensors,
+                                manifest_sha256=ctx.export_manifest_sha256)
+        out.details = details.to_dict()
         trained = ctx.driver.step
         state = f"after {trained} update(s)" if trained else "as loaded (no update succeeded)"
         if spec.model.adapter is not None:
             base = json.loads((folder / BASE_JSON).read_text())
-            out.details.update({"adapter": True, "base_identity": base.get("base_identity"),
-                                "merged": base.get("merged"), "merge_note": base.get("merge_note")})
+            out.details = replace(details, adapter=True, base_identity=base.get("base_identity"),
+                                  merged=base.get("merged"), merge_note=base.get("merge_note")).to_dict()
             adapter_bytes = written.files["adapter_model.safetensors"]["bytes"]
             out.reason = (f"PEFT adapter ({n_tensors} tensors, {human_bytes(adapter_bytes)}) + adapter_config.json + "
                           f"base.json (the base's reference and identity, not its weights) to {folder.name}/ with a "

@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..drivers import Capability, NonFiniteError
+from ..ledger.details import OverfitDetails
 from ..ledger.records import Failure, GateName
 from ..models.adapters import parameter_split
 from ..train.batches import autocast_for, loss_of, to_device
@@ -144,11 +145,12 @@ class OverfitGate(Gate):
         finally:
             del model, opt
         last = checks[-1]
-        out.details = {"memory_note": "memory of this row includes the check's own model copy", "losses": losses,
-                       "checks": checks, "ids": ids, "updates": len(losses),
-                       "thresholds": {"loss_below": threshold, "accuracy_at_least": o.accuracy_at_least,
-                                      "loss_below_from": "pilot.overfit.loss_below" if o.loss_below is not None
-                                      else "a tenth of the starting loss"}}
+        out.details = OverfitDetails(
+            memory_note="memory of this row includes the check's own model copy", losses=losses, checks=checks,
+            ids=ids, updates=len(losses),
+            thresholds={"loss_below": threshold, "accuracy_at_least": o.accuracy_at_least,
+                        "loss_below_from": "pilot.overfit.loss_below" if o.loss_below is not None
+                        else "a tenth of the starting loss"}).to_dict()
         acc_text = f", {last['accuracy']:.0%} of its own targets recovered" if last["accuracy"] is not None else ""
         if passed:
             out.reason = (f"{len(subset)} examples learned in {len(losses)} updates: loss {start_loss:.3g} -> "
