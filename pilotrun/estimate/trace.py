@@ -193,7 +193,7 @@ def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
     length = seq or spec.data.max_length or 0
     eval_len = max(spec.eval_max_length or length, length) if seq is None else max(seq, spec.eval_max_length or 0)
     loaded = build_model(spec, spec.data.labels, meta=True, activation_checkpointing=ac)
-    notes = [n for n in loaded.notes if n.startswith("activation checkpointing requested")]
+    notes = [loaded.checkpointing_unavailable] if loaded.checkpointing_unavailable else []
     model, adaptation = adapt(loaded.model, spec)
     notes += adaptation.notes
     policy = decide_loss_policy(loaded.model, t.loss_normalization)
