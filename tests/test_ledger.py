@@ -14,6 +14,7 @@ import pytest
 
 from pilotrun.ledger import Ledger, LedgerError
 from pilotrun.ledger.details import ExportDetails, LoadDetails, OverfitDetails, SaveDetails, SteadyStepDetails
+from pilotrun.ledger.records import RunKind
 
 from .conftest import pilotrun_cli
 
@@ -49,6 +50,32 @@ def test_rows_persist_and_read_back(tmp_path):
         assert led.metrics("r1")[0]["sample_ids"] == ["a", "b"]
         assert led.notes("r1")[0]["text"] == "chose bf16"
         assert led.previous_lock("job", "other") == ("r1", {"x": 1})
+
+
+def test_has_run_takes_the_exact_id_only(tmp_path):
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as led:
+        led.start_run("job-20261201-1200-ab12", "job", "pilot")
+    with Ledger(path) as led:  # what another node's process finds in the file
+        assert led.has_run("job-20261201-1200-ab12")
+        assert not led.has_run("job-20261201")  # a prefix names a run for people (run()), not for registering one
+        assert not led.has_run("other")
+
+
+def test_run_ids_are_the_runs_of_one_kind_and_config_newest_first(tmp_path):
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as led:
+        led.start_run("p1", "job", "pilot", config_hash="abc")
+        led.start_run("c1", "job", "campaign-run", config_hash="abc")
+        led.start_run("p2", "job", "pilot", config_hash="other")
+        led.start_run("p3", "job", "pilot", config_hash="abc")
+        led.start_run("p4", "job", "pilot", config_hash="abc")
+    with Ledger(path) as led:
+        assert led.run_ids(RunKind.PILOT, "abc") == ["p4", "p3", "p1"]
+        assert led.run_ids("campaign-run", "abc") == ["c1"]
+        assert led.run_ids(RunKind.PILOT, "missing") == []
+        with pytest.raises(ValueError, match="'pilots' is not a valid RunKind"):
+            led.run_ids("pilots", "abc")
 
 
 def test_invalid_verdict_is_refused(tmp_path):
