@@ -276,6 +276,29 @@ def test_gate_declarations_are_consistent_and_derive_the_old_dependencies():
     assert registry.job_memory_gates() == ("load", "first_step", "steady_step", "eval", "save", "export", "restore")
 
 
+def test_the_registry_refuses_gates_out_of_step_with_the_gate_name_enum(monkeypatch):
+    from pilotrun.gates import registry
+    from pilotrun.gates.split import SplitGate
+
+    def use(gates: list) -> list[str]:
+        monkeypatch.setattr(registry, "GATES", tuple(gates))
+        monkeypatch.setattr(registry, "GATE_NAMES", [g.name for g in gates])
+        return registry.problems()
+
+    declared = list(registry.GATES)
+    swapped = list(declared)
+    i = swapped.index(SplitGate)
+    swapped[i - 1], swapped[i] = swapped[i], swapped[i - 1]  # split before inspect: neither reads the other's products
+    assert [p.split(":")[0] for p in use(swapped)] == ["GateName and GATES must list the same gates in the same order"]
+
+    class PlainSplit(SplitGate):
+        name = "split"  # the text, not GateName.SPLIT
+
+    assert use([PlainSplit if g is SplitGate else g for g in declared]) == [
+        "gate names not taken from ledger.records.GateName: ['split']"]
+    assert use(declared) == []
+
+
 def test_an_unknown_gate_is_an_exception_that_lists_the_known_ones():
     from pilotrun.gates import UnknownGate, select_gates
 
@@ -353,3 +376,67 @@ def test_every_registered_extension_lives_where_the_doc_says_a_new_one_goes():
                           if "PilotrunCallback" in _module_names(p))
     assert integrations == ["lightning", "transformers"]
     assert "`pilotrun/integrations/<framework>.py`" in entries["A framework integration"]
+def _gate_literals(node: ast.AST) -> list[str]:
+    """Gate names written as text in ``node``: a string constant, or the constants of a tuple, list or set."""
+    from pilotrun.ledger.records import GateName
+
+    names = {str(g) for g in GateName}
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str) and i.value in names]
+
+
+def gate_name_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) wherever a gate name as text is compared (==, !=, in, not in, is) or looked up (``rows["load"]``,
+    ``.get("load")``, ``.pop``, ``.setdefault``): code that reads rows must use ``GateName``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            found += [(node.lineno, n) for side in (node.left, *node.comparators) for n in _gate_literals(side)]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            found += [(node.lineno, n) for n in _gate_literals(node.slice)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args \
+                and node.func.attr in ("get", "pop", "setdefault"):
+            found += [(node.lineno, n) for n in _gate_literals(node.args[0])]
+    return found
+
+
+# (module, text): where a gate's name is compared as text outside gates/, and why that text is not the gate's name.
+GATE_TEXT_ALLOWED = {
+    ("pilotrun.estimate.cache", "eval"),        # the spec's eval: section (batch size, length) in the trace's key
+    ("pilotrun.campaign.runner", "export"),     # the campaign's keep.export switch
+    ("pilotrun.workers.train_phase", "restore"),  # the worker's --phase value (control, interrupted, resumed, restore)
+}
+
+
+def test_gate_names_are_compared_as_the_enum_outside_gates():
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("pilotrun.gates"):
+            continue  # the gates and their registry declare the names
+        for line, name in gate_name_comparisons(ast.parse(path.read_text())):
+            if (module, name) not in GATE_TEXT_ALLOWED:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line} {name!r}")
+    assert not found, "gate names compared as text (use ledger.records.GateName): " + "; ".join(found)
+
+
+def test_the_gate_name_check_finds_each_kind_of_comparison():
+    src = """
+a = row["gate"] == "load"
+b = "eval" != name
+c = g in ("inspect", "split")
+d = rows["steady_step"]
+e = rows.get("save", {})
+f = rows["details"]
+rows["export"] = 1
+g = row["gate"] == GateName.LOAD
+"""
+    assert gate_name_comparisons(ast.parse(src)) == [(2, "load"), (3, "eval"), (4, "inspect"), (4, "split"),
+                                                     (5, "steady_step"), (6, "save")]
+
+
+def test_only_the_ledger_touches_its_sqlite_connection():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for module, path in MODULES.items()
+             if not module.startswith("pilotrun.ledger")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "conn"]
+    assert not found, "the ledger's SQLite connection used outside ledger/ (add a Ledger method): " + "; ".join(found)

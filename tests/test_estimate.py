@@ -210,6 +210,28 @@ def test_select_and_plan(tmp_path):
     assert items["training"]["hours"] > 0 and "not measured" in items["validation"]["from"]
 
 
+def test_more_gpus_follows_the_plan_items_for_training_and_the_data_wait():
+    from pilotrun.estimate.plan import Item, more_gpus_advice
+
+    items = [{"item": Item.TRAINING, "hours": 10.0}, {"item": Item.DATA_WAIT, "hours": 2.0}]
+    assert more_gpus_advice({}, {"items": items}).startswith("no: the input pipeline takes 20% of training time")
+    items[1]["hours"] = 0.5
+    assert more_gpus_advice({}, {"items": items}).startswith("yes")
+    # A plan read back from --json names its items as text.
+    read_back = [{"item": "training", "hours": 10.0}, {"item": "data loading (not overlapped)", "hours": 3.0}]
+    assert more_gpus_advice({}, {"items": read_back}).startswith("no: the input pipeline takes 30%")
+    assert more_gpus_advice({"bound": "communication"}, {"items": items}).startswith("no: communication")
+
+
+def test_a_trace_repeats_only_the_builders_note_that_checkpointing_is_unavailable(toy):
+    from pilotrun.estimate.trace import trace_job
+
+    spec = load_spec(toy, check_files=False)  # the toy factory's model has no gradient_checkpointing_enable()
+    asked = trace_job(spec, target="cpu", activation_checkpointing=True)
+    assert asked.notes == ["activation checkpointing requested but the model has no gradient_checkpointing_enable()"]
+    assert trace_job(spec, target="cpu", activation_checkpointing=False).notes == []
+
+
 def test_rental_plans_are_pure_arithmetic():
     row = {"gpus": 4, "utilisation_source": "catalog default", "price_per_gpu_hour": 2.0}
     per_run = {"hours": 30.0, "unknown": [], "items": []}

@@ -8,10 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import pytest
 
 from pilotrun.ledger import Ledger, LedgerError
+from pilotrun.ledger.details import ExportDetails, LoadDetails, OverfitDetails, SaveDetails, SteadyStepDetails
+from pilotrun.ledger.records import RunKind
 
 from .conftest import pilotrun_cli
 
@@ -47,6 +50,32 @@ def test_rows_persist_and_read_back(tmp_path):
         assert led.metrics("r1")[0]["sample_ids"] == ["a", "b"]
         assert led.notes("r1")[0]["text"] == "chose bf16"
         assert led.previous_lock("job", "other") == ("r1", {"x": 1})
+
+
+def test_has_run_takes_the_exact_id_only(tmp_path):
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as led:
+        led.start_run("job-20261201-1200-ab12", "job", "pilot")
+    with Ledger(path) as led:  # what another node's process finds in the file
+        assert led.has_run("job-20261201-1200-ab12")
+        assert not led.has_run("job-20261201")  # a prefix names a run for people (run()), not for registering one
+        assert not led.has_run("other")
+
+
+def test_run_ids_are_the_runs_of_one_kind_and_config_newest_first(tmp_path):
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as led:
+        led.start_run("p1", "job", "pilot", config_hash="abc")
+        led.start_run("c1", "job", "campaign-run", config_hash="abc")
+        led.start_run("p2", "job", "pilot", config_hash="other")
+        led.start_run("p3", "job", "pilot", config_hash="abc")
+        led.start_run("p4", "job", "pilot", config_hash="abc")
+    with Ledger(path) as led:
+        assert led.run_ids(RunKind.PILOT, "abc") == ["p4", "p3", "p1"]
+        assert led.run_ids("campaign-run", "abc") == ["c1"]
+        assert led.run_ids(RunKind.PILOT, "missing") == []
+        with pytest.raises(ValueError, match="'pilots' is not a valid RunKind"):
+            led.run_ids("pilots", "abc")
 
 
 def test_invalid_verdict_is_refused(tmp_path):
@@ -232,3 +261,40 @@ def test_an_ambiguous_prefix_shows_the_newest_run_and_lists_the_others(tmp_path)
     assert res.stdout.startswith("run tiny-sft-2026-1 ") and res.stderr == ""
     res = pilotrun_cli("ledger", "--ledger", str(path), "--run", "other", cwd=tmp_path)
     assert res.returncode == 2 and "no run 'other'" in res.stderr
+
+
+def test_row_details_write_the_keys_rows_have_always_had():
+    """report.json keeps the order keys were written in; ledgers and reports written before must read the same."""
+    assert list(LoadDetails.of({}).to_dict()) == [
+        "model_class", "source", "head", "parameters", "trainable_parameters", "parameter_bytes", "parameter_dtypes",
+        "device_choice", "loss_normalization", "data_sizes", "label_names", "notes", "updates_per_epoch", "strategy",
+        "gradient_reduction", "examples_per_update", "optimizer", "precision"]
+    assert list(SteadyStepDetails.of({}).to_dict()) == [
+        "seconds_per_update", "median_seconds_per_update", "examples_per_second", "tokens_per_second",
+        "data_wait_seconds_per_update", "data_wait_share", "memory_measured_on_update", "timed_updates", "losses",
+        "timed_seq_len_max"]
+    assert list(SaveDetails.of({}).to_dict()) == ["path", "bytes", "files", "step", "layout", "bytes_per_second",
+                                                  "write_seconds", "manifest_sha256", "expect"]
+    assert list(ExportDetails.of({}).to_dict()) == ["path", "files", "bytes", "tensors", "manifest_sha256"]
+    assert list(OverfitDetails.of({}).to_dict()) == ["memory_note", "losses", "checks", "ids", "updates", "thresholds"]
+    # Keys written in some cases only come with the field that says the case, after the others.
+    adapter = replace(LoadDetails.of({}), trainable_bytes=4, base_identity="sha", restored_from="step-000004")
+    assert list(adapter.to_dict())[-7:] == ["frozen_parameters", "trainable_bytes", "frozen_bytes", "trainable_share",
+                                            "base_identity", "restored_from", "restored_step"]
+    assert list(replace(ExportDetails.of({}), adapter=True).to_dict())[-4:] == ["adapter", "base_identity", "merged",
+                                                                                 "merge_note"]
+    assert SteadyStepDetails.of({"note": "one steady update"}).to_dict()["note"] == "one steady update"
+    assert "stale_temps_removed" in replace(SaveDetails.of({}), stale_temps_removed=[]).to_dict()
+
+
+def test_row_details_read_rows_written_before_and_by_programs(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("r", "job", "pilot")
+        # An older steady_step row (no data wait yet), carried by --resume, and a program's row timing its stages.
+        led.add_gate_row("r", {"gate": "steady_step", "verdict": "pass", "reason": "", "inputs": {}, "memory": {},
+                               "details": {"seconds_per_update": 0.5, "carried_from": "r0", "warnings": ["w"]}})
+        led.add_gate_row("r", {"gate": "steady_step", "verdict": "pass", "reason": "", "inputs": {}, "memory": {}})
+        old, program = (SteadyStepDetails.of(r["details"]) for r in led.gate_rows("r"))
+    assert (old.seconds_per_update, old.data_wait_share) == (0.5, None)
+    assert program == SteadyStepDetails.of(None) and program.seconds_per_update is None
+    assert SaveDetails.of({"path": "checkpoints/step-000008"}).manifest_sha256 is None  # a failed save's row

@@ -40,9 +40,7 @@ class PerRun:
 
 def pilot_memory(led: Ledger, config_hash: str) -> PerRun | None:
     """Peaks of the latest pilot whose config hash is the base spec's, or None when there is none."""
-    rows = led.conn.execute("SELECT run_id FROM runs WHERE kind = ? AND config_hash = ? "
-                            "ORDER BY started_at DESC, rowid DESC", (str(RunKind.PILOT), config_hash)).fetchall()
-    for (run_id,) in rows:
+    for run_id in led.run_ids(RunKind.PILOT, config_hash):
         host, device = [], []
         for g in led.gate_rows(run_id):
             mem = g.get("memory") or {}

@@ -18,6 +18,7 @@ from ..estimate.model import estimate_fit
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
 from ..humanize import at_length, human_bytes, human_seconds, money
+from ..ledger.records import GateName
 from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
 
 HELP = """examples:
@@ -79,8 +80,8 @@ def main(args) -> int:
     ledger = ledger_if_present(args.ledger)
     fits = []
     for acc in accs:
-        util, source = calibrated_utilisation(ledger, spec.config_hash(), acc, trace["stages"]["steady_step"]["flops"],
-                                              spec.train.precision)
+        util, source = calibrated_utilisation(ledger, spec.config_hash(), acc,
+                                              trace["stages"][GateName.STEADY_STEP]["flops"], spec.train.precision)
         for strategy in chosen:
             for n in (gpu_counts if strategy.multi_process else [1]):
                 if strategy.multi_process and n == 1:
@@ -149,12 +150,12 @@ def _print(console, spec, trace, report) -> None:
               title_justify="left")
     for col in ("stage", "peak", "parameters", "gradients", "optimizer", "activations", "weight casts"):
         t.add_column(col, justify="right" if col != "stage" else "left")
-    for name in ("first_step", "steady_step", "eval"):
+    for name in (GateName.FIRST_STEP, GateName.STEADY_STEP, GateName.EVAL):
         b = st[name]["breakdown"]
         t.add_row(name, human_bytes(st[name]["peak_bytes"]), human_bytes(b.get("parameters")),
                   human_bytes(b.get("gradients")), human_bytes(b.get("optimizer")), human_bytes(b.get("activations")),
                   human_bytes(b.get("weight_casts")))
-    t.add_row("save", human_bytes(st["save"]["peak_bytes"]), "", "", "", "", "")
+    t.add_row("save", human_bytes(st[GateName.SAVE]["peak_bytes"]), "", "", "", "", "")
     console.print(t)
     f = Table(box=None, header_style="bold", title="fit per accelerator (per-rank device memory incl. context, "
               "workspaces, collective buffers, allocator margin)", title_justify="left")

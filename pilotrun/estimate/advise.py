@@ -24,6 +24,7 @@ import itertools
 from dataclasses import dataclass
 
 from .. import strategies
+from ..ledger.records import GateName
 from .catalog import Accelerator
 from .model import estimate_fit
 
@@ -132,9 +133,9 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
                    "stepped once per update")
     if c.checkpointing:
         changes["train.activation_checkpointing"] = True
-        base_flops = traces.get()["stages"]["steady_step"]["flops"]
+        base_flops = traces.get()["stages"][GateName.STEADY_STEP]["flops"]
         why.append(f"the forward is recomputed in backward "
-                   f"({trace['stages']['steady_step']['flops'] / base_flops:.2f}x FLOPs)")
+                   f"({trace['stages'][GateName.STEADY_STEP]['flops'] / base_flops:.2f}x FLOPs)")
     fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util)
     if c.smaller_micro_batch:
         # The largest smaller micro batch that fits; the smallest when none does (to show how far it is).

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..config.spec import Spec
+from ..ledger.records import GateName
 
 CACHE_ENV = "PILOTRUN_CACHE"
 FORMAT = 3  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters)
@@ -174,7 +175,7 @@ def _check(entry: object, key: dict) -> str | None:
     if entry.get("key") != key:
         return "its key differs from this job's"
     stages = entry["trace"].get("stages")
-    if not isinstance(stages, dict) or not {"first_step", "steady_step", "eval"} <= set(stages):
+    if not isinstance(stages, dict) or not {GateName.FIRST_STEP, GateName.STEADY_STEP, GateName.EVAL} <= set(stages):
         return "stages missing"
     for field in ("parameter_bytes", "optimizer_state_bytes", "precision", "seconds"):
         if field not in entry["trace"]:

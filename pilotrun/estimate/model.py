@@ -21,16 +21,18 @@ from __future__ import annotations
 import math
 
 from .. import strategies
+from ..ledger.records import GateName
 from ..strategies import StageBytes, correction
 from .catalog import Accelerator
 
-STAGES = ("first_step", "steady_step", "eval")
-TRAINING = ("first_step", "steady_step")
+# The traced stages are the estimates of these gates' rows (bench/estimate_accuracy.py compares them by name).
+STAGES = (GateName.FIRST_STEP, GateName.STEADY_STEP, GateName.EVAL)
+TRAINING = (GateName.FIRST_STEP, GateName.STEADY_STEP)
 
 
 def _kernel_notes(trace: dict) -> list[dict]:
     """Corrections that the trace already carries; listed with their size so none is silent."""
-    step = trace["stages"]["steady_step"]
+    step = trace["stages"][GateName.STEADY_STEP]
     foreach = trace.get("foreach", True)
     path = trace.get("optimizer") or ""
     if foreach:
@@ -112,7 +114,7 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
                        utilisation: float | None = None) -> dict:
     """FLOPs per update over the dense datasheet peak × utilisation, plus communication (not overlapped)."""
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
-    flops = trace["stages"]["steady_step"]["flops"]
+    flops = trace["stages"][GateName.STEADY_STEP]["flops"]
     peak = acc.peak_flops(precision)
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}

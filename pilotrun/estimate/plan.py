@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..ledger.details import SaveDetails, SteadyStepDetails
+from ..ledger.records import GateName, TextEnum
 from .experiments import adapter_view
 
 PLANS_DAYS = (3, 7, 30)
@@ -27,18 +29,34 @@ class Assumptions:
         return asdict(self)
 
 
-def _last_rows(ledger, config_hash: str) -> dict[str, dict]:
-    """The most recent passing rows of a pilot of this config (any device): data wait, eval and save costs."""
+class Item(TextEnum):
+    """The items of one run's pipeline, in the order the plan lists them. The value is the item's name in the
+    table and the JSON (``item``); code finds an item by its member, never by a piece of its name."""
+
+    MODEL_DOWNLOAD = "model download"
+    DATA_DOWNLOAD = "data download"
+    PREPARATION = "preprocessing and load"
+    TRAINING = "training"
+    DATA_WAIT = "data loading (not overlapped)"  # the share of update time the loop waited on data
+    VALIDATION = "validation"
+    CHECKPOINTS = "checkpoints"
+    EXPORT = "export"
+    MERGED_EXPORT = "merged export (export.merge)"
+    COPY_OFF = "copy results off"
+
+
+def _last_rows(ledger, config_hash: str) -> tuple[str | None, dict[str, dict]]:
+    """The most recent pilot of this config (any device) with passing rows: its id and those rows by gate (data
+    wait, eval and save costs); (None, {}) without one."""
     if ledger is None:
-        return {}
+        return None, {}
     for run in ledger.runs(limit=500):
         if run.get("config_hash") != config_hash or run["kind"] != "pilot":
             continue
         rows = {r["gate"]: r for r in ledger.gate_rows(run["run_id"]) if r["verdict"] in ("pass", "warn")}
         if rows:
-            rows["_run_id"] = {"run_id": run["run_id"]}
-            return rows
-    return {}
+            return run["run_id"], rows
+    return None, {}
 
 
 def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | None = None,
@@ -48,11 +66,11 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     ``download`` is :func:`pilotrun.estimate.source.model_download`'s answer: what the node fetches
     follows the model source (nothing for a config-built model), never the parameter count."""
     a = a or Assumptions()
-    pilot = _last_rows(ledger, spec.config_hash())
-    source = f"pilot {pilot['_run_id']['run_id']}" if pilot else None
+    pilot_id, pilot = _last_rows(ledger, spec.config_hash())
+    source = f"pilot {pilot_id}" if pilot else None
     items: list[dict] = []
 
-    def add(name, seconds, how):
+    def add(name: Item, seconds, how):
         items.append({"item": name, "hours": seconds / 3600 if seconds is not None else None, "from": how})
 
     adapter = adapter_view(trace, spec)
@@ -61,38 +79,39 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     else:
         weights = trace["parameter_bytes"] // (2 if spec.train.precision != "fp32" else 1)  # the exported copy
     dl = download or {"bytes": None, "reason": "not measured: the model source was not looked at"}
-    add("model download", dl["bytes"] / (a.download_mb_s * 1e6) if dl["bytes"] is not None else None,
+    add(Item.MODEL_DOWNLOAD, dl["bytes"] / (a.download_mb_s * 1e6) if dl["bytes"] is not None else None,
         f"{dl['reason']}" + (f", at {a.download_mb_s:g} MB/s (assumed)" if dl["bytes"] else ""))
-    add("data download", a.data_bytes / (a.download_mb_s * 1e6),
+    add(Item.DATA_DOWNLOAD, a.data_bytes / (a.download_mb_s * 1e6),
         f"{a.data_bytes / 1e9:.1f} GB (--data-gb) at {a.download_mb_s:g} MB/s (assumed)" if a.data_bytes else
         "0 GB: the data is assumed on the node already (--data-gb gives its size)")
-    prep = sum(pilot[g]["seconds"] for g in ("inspect", "load") if g in pilot) if pilot else None
-    add("preprocessing and load", prep, f"measured by {source} (inspect + load)" if prep is not None else
+    prep = sum(pilot[g]["seconds"] for g in (GateName.INSPECT, GateName.LOAD) if g in pilot) if pilot else None
+    add(Item.PREPARATION, prep, f"measured by {source} (inspect + load)" if prep is not None else
         "not measured: run a pilot of this spec")
     train_s = row["seconds_per_update"] * spec.train.updates if row.get("seconds_per_update") else None
-    add("training", train_s, f"{spec.train.updates} updates x {row['seconds_per_update']:.3g} s "
+    add(Item.TRAINING, train_s, f"{spec.train.updates} updates x {row['seconds_per_update']:.3g} s "
         f"({row['utilisation_source']})" if train_s else "no time estimate")
-    wait = pilot.get("steady_step", {}).get("details", {}).get("data_wait_share") if pilot else None
-    add("data loading (not overlapped)", train_s * wait if (train_s and wait is not None) else None,
+    steady = pilot.get(GateName.STEADY_STEP)
+    wait = SteadyStepDetails.of(steady.get("details")).data_wait_share if steady else None
+    add(Item.DATA_WAIT, train_s * wait if (train_s and wait is not None) else None,
         f"{wait:.0%} of update time waited on data in {source}" if wait is not None else "not measured")
-    eval_row = pilot.get("eval") if pilot else None
+    eval_row = pilot.get(GateName.EVAL)
     eval_s = eval_row["seconds"] * a.evals_per_run if eval_row else None
-    add("validation", eval_s, f"{a.evals_per_run} evaluations x {eval_row['seconds']:.3g} s measured by {source}"
+    add(Item.VALIDATION, eval_s, f"{a.evals_per_run} evaluations x {eval_row['seconds']:.3g} s measured by {source}"
         if eval_row else "not measured: run a pilot (eval gate)")
     ckpt_bytes = adapter["checkpoint_bytes"] if adapter else trace["parameter_bytes"] + trace["optimizer_state_bytes"]
-    save_row = pilot.get("save") if pilot else None
-    bw = (save_row or {}).get("details", {}).get("bytes_per_second") or a.disk_mb_s * 1e6
-    add("checkpoints", a.checkpoints_per_run * ckpt_bytes / bw,
+    save_row = pilot.get(GateName.SAVE)
+    bw = SaveDetails.of((save_row or {}).get("details")).bytes_per_second or a.disk_mb_s * 1e6
+    add(Item.CHECKPOINTS, a.checkpoints_per_run * ckpt_bytes / bw,
         f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {bw / 1e6:.0f} MB/s "
         f"({f'measured by {source}' if save_row else 'assumed'})")
-    add("export", weights / bw, f"{weights / 1e9:.1f} GB of {'adapter ' if adapter else ''}weights at "
+    add(Item.EXPORT, weights / bw, f"{weights / 1e9:.1f} GB of {'adapter ' if adapter else ''}weights at "
         f"{bw / 1e6:.0f} MB/s")
     merged = adapter["merged_export"] if adapter else None
     if merged:
-        add("merged export (export.merge)", merged["bytes"] / bw,
+        add(Item.MERGED_EXPORT, merged["bytes"] / bw,
             f"{merged['bytes'] / 1e9:.1f} GB: the base with the adapter merged in, at {bw / 1e6:.0f} MB/s")
         weights += merged["bytes"]
-    add("copy results off", (ckpt_bytes + weights) / (a.egress_mb_s * 1e6),
+    add(Item.COPY_OFF, (ckpt_bytes + weights) / (a.egress_mb_s * 1e6),
         f"last checkpoint + export at {a.egress_mb_s:g} MB/s (assumed)")
     # The node is rented for the whole pipeline, so every item costs GPUs x hours x price.
     price, gpus = row.get("price_per_gpu_hour"), row["gpus"]
@@ -136,9 +155,8 @@ def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:
 
 def more_gpus_advice(row: dict, per_run: dict) -> str:
     """More GPUs only when compute, not communication or input, is the limit."""
-    wait: dict = next((i for i in per_run["items"] if i["item"].startswith("data loading")), {})
-    wait_share = (wait.get("hours") or 0) / max((next(i for i in per_run["items"] if i["item"] == "training")["hours"]
-                                                 or 1e-9), 1e-9)
+    hours = {i["item"]: i["hours"] for i in per_run["items"]}
+    wait_share = (hours.get(Item.DATA_WAIT) or 0) / max(hours[Item.TRAINING] or 1e-9, 1e-9)
     if row.get("bound") == "communication":
         return "no: communication already dominates the update; more GPUs would add to it"
     if wait_share > 0.10:

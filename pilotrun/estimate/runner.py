@@ -15,6 +15,8 @@ import json
 import time
 
 from ..config.spec import Spec
+from ..ledger.details import SteadyStepDetails
+from ..ledger.records import GateName
 from ..ledger.store import Ledger
 from .cache import CacheStatus, TraceCache, trace_key
 from .catalog import Accelerator, matches
@@ -70,11 +72,11 @@ def calibrated_utilisation(ledger: Ledger | None, config_hash: str, acc: Acceler
         if run.get("config_hash") != config_hash:
             continue
         for row in ledger.gate_rows(run["run_id"]):
-            if row["gate"] != "steady_step" or row["verdict"] not in ("pass", "warn"):
+            if row["gate"] != GateName.STEADY_STEP or row["verdict"] not in ("pass", "warn"):
                 continue
             if not matches(acc, row["inputs"].get("device_name")):
                 continue
-            s = row["details"].get("seconds_per_update")
+            s = SteadyStepDetails.of(row["details"]).seconds_per_update
             if s and peak:
                 return flops_per_update / (s * peak), f"measured by pilot {run['run_id']} ({s:.3g} s/update)"
     return None, "no pilot of this config on this accelerator in the ledger"
@@ -89,7 +91,7 @@ def stage_summary(trace: dict) -> dict:
                      "batch_size": st["batch_size"]}
     resident = trace["parameter_bytes"] + trace["optimizer_state_bytes"] + trace["buffer_bytes"]
     adapter = (trace.get("adaptation") or {}).get("adapter_bytes", 0)
-    out["save"] = {
+    out[GateName.SAVE] = {
         "peak_bytes": resident,
         # An adapter job's checkpoint holds the adapter and its optimizer state, never the frozen base.
         "checkpoint_bytes": adapter + trace["optimizer_state_bytes"] if adapter else resident,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from .. import strategies
+from ..ledger.records import GateName
 from .catalog import Accelerator, matches
 from .experiments import adapter_view, label
 from .model import estimate_fit, largest_scale_that_fits
@@ -26,7 +27,7 @@ def _verified_by(ledger, acc: Accelerator) -> str | None:
         return None
     for run in ledger.runs(limit=500):
         for row in ledger.gate_rows(run["run_id"]):
-            if row["gate"] == "steady_step" and row["verdict"] in ("pass", "warn") and \
+            if row["gate"] == GateName.STEADY_STEP and row["verdict"] in ("pass", "warn") and \
                     matches(acc, row["inputs"].get("device_name")):
                 return f"pilot {run['run_id']}"
     return None
@@ -82,7 +83,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
     mb = _divisors_at_most(per_rank, mb)
     accum = max(1, per_rank // mb)
     util, util_source = calibrated_utilisation(ledger, spec.config_hash(), acc,
-                                               trace["stages"]["steady_step"]["flops"], t.precision)
+                                               trace["stages"][GateName.STEADY_STEP]["flops"], t.precision)
     fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size)
     s = fit["seconds_per_update"] if fit["fits"] else None
     verified = _verified_by(ledger, acc)

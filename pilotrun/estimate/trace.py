@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config.spec import Spec
+from ..ledger.records import GateName
 from ..measure.tensors import CategoryTracker
 from ..models.loading import build_model
 from ..models.structure import largest_block
@@ -192,7 +193,7 @@ def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
     length = seq or spec.data.max_length or 0
     eval_len = max(spec.eval_max_length or length, length) if seq is None else max(seq, spec.eval_max_length or 0)
     loaded = build_model(spec.model, spec.build_context(), spec.data.labels, meta=True, activation_checkpointing=ac)
-    notes = [n for n in loaded.notes if n.startswith("activation checkpointing requested")]
+    notes = [loaded.checkpointing_unavailable] if loaded.checkpointing_unavailable else []
     model, adaptation = adapt(loaded.model, spec)
     notes += adaptation.notes
     policy = decide_loss_policy(loaded.model, t.loss_normalization)
@@ -224,7 +225,7 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
     # batch at a time on an accelerator (moved just before its forward).
     held = t.grad_accum_steps if target == "cpu" else 1
     stages: dict[str, StageTrace] = {}
-    for stage in ("first_step", "steady_step"):
+    for stage in (GateName.FIRST_STEP, GateName.STEADY_STEP):
         with PhaseTracker(model, opt, fake=True, round_to=ROUND) as tracker:
             inputs = [_clone(job.train_batch) for _ in range(held)]
             model.train()
@@ -307,7 +308,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
         opt, opt_path = trace_optimizer(model, spec, target)
         foreach = any(g.get("foreach") for g in opt.param_groups)
         stages = _trace_training(job, model, opt, spec, target, num_items)
-        stages["eval"] = _trace_eval(job, model, opt, spec)
+        stages[GateName.EVAL] = _trace_eval(job, model, opt, spec)
         totals = _state_bytes(model, opt, job.adaptation)
     max_pos = getattr(job.config, "max_position_embeddings", None) if job.config is not None else None
     return TraceResult(stages=stages, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos,

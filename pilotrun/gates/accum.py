@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from ..drivers import Capability
+from ..ledger.records import GateName
 from ..train.batches import supervised_count
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
 from .view import NotMeasured, TrainingView, Window, WindowKind, cast_floats
@@ -229,7 +230,7 @@ def _unexercised(results: list[WindowResult]) -> str:
 
 
 class AccumEquivalenceGate(Gate):
-    name = "accum_equivalence"
+    name = GateName.ACCUM_EQUIVALENCE
     on_program = OnProgram.INTEGRATION
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)

@@ -6,6 +6,7 @@ own arguments (a Trainer's ``TrainingArguments``, a Lightning loader's length).
 from __future__ import annotations
 
 from ..batching import batch_plan
+from ..ledger.records import GateName
 from .base import NEEDS_INTEGRATION, Gate, OnProgram, Outcome, Product
 from .view import TrainingView
 
@@ -47,7 +48,7 @@ def check_batch(view: TrainingView, out: Outcome | None = None) -> Outcome:
 
 
 class BatchGate(Gate):
-    name = "batch"
+    name = GateName.BATCH
     on_program = OnProgram.INTEGRATION
     program_note = NEEDS_INTEGRATION
     needs = (Product.DATA,)

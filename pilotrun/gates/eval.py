@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..drivers import Capability
-from ..ledger.records import Failure
+from ..ledger.records import Failure, GateName
 from ..train.batches import autocast_for, item_length, loss_of, seq_len, to_device
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
@@ -20,7 +20,7 @@ MAX_SCAN = 5000  # validation items scanned to find the longest ones
 
 
 class EvalGate(Gate):
-    name = "eval"
+    name = GateName.EVAL
     on_program = OnProgram.STAGE
     program_note = "wrap the evaluation in `with job.stage(\"eval\"):`"
     needs = (Product.DRIVER,)

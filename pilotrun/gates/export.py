@@ -7,20 +7,21 @@ reload reads, or without tensors, and says what was written.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.trust import LoadPolicy
 from ..drivers import Capability
 from ..humanize import human_bytes
+from ..ledger.details import ExportDetails
+from ..ledger.records import GateName
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 from .view import Exported, TrainingView
 
 
 def _adapter_reason(out: Outcome, written: Exported) -> None:
     a = written.adapter or {}
-    out.details.update({"adapter": True, "base_identity": a.get("base_identity"), "merged": a.get("merged"),
-                        "merge_note": a.get("merge_note")})
     out.reason = (f"PEFT adapter ({written.tensors} tensors, {human_bytes(a.get('adapter_bytes', 0))}) + "
                   f"adapter_config.json + base.json (the base's reference and identity, not its weights) to "
                   f"{written.folder.name}/ with a sha256 manifest; the adapter {written.state}")
@@ -41,10 +42,13 @@ def check_export(view: TrainingView, folder: Path, out: Outcome | None = None) -
                           inputs=out.inputs, details={"files": sorted(written.files), "path": str(folder)})
     if written.tensors == 0:
         raise GateFailure(f"the export in {folder} holds no tensors", inputs=out.inputs)
-    out.details = {"path": str(folder), "files": written.files, "bytes": written.total_bytes,
-                   "tensors": written.tensors, "manifest_sha256": written.manifest_sha256,
-                   **({"written_by": written.written_by} if written.written_by else {}), **written.details}
+    details = ExportDetails(path=str(folder), files=written.files, bytes=written.total_bytes, tensors=written.tensors,
+                            manifest_sha256=written.manifest_sha256, written_by=written.written_by)
+    out.details = {**details.to_dict(), **written.details}
     if written.adapter is not None:
+        a = written.adapter
+        out.details = {**replace(details, adapter=True, base_identity=a.get("base_identity"), merged=a.get("merged"),
+                                 merge_note=a.get("merge_note")).to_dict(), **written.details}
         _adapter_reason(out, written)
         return out
     counted = f"{written.tensors} tensors in " if written.tensors is not None else ""
@@ -57,7 +61,7 @@ def check_export(view: TrainingView, folder: Path, out: Outcome | None = None) -
 
 
 class ExportGate(Gate):
-    name = "export"
+    name = GateName.EXPORT
     on_program = OnProgram.INTEGRATION
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)

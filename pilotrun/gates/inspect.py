@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..data.audit import class_problems, render_example, scan_split
+from ..ledger.records import GateName
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
 from .view import TrainingView
 
@@ -119,7 +120,7 @@ def check_inspect(view: TrainingView, out: Outcome | None = None) -> Outcome:
 
 
 class InspectGate(Gate):
-    name = "inspect"
+    name = GateName.INSPECT
     on_program = OnProgram.INTEGRATION
     program_note = NEEDS_INTEGRATION
     needs = (Product.DATA,)

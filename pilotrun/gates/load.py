@@ -5,9 +5,12 @@ uses too. On ``--resume`` the driver is then restored from the interrupted run's
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..drivers import build_driver
 from ..humanize import human_bytes, human_count
-from ..ledger.records import Verdict
+from ..ledger.details import LoadDetails
+from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
 from ..models.loading import parameter_count
 from ..models.quantize import KernelUnavailable
@@ -15,7 +18,7 @@ from .base import Gate, OnProgram, Outcome, Product
 
 
 class LoadGate(Gate):
-    name = "load"
+    name = GateName.LOAD
     on_program = OnProgram.STAGE
     program_note = "wrap the model loading in `with job.stage(\"load\"):`"
     needs = (Product.DATA,)
@@ -46,38 +49,37 @@ class LoadGate(Gate):
         env = ctx.env
         ratio = md.reduction_ratio
         out = Outcome(inputs=self.describe_inputs(ctx))
-        out.details = {
-            "model_class": type(model).__name__,
-            "source": loaded.source,
-            "head": loaded.head,
-            "parameters": total,
-            "trainable_parameters": trainable,
-            "parameter_bytes": param_bytes,
-            "parameter_dtypes": dtypes,
-            "device_choice": ctx.process.device_reason,
-            "loss_normalization": policy.reason,
-            "data_sizes": data.sizes(),
-            "label_names": data.label_names,
-            "notes": loaded.notes + data.notes,
-            "updates_per_epoch": md.plan.updates_per_epoch,
-            "strategy": driver.how_wrapped,
-            "gradient_reduction": ("one process" if not env.active else
-                                   f"measured: the {ctx.strategy.name} reduction "
-                                   f"{'averages' if abs(ratio - 1) < 1e-6 else 'sums'} gradients over ranks "
-                                   f"(ratio {ratio:g}); losses scaled by {md.grad_scale:g}"),
-            "examples_per_update": spec.train.micro_batch_size * spec.train.grad_accum_steps * ctx.replicas,
-            "optimizer": {"name": md.optimizer_choice.name, "fused": md.optimizer_choice.fused,
-                          "reason": md.optimizer_choice.reason} if hasattr(md, "optimizer_choice") else None,
-            "precision": spec.train.precision,
-        }
+        details = LoadDetails(
+            model_class=type(model).__name__,
+            source=loaded.source,
+            head=loaded.head,
+            parameters=total,
+            trainable_parameters=trainable,
+            parameter_bytes=param_bytes,
+            parameter_dtypes=dtypes,
+            device_choice=ctx.process.device_reason,
+            loss_normalization=policy.reason,
+            data_sizes=data.sizes(),
+            label_names=data.label_names,
+            notes=loaded.notes + data.notes,
+            updates_per_epoch=md.plan.updates_per_epoch,
+            strategy=driver.how_wrapped,
+            gradient_reduction=("one process" if not env.active else
+                                f"measured: the {ctx.strategy.name} reduction "
+                                f"{'averages' if abs(ratio - 1) < 1e-6 else 'sums'} gradients over ranks "
+                                f"(ratio {ratio:g}); losses scaled by {md.grad_scale:g}"),
+            examples_per_update=spec.train.micro_batch_size * spec.train.grad_accum_steps * ctx.replicas,
+            optimizer={"name": md.optimizer_choice.name, "fused": md.optimizer_choice.fused,
+                       "reason": md.optimizer_choice.reason} if hasattr(md, "optimizer_choice") else None,
+            precision=spec.train.precision,
+            restored_from=str(ctx.restore_from) if restored is not None else None,
+            restored_step=restored["step"] if restored is not None else None,
+        )
         split = parameter_split(model)
         if loaded.base_identity is not None:  # an adapter: what trains, what is frozen, and which base
-            out.details.update(split.as_dict())
-            out.details["base_identity"] = loaded.base_identity
+            details = replace(details, **split.as_dict(), base_identity=loaded.base_identity)
+        out.details = details.to_dict()
         sizes = ", ".join(f"{k} {v}" for k, v in data.sizes().items())
-        if restored is not None:
-            out.details["restored_from"] = str(ctx.restore_from)
-            out.details["restored_step"] = restored["step"]
         per_update = spec.train.micro_batch_size * spec.train.grad_accum_steps
         out.reason = (
             f"{type(model).__name__}: {human_count(total)} parameters ({human_bytes(param_bytes)} {'/'.join(dtypes)}) "

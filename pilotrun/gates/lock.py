@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from ..ledger.records import GateName
 from ..lock import DriftKind, classify_drift, collect_lock, config_changes, diff_locks, summarize_drift
 from .base import Gate, OnProgram, Outcome, Product
 
@@ -15,7 +16,7 @@ LENGTH_KEYS = ("data.max_length", "eval.max_length")
 
 
 class LockGate(Gate):
-    name = "lock"
+    name = GateName.LOCK
     on_program = OnProgram.PILOT
     program_note = "pilotrun hashes the program's files and records its command"
     produces = (Product.LOCK,)

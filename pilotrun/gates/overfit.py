@@ -14,7 +14,8 @@ import math
 import torch
 
 from ..drivers import Capability
-from ..ledger.records import Failure
+from ..ledger.details import OverfitDetails
+from ..ledger.records import Failure, GateName
 from ..models.adapters import parameter_split
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
 from .view import OverfitPlan, TrainingView
@@ -91,11 +92,10 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
     finally:
         del model
     last = checks[-1]
-    out.details = {"memory_note": "memory of this row includes the check's own model copy", "losses": losses,
-                   "checks": checks, "ids": ids, "updates": len(losses), "examples": len(subset), "lr": plan.lr,
-                   "trained_by": view.framework,
-                   "thresholds": {"loss_below": threshold, "accuracy_at_least": plan.accuracy_at_least,
-                                  "loss_below_from": plan.loss_below_from}}
+    out.details = OverfitDetails(
+        memory_note="memory of this row includes the check's own model copy", losses=losses, checks=checks, ids=ids,
+        updates=len(losses), thresholds={"loss_below": threshold, "accuracy_at_least": plan.accuracy_at_least,
+                                         "loss_below_from": plan.loss_below_from}).to_dict()
     acc_text = f", {last['accuracy']:.0%} of its own targets recovered" if last["accuracy"] is not None else ""
     if passed:
         out.reason = (f"{len(subset)} examples learned in {len(losses)} updates: loss {start_loss:.3g} -> "
@@ -116,7 +116,7 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
 
 
 class OverfitGate(Gate):
-    name = "overfit"
+    name = GateName.OVERFIT
     on_program = OnProgram.INTEGRATION
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)

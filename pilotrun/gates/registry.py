@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+from ..ledger.records import GateName
 from .accum import AccumEquivalenceGate
 from .base import Gate, OnProgram
 from .batch import BatchGate
@@ -115,6 +116,14 @@ def problems() -> list[str]:
             out.append(f"{gate.name} declares on_program {gate.on_program} without a program_note")
     if len(set(GATE_NAMES)) != len(GATE_NAMES):
         out.append("two gates share a name")
+    # Readers compare rows with GateName, so the enum is the vocabulary: a gate named outside it, or out of order,
+    # would be missed by them (the console's steady_step time, the plan's measured items).
+    plain = [str(g.name) for g in GATES if not isinstance(g.name, GateName)]
+    if plain:
+        out.append(f"gate names not taken from ledger.records.GateName: {plain}")
+    if [str(n) for n in GATE_NAMES] != [str(n) for n in GateName]:
+        out.append(f"GateName and GATES must list the same gates in the same order: GateName "
+                   f"{[str(n) for n in GateName]}, GATES {[str(n) for n in GATE_NAMES]}")
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..drivers import Capability
+from ..ledger.records import GateName
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 from .view import Artifact, NotMeasured, TrainingView
 
@@ -91,7 +92,7 @@ def _compare_merged(artifact: Artifact, merged: torch.Tensor, first: torch.Tenso
 
 
 class ReloadEvalGate(Gate):
-    name = "reload_eval"
+    name = GateName.RELOAD_EVAL
     on_program = OnProgram.INTEGRATION
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER, Product.EXPORT)

@@ -13,12 +13,13 @@ forward, not the rank's own copy from its last forward; the reason says which co
 from __future__ import annotations
 
 from ..drivers import Capability
+from ..ledger.records import GateName
 from ..workers.launch import run_worker
 from .base import Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
 
 class RestoreGate(Gate):
-    name = "restore"
+    name = GateName.RESTORE
     on_program = OnProgram.NEVER
     program_note = ("the program's checkpoint format is its own, so pilotrun cannot read its step, lr "
                     "and RNG back; the resume gate proves the same by continuing from it")

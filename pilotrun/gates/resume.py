@@ -11,6 +11,7 @@ import math
 
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
+from ..ledger.records import GateName
 from ..workers.launch import run_and_kill, run_worker
 from .base import Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
@@ -55,7 +56,7 @@ def first_difference(a: list[dict], b: list[dict], exact: bool, rtol: float) -> 
 
 
 class ResumeGate(Gate):
-    name = "resume"
+    name = GateName.RESUME
     on_program = OnProgram.RUNS
     program_note = "control, interrupted (SIGKILL after its save) and resumed runs, updates compared"
     needs = (Product.FIRST_UPDATE,)

@@ -13,7 +13,8 @@ from ..checkpoint.io import disk_full_error, free_bytes, remove_stale_temps
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
-from ..ledger.records import Failure
+from ..ledger.details import SaveDetails
+from ..ledger.records import Failure, GateName
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 from .context import SavedCheckpoint
 
@@ -26,7 +27,7 @@ def expect_path(folder: Path, rank: int | str | None = None) -> Path:
 
 
 class SaveGate(Gate):
-    name = "save"
+    name = GateName.SAVE
     on_program = OnProgram.STAGE
     program_note = "wrap the checkpoint write in `with job.stage(\"save\"):`"
     needs = (Product.FIRST_UPDATE,)
@@ -66,16 +67,16 @@ class SaveGate(Gate):
         if env.is_main:
             (ctx.out_dir / "checkpoints" / "LATEST").write_text(folder.name + "\n")
         out = Outcome(inputs=ctx.base_inputs())
-        out.details = {"path": str(folder), "bytes": total, "files": files, "step": driver.step,
-                       "layout": ctx.strategy.checkpoint_layout,
-                       "bytes_per_second": total / seconds if seconds else None, "write_seconds": seconds,
-                       "manifest_sha256": ctx.checkpoint.manifest_sha256, "expect": str(mine)}
+        out.details = SaveDetails(
+            path=str(folder), bytes=total, files=files, step=driver.step, layout=ctx.strategy.checkpoint_layout,
+            bytes_per_second=total / seconds if seconds else None, write_seconds=seconds,
+            manifest_sha256=ctx.checkpoint.manifest_sha256, expect=str(mine),
+            stale_temps_removed=[{"path": str(p), "bytes": n} for p, n in stale] if stale else None).to_dict()
         out.reason = (f"step {driver.step}: {human_bytes(total)} in {len(files)} files in "
                       f"{human_seconds(seconds)} ({human_bytes(total / seconds if seconds else 0)}/s), "
                       "written atomically with a sha256 manifest")
         if stale:
             freed = sum(n for _, n in stale)
-            out.details["stale_temps_removed"] = [{"path": str(p), "bytes": n} for p, n in stale]
             out.reason += (f"; removed {len(stale)} temp folder(s) of saves whose process is gone, freeing "
                            f"{human_bytes(freed)}")
         return out

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from ..data.audit import audit_splits
+from ..ledger.records import GateName
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 
 class SplitGate(Gate):
-    name = "split"
+    name = GateName.SPLIT
     on_program = OnProgram.NEVER
     program_note = ("the program splits its own data and pilotrun cannot see the leakage unit; give "
                     "data.factory with a group_key (or data.task) to have it checked")

@@ -12,7 +12,8 @@ import statistics
 
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
-from ..ledger.records import Failure
+from ..ledger.details import SteadyStepDetails
+from ..ledger.records import Failure, GateName
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 # Warn when the loop waits on data for more than this share of each update, and
@@ -57,7 +58,7 @@ def _check_params(ctx, step: int) -> None:
 
 
 class FirstStepGate(Gate):
-    name = "first_step"
+    name = GateName.FIRST_STEP
     on_program = OnProgram.STAGE
     program_note = "wrap the first update in `with job.stage(\"first_step\"):`"
     program_problems = True
@@ -100,7 +101,7 @@ class FirstStepGate(Gate):
 
 
 class SteadyStepGate(Gate):
-    name = "steady_step"
+    name = GateName.STEADY_STEP
     on_program = OnProgram.STAGE
     program_note = "wrap the later updates in `with job.stage(\"steady_step\"):`"
     program_problems = True
@@ -136,20 +137,19 @@ class SteadyStepGate(Gate):
         tokens_s = sum(r.tokens for r in timed) / total_s if total_s else 0.0
         out = Outcome(inputs=_inputs(ctx, records[0], pad), metrics=[r.metric() for r in records])
         out.inputs["timed_updates"] = len(timed)
-        out.details = {
-            "seconds_per_update": mean_s,
-            "median_seconds_per_update": statistics.median(per_update),
-            "examples_per_second": examples_s,
-            "tokens_per_second": tokens_s,
-            "data_wait_seconds_per_update": sum(r.data_wait_s for r in timed) / len(timed),
-            "data_wait_share": wait_share,
-            "memory_measured_on_update": records[0].step,
-            "timed_updates": [r.step for r in timed],
-            "losses": [r.loss for r in records],
-            "timed_seq_len_max": max(r.seq_len for r in timed),
-        }
-        if len(records) == 1:
-            out.details["note"] = "one steady update: its time includes tensor-tracking overhead"
+        out.details = SteadyStepDetails(
+            seconds_per_update=mean_s,
+            median_seconds_per_update=statistics.median(per_update),
+            examples_per_second=examples_s,
+            tokens_per_second=tokens_s,
+            data_wait_seconds_per_update=sum(r.data_wait_s for r in timed) / len(timed),
+            data_wait_share=wait_share,
+            memory_measured_on_update=records[0].step,
+            timed_updates=[r.step for r in timed],
+            losses=[r.loss for r in records],
+            timed_seq_len_max=max(r.seq_len for r in timed),
+            note="one steady update: its time includes tensor-tracking overhead" if len(records) == 1 else None,
+        ).to_dict()
         tokens = f"{tokens_s:.0f} tokens/s, " if tokens_s else ""
         at = f" at length {records[0].seq_len}" if records[0].seq_len else ""
         out.reason = (f"{human_seconds(mean_s)}/update over {len(timed)} update(s), {examples_s:.1f} examples/s, "

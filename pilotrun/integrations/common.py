@@ -31,7 +31,7 @@ from ..gates.inspect import check_inspect
 from ..gates.overfit import check_overfit
 from ..gates.reload_eval import compare_reload, reference
 from ..gates.view import Artifact, Batching, OverfitPlan, TrainingView
-from ..ledger.records import Verdict
+from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
 
 STEADY_UPDATES = 3        # the steady_step stage spans this many updates after the first
@@ -302,11 +302,12 @@ def record(job, gate: str, outcome: Outcome) -> Outcome:
 def run_probes(job, view: TrainingView, export_folder: Path) -> dict[str, Outcome]:
     """Every in-process gate, in the pilot's order, each recorded as it finishes."""
     out: dict[str, Outcome] = {}
-    for gate, check in (("inspect", check_inspect), ("batch", check_batch), ("accum_equivalence", check_accum),
-                        ("overfit", check_overfit)):
+    for gate, check in ((GateName.INSPECT, check_inspect), (GateName.BATCH, check_batch),
+                        (GateName.ACCUM_EQUIVALENCE, check_accum), (GateName.OVERFIT, check_overfit)):
         out[gate] = record(job, gate, run_check(gate, lambda check=check: check(view)))  # type: ignore[misc]
-    out["export"] = record(job, "export", run_check("export", lambda: check_export(view, export_folder)))
+    export = record(job, GateName.EXPORT, run_check(GateName.EXPORT, lambda: check_export(view, export_folder)))
     work = export_folder.parent / "pilotrun-reload"
-    out["reload_eval"] = record(job, "reload_eval", run_check("reload_eval",
-                                                              lambda: reload_after(view, out["export"], work)))
+    out[GateName.EXPORT] = export
+    out[GateName.RELOAD_EVAL] = record(job, GateName.RELOAD_EVAL,
+                                       run_check(GateName.RELOAD_EVAL, lambda: reload_after(view, export, work)))
     return out

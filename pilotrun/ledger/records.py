@@ -7,7 +7,7 @@ their values as text, so the ledger reads the same from SQL, CSV or Python.
 
 Example::
 
-    row = GateRow.now("load", Verdict.PASS, "LlamaForCausalLM: 125.2K parameters")
+    row = GateRow.now(GateName.LOAD, Verdict.PASS, "LlamaForCausalLM: 125.2K parameters")
     Verdict.worst(["pass", "warn"])      # Verdict.WARN
     RunStatus.of_pilot([row.to_dict()])  # RunStatus.PASS
 """
@@ -43,6 +43,27 @@ def new_run_id(name: str) -> str:
     """``<name>-<UTC time>-<4 hex>``: sortable by time, unique across machines writing one ledger."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+class GateName(TextEnum):
+    """Every gate, in the order the pilot runs them (``gates.registry.GATES`` declares the same, in this order: its
+    ``problems()`` checks). Each gate class's ``name`` is its member; code that reads rows compares with these."""
+
+    LOCK = "lock"                            # revisions, versions, config and seeds recorded; drift reported
+    INSPECT = "inspect"                      # examples shown as the loss sees them; counts over the train split
+    SPLIT = "split"                          # no leakage unit shared between train and val
+    BATCH = "batch"                          # examples-per-update arithmetic
+    LOAD = "load"                            # tokenizer, data and model built, on the device, wrapped
+    FIRST_STEP = "first_step"                # the first update (allocates the optimizer state)
+    STEADY_STEP = "steady_step"              # later updates: the training peak and the time per update
+    ACCUM_EQUIVALENCE = "accum_equivalence"  # accumulation gives the gradient of the whole batch
+    EVAL = "eval"                            # the longest evaluation batch, then the metric
+    SAVE = "save"                            # the full training state written atomically
+    EXPORT = "export"                        # the inference artifact
+    RESTORE = "restore"                      # a fresh process restores exactly what was saved
+    RESUME = "resume"                        # killed after a save and resumed, the updates continue the same
+    OVERFIT = "overfit"                      # a tiny subset is learned
+    RELOAD_EVAL = "reload_eval"              # the export reloaded in a fresh process gives the same outputs
 
 
 class Verdict(TextEnum):
@@ -230,5 +251,5 @@ def as_json(obj: Any) -> Any:
     return str(obj)
 
 
-__all__ = ["CUT_SHORT", "RESULTS", "RESUMABLE", "Failure", "GateRow", "RunEnd", "RunKind", "RunStatus", "Series",
-           "StopKind", "TextEnum", "Verdict", "as_json", "final_val_loss", "new_run_id", "now"]
+__all__ = ["CUT_SHORT", "RESULTS", "RESUMABLE", "Failure", "GateName", "GateRow", "RunEnd", "RunKind", "RunStatus",
+           "Series", "StopKind", "TextEnum", "Verdict", "as_json", "final_val_loss", "new_run_id", "now"]

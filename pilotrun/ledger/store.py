@@ -281,6 +281,17 @@ class Ledger:
         args = (name, limit) if name else (limit,)
         return [dict(r) for r in self.conn.execute(q, args)]
 
+    def has_run(self, run_id: str) -> bool:
+        """Whether a run with exactly this id is in the ledger (no prefix matching: a node registering a run)."""
+        return self.conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is not None
+
+    def run_ids(self, kind: RunKind | str, config_hash: str) -> list[str]:
+        """The ids of the runs of this kind and config hash, newest first (started later; of two started in the
+        same millisecond, the one added later)."""
+        return [r["run_id"] for r in self.conn.execute(
+            "SELECT run_id FROM runs WHERE kind = ? AND config_hash = ? ORDER BY started_at DESC, rowid DESC",
+            (str(RunKind(kind)), config_hash))]
+
     def run(self, run_id: str) -> dict | None:
         """The run with this id or unique prefix (as git accepts a unique prefix); LedgerError when ambiguous."""
         found = self.matches(run_id)

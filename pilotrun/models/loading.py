@@ -40,6 +40,9 @@ class LoadedModel:
     # the adapter alone records and a restore compares. None without an adapter.
     base_identity: str | None = None
     quantized: bool = False  # the base was loaded through bitsandbytes (it cannot be cast or moved by .to())
+    # Activation checkpointing was asked for by the caller (the estimator's variant) and this model has no switch for
+    # it: the note saying so, which the estimator repeats in its own notes; None otherwise.
+    checkpointing_unavailable: str | None = None
 
 
 def _hub_hint(exc: Exception, target: str) -> str:
@@ -158,8 +161,9 @@ def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | No
                 "wrap its blocks with torch.utils.checkpoint in the factory, or set it to false"
             )
         else:
-            loaded.notes.append("activation checkpointing requested but the model has no "
-                                "gradient_checkpointing_enable()")
+            loaded.checkpointing_unavailable = ("activation checkpointing requested but the model has no "
+                                                "gradient_checkpointing_enable()")
+            loaded.notes.append(loaded.checkpointing_unavailable)
     adapter = model.adapter
     if adapter is not None:
         try:

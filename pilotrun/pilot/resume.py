@@ -20,7 +20,8 @@ from ..gates.base import Gate
 from ..gates.context import PilotContext
 from ..gates.products import Product
 from ..gates.registry import upstream_carried
-from ..ledger.records import RESUMABLE, RunKind, Verdict
+from ..ledger.details import SaveDetails
+from ..ledger.records import RESUMABLE, GateName, RunKind, Verdict
 from ..ledger.store import Ledger
 from ..lock import diff_locks
 
@@ -66,8 +67,8 @@ def _candidates(ledger: Ledger, parent: dict) -> list[Path]:
         recover_interrupted_swap(root)
         found |= {p for p in root.glob("step-*") if p.is_dir() or p.is_symlink()}
     for row in ledger.gate_rows(parent["run_id"]):
-        path = (row.get("details") or {}).get("path")
-        if row["gate"] == "save" and isinstance(path, str):
+        path = SaveDetails.of(row.get("details")).path
+        if row["gate"] == GateName.SAVE and isinstance(path, str):
             found.add(root / Path(path).name)  # the row may hold a path relative to the run's working folder
     return sorted(found, key=lambda p: p.name, reverse=True)
 
@@ -152,7 +153,7 @@ def carry_rows(plan: ResumePlan, gates: list[type[Gate]], ctx: PilotContext) -> 
         if row is None or not gate_cls.carry:
             continue
         if Product.CHECKPOINT in gate_cls.produces and \
-                (row.get("details") or {}).get("manifest_sha256") != plan.manifest_sha256:
+                SaveDetails.of(row.get("details")).manifest_sha256 != plan.manifest_sha256:
             continue  # the row describes another checkpoint than the one resumed (an older one was usable)
         if any(up not in carried for up in upstream_carried(gate_cls)):
             continue

@@ -236,7 +236,7 @@ def _register_on_this_node(ledger: Ledger, env: distributed.DistEnv, run_id: str
     so the node's ranks can write their rows there. Where the ledger is shared, rank 0's row is already in it."""
     if not env.active or env.is_main or env.local_rank != 0:
         return False
-    if ledger.conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone():
+    if ledger.has_run(run_id):
         return False
     ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
                      config_hash=spec.config_hash(),

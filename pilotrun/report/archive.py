@@ -27,7 +27,8 @@ from pathlib import Path
 
 from ..campaign.conclude import link_text, stop_text
 from ..checkpoint.io import CheckpointError
-from ..ledger.records import final_val_loss
+from ..ledger.details import ExportDetails
+from ..ledger.records import GateName, final_val_loss
 from ..ledger.store import Ledger
 from ..ledger.tables import table, write_csv
 from ..lock import sha256_file
@@ -50,8 +51,8 @@ def _copy_run_file(src: Path, dest: Path, run_folder: Path) -> None:
 
 def _recorded_export(led: Ledger, run: dict) -> str | None:
     """The export manifest's sha256 the run's export row recorded (None: not recorded, e.g. a campaign run)."""
-    rows = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == "export" and g["verdict"] == "pass"]
-    sha = (rows[-1].get("details") or {}).get("manifest_sha256") if rows else None
+    rows = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == GateName.EXPORT and g["verdict"] == "pass"]
+    sha = ExportDetails.of(rows[-1].get("details")).manifest_sha256 if rows else None
     return sha if isinstance(sha, str) else None
 
 
@@ -65,7 +66,7 @@ def _control_files(run: dict, folder: Path) -> tuple[Path, Path] | None:
 def _why_no_model(run: dict, meta: dict, led: Ledger) -> str:
     if meta.get("stop_reason"):
         return f"the run {run['status']} at update {meta.get('stopped_at')}: {meta['stop_reason']}"
-    export = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == "export"]
+    export = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == GateName.EXPORT]
     if export and export[-1]["verdict"] != "pass":
         return f"the export gate did not pass ({export[-1]['verdict']}: {export[-1]['reason']})"
     if run["kind"] == "campaign-run":

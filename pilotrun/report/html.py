@@ -14,7 +14,8 @@ from pathlib import Path
 from ..estimate.experiments import adapter_line
 from ..gates.registry import job_memory_gates
 from ..humanize import human_bytes, human_seconds, money
-from ..ledger.records import Series
+from ..ledger.details import LoadDetails, OverfitDetails
+from ..ledger.records import GateName, Series
 from ..ledger.store import Ledger
 from .plots import campaign_figure, curve_figure, dynamics_figure, inline_svg, is_retry, memory_figure, png
 
@@ -170,18 +171,18 @@ def _attachments(folder: Path) -> str:
 def _adapter_section(rows: list[dict]) -> str:
     """Trainable vs frozen parameters as the load gate measured them, and the export's artifacts, when only part
     of the model trains (an adapter): the share trained, its size, and the merged export's size and time."""
-    load = next((r for r in rows if r["gate"] == "load" and r.get("details")), None)
-    d = (load or {}).get("details") or {}
-    total, trainable = d.get("parameters"), d.get("trainable_parameters")
+    load = next((r for r in rows if r["gate"] == GateName.LOAD and r.get("details")), None)
+    d = LoadDetails.of((load or {}).get("details"))
+    total, trainable = d.parameters, d.trainable_parameters
     if not total or trainable is None or trainable >= total:
         return ""
     items = [["trainable parameters", f"{trainable:,} of {total:,} ({trainable / total:.2%})"]]
-    for key, name in (("trainable_bytes", "adapter size"), ("frozen_bytes", "frozen base")):
-        if d.get(key) is not None:
-            items.append([name, human_bytes(d[key])])
+    for size, name in ((d.trainable_bytes, "adapter size"), (d.frozen_bytes, "frozen base")):
+        if size is not None:
+            items.append([name, human_bytes(size)])
     # The export gate's row says what it wrote: the PEFT adapter and, with export.merge, the merged model (or why
     # not), with its time.
-    export = next((r for r in rows if r["gate"] == "export"), None)
+    export = next((r for r in rows if r["gate"] == GateName.EXPORT), None)
     if export is not None:
         items.append(["export", f"{export['verdict']}: {export['reason']}"
                       + (f" ({human_seconds(export['seconds'])})" if export.get("seconds") else "")])
@@ -219,10 +220,10 @@ def render_pilot(led: Ledger, run: dict) -> str:
     train = [(m["step"], m["loss"]) for m in metrics if m["rank"] == 0 and m["loss"] is not None]
     if train:
         body.append("<h2>Updates</h2>" + _curve(train, "training loss per update (the pilot's updates)", "loss"))
-    overfit = next((r for r in rows if r["gate"] == "overfit" and r["details"].get("losses")), None)
+    overfit = next((losses for r in rows
+                    if r["gate"] == GateName.OVERFIT and (losses := OverfitDetails.of(r["details"]).losses)), None)
     if overfit:
-        body.append(_curve(list(enumerate(overfit["details"]["losses"], 1)), "overfit: loss on the tiny subset",
-                           "loss"))
+        body.append(_curve(list(enumerate(overfit, 1)), "overfit: loss on the tiny subset", "loss"))
     body.append(_attachments(Path(run["out_dir"] or ".")))
     body.append(_lock_section(json.loads(run["lock_json"]) if run.get("lock_json") else None))
     body.append(_notes(led, run["run_id"]))

@@ -14,6 +14,8 @@ from rich.text import Text
 
 from ..gates.registry import job_memory_gates
 from ..humanize import human_bytes, human_seconds
+from ..ledger.details import SteadyStepDetails
+from ..ledger.records import GateName
 
 STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip": "dim", "running": "cyan",
          "pending": "dim"}
@@ -105,11 +107,12 @@ def headline(rows: list[dict], status: str) -> Text:
                                        if inp.get("batch_size") or inp.get("micro_batch_size") else "") if x)
         text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top['gate']}"
                     + (f" ({shape})" if shape else ""))
-    steady = next((r for r in rows if r["gate"] == "steady_step" and r["verdict"] in ("pass", "warn")), None)
+    steady = next((r for r in rows if r["gate"] == GateName.STEADY_STEP and r["verdict"] in ("pass", "warn")), None)
     # A program's steady_step row times the stages the program wrapped, not an update: it has no per-update time,
     # and the headline said "n/a/update" (found piloting a plain loop).
-    if steady and steady["details"].get("seconds_per_update") is not None:
-        text.append(f" · {human_seconds(steady['details']['seconds_per_update'])}/update")
+    per_update = SteadyStepDetails.of(steady.get("details")).seconds_per_update if steady else None
+    if per_update is not None:
+        text.append(f" · {human_seconds(per_update)}/update")
     return text
 
 
