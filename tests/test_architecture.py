@@ -440,3 +440,14 @@ def test_only_the_ledger_touches_its_sqlite_connection():
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr == "conn"]
     assert not found, "the ledger's SQLite connection used outside ledger/ (add a Ledger method): " + "; ".join(found)
+
+
+def test_one_runner_starts_every_pilot_run():
+    """pilotrun's loop and a user's program are piloted by the same runner: no other module starts a pilot run."""
+    starters = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "start_run"
+                    and any(isinstance(a, ast.Attribute) and a.attr == "PILOT" for a in node.args)):
+                starters.append(module)
+    assert sorted(set(starters)) == ["pilotrun.pilot.runner"], starters
