@@ -80,6 +80,8 @@ def test_each_declaration_becomes_its_rows(tmp_path):
     assert steady[1].verdict == Verdict.PASS
     (inspect,) = driver.proven_rows(BY_NAME["inspect"])
     assert (inspect.verdict, inspect.reason) == (Verdict.WARN, "recorded by an integration")
+    (load,) = driver.proven_rows(BY_NAME["load"])  # no stage of its name reported: the line to add
+    assert load.verdict == Verdict.SKIP and load.reason.startswith("not measured: the program reported no 'load' stage")
     (batch,) = driver.proven_rows(BY_NAME["batch"])
     assert batch.verdict == Verdict.SKIP and "transformers or Lightning integration" in batch.reason
 

@@ -161,6 +161,7 @@ def _not_on_program(gate: GateDeclaration) -> GateRow:
 def stage_rows(name: str, run: RunOutcome, enable: str, combines: bool = True) -> list[GateRow]:
     """One row per rank from the stages the run reported under ``name`` (several combined, or with ``combines``
     False the first kept); skip (or fail, when the run crashed before reporting it) where there is none."""
+    name = str(name)  # the gate's name as the program wrote it (a GateName would quote as its repr)
     if not any(e["row"].get("gate") == name for e in run.of(Event.STAGE)):
         if not run.ended_cleanly:
             return [GateRow.now(name, Verdict.FAIL, f"the {run.role} run {run.how_it_ended()} before reporting "
