@@ -75,8 +75,23 @@ class ExportSpec:
                       False)
 
 
+class FactorySection:
+    """A section a user factory may be called with (model, data): with ``factory`` set its own keys are legitimate,
+    and the factory receives the mapping as the user wrote it (no defaults added)."""
+
+    written: dict[str, Any]
+
+    @staticmethod
+    def allow_extra(data: dict) -> bool:
+        return isinstance(data, dict) and data.get("factory") is not None
+
+    def factory_mapping(self) -> dict:
+        """What the section's factory is called with: the mapping as written (and ``--set``)."""
+        return copy.deepcopy(self.written)
+
+
 @dataclass
-class ModelSpec:
+class ModelSpec(FactorySection):
     factory: str | None = doc(
         '"module:function" called with this mapping; returns an nn.Module whose forward(**batch) returns .loss', None)
     hf: str | None = doc(
@@ -92,15 +107,6 @@ class ModelSpec:
         "load the frozen base quantised to 4 or 8 bits with bitsandbytes (needs model.hf or model.config)", None)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
     written: dict[str, Any] = field(default_factory=dict, metadata=_WRITTEN)
-
-    @staticmethod
-    def allow_extra(data: dict) -> bool:
-        # The factory receives the whole mapping, so its own keys are legitimate.
-        return isinstance(data, dict) and data.get("factory") is not None
-
-    def factory_mapping(self) -> dict:
-        """What model.factory is called with: the model mapping as the user wrote it (no defaults added)."""
-        return copy.deepcopy(self.written)
 
     def tokenizer_source(self, folder: Path) -> TokenizerSource:
         """Where ``tokenizer`` is: a local path (relative to ``folder``, the spec's), or a Hub id in the local cache
@@ -133,7 +139,7 @@ class ModelSpec:
 
 
 @dataclass
-class DataSpec:
+class DataSpec(FactorySection):
     factory: str | None = doc(
         '"module:function" called with this mapping; returns {"train", "val", "collate", ...} '
         '(README, "Your own model and data")', None)
@@ -150,14 +156,6 @@ class DataSpec:
     drop_last: bool = doc("drop an epoch's last partial micro batch", False)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
     written: dict[str, Any] = field(default_factory=dict, metadata=_WRITTEN)
-
-    @staticmethod
-    def allow_extra(data: dict) -> bool:
-        return isinstance(data, dict) and data.get("factory") is not None
-
-    def factory_mapping(self) -> dict:
-        """What data.factory is called with: the data mapping as written."""
-        return copy.deepcopy(self.written)
 
     def check(self):
         if (self.factory is None) == (self.task is None):
