@@ -268,3 +268,22 @@ def test_overfit_of_an_adapter_on_a_config_built_base_warns_and_on_a_pretrained_
     pretrained = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base")
     row = verdict(pretrained)
     assert row.verdict == Verdict.FAIL, row.reason
+
+
+def test_a_collator_that_returns_a_batch_encoding_is_inspected_and_reloaded(tmp_path):
+    # Found by an independent verdict check: transformers' own DataCollatorForLanguageModeling returns a
+    # BatchEncoding (a UserDict, not a dict); inspect raised "the collate returned no 'labels' tensor" and reload_eval
+    # gave the fresh process no inputs, two false fails on a clean program.
+    from pilotrun.gates.inspect import check_inspect
+
+    collator = transformers.DataCollatorForLanguageModeling(chat.tokenizer(), mlm=False)
+    items = [{"id": it["id"], "input_ids": it["input_ids"]} for it in chat.dialogues(16)]
+    assert not isinstance(collator(items[:2]), dict)
+    tr = trainer(None, tmp_path)
+    tr.train_dataset = tr.eval_dataset = chat.ChatData(items)
+    view = T.TrainerView(tr, collator)
+    inspect = run_check("inspect", lambda: check_inspect(view))
+    assert inspect.verdict == Verdict.PASS and inspect.details["scan"]["examples"] == 16, inspect.reason
+    export = run_check("export", lambda: check_export(view, tmp_path / "export"))
+    reload = run_check("reload_eval", lambda: C.reload_after(view, export, tmp_path / "reload"))
+    assert reload.verdict == Verdict.PASS and reload.details["max_abs_difference"] == 0.0, reload.reason

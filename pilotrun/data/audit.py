@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -79,7 +79,7 @@ def _piece(decode, ids: list[int], pos: int, context: int = 8) -> str:
     return after[len(before):] if after.startswith(before) else decode([ids[pos]])
 
 
-def _first(batch: dict, key: str):
+def _first(batch: Mapping, key: str):
     t = batch.get(key)
     return t[0] if isinstance(t, torch.Tensor) and t.ndim >= 1 else None
 
@@ -91,8 +91,8 @@ def _id(item, position: int) -> str:
 
 def render_example(bundle: DataBundle, item: dict, split: str) -> ExampleView:
     batch = bundle.collate([item])
-    view = ExampleView(id=_id(item, 0), split=split, keys=sorted(batch) if isinstance(batch, dict) else [])
-    if not isinstance(batch, dict):
+    view = ExampleView(id=_id(item, 0), split=split, keys=sorted(batch) if isinstance(batch, Mapping) else [])
+    if not isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
         return view
     ids = _first(batch, "input_ids")
     mask = _first(batch, "attention_mask")
@@ -155,10 +155,10 @@ def scan_split(bundle: DataBundle, split: str = "train", chunk: int = 64, progre
     for start in range(0, n, chunk):
         items = [ds[i] for i in range(start, min(n, start + chunk))]
         batch = bundle.collate(items)
-        labels = batch.get("labels") if isinstance(batch, dict) else None
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
         if not isinstance(labels, torch.Tensor):
             raise TypeError("the collate returned no 'labels' tensor "
-                            f"(keys: {sorted(batch) if isinstance(batch, dict) else type(batch).__name__})")
+                            f"(keys: {sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__})")
         rows = _per_row_supervised(labels)
         for pos, (it, s) in enumerate(zip(items, rows), start=start):
             if s == 0:

@@ -27,7 +27,7 @@ Example (any view; the loop's is built by the gates, an integration's by its cal
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -176,7 +176,7 @@ class TrainingView(Protocol):
 
 def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
     """The batch with its floating tensors in ``dtype`` (integer ids and labels unchanged)."""
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
         return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                 for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -186,7 +186,7 @@ def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
 
 def tensors_of(batch: Any) -> dict[str, torch.Tensor]:
     """A batch's tensors by name (a tuple's by position), contiguous on the CPU: what a fresh process is given."""
-    pairs = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (list, tuple))
+    pairs = batch.items() if isinstance(batch, Mapping) else enumerate(batch if isinstance(batch, (list, tuple))
                                                                      else [batch])
     return {str(k): v.contiguous().cpu() for k, v in pairs if isinstance(v, torch.Tensor)}
 

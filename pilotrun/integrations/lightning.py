@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -326,7 +326,7 @@ class LightningView(C.FrameworkView):
         run_worker("pilotrun.integrations.lightning_reload",
                    ["--export", str(artifact.folder), "--known-manifest", str(artifact.manifest_sha256),
                     "--module-class", f"{cls.__module__}:{cls.__qualname__}", "--module-folder", where,
-                    "--batch-kind", "dict" if isinstance(batch, dict) else "tuple",
+                    "--batch-kind", "dict" if isinstance(batch, Mapping) else "tuple",
                     "--inputs", str(work / "inputs.safetensors"), "--outputs", str(work / "outputs.safetensors")],
                    work / "reload.json", work / "reload.log", "reload")
         return Reloaded(load_file(str(work / "outputs.safetensors"))["outputs"], cls.__qualname__,

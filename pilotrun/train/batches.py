@@ -5,6 +5,7 @@ The one place each of these is computed: the loop, the gates and the estimator a
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 
@@ -14,7 +15,7 @@ IGNORE = -100  # the label of a position that is not supervised (Hugging Face's 
 def to_device(batch, device: torch.device):
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
@@ -32,7 +33,7 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
 
 def seq_len(batch) -> int:
     """The sequence length of a batch (``input_ids``' last dimension), 0 for inputs without a sequence."""
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else 0
 
 
