@@ -196,3 +196,29 @@ def test_importing_pilotrun_does_not_import_lightning_and_a_missing_extra_says_h
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "pip install 'pilotrun[lightning]'" in out.stdout
+
+
+class SqueezesItsBatch(L.LightningModule):
+    """A binary classifier whose training_step squeezes its logits: on a batch of one the batch dimension goes too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(points.DIM, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        target = (batch["y"] > 0).float()
+        return torch.nn.functional.binary_cross_entropy_with_logits(self.net(batch["x"]).squeeze(), target)
+
+
+def test_overfit_scores_as_one_batch_a_loss_that_cannot_take_one_example():
+    # Found by an independent verdict check: scoring each example alone raised "Target size ([1]) must be the same as
+    # input size ([])" in the user's own training_step, a false fail; the subset is scored as one batch and the row
+    # says so.
+    fake = SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2, world_size=1)
+    row = _check(check_overfit, fake, SqueezesItsBatch())
+    assert row.verdict == Verdict.PASS, row.reason
+    assert row.details["scored"].startswith("as one batch: the loss fails on a batch of one example (ValueError")
+    assert "scored as one batch" in row.reason
+    clean = _check(check_overfit, fake, points.Regressor(dropout=0.0))
+    assert clean.verdict == Verdict.PASS and "scored" not in clean.details, clean.reason

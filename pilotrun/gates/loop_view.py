@@ -114,6 +114,7 @@ class LoopView:
     targets_key: str | None = "labels"
     requires_targets: bool = True   # the factory contract: a batch dict of tensors including 'labels'
     scan_limit: int | None = None
+    scoring: str | None = None  # the loop scores each example alone (the factory contract takes a batch of one)
 
     def __init__(self, ctx, export_weights: Any = None) -> None:
         self.ctx, self.spec = ctx, ctx.spec

@@ -95,15 +95,16 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
     out.details = OverfitDetails(
         memory_note="memory of this row includes the check's own model copy", losses=losses, checks=checks, ids=ids,
         updates=len(losses), thresholds={"loss_below": threshold, "accuracy_at_least": plan.accuracy_at_least,
-                                         "loss_below_from": plan.loss_below_from}).to_dict()
+                                         "loss_below_from": plan.loss_below_from}, scored=view.scoring).to_dict()
     acc_text = f", {last['accuracy']:.0%} of its own targets recovered" if last["accuracy"] is not None else ""
+    scored = f"; scored {view.scoring}" if view.scoring else ""
     if passed:
         out.reason = (f"{len(subset)} examples learned in {len(losses)} updates: loss {start_loss:.3g} -> "
-                      f"{last['loss']:.3g} (< {threshold:.3g}){acc_text}")
+                      f"{last['loss']:.3g} (< {threshold:.3g}){acc_text}{scored}")
         return out
     shortfall = frozen_base_shortfall(start_loss, last["loss"], 1 - split.trainable_share, random_base)
     if shortfall:
-        out.warn(f"{len(subset)} examples not learned in {len(losses)} updates: {shortfall}")
+        out.warn(f"{len(subset)} examples not learned in {len(losses)} updates: {shortfall}{scored}")
         return out
     needs = [f"loss {start_loss:.3g} -> {last['loss']:.3g} (needs < {threshold:.3g})"]
     if last["accuracy"] is not None and plan.accuracy_at_least is not None:
@@ -111,8 +112,8 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
     raise GateFailure(
         f"{len(subset)} examples not learned in {len(losses)} updates at lr {plan.lr:g}: " + ", ".join(needs)
         + ". Usual causes: labels that do not belong to their inputs (shifted, taken from another example), inputs "
-        f"the model cannot see, or an lr too low to memorise a few examples{plan.budget_hint}", inputs=out.inputs,
-        details=out.details)
+        f"the model cannot see, or an lr too low to memorise a few examples{plan.budget_hint}{scored}",
+        inputs=out.inputs, details=out.details)
 
 
 class OverfitGate(Gate):

@@ -148,6 +148,7 @@ class TrainingView(Protocol):
     targets_key: str | None       # the batch field the loss reads targets from; None: the loss picks its own
     requires_targets: bool        # a batch without them breaks the job's contract (pilotrun's factory contract)
     scan_limit: int | None        # training examples inspect counts at most (None: all of them)
+    scoring: str | None           # how target_scores scored the overfit subset, when not one example at a time
 
     def progress(self, done: int, total: int, text: str) -> None: ...
     def batching(self) -> Batching: ...

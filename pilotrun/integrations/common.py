@@ -213,6 +213,7 @@ class FrameworkView:
     reload methods of :class:`~pilotrun.gates.view.TrainingView`."""
 
     requires_targets: bool = False  # a framework's batch need not follow pilotrun's factory contract
+    scoring: str | None = None      # how the overfit subset was scored, when not one example at a time
     scan_limit: int | None = SCAN_LIMIT
     targets_key: str | None = None
     shift_labels: bool = False
@@ -267,11 +268,20 @@ class FrameworkView:
         return FrameworkUpdater(self, model, plan)
 
     def target_scores(self, model: torch.nn.Module, items: list) -> tuple[float, float | None]:
-        """The framework's own loss of each example alone, in eval mode (no accuracy: its outputs are its own)."""
+        """The framework's own loss of each example alone, in eval mode (no accuracy: its outputs are its own).
+
+        A loss that cannot take a batch of one (a ``.squeeze()`` that drops the batch dimension, found piloting a
+        Lightning binary classifier) scores the subset as one batch instead, and ``scoring`` says so: a pass then
+        cannot rule out targets that depend on their neighbours."""
         model.eval()
         try:
             with torch.no_grad():
-                losses = [float(self.loss(model, self.data.collate([it])).detach()) for it in items]
+                try:
+                    losses = [float(self.loss(model, self.data.collate([it])).detach()) for it in items]
+                except (RuntimeError, ValueError, IndexError) as exc:
+                    self.scoring = (f"as one batch: the loss fails on a batch of one example ({type(exc).__name__}: "
+                                    f"{(str(exc).splitlines() or [''])[0][:160]})")
+                    losses = [float(self.loss(model, self.data.collate(items)).detach())]
         finally:
             model.train()
         return sum(losses) / len(losses), None

@@ -149,6 +149,9 @@ class OverfitDetails(RowDetails):
     ids: list[str] | None                 # the subset's example ids
     updates: int | None                   # updates run
     thresholds: dict | None               # {loss_below, accuracy_at_least, loss_below_from}
+    # How the subset's targets were scored when not one example at a time (a framework's loss that needs a batch).
+    scored: str | None = None
+    WRITTEN_WITH: ClassVar[dict[str, tuple[str, ...]]] = {"scored": ("scored",)}
 
 
 __all__ = ["ExportDetails", "LoadDetails", "OverfitDetails", "RowDetails", "SaveDetails", "SteadyStepDetails"]
