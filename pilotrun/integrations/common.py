@@ -179,8 +179,6 @@ def built_from_config(model: torch.nn.Module) -> bool | None:
     return None
 
 
-
-
 def framework_data(train: Any, val: Any, collate: Callable, decode: Callable | None = None,
                    label_names: list[str] | None = None) -> DataBundle:
     """A framework's examples as the checks read them (its own dataset and collate; no pilotrun task)."""
