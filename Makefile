@@ -1,5 +1,6 @@
-# Quick start:  make demo   (creates .venv, installs, runs the demo pilot on CPU)
-#               make test   (the whole suite)
+# Quick start:  make demo       (creates .venv, installs, runs the demo pilot on CPU)
+#               make test       (the whole suite, a pytest-xdist worker per core: under 10 minutes on 2 cores)
+#               make test-fast  (the tests that start no process: pure logic, in-process; under 2 minutes)
 # CUDA or ROCm users pick their torch build, e.g.
 #   make demo TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
 PYTHON     ?= python3
@@ -7,8 +8,10 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.pilotrun-installed
+# pytest-xdist workers: one per core, at most 8 (each holds torch and starts pilots of its own).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
 
-.PHONY: venv demo test lint bench gpu-check clean
+.PHONY: venv demo test test-fast lint bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -21,8 +24,14 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/pilotrun run examples/tiny-sft/pilot.yaml
 
+# The whole suite. --dist loadgroup: each test to whichever worker is free, but the tests sharing a module-scoped
+# fixture stay together (tests/conftest.py groups them). Tests that start a process carry @pytest.mark.process.
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# The edit loop: every test without @pytest.mark.process (pure logic in the test's own process).
+test-fast: venv
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not process"
 
 # ruff and mypy are pinned in the dev extra; their caches stay out of the repository's file checks.
 lint: venv

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -25,6 +26,16 @@ TEST_DIGEST = "sha256:" + "5e" * 32
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Under pytest-xdist each of the N workers, and every process its tests start, gets its share of the cores, and
+# OpenMP threads that wait sleep instead of spinning (set here, before torch is imported). N workers with a thread per
+# core each oversubscribe the machine, and spinning threads then make small ops many times slower (the toy LM's overfit
+# gate: 1 s alone, 19 s beside other busy processes); a campaign still gives each run its own thread count.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def _repo_files() -> set[str]:
     out = set()
@@ -39,6 +50,23 @@ def _repo_files() -> set[str]:
 @pytest.fixture(scope="session")
 def repo_files_before():
     return _repo_files()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_trace_cache(tmp_path_factory):
+    """The estimator's traces (pilotrun.estimate.cache) in one folder for the session, never in ~/.cache. A trace
+    depends only on its key and a hit answers what a miss does (test_estimate_cache), so the tests, and the xdist
+    workers (the folder is above each worker's), share them: the 7B shapes several estimate tests ask for are traced
+    once. A test about the cache itself sets its own PILOTRUN_CACHE."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "trace-cache"
+    before = os.environ.get("PILOTRUN_CACHE")
+    os.environ["PILOTRUN_CACHE"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("PILOTRUN_CACHE", None)
+    else:
+        os.environ["PILOTRUN_CACHE"] = before
 
 
 # Every process a test starts inherits this mark, even one that escaped into its own session and
@@ -56,6 +84,92 @@ def _marked() -> dict[int, psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return out
+
+
+# -- the tiers -------------------------------------------------------------------------------------------------------
+# `make test-fast` runs the tests without the `process` mark: pure logic in this process. Every test that starts a
+# process (a subprocess, the CLI, a pilot whose restore/resume/reload_eval gates start workers, torchrun, Ray, a
+# program pilot, a DataLoader worker) carries it; one that starts a process without it fails at teardown, naming what
+# it started, so the fast tier stays fast as tests are added.
+PROCESS_MARK = "process"
+# Short probes in-process code makes that are not the process a test is about: the lock gate's `git rev-parse` and
+# `git status` (milliseconds, a 10 s timeout), and `uname -p` behind platform.processor() (MLflow asks it; the answer
+# is cached, so only the first test of a worker to ask starts it).
+PROBES = frozenset({"git", "uname"})
+_running: list[pytest.Item] = []
+_started: dict[str, list[str]] = {}
+
+
+def _note(what: str) -> None:
+    if _running and _running[-1].get_closest_marker(PROCESS_MARK) is None:
+        _started.setdefault(_running[-1].nodeid, []).append(what)
+
+
+def _watch(module, name: str, describe) -> None:
+    real = getattr(module, name)
+
+    def watched(*args, **kwargs):
+        what = describe(*args, **kwargs)
+        if what is not None:
+            _note(what)
+        return real(*args, **kwargs)
+
+    # Pickled by reference under the name it replaces (a test pickles os.system itself).
+    watched.__module__, watched.__name__ = getattr(module, "__module__", module.__name__), name
+    watched.__qualname__ = f"{module.__qualname__}.{name}" if isinstance(module, type) else name
+    setattr(module, name, watched)
+
+
+def _popen_words(self, args, *rest, **kwargs) -> str | None:
+    words = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    program = kwargs.get("executable") or (words[0] if words else "")
+    if not kwargs.get("shell") and os.path.basename(os.fsdecode(program)) in PROBES:
+        return None
+    return "subprocess: " + " ".join(os.fsdecode(w) for w in words)[:200]
+
+
+_watch(subprocess.Popen, "__init__", _popen_words)
+_watch(os, "fork", lambda: "os.fork() (multiprocessing with fork, a DataLoader worker)")
+_watch(os, "posix_spawn", lambda path, *a, **k: f"os.posix_spawn: {path}")
+_watch(os, "posix_spawnp", lambda path, *a, **k: f"os.posix_spawnp: {path}")
+_watch(os, "system", lambda command: f"os.system: {command}")
+_watch(multiprocessing.util, "spawnv_passfds", lambda path, args, fds: f"multiprocessing spawn: {os.fsdecode(path)}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` (make test) each test goes to whichever worker is free, except that the tests of a
+    module sharing a module-scoped fixture (test_campaign's one real campaign) stay on one worker, so it runs once."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs and any(d and d[-1].scope in ("module", "package") for d in defs.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    started = _started.pop(item.nodeid, None) if call.when == "teardown" else None
+    if not started:
+        return
+    message = (f"{item.nodeid} started {len(started)} process(es) but is not marked @pytest.mark.{PROCESS_MARK} "
+               f"(`make test-fast` would run it): " + "; ".join(started[:5]))
+    if report.failed:
+        report.sections.append(("unmarked process", message))
+    else:
+        report.outcome = "failed"
+        report.longrepr = message
 
 
 @pytest.fixture(autouse=True)
@@ -77,11 +191,16 @@ def no_leaks(repo_files_before):
                 alive.append(p)
         except psutil.NoSuchProcess:
             pass
+    left = []
     for p in alive:
+        try:
+            left.append(p.cmdline())  # read before the kill: a killed child is a zombie, whose cmdline psutil refuses
+        except psutil.Error:
+            left.append([f"pid {p.pid}"])
         p.kill()
     new_files = _repo_files() - repo_files_before
     assert not leaked_pg, "the test left a torch.distributed process group initialised"
-    assert not alive, f"the test left child processes running: {[p.cmdline() for p in alive]}"
+    assert not alive, f"the test left child processes running: {left}"
     assert not new_files, f"the test wrote into the repository: {sorted(new_files)[:10]}"
 
 

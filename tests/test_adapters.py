@@ -48,6 +48,7 @@ def test_target_modules_the_model_lacks_lists_its_linear_names(lora_spec):
         assert name in message
 
 
+@pytest.mark.process
 def test_cli_exit_2_without_traceback_for_missing_targets(lora_spec, tmp_path):
     proc = pilotrun_cli("run", str(lora_spec), "--set", "model.adapter.target_modules=[qkv]", "--out",
                         str(tmp_path / "o"), "--ledger", str(tmp_path / "l.sqlite"), cwd=tmp_path, timeout=240)
@@ -334,7 +335,7 @@ def test_an_adapter_export_on_a_factory_base_is_rebuilt_from_the_spec_folder_wit
 
 # -- the example, every gate, for real ------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_lora_example_passes_every_gate_and_its_archive_reloads_the_adapter(lora_spec, tmp_path):
     import subprocess
     import sys

@@ -98,6 +98,7 @@ def test_check_finite_can_stop_the_loop_with_a_documented_exception(tmp_path):
         assert [r["verdict"] for r in led.gate_rows(led.runs()[0]["run_id"])] == ["pass", "fail"]
 
 
+@pytest.mark.process
 def test_module_level_stage_in_a_script(tmp_path):
     script = textwrap.dedent("""
         import torch, pilotrun

@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray", reason="Ray is the optional extra: pip install 
 
 from pilotrun.campaign.engines.ray import Outcome, classify, lost_end, plan_ray  # noqa: E402
 from pilotrun.campaign.resources import PerRun  # noqa: E402
+from pilotrun.campaign.runner import FLUSH_EVERY_S  # noqa: E402
 from pilotrun.campaign.spool import SpoolReader, SpoolSink  # noqa: E402
 from pilotrun.ledger.records import RunEnd, RunStatus, Series, StopKind  # noqa: E402
 
@@ -88,6 +89,7 @@ def test_the_spool_hands_over_complete_lines_once_and_keeps_each_rank(tmp_path):
                                   ("end", "run", ["diverged", "divergence", "loss 9 > 3 x 2", 4], {"final": None})]
 
 
+@pytest.mark.process
 def test_address_and_storage_without_the_ray_engine_are_refused(tmp_path):
     res = pilotrun_cli("campaign", "x.yaml", "--address", "127.0.0.1:1", "--ledger", str(tmp_path / "l.sqlite"),
                        cwd=tmp_path)
@@ -183,7 +185,7 @@ def _summary(ledger: Path) -> tuple[list, list]:
     return rows, json.loads(camp["meta_json"])["conclusion"]["text"]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_local_ray_instance_keeps_exactly_the_rows_the_local_engine_keeps(tmp_path, ray_env):
     spec = _campaign(tmp_path)
     ray_ledger, local_ledger = tmp_path / "ray.sqlite", tmp_path / "local.sqlite"
@@ -250,7 +252,7 @@ def build_model(cfg):
 """
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_failing_factory_gives_the_same_row_on_ray_and_each_ray_run_has_a_fresh_process(tmp_path, ray_env):
     shutil.copytree(FIXTURES / "toy", tmp_path / "toy")
     (tmp_path / "toy" / "flaky.py").write_text(FLAKY)
@@ -287,7 +289,47 @@ def _lighter(base: Path) -> None:
     base.write_text(yaml.safe_dump(spec, sort_keys=False))
 
 
-UPDATES = 40  # long enough that the worker node is killed mid-run, short enough for the head's run to finish
+UPDATES = 12
+# The toy job, through a model factory that stops for good at the model's 9th call on the worker node (the processes
+# there carry the "-worker" mark): the run there cannot finish before its node is killed, however slow the machine
+# (a race with 40 updates of the demo was lost on a loaded one). Its 3rd call waits out the runner's flush interval
+# first, so the updates after it reach the ledger: a stopped row has a last recorded update. On the head it trains on.
+STALL_ON_THE_WORKER = f"""
+import os
+import time
+
+from toy import build_data, build_model as toy_model  # noqa: F401
+
+
+def build_model(cfg):
+    model = toy_model({{k: v for k, v in cfg.items() if k != "factory"}})
+    if os.environ.get({MARK!r}, "").endswith("-worker"):
+        calls = []
+
+        def stall(module, args):
+            calls.append(1)
+            if len(calls) == 3:
+                time.sleep({FLUSH_EVERY_S + 0.5})
+            while len(calls) >= 9:
+                time.sleep(1)
+
+        model.register_forward_pre_hook(stall)
+    return model
+"""
+
+
+def _stalling_campaign(tmp_path: Path) -> Path:
+    shutil.copytree(FIXTURES / "toy", tmp_path / "toy")
+    (tmp_path / "toy" / "stall.py").write_text(STALL_ON_THE_WORKER)
+    base = yaml.safe_load((tmp_path / "toy" / "pilot.yaml").read_text())
+    base["model"]["factory"], base["data"]["factory"] = "stall:build_model", "stall:build_data"
+    (tmp_path / "toy" / "pilot.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
+    spec = tmp_path / "stall.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "stall", "base": "toy/pilot.yaml", "vary": {"train.optimizer.lr": [0.01, 0.003]}, "seeds": [1],
+        "updates": UPDATES, "eval": {"every": UPDATES // 2}, "stop": {"non_finite": True, "budget_minutes": 20},
+        "keep": {"checkpoint": False, "export": False, "control_set": 0}}, sort_keys=False))
+    return spec
 
 
 def _start_node(args: list[str], env: dict) -> str:
@@ -298,7 +340,7 @@ def _start_node(args: list[str], env: dict) -> str:
     return res.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path, ray_env):
     head_env = {**ray_env, MARK: ray_env[MARK]}
     _start_node(["--head", "--port=0", "--include-dashboard=false"], head_env)
@@ -307,9 +349,7 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
     worker_mark = ray_env[MARK] + "-worker"
     try:
         _start_node([f"--address={address}"], {**ray_env, MARK: worker_mark})
-        spec = _campaign(tmp_path, seeds=[1], vary={"train.optimizer.lr": [3.0e-3, 1.0e-3]}, updates=UPDATES,
-                         eval={"every": UPDATES // 2}, keep={"checkpoint": False, "export": False, "control_set": 0})
-        _lighter(tmp_path / "tiny-sft" / "pilot.yaml")
+        spec = _stalling_campaign(tmp_path)
         ledger = tmp_path / "l.sqlite"
         proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(spec), "--engine", "ray",
                                  "--address", address, "--ledger", str(ledger), "--out", str(tmp_path / "runs"),
@@ -321,9 +361,15 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
             deadline = time.monotonic() + 180
             while victim is None and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.3)
-                if not ledger.exists():
+                if not ledger.exists():  # (connecting would create it)
                     continue
-                for r in _rows(ledger, "SELECT run_id, meta_json FROM runs WHERE kind = 'campaign-run'"):
+                try:
+                    runs = _rows(ledger, "SELECT run_id, meta_json FROM runs WHERE kind = 'campaign-run'")
+                except sqlite3.OperationalError as exc:  # the campaign process is still creating its tables
+                    if "no such table" not in str(exc):
+                        raise
+                    continue
+                for r in runs:
                     pid = (json.loads(r["meta_json"]).get("ray") or {}).get("pid")
                     on_worker = pid and any(p.pid == pid for p in _marked(worker_mark))
                     if on_worker and _rows(ledger, "SELECT 1 FROM metrics WHERE run_id = ? AND gate = 'train'",
@@ -368,7 +414,7 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
         _kill(worker_mark)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per_rank(tmp_path, ray_env):
     spec = _campaign(tmp_path, seeds=[1], vary={"train.optimizer.lr": [3.0e-3, 1.0e-3]}, updates=4,
                      eval={"every": 2}, processes=2, keep={"checkpoint": False, "export": True, "control_set": 2})

@@ -60,6 +60,7 @@ def test_failed_write_leaves_no_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.process
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     good_checkpoint(tmp_path / "step-000001")
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, str(tmp_path / "step-000002")],

@@ -20,9 +20,8 @@ from pilotrun.workers.train_phase import restore_check
 from .conftest import TEST_DIGEST, killed_after_export, pilotrun_cli
 from .conftest import gate_rows as rows_of
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.process
 @pytest.mark.parametrize("bug, gate, words", [
     ("nonpersistent_buffer", "restore", "buffer 'seen': it is registered with persistent=False"),
     ("unseeded_augment", "resume", "not reproducible even without a restart"),
@@ -34,6 +33,7 @@ def test_each_bug_fails_its_gate(toylm, tmp_path, bug, gate, words):
     assert words in rows[gate]["reason"]
 
 
+@pytest.mark.process
 def test_nonpersistent_buffer_also_breaks_the_resumed_losses(toylm, tmp_path):
     rows = rows_of(toylm, tmp_path, "model.bug=nonpersistent_buffer", gates=["resume"])
     reason = rows["resume"]["reason"]
@@ -41,6 +41,7 @@ def test_nonpersistent_buffer_also_breaks_the_resumed_losses(toylm, tmp_path):
     assert "losses differ while ids and lr match" in reason
 
 
+@pytest.mark.process
 def test_correct_setup_restores_and_resumes_bitwise(toylm, tmp_path):
     rows = rows_of(toylm, tmp_path, gates=["restore", "resume", "reload_eval"])
     assert all(r["verdict"] == "pass" for r in rows.values()), {g: r["reason"] for g, r in rows.items()}
@@ -131,6 +132,7 @@ def test_first_difference_names_field_and_update():
     assert first_difference(a, c, exact=False, rtol=1e-3) is None
 
 
+@pytest.mark.process
 def test_resume_from_the_cli_after_a_real_kill(toylm, tmp_path):
     ledger = tmp_path / "l.sqlite"
     parent = killed_after_export(toylm, tmp_path, ledger)  # after save and export, before restore/resume/overfit
@@ -188,6 +190,7 @@ def test_buffers_are_compared_with_the_copy_the_strategy_makes_the_state():
                                                                            "buffer 'scale'"]
 
 
+@pytest.mark.process
 def test_sigterm_is_recorded_as_an_interruption_and_resume_finishes_the_run(toylm, tmp_path):
     # What a spot/preemptible rental's end sends: SIGTERM to pilotrun alone, mid-run.
     ledger = tmp_path / "l.sqlite"

@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import copy_example, copy_fixture, open_in_chromium, pilotrun_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 def test_help_shows_examples(tmp_path):

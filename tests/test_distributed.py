@@ -43,6 +43,7 @@ def test_rank_summary_flags_real_imbalance_only():
     assert rank_summary(rows)[0]["imbalance"] == []
 
 
+@pytest.mark.process
 def test_launch_refuses_what_cannot_run(tmp_path, monkeypatch):
     from pilotrun import devices
     from pilotrun.cli.common import UsageError
@@ -82,27 +83,58 @@ for i in range(20):
     distributed.gather(env, {"rank": rank, "rows": list(range(50))})
     distributed.shutdown(env)  # the model is still referenced here, as it once was in the pilot
     del model                  # before: its Reducer destroyed the group here, holding the GIL
+    print("shut down", i, flush=True)
 print("done", flush=True)
 """
+STALLED_S = 120  # no line from a rank for this long: it is stuck (a quiet iteration takes well under a second)
 
 
-@pytest.mark.slow
+def _outputs_unless_stalled(procs: list[subprocess.Popen], stalled_s: float) -> list[tuple[str, str]] | None:
+    """Every process's (stdout, stderr) once all have exited; None (and every process killed) when none printed a
+    line for ``stalled_s`` seconds while one still ran. Waits on progress, not on a total time: a loaded machine
+    is slow, a deadlocked rank silent."""
+    import threading
+    import time
+
+    texts: list[list[str]] = [[] for _ in range(2 * len(procs))]
+    last = [time.monotonic()]
+
+    def read(stream, into):
+        for line in stream:
+            into.append(line)
+            last[0] = time.monotonic()
+
+    streams = [s for p in procs for s in (p.stdout, p.stderr)]
+    readers = [threading.Thread(target=read, args=(stream, texts[i]), daemon=True) for i, stream in enumerate(streams)]
+    for t in readers:
+        t.start()
+    stalled = False
+    while not stalled and any(p.poll() is None for p in procs):
+        stalled = time.monotonic() - last[0] > stalled_s
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    for t in readers:
+        t.join()
+    for stream in streams:
+        stream.close()
+    return None if stalled else [("".join(texts[2 * i]), "".join(texts[2 * i + 1])) for i in range(len(procs))]
+
+
+@pytest.mark.process
 def test_shutdown_after_ddp_does_not_deadlock(tmp_path):
     # A DDP Reducer holding the process group's last reference destroys it with the GIL held while a
     # gloo thread waits for the GIL to free a finished collective's tensors: a rank that never exits
     # (it hung a CI run). shutdown() frees every Reducer while the group is still registered.
     procs = [subprocess.Popen([sys.executable, "-c", SHUTDOWN_LOOP, str(rank), str(tmp_path / "store")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail("a rank deadlocked in the process group's destruction")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    outs = _outputs_unless_stalled(procs, STALLED_S)
+    if outs is None:
+        pytest.fail(f"a rank deadlocked in the process group's destruction (no progress for {STALLED_S} s)")
     assert [p.returncode for p in procs] == [0, 0] and all("done" in o for o, _ in outs), outs
+    assert all(o.count("shut down") == 20 for o, _ in outs), outs
     # Finding the DDP modules must not read torch.distributed.reduce_op's attributes (a FutureWarning per rank).
     assert not any("reduce_op" in err for _, err in outs), outs
 
@@ -114,7 +146,7 @@ def _losses(ledger, run_id=None) -> list[tuple[int, float]]:
         return [(r, round(x, 9)) for r, x in con.execute(q + " ORDER BY rank, step", (run_id,) if run_id else ())]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_fsdp_pilot_on_two_processes_passes_every_gate(tmp_path):
     spec = copy_example("tiny-sft", tmp_path)
     ledger, out = tmp_path / "l.sqlite", tmp_path / "fsdp"
@@ -171,7 +203,7 @@ def _safetensors_header(path: Path) -> dict:
     return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_ddp_pilot_matches_one_process(tmp_path):
     spec = copy_example("tiny-sft", tmp_path)
     ledger, out = tmp_path / "l.sqlite", tmp_path / "ddp"
@@ -194,7 +226,7 @@ def _restore_rows(report: dict) -> dict[int, dict]:
     return {g["rank"]: g for g in report["gates"] if g["gate"] == "restore"}
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_ddp_restores_batchnorm_statistics_as_rank_0s_and_still_catches_an_unsaved_buffer(tmp_path):
     from pilotrun.checkpoint.state import _digest
 
@@ -232,7 +264,7 @@ def test_ddp_restores_batchnorm_statistics_as_rank_0s_and_still_catches_an_unsav
     assert "running_mean" not in reason, reason
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_fsdp_names_unsynchronised_batchnorm_buffers_as_the_cause(tmp_path):
     # FSDP2 keeps each rank's buffers and nothing reconciles them: the checkpoint cannot hold both copies,
     # so the restore fails (a resumed rank would run with another rank's statistics) and says why.
@@ -247,7 +279,7 @@ def test_fsdp_names_unsynchronised_batchnorm_buffers_as_the_cause(tmp_path):
     assert "SyncBatchNorm.convert_sync_batchnorm" in reason
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_sigterm_to_launch_is_recorded_by_the_ranks_as_an_interruption(toylm, tmp_path):
     # A preempted multi-process rental: SIGTERM reaches the launcher alone; it passes it to torchrun's ranks.
     import os

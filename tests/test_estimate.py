@@ -18,12 +18,6 @@ from .conftest import EXAMPLES, TEST_DIGEST, copy_example, gate_rows, pilotrun_c
 GiB = 2**30
 
 
-@pytest.fixture(autouse=True)
-def _private_trace_cache(tmp_path, monkeypatch):
-    """Every CLI call here keeps its traces in the test's own folder, never in ~/.cache."""
-    monkeypatch.setenv("PILOTRUN_CACHE", str(tmp_path / "cache"))
-
-
 def synthetic_trace(params=4 * GiB, acts=10 * GiB, opt=8 * GiB, precision="bf16", casts=0) -> dict:
     stage = {"peak_bytes": params * 2 + opt + acts + casts, "peak_bytes_rounded": params * 2 + opt + acts + casts + 1024,
              "breakdown": {"parameters": params, "gradients": params, "optimizer": opt, "activations": acts,
@@ -103,7 +97,7 @@ def test_the_local_device_is_found_through_the_one_device_query(monkeypatch):
     assert acc.name == "NVIDIA RTX 9000" and acc.memory_bytes == 25769803776 and acc.peak_flops("bf16") is None
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_trace_matches_measured_cpu_peaks_within_5_percent(tmp_path, monkeypatch):
     monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
     spec_path = copy_example("tiny-sft", tmp_path)
@@ -114,7 +108,7 @@ def test_trace_matches_measured_cpu_peaks_within_5_percent(tmp_path, monkeypatch
         assert abs(trace["stages"][stage]["peak_bytes"] / measured - 1) <= 0.05, stage
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_7b_hand_check_from_the_cli(tmp_path):
     spec = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
     res = pilotrun_cli("estimate", str(spec), "--accelerator", "H100-80GB", "--gpus", "4", "--json", cwd=tmp_path)
@@ -141,7 +135,7 @@ SMALL_CARD = ("accelerators:\n  Card-16GB:\n    vendor: nvidia\n    stack: cuda\
               "    blas_workspace_bytes: 8519680\n    nccl_buffer_bytes: 536870912\n")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_advice_lists_combinations_in_order_of_cost_up_to_the_cheapest_that_fits(tmp_path):
     (tmp_path / "cards.yaml").write_text(SMALL_CARD)
     spec = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
@@ -181,7 +175,7 @@ def test_combinations_are_ordered_by_their_dearest_fix():
     assert not any("max_length" in n or "length" in n for n in names)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_select_and_plan(tmp_path):
     spec = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
     res = pilotrun_cli("select", str(spec), "--accelerator", "H100-80GB", "--accelerator", "MI300X-192GB", "--json",
@@ -243,6 +237,7 @@ def test_rental_plans_are_pure_arithmetic():
     assert Assumptions().download_mb_s > 0
 
 
+@pytest.mark.process
 def test_unknown_accelerator_is_exit_2(tmp_path):
     res = pilotrun_cli("estimate", str(EXAMPLES / "tiny-sft" / "pilot.yaml"), "--accelerator", "tpu-v5", cwd=tmp_path)
     assert res.returncode == 2 and "unknown accelerator 'tpu-v5'" in res.stderr and "Traceback" not in res.stderr

@@ -242,15 +242,14 @@ def test_other_experiments_are_labelled_and_never_advised():
         assert set(row["changes"]) <= FIX_KEYS and not any(k.startswith("model.") for k in row["changes"])
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_select_lists_adapter_experiments_beside_the_full_fine_tune(tmp_path):
     import json
 
     from .conftest import pilotrun_cli
 
-    env = {"PILOTRUN_CACHE": str(tmp_path / "cache")}
     r = pilotrun_cli("select", str(TINY), "--accelerator", "A100-80GB", "--other-experiments", "--json",
-                     cwd=tmp_path, env=env)
+                     cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["rows"]
     assert [row["experiment"].split(":")[0] for row in rows] == ["full fine-tune", "a different experiment",
@@ -259,7 +258,7 @@ def test_select_lists_adapter_experiments_beside_the_full_fine_tune(tmp_path):
     assert full["adapter"] is None and lora["adapter"]["trainable_share"] < 0.5
     assert qlora["adapter"]["quantized_layers"] > 0
     bad = pilotrun_cli("estimate", str(TINY), "--set", "model.adapter={r: 4, target_modules: [query]}",
-                       "--accelerator", "A100-80GB", cwd=tmp_path, env=env)
+                       "--accelerator", "A100-80GB", cwd=tmp_path)
     assert bad.returncode == 2 and "model.adapter.target_modules" in bad.stderr and "q_proj" in bad.stderr
     assert "Traceback" not in bad.stderr
 

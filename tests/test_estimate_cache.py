@@ -58,7 +58,7 @@ def test_an_unwritable_cache_is_a_note_not_a_failure(tmp_path):
     assert note and "not cached" in note and "PILOTRUN_CACHE" in note
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_estimate_reuses_bypasses_and_survives_a_corrupt_cache(tmp_path):
     env = {"PILOTRUN_CACHE": str(tmp_path / "cache")}
 

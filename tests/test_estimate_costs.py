@@ -115,9 +115,8 @@ def test_plan_items_carry_cost_and_the_download_of_the_source():
     assert "model download" in unknown["unknown"] and unknown["cost"] is None and unknown["cost_note"] == "no price"
 
 
-@pytest.mark.slow
-def test_select_markdown_json_and_plan_show_cost_where_they_show_time(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CACHE", str(tmp_path / "cache"))
+@pytest.mark.process
+def test_select_markdown_json_and_plan_show_cost_where_they_show_time(tmp_path):
     common = [str(LLAMA), "--set", SHALLOW[0], "--catalog", str(EXAMPLE_CATALOG), "--accelerator", "H100-80GB",
               "--accelerator", "A100-80GB"]
     res = pilotrun_cli("select", *common, "--json", cwd=tmp_path)

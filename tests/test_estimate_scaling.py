@@ -23,11 +23,6 @@ SPEC = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
 AC = "train.activation_checkpointing=true"
 
 
-@pytest.fixture(autouse=True)
-def _private_trace_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PILOTRUN_CACHE", str(tmp_path / "cache"))
-
-
 def test_activations_scale_from_the_backward_moment_not_the_optimizer_step():
     """A stage whose overall peak is the step (no activations) still grows with the batch from backward."""
     trace = synthetic_trace(params=4 * GiB, acts=0, opt=16 * GiB)
@@ -47,7 +42,7 @@ def test_activations_scale_from_the_backward_moment_not_the_optimizer_step():
     assert 20 < scale < 40  # about (0.95 x 79 GiB - 16 GiB - overheads) / 2 GiB, not the 1024 ceiling
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_largest_micro_batch_is_confirmed_by_a_trace_at_that_batch(tmp_path):
     res = pilotrun_cli("select", str(SPEC), "--set", SHALLOW[0], "--set", AC, "--accelerator", "H100-80GB",
                        "--headroom", "0.05", "--json", cwd=tmp_path)

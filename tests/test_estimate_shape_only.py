@@ -11,6 +11,8 @@ import pytest
 
 from .conftest import pilotrun_cli, write_spec
 
+pytestmark = pytest.mark.process  # each test runs the command line
+
 # A small Llama shape: no data file, no tokenizer anywhere on disk.
 SHAPE = {
     "name": "shape-only",
@@ -35,11 +37,32 @@ def test_estimate_needs_no_data_file_or_tokenizer(tmp_path, path):
 
 
 def test_select_and_plan_need_no_data_file_or_tokenizer(tmp_path):
+    from pilotrun.estimate.catalog import load_catalog
+
     spec_path = write_spec(tmp_path / "pilot.yaml", SHAPE)
-    for args in (["select", str(spec_path)], ["plan", str(spec_path), "--runs", "2"]):
-        res = pilotrun_cli(*args, cwd=tmp_path)
-        assert res.returncode == 0, (args, res.stderr)
-        assert "Traceback" not in res.stderr
+    catalog = load_catalog()
+    names = set(catalog)
+    untimed = {n for n, a in catalog.items() if a.peak_flops("fp32") is None}  # the catalog gives no fp32 rate
+    res = pilotrun_cli("select", str(spec_path), cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "selection sheet · shape-only" in res.stdout, res.stdout
+    # A row per built-in accelerator: the 2-layer shape fits each one alone at the spec's 2 x 2 per update,
+    # with a traced memory use.
+    rows = {cells[0]: cells for cells in map(str.split, res.stdout.splitlines()) if cells and cells[0] in names}
+    assert set(rows) == names, res.stdout
+    for name, cells in rows.items():
+        assert cells[3:9] == ["yes", "single", "1", "2", "x", "2"], (name, cells)
+        assert float(cells[11]) > 0 and cells[12] in ("MiB", "GiB"), (name, cells)
+    res = pilotrun_cli("plan", str(spec_path), "--runs", "2", cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    for name in names:  # a plan per accelerator, its training time from the spec's 20 updates where it has a rate
+        assert f"{name} · single x1 · micro batch 2 x 2 · fits" in res.stdout, (name, res.stdout)
+    lines = res.stdout.splitlines()
+    training = [line for line in lines if line.split()[:1] == ["training"]]
+    assert sum("20 updates x" in line for line in training) == len(names - untimed), training
+    assert sum("no time estimate" in line for line in training) == len(untimed), training
+    assert sum("3 days on 1 GPU(s): fits" in line for line in lines) == len(names)
+    assert "model.config builds the model with random weights on the node: no weights to download" in res.stdout
 
 
 def test_run_still_names_the_missing_data_file_and_tokenizer(tmp_path):

@@ -10,6 +10,7 @@ from .conftest import TEST_DIGEST, copy_fixture, pilotrun_cli
 from .conftest import gate_rows as verdicts
 
 
+@pytest.mark.process
 def test_correct_user_lm_passes_every_gate(toylm, tmp_path):
     rows = verdicts(toylm, tmp_path)
     assert list(rows) == ALL
@@ -131,6 +132,7 @@ def test_classification_names_that_disagree_with_the_model_config_fail_inspect(t
     assert "0: model 'sports' vs data 'food'" in rows["inspect"]["reason"]
 
 
+@pytest.mark.process
 def test_batch_command_prints_the_spec_numbers(tmp_path):
     res = pilotrun_cli("batch", "--micro-batch", "2", "--grad-accum", "8", "--replicas", "1", "--examples", "3200",
                        "--json", cwd=tmp_path)
@@ -144,6 +146,7 @@ def test_batch_command_prints_the_spec_numbers(tmp_path):
     assert pilotrun_cli("batch", "--micro-batch", "0", "--examples", "5", cwd=tmp_path).returncode == 2
 
 
+@pytest.mark.process
 def test_inspect_command_on_the_demo(tmp_path):
     from .conftest import copy_example
 

@@ -8,7 +8,7 @@ from pilotrun.config import load_spec
 from pilotrun.measure import StageMeter
 from pilotrun.pilot import PilotOptions, run_pilot
 
-from .conftest import copy_fixture
+from .conftest import SPEC_ORDER, copy_fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm device")]
 
@@ -25,10 +25,22 @@ def test_allocator_counters_are_kept_apart():
     assert mem["device_used_bytes"] and mem["device_used_bytes"] >= mem["peak_reserved_bytes"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_toy_pilot_on_cuda(tmp_path, precision):
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip(f"{torch.cuda.get_device_name(0)} has no bf16")
     spec = load_spec(copy_fixture("toy", tmp_path), [f"train.precision={precision}", "train.device=cuda"])
     result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "o", ledger_path=tmp_path / "l.sqlite"))
     rows = {r["gate"]: r for r in result.rows}
-    assert not result.failed, [(r["gate"], r["reason"]) for r in result.rows]
-    assert rows["first_step"]["memory"]["peak_reserved_bytes"] >= rows["first_step"]["memory"]["peak_allocated_bytes"] > 0
+    # Every gate ran: a pilot whose gates all skipped (no device after all, an unsupported precision) fails here.
+    assert list(rows) == SPEC_ORDER
+    assert {r["verdict"] for r in result.rows} <= {"pass", "warn"}, [(r["gate"], r["verdict"], r["reason"])
+                                                                     for r in result.rows]
+    assert result.exit_code == 0 and not result.failed
+    for gate in ("first_step", "steady_step", "eval"):  # on the GPU, at the precision asked, by its allocator
+        assert rows[gate]["inputs"]["device"].startswith("cuda") and rows[gate]["inputs"]["precision"] == precision
+        mem = rows[gate]["memory"]
+        assert mem["source"] == "cuda-allocator", (gate, mem)
+        assert mem["peak_reserved_bytes"] >= mem["peak_allocated_bytes"] > 0, (gate, mem)
+    assert rows["steady_step"]["details"]["seconds_per_update"] > 0

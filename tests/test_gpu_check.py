@@ -92,7 +92,7 @@ def test_the_comparison_and_the_fit_on_recorded_gpu_counters():
     assert "| tiny-sft | bf16-true | | | | | | not measured: why |" in md and "Dry run" not in md
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_dry_mode_runs_the_same_code_and_writes_both_files(tmp_path):
     # One pilot, whichever branch this is: bf16-true on the LoRA example once branch lora is in (the demo in bf16
     # before); the other keys are listed with their reason -- QLoRA and 8-bit AdamW need a CUDA bitsandbytes,

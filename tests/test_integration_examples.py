@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import EXAMPLES, TEST_DIGEST
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 # Gates a program cannot have (README, "Pilot your own program"): skip with the reason, never a silent pass.
 NOT_ON_A_PROGRAM = {"split", "restore"}

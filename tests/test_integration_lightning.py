@@ -188,6 +188,7 @@ def test_lightnings_own_resume_is_measured_bitwise(tmp_path):
     assert found[2][0] == "update 3 ids", f"mid-epoch: {found[2]}"
 
 
+@pytest.mark.process
 def test_importing_pilotrun_does_not_import_lightning_and_a_missing_extra_says_how_to_install():
     code = ("import sys, pilotrun, pilotrun.integrations; "
             "assert 'lightning' not in sys.modules, 'lightning imported'; "

@@ -183,6 +183,7 @@ class MaskingCollator:
         return batch
 
 
+@pytest.mark.process
 def test_the_probes_leave_a_collators_own_random_state_alone_and_skip_accum_on_a_random_collate(tmp_path):
     """The control run (probes on) must draw what the interrupted run (no probes) draws, or the resume gate calls
     the program unseeded; the probes' one-batch-vs-micro-batches comparison means nothing on random masking."""

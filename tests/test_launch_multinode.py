@@ -91,7 +91,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_two_nodes_on_loopback_share_one_run_id_and_each_rank_writes_its_rows(tmp_path):
     port = _free_port()
     env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}

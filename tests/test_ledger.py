@@ -123,6 +123,7 @@ def test_a_campaign_prefix_means_the_campaign_not_its_runs(tmp_path):
         assert led.matches("nothing") == []
 
 
+@pytest.mark.process
 def test_concurrent_writers_lose_nothing(tmp_path):
     path = tmp_path / "l.sqlite"
     Ledger(path).close()
@@ -147,6 +148,7 @@ def _open_fresh(path, barrier, errors):
         errors.put(str(exc))
 
 
+@pytest.mark.process
 def test_processes_creating_the_same_new_ledger_at_once_all_open_it(tmp_path):
     # The ranks of a torchrun job open a new ledger at the same instant: switching the file to WAL used to
     # answer "database is locked" to one of two ranks about one time in ten (a CI failure of the FSDP test).
@@ -169,6 +171,7 @@ def test_processes_creating_the_same_new_ledger_at_once_all_open_it(tmp_path):
     assert found == []
 
 
+@pytest.mark.process
 def test_sigkill_mid_write_leaves_complete_rows_only(tmp_path):
     path = tmp_path / "l.sqlite"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "victim", "100000", "40"],
@@ -227,6 +230,7 @@ def _pilot_with_a_long_reason(path, run_id: str) -> None:
         led.end_run(run_id, "fail")
 
 
+@pytest.mark.process
 def test_ledger_run_cuts_reasons_to_the_width_and_full_prints_them_whole(tmp_path):
     path = tmp_path / "l.sqlite"
     _pilot_with_a_long_reason(path, "tiny-sft-2026-a")
@@ -245,6 +249,7 @@ def test_ledger_run_cuts_reasons_to_the_width_and_full_prints_them_whole(tmp_pat
     assert "".join(LONG_REASON.split()) in "".join(res.stdout.split())  # every word, in order, wrapped
 
 
+@pytest.mark.process
 def test_an_ambiguous_prefix_shows_the_newest_run_and_lists_the_others(tmp_path):
     path = tmp_path / "l.sqlite"
     for k in (1, 2, 3):

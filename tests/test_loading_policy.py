@@ -21,9 +21,9 @@ import pytest
 from pilotrun.checkpoint import LoadPolicy, LoadRefused, Refusal
 from pilotrun.ledger import Ledger
 
-from .conftest import killed_after_export, pilotrun_cli
+from .conftest import copy_fixture, killed_after_export, pilotrun_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 class _Payload:
@@ -57,13 +57,28 @@ def _plant_dcp(folder: Path, marker: Path) -> None:
 GATES = "save,export,restore,reload_eval"
 
 
+@pytest.fixture(scope="module")
+def killed_parent(tmp_path_factory):
+    """A real pilot of the user-LM fixture killed after its export, run once for the module: its folder (spec,
+    ledger, run folder) and a pristine copy of it."""
+    work = tmp_path_factory.mktemp("parent")
+    spec = copy_fixture("toylm", work)
+    run = killed_after_export(spec, work, work / "l.sqlite", "--gates", GATES)
+    pristine = tmp_path_factory.mktemp("parent-pristine") / "copy"
+    shutil.copytree(work, pristine, symlinks=True)
+    return work, pristine, spec, run
+
+
 @pytest.fixture
-def parent(toylm, tmp_path):
-    ledger = tmp_path / "l.sqlite"
-    run = killed_after_export(toylm, tmp_path, ledger, "--gates", GATES)
+def parent(killed_parent):
+    """The killed parent as the kill left it: every test damages or resumes it, so each gets the pristine copy back
+    in its place (the ledger and the run folder are where the ledger says they are)."""
+    work, pristine, spec, run = killed_parent
+    shutil.rmtree(work)
+    shutil.copytree(pristine, work, symlinks=True)
     ckpt = Path(run["out_dir"]) / "checkpoints" / "step-000001"
     assert (ckpt / "manifest.json").is_file()
-    return {"spec": toylm, "ledger": ledger, "run": run, "ckpt": ckpt, "out": Path(run["out_dir"])}
+    return {"spec": spec, "ledger": work / "l.sqlite", "run": run, "ckpt": ckpt, "out": Path(run["out_dir"])}
 
 
 def _resume(p: dict, tmp_path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:

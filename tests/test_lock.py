@@ -80,6 +80,7 @@ def test_a_digest_must_look_like_one(monkeypatch):
     assert resolve_container_digest(DIGEST) == (DIGEST, "--container-digest")
 
 
+@pytest.mark.process
 def test_a_made_up_digest_is_exit_2_naming_the_flag_or_variable(tmp_path):
     spec = copy_example("tiny-sft", tmp_path)
     res = pilotrun_cli("run", str(spec), "--container-digest", "abc", cwd=tmp_path)
@@ -157,6 +158,7 @@ def test_the_gate_says_config_changes_and_warns_on_environment_drift(tmp_path, m
     assert {d["kind"] for d in row["details"]["drift"]} == {"environment"}
 
 
+@pytest.mark.process
 def test_the_installed_distributions_do_not_depend_on_what_the_process_imported():
     # Ray puts its vendored packages (ray/thirdparty_files) on sys.path when imported; a lock taken after that
     # once listed their colorama, so a campaign resumed from a fresh process refused every run as drifted.

@@ -30,8 +30,13 @@ def test_tracker_sees_backward_and_optimizer_state():
     with LiveTensorTracker(track=[model, opt]) as t:
         model(torch.randn(64, 512)).sum().backward()
         opt.step()
-    # parameters + gradients + two AdamW moments are live at the end of the step
-    assert t.peak_bytes >= 4 * params
+    # parameters + gradients + two AdamW moments are live at the end of the step, and nothing more: the activations
+    # and the step's temporaries were freed, no view was counted again (+64 B: the optimizer's 0-dim step counters,
+    # should a torch count them)
+    assert 4 * params <= t.live_bytes <= 4 * params + 64
+    # The peak adds the step's temporaries, at most two parameter-sized ones (sqrt(v) and its quotient in AdamW's
+    # for-loop form); a free that is not subtracted or a view counted twice exceeds that.
+    assert 4 * params <= t.peak_bytes <= 6 * params
 
 
 def test_stage_meter_on_cpu_reports_real_numbers_and_reasons():

@@ -98,7 +98,7 @@ def test_a_run_that_does_not_fit_one_device_is_said_and_runs_alone():
     assert p["parallel"] == 4 and "NVIDIA L4 memory not checked: pilot cpu-pilot has no device" in p["not_checked"][0]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_each_campaign_worker_is_started_with_its_own_device(tmp_path, monkeypatch):
     """A real two-run campaign, --parallel 3 on a node reporting two GPUs: two at once, each on its own device."""
     from pilotrun.campaign import orchestrate

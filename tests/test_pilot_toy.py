@@ -30,6 +30,7 @@ def by_gate(result):
     return {r["gate"]: r for r in result.rows}
 
 
+@pytest.mark.process
 def test_correct_setup_passes_every_gate(toy, tmp_path):
     result = run(toy, tmp_path, gates=None)
     rows = by_gate(result)
@@ -197,6 +198,7 @@ def test_an_update_that_teaches_nothing_is_refused_before_the_step(toy, tmp_path
     assert "the model as loaded (no update succeeded)" in rows["export"]["reason"]  # the refused update was not applied
 
 
+@pytest.mark.process
 def test_json_stdout_stays_clean_when_user_code_prints(tmp_path):
     from .conftest import pilotrun_cli
 

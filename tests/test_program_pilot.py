@@ -123,6 +123,7 @@ def test_program_with_part_of_model_data_train_names_the_fix(tmp_path, capsys):
 
 
 # -- the example, standalone and piloted ----------------------------------------------------------------------
+@pytest.mark.process
 def test_the_example_trains_alone_without_pilotrun(tmp_path):
     folder = tmp_path / "alone"
     shutil.copytree(EXAMPLES / "own-loop", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
@@ -151,7 +152,7 @@ DEFECTS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_resume_defects_are_caught_by_the_resume_gate(tmp_path, defect):
     patches, field, cause = DEFECTS[defect]
@@ -285,7 +286,7 @@ def test_two_ranks_rows_say_their_rank_and_world_size_in_the_table(tmp_path):
     assert "resume [rank 0]" in text and "resume [rank 1]" in text and "lock [rank" not in text
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_run(tmp_path):
     folder = tmp_path / "own-loop"
     shutil.copytree(EXAMPLES / "own-loop", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
@@ -327,7 +328,7 @@ def test_the_example_under_torchrun_two_gloo_processes_passes_every_gate_it_can_
         assert len(led.gate_rows(run_id)) == len(rows) and led.run(run_id)["status"] == "pass"
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_without_the_resume_gate_one_stages_run_and_a_nan_loss_fails_steady_step(tmp_path):
     patch = {"job.update(update, loss=loss,": "job.update(update, loss=float('nan') if update == 3 else loss,"}
     result = _pilot(_program(tmp_path, patch), tmp_path, gates=("steady_step",))
@@ -339,6 +340,7 @@ def test_without_the_resume_gate_one_stages_run_and_a_nan_loss_fails_steady_step
     assert rows["first_step"]["verdict"] == Verdict.PASS
 
 
+@pytest.mark.process
 def test_a_program_past_its_timeout_is_killed_with_its_whole_tree(tmp_path):
     """A child in its own session (as torchrun starts each rank) dies with the program: no orphan survives."""
     from pilotrun.config.program import ProgramSpec
@@ -405,7 +407,7 @@ def _resume_of(tmp_path: Path, source: str, spec: dict):
                                             gates=["resume"], container_digest=TEST_DIGEST))
     return result, next(r for r in result.rows if r["gate"] == "resume")
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path):
     # Found piloting a program that ignores should_stop: the control run timed out, then the interrupted and the
     # resumed runs were started anyway and the resumed one timed out too (3 x program.timeout for one known failure).
@@ -416,7 +418,7 @@ def test_a_control_run_that_fails_starts_no_interrupted_or_resumed_run(tmp_path)
     assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_control_run_that_stops_before_resume_before_plus_after_says_so_and_starts_no_other_run(tmp_path):
     # Found piloting a Lightning script with max_steps 8 and pilot.resume {before: 8, after: 2}: the row said
     # "update 9: update (missing in control) 'missing' (control) vs 'missing' (resumed)".

@@ -22,6 +22,7 @@ MEASURE_JS = ("<script>addEventListener('load',()=>{const b=[...document.querySe
               "document.documentElement.dataset.labelBoxes=JSON.stringify(b);})</script>")
 
 
+@pytest.mark.process
 def test_capacity_labels_do_not_overlap_in_a_real_browser(tmp_path, monkeypatch):
     monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:" + "5e" * 32)
     gate_rows(copy_example("tiny-sft", tmp_path), tmp_path, gates=["first_step"])  # real rows with real memory

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from .conftest import killed_after_export, pilotrun_cli
-from .test_loading_policy import GATES, _rehash, _resume, flat, parent  # noqa: F401  (fixture)
+from .test_loading_policy import GATES, _rehash, _resume, flat, killed_parent, parent  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 SHARD = "model-00000-of-00001.pt"
 

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from pilotrun.checkpoint import io as ckpt_io
 from pilotrun.config import load_spec
 from pilotrun.ledger.store import Ledger
@@ -72,6 +74,7 @@ def _dead_pid() -> int:
     return int(proc.stdout)
 
 
+@pytest.mark.process
 def test_a_save_killed_mid_write_leaves_a_temp_folder_that_is_removed_and_counted(tmp_path):
     root = tmp_path / "checkpoints"
     script = ("import sys, time; from pathlib import Path; from pilotrun.checkpoint.io import AtomicFolder\n"
@@ -92,6 +95,7 @@ def test_a_save_killed_mid_write_leaves_a_temp_folder_that_is_removed_and_counte
     assert not killed.exists() and alive.exists()
 
 
+@pytest.mark.process
 def test_the_next_save_removes_stale_temps_and_says_how_much_it_freed(toylm, tmp_path):
     stale = tmp_path / "out" / "checkpoints" / f".step-000002.tmp-{_dead_pid()}"
     stale.mkdir(parents=True)

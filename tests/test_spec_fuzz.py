@@ -218,6 +218,7 @@ EXIT_ON_CALL = "import os\n\nfrom toy import build_data  # noqa: F401\n\n\ndef b
 EXIT_ON_IMPORT = "import os\n\nos._exit(0)\n"
 
 
+@pytest.mark.process
 def test_real_processes_exit_2_or_fail_the_gate(folders, tmp_path):
     """What cannot run inside pytest's own process: a FIFO that blocks when opened, a bad $RANK, user code that
     ends the process. Started together, waited on with a timeout (a hang fails the test, it does not block it)."""

@@ -91,6 +91,7 @@ def test_a_snapshot_without_tokenizer_files_is_refused(tmp_path, hub):
         load_spec(spec_with_tokenizer(tmp_path, "acme/model-only"))
 
 
+@pytest.mark.process
 def test_the_command_line_runs_with_a_cached_id_and_refuses_a_missing_one(tmp_path, hub):
     cache_tokenizer(hub, "acme/tiny-tok", EXAMPLES / "tiny-sft" / "tokenizer")
     work = tmp_path / "work"
