@@ -271,6 +271,7 @@ def test_overfit_of_an_adapter_on_a_config_built_base_warns_and_on_a_pretrained_
     assert row.verdict == Verdict.FAIL, row.reason
 
 
+@pytest.mark.process  # reload_eval starts the reload worker
 def test_a_collator_that_returns_a_batch_encoding_is_inspected_and_reloaded(tmp_path):
     # Found by an independent verdict check: transformers' own DataCollatorForLanguageModeling returns a
     # BatchEncoding (a UserDict, not a dict); inspect raised "the collate returned no 'labels' tensor" and reload_eval
