@@ -438,8 +438,11 @@ def test_only_the_ledger_touches_its_sqlite_connection():
     found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for module, path in MODULES.items()
              if not module.startswith("pilotrun.ledger")
              for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Attribute) and node.attr == "conn"]
-    assert not found, "the ledger's SQLite connection used outside ledger/ (add a Ledger method): " + "; ".join(found)
+             if (isinstance(node, ast.Attribute) and node.attr == "conn")
+             or (isinstance(node, ast.Import) and any(a.name == "sqlite3" for a in node.names))
+             or (isinstance(node, ast.ImportFrom) and node.module == "sqlite3")]
+    assert not found, "the ledger's SQLite connection or sqlite3 used outside ledger/ (add a Ledger method): " + "; ".join(
+        found)
 
 
 def test_one_runner_starts_every_pilot_run():
@@ -451,3 +454,22 @@ def test_one_runner_starts_every_pilot_run():
                     and any(isinstance(a, ast.Attribute) and a.attr == "PILOT" for a in node.args)):
                 starters.append(module)
     assert sorted(set(starters)) == ["pilotrun.pilot.runner"], starters
+
+
+LONGEST_FUNCTION = 80  # lines, decorators excluded: a longer one is several steps that want names
+LONGEST_MODULE = 800  # lines: split a module near this
+
+
+def test_functions_and_modules_stay_short():
+    long_functions, long_modules = [], []
+    for path in MODULES.values():
+        text = path.read_text()
+        if text.count("\n") > LONGEST_MODULE:
+            long_modules.append(f"{path.relative_to(PACKAGE.parent)} ({text.count(chr(10))} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long_functions.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines})")
+    assert not long_functions, f"functions over {LONGEST_FUNCTION} lines: " + "; ".join(long_functions)
+    assert not long_modules, f"modules over {LONGEST_MODULE} lines: " + "; ".join(long_modules)
