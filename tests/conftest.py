@@ -136,6 +136,7 @@ _watch(os, "system", lambda command: f"os.system: {command}")
 _watch(multiprocessing.util, "spawnv_passfds", lambda path, args, fds: f"multiprocessing spawn: {os.fsdecode(path)}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` (make test) each test goes to whichever worker is free, except that the tests of a
     module sharing a module-scoped fixture (test_campaign's one real campaign) stay on one worker, so it runs once."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import secrets
 import signal
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import strategies
@@ -29,7 +27,7 @@ from ..config.load import load_spec
 from ..config.schema import SpecError
 from ..devices import query_devices, query_host
 from ..interrupt import Interrupted, as_interrupted, interruptible
-from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind
+from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind, new_run_id
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
 from ..workers.common import write_spec_file
@@ -62,10 +60,6 @@ class CampaignInterrupted(Interrupted):
 def _env_drift(a: dict, b: dict) -> list[str]:
     # Seeds differ between runs on purpose (they are listed in the campaign), so seed fields are not drift.
     return [k for k, _, _ in diff_locks(a, b) if k.startswith(ENV_FIELDS) and "seed" not in k]
-
-
-def _stamp() -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
 
 
 def run_plan(c: CampaignSpec) -> dict:
@@ -255,7 +249,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
     if problems:
         raise CampaignError("refused before the start: " + "; ".join(problems) + " (a campaign varies one key only)")
     with engine_for(engine, ledger_path, c.processes) as eng:
-        campaign_id = f"{name}-{_stamp()}-{secrets.token_hex(2)}"
+        campaign_id = new_run_id(name)
         folder = out_root / campaign_id
         folder.mkdir(parents=True, exist_ok=True)
         run_root = runs_folder(engine, campaign_id, folder)
