@@ -24,10 +24,12 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/pilotrun run examples/tiny-sft/pilot.yaml
 
-# The whole suite. --dist loadgroup: each test to whichever worker is free, but the tests sharing a module-scoped
-# fixture stay together (tests/conftest.py groups them). Tests that start a process carry @pytest.mark.process.
+# The whole suite. --dist loadfile: each module on one worker (its module-scoped fixtures run once; not loadgroup,
+# whose groups pytest 9.2 no longer passes to xdist 3.8's scheduler: node ids are computed now), the longest
+# modules first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). Tests that start a process
+# carry @pytest.mark.process.
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The edit loop: every test without @pytest.mark.process (pure logic in the test's own process).
 test-fast: venv
