@@ -234,6 +234,20 @@ def test_a_local_ray_instance_keeps_exactly_the_rows_the_local_engine_keeps(tmp_
     print(f"ray campaign: {ray_s:.1f} s")
 
 
+def _toy_campaign(tmp_path: Path, name: str, factories: str, **campaign) -> Path:
+    """A campaign over two learning rates of the toy fixture whose model and data come from ``factories`` (the
+    source of a module ``name``.py beside the toy's own)."""
+    shutil.copytree(FIXTURES / "toy", tmp_path / "toy")
+    (tmp_path / "toy" / f"{name}.py").write_text(factories)
+    base = yaml.safe_load((tmp_path / "toy" / "pilot.yaml").read_text())
+    base["model"]["factory"], base["data"]["factory"] = f"{name}:build_model", f"{name}:build_data"
+    (tmp_path / "toy" / "pilot.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump({"name": name, "base": "toy/pilot.yaml", "vary": {"train.optimizer.lr": [0.01, 0.003]},
+                                    **campaign}, sort_keys=False))
+    return spec
+
+
 # The toy model, through a factory that raises for seed 2 (the run's seed is torch's seed while it builds), and that
 # refuses a second build in one process: module state a run leaves behind must never reach another run.
 FLAKY = """
@@ -254,16 +268,9 @@ def build_model(cfg):
 
 @pytest.mark.process
 def test_a_failing_factory_gives_the_same_row_on_ray_and_each_ray_run_has_a_fresh_process(tmp_path, ray_env):
-    shutil.copytree(FIXTURES / "toy", tmp_path / "toy")
-    (tmp_path / "toy" / "flaky.py").write_text(FLAKY)
-    base = yaml.safe_load((tmp_path / "toy" / "pilot.yaml").read_text())
-    base["model"]["factory"], base["data"]["factory"] = "flaky:build_model", "flaky:build_data"
-    (tmp_path / "toy" / "pilot.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
-    spec = tmp_path / "flaky.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "flaky", "base": "toy/pilot.yaml", "vary": {"train.optimizer.lr": [0.01, 0.003]}, "seeds": [1, 2],
-        "updates": 4, "eval": {"every": 2}, "stop": {"non_finite": True, "divergence": 3.0, "budget_minutes": 20},
-        "keep": {"checkpoint": False, "export": False, "control_set": 2}}, sort_keys=False))
+    spec = _toy_campaign(tmp_path, "flaky", FLAKY, seeds=[1, 2], updates=4, eval={"every": 2},
+                         stop={"non_finite": True, "divergence": 3.0, "budget_minutes": 20},
+                         keep={"checkpoint": False, "export": False, "control_set": 2})
     ledgers = {"local": tmp_path / "local.sqlite", "ray": tmp_path / "ray.sqlite"}
     # One run at a time, and no worker started ahead: a Ray worker that outlived its task would take the next run.
     env = {**ray_env, "RAY_prestart_worker_first_driver": "0"}
@@ -319,17 +326,9 @@ def build_model(cfg):
 
 
 def _stalling_campaign(tmp_path: Path) -> Path:
-    shutil.copytree(FIXTURES / "toy", tmp_path / "toy")
-    (tmp_path / "toy" / "stall.py").write_text(STALL_ON_THE_WORKER)
-    base = yaml.safe_load((tmp_path / "toy" / "pilot.yaml").read_text())
-    base["model"]["factory"], base["data"]["factory"] = "stall:build_model", "stall:build_data"
-    (tmp_path / "toy" / "pilot.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
-    spec = tmp_path / "stall.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "stall", "base": "toy/pilot.yaml", "vary": {"train.optimizer.lr": [0.01, 0.003]}, "seeds": [1],
-        "updates": UPDATES, "eval": {"every": UPDATES // 2}, "stop": {"non_finite": True, "budget_minutes": 20},
-        "keep": {"checkpoint": False, "export": False, "control_set": 0}}, sort_keys=False))
-    return spec
+    return _toy_campaign(tmp_path, "stall", STALL_ON_THE_WORKER, seeds=[1], updates=UPDATES,
+                         eval={"every": UPDATES // 2}, stop={"non_finite": True, "budget_minutes": 20},
+                         keep={"checkpoint": False, "export": False, "control_set": 0})
 
 
 def _start_node(args: list[str], env: dict) -> str:
