@@ -158,3 +158,29 @@ def test_inspect_command_on_the_demo(tmp_path):
     lines = res.stdout.splitlines()
     first = lines.index("<s>User: What is the capital of India?")
     assert lines[first + 1] == "Assistant:[ The][ capital][ of][ I][n][d][ia][ is][ N][e][w][ D][el][hi][.][</s>]"
+
+
+BATCH_ENCODING_DATA = '''
+from transformers import BatchEncoding
+
+from toylm import build_data as toylm_data
+from toylm import build_model  # noqa: F401
+
+
+def build_data(cfg):
+    data = toylm_data(cfg)
+    collate = data["collate"]
+    data["collate"] = lambda items: BatchEncoding(collate(items))  # what tokenizer.pad and HF collators return
+    return data
+'''
+
+
+def test_a_collate_that_returns_a_batch_encoding_trains_and_evaluates_in_the_loop(toylm, tmp_path):
+    # Found by the independent verdict check: a BatchEncoding (a Mapping, not a dict) passed inspect but the loop's
+    # own contract refused it at first_step and eval ("the collate returned no 'labels' (got BatchEncoding)").
+    (toylm.parent / "be.py").write_text(BATCH_ENCODING_DATA)
+    rows = verdicts(toylm, tmp_path, "data.factory=be:build_data", "model.factory=be:build_model",
+                    gates=["inspect", "first_step", "steady_step", "accum_equivalence", "eval", "overfit"])
+    assert {g: r["verdict"] for g, r in rows.items() if g != "lock"} == {
+        "inspect": "pass", "load": "pass", "first_step": "pass", "steady_step": "pass", "accum_equivalence": "pass",
+        "eval": "pass", "overfit": "pass"}, [(g, r["reason"]) for g, r in rows.items()]

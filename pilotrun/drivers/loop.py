@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..distributed import all_sum
 from ..models.adapters import base_reference, merged_copy
 from ..models.loading import build_model
 from ..models.quantize import kernels_needed, require_kernels
-from ..train.batches import seq_len, supervised_count
+from ..train.batches import labelled_batch, seq_len, supervised_count
 from ..train.evaluation import val_metrics
 from ..train.loss import LossPolicy, decide_loss_policy, probe_loss_policy, window_backward
 from ..train.optim import build_optimizer_choice, build_scheduler
@@ -160,9 +161,9 @@ class LoopDriver(ModelDriver):
         it = self._loader_iter()
         window = []
         for _ in range(self.plan.window_size(self.micro_index)):
-            ids, batch = next(it)
-            if not isinstance(batch, dict) or "labels" not in batch:
-                keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            ids, collated = next(it)
+            if (batch := labelled_batch(collated)) is None:
+                keys = sorted(collated) if isinstance(collated, Mapping) else type(collated).__name__
                 raise ContractError(f"the collate returned no 'labels' (got {keys}); the contract needs a dict of "
                                     "tensors including 'labels'")
             if pad_to is not None and self.pad_batch is not None:

@@ -8,12 +8,13 @@ pass never keeps logits on the device across batches.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
 from ..drivers import Capability
 from ..ledger.records import Failure, GateName
-from ..train.batches import autocast_for, item_length, loss_of, seq_len, to_device
+from ..train.batches import autocast_for, item_length, labelled_batch, loss_of, seq_len, to_device
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 MAX_SCAN = 5000  # validation items scanned to find the longest ones
@@ -47,9 +48,9 @@ class EvalGate(Gate):
         scan = min(len(val), MAX_SCAN)
         lengths = sorted(((item_length(val[i], data.collate), i) for i in range(scan)), reverse=True)
         worst_idx = [i for _, i in lengths[:bs]]
-        worst = data.collate([val[i] for i in worst_idx])
-        if not isinstance(worst, dict) or "labels" not in worst:
-            keys = sorted(worst) if isinstance(worst, dict) else type(worst).__name__
+        collated = data.collate([val[i] for i in worst_idx])
+        if (worst := labelled_batch(collated)) is None:
+            keys = sorted(collated) if isinstance(collated, Mapping) else type(collated).__name__
             raise GateFailure(f"the collate returned no 'labels' for validation items (got {keys}); the contract "
                               "needs a dict of tensors including 'labels'")
         padded = False

@@ -12,6 +12,15 @@ import torch
 IGNORE = -100  # the label of a position that is not supervised (Hugging Face's and PyTorch's convention)
 
 
+def labelled_batch(batch) -> dict | None:
+    """The collate's output as the loop's contract reads it: a dict of tensors with 'labels'. A Mapping that is not a
+    dict (transformers' collators return a BatchEncoding) is copied into one; anything else, or no 'labels', is
+    None."""
+    if not isinstance(batch, Mapping) or "labels" not in batch:
+        return None
+    return batch if type(batch) is dict else dict(batch)
+
+
 def to_device(batch, device: torch.device):
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
