@@ -41,8 +41,8 @@ def now() -> str:
 
 def new_run_id(name: str) -> str:
     """``<name>-<UTC time>-<8 hex>``: sortable by time, unique across machines writing one ledger. 32 random bits:
-    with 16, a few hundred runs of one spec in a minute into one ledger (a script, the spec fuzz test) shared an id
-    about once in ten tries, and the second run's start failed on the ledger's unique key."""
+    with 16, the spec fuzz test's few hundred runs of one spec in a minute into one ledger shared an id in one full
+    test run of four, and the second run's start failed on the ledger's unique key."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     return f"{name}-{stamp}-{secrets.token_hex(4)}"
 
