@@ -258,6 +258,19 @@ def toylm(tmp_path, monkeypatch):
     return copy_fixture("toylm", tmp_path)
 
 
+DATA_WAIT_WARN = "of update time is spent waiting on data"
+
+
+def steady_verdicts(rows: dict) -> dict[str, str]:
+    """Each gate's verdict, with the one that depends on the machine read as a pass: a tiny model's 2 ms updates,
+    descheduled on a loaded machine while a batch is fetched, can spend over 10% of their time waiting on data, and
+    steady_step warns, naming it (seen in parallel runs of the suite on 2 cores). Any other warn stays a warn."""
+    out = {g: r["verdict"] for g, r in rows.items()}
+    if out.get("steady_step") == "warn" and DATA_WAIT_WARN in rows["steady_step"]["reason"]:
+        out["steady_step"] = "pass"
+    return out
+
+
 def gate_rows(spec_path, tmp_path, *overrides, gates=None) -> dict:
     """Run a pilot in this process; rows by gate name."""
     from pilotrun.config import load_spec
@@ -268,9 +281,48 @@ def gate_rows(spec_path, tmp_path, *overrides, gates=None) -> dict:
     return {r["gate"]: r for r in result.rows}
 
 
+# Commands that read the ledger and files and write files, and start no pilot. Without an ``env`` of its own,
+# pilotrun_cli runs them through ``pilotrun.cli.main`` in the test's process: the same parser, error handling and
+# exit codes, the output as a pipe would get it, without the ~2 s of interpreter start and imports a subprocess pays
+# (about 80 calls of the suite). `run`, `launch` and `campaign` install signal handlers, start pilots and are signalled
+# by tests: always a real subprocess, as is any call with an ``env`` (imported libraries read theirs at import).
+IN_PROCESS = frozenset({"ledger", "report", "select", "plan", "batch", "inspect", "convert", "archive", "note",
+                        "estimate"})
+_CLI_ENV = {"PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
+
+
+def _cli_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+
+    from pilotrun.cli import common, main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in _CLI_ENV}
+    saved_cwd = os.getcwd()
+    os.environ.update(_CLI_ENV)
+    common.err_console.cache_clear()  # built once per process: built again for this call's stderr and width
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exc:  # argparse's usage errors and --help
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.chdir(saved_cwd)
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        common.err_console.cache_clear()
+    return subprocess.CompletedProcess([sys.executable, "-m", "pilotrun", *args], code, out.getvalue(), err.getvalue())
+
+
 def pilotrun_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The real command line, in a real subprocess."""
-    full_env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200", **(env or {})}
+    """The real command line: a real subprocess, or ``pilotrun.cli.main`` in this process for the IN_PROCESS
+    commands called without an ``env``."""
+    if env is None and args and args[0] in IN_PROCESS:
+        return _cli_in_process(list(args), cwd)
+    full_env = {**os.environ, **_CLI_ENV, **(env or {})}
     return subprocess.run([sys.executable, "-m", "pilotrun", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
 
