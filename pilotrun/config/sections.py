@@ -313,8 +313,9 @@ class ResumeSpec:
         "relative tolerance for loss and gradient norm off CPU or in bf16/fp16 (CPU fp32 is bitwise)", 1e-3)
 
     def check(self):
-        if self.before < 1 or self.after < 1:
-            yield "", "before and after must be at least 1"
+        for name in ("before", "after"):
+            if getattr(self, name) < 1:
+                yield name, f"must be at least 1, got {getattr(self, name)}"
         if self.rtol < 0:
             yield "rtol", "must be 0 or more"
 
