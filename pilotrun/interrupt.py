@@ -52,6 +52,16 @@ def as_interrupted(exc: KeyboardInterrupt) -> Interrupted:
     return exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
 
 
+def raised_by_signal(exc: KeyboardInterrupt) -> bool:
+    """Whether a stop signal can have raised ``exc``: an :class:`Interrupted` did; a plain ``KeyboardInterrupt`` only
+    where Python's own SIGINT handler is installed (Ctrl-C outside :func:`interruptible`). Under
+    :func:`interruptible` every signal raises :class:`Interrupted`, so a plain one was raised by code itself (found
+    by the fuzzer: a factory raising KeyboardInterrupt was recorded as "interrupted (Ctrl-C)" with no signal)."""
+    if isinstance(exc, Interrupted):
+        return True
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
     """Within the block, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread.

@@ -72,12 +72,35 @@ def test_a_base_exception_from_a_factory_is_a_failed_gate(toy, tmp_path):
     assert rows["load"]["reason"].startswith("Boom: raised by the factory (at boom_model.py:9")
 
 
+CTRL_C_ON_CALL = """import os
+import signal
+import time
+
+from toy import build_data  # noqa: F401
+
+
+def build_model(cfg):
+    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C arriving while the factory runs
+    time.sleep(5)
+"""
+
+
 def test_ctrl_c_in_a_factory_still_interrupts_the_pilot(toy, tmp_path):
-    (toy.parent / "ctrlc_model.py").write_text(BOOM_ON_CALL.format(exc="KeyboardInterrupt"))
+    (toy.parent / "ctrlc_model.py").write_text(CTRL_C_ON_CALL)
     spec = toy.parent / "ctrlc.yaml"
     spec.write_text(toy.read_text().replace("toy:build_model", "ctrlc_model:build_model"))
     with pytest.raises(KeyboardInterrupt):
         gate_rows(spec, tmp_path, gates=["load"])
+
+
+def test_a_keyboard_interrupt_the_factory_raises_itself_is_the_load_gates_failure(toy, tmp_path):
+    """No signal was sent: issue 22 found it recorded as "interrupted (Ctrl-C)"; it is the factory's own failure."""
+    (toy.parent / "raises_ki.py").write_text(BOOM_ON_CALL.format(exc="KeyboardInterrupt"))
+    spec = toy.parent / "raises_ki.yaml"
+    spec.write_text(toy.read_text().replace("toy:build_model", "raises_ki:build_model"))
+    rows = gate_rows(spec, tmp_path, gates=["load"])
+    assert rows["load"]["verdict"] == "fail"
+    assert "KeyboardInterrupt (at raises_ki.py:9 in build_model) though no stop signal" in rows["load"]["reason"]
 
 
 @pytest.mark.parametrize("env, words", [

@@ -42,6 +42,7 @@ CONFIG = {"name": "cfg", "seed": 0,
           "data": {"task": "causal-lm", "path": "data.jsonl", "max_length": 32},
           "train": {"micro_batch_size": 2, "updates": 10, "optimizer": {"lr": 1e-3}}}
 
+PROGRAM = {"name": "prog", "program": {"command": "python train.py"}, "pilot": {"resume": {"before": 2, "after": 2}}}
 # Integer fields and values outside what each accepts (schema checks and config/limits.py).
 INT_FIELDS = ["seed", "train.micro_batch_size", "train.grad_accum_steps", "train.updates", "eval.batch_size",
               "eval.max_batches", "pilot.updates", "pilot.overfit.examples", "pilot.overfit.max_updates",
@@ -63,6 +64,7 @@ class Case:
     base: str = "toy"                        # the folder the spec is written into
     argv: list[str] = field(default_factory=list)
     spec_path: str | None = None             # a path used as the spec instead of a written file
+    words: str = ""                          # what the output must contain
 
 
 def _dump(spec: dict) -> str:
@@ -128,6 +130,7 @@ def cases() -> list[Case]:
     for kv in ["noequals", "=3", "train.micro_batch_size=0", "seed=-5", "seed=4294967296", "train=3",
                "data.num_workers=1000000", "train.grad_accum_steps=2147483648"]:
         out.append(Case(f"--set {kv}", INVALID, good, argv=["--set", kv]))
+    out += optimizer_cases() + model_cases() + program_cases() + factory_cases()
     for spec_path in ("/dev/null", "/dev/zero", "/proc/self/status", "/", "/no/such/spec.yaml"):
         out.append(Case(f"spec {spec_path}", INVALID, spec_path=spec_path))
     for label, data_path in [("device", "/dev/zero"), ("folder", "."), ("proc", "/proc/self/status"),
@@ -137,6 +140,85 @@ def cases() -> list[Case]:
     for label, out_arg in [("a file", "toy/toy.py"), ("under a file", "toy/toy.py/out"), ("in /proc", "/proc/self/pilot"),
                            ("/proc itself", "/proc"), ("NUL byte", "a\x00b")]:
         out.append(Case(f"--out {label}", INVALID, good, argv=["--out", out_arg]))
+    return out
+
+
+def optimizer_cases() -> list[Case]:
+    """train.optimizer's real-valued keys outside what torch accepts (config/limits.py FLOAT_BOUNDS), and values
+    just inside, which the spec accepts."""
+    out = []
+    bad = [("lr", 1e30), ("lr", 1e3), ("eps", -1.0), ("betas", [1.5, 0.999]), ("betas", [0.9, 1.0]),
+           ("betas", [-0.1, 0.9]), ("momentum", -1.0), ("momentum", 1.0), ("weight_decay", -1.0)]
+    for name in ("adamw", "sgd"):
+        for key, value in bad:
+            spec = _set(_set(TOY, "train.optimizer.name", name), f"train.optimizer.{key}", value)
+            out.append(Case(f"{name} {key}={value}", INVALID, _dump(spec), words=f"train.optimizer.{key}"))
+    for key, value in [("lr", 100.0), ("lr", 1.0), ("betas", [0.0, 0.0]), ("momentum", 0.99), ("eps", 0.0)]:
+        out.append(Case(f"inside {key}={value}", MAYBE, _dump(_set(TOY, f"train.optimizer.{key}", value))))
+    return out
+
+
+def model_cases() -> list[Case]:
+    """Adapter and quantisation keys, and model.config's sizes, on the config model (all checked before a gate)."""
+    out = []
+    for key, value in [("r", 10**30), ("r", 2**31), ("r", 0), ("r", -1), ("alpha", 0), ("alpha", -1.0),
+                       ("dropout", 1.0), ("dropout", -0.5), ("target_modules", ""), ("target_modules", []),
+                       ("target_modules", "q_proj"), ("type", "qlora"), ("target_modules", ["no_such_layer"])]:
+        spec = _set(CONFIG, "model.adapter", {key: value})
+        out.append(Case(f"adapter {key}={value!r}", INVALID, _dump(spec), base="cfg", words=f"model.adapter.{key}"))
+    for key, value in [("bits", 3), ("bits", 16), ("type", "int4"), ("compute_dtype", "fp8"), ("double_quant", "x")]:
+        spec = _set(_set(CONFIG, "model.adapter", {"r": 4}), "model.quantization", {"bits": 4, key: value})
+        out.append(Case(f"quantization {key}={value!r}", INVALID, _dump(spec), base="cfg",
+                        words=f"model.quantization.{key}"))
+    out.append(Case("quantization without adapter", INVALID, _dump(_set(CONFIG, "model.quantization", {"bits": 4})),
+                    base="cfg"))
+    out.append(Case("quantization of a factory", INVALID, _dump(_set(_set(TOY, "model.quantization", {"bits": 8}),
+                                                                   "model.adapter", {"r": 4})), base="toy"))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "max_position_embeddings"):
+        for value in (0, -1, 2**31):
+            out.append(Case(f"config {key}={value}", INVALID, _dump(_set(CONFIG, f"model.config.{key}", value)),
+                            base="cfg", words=f"model.config.{key}"))
+    out.append(Case("config kv heads not dividing", INVALID, _dump(_set(CONFIG, "model.config.num_key_value_heads",
+                                                                         3)), base="cfg"))
+    out.append(Case("config more heads than hidden", INVALID, _dump(_set(_set(
+        CONFIG, "model.config.num_attention_heads", 32), "model.config.num_key_value_heads", 32)), base="cfg"))
+    return out
+
+
+def program_cases() -> list[Case]:
+    """Program specs (their own shape: name and program:), refused before the program is started."""
+    out = [Case("program null", INVALID, _dump({"name": "prog", "program": None}), base="prog", words="program"),
+           Case("program null with model", MAYBE, _dump({**TOY, "program": None}), base="toy")]
+    for key, value in [("files", []), ("files", ["/etc/passwd"]), ("files", ["../toy/toy.py"]),
+                       ("files", ["outside-link.py"]), ("files", ["nothing-*.py"]), ("command", "python -m nosuchmod"),
+                       ("command", "python -u -m nosuch.sub"), ("command", "python -m json.nosuch"),
+                       ("command", ""), ("command", []), ("timeout", -1), ("compare", "close")]:
+        out.append(Case(f"program {key}={value!r}", INVALID, _dump(_set(PROGRAM, f"program.{key}", value)),
+                        base="prog", words=f"program.{key}"))
+    for key, value in [("pilot.resume.before", 10**9), ("pilot.resume.after", 10**9), ("pilot.resume.before", 0),
+                       ("pilot.updates", 10**9), ("seed", -1), ("pilot.factory_timeout", 0)]:
+        out.append(Case(f"program {key}={value}", INVALID, _dump(_set(PROGRAM, key, value)), base="prog",
+                        words=key))
+    for command in ("python -m json.tool --help", "python train.py --updates 4"):  # found without importing
+        out.append(Case(f"program {command!r}", MAYBE, _dump(_set(PROGRAM, "program.command", command)), base="prog"))
+    return out
+
+
+def factory_cases() -> list[Case]:
+    """User factories that raise, loop or interrupt while the spec is checked: exit 2 naming the field, in bounded
+    time (pilot.factory_timeout, here 2 s)."""
+    out = []
+    for module, words in [("loop_import", "factory_timeout"), ("interrupt_import", "KeyboardInterrupt"),
+                          ("raising", "model.factory")]:
+        spec = _set(TOY, "model.factory", f"{module}:build_model")
+        if module == "loop_import":
+            spec = _set(spec, "pilot.factory_timeout", 2)
+        if module == "raising":  # check_job builds it on the meta device to read its Linear layers
+            spec = _set(spec, "model.adapter", {"target_modules": ["hidden"]})
+        out.append(Case(f"factory {module}", INVALID, _dump(spec), words=words))
+    for value in (0, -5, "soon"):
+        out.append(Case(f"factory_timeout {value!r}", INVALID, _dump(_set(TOY, "pilot.factory_timeout", value))))
     return out
 
 
@@ -171,7 +253,24 @@ def folders(tmp_path, monkeypatch):
     cfg.mkdir()
     (cfg / "data.jsonl").write_text((EXAMPLES / "tiny-sft" / "data.jsonl").read_text())
     os.symlink(EXAMPLES / "tiny-sft" / "tokenizer", cfg / "tokenizer")
-    return {"toy": toy, "cfg": cfg}
+    prog = tmp_path / "prog"
+    prog.mkdir()
+    (prog / "train.py").write_text("import pilotrun\n\njob = pilotrun.program()\n")
+    (tmp_path / "elsewhere.py").write_text("secret = 1\n")
+    os.symlink(tmp_path / "elsewhere.py", prog / "outside-link.py")
+    for name, text in USER_MODULES.items():
+        (toy / f"{name}.py").write_text(text)
+    return {"toy": toy, "cfg": cfg, "prog": prog}
+
+
+USER_MODULES = {
+    "loop_import": "while True:\n    pass\n",
+    "interrupt_import": "raise KeyboardInterrupt\n",
+    "raising": "from toy import build_data  # noqa: F401\n\n\ndef build_model(cfg):\n    raise ValueError('bad dim')\n",
+    "interrupt_call": "from toy import build_data  # noqa: F401\n\n\ndef build_model(cfg):\n    raise KeyboardInterrupt\n",
+    "signal_call": ("import os\nimport signal\nimport time\n\nfrom toy import build_data  # noqa: F401\n\n\n"
+                    "def build_model(cfg):\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"),
+}
 
 
 def test_fuzzed_specs_exit_2_without_traceback_or_hang(folders, tmp_path, capsys):
@@ -209,6 +308,8 @@ def test_fuzzed_specs_exit_2_without_traceback_or_hang(folders, tmp_path, capsys
             failures.append(f"{case.name}: exit {code}: {text.strip()[-300:]}")
         elif code == 2 and not text.strip():
             failures.append(f"{case.name}: exit 2 with no message")
+        elif case.words and case.words not in text:
+            failures.append(f"{case.name}: exit {code} without {case.words!r}: {text.strip()[-300:]}")
     print(f"{len(all_cases)} cases; slowest {slowest[0]:.2f} s ({slowest[1]})")
     assert not failures, "\n".join(failures[:30])
 
@@ -230,11 +331,15 @@ def test_real_processes_exit_2_or_fail_the_gate(folders, tmp_path):
     text = (toy / "pilot.yaml").read_text()
     for mod in ("boom", "exit_on_call", "exit_on_import"):
         (toy / f"{mod}.yaml").write_text(text.replace("toy:build_model", f"{mod}:build_model"))
+    # A module that loops when imported, in a real `pilotrun run` (its SIGALRM, its own main thread).
+    (toy / "loop.yaml").write_text(_dump(_set(_set(TOY, "model.factory", "loop_import:build_model"),
+                                              "pilot.factory_timeout", 2)))
     runs = {  # name: (argv, extra env, expected exit, words the output must contain)
         "spec is a FIFO": (["run", str(tmp_path / "spec.fifo")], {}, 2, "FIFO"),
         "RANK=abc": (["run", "pilot.yaml", "--gates", "lock"], {"RANK": "abc"}, 2, "$RANK='abc'"),
         "BaseException on import": (["run", "boom.yaml", "--gates", "lock"], {}, 2, "raised Boom"),
         "os._exit on import": (["run", "exit_on_import.yaml", "--gates", "lock"], {}, 2, "os._exit(0)"),
+        "loops on import": (["run", "loop.yaml", "--gates", "lock"], {}, 2, "pilot.factory_timeout"),
         # A factory that ends the process is a failed load gate, never exit 0.
         "os._exit in the factory": (["run", "exit_on_call.yaml", "--gates", "load"], {}, 1, "os._exit(0)"),
     }
@@ -256,4 +361,111 @@ def test_real_processes_exit_2_or_fail_the_gate(folders, tmp_path):
         _, _, expected, words = runs[name]
         if proc.returncode != expected or words not in output or "Traceback" in output:
             failures.append(f"{name}: exit {proc.returncode} (expected {expected}): {output.strip()[-400:]}")
+    assert not failures, "\n".join(failures)
+
+
+def _run_main(argv: list[str], capsys) -> tuple[int | str, str]:
+    fired: list = []
+    try:
+        with time_limit(CASE_SECONDS, fired):
+            code: int | str = main(argv)
+    except Hang:
+        code = "hang"
+    return ("hang" if fired else code), "".join(capsys.readouterr())
+
+
+def test_factory_calls_are_bounded_and_their_keyboard_interrupt_is_a_failure(folders, tmp_path, capsys):
+    """The load gate calls the factories: one asked for 2**31 examples ends at pilot.factory_timeout as a failed
+    row, and a KeyboardInterrupt the factory raises itself is a failed row, not "interrupted (Ctrl-C)"; a real
+    SIGINT during the call still stops the pilot (exit 130)."""
+    toy = folders["toy"]
+    runs = {  # name: (spec, expected exit, words)
+        "2**31 examples": (_set(_set(TOY, "data.examples", 2**31), "pilot.factory_timeout", 2), 1, "factory_timeout"),
+        "KeyboardInterrupt raised": (_set(TOY, "model.factory", "interrupt_call:build_model"), 1, "no stop signal"),
+        "SIGINT sent": (_set(TOY, "model.factory", "signal_call:build_model"), 130, "interrupted"),
+    }
+    failures = []
+    for i, (name, (spec, expected, words)) in enumerate(runs.items()):
+        path = toy / f"call-{i}.yaml"
+        path.write_text(_dump(spec))
+        t0 = time.monotonic()
+        code, text = _run_main(["run", str(path), "--gates", "load", "--ledger", str(tmp_path / "l.sqlite"),
+                                "--out", str(tmp_path / f"out{i}")], capsys)
+        if code != expected or words not in text or "Traceback" in text or time.monotonic() - t0 > 15:
+            failures.append(f"{name}: exit {code} (expected {expected}, {words!r}): {' '.join(text.split())[-300:]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_factory_guard_leaves_an_outer_timer_running():
+    """The guard borrows SIGALRM: an outer interval timer (this module's own time_limit) keeps its handler and the
+    time it had left; one that ends before the guard's limit is not replaced at all."""
+    from pilotrun.config.factories import FactoryTimeout, factory_guard
+
+    fired: list = []
+    with time_limit(30, fired):
+        handler = signal.getsignal(signal.SIGALRM)
+        with factory_guard("a quick call", 5):
+            assert signal.getsignal(signal.SIGALRM) is not handler
+        assert signal.getsignal(signal.SIGALRM) is handler and 25 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30
+        with pytest.raises(FactoryTimeout, match=r"within 0.2 s \(pilot.factory_timeout"):
+            with factory_guard("a loop", 0.2):
+                while True:
+                    try:
+                        time.sleep(0.01)
+                    except Exception:  # user code that swallows what it can: the alarm is a BaseException
+                        pass
+        with factory_guard("under a sooner outer timer", 60):
+            assert signal.getsignal(signal.SIGALRM) is handler
+    assert not fired
+
+
+CAMPAIGN = {"base": "toy/pilot.yaml", "vary": {"train.optimizer.lr": [0.01, 0.02]}, "seeds": [1, 2], "updates": 8}
+
+
+def campaign_cases() -> list[tuple[str, dict, str]]:
+    """(name, campaign mapping, the field its error must name): the campaign's own numbers are the campaign's
+    fault, never the varied key's; a varied value the run spec refuses is the varied key's."""
+    out = []
+    for value in ([-1], [2**32], [1, 2**40], [], [1, 1], ["a"], [True], -1):
+        out.append((f"seeds {value!r}", _set(CAMPAIGN, "seeds", value), "seeds"))
+    for key, values in [("updates", (0, -1, 2**60, 1.5)), ("eval.every", (0, 2**60, "x")),
+                        ("keep.control_set", (-1, 10**9, "all")), ("stop.divergence", (1.0, -3)),
+                        ("stop.budget_minutes", (0, -1)), ("processes", (0, -2))]:
+        for value in values:
+            out.append((f"{key} {value!r}", _set(CAMPAIGN, key, value), key))
+    for values in ([0.01, 1e30], [0.01, -1.0], [0.01, "fast"]):
+        out.append((f"vary lr {values!r}", _set(CAMPAIGN, "vary", {"train.optimizer.lr": values}),
+                    "train.optimizer.lr"))
+    out.append(("vary betas", _set(CAMPAIGN, "vary", {"train.optimizer.betas": [[0.9, 0.99], [0.9, 1.5]]}),
+                "train.optimizer.betas"))
+    out.append(("vary a fixed key", _set(CAMPAIGN, "vary", {"seed": [1, 2]}), "vary.seed"))
+    out.append(("vary two keys", _set(CAMPAIGN, "vary", {"train.optimizer.lr": [1, 2], "train.max_grad_norm": [1, 2]}),
+                "vary"))
+    return out
+
+
+def test_fuzzed_campaign_specs_name_their_own_field(folders, tmp_path):
+    """campaign.yaml mutations, validated in this process as `pilotrun campaign` does before any run starts
+    (load_campaign, then every run's spec): each is a SpecError or CampaignError naming its own field."""
+    from pilotrun.campaign.orchestrate import CampaignError, prepare
+    from pilotrun.campaign.spec import load_campaign
+    from pilotrun.config.schema import SpecError
+
+    failures = []
+    for i, (name, mapping, field_name) in enumerate(campaign_cases()):
+        path = tmp_path / f"campaign-{i}.yaml"
+        path.write_text(_dump(mapping))
+        try:
+            prepare(load_campaign(path))
+        except SpecError as exc:
+            fields = [f for f, _ in exc.problems]
+            if not any(f == field_name or f.startswith((field_name + ".", field_name + "[")) for f in fields):
+                failures.append(f"{name}: blamed {fields}: {exc}")
+        except CampaignError as exc:
+            if not str(exc).startswith((field_name, f"vary: {field_name}")) or field_name not in str(exc):
+                failures.append(f"{name}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any other exception is an exit 3
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:
+            failures.append(f"{name}: accepted")
     assert not failures, "\n".join(failures)

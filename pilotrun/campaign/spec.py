@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config.limits import CAMPAIGN_BOUNDS, int_problem
 from ..config.load import set_dotted, spec_from_mapping
 from ..config.schema import SpecError, build, doc
 from ..config.spec import Spec
@@ -97,6 +98,17 @@ class CampaignSpec:
             yield "updates", "must be at least 1"
         if self.processes < 1:
             yield "processes", "must be at least 1"
+        yield from self._bound_problems()
+
+    def _bound_problems(self):
+        """The numbers config/limits.py bounds: each seed as a run's seed, the budget as its train.updates."""
+        values: dict[str, list[tuple[int | None, int]]] = {
+                  "seeds": list(enumerate(self.seeds)), "updates": [(None, self.updates)],
+                  "eval.every": [(None, self.eval.every)], "keep.control_set": [(None, self.keep.control_set)]}
+        for b in CAMPAIGN_BOUNDS:
+            for i, value in values[b.field]:
+                if (problem := int_problem(b, value, b.field if i is None else f"{b.field}[{i}]")) is not None:
+                    yield problem
 
     @property
     def key(self) -> str:

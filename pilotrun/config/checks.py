@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .exitguard import ExitCalled
-from .factories import ShadowedModule, import_factory
+from .factories import FactoryInterrupt, FactoryTimeout, ShadowedModule, factory_guard, import_factory
 from .hub_cache import TokenizerNotFound
 from .paths import looks_local
 from .sections import ModelSpec
@@ -32,7 +32,8 @@ def spec_problems(spec: Spec, data_files: bool = True) -> Problems:
     if data_files:
         problems += tokenizer_problems(spec)
     for section, target in (("model", spec.model.factory), ("data", spec.data.factory)):
-        if target is not None and (problem := factory_problem(target, spec.folder)) is not None:
+        if target is not None and (problem := factory_problem(target, spec.folder,
+                                                              spec.pilot.factory_timeout)) is not None:
             problems.append((f"{section}.factory", problem))
     return problems + cross_section_problems(spec)
 
@@ -128,11 +129,13 @@ def tokenizer_problems(spec: Spec) -> Problems:
     return []
 
 
-def factory_problem(target: str, folder: Path) -> str | None:
-    """Why the factory 'module:function' cannot be used (it does not import, or is not callable), or None."""
+def factory_problem(target: str, folder: Path, timeout: float | None = None) -> str | None:
+    """Why the factory 'module:function' cannot be used (it does not import within ``timeout`` seconds, or is not
+    callable), or None."""
     try:
-        fn = import_factory(target, folder)
-    except ShadowedModule as exc:
+        with factory_guard(f"importing {target!r}", timeout):
+            fn = import_factory(target, folder)
+    except (ShadowedModule, FactoryTimeout, FactoryInterrupt) as exc:
         return str(exc)
     except ModuleNotFoundError as exc:
         return f"cannot import {target!r}: {exc} (modules are imported from {folder})"

@@ -107,8 +107,9 @@ def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] =
     spec.source = str(p.resolve())
     spec.written = copy.deepcopy(raw)
     if isinstance(spec, ProgramOnlySpec):
-        assert spec.program is not None
-        problems = program_file_problems(spec.program, spec.folder) if check_files else []
+        assert spec.program is not None  # ProgramOnlySpec.check refuses `program: null`
+        problems = bound_problems(spec, this_machine=False)  # pilot.resume.before/after, seed: as for any spec
+        problems += program_file_problems(spec.program, spec.folder) if check_files else []
         if problems:
             raise SpecError(_mark_overrides(problems, list(overridden)), str(p))
         return spec

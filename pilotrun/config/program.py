@@ -17,6 +17,7 @@ import glob
 import os
 import shlex
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -88,14 +89,15 @@ def program_files(spec: ProgramSpec, folder: Path) -> tuple[list[Path], str]:
 
 def program_file_problems(spec: ProgramSpec, folder: Path) -> list[tuple[str, str]]:
     """What cannot run: a pattern matching no file, a script named after python that does not exist."""
-    problems = []
-    for i, pattern in enumerate(spec.files or []):
-        if not [p for p in glob.glob(str(folder / pattern), recursive=True) if Path(p).is_file()]:
-            problems.append((f"program.files[{i}]", f"{pattern!r} matches no file in {folder} (patterns are relative "
-                             "to the spec's folder)"))
+    problems = _files_problems(spec.files, folder)
     words = spec.words
     if not words:
         return problems
+    if (module := _module_word(words)) is not None and not module_found(module, folder):
+        # Found by the fuzzer: `python -m nosuchmod` passed the spec check and failed only at the first gate.
+        problems.append(("program.command", f"no module {module!r} for `python -m` in {folder} nor on this "
+                         "interpreter's sys.path (the program runs with pilotrun's own interpreter, from the spec's "
+                         "folder); check the name, or install the package"))
     if words[0] in PYTHON_WORDS or words[0] == TORCHRUN_WORD:
         # python's script is its first plain word; torchrun's options take values, so its first word ending in .py
         if words[0] == TORCHRUN_WORD:
@@ -120,3 +122,63 @@ def _executable(word: str, folder: Path) -> bool:
         path = folder / word
         return path.is_file() and os.access(path, os.X_OK)
     return shutil.which(word) is not None
+
+
+def _files_problems(files: list[str] | None, folder: Path) -> list[tuple[str, str]]:
+    """program.files: not empty, every pattern inside the spec's folder and matching a file there."""
+    if files is None:
+        return []
+    if not files:  # found by the fuzzer: `files: []` was accepted and the lock hashed nothing
+        return [("program.files", "is empty: the lock would hash no file and an edited program would go unnoticed; "
+                 "list the program's files (e.g. [train.py]), or leave program.files out to hash the files its "
+                 "command names")]
+    problems = []
+    root = folder.resolve()
+    for i, pattern in enumerate(files):
+        matches = [Path(p) for p in glob.glob(str(folder / pattern), recursive=True) if Path(p).is_file()]
+        outside = [p for p in matches if not p.resolve().is_relative_to(root)]
+        if os.path.isabs(pattern) or ".." in Path(pattern).parts or outside:
+            # Found by the fuzzer: ['/etc/passwd'] was hashed into the lock as one of the program's files.
+            problems.append((f"program.files[{i}]", f"{pattern!r} names a file outside the spec's folder {root}"
+                             + (f" ({outside[0]}, links followed)" if outside else "") + ": the program's files are "
+                             "the ones beside its spec; give a pattern relative to that folder"))
+        elif not matches:
+            problems.append((f"program.files[{i}]", f"{pattern!r} matches no file in {folder} (patterns are relative "
+                             "to the spec's folder)"))
+    return problems
+
+
+def _module_word(words: list[str]) -> str | None:
+    """The module of ``python [options] -m MODULE ...``, or None when the command runs no module that way."""
+    if words[0] not in PYTHON_WORDS:
+        return None
+    for before, word in zip(words[1:], words[2:]):
+        if before == "-m":
+            return word
+        if not before.startswith("-"):  # a script: the words after it are its own
+            return None
+    return None
+
+
+def module_found(name: str, folder: Path) -> bool:
+    """Whether ``python -m name`` run from ``folder`` by this interpreter finds the module, found on the path as
+    the import system would (``importlib.machinery.PathFinder``) without importing it or its parent packages:
+    nothing of the program runs. Lenient where the program's path may differ: this interpreter's sys.path is
+    searched too."""
+    from importlib.machinery import PathFinder
+
+    if not name or any(not part.isidentifier() for part in name.split(".")):
+        return False
+    if name in sys.modules:  # already imported here (os.path: set by os, found on no path)
+        return True
+    path: list[str] | None = [str(folder), *sys.path]
+    for i, part in enumerate(name.split(".")):
+        if i == 0 and part in sys.builtin_module_names:
+            return len(name.split(".")) == 1
+        found = PathFinder.find_spec(part, path)
+        if found is None:
+            return False
+        path = list(found.submodule_search_locations or [])
+        if not path and i < len(name.split(".")) - 1:
+            return False  # a plain module has no submodules
+    return True

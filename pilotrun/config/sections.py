@@ -26,6 +26,11 @@ BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-true"]
 
+# pilot.factory_timeout's default: a factory that reads a large dataset or builds a large model on CPU takes minutes;
+# ten of them is far above that and still ends a factory that loops (found by the fuzzer: an import that never
+# returned, and a data factory asked for 2**31 examples, hung the pilot with no answer).
+DEFAULT_FACTORY_TIMEOUT = 600.0
+
 # The section as the user wrote it (+ --set), set by the loader: what a factory is called with. Internal: no user
 # key, not in the canonical config (config.spec.Spec.canonical), and kept by dataclasses.replace (an init field).
 _WRITTEN = {"internal": True}
@@ -308,8 +313,9 @@ class ResumeSpec:
         "relative tolerance for loss and gradient norm off CPU or in bf16/fp16 (CPU fp32 is bitwise)", 1e-3)
 
     def check(self):
-        if self.before < 1 or self.after < 1:
-            yield "", "before and after must be at least 1"
+        for name in ("before", "after"):
+            if getattr(self, name) < 1:
+                yield name, f"must be at least 1, got {getattr(self, name)}"
         if self.rtol < 0:
             yield "rtol", "must be 0 or more"
 
@@ -321,10 +327,15 @@ class PilotSpec:
     inspect: InspectSpec = doc("the inspect gate", InspectSpec)
     overfit: OverfitSpec = doc("the overfit gate", OverfitSpec)
     resume: ResumeSpec = doc("the resume gate", ResumeSpec)
+    factory_timeout: float | None = doc(
+        "seconds model.factory / data.factory may take to import, and again to return, before the spec check or the "
+        "load gate gives up on it (null: no limit; enforced in each process's main thread)", DEFAULT_FACTORY_TIMEOUT)
 
     def check(self):
         if self.updates < 2:
             yield "updates", f"must be at least 2 (one first_step and at least one steady_step), got {self.updates}"
+        if self.factory_timeout is not None and self.factory_timeout <= 0:
+            yield "factory_timeout", f"must be positive, or null for no limit, got {self.factory_timeout}"
 
 
 @dataclass

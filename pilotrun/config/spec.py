@@ -47,6 +47,7 @@ class BuildContext:
     precision: Precision  # train.precision: bf16-true holds the model's weights in bf16
     activation_checkpointing: bool  # train.activation_checkpointing
     task: str | None  # data.task: with a Hugging Face model it picks the head (None: the data's label_names do)
+    factory_timeout: float | None = None  # pilot.factory_timeout: seconds a factory's import and call may take
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Spec:
     def build_context(self) -> BuildContext:
         """What ``build_model``, ``load_tokenizer`` and ``build_data`` read besides their own section."""
         return BuildContext(self.folder, self.seed, self.train.precision, self.train.activation_checkpointing,
-                            self.data.task)
+                            self.data.task, self.pilot.factory_timeout)
 
     def record(self) -> dict:
         """What a child process rebuilds this exact spec from (``load.spec_from_mapping(written, source)``)."""
@@ -119,6 +120,7 @@ class Spec:
         out.pop("written", None)
         if out.get("program") is None:  # absent, not null: specs without it keep the hash they always had
             out.pop("program", None)
+        out["pilot"].pop("factory_timeout", None)  # how long pilotrun waits, not what runs: the hash stays as it was
         for section in ("model", "data"):
             out[section].pop("written", None)  # the loader's copy of the mapping, not a key (an extra may be one)
             extra = out[section].pop("extra", {}) or {}
@@ -146,6 +148,9 @@ class ProgramOnlySpec(Spec):
     def check(self):
         if not NAME_RE.match(self.name):
             yield "name", f"use letters, digits, '.', '_' or '-' (got {self.name!r})"
+        if self.program is None:  # found by the fuzzer: `program: null` alone was an internal error (exit 3)
+            yield "program", ("is null: give program.command (the program to pilot), or remove program: and give "
+                              "model, data and train")
         given = [k for k in PROGRAM_OPTIONAL if getattr(self, k) is not None]
         if given:  # never reached from load_spec (a complete spec builds Spec); kept for direct builders
             yield given[0], "a program-only spec has no model/data/train; give all three or none"
@@ -154,6 +159,7 @@ class ProgramOnlySpec(Spec):
         out = asdict(self)
         for key in ("source", "written", *PROGRAM_OPTIONAL):
             out.pop(key, None)
+        out["pilot"].pop("factory_timeout", None)
         return json.loads(json.dumps(out, sort_keys=True, default=list))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.factories import import_factory
+from ..config.factories import factory_guard, import_factory
 from ..config.paths import resolve_path
 from ..config.sections import DataSpec
 from ..config.spec import BuildContext
@@ -110,8 +110,10 @@ def builtin_data(spec: DataSpec, job: BuildContext, tokenizer, eval_max_length: 
 
 def factory_data(spec: DataSpec, job: BuildContext) -> DataBundle:
     assert spec.factory is not None
-    fn = import_factory(spec.factory, job.folder)
-    out = fn(spec.factory_mapping())
+    with factory_guard(f"importing data.factory {spec.factory!r}", job.factory_timeout):
+        fn = import_factory(spec.factory, job.folder)
+    with factory_guard(f"data.factory {spec.factory!r}", job.factory_timeout):
+        out = fn(spec.factory_mapping())
     where = f"data.factory {spec.factory!r}"
     if not isinstance(out, dict):
         raise DataError(f"{where} returned {type(out).__name__}; expected a mapping with 'train', 'val' and 'collate'")

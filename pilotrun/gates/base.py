@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ..config.exitguard import ExitCalled
+from ..config.factories import FactoryInterrupt, FactoryTimeout
 from ..drivers.base import Capability, NonFiniteError, OnProgram, TrainingCheckError
+from ..interrupt import raised_by_signal
 from ..ledger.records import Failure, Verdict
 from ..measure.meter import StageMeter, is_oom, out_of_memory_reason
 from .products import Product
@@ -133,10 +135,13 @@ def _user_frame(tb) -> str:
 
 
 def stops_the_pilot(exc: BaseException) -> bool:
-    """Whether ``exc`` must end the pilot rather than fail one gate: Ctrl-C (exit 130), a generator closing, or a
+    """Whether ``exc`` must end the pilot rather than fail one gate: a stop signal (Ctrl-C, exit 130; a
+    ``KeyboardInterrupt`` user code raised itself is a failure), a generator closing, or a
     BaseException pilotrun raises itself for control flow (a stop signal). Anything else user code raises,
     SystemExit and any BaseException subclass included, is the gate's failure."""
-    if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+    if isinstance(exc, KeyboardInterrupt):
+        return raised_by_signal(exc)  # user code raising it with no signal sent is the gate's failure
+    if isinstance(exc, GeneratorExit):
         return True
     return not isinstance(exc, (Exception, SystemExit)) and type(exc).__module__.startswith("pilotrun.")
 
@@ -164,6 +169,11 @@ def failure_reason(gate: Gate, exc: BaseException, ctx: PilotContext, inputs: di
     if isinstance(exc, ExitCalled):
         return (f"{prefix}the code called os._exit({exc.code!r}){_user_frame(exc.__traceback__)}, which would have "
                 "ended pilotrun with no row; raise an exception instead")
+    if isinstance(exc, (FactoryTimeout, FactoryInterrupt)):  # their message says where the factory was
+        return f"{prefix}{exc}"
+    if isinstance(exc, KeyboardInterrupt):  # raised by the code itself, no stop signal (stops_the_pilot)
+        return (f"{prefix}the code raised KeyboardInterrupt{_user_frame(exc.__traceback__)} though no stop signal was "
+                "sent; raise an exception instead (a KeyboardInterrupt ends pilotrun as Ctrl-C does)")
     if isinstance(exc, SystemExit):
         return (f"{prefix}the code called sys.exit({exc.code!r}){_user_frame(exc.__traceback__)}; raise an exception "
                 "instead")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..config.factories import import_factory
+from ..config.factories import factory_guard, import_factory
 from ..config.hub_cache import TokenizerNotFound
 from ..config.paths import resolve_path
 from ..config.sections import ModelSpec, Precision, QuantizationSpec
@@ -137,7 +137,7 @@ def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | No
     if quant is not None:
         require_kernels([Kernel.MATMUL_4BIT if quant.bits == 4 else Kernel.MATMUL_8BIT], torch.device(device).type)
     torch.manual_seed(job.seed)
-    loaded = (_build_factory(model, job.folder, meta) if model.factory is not None
+    loaded = (_build_factory(model, job, meta) if model.factory is not None
               else _build_hf(model, job, label_names, tokenizer, meta, device=device))
     if meta and model.quantization is not None:
         loaded.notes.append("model.quantization not applied on the meta device (bitsandbytes quantises real weights)")
@@ -205,11 +205,13 @@ def _prepare_quantized(loaded: LoadedModel, q: QuantizationSpec, precision: Prec
     loaded.notes.append(f"base quantised ({what}, bitsandbytes), prepared with peft.prepare_model_for_kbit_training")
 
 
-def _build_factory(spec: ModelSpec, folder: Path, meta: bool) -> LoadedModel:
+def _build_factory(spec: ModelSpec, job: BuildContext, meta: bool) -> LoadedModel:
     assert spec.factory is not None
-    fn = import_factory(spec.factory, folder)
+    with factory_guard(f"importing model.factory {spec.factory!r}", job.factory_timeout):
+        fn = import_factory(spec.factory, job.folder)
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = fn(spec.factory_mapping())
+        with factory_guard(f"model.factory {spec.factory!r}", job.factory_timeout):
+            model = fn(spec.factory_mapping())
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
         raise ModelError(f"model.factory {spec.factory!r} returned the class {model.__name__}, not an "
                          "instance: call it and return the module")
