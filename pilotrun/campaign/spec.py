@@ -26,7 +26,7 @@ from typing import Any
 
 from ..config.load import set_dotted, spec_from_mapping
 from ..config.schema import SpecError, build, doc
-from ..config.spec import Spec
+from ..config.spec import Spec, name_problem
 from ..config.yamlsafe import parse_bounded, read_spec_text
 
 
@@ -77,6 +77,8 @@ class CampaignSpec:
     source: str = field(default="", init=False, metadata={"internal": True})
 
     def check(self):
+        if self.name is not None and (why := name_problem(self.name)) is not None:
+            yield "name", why
         if len(self.vary) != 1:
             yield "vary", f"a campaign varies exactly one key, got {len(self.vary)} ({', '.join(self.vary) or 'none'})"
         for key, values in self.vary.items():
@@ -154,6 +156,9 @@ def load_campaign(path: str | Path) -> CampaignSpec:
         raise SpecError([("", f"{p} must be a mapping (base, vary, seeds, updates, ...)")], str(p))
     spec = build(CampaignSpec, raw, str(p))
     spec.source = str(p.resolve())
+    if spec.name is None and (why := name_problem(p.stem)) is not None:  # the default: the file's stem
+        raise SpecError([("name", f"the file's stem {p.stem!r} is the campaign's name by default: {why}; set name: "
+                                  "in the file")], str(p))
     base = spec.folder / spec.base
     if base.is_dir():
         raise SpecError([("base", f"expected a pilot spec file, got a folder: {base} (did you mean "
