@@ -67,7 +67,8 @@ class CampaignSpec:
     vary: dict[str, list[Any]] = doc("one dotted spec key and its values; the first value is the control")
     seeds: list[int] = doc("seeds: every value runs once per seed")
     updates: int = doc("optimizer updates per run (the same budget for every run)")
-    name: str | None = doc("campaign name (default: the file's stem)", None)
+    name: str | None = doc("campaign name, its folder under --out and its run ids: as a pilot's name, 1 to 81 "
+                           "letters, digits, . _ - (default: the file's stem)", None)
     eval: EvalEvery = doc("validation frequency", EvalEvery)
     stop: StopRules = doc("stop reasons, declared before the start", StopRules)
     keep: Keep = doc("what each run keeps", Keep)

@@ -67,7 +67,8 @@ class BuildContext:
 
 @dataclass
 class Spec:
-    name: str = doc("job name, used in run ids and the ledger (letters, digits, . _ -)")
+    name: str = doc("job name, used in run ids, folders under --out and the ledger: 1 to 81 letters, digits, . _ - "
+                    "(no path separator, no '..')")
     model: ModelSpec = doc("what to train (optional with program:)")
     data: DataSpec = doc("what to train on (optional with program:)")
     train: TrainSpec = doc("how the long run trains (optional with program:)")

@@ -189,6 +189,11 @@ def _pack_model(led: Ledger, run: dict, meta: dict, lock: dict, root: Path, left
             "manifest in the campaign run's row), so pilotrun cannot tell it from one rewritten after the run: not "
             "archived; archive with the ledger that recorded it (--ledger), or rerun the run")
     own = locked_factory(lock)
+    if not isinstance(lock.get("model"), dict) and (model_dir / "export.json").is_file():
+        raise ArchiveError(
+            f"{model_dir / 'export.json'} names a factory, but run {run['run_id']} recorded no lock (its lock gate did "
+            "not run), so nothing says which factory is the spec's own: not archived; run the pilot with the lock "
+            "gate (--gates lock,...) to archive a factory model")
     remote = bool(((lock.get("config") or {}).get("model") or {}).get("trust_remote_code"))
     try:
         left = pack_manifest_files(model_dir, root / "model", folder, recorded)["left_out"]
