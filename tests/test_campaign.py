@@ -7,8 +7,11 @@ two at a time, one shared SQLite ledger) and the rest reads what it left.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -22,7 +25,9 @@ import yaml
 from pilotrun.campaign.conclude import conclude
 from pilotrun.campaign.orchestrate import CampaignError, prepare
 from pilotrun.campaign.spec import load_campaign
+from pilotrun.checkpoint import LoadPolicy
 from pilotrun.config.schema import SpecError
+from pilotrun.ledger import Ledger
 
 from .conftest import TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli
 
@@ -211,6 +216,11 @@ def _campaign(tmp_path, **over) -> Path:
     ({"seeds": [1, 1]}, "seeds"),
     ({"updates": 0}, "updates"),
     ({"stop": {"budget": 3}}, "stop.budget"),
+    # Names as pilot names: one folder under --out (never above it), never empty, never longer than a run id allows.
+    ({"name": "../../escaped"}, "name"),
+    ({"name": ""}, "name"),
+    ({"name": "a/b"}, "name"),
+    ({"name": "x" * 300}, "name"),
 ])
 def test_a_wrong_campaign_file_names_the_field(tmp_path, over, field):
     with pytest.raises(SpecError) as err:
@@ -306,6 +316,16 @@ def test_a_variant_that_is_not_a_valid_spec_names_the_key(tmp_path):
         prepare(c)
 
 
+@pytest.mark.process
+def test_a_campaign_name_that_would_leave_out_is_exit_2_and_writes_nothing(tmp_path):
+    path = _small(tmp_path, name="../../escaped")
+    out = tmp_path / "a" / "b" / "runs"
+    res = pilotrun_cli("campaign", str(path), "--ledger", str(tmp_path / "l.sqlite"), "--out", str(out), cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert "name:" in res.stderr and "no path separator and no '..'" in " ".join(res.stderr.split())
+    assert not list(tmp_path.rglob("escaped*")) and not out.exists()
+
+
 # -- one real campaign ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -373,10 +393,17 @@ def test_parallel_runs_wrote_every_update_once_and_kept_what_was_asked(campaign)
         folder = campaign["work"] / "runs" / campaign["id"] / r["run_id"]
         preds = json.loads((folder / "predictions.json").read_text())
         assert len(preds) == 4 and all("predicted_tokens" in p for p in preds)
+        meta = json.loads(_ledger(campaign["ledger"], "SELECT meta_json FROM runs WHERE run_id = ?",
+                                  r["run_id"])[0]["meta_json"])
         if r["status"] == "finished":
             assert [v["step"] for v in val] == [6, 12]
             assert (folder / "export" / "model.safetensors").is_file()
             assert r["meta"]["final"]["step"] == 12
+            # Its export's manifest is recorded in its row, as a pilot's export row records it: the policy knows it.
+            sha = hashlib.sha256((folder / "export" / "manifest.json").read_bytes()).hexdigest()
+            assert meta["manifests"] == {"export": sha}, meta.get("manifests")
+            with Ledger(campaign["ledger"]) as led:
+                assert sha in LoadPolicy.from_ledger(led).known
         else:
             assert not (folder / "export").exists()  # a diverged model is not kept as an artifact
     # --parallel 2 on this machine: capped by its cores only, memory unchecked (no pilot of the base spec here).
@@ -534,6 +561,127 @@ def test_archive_refuses_a_model_that_no_longer_matches_its_manifest(campaign, t
         assert not (tmp_path / "x.tar.gz").exists()
     finally:
         weights.write_bytes(original)
+
+
+def _rehash(folder: Path) -> str:
+    """Rewrite ``folder``'s manifest to match its files (what an attacker would do); its new sha256."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"] = {str(p.relative_to(folder)): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+                                                      "bytes": p.stat().st_size}
+                         for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
+
+
+def _named_factory(export: Path, factory: str, mapping, spec_folder: Path) -> str:
+    (export / "export.json").write_text(json.dumps({"factory": factory, "model": mapping,
+                                                    "spec_folder": str(spec_folder)}))
+    return _rehash(export)
+
+
+@pytest.mark.process
+def test_archive_refuses_a_campaign_export_rewritten_after_the_run(campaign, tmp_path):
+    r = campaign["by_lr"][LRS[1]][0]
+    export = campaign["work"] / "runs" / campaign["id"] / r["run_id"] / "export"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(export, pristine)
+    marker, secrets = tmp_path / "MARKER", tmp_path / "somedir"
+    (secrets / "secrets").mkdir(parents=True)
+    (secrets / "secrets" / "key.txt").write_text("not the run's\n")
+    stdlib = Path(os.__file__).parent
+    try:
+        for factory, mapping, folder in (("os:system", f"touch {marker}", stdlib), ("secrets:x", {}, secrets)):
+            _named_factory(export, factory, mapping, folder)
+            out = tmp_path / f"{factory.split(':')[0]}.tar.gz"
+            res = pilotrun_cli("archive", r["run_id"], "--ledger", str(campaign["ledger"]), "--out", str(out),
+                               cwd=tmp_path)
+            err = " ".join(res.stderr.split())
+            assert res.returncode == 2 and "Traceback" not in res.stderr, (factory, res.stdout, res.stderr)
+            assert "export/manifest.json is not the manifest the ledger recorded" in err, err
+            assert not out.exists() and not marker.exists()
+    finally:
+        shutil.rmtree(export)
+        shutil.copytree(pristine, export)
+
+
+def _rerun(root: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *(["-I"] if not env else []), str(root / "rerun_control.py")], cwd=root,
+                          capture_output=True, text=True, timeout=300,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **env})
+
+
+def _recorded(root: Path, sha: str) -> None:
+    """The archive's record rewritten too, so rerun_control reaches its factory and remote-code checks."""
+    run = json.loads((root / "run.json").read_text())
+    run["recorded"]["model_manifest_sha256"] = sha
+    (root / "run.json").write_text(json.dumps(run))
+
+
+@pytest.mark.process
+def test_rerun_control_loads_only_the_recorded_model_and_runs_no_code_it_names(campaign, tmp_path):
+    good = campaign["by_lr"][LRS[0]][1]
+    res = pilotrun_cli("archive", good["run_id"], "--ledger", str(campaign["ledger"]), "--out",
+                       str(tmp_path / "a.tar.gz"), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with tarfile.open(tmp_path / "a.tar.gz") as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    root, marker = tmp_path / "x" / good["run_id"], tmp_path / "MARKER"
+    assert json.loads((root / "run.json").read_text())["recorded"]["factory"] is None  # a Hugging Face model
+    # An export.json naming os:system in the unpacked archive: not the recorded manifest, nothing loaded.
+    sha = _named_factory(root / "model", "os:system", f"touch {marker}", Path(os.__file__).parent)
+    rerun = _rerun(root)
+    assert rerun.returncode == 2 and "REFUSED" in rerun.stderr and "not the manifest recorded" in rerun.stderr, \
+        rerun.stdout + rerun.stderr
+    _recorded(root, sha)  # recorded, it still names a factory the run's spec does not
+    rerun = _rerun(root)
+    assert rerun.returncode == 2 and "names the factory 'os:system'" in rerun.stderr, rerun.stdout + rerun.stderr
+    # An adapter whose base.json spec asks transformers to run a folder's own code (configuration_*.py).
+    evil = tmp_path / "evilhf"
+    evil.mkdir()
+    (evil / "configuration_evil.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
+    (evil / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {
+        "AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "configuration_evil.EvilConfig"}}))
+    for f in (root / "model").iterdir():
+        if f.name != "manifest.json":
+            f.unlink()
+    base = campaign["work"] / "tiny-sft" / "pilot.yaml"
+    written = {**yaml.safe_load(base.read_text()), "model": {"hf": str(evil), "trust_remote_code": True}}
+    (root / "model" / "base.json").write_text(json.dumps({"spec": {"written": written, "source": str(base)},
+                                                         "base_identity": "x", "head": "causal-lm"}))
+    (root / "model" / "adapter_config.json").write_text("{}")
+    (root / "model" / "adapter_model.safetensors").write_bytes(b"")
+    _recorded(root, _rehash(root / "model"))
+    rerun = _rerun(root, PYTHONPATH=os.environ.get("PYTHONPATH", ""), HOME=str(tmp_path))
+    assert rerun.returncode == 2 and "trust_remote_code" in rerun.stderr, rerun.stdout + rerun.stderr[-3000:]
+    assert not marker.exists(), "code an artifact named was run"
+
+
+@pytest.mark.process
+def test_an_archive_never_follows_a_link_out_of_the_campaign_and_names_what_it_left(campaign, tmp_path):
+    r = campaign["by_lr"][LRS[0]][0]
+    camp = campaign["work"] / "runs" / campaign["id"] / "campaign.json"
+    kept = tmp_path / "campaign.json"
+    shutil.copyfile(camp, kept)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside the campaign folder\n")
+    camp.unlink()
+    camp.symlink_to(secret)
+    try:
+        out = tmp_path / "a.tar.gz"
+        res = pilotrun_cli("archive", r["run_id"], "--ledger", str(campaign["ledger"]), "--out", str(out),
+                           cwd=tmp_path)
+    finally:
+        camp.unlink()
+        shutil.copyfile(kept, camp)
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = " ".join(res.stdout.split())
+    assert "not packed:" in said and "campaign.json is a symbolic link" in said, res.stdout
+    with tarfile.open(out) as tar:
+        members = tar.getmembers()
+        data = b"".join(tar.extractfile(m).read() for m in members if m.isfile())  # type: ignore[union-attr]
+        readme = tar.extractfile(f"{r['run_id']}/README.md").read().decode()  # type: ignore[union-attr]
+    assert b"outside the campaign folder" not in data and not any(m.issym() or m.islnk() for m in members)
+    assert "## Left out" in readme and "campaign.json" in readme.split("## Left out")[1]
 
 
 @pytest.mark.process

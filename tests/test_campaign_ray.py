@@ -10,6 +10,7 @@ machine, a user's included); each test has its own short ``RAY_TMPDIR``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -216,6 +217,9 @@ def test_a_local_ray_instance_keeps_exactly_the_rows_the_local_engine_keeps(tmp_
         assert Path(r["out_dir"]).parent == Path(engine["storage"]) and meta["ray"]["node_id"]
         assert (Path(r["out_dir"]) / "predictions.json").is_file()
         assert (Path(r["out_dir"]) / "export").is_dir() == (r["status"] == "finished")
+        if r["status"] == "finished":  # recorded through the relay, as the local engine records it
+            sha = hashlib.sha256((Path(r["out_dir"]) / "export" / "manifest.json").read_bytes()).hexdigest()
+            assert meta["manifests"] == {"export": sha}, meta.get("manifests")
     # The same HTML report reads it.
     cid = json.loads(camp["meta_json"])["engine"]["storage"].rsplit("/", 1)[1]
     rep = pilotrun_cli("report", cid, "--ledger", str(ray_ledger), "--out", str(tmp_path / "report.html"), cwd=tmp_path)

@@ -179,7 +179,7 @@ def test_the_reload_worker_refuses_an_unrecorded_export_and_a_factory_it_was_not
 
 def test_archive_packs_exactly_the_manifest_and_never_follows_links(toylm, tmp_path):
     ledger = tmp_path / "l.sqlite"
-    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--gates", "export", "--json", cwd=tmp_path)
+    res = pilotrun_cli("run", str(toylm), "--ledger", str(ledger), "--gates", "lock,export", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     run_id = json.loads(res.stdout)["run_id"]
     export = tmp_path / "runs" / run_id / "export"
@@ -208,6 +208,19 @@ def test_archive_packs_exactly_the_manifest_and_never_follows_links(toylm, tmp_p
     res = pilotrun_cli("archive", run_id, "--ledger", str(ledger), "--out", str(tmp_path / "b.tar.gz"), cwd=tmp_path)
     assert res.returncode == 2 and "model.safetensors is a symbolic link" in flat(res.stderr), res.stderr
     assert not (tmp_path / "b.tar.gz").exists() and "Traceback" not in res.stderr
+    # The factory's code is the one file the run's lock recorded, from the spec's folder: nothing else there.
+    assert sorted(n.split("/code/")[1] for n in names if "/code/" in n) == ["toylm.py"], names
+    # That file changed since the run: left out and named, never packed as if it were the run's.
+    weights.unlink()
+    shutil.copyfile(copy, weights)
+    (toylm.parent / "toylm.py").write_text((toylm.parent / "toylm.py").read_text() + "\n# edited after the run\n")
+    res = pilotrun_cli("archive", run_id, "--ledger", str(ledger), "--out", str(tmp_path / "c.tar.gz"), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "toylm.py (changed since the run's lock recorded it" in flat(res.stdout), res.stdout
+    with tarfile.open(tmp_path / "c.tar.gz") as tar:
+        assert not any("/code/" in n for n in tar.getnames())
+        readme = tar.extractfile(f"{run_id}/README.md").read().decode()  # type: ignore[union-attr]
+    assert "## Left out" in readme and "toylm.py" in readme.split("## Left out")[1]
 
 
 def test_the_dcp_reader_itself_refuses_a_folder_not_admitted_as_known(toylm, tmp_path):

@@ -69,15 +69,18 @@ def test_each_damage_to_the_only_checkpoint_is_named_and_exit_2(parent, tmp_path
 
 
 def test_a_damaged_newest_checkpoint_names_the_older_one_it_resumes(parent, tmp_path):  # noqa: F811
-    ckpt = parent["ckpt"]
-    older = ckpt.with_name("step-000000")  # an intact, recorded checkpoint under an older step
-    shutil.copytree(ckpt, older)
-    _flip(ckpt / "optimizer-00000-of-00001.pt")
+    ckpt = parent["ckpt"]  # the intact, recorded one; a newer one beside it, damaged after its save
+    newer = ckpt.with_name("step-000002")  # (a copy under its own step: a renamed folder is refused for its name)
+    shutil.copytree(ckpt, newer)
+    _opt_in(newer, "trainer_state.json", lambda s: s.update(step=2))
+    manifest = json.loads((newer / "manifest.json").read_text())
+    (newer / "manifest.json").write_text(json.dumps({**manifest, "step": 2}, indent=1, sort_keys=True))
+    _flip(newer / "optimizer-00000-of-00001.pt")
     res = _resume(parent, tmp_path)
     out = flat(res.stdout + res.stderr)
     assert res.returncode == 0, out[-3000:]
-    assert "not resumed from step-000001" in out and "optimizer-00000-of-00001.pt does not match its sha256" in out
-    assert "step-000000 is intact and usable: resuming from it" in out
+    assert "not resumed from step-000002" in out and "optimizer-00000-of-00001.pt does not match its sha256" in out
+    assert "step-000001 is intact and usable: resuming from it" in out
 
 
 def test_resume_never_loads_the_checkpoint_of_another_spec_sharing_the_out_folder(toylm, tmp_path):
@@ -147,3 +150,56 @@ def test_an_altered_expect_file_is_named_by_the_restore_gate(parent, tmp_path): 
     assert rows["restore"]["verdict"] == "fail", rows["restore"]["reason"]
     assert "step-000001.expect.json is not readable JSON" in rows["restore"]["reason"]
     assert os.path.basename(str(expect)) in rows["restore"]["reason"]
+
+
+def _plan(p: dict):
+    from pilotrun.config import load_spec
+    from pilotrun.ledger import Ledger
+    from pilotrun.pilot.resume import plan_resume
+
+    spec = load_spec(p["spec"])
+    with Ledger(p["ledger"]) as led:
+        return plan_resume(led, spec.name, p["run"]["run_id"], False, spec.canonical(), spec.config_hash())
+
+
+def test_a_renamed_or_linked_checkpoint_folder_is_refused_with_why(parent, tmp_path):  # noqa: F811
+    from pilotrun.pilot.resume import ResumeError
+
+    ckpt = parent["ckpt"]
+    renamed = ckpt.with_name("step-000009")  # recorded bytes, under a step it never was
+    ckpt.rename(renamed)
+    with pytest.raises(ResumeError) as info:
+        _plan(parent)
+    assert "step-000009: its manifest records step 1, not 9" in flat(str(info.value)), info.value
+    outside = tmp_path / "elsewhere"
+    renamed.rename(outside)
+    ckpt.symlink_to(outside, target_is_directory=True)  # the recorded name, pointing out of the run
+    with pytest.raises(ResumeError) as info:
+        _plan(parent)
+    assert f"step-000001 is a symbolic link (to {outside})" in flat(str(info.value)), info.value
+
+
+def test_state_files_out_of_range_or_not_the_jobs_are_named_before_they_are_applied(parent):  # noqa: F811
+    """What --trust lets load is still checked against the job: a step of 1e30, a config.json replaced."""
+    from pilotrun.checkpoint.io import CheckpointError
+    from pilotrun.checkpoint.state import restore_training_state
+    from pilotrun.config import load_spec
+    from pilotrun.drivers import build_job
+
+    ckpt = parent["ckpt"]
+    pristine = ckpt.with_name("pristine")
+    shutil.copytree(ckpt, pristine)
+    driver = build_job(load_spec(parent["spec"]))
+    try:
+        cases = [("trainer_state.json", lambda s: s.update(step=10**30), "trainer_state.json: field step is 1" + "0" * 30),
+                 ("trainer_state.json", lambda s: s.update(step=0), "field step is 0, but"),
+                 ("config.json", lambda s: s["train"]["optimizer"].update(lr=0.5), "config.json hashes to config")]
+        for name, edit, words in cases:
+            shutil.rmtree(ckpt)
+            shutil.copytree(pristine, ckpt)
+            _opt_in(ckpt, name, edit)
+            with pytest.raises(CheckpointError) as info:
+                restore_training_state(driver, ckpt)
+            assert words in str(info.value), (name, str(info.value))
+    finally:
+        driver.close()

@@ -17,9 +17,10 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
+from ..checkpoint.trust import manifest_sha256
 from ..distributed import all_sum, env_from_os
 from ..drivers import LoopDriver, NonFiniteError, build_job
-from ..ledger.records import RunEnd, RunStatus, Series, StopKind
+from ..ledger.records import MANIFESTS, Kept, RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
@@ -152,15 +153,23 @@ def _keep(driver: LoopDriver, spec, plan: dict, out_dir: Path, finished: bool) -
                                     plan["keep"]["control_set"], out_dir)
         (out_dir / "predictions.json").write_text(json.dumps(preds, indent=1))
         kept["control_predictions"] = str(out_dir / "predictions.json")
+    # Each kept folder's manifest sha256 goes into the run's row (meta "manifests"), as a pilot's save and export
+    # rows record theirs: what archive, convert and --resume admit, and nothing rewritten after the run.
+    manifests: dict[str, str] = {}
     if plan["keep"]["checkpoint"] and finished:
         driver.save(out_dir / "checkpoints" / "final")  # every rank: the strategy's layout (DCP shards for FSDP)
         kept["checkpoint"] = str(out_dir / "checkpoints" / "final")
+        if main:  # the save's last barrier is behind us: rank 0 renamed the folder into place
+            manifests[Kept.CHECKPOINT] = manifest_sha256(out_dir / "checkpoints" / "final")
     if plan["keep"].get("export", True) and finished:
         # Every rank takes part in gathering the full weights; rank 0 writes them (as the export gate does).
         weights = driver.export_weights() if driver.env.active else None
         if main:
-            driver.write_export(out_dir / "export", weights)
+            written = driver.write_export(out_dir / "export", weights)
+            manifests[Kept.EXPORT] = written.manifest_sha256  # of the bytes written, not re-read
         kept["export"] = str(out_dir / "export")
+    if manifests:
+        kept[MANIFESTS] = {str(k): v for k, v in manifests.items()}
     return kept
 
 
@@ -229,7 +238,8 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
         result["final"] = result["val"][-1] if result["val"] else None
         result["first_loss"] = rec.first_loss
         if driver.env.is_main:  # one end per run; the other ranks' rows are their points
-            led.finish_campaign_run(run_id, end, final=result["final"], first_loss=rec.first_loss)
+            led.finish_campaign_run(run_id, end, final=result["final"], first_loss=rec.first_loss,
+                                    **{MANIFESTS: result.get(MANIFESTS) or {}})
     if driver.env.is_main:
         (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     return result

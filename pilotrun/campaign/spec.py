@@ -27,7 +27,7 @@ from typing import Any
 from ..config.limits import CAMPAIGN_BOUNDS, int_problem
 from ..config.load import set_dotted, spec_from_mapping
 from ..config.schema import SpecError, build, doc
-from ..config.spec import Spec
+from ..config.spec import Spec, name_problem
 from ..config.yamlsafe import parse_bounded, read_spec_text
 
 
@@ -68,7 +68,8 @@ class CampaignSpec:
     vary: dict[str, list[Any]] = doc("one dotted spec key and its values; the first value is the control")
     seeds: list[int] = doc("seeds: every value runs once per seed")
     updates: int = doc("optimizer updates per run (the same budget for every run)")
-    name: str | None = doc("campaign name (default: the file's stem)", None)
+    name: str | None = doc("campaign name, its folder under --out and its run ids: as a pilot's name, 1 to 81 "
+                           "letters, digits, . _ - (default: the file's stem)", None)
     eval: EvalEvery = doc("validation frequency", EvalEvery)
     stop: StopRules = doc("stop reasons, declared before the start", StopRules)
     keep: Keep = doc("what each run keeps", Keep)
@@ -78,6 +79,8 @@ class CampaignSpec:
     source: str = field(default="", init=False, metadata={"internal": True})
 
     def check(self):
+        if self.name is not None and (why := name_problem(self.name)) is not None:
+            yield "name", why
         if len(self.vary) != 1:
             yield "vary", f"a campaign varies exactly one key, got {len(self.vary)} ({', '.join(self.vary) or 'none'})"
         for key, values in self.vary.items():
@@ -166,6 +169,9 @@ def load_campaign(path: str | Path) -> CampaignSpec:
         raise SpecError([("", f"{p} must be a mapping (base, vary, seeds, updates, ...)")], str(p))
     spec = build(CampaignSpec, raw, str(p))
     spec.source = str(p.resolve())
+    if spec.name is None and (why := name_problem(p.stem)) is not None:  # the default: the file's stem
+        raise SpecError([("name", f"the file's stem {p.stem!r} is the campaign's name by default: {why}; set name: "
+                                  "in the file")], str(p))
     base = spec.folder / spec.base
     if base.is_dir():
         raise SpecError([("base", f"expected a pilot spec file, got a folder: {base} (did you mean "

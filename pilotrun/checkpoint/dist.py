@@ -18,6 +18,7 @@ import torch
 
 from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, read_manifest
 from .state import capture_rng, load_state_json, load_torch_file, restore_rng
+from .statefiles import check_config, check_trainer_state, job_hash
 from .trust import LoadPolicy, require_known
 
 
@@ -147,6 +148,7 @@ def restore_distributed(trainer, folder: Path, env) -> dict:
     if manifest.get("world_size") != env.world_size:
         raise CheckpointError(f"{folder} was written by {manifest.get('world_size')} processes, this job has "
                               f"{env.world_size}: convert it (pilotrun convert) and load the single file instead")
+    check_config(folder, job_hash(trainer))
     msd, osd = _state_dicts(trainer)
     state = {"model": msd, "optimizer": osd}
     _dcp_call(folder, dcp.load, state, checkpoint_id=str(folder / "dcp"))
@@ -159,6 +161,7 @@ def restore_distributed(trainer, folder: Path, env) -> dict:
     restore_rng(load_state_json(folder / f"rng-rank{env.rank}.json", rng_json),
                 load_torch_file(folder / f"rng-rank{env.rank}.pt"))
     st = load_state_json(folder / f"trainer_state-rank{env.rank}.json", trainer.state())
+    check_trainer_state(folder / f"trainer_state-rank{env.rank}.json", st, manifest)
     trainer.load_state(st)
     return st
 

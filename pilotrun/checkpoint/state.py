@@ -17,6 +17,7 @@ import torch
 
 from ..devices import query_devices
 from .io import AtomicFolder, CheckpointError, read_manifest
+from .statefiles import check_config, check_trainer_state, job_hash
 
 
 def capture_rng() -> tuple[dict, dict]:
@@ -236,6 +237,7 @@ def restore_training_state(trainer, folder: Path) -> dict:
     first). Every file is checked against the live objects' own state before it is applied, so a wrong file is
     named with its field instead of failing inside torch."""
     folder = Path(folder)
+    check_config(folder, job_hash(trainer))
     base = getattr(trainer, "base_identity", None)
     saved_base = read_manifest(folder).get("base_identity")
     if base != saved_base:
@@ -286,6 +288,7 @@ def restore_training_state(trainer, folder: Path) -> dict:
         raise CheckpointError(f"{folder / 'rng.pt'}: field 'torch_cpu' is not a CPU generator state")
     restore_rng(load_state_json(folder / "rng.json", rng_json), rng_t)
     state = load_state_json(folder / "trainer_state.json", trainer.state())
+    check_trainer_state(folder / "trainer_state.json", state, read_manifest(folder))
     trainer.load_state(state)
     return state
 

@@ -13,6 +13,11 @@ itself wrote exactly these bytes.
 | ``.pt`` files | ``torch.load(weights_only=True)`` | ``weights_only=True`` | refused |
 | ``dcp/.metadata`` (a pickle) | read by torch's DCP | refused | refused |
 | the factory an ``export.json`` names | imported | only the one the user names | refused |
+| ``trust_remote_code`` in an adapter's ``base.json`` | only as the user's spec (``remote_code``) | same | same |
+
+A policy ``bound_to_spec`` (the archive and its ``rerun_control.py``) imports only the run's own factory, the one its
+lock recorded (``factory``, None when the spec names none), known folder or not. Every policy refuses a folder that
+is a link, and a ``step-N`` folder whose manifest records another step (a renamed checkpoint is not that step).
 
 Source of the DCP row: torch/distributed/checkpoint/filesystem.py, ``FileSystemReader.read_metadata``
 calls ``pickle.load`` (torch 2.x); no safe reader is attempted here, so unknown DCP folders are refused.
@@ -22,10 +27,13 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..ledger.records import kept_manifests
 from .io import MANIFEST, CheckpointError, folder_problems, read_manifest
 
 if TYPE_CHECKING:
@@ -42,6 +50,9 @@ class Refusal(str, enum.Enum):
     PICKLE = "pickle"              # loading would unpickle a file of an unknown folder (DCP metadata)
     FACTORY = "factory"            # an unknown export names a factory the user did not name
     OTHER_CONFIG = "other-config"  # written for another config hash (resume)
+    LINK = "link"                  # the folder is a symbolic link: what it points to was not written there
+    MISNAMED = "misnamed"          # a step-N folder whose manifest records another step (renamed)
+    REMOTE_CODE = "remote-code"    # an artifact asks for trust_remote_code the user's own spec did not
 
 
 class LoadRefused(CheckpointError):
@@ -71,6 +82,8 @@ class Admission:
         return str(self.manifest.get("layout") or "files")
 
 
+STEP_FOLDER = re.compile(r"step-(\d+)")
+
 # Folders admitted in this process, by resolved path: what require_known() consults right before unpickling.
 _ADMITTED: dict[str, Admission] = {}
 
@@ -78,15 +91,20 @@ _ADMITTED: dict[str, Admission] = {}
 @dataclass(frozen=True)
 class LoadPolicy:
     """``known``: manifest sha256s the ledger recorded; ``trust``: ``--trust`` (unknown may load, never
-    unpickled); ``factory``: a factory the user named on the command line (``module:function``)."""
+    unpickled); ``factory``: a factory the user named on the command line (``module:function``), or with
+    ``bound_to_spec`` the run's own factory as its lock recorded it (None: the spec names none), the only one
+    imported; ``remote_code``: the user's own spec sets ``model.trust_remote_code`` (an artifact never may)."""
 
     known: frozenset[str] = field(default_factory=frozenset)
     trust: bool = False
     factory: str | None = None
+    bound_to_spec: bool = False
+    remote_code: bool = False
 
     @classmethod
-    def of(cls, known, trust: bool = False, factory: str | None = None) -> LoadPolicy:
-        return cls(frozenset(known or ()), trust, factory)
+    def of(cls, known, trust: bool = False, factory: str | None = None, bound_to_spec: bool = False,
+           remote_code: bool = False) -> LoadPolicy:
+        return cls(frozenset(known or ()), trust, factory, bound_to_spec, remote_code)
 
     @classmethod
     def from_ledger(cls, ledger: Ledger, trust: bool = False, factory: str | None = None) -> LoadPolicy:
@@ -96,6 +114,10 @@ class LoadPolicy:
         """Check every file against the manifest, then the ledger; raise :class:`LoadRefused` or return the
         admission (registered for :func:`require_known`)."""
         folder = Path(folder)
+        if folder.is_symlink():
+            raise LoadRefused(Refusal.LINK, (
+                f"{folder} is a symbolic link (to {os.readlink(folder)}): pilotrun loads only the folder it wrote, "
+                "never one a link points to; copy the folder itself there"))
         problems = folder_problems(folder)
         if problems:
             raise LoadRefused(Refusal.DAMAGED, f"{folder} is damaged: " + "; ".join(problems), problems)
@@ -112,6 +134,7 @@ class LoadPolicy:
                 f"{folder}: its manifest (sha256 {digest[:12]}…) is not recorded in the ledger, so pilotrun did not "
                 "write it (or it was edited since); pass --trust to load it anyway (still with weights_only=True, "
                 "never unpickled), or point --ledger at the ledger that recorded it"))
+        _check_step_name(folder, manifest)
         _ADMITTED[str(folder.resolve())] = adm
         return adm
 
@@ -133,6 +156,13 @@ class LoadPolicy:
                                                f"{exc})") from None
         if not isinstance(named, str):
             raise LoadRefused(Refusal.DAMAGED, f"{meta}: field 'factory' is not a 'module:function' string")
+        if self.bound_to_spec:
+            if named == self.factory:
+                return named
+            raise LoadRefused(Refusal.FACTORY, (
+                f"{meta} names the factory {named!r}, but the run's own spec (its lock) "
+                + (f"names {self.factory!r}" if self.factory else "names no factory")
+                + ": pilotrun imports only the spec's own factory, never one an artifact names"))
         if adm.known or (self.factory is not None and named == self.factory):
             return named
         who = f"you named {self.factory!r}" if self.factory else "no factory was named on the command line"
@@ -140,6 +170,45 @@ class LoadPolicy:
             f"{meta} names the factory {named!r}, but this export's manifest (sha256 {adm.manifest_sha256[:12]}…) is "
             f"not recorded in the ledger and {who}: pilotrun imports nothing an unknown artifact names; load it with "
             "the ledger that recorded the export, or rebuild the model from your own spec's factory"))
+
+
+    def admit_base(self, adm: Admission, factory: str | None, remote_code: bool) -> None:
+        """The base an admitted adapter export's ``base.json`` spec builds: its factory is imported only as
+        :meth:`export_factory` would import one, and ``trust_remote_code`` only when the user's own spec asks."""
+        where = adm.folder / "base.json"
+        if remote_code and not self.remote_code:
+            raise LoadRefused(Refusal.REMOTE_CODE, (
+                f"{where}: its spec sets model.trust_remote_code, but the spec of this job (its lock) does not: "
+                "pilotrun never runs model code because an artifact asks; set it in your own spec to allow it"))
+        if factory is None:
+            return
+        if self.bound_to_spec and factory != self.factory:
+            raise LoadRefused(Refusal.FACTORY, (
+                f"{where} builds its base with the factory {factory!r}, but the run's own spec (its lock) "
+                + (f"names {self.factory!r}" if self.factory else "names no factory")
+                + ": pilotrun imports only the spec's own factory"))
+        if not adm.known and factory != self.factory:
+            raise LoadRefused(Refusal.FACTORY, (
+                f"{where} builds its base with the factory {factory!r}, but this export is not recorded in "
+                "the ledger and that factory was not named: pilotrun imports nothing an unknown artifact names"))
+
+
+def folder_step(folder: Path) -> int | None:
+    """The step a ``step-N`` folder's name says it holds (None: another name, e.g. a campaign's ``final``)."""
+    named = STEP_FOLDER.fullmatch(Path(folder).name)
+    return int(named.group(1)) if named else None
+
+
+def _check_step_name(folder: Path, manifest: dict) -> None:
+    """A ``step-N`` folder holds step N: renamed, it would be resumed and reported as a step it never was."""
+    named, step = folder_step(folder), manifest.get("step")
+    if named is None or "step" not in manifest or step == named:
+        return
+    valid = isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 10**9
+    fix = f"give it back its name (step-{step:06d})" if valid else "it is not a checkpoint pilotrun wrote"
+    raise LoadRefused(Refusal.MISNAMED, (
+        f"{folder}: its manifest records step {step!r}, not {named} as the folder's name says: a checkpoint renamed "
+        f"after its save is not loaded; {fix}"))
 
 
 def require_known(folder: Path) -> Admission:
@@ -162,12 +231,17 @@ def require_known(folder: Path) -> Admission:
 
 
 def known_manifests(ledger: Ledger, run_id: str | None = None) -> set[str]:
-    """sha256 of every checkpoint and export manifest the ledger recorded (the save and export rows)."""
+    """sha256 of every checkpoint and export manifest the ledger recorded (a pilot's save and export rows, a
+    campaign run's kept manifests)."""
     found = set()
     runs = [ledger.run(run_id)] if run_id else ledger.runs(limit=1_000_000)
     for run in runs:
         if run is None:
             continue
+        try:
+            found |= set(kept_manifests(json.loads(run.get("meta_json") or "{}")).values())
+        except ValueError:
+            pass  # a meta the ledger cannot parse records nothing
         for row in ledger.gate_rows(run["run_id"]):
             sha = (row.get("details") or {}).get("manifest_sha256")
             if isinstance(sha, str):

@@ -52,4 +52,7 @@ def main(args) -> int:
     if summary.get("left_out"):
         out_console().print(f"not packed (not in the model's manifest): {', '.join(summary['left_out'])}",
                             highlight=False, markup=False)
+    others = [t for t in summary.get("not_packed") or [] if "not in the model's manifest" not in t]
+    if others:  # a link, a file outside the run, a factory module that changed: named here and in the README
+        out_console().print("not packed: " + "; ".join(others), highlight=False, markup=False)
     return 0

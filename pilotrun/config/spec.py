@@ -35,7 +35,23 @@ from .sections import (
     TrainSpec,
 )
 
+# A name becomes a folder under --out and the start of run ids: one path component, never a way out of --out.
+NAME_MAX = 81
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a pilot, a campaign or a run (None: it can). The one check every name passes."""
+    if not isinstance(name, str) or not name:
+        return f"give a name: 1 to {NAME_MAX} letters, digits, '.', '_' or '-' (got {name!r})"
+    if len(name) > NAME_MAX:
+        return f"use at most {NAME_MAX} characters (got {len(name)}: {name[:40]!r}…)"
+    if "/" in name or "\\" in name or ".." in name:
+        return (f"a name is one folder under --out: no path separator and no '..' (got {name!r}); use letters, "
+                "digits, '.', '_' or '-'")
+    if not NAME_RE.match(name):
+        return f"use letters, digits, '.', '_' or '-', starting with a letter or digit (got {name!r})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -52,7 +68,8 @@ class BuildContext:
 
 @dataclass
 class Spec:
-    name: str = doc("job name, used in run ids and the ledger (letters, digits, . _ -)")
+    name: str = doc("job name, used in run ids, folders under --out and the ledger: 1 to 81 letters, digits, . _ - "
+                    "(no path separator, no '..')")
     model: ModelSpec = doc("what to train (optional with program:)")
     data: DataSpec = doc("what to train on (optional with program:)")
     train: TrainSpec = doc("how the long run trains (optional with program:)")
@@ -71,8 +88,8 @@ class Spec:
     written: dict = field(default_factory=dict, init=False, metadata={"internal": True})
 
     def check(self):
-        if not NAME_RE.match(self.name):
-            yield "name", f"use letters, digits, '.', '_' or '-' (got {self.name!r})"
+        if (why := name_problem(self.name)) is not None:
+            yield "name", why
         quant = self.model.quantization
         if quant is not None and quant.bits == 4 and self.train.precision == "fp16":
             yield "train.precision", ("fp16 with a 4-bit base: the base's weights are dequantised into fp16 too, and "
@@ -146,8 +163,8 @@ class ProgramOnlySpec(Spec):
     train: TrainSpec = doc("how the long run trains (optional with program:)", None)
 
     def check(self):
-        if not NAME_RE.match(self.name):
-            yield "name", f"use letters, digits, '.', '_' or '-' (got {self.name!r})"
+        if (why := name_problem(self.name)) is not None:
+            yield "name", why
         if self.program is None:  # found by the fuzzer: `program: null` alone was an internal error (exit 3)
             yield "program", ("is null: give program.command (the program to pilot), or remove program: and give "
                               "model, data and train")

@@ -307,6 +307,8 @@ class LoopView:
                 "--known-manifest", artifact.manifest_sha256]
         if self.spec.model.factory:
             args += ["--factory", self.spec.model.factory, "--spec-folder", str(self.spec.folder)]
+        if self.spec.model.trust_remote_code:  # the user's own spec asks; the artifact's base.json never decides
+            args += ["--remote-code"]
         merged_path = work / "reload-merged-outputs.safetensors"
         merged = self.spec.model.adapter is not None and (artifact.folder / MERGED).is_dir()
         if merged:

@@ -179,6 +179,26 @@ class RunEnd:
                 "stopped_at": self.at}
 
 
+class Kept(TextEnum):
+    """What a campaign run keeps on disk whose manifest sha256 the ledger records (its meta's ``manifests``): the
+    campaign's counterpart of a pilot's export and save rows, so the loading policy knows exactly these folders."""
+
+    EXPORT = "export"          # <run>/export
+    CHECKPOINT = "checkpoint"  # <run>/checkpoints/final
+
+
+MANIFESTS = "manifests"  # the meta field: {Kept: manifest sha256}
+
+
+def kept_manifests(meta: Mapping[str, Any] | None) -> dict[Kept, str]:
+    """The manifest sha256s a campaign run's meta records, by what was kept (entries of another shape ignored)."""
+    found = (meta or {}).get(MANIFESTS) if isinstance(meta, Mapping) else None
+    if not isinstance(found, Mapping):
+        return {}
+    names = {m.value for m in Kept}
+    return {Kept(k): v for k, v in found.items() if k in names and isinstance(v, str) and len(v) == 64}
+
+
 def final_val_loss(status: str, meta: Mapping[str, Any]) -> float | None:
     """A run's final validation loss: only a finished run has one (a stopped run's last point is not it)."""
     return (meta.get("final") or {}).get("val_loss") if status == RunStatus.FINISHED else None
@@ -254,4 +274,5 @@ def as_json(obj: Any) -> Any:
 
 
 __all__ = ["CUT_SHORT", "RESULTS", "RESUMABLE", "Failure", "GateName", "GateRow", "RunEnd", "RunKind", "RunStatus",
-           "Series", "StopKind", "TextEnum", "Verdict", "as_json", "final_val_loss", "new_run_id", "now"]
+           "Series", "StopKind", "TextEnum", "Verdict", "as_json", "final_val_loss", "new_run_id", "now", "Kept",
+           "MANIFESTS", "kept_manifests"]

@@ -26,13 +26,22 @@ import tempfile
 from pathlib import Path
 
 from ..campaign.conclude import link_text, stop_text
-from ..checkpoint.io import CheckpointError
+from ..checkpoint.io import MANIFEST, CheckpointError
+from ..checkpoint.trust import LoadPolicy
 from ..ledger.details import ExportDetails
-from ..ledger.records import GateName, final_val_loss
+from ..ledger.records import GateName, Kept, RunKind, final_val_loss, kept_manifests
 from ..ledger.store import Ledger
 from ..ledger.tables import table, write_csv
 from ..lock import sha256_file
-from .archive_files import UnsafeFile, copy_plain, pack_manifest_files
+from .archive_files import (
+    LeftOut,
+    UnsafeFile,
+    copy_factory_code,
+    copy_or_name,
+    copy_plain,
+    locked_factory,
+    pack_manifest_files,
+)
 
 # Copied as is into the archive: it must run with torch, safetensors and transformers alone.
 RERUN_SCRIPT = Path(__file__).with_name("rerun_control.py")
@@ -49,8 +58,11 @@ def _copy_run_file(src: Path, dest: Path, run_folder: Path) -> None:
         raise ArchiveError(f"{exc}; remove it or archive without it") from None
 
 
-def _recorded_export(led: Ledger, run: dict) -> str | None:
-    """The export manifest's sha256 the run's export row recorded (None: not recorded, e.g. a campaign run)."""
+def _recorded_export(led: Ledger, run: dict, meta: dict) -> str | None:
+    """The export manifest's sha256 the ledger recorded for the run: a pilot's passing export row, a campaign run's
+    kept manifests (None: nothing recorded, so the export on disk is not known)."""
+    if run["kind"] == RunKind.CAMPAIGN_RUN:
+        return kept_manifests(meta).get(Kept.EXPORT)
     rows = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == GateName.EXPORT and g["verdict"] == "pass"]
     sha = ExportDetails.of(rows[-1].get("details")).manifest_sha256 if rows else None
     return sha if isinstance(sha, str) else None
@@ -72,21 +84,6 @@ def _why_no_model(run: dict, meta: dict, led: Ledger) -> str:
     if run["kind"] == "campaign-run":
         return "the campaign kept no export (keep.export: false)"
     return "no export was written (the export gate did not run)"
-
-
-def _factory_code(model_dir: Path, dest: Path) -> str | None:
-    info = json.loads((model_dir / "export.json").read_text())
-    top = info["factory"].partition(":")[0].split(".")[0]
-    src = Path(info.get("spec_folder") or ".")
-    for cand in (src / f"{top}.py", src / top):
-        if cand.is_file():
-            dest.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(cand, dest / cand.name)
-            return info["factory"]
-        if cand.is_dir():  # links inside the package are kept as links, never followed into the archive
-            shutil.copytree(cand, dest / cand.name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-            return info["factory"]
-    raise ArchiveError(f"the model's factory module {top!r} is not in {src} any more; restore it to archive this run")
 
 
 def _readme(run: dict, meta: dict, lock: dict, has_model: str | None, no_model: str | None, factory: str | None,
@@ -167,36 +164,69 @@ def _adapter_lines(files: dict) -> list[str]:
              "base = ...  # the base model, built or loaded as base_info says",
              "model = peft.PeftModel.from_pretrained(base, 'model')", "```", "",
              "pilotrun rebuilds the base from that spec and checks its identity before loading the adapter:", "",
-             "```python", "from pathlib import Path",
+             "```python", "import json", "from pathlib import Path",
              "from pilotrun.checkpoint.trust import LoadPolicy",
              "from pilotrun.workers.reload import load_artifact",
-             "model = load_artifact(Path('model'), LoadPolicy.of([], trust=True))", "```", ""]
+             "rec = json.load(open('run.json'))['recorded']  # what the ledger recorded: this manifest, this factory",
+             "model = load_artifact(Path('model'), LoadPolicy.of([rec['model_manifest_sha256']], "
+             "factory=rec['factory'], bound_to_spec=True, remote_code=rec['trust_remote_code']))", "```", ""]
     if any(k.startswith("model/merged/") for k in files):
         lines += ["`model/merged/` is the base with the adapter merged in, a plain Hugging Face folder "
                   "(`transformers.AutoModelForCausalLM.from_pretrained('model/merged')`).", ""]
     return lines
 
 
+def _pack_model(led: Ledger, run: dict, meta: dict, lock: dict, root: Path, left_out: list[LeftOut]) -> dict:
+    """Copy the run's export into ``root / "model"`` — only if the ledger recorded its manifest, admitted by the one
+    loading policy bound to the run's own spec — and the factory's module into ``code/``. Returns what the README
+    and ``rerun_control.py`` read: the model's class or factory, and what was recorded."""
+    folder = Path(run["out_dir"])
+    model_dir = folder / "export"
+    recorded = _recorded_export(led, run, meta)
+    if recorded is None:
+        raise ArchiveError(
+            f"{model_dir / MANIFEST}: this export's manifest is not recorded in the ledger (no passing export row, no "
+            "manifest in the campaign run's row), so pilotrun cannot tell it from one rewritten after the run: not "
+            "archived; archive with the ledger that recorded it (--ledger), or rerun the run")
+    own = locked_factory(lock)
+    if not isinstance(lock.get("model"), dict) and (model_dir / "export.json").is_file():
+        raise ArchiveError(
+            f"{model_dir / 'export.json'} names a factory, but run {run['run_id']} recorded no lock (its lock gate did "
+            "not run), so nothing says which factory is the spec's own: not archived; run the pilot with the lock "
+            "gate (--gates lock,...) to archive a factory model")
+    remote = bool(((lock.get("config") or {}).get("model") or {}).get("trust_remote_code"))
+    try:
+        left = pack_manifest_files(model_dir, root / "model", folder, recorded)["left_out"]
+        policy = LoadPolicy.of({recorded}, factory=own, bound_to_spec=True, remote_code=remote)
+        adm = policy.admit(root / "model")  # the copy: exactly the listed files, each checked
+        factory = policy.export_factory(adm)
+    except CheckpointError as exc:
+        raise ArchiveError(f"the model of {run['run_id']} is not archived: {exc}") from None
+    left_out += [LeftOut(str(model_dir / name), "not in the model's manifest") for name in left]
+    out = {"left": left, "factory": factory, "model_class": None,
+           "recorded": {"model_manifest_sha256": recorded, "factory": own, "trust_remote_code": remote}}
+    if factory is not None:
+        copy_factory_code(lock, run["spec_path"], root / "code", left_out)
+    elif (root / "model" / "base.json").is_file():  # a PEFT adapter: its base is referenced, not held
+        out["model_class"] = ADAPTER
+    else:
+        config = json.loads((root / "model" / "config.json").read_text())
+        out["model_class"] = (config.get("architectures") or ["AutoModel"])[0]
+    return out
+
+
 def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
-    """Fill ``root`` with one run's model, config, lock, raw metrics, control set and README."""
+    """Fill ``root`` with one run's model, config, lock, raw metrics, control set and README: files of the run's
+    folder, plain and inside it, and the spec file and factory module the ledger recorded; the rest is named."""
     folder = Path(run["out_dir"] or "")
     meta = json.loads(run.get("meta_json") or "{}")
     lock = json.loads(run.get("lock_json") or "null") or {}
     root.mkdir(parents=True)
-    model_dir, no_model, factory, model_class = folder / "export", None, None, None
-    left_out: list[str] = []
-    if (model_dir / "manifest.json").is_file():
-        try:
-            left_out = pack_manifest_files(model_dir, root / "model", folder, _recorded_export(led, run))["left_out"]
-        except CheckpointError as exc:
-            raise ArchiveError(f"the model of {run['run_id']} does not match its manifest: {exc}") from None
-        if (root / "model" / "export.json").is_file():
-            factory = _factory_code(root / "model", root / "code")
-        elif (root / "model" / "base.json").is_file():  # a PEFT adapter: its base is referenced, not held
-            model_class = ADAPTER
-        else:
-            config = json.loads((root / "model" / "config.json").read_text())
-            model_class = (config.get("architectures") or ["AutoModel"])[0]
+    left_out: list[LeftOut] = []
+    model: dict = {"left": [], "factory": None, "model_class": None, "recorded": None}
+    no_model = None
+    if (folder / "export" / MANIFEST).is_file():
+        model = _pack_model(led, run, meta, lock, root, left_out)
     else:
         no_model = _why_no_model(run, meta, led)
     control, control_n = _control_files(run, folder), None
@@ -205,29 +235,39 @@ def _pack_run(led: Ledger, run: dict, root: Path) -> dict:
         _copy_run_file(control[1], root / "control" / "outputs.safetensors", folder)
         from safetensors import safe_open
 
-        with safe_open(str(control[0]), framework="pt") as fh:
+        with safe_open(str(root / "control" / "inputs.safetensors"), framework="pt") as fh:
             first = next(iter(fh.keys()), None)
             control_n = f"{fh.get_slice(first).get_shape()[0]} examples" if first else "empty"
         if (folder / "predictions.json").is_file():
             _copy_run_file(folder / "predictions.json", root / "control" / "predictions.json", folder)
         shutil.copy2(RERUN_SCRIPT, root / "rerun_control.py")
     (root / "config").mkdir()
-    if run["spec_path"] and Path(run["spec_path"]).is_file():
-        shutil.copy2(run["spec_path"], root / "config" / Path(run["spec_path"]).name)
+    if run["spec_path"]:  # the spec file the run row names: a plain file in its own folder, never through a link
+        spec_file = Path(run["spec_path"])
+        copy_or_name(spec_file, root / "config" / spec_file.name, spec_file.parent, left_out)
     for cand in (folder / "spec.json", folder / "workers" / "spec.json"):
         if cand.is_file():
             _copy_run_file(cand, root / "config" / "spec.json", folder)
             break
-    if meta.get("campaign_id") and (folder.parent / "campaign.json").is_file():
-        shutil.copy2(folder.parent / "campaign.json", root / "config" / "campaign.json")
+    if meta.get("campaign_id") and (folder.parent / "campaign.json").exists():
+        copy_or_name(folder.parent / "campaign.json", root / "config" / "campaign.json", folder.parent, left_out)
     (root / "lock.json").write_text(json.dumps(lock, indent=1, sort_keys=True))
     (root / "run.json").write_text(json.dumps({**{k: v for k, v in run.items() if k not in ("lock_json", "meta_json")},
-                                               "meta": meta}, indent=1, default=str))
+                                               "meta": meta, "recorded": model["recorded"]}, indent=1, default=str))
     _write_tables(led, run["run_id"], root, ("metrics", "gates", "notes"))
     files = _hashes(root)
-    (root / "README.md").write_text(_readme(run, meta, lock, model_class, no_model, factory, files, control_n))
+    readme = _readme(run, meta, lock, model["model_class"], no_model, model["factory"], files, control_n)
+    (root / "README.md").write_text(readme + _left_out_lines(left_out))
     return {"run_id": run["run_id"], "model": not no_model, "why_no_model": no_model, "files": len(files) + 1,
-            "left_out": left_out}
+            "left_out": model["left"], "not_packed": [x.text() for x in left_out]}
+
+
+def _left_out_lines(left_out: list[LeftOut]) -> str:
+    if not left_out:
+        return ""
+    return "\n".join(["", "## Left out", "", "Not in this archive (pilotrun packs only the run's own plain files and "
+                      "the spec file and factory module its ledger recorded):", "",
+                      *[f"- `{x.path}`: {x.why}" for x in left_out]]) + "\n"
 
 
 def _write_tables(led: Ledger, ref: str, root: Path, which: tuple[str, ...]) -> None:
@@ -288,11 +328,15 @@ def _archive_campaign(led: Ledger, camp: dict, out: Path) -> tuple[Path, dict]:
     with tempfile.TemporaryDirectory(prefix="pilotrun-archive-") as tmp:
         root = Path(tmp) / camp["run_id"]
         (root / "config").mkdir(parents=True)
-        cands = ([Path(camp["spec_path"])] if camp["spec_path"] else []) + \
-            ([Path(camp["out_dir"]) / "campaign.json"] if camp["out_dir"] else [])
-        for cand in cands:
-            if cand.is_file():
-                shutil.copy2(cand, root / "config" / cand.name)
+        left_out: list[LeftOut] = []
+        # The campaign file the row names (in its own folder) and the campaign.json in the campaign's folder: plain
+        # files only, never through a link.
+        if camp["spec_path"]:
+            copy_or_name(Path(camp["spec_path"]), root / "config" / Path(camp["spec_path"]).name,
+                         Path(camp["spec_path"]).parent, left_out)
+        if camp["out_dir"]:
+            copy_or_name(Path(camp["out_dir"]) / "campaign.json", root / "config" / "campaign.json",
+                         Path(camp["out_dir"]), left_out)
         (root / "lock.json").write_text(json.dumps(json.loads(camp.get("lock_json") or "null") or {}, indent=1,
                                                    sort_keys=True))
         (root / "conclusion.json").write_text(json.dumps(meta.get("conclusion"), indent=1, default=str))
@@ -303,11 +347,12 @@ def _archive_campaign(led: Ledger, camp: dict, out: Path) -> tuple[Path, dict]:
                 gone[r["run_id"]] = f"{r['out_dir']} no longer exists; its ledger rows are in the CSV files"
                 continue
             packed.append(_pack_run(led, r, root / "runs" / r["run_id"]))
-        (root / "README.md").write_text(_campaign_readme(camp, meta, packed, gone, runs))
+        (root / "README.md").write_text(_campaign_readme(camp, meta, packed, gone, runs) + _left_out_lines(left_out))
         files = len(_hashes(root))
         _tar(root, out)
     return out, {"run_id": camp["run_id"], "kind": "campaign", "runs": len(runs),
                  "models": sum(p["model"] for p in packed), "runs_without_folder": sorted(gone), "files": files,
+                 "not_packed": [x.text() for x in left_out] + [t for p in packed for t in p["not_packed"]],
                  "bytes": out.stat().st_size}
 
 

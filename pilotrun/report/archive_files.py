@@ -4,13 +4,17 @@ The archive is read on another machine, often by someone else: a planted link wo
 content into it (``tarfile`` and ``shutil.copy2`` follow links), and an unlisted file (a pickle left next to
 the weights) would travel as if it were part of the model. So the model is packed file by file from its
 manifest, each checked (plain file, size and sha256) through the loading policy's own check, and every other
-file the archive takes from the run folder must be a plain file inside it.
+file the archive takes from the run folder must be a plain file inside it. The two files from outside the run
+folder are the ones the ledger recorded: the spec file the run row names, and the factory module the run's lock
+recorded (its path inside the spec's folder and its sha256). What is not packed is named, with why.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.io import MANIFEST, CheckpointError, listed_problems, read_manifest, unlisted_files
@@ -59,7 +63,7 @@ def pack_manifest_files(model_dir: Path, dest: Path, run_folder: Path, recorded_
     if problems:
         raise CheckpointError("; ".join(problems))
     if recorded_sha is not None and manifest_sha256(model_dir) != recorded_sha:
-        raise CheckpointError(f"{model_dir / MANIFEST} is not the manifest the export row recorded "
+        raise CheckpointError(f"{model_dir / MANIFEST} is not the manifest the ledger recorded for this export "
                               f"(sha256 {recorded_sha[:12]}…): the export was rewritten after the run")
     packed = []
     for name in sorted(manifest["files"]):
@@ -71,3 +75,59 @@ def pack_manifest_files(model_dir: Path, dest: Path, run_folder: Path, recorded_
     copy_plain(model_dir / MANIFEST, dest / MANIFEST, run_folder)
     left_out = [str(p.relative_to(model_dir)) for p in unlisted_files(model_dir, manifest)]
     return {"packed": packed, "left_out": left_out}
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A file the archive did not pack, and why: named in the archive's README and the command's output."""
+
+    path: str
+    why: str
+
+    def text(self) -> str:
+        return f"{self.path} ({self.why})"
+
+
+def copy_or_name(src: Path, dest: Path, root: Path, left_out: list[LeftOut]) -> bool:
+    """:func:`copy_plain`, or ``src`` named in ``left_out`` with why (a link, not a plain file, outside ``root``)."""
+    try:
+        copy_plain(src, dest, root)
+        return True
+    except UnsafeFile as exc:
+        left_out.append(LeftOut(str(src), str(exc)))
+        return False
+
+
+def _section(lock: dict, name: str) -> dict:
+    value = lock.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def locked_factory(lock: dict) -> str | None:
+    """The model factory the run's lock recorded (None: the spec builds its model without one)."""
+    model = _section(lock, "model")
+    factory = model.get("factory") if model.get("source") == "factory" else None
+    return factory if isinstance(factory, str) else None
+
+
+def copy_factory_code(lock: dict, spec_path: str | None, dest: Path, left_out: list[LeftOut]) -> bool:
+    """Copy the factory module the lock recorded — that one file, from the spec's folder, with its recorded sha256 —
+    to ``dest`` at the same relative path; anything else (a file outside the spec's folder, a link, one changed
+    since the run) is left out and named. Nothing an export names is copied."""
+    model = _section(lock, "model")
+    rel, sha = model.get("file"), model.get("source_sha256")
+    if not isinstance(rel, str) or not isinstance(sha, str) or not spec_path:
+        left_out.append(LeftOut("code/", "the run's lock recorded no file for its factory"))
+        return False
+    folder = Path(spec_path).resolve().parent
+    src = folder / rel
+    if Path(rel).is_absolute() or ".." in Path(rel).parts or not inside(src, folder):
+        left_out.append(LeftOut(str(src), f"the factory's module lies outside the spec's folder {folder}"))
+        return False
+    if not copy_or_name(src, dest / rel, folder, left_out):
+        return False
+    if hashlib.sha256((dest / rel).read_bytes()).hexdigest() != sha:
+        (dest / rel).unlink()
+        left_out.append(LeftOut(str(src), f"changed since the run's lock recorded it (sha256 {sha[:12]}…)"))
+        return False
+    return True

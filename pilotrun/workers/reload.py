@@ -37,11 +37,7 @@ def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise LoadRefused(Refusal.DAMAGED, f"{folder / BASE_JSON}: field 'spec' is unreadable "
                                            f"({type(exc).__name__}: {exc})") from None
-    factory = spec.model.factory
-    if factory is not None and not adm.known and factory != policy.factory:
-        raise LoadRefused(Refusal.FACTORY, (
-            f"{folder / BASE_JSON} builds its base with the factory {factory!r}, but this export is not recorded in "
-            "the ledger and that factory was not named: pilotrun imports nothing an unknown artifact names"))
+    policy.admit_base(adm, spec.model.factory, spec.model.trust_remote_code)
     base_model = dataclasses.replace(spec.model, adapter=None)
     tokenizer = None
     if base.get("head") == "seq-classification" and "tokenizer.json" in adm.manifest["files"]:
@@ -102,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--known-manifest", action="append", default=[])
     ap.add_argument("--factory", help="module:function the user named (the spec's model.factory)")
     ap.add_argument("--spec-folder", type=Path, help="where --factory is imported from")
+    ap.add_argument("--remote-code", action="store_true",
+                    help="the job's own spec sets model.trust_remote_code (an artifact's base.json never can)")
     ap.add_argument("--merged-outputs", type=Path, help="also run the merged model (merged/ inside the export)")
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
     try:
-        policy = LoadPolicy.of(args.known_manifest, trust=False, factory=args.factory)
+        policy = LoadPolicy.of(args.known_manifest, trust=False, factory=args.factory, remote_code=args.remote_code)
         model = load_artifact(args.export, policy, args.spec_folder)
         batch = load_file(str(args.inputs))
         save_file({"outputs": outputs_of(model, batch).contiguous()}, str(args.outputs))
