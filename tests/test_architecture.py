@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
 # program/: the handle measures stages with api's code. procs: starts the keeper script by its path.
-SIBLINGS = {("lock", "config"), ("program", "api"), ("procs", "keeper")}
+SIBLINGS = {("lock", "config"), ("program", "api"), ("procs", "keeper"), ("safefile", "humanize")}
 
 
 def _modules() -> dict[str, Path]:

@@ -66,7 +66,7 @@ class ProgramDriver(Driver):
         self.resume_selected = False     # a RUNS gate will run: the recording run is the control
         self.problems_gate: str | None = None  # the gate whose rows carry the program's invalid values
         self.known: list[str] = []       # every gate's name, in order (a recorded row for another is named in a note)
-        self.leftovers_told: set[Role] = set()  # runs whose leftover processes a row has named already
+        self.leftovers_told: set[Role] = set()  # runs whose leftovers (processes, bad event lines) a row named
 
     @classmethod
     def build(cls, spec, inputs, process: JobProcess, on_model=None, site: RunSite | None = None) -> ProgramDriver:
@@ -123,14 +123,17 @@ class ProgramDriver(Driver):
         self.leftovers_told |= {run.role for run in runs}
         said = _leftovers_said(runs)
         for row in rows:
-            row.details = {**row.details, "leftovers": {str(run.role): run.leftovers for run in runs}}
+            row.details = {**row.details, "leftovers": {str(run.role): run.leftovers for run in runs if run.leftovers},
+                           "event_problems": {str(run.role): run.event_problems for run in runs
+                                              if run.event_problems}}
             if row.verdict == Verdict.PASS:
                 row.verdict = Verdict.WARN
-            row.reason = f"{row.reason}; {said}: end them before the program exits, or wait for them"
+            row.reason = f"{row.reason}; {said}"
         return rows
 
     def _untold_leftovers(self) -> list[RunOutcome]:
-        return [run for role, run in self.runs.items() if run.leftovers and role not in self.leftovers_told]
+        return [run for role, run in self.runs.items()
+                if (run.leftovers or run.event_problems) and role not in self.leftovers_told]
 
     def _recorded_rows(self, gate: GateDeclaration) -> list[GateRow]:
         how = gate.on_program
@@ -178,8 +181,13 @@ class ProgramDriver(Driver):
 
 
 def _leftovers_said(runs: list[RunOutcome]) -> str:
-    return "; ".join(f"the {run.role} run left {run.leftover_text()} running when it ended (killed by pilotrun)"
-                     for run in runs)
+    """What the runs left behind: processes still running when the program ended, event lines not read."""
+    said = [f"the {run.role} run left {run.leftover_text()} running when it ended (killed by pilotrun): end them "
+            "before the program exits, or wait for them" for run in runs if run.leftovers]
+    said += [f"the {run.role} run's events: {'; '.join(run.event_problems[:3])}"
+             + (f" (+{len(run.event_problems) - 3} more)" if len(run.event_problems) > 3 else "")
+             for run in runs if run.event_problems]
+    return "; ".join(said)
 
 
 def _not_on_program(gate: GateDeclaration) -> GateRow:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from ..config.program import PYTHON_WORDS, TORCHRUN_WORD, ProgramSpec
 from ..procs import KILL_WAIT_S, Tree
+from ..safefile import FileKind, FileProblem, read_bytes
 from . import env as E
 from .env import Event, Role
 
@@ -38,18 +40,59 @@ def command_words(words: list[str]) -> list[str]:
     return list(words)
 
 
-def read_events(path: Path) -> list[dict]:
-    """The events of one file; a last line cut by SIGKILL is dropped (every other line is whole)."""
-    out = []
+# An event line is a few hundred bytes; a million updates fit well within this.
+EVENTS_CAP = 512 << 20
+# What each kind must carry for the rows to read it (the handle writes them so; a hand-written file may not).
+EVENT_FIELDS: dict[str, tuple[str, type]] = {Event.UPDATE: ("update", int), Event.SAVED: ("update", int),
+                                             Event.STAGE: ("row", dict), Event.GATE: ("row", dict)}
+
+
+def read_events(path: Path, problems: list[str] | None = None) -> list[dict]:
+    """The events of one file; a last line cut by SIGKILL is dropped (every other line is whole). A line that is not
+    an event (not JSON, not an object of a known shape) is left out and named in ``problems``."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
+        text = read_bytes(path, EVENTS_CAP).decode("utf-8", errors="replace")
+    except FileProblem as exc:
+        if problems is not None and exc.kind != FileKind.MISSING:
+            problems.append(f"the event file {exc}: not read")
         return []
-    for line in text.splitlines():
+    out, lines = [], text.splitlines()
+    for number, line in enumerate(lines, 1):
         try:
-            out.append(json.loads(line))
-        except ValueError:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
+            if number < len(lines) and problems is not None:
+                problems.append(f"{path} line {number} is not JSON: left out")
             continue
+        why = _not_an_event(event)
+        if why:
+            if problems is not None:
+                problems.append(f"{path} line {number} {why}: left out")
+            continue
+        out.append(event)
+    return out
+
+
+def _not_an_event(event: object) -> str | None:
+    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+        return "is not an event (a JSON object with a string 'kind')"
+    field_type = EVENT_FIELDS.get(event["kind"])
+    if field_type and (not isinstance(event.get(field_type[0]), field_type[1]) or isinstance(event.get(field_type[0]),
+                                                                                             bool)):
+        return f"is a {event['kind']!r} event whose {field_type[0]!r} is not {field_type[1].__name__}"
+    return None
+
+
+def read_rank_events(events_dir: Path, role: Role, problems: list[str]) -> dict[int, list[dict]]:
+    """rank -> its events, from ``<role>-rank<N>.jsonl``; a file of another name is named in ``problems``."""
+    pattern = re.compile(rf"^{re.escape(str(role))}-rank(\d{{1,6}})\.jsonl$")
+    out = {}
+    for path in sorted(events_dir.glob(f"{role}-rank*.jsonl")):
+        match = pattern.match(path.name)
+        if match is None:
+            problems.append(f"{path} is not named <role>-rank<N>.jsonl: left out")
+            continue
+        out[int(match.group(1))] = read_events(path, problems)
     return out
 
 
@@ -66,6 +109,7 @@ class RunOutcome:
     killed_pids: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)  # pids still alive KILL_WAIT_S after SIGKILL
     leftovers: list[dict] = field(default_factory=list)  # {pid, command} the program left running when it ended
+    event_problems: list[str] = field(default_factory=list)  # lines and files of its events that were left out
     timed_out: bool = False
 
     def of(self, kind: Event, rank: int | None = None) -> list[dict]:
@@ -190,9 +234,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
             outcome.killed_pids, outcome.survivors = ending.killed, ending.survivors
             outcome.leftovers = ending.leftovers
     outcome.seconds = time.monotonic() - started
-    for path in sorted(events_dir.glob(f"{plan.role}-rank*.jsonl")):
-        rank = int(path.stem.rsplit("rank", 1)[1])
-        outcome.events[rank] = read_events(path)
+    outcome.events = read_rank_events(events_dir, plan.role, outcome.event_problems)
     if progress is not None:
         progress(f"{plan.role} run {outcome.how_it_ended()} after {outcome.seconds:.1f} s")
     return outcome
