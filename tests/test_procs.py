@@ -149,3 +149,20 @@ def test_a_sigkilled_pilotrun_run_leaves_no_program_process(tmp_path):
             run.kill()
             run.wait()
         _kill(_pids(pids, 1) if pids.exists() else [])
+
+
+@pytest.mark.process
+def test_a_killed_tree_reads_as_killed_by_sigkill_and_a_signal_reaches_the_command(tmp_path):
+    from pilotrun.procs import Tree
+
+    with Tree([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ), label="t") as tree:
+        time.sleep(0.3)
+        tree.kill()
+    assert tree.returncode == -signal.SIGKILL and tree.ending.killed
+    with Tree([sys.executable, "-c", "import signal, sys, time\n"
+               "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(7))\nopen('ready', 'w')\ntime.sleep(60)\n"],
+              env=dict(os.environ), label="t", cwd=tmp_path) as tree:
+        while not (tmp_path / "ready").exists():
+            time.sleep(0.05)
+        tree.send_signal(signal.SIGUSR1)  # the campaign's stop request
+        assert tree.wait(timeout=30) == 7
