@@ -23,12 +23,13 @@ LAYERS: list[set[str]] = [
     {"program", "api"},
     {"strategies"},
     {"train", "checkpoint", "models", "data"},
-    {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt"},
+    {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt", "procs",
+     "keeper", "safefile"},
     {"backends"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
-# program/: the handle measures stages with api's code.
-SIBLINGS = {("lock", "config"), ("program", "api")}
+# program/: the handle measures stages with api's code. procs: starts the keeper script by its path.
+SIBLINGS = {("lock", "config"), ("program", "api"), ("procs", "keeper"), ("safefile", "humanize")}
 
 
 def _modules() -> dict[str, Path]:

@@ -19,6 +19,7 @@ import tarfile
 from html import escape as html_escape
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -907,8 +908,14 @@ def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp
                 break
         else:
             pytest.fail("the runs never wrote a point")
-        os.killpg(proc.pid, signal.SIGKILL)  # the campaign and its workers, with no chance to record anything
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert workers, "the campaign started no worker"
+        # The campaign alone, as the OOM killer picks one process: no chance to record anything, and its workers
+        # (each under a keeper in a session of its own) must go with it, not train on unseen.
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=20)
+        assert not alive, f"the SIGKILLed campaign left {[p.cmdline()[-8:] for p in alive]} running"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

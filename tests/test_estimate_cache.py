@@ -37,8 +37,7 @@ def test_round_trip_and_every_unusable_file(tmp_path):
     cache = TraceCache(tmp_path / "traces")
     key = trace_key(_spec(), "cuda", False, "bf16")
     assert cache.get(key).status is CacheStatus.MISSING
-    trace = {"stages": {"first_step": {}, "steady_step": {}, "eval": {}}, "parameter_bytes": 8,
-             "optimizer_state_bytes": 16, "precision": "bf16", "seconds": 1.5}
+    trace = full_trace()
     assert cache.put(key, trace, "2026-12-01T00:00:00Z") is None
     path = cache.path(key)
     assert json.loads(path.read_text())["trace"] == trace  # plain JSON on disk
@@ -49,6 +48,57 @@ def test_round_trip_and_every_unusable_file(tmp_path):
         path.write_text(content)
         got = cache.get(key)
         assert got.status is CacheStatus.UNUSABLE and got.trace is None and "traced again" in got.note, content
+
+
+def full_trace() -> dict:
+    """A trace entry with every field the estimate reads (the shape trace.py writes), tiny numbers."""
+    stage = {"peak_bytes": 100, "peak_bytes_rounded": 512, "breakdown": {"parameters": 8, "activations": 4},
+             "tensors": 3, "flops": 1000, "seq_len": 8, "batch_size": 2, "optimizer_step_extra_bytes": 0,
+             "phases": {"compute": [{"bytes": 90, "breakdown": {"parameters": 8}}]}}
+    return {"stages": {"first_step": stage, "steady_step": stage, "eval": stage}, "parameters": 2,
+            "trainable_parameters": 2, "parameter_bytes": 8, "gradient_bytes": 8, "optimizer_state_bytes": 16,
+            "buffer_bytes": 0, "largest_layer_bytes": 8, "largest_layer": "lin", "layers": 1, "foreach": True,
+            "precision": "bf16", "activation_checkpointing": False, "seconds": 1.5, "grad_accum_steps": 1,
+            "max_positions": None, "notes": [], "optimizer": "adamw", "adaptation": {}}
+
+
+def test_a_cached_trace_that_is_a_fifo_a_device_deep_or_of_the_wrong_shape_is_said_and_traced_again(tmp_path):
+    """Found trying the cache as an attacker: a FIFO hung `estimate`, a link to /dev/zero raised MemoryError, deep
+    nesting RecursionError, wrong types exit 3, and a negative cached peak printed "-909494701772928256.0 TiB"."""
+    import os
+    import threading
+
+    cache = TraceCache(tmp_path / "traces")
+    key = trace_key(_spec(), "cuda", False, "bf16")
+    path = cache.path(key)
+    path.parent.mkdir(parents=True)
+    negative = full_trace()
+    negative["stages"]["steady_step"] = {**negative["stages"]["steady_step"], "peak_bytes": -909494701772928256}
+    wrong = {**full_trace(), "stages": {"first_step": [], "steady_step": "x", "eval": 1}}
+    cases = {"deep": "[" * 100_000 + "]" * 100_000, "negative": json.dumps({"key": key, "trace": negative}),
+             "wrong types": json.dumps({"key": key, "trace": wrong}), "nan": json.dumps(
+                 {"key": key, "trace": {**full_trace(), "seconds": float("nan")}}),
+             "a list of stages": json.dumps({"key": key, "trace": {**full_trace(), "stages": [1, 2]}})}
+    for what, content in cases.items():
+        path.write_text(content)
+        got = cache.get(key)
+        assert got.status is CacheStatus.UNUSABLE and "traced again" in got.note and str(path) in got.note, what
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    got = cache.get(key)
+    assert got.status is CacheStatus.UNUSABLE and "link" in got.note
+    path.unlink()
+    os.mkfifo(path)
+    box: dict = {}
+    reader = threading.Thread(target=lambda: box.update(got=cache.get(key)), daemon=True)
+    reader.start()
+    reader.join(10)
+    try:
+        assert not reader.is_alive(), "reading a FIFO in the trace cache hangs"
+        assert box["got"].status is CacheStatus.UNUSABLE and "not a regular file" in box["got"].note
+    finally:
+        if reader.is_alive():  # unblock the stuck open() so the test process can end
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
 def test_an_unwritable_cache_is_a_note_not_a_failure(tmp_path):

@@ -456,3 +456,38 @@ def test_a_failed_torchrun_rank_is_quoted_from_what_the_rank_printed_not_torchru
     assert "terminate called without an active exception" in said and "failed (exitcode: -6) local_rank: 1" in said
     assert "*****" not in said and "SIGTERM" not in said
     assert failure_lines("step 1\nTraceback:\nKeyError: 'scheduler'\n") == "step 1 | Traceback: | KeyError: 'scheduler'"
+
+
+@pytest.mark.process
+def test_a_program_that_leaves_a_child_and_a_daemon_warns_naming_them_and_leaves_nothing_running(tmp_path):
+    # Found trying the landed code as an attacker: a Popen'd child and a double-forked setsid daemon outlived a
+    # passing program pilot, one of each per run.
+    from .test_procs import LEAVES_TWO, _gone, _kill, _pids
+
+    pids = tmp_path / "pids"
+    folder = tmp_path / "p"
+    folder.mkdir()
+    # And event files a hand could have written: a file of no rank, lines that are not events (exit 3 before).
+    bad_events = ("events = os.environ['PILOTRUN_EVENTS']\n"
+                  "open(os.path.join(events, 'stages-rankfoo.jsonl'), 'w').write('{}\\n')\n"
+                  "open(job.events_path, 'a').write('[1]\\n{\"kind\": \"update\", \"update\": \"x\"}\\n')\n")
+    (folder / "train.py").write_text(f"PIDS = {str(pids)!r}\nimport pilotrun\njob = pilotrun.program()\n" + LEAVES_TWO
+                                     + "with job.stage('first_step'):\n    job.update(1, loss=1.0, lr=0.1, ids=[1])\n"
+                                     + bad_events)
+    spec = load_spec(write_spec(folder / "pilot.yaml", {"name": "leaves", "program": {"command": "python train.py"}}),
+                     allow_program=True)
+    result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                          gates=["first_step"], container_digest=TEST_DIGEST))
+    left = _pids(pids, 1)
+    try:
+        assert _gone(left, 5) == [], "a process the program started outlived its run"
+        row = next(r for r in result.rows if r["gate"] == "first_step")
+        assert row["verdict"] == Verdict.WARN and result.exit_code == 0
+        assert all(f"pid {pid} (" in row["reason"] for pid in left), row["reason"]
+        assert "time.sleep(301)" in row["reason"] and "the stages run left" in row["reason"]
+        assert sorted(p["pid"] for p in row["details"]["leftovers"]["stages"]) == sorted(left)
+        said = row["details"]["event_problems"]["stages"]
+        assert any("stages-rankfoo.jsonl is not named <role>-rank<N>.jsonl" in p for p in said), said
+        assert any("is not an event (a JSON object" in p for p in said) and any("'update' is not int" in p for p in said)
+    finally:
+        _kill(left)

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..config.load import parse_override, spec_from_mapping
 from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
+from ..procs import is_alive, process_mark
 from .engines.base import EngineChoice
 from .orchestrate import (
     CampaignError,
@@ -37,7 +38,6 @@ from .orchestrate import (
     run_plan,
     runs_folder,
 )
-from .procs import is_alive, process_mark
 from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, run_spec
 
 

@@ -30,12 +30,12 @@ from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind, new_run_id
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
+from ..procs import Tree, process_mark
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
 from .devices import assign_devices, worker_device_env
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
-from .procs import process_mark
 from .resources import PerRun, pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
 from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
@@ -85,7 +85,7 @@ class _Running:
         self.reason_file = folder / STOP_REASON_FILE
         self.reason_file.unlink(missing_ok=True)  # a resumed campaign's earlier stop is not this one's
         self.how = "Ctrl-C"
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Tree] = {}
         self.started: set[str] = set()  # run ids whose worker was started (a lost end is "stopped", not "not-run")
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -104,16 +104,14 @@ class _Running:
         self.stopping.set()
         with self.lock:
             procs = list(self.procs.values())
-        for p in procs:  # a terminal's Ctrl-C already reached them; `kill -INT` on pilotrun alone did not
-            if p.poll() is None:
-                p.send_signal(STOP_SIGNAL)
+        for p in procs:  # each worker is in a session of its own: a terminal's Ctrl-C reached only this process
+            p.send_signal(STOP_SIGNAL)
         deadline = time.monotonic() + STOP_GRACE_S
         for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
 
 
 def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
@@ -143,7 +141,8 @@ def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pat
                    **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
             if running.devices is not None and slot is not None:
                 env = worker_device_env(running.devices, env, slot)
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Under a keeper (pilotrun/procs.py): the run and all it starts end with it, and with this process.
+            proc = Tree(cmd, env=env, label=f"campaign-{run_id}", stdout=log, stderr=subprocess.STDOUT)
             running.procs[run_id] = proc
             running.started.add(run_id)
         # The worker's mark, so a resume after this process was killed can tell a live run from a dead one; and
@@ -157,6 +156,7 @@ def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pat
             running.stop_all(as_interrupted(exc).how)
             raise
         finally:
+            proc.kill()
             with running.lock:
                 running.procs.pop(run_id, None)
 

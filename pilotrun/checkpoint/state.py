@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..devices import query_devices
+from ..safefile import FileKind, FileProblem, read_json
 from .io import AtomicFolder, CheckpointError, read_manifest
 from .statefiles import check_config, check_trainer_state, job_hash
 
@@ -178,13 +179,18 @@ def load_torch_file(path: Path):
         raise CheckpointError(f"{path} cannot be loaded safely (weights_only=True): {first}") from None
 
 
+# A state file (fingerprints, trainer state) is kilobytes; a link to /dev/zero grew the restore worker to 21.5 GB.
+STATE_JSON_CAP = 64 << 20
+
+
 def load_json(path: Path) -> dict:
+    """A regular file (never a link, device or FIFO) of at most STATE_JSON_CAP bytes, holding a JSON object."""
     try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not readable JSON ({exc})") from None
+        return read_json(path, STATE_JSON_CAP, dict)
+    except FileProblem as exc:
+        if exc.kind == FileKind.MISSING:
+            raise CheckpointError(f"{path} is missing") from None
+        raise CheckpointError(f"{exc}: not the state file that was saved") from None
 
 
 def conform(path: Path, loaded, reference, where: str = "") -> None:

@@ -21,6 +21,7 @@ from ..distributed import LaunchError
 from ..interrupt import as_interrupted
 from ..ledger.store import LedgerError
 from ..lock import ContainerDigestError
+from ..safefile import WriteFailed
 from . import archive as archive_cmd
 from . import batch as batch_cmd
 from . import campaign as campaign_cmd
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"  [bold]{escape(field)}[/]: {escape(message)}" if field else f"  {escape(message)}",
                           highlight=False)
         return EXIT_BAD_INPUT
-    except (UsageError, LedgerError, LaunchError, ContainerDigestError) as exc:
+    # WriteFailed: a report.json (or another file pilotrun writes) refused by a full disk: named, with the free space.
+    except (UsageError, LedgerError, LaunchError, ContainerDigestError, WriteFailed) as exc:
         err_console().print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as exc:  # a command that records its own stop (run, campaign) returns before this

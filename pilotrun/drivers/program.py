@@ -66,6 +66,7 @@ class ProgramDriver(Driver):
         self.resume_selected = False     # a RUNS gate will run: the recording run is the control
         self.problems_gate: str | None = None  # the gate whose rows carry the program's invalid values
         self.known: list[str] = []       # every gate's name, in order (a recorded row for another is named in a note)
+        self.leftovers_told: set[Role] = set()  # runs whose leftovers (processes, bad event lines) a row named
 
     @classmethod
     def build(cls, spec, inputs, process: JobProcess, on_model=None, site: RunSite | None = None) -> ProgramDriver:
@@ -110,8 +111,32 @@ class ProgramDriver(Driver):
             return None
         if how == OnProgram.NEVER:
             return [_not_on_program(gate)]
-        if how == OnProgram.RUNS:
-            return self._resume_rows()
+        rows = self._resume_rows() if how == OnProgram.RUNS else self._recorded_rows(gate)
+        return self._name_leftovers(rows)
+
+    def _name_leftovers(self, rows: list[GateRow]) -> list[GateRow]:
+        """The first rows after a run that left processes running when it ended warn, naming each (pid, command):
+        a daemon a program starts outlives its training on the rented machine too. Each run is named once."""
+        runs = self._untold_leftovers()
+        if not runs or all(row.verdict == Verdict.SKIP for row in rows):  # a skip is no place for it: notes() then
+            return rows
+        self.leftovers_told |= {run.role for run in runs}
+        said = _leftovers_said(runs)
+        for row in rows:
+            row.details = {**row.details, "leftovers": {str(run.role): run.leftovers for run in runs if run.leftovers},
+                           "event_problems": {str(run.role): run.event_problems for run in runs
+                                              if run.event_problems}}
+            if row.verdict == Verdict.PASS:
+                row.verdict = Verdict.WARN
+            row.reason = f"{row.reason}; {said}"
+        return rows
+
+    def _untold_leftovers(self) -> list[RunOutcome]:
+        return [run for role, run in self.runs.items()
+                if (run.leftovers or run.event_problems) and role not in self.leftovers_told]
+
+    def _recorded_rows(self, gate: GateDeclaration) -> list[GateRow]:
+        how = gate.on_program
         recording = self.recording()
         if how == OnProgram.STAGE:
             rows = stage_rows(gate.name, recording, gate.program_note, gate.program_combines)
@@ -147,10 +172,22 @@ class ProgramDriver(Driver):
         if not self.resume_selected and self.problems_gate is None and recording.of(Event.PROBLEM):
             out.append("invalid values the program reported: " + "; ".join(
                 f"update {e.get('update')}: {e['problem']}" for e in recording.of(Event.PROBLEM)))
+        if self._untold_leftovers():
+            out.append(_leftovers_said(self._untold_leftovers()))
         unknown = sorted({e["row"].get("gate") for e in recording.of(Event.GATE)} - set(self.known))
         if unknown:
             out.append(f"the program recorded rows for unknown gate(s) {unknown}; known: {', '.join(self.known)}")
         return out
+
+
+def _leftovers_said(runs: list[RunOutcome]) -> str:
+    """What the runs left behind: processes still running when the program ended, event lines not read."""
+    said = [f"the {run.role} run left {run.leftover_text()} running when it ended (killed by pilotrun): end them "
+            "before the program exits, or wait for them" for run in runs if run.leftovers]
+    said += [f"the {run.role} run's events: {'; '.join(run.event_problems[:3])}"
+             + (f" (+{len(run.event_problems) - 3} more)" if len(run.event_problems) > 3 else "")
+             for run in runs if run.event_problems]
+    return "; ".join(said)
 
 
 def _not_on_program(gate: GateDeclaration) -> GateRow:

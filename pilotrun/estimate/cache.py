@@ -32,6 +32,7 @@ from pathlib import Path
 from .. import __version__
 from ..config.spec import Spec
 from ..ledger.records import GateName
+from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
 FORMAT = 3  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters)
@@ -139,13 +140,13 @@ class TraceCache:
 
     def get(self, key: dict) -> CacheRead:
         path = self.path(key)
-        if not path.exists():
-            return CacheRead(CacheStatus.MISSING, None, f"no cached trace at {path}", path)
         try:
-            entry = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            entry = read_json(path, ENTRY_CAP, ENTRY_SCHEMA)
+        except FileProblem as exc:
+            if exc.kind == FileKind.MISSING:
+                return CacheRead(CacheStatus.MISSING, None, f"no cached trace at {path}", path)
             return CacheRead(CacheStatus.UNUSABLE, None,
-                             f"the cached trace {path} is unreadable ({type(exc).__name__}): traced again", path)
+                             f"the cached trace {path} is unreadable ({exc.what}): traced again", path)
         problem = _check(entry, key)
         if problem:
             return CacheRead(CacheStatus.UNUSABLE, None,
@@ -166,6 +167,22 @@ class TraceCache:
             return (f"the trace was not cached: {path.parent}: {exc.strerror or exc} (set {CACHE_ENV} to a writable "
                     "folder)")
         return None
+
+
+# A trace of a 70B model is a few KiB: anything near this is not one (a link to /dev/zero is refused before).
+ENTRY_CAP = 8 << 20
+_BYTES = NonNegative(integer=True)
+_STAGE = {"peak_bytes": _BYTES, "peak_bytes_rounded": _BYTES, "breakdown": MapOf(_BYTES), "tensors": _BYTES,
+          "flops": NonNegative(), "seq_len": _BYTES, "batch_size": _BYTES, "optimizer_step_extra_bytes": _BYTES,
+          "phases": MapOf([{"bytes": _BYTES, "breakdown": MapOf(_BYTES)}])}
+# What the estimate reads of a trace, each number finite and >= 0 (a negative peak printed "-9.1e17 TiB").
+ENTRY_SCHEMA = {"key": dict, "trace": {
+    "stages": MapOf(_STAGE), "parameters": _BYTES, "trainable_parameters": _BYTES, "parameter_bytes": _BYTES,
+    "gradient_bytes": _BYTES, "optimizer_state_bytes": _BYTES, "buffer_bytes": _BYTES,
+    "largest_layer_bytes": _BYTES, "largest_layer": str, "layers": _BYTES, "foreach": bool, "precision": str,
+    "activation_checkpointing": bool, "seconds": NonNegative(), "grad_accum_steps": _BYTES,
+    "max_positions": Optional(_BYTES), "notes": Optional([str]), "optimizer": Optional(str),
+    "adaptation": Optional(dict)}}
 
 
 def _check(entry: object, key: dict) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -98,6 +99,20 @@ class LedgerError(Exception):
     """The ledger file cannot be opened or is not a pilotrun ledger."""
 
 
+class LedgerWriteFailed(LedgerError):
+    """A write to the ledger failed (a full disk, a quota, a read-only or vanished file): the message names the file
+    and SQLite's words; the pilot then records its end in a fallback file beside the run."""
+
+    def __init__(self, path: Path, cause: str) -> None:
+        free = ""
+        try:
+            free = f"; {shutil.disk_usage(Path(path).parent).free / 2**20:.1f} MiB free there"
+        except OSError:
+            pass
+        super().__init__(f"cannot write the ledger {path}: {cause}{free}")
+        self.path, self.cause = Path(path), cause
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
@@ -172,14 +187,23 @@ class Ledger:
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Cursor]:
         cur = self.conn.cursor()
-        cur.execute("BEGIN IMMEDIATE")
         try:
-            yield cur
-        except BaseException:
-            cur.execute("ROLLBACK")
-            raise
-        else:
-            cur.execute("COMMIT")
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                yield cur
+            except BaseException:
+                if self.conn.in_transaction:
+                    cur.execute("ROLLBACK")
+                raise
+            else:
+                cur.execute("COMMIT")
+        except sqlite3.OperationalError as exc:  # "database or disk is full", "disk I/O error", read-only
+            if self.conn.in_transaction:
+                try:
+                    cur.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            raise LedgerWriteFailed(self.path, str(exc)) from None
 
     def close(self) -> None:
         self.conn.close()

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..config.spec import Spec
 from ..ledger.records import ROW_FIELDS, RunStatus, Verdict
+from ..safefile import write_atomic
 
 
 @dataclass
@@ -21,6 +22,7 @@ class PilotResult:
     world_size: int = 1
     all_rows: list[dict] = field(default_factory=list)  # every rank's rows (rank 0, distributed runs)
     interrupted_by: str | None = None  # the signal that stopped it ("SIGTERM"), when status is interrupted
+    ledger_failure: Any = None  # the LedgerWriteFailed that stopped it (a full disk): its end is in FALLBACK_FILE
 
     @property
     def failed(self) -> bool:
@@ -29,6 +31,10 @@ class PilotResult:
     @property
     def exit_code(self) -> int:
         return 1 if self.failed else 0
+
+
+# Where a pilot whose ledger refused a write (a full disk) records its end and rows instead.
+FALLBACK_FILE = "ledger-fallback.json"
 
 
 def write_report(result: PilotResult, spec: Spec, extra: dict | None = None) -> Path:
@@ -56,9 +62,7 @@ def _write_json(result: PilotResult, spec: Spec, rows: list[dict], path: Path, e
         "gates": [{k: r.get(k) for k in ROW_FIELDS} for r in rows],
         **(extra or {}),
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(report, indent=1, default=str))  # whole or not at all; WriteFailed names why
     return path
 
 

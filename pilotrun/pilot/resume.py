@@ -65,7 +65,8 @@ def _candidates(ledger: Ledger, parent: dict) -> list[Path]:
     found = set()
     if root.is_dir():
         recover_interrupted_swap(root)
-        found |= {p for p in root.glob("step-*") if p.is_dir() or p.is_symlink()}
+        # Not the fingerprints beside each folder (step-N.expect.json): a link there is not a checkpoint candidate.
+        found |= {p for p in root.glob("step-*") if (p.is_dir() or p.is_symlink()) and ".expect" not in p.name}
     for row in ledger.gate_rows(parent["run_id"]):
         path = SaveDetails.of(row.get("details")).path
         if row["gate"] == GateName.SAVE and isinstance(path, str):

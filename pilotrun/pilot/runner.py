@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import traceback
 import warnings
@@ -31,9 +32,10 @@ from ..gates import GATE_NAMES, Gate, Outcome, PilotContext, Product, depends_on
 from ..gates.base import fail_outcome, stops_the_pilot
 from ..interrupt import Interrupted, as_interrupted
 from ..ledger.records import GateRow, RunKind, RunStatus, Verdict, new_run_id, now
-from ..ledger.store import Ledger
+from ..ledger.store import Ledger, LedgerWriteFailed
 from ..measure.meter import StageMeter
-from .report import PilotResult, write_report
+from ..safefile import WriteFailed, write_atomic
+from .report import FALLBACK_FILE, PilotResult, write_report
 from .resume import ResumeError, ResumePlan, carry_rows, plan_resume
 
 
@@ -154,11 +156,30 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP under pilotrun.interrupt.interruptible()
         stop = as_interrupted(exc)
         result.status, result.interrupted_by = RunStatus.INTERRUPTED, stop.name
+    except LedgerWriteFailed as exc:  # the disk filled mid-run: the end goes to a file beside the run instead
+        result.status = RunStatus.ERROR
+        result.ledger_failure = exc
     finally:
         _close(ctx, result, spec, ledger, node_row)
+    if result.ledger_failure is not None:
+        raise LedgerWriteFailed(result.ledger_failure.path, f"{result.ledger_failure.cause}; the run's end and its "
+                                f"rows are in {_fallback(result, result.ledger_failure)}") from None
     if stop is not None:
         raise PilotInterrupted(stop.signum, result) from None
     return result
+
+
+def _fallback(result: PilotResult, exc: LedgerWriteFailed) -> str:
+    """The run's end beside the run (``ledger-fallback.json``): its status, rows and why the ledger refused them;
+    where it is, or why it could not be written either."""
+    path = result.out_dir / FALLBACK_FILE
+    try:
+        write_atomic(path, json.dumps({"run_id": result.run_id, "ledger": str(result.ledger_path),
+                                       "status": str(result.status), "ended_at": now(), "ledger_error": str(exc),
+                                       "rows": result.rows}, indent=1, default=str))
+    except WriteFailed as also:
+        return f"no file either ({also})"
+    return str(path)
 
 
 def _job_meta(spec: Spec, process) -> dict:
@@ -222,9 +243,9 @@ def _write_rows(gate: str, rows: list[dict], metrics: list[dict], ctx: PilotCont
     """A gate's rows (one, or a program's one per rank) to the ledger, the report and the observer; the gate's
     verdict for the gates after it is its worst row's, agreed over this pilot's ranks."""
     for out in rows:
+        result.rows.append(out)  # before the ledger: a row a full disk refused is still in the fallback file
         if ctx.ledger is not None:
             ctx.ledger.add_gate_row(ctx.run_id, out, metrics)
-        result.rows.append(out)
         write_report(result, ctx.spec)
         observer.on_gate_end(out)
     worst = min(rows, key=lambda r: Verdict(r["verdict"]).severity)
@@ -255,12 +276,17 @@ def _close(ctx: PilotContext, result: PilotResult, spec: Spec, ledger: Ledger, n
     ctx.driver = None  # the DDP/FSDP model goes before the process group (distributed.shutdown)
     if result.status == RunStatus.RUNNING:
         result.status = RunStatus.ERROR
-    if ctx.env.is_main or node_row:
-        if result.interrupted_by:
-            ledger.merge_meta(result.run_id, {"interrupted_by": result.interrupted_by})
-        ledger.end_run(result.run_id, result.status)
-    write_report(result, spec)
-    ledger.close()
+    if (ctx.env.is_main or node_row) and result.ledger_failure is None:
+        try:
+            if result.interrupted_by:
+                ledger.merge_meta(result.run_id, {"interrupted_by": result.interrupted_by})
+            ledger.end_run(result.run_id, result.status)
+        except LedgerWriteFailed as exc:
+            result.status, result.ledger_failure = RunStatus.ERROR, exc
+    try:
+        write_report(result, spec)
+    finally:
+        ledger.close()
     if result.status not in (RunStatus.ERROR, RunStatus.INTERRUPTED):
         distributed.shutdown(ctx.env)
 

@@ -3,14 +3,15 @@
 The command runs from the spec's folder; a first word ``python``/``python3`` becomes this interpreter and
 ``torchrun`` becomes ``python -m torch.distributed.run`` (so the program sees the packages pilotrun sees, pilotrun
 itself included). Its output goes to ``<out>/program/<role>.log``. The interrupted run is killed with SIGKILL once
-rank 0 reports ``saved(N)``: every process of the tree (torchrun starts each rank in its own session) and every
-process group in it, so no rank outlives the kill.
+rank 0 reports ``saved(N)``. Every run is under a keeper (``pilotrun/procs.py``): whatever it started, torchrun's
+ranks in their own sessions and a daemon that double-forks included, is killed when the run ends, however it ends;
+what a run that ended by itself left running is named (``RunOutcome.leftovers``), so its row can warn.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -18,15 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from ..config.program import PYTHON_WORDS, TORCHRUN_WORD, ProgramSpec
+from ..procs import KILL_WAIT_S, Tree
+from ..safefile import FileKind, FileProblem, read_bytes
 from . import env as E
 from .env import Event, Role
 
 POLL_S = 0.02
-# Seconds to wait for SIGKILLed descendants to disappear (a process in uninterruptible sleep can take a while).
-KILL_WAIT_S = 10.0
 # Variables of an enclosing torchrun that must not leak into the program's own launch.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                "ROLE_RANK", "TORCHELASTIC_RUN_ID")
@@ -41,18 +40,59 @@ def command_words(words: list[str]) -> list[str]:
     return list(words)
 
 
-def read_events(path: Path) -> list[dict]:
-    """The events of one file; a last line cut by SIGKILL is dropped (every other line is whole)."""
-    out = []
+# An event line is a few hundred bytes; a million updates fit well within this.
+EVENTS_CAP = 512 << 20
+# What each kind must carry for the rows to read it (the handle writes them so; a hand-written file may not).
+EVENT_FIELDS: dict[str, tuple[str, type]] = {Event.UPDATE: ("update", int), Event.SAVED: ("update", int),
+                                             Event.STAGE: ("row", dict), Event.GATE: ("row", dict)}
+
+
+def read_events(path: Path, problems: list[str] | None = None) -> list[dict]:
+    """The events of one file; a last line cut by SIGKILL is dropped (every other line is whole). A line that is not
+    an event (not JSON, not an object of a known shape) is left out and named in ``problems``."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
+        text = read_bytes(path, EVENTS_CAP).decode("utf-8", errors="replace")
+    except FileProblem as exc:
+        if problems is not None and exc.kind != FileKind.MISSING:
+            problems.append(f"the event file {exc}: not read")
         return []
-    for line in text.splitlines():
+    out, lines = [], text.splitlines()
+    for number, line in enumerate(lines, 1):
         try:
-            out.append(json.loads(line))
-        except ValueError:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
+            if number < len(lines) and problems is not None:
+                problems.append(f"{path} line {number} is not JSON: left out")
             continue
+        why = _not_an_event(event)
+        if why:
+            if problems is not None:
+                problems.append(f"{path} line {number} {why}: left out")
+            continue
+        out.append(event)
+    return out
+
+
+def _not_an_event(event: object) -> str | None:
+    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+        return "is not an event (a JSON object with a string 'kind')"
+    field_type = EVENT_FIELDS.get(event["kind"])
+    if field_type and (not isinstance(event.get(field_type[0]), field_type[1]) or isinstance(event.get(field_type[0]),
+                                                                                             bool)):
+        return f"is a {event['kind']!r} event whose {field_type[0]!r} is not {field_type[1].__name__}"
+    return None
+
+
+def read_rank_events(events_dir: Path, role: Role, problems: list[str]) -> dict[int, list[dict]]:
+    """rank -> its events, from ``<role>-rank<N>.jsonl``; a file of another name is named in ``problems``."""
+    pattern = re.compile(rf"^{re.escape(str(role))}-rank(\d{{1,6}})\.jsonl$")
+    out = {}
+    for path in sorted(events_dir.glob(f"{role}-rank*.jsonl")):
+        match = pattern.match(path.name)
+        if match is None:
+            problems.append(f"{path} is not named <role>-rank<N>.jsonl: left out")
+            continue
+        out[int(match.group(1))] = read_events(path, problems)
     return out
 
 
@@ -68,6 +108,8 @@ class RunOutcome:
     killed: bool = False        # SIGKILLed by pilotrun after its save (the interrupted run)
     killed_pids: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)  # pids still alive KILL_WAIT_S after SIGKILL
+    leftovers: list[dict] = field(default_factory=list)  # {pid, command} the program left running when it ended
+    event_problems: list[str] = field(default_factory=list)  # lines and files of its events that were left out
     timed_out: bool = False
 
     def of(self, kind: Event, rank: int | None = None) -> list[dict]:
@@ -100,6 +142,11 @@ class RunOutcome:
         if self.killed:
             return "was killed with SIGKILL after its save, as planned"
         return f"exited with {self.returncode}" + (f": {self.log_tail()}" if self.returncode else "")
+
+    def leftover_text(self) -> str:
+        """The processes the program left running when it ended (each killed since), for a row's reason."""
+        shown = "; ".join(f"pid {p.get('pid')} ({p.get('command') or 'command unknown'})" for p in self.leftovers[:3])
+        return shown + (f" and {len(self.leftovers) - 3} more" if len(self.leftovers) > 3 else "")
 
     def log_tail(self, lines: int = 3) -> str:
         try:
@@ -139,38 +186,18 @@ class RunPlan:
     kill_after_save: int | None = None  # SIGKILL the tree once rank 0 reports saved(this update)
 
 
-def kill_tree(pid: int) -> tuple[list[int], list[int]]:
-    """SIGKILL ``pid``, every descendant and every process group among them (never our own); the pids killed and
-    those still alive ``KILL_WAIT_S`` later (stuck in the kernel; the run's row names them)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return [], []
-    ours = os.getpgrp()
-    groups = set()
-    for p in procs:
-        try:
-            groups.add(os.getpgid(p.pid))
-        except OSError:
-            pass
-    for g in groups - {ours}:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except OSError:
-            pass
-    killed = []
-    for p in procs:
-        try:
-            p.kill()
-            killed.append(p.pid)
-        except psutil.NoSuchProcess:
-            killed.append(p.pid)  # already gone with its group
-    # SIGKILL is delivered asynchronously: wait until the descendants are gone, so that the next run (the resumed
-    # one) never starts beside a rank of the killed one. The root is our child: Popen.wait() reaps it (reaping it
-    # here would lose its return code).
-    _, alive = psutil.wait_procs(procs[1:], timeout=KILL_WAIT_S)
-    return killed, [p.pid for p in alive]
+def _watch(tree: Tree, program: ProgramSpec, plan: RunPlan, rank0: Path, started: float,
+           outcome: RunOutcome) -> None:
+    """Until the program ends; kill it past ``program.timeout``, or once rank 0 reports the planned save."""
+    while tree.poll() is None:
+        if time.monotonic() - started > program.timeout:
+            outcome.timed_out = True
+            return
+        if plan.kill_after_save is not None and any(
+                e.get("kind") == Event.SAVED and e.get("update") == plan.kill_after_save for e in read_events(rank0)):
+            outcome.killed = True
+            return
+        time.sleep(POLL_S)
 
 
 def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path, run_id: str, ledger_path: Path,
@@ -194,31 +221,20 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
         env[E.RESUME_FROM] = plan.resume_from
     started = time.monotonic()
     with open(log, "wb") as log_fh:
-        proc = subprocess.Popen(command_words(program.words), cwd=folder, env=env, stdout=log_fh,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # Under a keeper (pilotrun/procs.py): whatever the program starts (torchrun's ranks, its own children, a
+        # daemon that double-forks) is killed when the run ends, however it ends, and with pilotrun if it dies.
+        tree = Tree(command_words(program.words), env=env, label=f"program-{plan.role}", cwd=folder,
+                    stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         outcome = RunOutcome(plan.role, None, 0.0, log)
-        rank0 = events_dir / f"{plan.role}-rank0.jsonl"
         try:
-            while proc.poll() is None:
-                if time.monotonic() - started > program.timeout:
-                    outcome.timed_out = True
-                    outcome.killed_pids, outcome.survivors = kill_tree(proc.pid)
-                    break
-                if plan.kill_after_save is not None and any(
-                        e.get("kind") == Event.SAVED and e.get("update") == plan.kill_after_save
-                        for e in read_events(rank0)):
-                    outcome.killed_pids, outcome.survivors = kill_tree(proc.pid)
-                    outcome.killed = True
-                    break
-                time.sleep(POLL_S)
+            _watch(tree, program, plan, events_dir / f"{plan.role}-rank0.jsonl", started, outcome)
         finally:
-            if proc.poll() is None and not outcome.killed_pids:  # an exception or Ctrl-C here: leave nothing behind
-                outcome.killed_pids, outcome.survivors = kill_tree(proc.pid)
-            outcome.returncode = proc.wait()
+            ending = tree.kill()  # also after an exception or Ctrl-C here: leave nothing behind
+            outcome.returncode = tree.returncode
+            outcome.killed_pids, outcome.survivors = ending.killed, ending.survivors
+            outcome.leftovers = ending.leftovers
     outcome.seconds = time.monotonic() - started
-    for path in sorted(events_dir.glob(f"{plan.role}-rank*.jsonl")):
-        rank = int(path.stem.rsplit("rank", 1)[1])
-        outcome.events[rank] = read_events(path)
+    outcome.events = read_rank_events(events_dir, plan.role, outcome.event_problems)
     if progress is not None:
         progress(f"{plan.role} run {outcome.how_it_ended()} after {outcome.seconds:.1f} s")
     return outcome

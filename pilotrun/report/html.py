@@ -17,6 +17,7 @@ from ..humanize import human_bytes, human_seconds, money
 from ..ledger.details import LoadDetails, OverfitDetails
 from ..ledger.records import GateName, Series
 from ..ledger.store import Ledger
+from ..safefile import FileKind, FileProblem, NonNegative, Optional, read_json
 from .plots import campaign_figure, curve_figure, dynamics_figure, inline_svg, is_retry, memory_figure, png
 
 CSS = """
@@ -135,37 +136,65 @@ def _notes(led: Ledger, run_id: str) -> str:
     return "<h2>Notes</h2>" + _table(["when", "note"], [[n["at"][:19].replace("T", " "), n["text"]] for n in notes])
 
 
+_NUMBER = NonNegative()
+_ADAPTER = Optional({"label": str, "trainable_parameters": _NUMBER, "parameters": _NUMBER, "trainable_share": _NUMBER,
+                     "adapter_bytes": _NUMBER, "frozen_base_bytes": _NUMBER, "quantized_layers": _NUMBER,
+                     "checkpoint_bytes": _NUMBER})
+# What the report reads of `select --json` / `plan --json` output saved beside the run: a file of another shape is
+# said in the report and left out (a KeyError here once read as "no run ... in ledger").
+ATTACHMENTS = {
+    "selection.json": ("Selection sheet", {"rows": [{
+        "accelerator": str, "fits": bool, "strategy": str, "gpus": _NUMBER, "micro_batch_size": _NUMBER,
+        "grad_accum_steps": _NUMBER, "device_used_bytes": _NUMBER, "seconds_per_update": Optional(_NUMBER),
+        "cost_per_update": Optional(_NUMBER), "cost_for_planned_updates": Optional(_NUMBER),
+        "software_stack": {"text": str}, "experiment": Optional(str), "adapter": _ADAPTER}]}),
+    "plan.json": ("Rental plan", {"accelerators": [{"accelerator": str, "plans": Optional([{
+        "days": _NUMBER, "gpus": _NUMBER, "fits_with_margin": bool, "runs_that_fit": _NUMBER,
+        "cost": Optional(_NUMBER), "advice": [str]}])}]}),
+}
+ATTACHMENT_CAP = 16 << 20
+
+
 def _attachments(folder: Path) -> str:
     """The selection sheet and the plan, when they were saved beside the run (select/plan --json > file)."""
     out = []
-    for name, title in (("selection.json", "Selection sheet"), ("plan.json", "Rental plan")):
-        p = folder / name
-        if not p.exists():
-            continue
+    for name, (title, schema) in ATTACHMENTS.items():
         try:
-            data = json.loads(p.read_text())
-        except ValueError:
+            data = read_json(folder / name, ATTACHMENT_CAP, schema, links=True)
+        except FileProblem as exc:
+            if exc.kind != FileKind.MISSING:
+                out.append(f"<h2>{title}</h2><p>{_e(str(exc))}: left out of the report (save `pilotrun "
+                           f"{'select' if name == 'selection.json' else 'plan'} ... --json` output there)</p>")
             continue
-        if name == "selection.json" and isinstance(data, dict) and "rows" in data:
-            rows = [[r.get("experiment", ""), r["accelerator"], "yes" if r["fits"] else "no",
-                     f"{r['strategy']} x{r['gpus']}",
-                     f"{r['micro_batch_size']} x {r['grad_accum_steps']}", human_bytes(r["device_used_bytes"]),
-                     human_seconds(r.get("seconds_per_update")), money(r.get("cost_per_update")),
-                     money(r.get("cost_for_planned_updates")), r["software_stack"]["text"]] for r in data["rows"]]
-            out.append(f"<h2>{title}</h2>" + _table(["experiment", "accelerator", "fits", "strategy", "mb x accum",
-                                                     "used", "time/update", "cost/update", "cost for the updates",
-                                                     "stack"], rows))
-            adapters = dict.fromkeys(adapter_line(r["adapter"]) for r in data["rows"] if r.get("adapter"))
-            out += [f"<p>{_e(line)}</p>" for line in adapters]
-        elif name == "plan.json" and isinstance(data, dict) and "accelerators" in data:
+        if name == "selection.json":
+            out.append(_selection(title, data))
+        else:
             rows = []
             for a in data["accelerators"]:
-                for p_ in a.get("plans", []):
+                for p_ in a.get("plans") or []:
                     rows.append([a["accelerator"], p_["days"], p_["gpus"], "yes" if p_["fits_with_margin"] else "no",
                                  p_["runs_that_fit"], money(p_.get("cost")), "; ".join(p_["advice"])])
             out.append(f"<h2>{title}</h2>" + _table(["accelerator", "days", "GPUs", "fits", "runs", "rental cost",
                                                      "advice"], rows))
     return "".join(out)
+
+
+def _selection(title: str, data: dict) -> str:
+    rows = [[r.get("experiment") or "", r["accelerator"], "yes" if r["fits"] else "no", f"{r['strategy']} x{r['gpus']}",
+             f"{r['micro_batch_size']} x {r['grad_accum_steps']}", human_bytes(r["device_used_bytes"]),
+             human_seconds(r.get("seconds_per_update")), money(r.get("cost_per_update")),
+             money(r.get("cost_for_planned_updates")), r["software_stack"]["text"]] for r in data["rows"]]
+    out = [f"<h2>{title}</h2>" + _table(["experiment", "accelerator", "fits", "strategy", "mb x accum", "used",
+                                         "time/update", "cost/update", "cost for the updates", "stack"], rows)]
+    adapters = dict.fromkeys(_adapter_line(r["adapter"]) for r in data["rows"] if r.get("adapter"))
+    return "".join(out + [f"<p>{_e(line)}</p>" for line in adapters if line])
+
+
+def _adapter_line(view: dict) -> str:
+    try:  # its quantised and merged parts are read only when present: the schema cannot say "when"
+        return adapter_line(view)
+    except (KeyError, TypeError, ValueError):
+        return "the adapter's line is left out: selection.json's 'adapter' is not select --json's"
 
 
 def _adapter_section(rows: list[dict]) -> str:

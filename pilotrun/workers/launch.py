@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pilotrun
 
+from ..procs import Tree
+
 PACKAGE_ROOT = str(Path(pilotrun.__file__).resolve().parents[1])
 DEFAULT_TIMEOUT_S = 3600
 
@@ -55,57 +57,19 @@ def _read_result(result: Path, log: Path, what: str, returncode: int | None) -> 
 
 def run_worker(module: str, args: list[str], result: Path, log: Path, what: str,
                timeout: float = DEFAULT_TIMEOUT_S, nproc: int = 1) -> dict:
-    """Run ``python -m module args`` (or ``nproc`` of them under torchrun) to completion; return the JSON result."""
+    """Run ``python -m module args`` (or ``nproc`` of them under torchrun) to completion; return the JSON result.
+    The worker and all it starts run under a keeper (pilotrun/procs.py): killed on a timeout, an exception or when
+    it ends, and with pilotrun if pilotrun is killed."""
     result.unlink(missing_ok=True)
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(command(module, args, result, nproc), stdout=fh, stderr=subprocess.STDOUT,
-                                env=worker_env(), start_new_session=True)
+    with open(log, "w") as fh, Tree(command(module, args, result, nproc), env=worker_env(), label=what,
+                                    stdout=fh, stderr=subprocess.STDOUT) as tree:
         try:
-            proc.wait(timeout=timeout)
+            tree.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            tree.kill()
             raise WorkerError(f"the {what} process took longer than {timeout:.0f} s and was killed "
                               f"(log {log})") from None
-        except BaseException:
-            _kill_group(proc)
-            raise
-    return _read_result(result, log, what, proc.returncode)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the worker and everything it started: torchrun's agent and its ranks.
-
-    The ranks are not in the agent's process group: torch elastic starts each one in a session
-    of its own, so killing the agent's group alone would orphan them, still holding their
-    memory and waiting on collectives. The tree is read before anything dies (after, the
-    orphans hang off init and cannot be found), then every group in it is killed.
-    """
-    import psutil
-
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    groups = {proc.pid}
-    for p in tree:
-        try:
-            groups.add(os.getpgid(p.pid))  # a rank's group also holds its DataLoader workers
-        except (ProcessLookupError, PermissionError):
-            pass
-    for g in groups:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    psutil.wait_procs(tree, timeout=30)
+    return _read_result(result, log, what, tree.returncode)
 
 
 def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: str,
@@ -113,8 +77,8 @@ def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: st
     """Run a worker until it prints SAVED, then SIGKILL it and its ranks (a real kill, not a clean exit)."""
     result.unlink(missing_ok=True)
     with open(log, "w") as fh:
-        proc = subprocess.Popen(command(module, args, result, nproc), stdout=subprocess.PIPE, stderr=fh,
-                                env=worker_env(), text=True, start_new_session=True)
+        proc = Tree(command(module, args, result, nproc), env=worker_env(), label=what, stdout=subprocess.PIPE,
+                    stderr=fh, text=True)
         deadline = time.monotonic() + timeout
         saved = False
         try:
@@ -127,7 +91,7 @@ def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: st
                 if time.monotonic() > deadline:
                     break
         finally:
-            _kill_group(proc)
+            proc.kill()  # every rank too: torch elastic starts each in a session of its own, the keeper keeps them
             if proc.stdout is not None:
                 proc.stdout.close()
     payload = _read_result(result, log, what, proc.returncode)

@@ -40,6 +40,7 @@ from ... import backends
 from ...config.load import spec_from_mapping
 from ...ledger.records import RunEnd, RunStatus, Series, StopKind
 from ...ledger.store import Ledger
+from ...procs import Tree
 from ...workers.launch import worker_env
 from ..resources import PerRun
 from ..runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
@@ -226,8 +227,10 @@ def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: floa
            "--spool", str(spool), "--plan", str(plan_file)] + (["--deadline", str(deadline)] if deadline else [])
     reader, told = SpoolReader(spool), False
     with open(out / "worker.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**worker_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        # Under a keeper (pilotrun/procs.py): torchrun's ranks (each in a session of its own) end with the run, and
+        # with this Ray worker if Ray kills it.
+        proc = Tree(cmd, env={**worker_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+                    label=f"campaign-{run_id}", stdout=log, stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None:
                 time.sleep(DRAIN_EVERY_S)
@@ -242,9 +245,7 @@ def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: floa
                             child.send_signal(STOP_SIGNAL)
                     told = True
         finally:
-            if proc.poll() is None:  # this task is being torn down: the group goes with it
-                proc.kill()
-                proc.wait()
+            proc.kill()  # whatever is left: the task is being torn down, or a rank outlived torchrun
     items = reader.new_items()
     if items:
         ray.get(relay.put.remote(items))

@@ -1,0 +1,168 @@
+"""No process outlives its pilot (pilotrun/procs.py, pilotrun/keeper.py): a worker's or a program's children and
+double-forked daemons are killed when the run ends, and a SIGKILLed pilotrun leaves nothing running. Real processes,
+real SIGKILL, checked in /proc."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .conftest import TEST_DIGEST, write_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A child of its own, and a daemon that double-forks into a session of its own (escaping the process group), both
+# sleeping far past the test; their pids written to ``pids``.
+LEAVES_TWO = """\
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open(PIDS + ".daemon", "w").write(str(os.getpid()))  # exec keeps the pid
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(301)"])
+    os._exit(0)
+while not os.path.exists(PIDS + ".daemon"):
+    time.sleep(0.05)
+time.sleep(0.3)  # the daemon's exec is done
+open(PIDS, "w").write(f"{child.pid} {open(PIDS + '.daemon').read()}")
+"""
+
+def _pids(path: Path, timeout: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().split()) >= 2:
+            return [int(p) for p in path.read_text().split()]
+        time.sleep(0.1)
+    pytest.fail(f"{path} was never written")
+
+
+def _gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """The pids still running (not zombies) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.mark.process
+def test_a_worker_that_ends_leaves_no_child_and_no_daemon_and_they_are_named(tmp_path, monkeypatch):
+    from pilotrun.procs import Tree
+
+    pids = tmp_path / "pids"
+    (tmp_path / "leaves.py").write_text(f"PIDS = {str(pids)!r}\n" + LEAVES_TWO)
+    with Tree([sys.executable, str(tmp_path / "leaves.py")], env=dict(os.environ), label="t") as tree:
+        assert tree.wait(timeout=60) == 0
+    left = _pids(pids)
+    try:
+        assert _gone(left) == [], "the worker's child or daemon is still running"
+        assert sorted(p["pid"] for p in tree.ending.leftovers) == sorted(left)
+        assert any("time.sleep(301)" in p["command"] for p in tree.ending.leftovers)
+    finally:
+        _kill(left)
+
+
+@pytest.mark.process
+def test_run_worker_kills_what_the_worker_left_and_keeps_its_result(tmp_path, monkeypatch):
+    from pilotrun.workers.launch import run_worker
+
+    pids = tmp_path / "pids"
+    (tmp_path / "leaky_worker.py").write_text(
+        f"PIDS = {str(pids)!r}\n" + LEAVES_TWO
+        + "import json\nopen(sys.argv[sys.argv.index('--result') + 1], 'w').write(json.dumps({'ok': 1}))\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    payload = run_worker("leaky_worker", [], tmp_path / "r.json", tmp_path / "w.log", "leaky", timeout=60)
+    left = _pids(pids)
+    try:
+        assert payload == {"ok": 1}
+        assert _gone(left) == []
+    finally:
+        _kill(left)
+
+
+@pytest.mark.process
+def test_a_sigkilled_parent_takes_its_workers_children_and_daemons_with_it(tmp_path):
+    """The worker was started with setsid; before the keeper, it ran on after its parent's SIGKILL."""
+    pids = tmp_path / "pids"
+    (tmp_path / "leaky_worker.py").write_text(f"PIDS = {str(pids)!r}\n" + LEAVES_TWO + "time.sleep(300)\n")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom pathlib import Path\nfrom pilotrun.workers.launch import run_worker\n"
+         f"run_worker('leaky_worker', [], Path({str(tmp_path / 'r.json')!r}), Path({str(tmp_path / 'w.log')!r}), "
+         "'leaky', timeout=300)\n"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])})
+    try:
+        left = _pids(pids)
+        workers = [p.pid for p in psutil.Process(parent.pid).children(recursive=True)]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        assert _gone(left + workers) == [], "a process of the killed parent's worker is still running"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        _kill(_pids(pids, 1) if pids.exists() else [])
+
+
+@pytest.mark.process
+def test_a_sigkilled_pilotrun_run_leaves_no_program_process(tmp_path):
+    """`pilotrun run` on a program killed with SIGKILL mid-run: the program, its child and its daemon die too."""
+    folder = tmp_path / "p"
+    folder.mkdir()
+    pids = tmp_path / "pids"
+    (folder / "train.py").write_text(f"PIDS = {str(pids)!r}\nimport pilotrun\njob = pilotrun.program()\n"
+                                     + LEAVES_TWO + "time.sleep(300)\n")
+    spec = write_spec(folder / "pilot.yaml", {"name": "sleeper", "program": {"command": "python train.py"}})
+    run = subprocess.Popen([sys.executable, "-m", "pilotrun", "run", str(spec), "--gates", "first_step", "--out",
+                            str(tmp_path / "out"), "--ledger", str(tmp_path / "l.sqlite")], cwd=tmp_path,
+                           env={**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "PYTHONPATH": str(REPO)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        left = _pids(pids)
+        program = [p.pid for p in psutil.Process(run.pid).children(recursive=True)]
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=30)
+        assert _gone(left + program) == [], "the program or what it started outlived the SIGKILLed pilotrun"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        _kill(_pids(pids, 1) if pids.exists() else [])
+
+
+@pytest.mark.process
+def test_a_killed_tree_reads_as_killed_by_sigkill_and_a_signal_reaches_the_command(tmp_path):
+    from pilotrun.procs import Tree
+
+    with Tree([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ), label="t") as tree:
+        time.sleep(0.3)
+        tree.kill()
+    assert tree.returncode == -signal.SIGKILL and tree.ending.killed
+    with Tree([sys.executable, "-c", "import signal, sys, time\n"
+               "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(7))\nopen('ready', 'w')\ntime.sleep(60)\n"],
+              env=dict(os.environ), label="t", cwd=tmp_path) as tree:
+        while not (tmp_path / "ready").exists():
+            time.sleep(0.05)
+        tree.send_signal(signal.SIGUSR1)  # the campaign's stop request
+        assert tree.wait(timeout=30) == 7
