@@ -243,7 +243,6 @@ def restore_training_state(trainer, folder: Path) -> dict:
     first). Every file is checked against the live objects' own state before it is applied, so a wrong file is
     named with its field instead of failing inside torch."""
     folder = Path(folder)
-    check_config(folder, job_hash(trainer))
     base = getattr(trainer, "base_identity", None)
     saved_base = read_manifest(folder).get("base_identity")
     if base != saved_base:
@@ -253,6 +252,7 @@ def restore_training_state(trainer, folder: Path) -> dict:
                                   "for another model.adapter setting")
         raise CheckpointError(f"{folder}: its adapter was trained on another base (sha256 {saved_base[:12]}…), this "
                               f"job's base is {base[:12]}…: the same model, revision, seed and quantization are needed")
+    check_config(folder, job_hash(trainer))  # after the base: another base is the more precise reason
     weights, _ = _load_sharded(folder, "model", model_state(trainer))
     if base is None:
         trainer.model.load_state_dict(weights)
