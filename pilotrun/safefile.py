@@ -35,7 +35,9 @@ class FileKind(str, Enum):
 
 class FileProblem(Exception):
     def __init__(self, path: Path, kind: FileKind, what: str) -> None:
-        super().__init__(f"{path}: {what}")
+        # "<file> is missing", "<file> cannot be read (...)"; a schema's problem names its field after a colon
+        joint = " " if what.startswith(("is ", "cannot ")) else ": "
+        super().__init__(f"{path}{joint}{what}")
         self.path, self.kind, self.what = Path(path), kind, what
 
 

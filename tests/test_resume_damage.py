@@ -148,7 +148,7 @@ def test_an_altered_expect_file_is_named_by_the_restore_gate(parent, tmp_path): 
     res = _resume(parent, tmp_path, "--trust", "--json")
     rows = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}
     assert rows["restore"]["verdict"] == "fail", rows["restore"]["reason"]
-    assert "step-000001.expect.json is not readable JSON" in rows["restore"]["reason"]
+    assert "step-000001.expect.json is not valid JSON" in rows["restore"]["reason"], rows["restore"]["reason"]
     assert os.path.basename(str(expect)) in rows["restore"]["reason"]
 
 

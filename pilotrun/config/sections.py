@@ -26,10 +26,10 @@ BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-true"]
 
-# pilot.factory_timeout's default: a factory that reads a large dataset or builds a large model on CPU takes minutes;
-# ten of them is far above that and still ends a factory that loops (found by the fuzzer: an import that never
-# returned, and a data factory asked for 2**31 examples, hung the pilot with no answer).
-DEFAULT_FACTORY_TIMEOUT = 600.0
+# pilot.factory_timeout's default: a factory that tokenizes a large dataset or reads a 70B checkpoint from a network
+# disk takes many minutes; half an hour is above that and still ends a factory that loops (found by the fuzzer: an
+# import that never returned, and a data factory asked for 2**31 examples, hung the pilot with no answer).
+DEFAULT_FACTORY_TIMEOUT = 1800.0
 
 # The section as the user wrote it (+ --set), set by the loader: what a factory is called with. Internal: no user
 # key, not in the canonical config (config.spec.Spec.canonical), and kept by dataclasses.replace (an init field).
