@@ -30,7 +30,7 @@ from pilotrun.checkpoint import LoadPolicy
 from pilotrun.config.schema import SpecError
 from pilotrun.ledger import Ledger
 
-from .conftest import TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli
+from .conftest import FIXTURES, TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli
 
 LRS = [3.0e-3, 1.0e-3, 1.0]  # control, a plausible variant, one that diverges
 # At lr 1.0 the loss jumps around; whether it passes 3x its first within 12 updates depends on the CPU's arithmetic
@@ -724,9 +724,16 @@ def test_ledger_exports_csv_and_mlflow(campaign, tmp_path):
 
 
 def _small(tmp_path, **over):
-    body = {"vary": {"train.optimizer.lr": LRS[:2]}, "seeds": [1], "updates": 2, "eval": {"every": 2},
-            "keep": {"checkpoint": False, "export": False, "control_set": 0}}
-    return _campaign(tmp_path, **{**body, **over})
+    """Two lrs of the toy job, for the tests about how runs are started, stopped and recorded (not what they learn):
+    its workers start without importing transformers (~3 s each on 2 cores) and train in milliseconds."""
+    shutil.copytree(FIXTURES / "toy", tmp_path / "toy")
+    body = {"name": "sweep", "base": "toy/pilot.yaml", "vary": {"train.optimizer.lr": LRS[:2]}, "seeds": [1],
+            "updates": 2, "eval": {"every": 2}, "stop": {"non_finite": True, "divergence": DIVERGENCE,
+                                                          "budget_minutes": 20},
+            "keep": {"checkpoint": False, "export": False, "control_set": 0}, **over}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return path
 
 
 @pytest.mark.process
@@ -761,7 +768,7 @@ def test_a_spent_budget_leaves_every_run_recorded_with_the_reason(tmp_path, monk
     from pilotrun.campaign.orchestrate import run_campaign
 
     monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
-    path = _small(tmp_path, updates=200, stop={"budget_minutes": 0.0005})
+    path = _small(tmp_path, updates=20000, stop={"budget_minutes": 0.0005})
     res = run_campaign(path, tmp_path / "l.sqlite", tmp_path / "runs")
     assert len(res["runs"]) == 2
     for r in res["runs"]:
@@ -777,7 +784,7 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, ho
     import signal
     import time
 
-    path, ledger = _small(tmp_path, seeds=[1, 2], updates=2000, eval={"every": 5}), tmp_path / "l.sqlite"
+    path, ledger = _small(tmp_path, seeds=[1, 2], updates=20000, eval={"every": 5}), tmp_path / "l.sqlite"
     env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
     ignore_int = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if how == "sigterm" else None
     proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(path), "--parallel", "2", "--ledger",
@@ -812,7 +819,7 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, ho
     assert [r["status"] for r in runs] == ["stopped", "stopped", "not-run", "not-run"], runs
     for r in runs[:2]:  # stopped where it was, every update before that kept once
         meta = json.loads(r["meta_json"])
-        assert meta["stop_reason"] == cause and 5 <= meta["stopped_at"] < 2000  # a preemption is not a Ctrl-C
+        assert meta["stop_reason"] == cause and 5 <= meta["stopped_at"] < 20000  # a preemption is not a Ctrl-C
         steps = [m["step"] for m in _ledger(ledger, "SELECT step FROM metrics WHERE run_id = ? AND gate = 'train' "
                                                     "ORDER BY step", r["run_id"])]
         assert steps == list(range(1, meta["stopped_at"] + 1))
@@ -890,7 +897,7 @@ def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp
     import signal
     import time
 
-    path, ledger = _small(tmp_path, seeds=[1, 2], updates=400, eval={"every": 200}), tmp_path / "l.sqlite"
+    path, ledger = _small(tmp_path, seeds=[1, 2], updates=20000, eval={"every": 200}), tmp_path / "l.sqlite"
     env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(path), "--parallel", "2", "--ledger",
                              str(ledger), "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env,
