@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from pilotrun.checkpoint import io as ckpt_io
 from pilotrun.config import load_spec
@@ -106,3 +108,20 @@ def test_the_next_save_removes_stale_temps_and_says_how_much_it_freed(toylm, tmp
     assert not stale.exists()
     assert save["details"]["stale_temps_removed"] == [{"path": str(stale), "bytes": 2 << 20}]
     assert "removed 1 temp folder(s) of saves whose process is gone, freeing 2.0 MiB" in save["reason"]
+
+
+def test_a_full_disk_under_torch_save_is_said_as_the_os_says_it():
+    # Found filling a disk: torch.save given a path writes in C++ and loses the OS error ("unexpected pos 768 vs
+    # 662"). /dev/full refuses every write with ENOSPC, for real.
+    import errno
+
+    from pilotrun.checkpoint.io import disk_full_error
+    from pilotrun.checkpoint.state import save_to
+    from pilotrun.gates.save import write_failure
+
+    with pytest.raises(Exception) as info:
+        save_to({"entries": {"w": torch.zeros(4096)}}, Path("/dev/full"))
+    full = disk_full_error(info.value)
+    assert full is not None and full.errno == errno.ENOSPC, repr(info.value)
+    failure = write_failure(Path("/tmp/ckpt/step-000002"), info.value, {})
+    assert "No space left on device" in str(failure) and "free on its filesystem now" in str(failure), str(failure)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, read_manifest
-from .state import capture_rng, load_state_json, load_torch_file, restore_rng
+from .state import capture_rng, load_state_json, load_torch_file, restore_rng, save_to
 from .statefiles import check_config, check_trainer_state, job_hash
 from .trust import LoadPolicy, require_known
 
@@ -79,7 +79,7 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
         msd = _buffers_from(msd, trainer.plain_model, buffers_from)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "dcp"))
     rng_json, rng_tensors = capture_rng()
-    torch.save(rng_tensors, tmp / f"rng-rank{env.rank}.pt")
+    save_to(rng_tensors, tmp / f"rng-rank{env.rank}.pt")
     (tmp / f"rng-rank{env.rank}.json").write_text(json.dumps(rng_json))
     (tmp / f"trainer_state-rank{env.rank}.json").write_text(json.dumps(trainer.state(), sort_keys=True))
     if env.is_main:

@@ -79,8 +79,12 @@ def _shards(items: list, limit: int) -> list[list]:
     return out
 
 
-def _save_to(payload: dict, path: Path) -> None:
-    torch.save(payload, path)
+def save_to(payload: dict, path: Path) -> None:
+    """``torch.save`` through a Python file: given a path, torch's C++ writer loses the OS error, and a full disk
+    reads "unexpected pos 768 vs 662"; through a file the OSError (ENOSPC) is chained to torch's error, and the
+    save row says "No space left on device" (gates/save.write_failure)."""
+    with open(path, "wb") as fh:
+        torch.save(payload, fh)
 
 
 def _save_sharded(f: AtomicFolder, prefix: str, state: dict, extra: dict | None = None) -> None:
@@ -88,7 +92,7 @@ def _save_sharded(f: AtomicFolder, prefix: str, state: dict, extra: dict | None 
     groups = _shards(list(state.items()), SHARD_BYTES)
     for i, group in enumerate(groups):
         payload = {"entries": dict(group), **(extra if i == 0 and extra else {})}
-        f.write_file(f"{prefix}-{i:05d}-of-{len(groups):05d}.pt", functools.partial(_save_to, payload))
+        f.write_file(f"{prefix}-{i:05d}-of-{len(groups):05d}.pt", functools.partial(save_to, payload))
 
 
 def _load_sharded(folder: Path, prefix: str, reference: dict | None = None) -> tuple[dict, dict]:
@@ -159,7 +163,7 @@ def save_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None =
         f.write_json("scheduler.json", trainer.scheduler.state_dict())
         if trainer.scaler is not None:
             f.write_json("scaler.json", trainer.scaler.state_dict())
-        f.write_file("rng.pt", lambda p: torch.save(rng_tensors, p))
+        f.write_file("rng.pt", functools.partial(save_to, rng_tensors))
         f.write_json("rng.json", rng_json)
         f.write_json("trainer_state.json", trainer.state())
         f.write_json("config.json", config)
