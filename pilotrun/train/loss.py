@@ -71,8 +71,9 @@ def decide_loss_policy(model: torch.nn.Module, declared: str = "auto") -> LossPo
         params = {}
     explicit = "num_items_in_batch" in params
     accepts_attr = getattr(model, "accepts_loss_kwargs", None)
-    # A model can only be a transformers model if transformers is already imported.
-    hf = sys.modules.get("transformers")
+    # A model can only be a transformers model if its modelling code is already imported (asking the lazy
+    # `transformers` module for PreTrainedModel would import it: ~2 s for a job that never used it).
+    hf = sys.modules.get("transformers.modeling_utils")
     if hf is not None and isinstance(model, hf.PreTrainedModel):
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss
 
@@ -100,7 +101,7 @@ def decide_loss_policy(model: torch.nn.Module, declared: str = "auto") -> LossPo
 
 def is_hf_causal_lm(model) -> bool:
     model = unwrap_adapter(model)
-    hf = sys.modules.get("transformers")
+    hf = sys.modules.get("transformers.modeling_utils")  # (as in loss_policy: never imported to ask)
     if hf is None or not isinstance(model, hf.PreTrainedModel):
         return False
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
