@@ -148,8 +148,23 @@ def test_an_altered_expect_file_is_named_by_the_restore_gate(parent, tmp_path): 
     res = _resume(parent, tmp_path, "--trust", "--json")
     rows = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}
     assert rows["restore"]["verdict"] == "fail", rows["restore"]["reason"]
-    assert "step-000001.expect.json is not valid JSON" in rows["restore"]["reason"], rows["restore"]["reason"]
+    # Its bytes are not those the save recorded: refused before they are parsed (a cut file is not JSON either).
+    assert "step-000001.expect.json is not the file the save wrote" in rows["restore"]["reason"], rows["restore"]["reason"]
     assert os.path.basename(str(expect)) in rows["restore"]["reason"]
+
+
+def test_an_expect_file_rewritten_as_valid_json_is_not_compared(parent, tmp_path):  # noqa: F811
+    # The fingerprints lie beside the checkpoint, outside its manifest: rewritten to agree with a broken restore they
+    # would make it pass. The save row records their sha256; the restore reads only those bytes.
+    expect = parent["ckpt"].with_name("step-000001.expect.json")
+    fingerprints = json.loads(expect.read_text())
+    fingerprints["step"] = fingerprints["step"] + 1
+    expect.write_text(json.dumps(fingerprints, sort_keys=True))
+    res = _resume(parent, tmp_path, "--json")
+    rows = {g["gate"]: g for g in json.loads(res.stdout)["gates"]}
+    reason = rows["restore"]["reason"]
+    assert rows["restore"]["verdict"] == "fail" and "is not the file the save wrote" in reason, reason
+    assert "changed after the save; not compared" in reason and "differ from what was saved" not in reason, reason
 
 
 def _plan(p: dict):

@@ -32,6 +32,10 @@ class SavedCheckpoint:
     folder: Path
     expect: Path           # with several ranks the name holds "{rank}", replaced per rank
     manifest_sha256: str
+    # sha256 of each rank's expect file as the save wrote it (rank order): the file lies beside the folder, outside
+    # its manifest, so the restore reads it only if these bytes are still there. Empty: a run saved before these
+    # were recorded (read unverified, bounded).
+    expect_sha256: tuple[str, ...] = ()
 
 
 @dataclass

@@ -40,7 +40,8 @@ class RestoreGate(Gate):
         payload = run_worker(
             "pilotrun.workers.train_phase",
             ["--spec", str(ctx.spec_file()), "--phase", "restore", "--checkpoint", str(saved.folder),
-             "--expect", str(saved.expect), "--known-manifest", saved.manifest_sha256],
+             "--expect", str(saved.expect), "--known-manifest", saved.manifest_sha256,
+             *(["--expect-sha256", ",".join(saved.expect_sha256)] if saved.expect_sha256 else [])],
             work / "restore.json", work / "restore.log", "restore", nproc=ctx.world_size)
         out = Outcome(inputs={**ctx.base_inputs(), "checkpoint": str(saved.folder)})
         mem = dict(payload.get("memory") or {})

@@ -5,10 +5,12 @@ gate also records fingerprints of the live state, which ``restore`` must reprodu
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
 
+from .. import distributed
 from ..checkpoint.io import disk_full_error, free_bytes, remove_stale_temps
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
@@ -41,7 +43,11 @@ class SaveGate(Gate):
         folder = ctx.restore_from
         if folder is None or not expect_path(folder).exists():
             return False  # without the fingerprints the restore gate needs a fresh save
-        ctx.checkpoint = SavedCheckpoint(folder, expect_path(folder), manifest_sha256(folder))
+        saved, manifest = SaveDetails.of(row.get("details")), manifest_sha256(folder)
+        # The parent's save row vouches for the expect file of the checkpoint it wrote only (its manifest's digest;
+        # a later checkpoint may be the one resumed, and the row's path may be relative to another folder).
+        recorded = saved.expect_sha256 if saved.manifest_sha256 == manifest else None
+        ctx.checkpoint = SavedCheckpoint(folder, expect_path(folder), manifest, tuple(recorded or ()))
         return True
 
     def run(self, ctx, meter) -> Outcome:
@@ -61,16 +67,19 @@ class SaveGate(Gate):
         files, total = written["files"], written["bytes"]
         # Each rank's fingerprints: its own shards, RNG streams and data position.
         mine = expect_path(folder, env.rank if env.active else None)
-        mine.write_text(json.dumps(expect, sort_keys=True))
+        text = json.dumps(expect, sort_keys=True)
+        mine.write_text(text)
+        # Every rank's digest, so the restore (started by rank 0 for all ranks) reads only the bytes written here.
+        digests = tuple(distributed.gather(env, hashlib.sha256(text.encode()).hexdigest()))
         ctx.checkpoint = SavedCheckpoint(folder, expect_path(folder, "{rank}" if env.active else None),
-                                         manifest_sha256(folder))
+                                         manifest_sha256(folder), digests)
         if env.is_main:
             (ctx.out_dir / "checkpoints" / "LATEST").write_text(folder.name + "\n")
         out = Outcome(inputs=ctx.base_inputs())
         out.details = SaveDetails(
             path=str(folder), bytes=total, files=files, step=driver.step, layout=ctx.strategy.checkpoint_layout,
             bytes_per_second=total / seconds if seconds else None, write_seconds=seconds,
-            manifest_sha256=ctx.checkpoint.manifest_sha256, expect=str(mine),
+            manifest_sha256=ctx.checkpoint.manifest_sha256, expect=str(mine), expect_sha256=list(digests),
             stale_temps_removed=[{"path": str(p), "bytes": n} for p, n in stale] if stale else None).to_dict()
         out.reason = (f"step {driver.step}: {human_bytes(total)} in {len(files)} files in "
                       f"{human_seconds(seconds)} ({human_bytes(total / seconds if seconds else 0)}/s), "

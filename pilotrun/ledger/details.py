@@ -113,9 +113,11 @@ class SaveDetails(RowDetails):
     write_seconds: float | None
     manifest_sha256: str | None           # of the checkpoint's manifest: what makes it known to restore/--resume
     expect: str | None                    # this rank's fingerprints file, which restore must reproduce
+    expect_sha256: list[str] | None = None  # every rank's expect file's sha256 as written (rank order)
     stale_temps_removed: list[dict] | None = None  # [{path, bytes}] of killed saves' temp folders removed first
 
-    WRITTEN_WITH: ClassVar[dict[str, tuple[str, ...]]] = {"stale_temps_removed": ("stale_temps_removed",)}
+    WRITTEN_WITH: ClassVar[dict[str, tuple[str, ...]]] = {"stale_temps_removed": ("stale_temps_removed",),
+                                                          "expect_sha256": ("expect_sha256",)}
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,18 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sys
 import time
 from pathlib import Path
 
-from ..checkpoint.io import latest_checkpoint
-from ..checkpoint.state import compare_fingerprints, load_state_json
+from ..checkpoint.io import CheckpointError, latest_checkpoint
+from ..checkpoint.state import STATE_JSON_CAP, compare_fingerprints, load_state_json
 from ..checkpoint.trust import LoadPolicy
 from ..drivers import Driver, ModelDriver, build_job
 from ..measure.meter import StageMeter
+from ..safefile import FileProblem, read_bytes
 from .common import peak_memory, read_spec_file, write_error, write_result
 
 
@@ -39,10 +41,14 @@ def run_updates(driver: Driver, n: int) -> list[dict]:
     return [record(driver.update()) for _ in range(n)]
 
 
-def restore_check(driver: Driver, folder: Path, expect: dict | Path, known, trust: bool = False) -> dict:
+def restore_check(driver: Driver, folder: Path, expect: dict | Path, known, trust: bool = False,
+                  expect_sha256: str | None = None) -> dict:
     """Admit ``folder`` under the loading policy, restore it into ``driver`` and compare its live state with what
-    the saving process recorded (``expect``: the fingerprints, or the file holding them)."""
+    the saving process recorded (``expect``: the fingerprints, or the file holding them, whose bytes must hash to
+    ``expect_sha256`` when the save recorded it)."""
     LoadPolicy.of(known, trust).admit(folder)
+    if isinstance(expect, Path) and expect_sha256 is not None:
+        expect_file_matches(expect, expect_sha256)
     driver.restore(folder)
     actual = driver.fingerprint()
     if isinstance(expect, Path):
@@ -53,6 +59,18 @@ def restore_check(driver: Driver, folder: Path, expect: dict | Path, known, trus
             "buffer_sync": {"source_rank": sync.get("source_rank"), "why": sync.get("why")} if sync else None}
 
 
+def expect_file_matches(path: Path, sha256: str) -> None:
+    """The fingerprints file holds the bytes the save wrote (its digest is in the save row): a file rewritten since
+    would make the restore compare against someone else's expectation. CheckpointError naming it otherwise."""
+    try:
+        raw = read_bytes(path, STATE_JSON_CAP)
+    except FileProblem as exc:
+        raise CheckpointError(f"{exc}: not the state file that was saved") from None
+    if hashlib.sha256(raw).hexdigest() != sha256:
+        raise CheckpointError(f"{path} is not the file the save wrote (sha256 {hashlib.sha256(raw).hexdigest()[:12]}…"
+                              f", the save recorded {sha256[:12]}…): it was changed after the save; not compared")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pilotrun.workers.train_phase")
     ap.add_argument("--spec", required=True)
@@ -61,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", type=Path)
     ap.add_argument("--checkpoint", type=Path)
     ap.add_argument("--expect", help="fingerprints saved with the checkpoint; {rank} is replaced per rank")
+    ap.add_argument("--expect-sha256", help="each rank's expect file's sha256 as the save wrote it, comma-separated")
     ap.add_argument("--known-manifest", action="append", default=[])
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
@@ -90,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             payload["records"] = run_updates(driver, args.updates)
         else:
             expect = Path(args.expect.replace("{rank}", str(env.rank)))
+            digests = args.expect_sha256.split(",") if args.expect_sha256 else []
+            digest = digests[env.rank] if env.rank < len(digests) else None
             track = [driver.plain_model, driver.optimizer] if isinstance(driver, ModelDriver) else []
             with StageMeter(device, track=track) as meter:
-                payload.update(restore_check(driver, args.checkpoint, expect, args.known_manifest))
+                payload.update(restore_check(driver, args.checkpoint, expect, args.known_manifest,
+                                             expect_sha256=digest))
             payload["memory"] = meter.memory
             payload["seconds"] = meter.seconds
         payload["peak"] = peak_memory(device)
