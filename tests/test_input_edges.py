@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -63,11 +64,16 @@ def build_model(cfg):
 """
 
 
+def _with_factory(toy: Path, module: str, source: str) -> Path:
+    """The toy spec with its model built by ``module``.build_model (``source``, written beside the toy's own)."""
+    (toy.parent / f"{module}.py").write_text(source)
+    spec = toy.parent / f"{module}.yaml"
+    spec.write_text(toy.read_text().replace("toy:build_model", f"{module}:build_model"))
+    return spec
+
+
 def test_a_base_exception_from_a_factory_is_a_failed_gate(toy, tmp_path):
-    (toy.parent / "boom_model.py").write_text(BOOM_ON_CALL.format(exc="Boom"))
-    spec = toy.parent / "boom.yaml"
-    spec.write_text(toy.read_text().replace("toy:build_model", "boom_model:build_model"))
-    rows = gate_rows(spec, tmp_path, gates=["load"])
+    rows = gate_rows(_with_factory(toy, "boom_model", BOOM_ON_CALL.format(exc="Boom")), tmp_path, gates=["load"])
     assert rows["load"]["verdict"] == "fail"
     assert rows["load"]["reason"].startswith("Boom: raised by the factory (at boom_model.py:9")
 
@@ -86,19 +92,14 @@ def build_model(cfg):
 
 
 def test_ctrl_c_in_a_factory_still_interrupts_the_pilot(toy, tmp_path):
-    (toy.parent / "ctrlc_model.py").write_text(CTRL_C_ON_CALL)
-    spec = toy.parent / "ctrlc.yaml"
-    spec.write_text(toy.read_text().replace("toy:build_model", "ctrlc_model:build_model"))
     with pytest.raises(KeyboardInterrupt):
-        gate_rows(spec, tmp_path, gates=["load"])
+        gate_rows(_with_factory(toy, "ctrlc_model", CTRL_C_ON_CALL), tmp_path, gates=["load"])
 
 
 def test_a_keyboard_interrupt_the_factory_raises_itself_is_the_load_gates_failure(toy, tmp_path):
     """No signal was sent: issue 22 found it recorded as "interrupted (Ctrl-C)"; it is the factory's own failure."""
-    (toy.parent / "raises_ki.py").write_text(BOOM_ON_CALL.format(exc="KeyboardInterrupt"))
-    spec = toy.parent / "raises_ki.yaml"
-    spec.write_text(toy.read_text().replace("toy:build_model", "raises_ki:build_model"))
-    rows = gate_rows(spec, tmp_path, gates=["load"])
+    rows = gate_rows(_with_factory(toy, "raises_ki", BOOM_ON_CALL.format(exc="KeyboardInterrupt")), tmp_path,
+                     gates=["load"])
     assert rows["load"]["verdict"] == "fail"
     assert "KeyboardInterrupt (at raises_ki.py:9 in build_model) though no stop signal" in rows["load"]["reason"]
 

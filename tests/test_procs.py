@@ -102,6 +102,22 @@ def test_run_worker_kills_what_the_worker_left_and_keeps_its_result(tmp_path, mo
         _kill(left)
 
 
+def _sigkill_and_expect_gone(proc: subprocess.Popen, pids: Path, message: str) -> None:
+    """Once the leaky child and daemon wrote their pids: SIGKILL ``proc`` alone, as the OOM killer would, and check
+    that they and everything ``proc`` had started are gone."""
+    try:
+        left = _pids(pids)
+        started = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert _gone(left + started) == [], message
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill(_pids(pids, 1) if pids.exists() else [])
+
+
 @pytest.mark.process
 def test_a_sigkilled_parent_takes_its_workers_children_and_daemons_with_it(tmp_path):
     """The worker was started with setsid; before the keeper, it ran on after its parent's SIGKILL."""
@@ -112,17 +128,7 @@ def test_a_sigkilled_parent_takes_its_workers_children_and_daemons_with_it(tmp_p
          f"run_worker('leaky_worker', [], Path({str(tmp_path / 'r.json')!r}), Path({str(tmp_path / 'w.log')!r}), "
          "'leaky', timeout=300)\n"],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])})
-    try:
-        left = _pids(pids)
-        workers = [p.pid for p in psutil.Process(parent.pid).children(recursive=True)]
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=30)
-        assert _gone(left + workers) == [], "a process of the killed parent's worker is still running"
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        _kill(_pids(pids, 1) if pids.exists() else [])
+    _sigkill_and_expect_gone(parent, pids, "a process of the killed parent's worker is still running")
 
 
 @pytest.mark.process
@@ -138,17 +144,7 @@ def test_a_sigkilled_pilotrun_run_leaves_no_program_process(tmp_path):
                             str(tmp_path / "out"), "--ledger", str(tmp_path / "l.sqlite")], cwd=tmp_path,
                            env={**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "PYTHONPATH": str(REPO)},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        left = _pids(pids)
-        program = [p.pid for p in psutil.Process(run.pid).children(recursive=True)]
-        run.send_signal(signal.SIGKILL)
-        run.wait(timeout=30)
-        assert _gone(left + program) == [], "the program or what it started outlived the SIGKILLed pilotrun"
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-        _kill(_pids(pids, 1) if pids.exists() else [])
+    _sigkill_and_expect_gone(run, pids, "the program or what it started outlived the SIGKILLed pilotrun")
 
 
 @pytest.mark.process
