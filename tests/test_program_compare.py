@@ -36,6 +36,32 @@ def test_loss_with_same_ids_is_state_saved_at_the_wrong_point_even_when_lr_moved
     assert (d.update, d.field, d.cause) == (3, "loss", Cause.STATE_SAVED_AT_WRONG_POINT)
 
 
+def test_a_loss_difference_without_ids_names_both_causes_not_the_same_examples():
+    # Found piloting nanoGPT with the minimal handle: its resumed update re-trained update 1's batch, and the reason
+    # said "same examples, different loss", a comparison that was never made (no ids reported).
+    no_ids = lambda u: None  # noqa: E731
+    resumed = _run(4, start=3, ids=no_ids, loss=lambda u: 7.0)
+    d = compare_updates(_run(4, ids=no_ids), resumed, 3, 4, exact=True).difference
+    assert (d.update, d.field, d.cause) == (3, "loss", Cause.DATA_OR_STATE)
+    assert "same examples" not in d.sentence() and "data order" in d.sentence() and "model or optimizer" in d.sentence()
+    later = _run(4, start=3, ids=no_ids, loss=lambda u: 1.0 / u if u == 3 else 7.0)  # first resumed update equal
+    assert compare_updates(_run(4, ids=no_ids), later, 3, 4, exact=True).difference.cause == Cause.DATA_OR_STATE
+    # With ids reported on both sides, the same loss difference is the state's.
+    with_ids = compare_updates(_run(4), _run(4, start=3, loss=lambda u: 7.0), 3, 4, exact=True).difference
+    assert with_ids.cause == Cause.STATE_SAVED_AT_WRONG_POINT
+
+
+def test_differing_id_lists_are_shown_from_their_first_difference_with_the_count():
+    # Found with 16 ids per update: the lists differed in their second micro batch and printed identically.
+    control = _run(4, ids=lambda u: list(range(16 * u, 16 * u + 16)))
+    resumed = _run(4, start=3, ids=lambda u: list(range(16 * u, 16 * u + 12)) + [0, 1, 2, 3])
+    d = compare_updates(control, resumed, 3, 4, exact=True).difference
+    assert (d.update, d.field) == (3, "ids")
+    text = d.sentence()
+    assert ("update 3: ids from position 12 (4 of 16 differ): […, 60, 61, 62, 63] (control) vs […, 0, 1, 2, 3] "
+            "(resumed) — the data order was not restored") in text, text
+
+
 def test_bitwise_versus_tolerance():
     resumed = _run(4, start=3, loss=lambda u: 1.0 / u * (1 + 1e-6))
     assert not compare_updates(_run(4), resumed, 3, 4, exact=True).equal

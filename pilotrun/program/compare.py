@@ -40,6 +40,7 @@ class Cause(TextEnum):
     STEP_NOT_RESTORED = "step-not-restored"              # the resumed run numbered its updates from the start again
     UPDATE_AFTER_SAVED = "update-after-saved"            # job.update(N) after job.saved(N): killed before reporting
     OTHER_RANK = "other-rank"                            # grad_norm alone here, after another rank's ids/loss moved
+    DATA_OR_STATE = "data-or-state"                      # loss, with no ids reported to tell the data from the state
 
 
 CAUSE_TEXT = {
@@ -69,6 +70,11 @@ CAUSE_TEXT = {
                               "update N: call job.update(N, ...) before job.saved(N)",
     Cause.OTHER_RANK: "same examples and loss on this rank, different gradient norm: the gradients are averaged "
                       "across ranks (DDP/FSDP), so this follows another rank's difference, not this rank's state",
+    Cause.DATA_OR_STATE: "different loss, and the program reported no ids, so which examples the update trained on "
+                         "was not compared: either the data order was not restored (the sampler/shuffle RNG, the "
+                         "position in the epoch) or the state was not (the model or optimizer state in the "
+                         "checkpoint, the RNG dropout draws from); pass ids=[...] of the update's examples to "
+                         "job.update to tell which",
 }
 # The order fields are compared in within one update (cause before consequence).
 FIELDS = ("ids", "loss", "lr", "grad_norm")
@@ -89,7 +95,11 @@ class Difference:
     def sentence(self) -> str:
         where = f"update {self.update}" if self.update is not None else "updates"
         origin = f" ({self.origin})" if self.origin else ""
-        return (f"{where}: {self.field} {_show(self.control)} (control) vs {_show(self.other)} ({self.other_name}) — "
+        if self.field == "ids" and isinstance(self.control, list) and isinstance(self.other, list):
+            what, control, other = _show_ids(self.control, self.other)
+        else:
+            what, control, other = self.field, _show(self.control), _show(self.other)
+        return (f"{where}: {what} {control} (control) vs {other} ({self.other_name}) — "
                 f"{CAUSE_TEXT[self.cause]}{origin}")
 
 
@@ -114,6 +124,19 @@ def _show(value: Any) -> str:
     if isinstance(value, list) and len(value) > 8:
         return f"[{', '.join(map(repr, value[:8]))}, … {len(value)} ids]"
     return repr(value)
+
+
+def _show_ids(a: list, b: list, shown: int = 8) -> tuple[str, str, str]:
+    """Two id lists from their first differing position (found with 16 ids per update: the first 8 were equal and
+    the two lists printed alike), with how many differ: (what, control's, other's)."""
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    differing = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+
+    def part(ids: list) -> str:
+        cut = ids[first:first + shown]
+        return f"[{'…, ' if first else ''}{', '.join(map(repr, cut))}{', …' if first + shown < len(ids) else ''}]"
+
+    return f"ids from position {first} ({differing} of {max(len(a), len(b))} differ):", part(a), part(b)
 
 
 def values_equal(a: Any, b: Any, exact: bool, rtol: float) -> tuple[bool, float]:
@@ -148,9 +171,10 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
             out.difference.field = f"update (missing in {missing})"
             return out
         ra, rb = a[n], b[n]
+        ids_compared = ra.get("ids") is not None and rb.get("ids") is not None
         for name in FIELDS:
             va, vb = ra.get(name), rb.get(name)
-            if name == "ids" and (va is None or vb is None):
+            if name == "ids" and not ids_compared:
                 continue  # the program did not report ids: nothing to compare (the row says so)
             ok, rel = values_equal(va, vb, exact, rtol)
             if not ok:
@@ -159,6 +183,9 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
                     # Every field of the first resumed update matched, so the restored weights, data and lr were
                     # right; what moved the weights differently since is the optimizer's own state.
                     cause = Cause.OPTIMIZER_STATE_NOT_RESTORED
+                if name == "loss" and not ids_compared:
+                    # "Same examples" would claim a comparison that was not made: another batch moves the loss too.
+                    cause = Cause.DATA_OR_STATE
                 out.difference = Difference(n, name, va, vb, cause, other_name)
                 return out
             if math.isfinite(rel):
