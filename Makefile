@@ -15,10 +15,14 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8;
 
 venv: $(STAMP)
 
+# pip -q keeps the log short; the echo lines say what the minutes are spent on (a new user saw nothing for 2.5).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "pilotrun: installing $(TORCH_SPEC) into $(VENV) (a CPU wheel: seconds; a CUDA build: minutes)"
 	$(PY) -m pip install -q $(TORCH_SPEC)
+	@echo "pilotrun: installing pilotrun and its dependencies (transformers, datasets, ray, lightning, ...): 2-3 minutes"
 	$(PY) -m pip install -q -e ".[dev]"
+	@echo "pilotrun: installed into $(VENV)"
 	touch $(STAMP)
 
 demo: venv

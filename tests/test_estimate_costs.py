@@ -141,6 +141,24 @@ def test_select_markdown_json_and_plan_show_cost_where_they_show_time(tmp_path):
     assert per_run["cost"] == pytest.approx(per_run["hours"] * h100["gpus"] * 2.99)
 
 
+@pytest.mark.process
+def test_a_time_the_sheet_cannot_give_says_why_in_the_table_and_the_length_its_micro_batch(tmp_path):
+    # Found by a new user: A10G's time was "n/a" with the reason only in --json, and "largest length" did not say it
+    # was computed at the spec's micro batch while the row's own configuration used another.
+    args = [str(LLAMA), "--set", SHALLOW[0], "--accelerator", "A10G-24GB"]
+    rows = json.loads(pilotrun_cli("select", *args, "--json", cwd=tmp_path).stdout)["rows"]
+    (a10g,) = rows
+    assert a10g["fits"] and a10g["seconds_per_update"] is None and "no bf16 peak" in a10g["time_reason"], a10g
+    spec = load_spec(LLAMA, check_files=False)
+    assert a10g["largest_length_at_micro_batch"] == spec.train.micro_batch_size
+    for form in ([], ["--markdown"]):
+        res = pilotrun_cli("select", *args, *form, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        text = " ".join(res.stdout.split())
+        assert f"A10G-24GB: time n/a: {a10g['time_reason']}" in text, text
+        assert f"{a10g['largest_length']} at mb {spec.train.micro_batch_size}" in text, text
+
+
 def test_the_report_shows_cost_beside_time_for_an_attached_selection_and_plan(tmp_path):
     from pilotrun.report.html import _attachments
 

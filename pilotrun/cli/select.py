@@ -85,8 +85,18 @@ def price_notes(rows: list[dict]) -> list[str]:
 
 
 def _length(spec, row: dict) -> str:
-    """The largest sequence length that fits; "n/a" for data without one (images), not "0"."""
-    return str(row["largest_length"]) if spec.data.max_length else "n/a"
+    """The largest sequence length that fits, at the micro batch it was computed for (the spec's, not the row's
+    chosen one); "n/a" for data without one (images), not "0"."""
+    if not spec.data.max_length:
+        return "n/a"
+    at = row.get("largest_length_at_micro_batch")
+    return f"{row['largest_length']} at mb {at}" if at else str(row["largest_length"])
+
+
+def time_notes(rows: list[dict]) -> list[str]:
+    """Why each row that fits shows no time ("n/a"): its reason, once per accelerator."""
+    return list(dict.fromkeys(f"{r['accelerator']}: time n/a: {r['time_reason']}" for r in rows
+                              if r.get("time_reason")))
 
 
 def _hours(hours: float | None) -> str:
@@ -118,7 +128,7 @@ def markdown(spec, rows: list[dict]) -> str:
         lines += ["", OTHER_EXPERIMENT_NOTE[0].upper() + OTHER_EXPERIMENT_NOTE[1:] + "."]
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
               "Times use the utilisation each row names. Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
-    lines += [f"- {n}" for n in price_notes(rows)]
+    lines += [f"- {n}" for n in price_notes(rows) + time_notes(rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -162,6 +172,6 @@ def main(args) -> int:
         console.print(Text(line, style="dim"))
     if several:
         console.print(Text(OTHER_EXPERIMENT_NOTE, style="dim"))
-    for note in price_notes(rows):
+    for note in price_notes(rows) + time_notes(rows):
         console.print(Text(note, style="dim"))
     return 0

@@ -101,6 +101,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "examples_per_update_held": mb * accum * replicas == examples,
         "largest_micro_batch": max_mb,
         "largest_length": max_len,
+        "largest_length_at_micro_batch": t.micro_batch_size,  # the length scales alone, at the spec's micro batch
         "largest_sizes_note": ("activations scale linearly with micro batch and with length (flash/efficient attention)"
                                + (f"; length capped at the model's max_position_embeddings ({max_len})"
                                   if capped else "")),
@@ -110,6 +111,9 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "cost_note": acc.price_note(),
         "device_used_bytes": fit["device_used_bytes"],
         "seconds_per_update": s,
+        # Why a configuration that fits has no time (an accelerator with no peak for the precision): said in the
+        # table, not only in the JSON.
+        "time_reason": fit["time"].get("reason") if fit["fits"] and s is None else None,
         "hours_for_planned_updates": s * t.updates / 3600 if s else None,
         "utilisation": fit["time"].get("utilisation"),
         "utilisation_source": util_source if util else "catalog default (no pilot on this accelerator)",
