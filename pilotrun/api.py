@@ -155,6 +155,15 @@ class Session:
         memory = meter.memory
         reason = handle.reason or (measured_summary(meter.seconds, memory) if handle.verdict == Verdict.PASS else
                                    str(handle.verdict))
+        spans = (inputs or {}).get("updates")
+        if isinstance(spans, int) and not isinstance(spans, bool) and spans > 1 and meter.seconds is not None:
+            # A stage over several updates (the integrations' steady_step spans 3): its time is their total, which
+            # read alone looked like one update's ("5.13 s"); say both.
+            handle.details.setdefault("seconds_per_update", meter.seconds / spans)
+            if not handle.reason and handle.verdict == Verdict.PASS:
+                reason = (f"{spans} updates in {human_seconds(meter.seconds)} "
+                          f"({human_seconds(meter.seconds / spans)} per update)"
+                          + (f"; {peaks}" if (peaks := peaks_phrase(memory)) else ""))
         row = GateRow(name, handle.verdict, reason, seconds=meter.seconds, started_at=started, ended_at=now(),
                       inputs={**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
                       memory=memory, rank=self.rank, world_size=self.world_size, details=handle.details,

@@ -45,6 +45,23 @@ def test_stage_rows_in_a_users_loop(tmp_path):
         assert rows[0]["memory"]["state_bytes_before"]["optimizer_state"] == 0
 
 
+def test_a_stage_over_several_updates_says_their_number_and_the_time_per_update(tmp_path):
+    # Found piloting a Trainer: its steady_step stage spans 3 updates and the row said "5.13 s", their total.
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pilotrun.session("spans", ledger=tmp_path / "l.sqlite") as run:
+        with run.stage("steady_step", inputs={"updates": 3}, track=[model, opt]) as st:
+            for _ in range(3):
+                model(torch.randn(8, 64)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    row = st.row
+    per = row["seconds"] / 3
+    assert row["details"]["seconds_per_update"] == pytest.approx(per)
+    assert row["reason"].startswith(f"3 updates in {human_seconds(row['seconds'])} ({human_seconds(per)} per "
+                                    "update); peak allocated "), row["reason"]
+
+
 def test_exception_writes_a_fail_row_and_is_reraised(tmp_path):
     with pilotrun.session("oops", ledger=tmp_path / "l.sqlite") as run:
         with pytest.raises(ValueError, match="bad shape"):
