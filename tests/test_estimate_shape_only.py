@@ -52,7 +52,9 @@ def test_select_and_plan_need_no_data_file_or_tokenizer(tmp_path):
     assert set(rows) == names, res.stdout
     for name, cells in rows.items():
         assert cells[3:9] == ["yes", "single", "1", "2", "x", "2"], (name, cells)
-        assert float(cells[11]) > 0 and cells[12] in ("MiB", "GiB"), (name, cells)
+        # largest micro batch, then the largest length at the spec's micro batch ("N at mb 2"), then memory used
+        assert cells[10].isdigit() and cells[11:14] == ["at", "mb", "2"], (name, cells)
+        assert float(cells[14]) > 0 and cells[15] in ("MiB", "GiB"), (name, cells)
     res = pilotrun_cli("plan", str(spec_path), "--runs", "2", cwd=tmp_path)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     for name in names:  # a plan per accelerator, its training time from the spec's 20 updates where it has a rate
