@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..devices import query_devices
-from ..safefile import FileKind, FileProblem, read_json
+from ..safefile import FileKind, FileProblem, parse_json, read_bytes
 from .io import AtomicFolder, CheckpointError, read_manifest
 from .statefiles import check_config, check_trainer_state, job_hash
 
@@ -187,10 +187,15 @@ def load_torch_file(path: Path):
 STATE_JSON_CAP = 64 << 20
 
 
-def load_json(path: Path) -> dict:
-    """A regular file (never a link, device or FIFO) of at most STATE_JSON_CAP bytes, holding a JSON object."""
+def load_json(path: Path, sha256: str | None = None) -> dict:
+    """A regular file (never a link, device or FIFO) of at most STATE_JSON_CAP bytes, holding a JSON object; with
+    ``sha256`` (a file outside the manifest whose digest the save recorded) only if its bytes hash to it."""
     try:
-        return read_json(path, STATE_JSON_CAP, dict)
+        raw = read_bytes(path, STATE_JSON_CAP)
+        if sha256 is not None and (got := hashlib.sha256(raw).hexdigest()) != sha256:
+            raise CheckpointError(f"{path} is not the file the save wrote (sha256 {got[:12]}…, the save recorded "
+                                  f"{sha256[:12]}…): it was changed after the save; not compared")
+        return parse_json(raw, Path(path), dict)
     except FileProblem as exc:
         if exc.kind == FileKind.MISSING:
             raise CheckpointError(f"{path} is missing") from None
@@ -231,9 +236,10 @@ def conform(path: Path, loaded, reference, where: str = "") -> None:
         raise CheckpointError(f"{path}: field {at} is {loaded!r}, expected a string")
 
 
-def load_state_json(path: Path, reference) -> dict:
-    """A JSON state file checked against the live object's own state (:func:`conform`)."""
-    loaded = load_json(path)
+def load_state_json(path: Path, reference, sha256: str | None = None) -> dict:
+    """A JSON state file (whose bytes hash to ``sha256`` when given) checked against the live object's own state
+    (:func:`conform`)."""
+    loaded = load_json(path, sha256)
     conform(path, loaded, json.loads(json.dumps(reference, default=str)))
     return loaded
 
