@@ -169,13 +169,19 @@ class WriteFailed(Exception):
         super().__init__(write_failure_text(path, exc))
 
 
-def free_text(path: Path) -> str:
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing parent); None when unreadable."""
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
     try:
-        free = shutil.disk_usage(p).free
+        return shutil.disk_usage(p).free
     except OSError:
+        return None
+
+
+def free_text(path: Path) -> str:
+    if (free := free_bytes(path)) is None:
         return "free space not measured"
     from .humanize import human_bytes
 

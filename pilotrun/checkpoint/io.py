@@ -356,13 +356,3 @@ def disk_full_error(exc: BaseException) -> OSError | None:
         cur = cur.__cause__ or cur.__context__
     return None
 
-
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the filesystem holding ``path`` (its nearest existing parent); None when unreadable."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None

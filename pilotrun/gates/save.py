@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 from .. import distributed
-from ..checkpoint.io import disk_full_error, free_bytes, remove_stale_temps
+from ..checkpoint.io import disk_full_error, remove_stale_temps
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SaveDetails
 from ..ledger.records import Failure, GateName
+from ..safefile import free_bytes
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 from .context import SavedCheckpoint
 
