@@ -18,7 +18,7 @@ import torch
 from ..devices import query_devices
 from ..safefile import FileKind, FileProblem, parse_json, read_bytes
 from .io import AtomicFolder, CheckpointError, read_manifest
-from .statefiles import check_config, check_trainer_state, job_hash
+from .statefiles import STATE_JSON_CAP, check_config, check_trainer_state, job_hash
 
 
 def capture_rng() -> tuple[dict, dict]:
@@ -181,10 +181,6 @@ def load_torch_file(path: Path):
     except Exception as exc:  # corrupted zip, truncated file, or a pickled object that weights_only refuses
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path} cannot be loaded safely (weights_only=True): {first}") from None
-
-
-# A state file (fingerprints, trainer state) is kilobytes; a link to /dev/zero grew the restore worker to 21.5 GB.
-STATE_JSON_CAP = 64 << 20
 
 
 def load_json(path: Path, sha256: str | None = None) -> dict:

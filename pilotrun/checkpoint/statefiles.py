@@ -9,16 +9,19 @@ and the job's own. A failure is a :class:`CheckpointError` naming the file and t
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
+from ..config.spec import canonical_sha256
+from ..safefile import FileProblem, read_json
 from .io import CheckpointError, read_manifest
 from .trust import folder_step
 
 # Far above any real run, far below what overflows the arithmetic done with them (a step of 1e30 is no run's).
 MAX_STEP = 10**9
 MAX_COUNT = 10**15
+# A state file (fingerprints, trainer state, config) is kilobytes; a link to /dev/zero grew the restore worker to
+# 21.5 GB.
+STATE_JSON_CAP = 64 << 20
 
 
 def _count_problem(value, top: int) -> str | None:
@@ -57,10 +60,10 @@ def check_config(folder: Path, job_hash: str | None) -> None:
     if not isinstance(want, str) or not path.is_file():
         return
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not readable JSON ({exc})") from None
-    got = hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        config = read_json(path, STATE_JSON_CAP)
+    except FileProblem as exc:
+        raise CheckpointError(f"{exc}: not the config the checkpoint was written for") from None
+    got = canonical_sha256(config)
     if got != want:
         raise CheckpointError(f"{path} hashes to config {got[:12]}…, not the {want[:12]}… its checkpoint was written "
                               "for: the config was replaced after the save; not loaded")

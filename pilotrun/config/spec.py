@@ -40,6 +40,12 @@ NAME_MAX = 81
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
 
 
+def canonical_sha256(config: object) -> str:
+    """The config hash: sha256 of the JSON with sorted keys and no spaces (what a checkpoint's config.json, written
+    from ``canonical()``, must hash back to)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def name_problem(name: object) -> str | None:
     """Why ``name`` cannot name a pilot, a campaign or a run (None: it can). The one check every name passes."""
     if not isinstance(name, str) or not name:
@@ -145,8 +151,7 @@ class Spec:
         return json.loads(json.dumps(out, sort_keys=True, default=list))
 
     def config_hash(self) -> str:
-        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        return canonical_sha256(self.canonical())
 
 
 # Sections a program spec may leave out: the program builds its own model, data and training loop.
