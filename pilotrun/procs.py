@@ -45,9 +45,11 @@ class Ending:
     leftovers: list[dict] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
 
-    def leftover_text(self) -> str:
-        return "; ".join(f"pid {p['pid']} ({p['command'] or 'command unknown'})" for p in self.leftovers[:5]) + (
-            f" and {len(self.leftovers) - 5} more" if len(self.leftovers) > 5 else "")
+
+def leftover_text(leftovers: list[dict], shown: int = 3) -> str:
+    """Processes a command left running (``Ending.leftovers``), for a row's reason: "pid 41 (sleep 300); ..."."""
+    text = "; ".join(f"pid {p.get('pid')} ({p.get('command') or 'command unknown'})" for p in leftovers[:shown])
+    return text + (f" and {len(leftovers) - shown} more" if len(leftovers) > shown else "")
 
 
 class Tree:

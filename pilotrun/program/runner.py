@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.program import PYTHON_WORDS, TORCHRUN_WORD, ProgramSpec
-from ..procs import KILL_WAIT_S, Tree
+from ..procs import KILL_WAIT_S, Tree, leftover_text
 from ..safefile import FileKind, FileProblem, read_bytes
 from . import env as E
 from .env import Event, Role
@@ -145,8 +145,7 @@ class RunOutcome:
 
     def leftover_text(self) -> str:
         """The processes the program left running when it ended (each killed since), for a row's reason."""
-        shown = "; ".join(f"pid {p.get('pid')} ({p.get('command') or 'command unknown'})" for p in self.leftovers[:3])
-        return shown + (f" and {len(self.leftovers) - 3} more" if len(self.leftovers) > 3 else "")
+        return leftover_text(self.leftovers)
 
     def log_tail(self, lines: int = 3) -> str:
         try:
