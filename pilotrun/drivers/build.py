@@ -72,15 +72,15 @@ def check_job(spec, device: torch.device) -> None:
         return  # the program builds its own model and optimizer; its spec section was checked when loaded
     problems: list[tuple[str, str]] = []
     if spec.model.adapter is not None and spec.model.adapter.target_modules != "all-linear":
+        builder = "model.factory" if spec.model.factory is not None else "model"
         try:
             build_model(spec.model, spec.build_context(), None, None, meta=True, activation_checkpointing=False)
         except ModelError as exc:
-            field = exc.field or ("model.factory" if spec.model.factory is not None else "model")
+            field = exc.field or builder
             problems.append((field, str(exc).removeprefix(f"{field}: ")))
         except Exception as exc:  # the user's factory raised (found by the fuzzer: exit 3, an internal error)
-            field = "model.factory" if spec.model.factory is not None else "model"
             first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-            problems.append((field, f"building the model on the meta device (to check model.adapter.target_modules "
+            problems.append((builder, f"building the model on the meta device (to check model.adapter.target_modules "
                              f"against its Linear layers) raised {type(exc).__name__}: {first}; fix the factory "
                              "or the keys it reads"))
     dtype = torch.bfloat16 if spec.train.precision == "bf16-true" else torch.float32
