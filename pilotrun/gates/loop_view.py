@@ -115,6 +115,7 @@ class LoopView:
     requires_targets: bool = True   # the factory contract: a batch dict of tensors including 'labels'
     scan_limit: int | None = None
     scoring: str | None = None  # the loop scores each example alone (the factory contract takes a batch of one)
+    reference_note: str | None = None  # outputs() runs the model as training holds it
 
     def __init__(self, ctx, export_weights: Any = None) -> None:
         self.ctx, self.spec = ctx, ctx.spec
@@ -292,6 +293,13 @@ class LoopView:
 
     def reload_problem(self, artifact: Artifact) -> str | None:
         return None
+
+    def export_state(self) -> dict[str, torch.Tensor] | None:
+        from .reload_eval import export_state_of
+
+        if self.export_weights is not None and self.spec.model.adapter is None:
+            return dict(self.export_weights)
+        return export_state_of(self.driver.model)
 
     def reload(self, artifact: Artifact, batch, work: Path) -> Reloaded:
         from safetensors.torch import load_file, save_file

@@ -96,7 +96,7 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
         memory_note="memory of this row includes the check's own model copy", losses=losses, checks=checks, ids=ids,
         updates=len(losses), thresholds={"loss_below": threshold, "accuracy_at_least": plan.accuracy_at_least,
                                          "loss_below_from": plan.loss_below_from}, scored=view.scoring).to_dict()
-    acc_text = f", {last['accuracy']:.0%} of its own targets recovered" if last["accuracy"] is not None else ""
+    acc_text = f", {last['accuracy']:.0%} {plan.accuracy_means}" if last["accuracy"] is not None else ""
     scored = f"; scored {view.scoring}" if view.scoring else ""
     if passed:
         out.reason = (f"{len(subset)} examples learned in {len(losses)} updates: loss {start_loss:.3g} -> "
@@ -108,7 +108,7 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
         return out
     needs = [f"loss {start_loss:.3g} -> {last['loss']:.3g} (needs < {threshold:.3g})"]
     if last["accuracy"] is not None and plan.accuracy_at_least is not None:
-        needs.append(f"{last['accuracy']:.0%} of targets recovered (needs {plan.accuracy_at_least:.0%})")
+        needs.append(f"{last['accuracy']:.0%} {plan.accuracy_means} (needs {plan.accuracy_at_least:.0%})")
     raise GateFailure(
         f"{len(subset)} examples not learned in {len(losses)} updates at lr {plan.lr:g}: " + ", ".join(needs)
         + ". Usual causes: labels that do not belong to their inputs (shifted, taken from another example), inputs "

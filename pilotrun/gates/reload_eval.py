@@ -65,14 +65,84 @@ def compare_reload(view: TrainingView, artifact: Artifact, items: list, batch, f
                           f"model {tuple(first.shape)}", inputs=out.inputs, details=out.details)
     diff = float((reloaded.outputs - first).abs().max()) if first.numel() else 0.0
     out.details["max_abs_difference"] = diff
+    if view.reference_note:
+        out.details["reference"] = view.reference_note
     if not torch.allclose(reloaded.outputs, first, rtol=RTOL, atol=ATOL):
+        cause = _weights_cause(view, artifact, out)
         raise GateFailure(f"the reloaded artifact ({reloaded.model_class}) does not reproduce the model's "
                           f"outputs on {n} control inputs: max difference {diff:.3g} (rtol {RTOL:g}, atol {ATOL:g}) — "
-                          "weights missing from the export, or state the artifact does not carry",
-                          inputs=out.inputs, details=out.details)
+                          f"{cause}", inputs=out.inputs, details=out.details)
+    note = f" ({view.reference_note})" if view.reference_note else ""
     out.reason = (f"{reloaded.what} reloaded from {artifact.folder.name}/ in a fresh process reproduces the outputs "
-                  f"on {n} control inputs (max difference {diff:.2g}){merged_line}; eval mode is deterministic")
+                  f"on {n} control inputs (max difference {diff:.2g}){merged_line}; eval mode is deterministic{note}")
     return out
+
+
+def _weights_cause(view: TrainingView, artifact: Artifact, out: Outcome) -> str:
+    """What the outputs' difference is blamed on, having compared the export's tensors with the model's: "weights
+    missing" only when some are, by name."""
+    live = view.export_state()
+    if live is None:
+        return ("the export's tensors were not compared with the model's (this view cannot name them in the "
+                "export's terms): weights missing from the export, or state the artifact does not carry")
+    diff = weight_differences(live, artifact)
+    out.details["weights"] = diff
+    if not diff["missing"] and not diff["differ"]:
+        return (f"yet all {diff['compared']} tensors of the export equal the model's: the difference is in what the "
+                "weights do not carry (a buffer rebuilt differently, a config field, a forward the program patches)")
+    parts = []
+    if diff["missing"]:
+        parts.append(f"{len(diff['missing'])} of the model's tensors are missing from the export "
+                     f"({', '.join(diff['missing'][:5])})")
+    if diff["differ"]:
+        parts.append(f"{len(diff['differ'])} differ from the model's ({', '.join(diff['differ'][:5])})")
+    return "; ".join(parts)
+
+
+def export_state_of(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's tensors named as an export stores them: a PEFT model's adapter alone (``adapter_model`` names),
+    else its state dict; None for sharded tensors (the gathered ones are the export's own)."""
+    from ..models.adapters import is_adapter_model
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    if is_adapter_model(model):
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(model)
+    else:
+        state = model.state_dict()
+    if any(hasattr(t, "full_tensor") for t in state.values()):
+        return None
+    return state
+
+
+def weight_differences(live: dict[str, torch.Tensor], artifact: Artifact) -> dict:
+    """The export's safetensors (its admitted manifest's files, merged/ aside) against ``live``: tensors missing
+    from the export (a tied weight stored once is not missing), differing, and the export's extras."""
+    from safetensors import safe_open
+
+    from ..checkpoint.trust import LoadPolicy
+
+    adm = LoadPolicy.of([artifact.manifest_sha256]).admit(artifact.folder)
+    stored: dict[str, torch.Tensor] = {}
+    for name in sorted(adm.manifest["files"]):
+        if name.endswith(".safetensors") and not name.startswith("merged/"):
+            with safe_open(str(artifact.folder / name), framework="pt") as fh:
+                stored.update({k: fh.get_tensor(k) for k in fh.keys()})
+    by_storage = {}
+    for key, t in live.items():
+        by_storage.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(key)
+    missing, differ = [], []
+    for key, t in live.items():
+        if key in stored:
+            if stored[key].shape != t.shape or not torch.equal(stored[key], t.detach().to("cpu", stored[key].dtype)):
+                differ.append(key)
+        elif not any(k in stored for k in by_storage[(t.untyped_storage().data_ptr(), t.storage_offset(),
+                                                     tuple(t.shape))]):
+            missing.append(key)
+    return {"compared": sum(k in stored for k in live), "missing": missing, "differ": differ,
+            "extra": sorted(set(stored) - set(live))}
 
 
 def _compare_merged(artifact: Artifact, merged: torch.Tensor, first: torch.Tensor, out: Outcome,

@@ -92,6 +92,7 @@ class OverfitPlan:
     loss_below: float | None = None          # None: ``loss_fraction`` of the starting loss
     loss_fraction: float = 0.1
     accuracy_at_least: float | None = None   # None: the accuracy is not a condition
+    accuracy_means: str = "of its own targets recovered"  # what the accuracy counts, for the reason
     loss_below_from: str = "a tenth of the starting loss"
     seed: int = 0
     budget_hint: str = ""                    # how to tell a too-small budget apart (the reason's last words)
@@ -149,6 +150,7 @@ class TrainingView(Protocol):
     requires_targets: bool        # a batch without them breaks the job's contract (pilotrun's factory contract)
     scan_limit: int | None        # training examples inspect counts at most (None: all of them)
     scoring: str | None           # how target_scores scored the overfit subset, when not one example at a time
+    reference_note: str | None    # how outputs() ran the model, when not as the job holds it (wrappers set aside)
 
     def progress(self, done: int, total: int, text: str) -> None: ...
     def batching(self) -> Batching: ...
@@ -173,6 +175,7 @@ class TrainingView(Protocol):
     def outputs(self, batch: Any) -> torch.Tensor: ...
     def reload_problem(self, artifact: Artifact) -> str | None: ...
     def reload(self, artifact: Artifact, batch: Any, work: Path) -> Reloaded: ...
+    def export_state(self) -> dict[str, torch.Tensor] | None: ...
 
 
 def cast_floats(batch: Any, dtype: torch.dtype) -> Any:

@@ -212,6 +212,7 @@ class FrameworkView:
 
     requires_targets: bool = False  # a framework's batch need not follow pilotrun's factory contract
     scoring: str | None = None      # how the overfit subset was scored, when not one example at a time
+    reference_note: str | None = None  # how outputs() ran the model, when not as the job holds it
     scan_limit: int | None = SCAN_LIMIT
     targets_key: str | None = None
     shift_labels: bool = False
@@ -266,7 +267,12 @@ class FrameworkView:
         return FrameworkUpdater(self, model, plan)
 
     def target_scores(self, model: torch.nn.Module, items: list) -> tuple[float, float | None]:
-        """The framework's own loss of each example alone, in eval mode (no accuracy: its outputs are its own).
+        """The framework's own loss of each example alone, in eval mode (no accuracy: its outputs are its own)."""
+        losses = self.item_losses(model, items)
+        return sum(losses) / len(losses), None
+
+    def item_losses(self, model: torch.nn.Module, items: list) -> list[float]:
+        """The framework's own loss of each example alone, in eval mode.
 
         A loss that cannot take a batch of one (a ``.squeeze()`` that drops the batch dimension, found piloting a
         Lightning binary classifier) scores the subset as one batch instead, and ``scoring`` says so: a pass then
@@ -282,7 +288,7 @@ class FrameworkView:
                     losses = [float(self.loss(model, self.data.collate(items)).detach())]
         finally:
             model.train()
-        return sum(losses) / len(losses), None
+        return losses
 
     def random_base(self, model: torch.nn.Module) -> bool | None:
         return built_from_config(model)

@@ -31,7 +31,6 @@ imports it.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,6 +44,7 @@ from ..gates.base import Outcome
 from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, Window, tensors_of
 from ..train.loss import rng_untouched
 from . import common as C
+from .copying import own_copy
 
 try:
     import lightning.pytorch as pl
@@ -183,7 +183,7 @@ def detached_copy(module: pl.LightningModule, dtype: torch.dtype | None = None,
     made every probe fail with "not attached to a `Trainer`") and logs nothing."""
     trainer, module._trainer = module._trainer, None
     try:
-        out = copy.deepcopy(module).to("cpu")
+        out = own_copy(module).to("cpu")
     finally:
         module._trainer = trainer
     if view_of is not None:
@@ -312,6 +312,9 @@ class LightningView(C.FrameworkView):
                     "process cannot build it without running the program again; define the LightningModule in an "
                     "importable module to enable reload_eval")
         return None
+
+    def export_state(self) -> dict[str, torch.Tensor] | None:
+        return None  # the export is a Lightning checkpoint (a pickle), not safetensors the gate reads tensor by tensor
 
     def reload(self, artifact: Artifact, batch, work: Path) -> Reloaded:
         """A fresh process: ``load_from_checkpoint(weights_only=True)`` of the class, after pilotrun's loading policy

@@ -33,7 +33,10 @@ Trainer callbacks are not given the trainer, so at ``on_train_begin`` the callba
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,10 +49,11 @@ from ..checkpoint.export import safetensors_tensor_count
 from ..checkpoint.io import AtomicFolder
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
-from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, Window, tensors_of
+from ..gates.view import Artifact, Batching, Exported, NotMeasured, OverfitPlan, Reloaded, Window, tensors_of
 from ..train.evaluation import outputs_of
 from ..train.loss import rng_untouched
 from . import common as C
+from .copying import class_forward, own_copy
 
 # The key the wrapped collate adds to a batch to carry its sample ids to training_step (popped there, before the
 # model sees the batch).
@@ -259,6 +263,21 @@ OVERRIDE_FIX = ("{cls}.compute_loss overrides the Trainer's: sum its token losse
                 "argument (the window's supervised tokens) instead of averaging the micro batch")
 
 
+def pairwise_sigmoid(trainer: Trainer) -> bool:
+    """A preference trainer whose loss is DPO's -log σ(β·margin) alone (TRL's ``DPOConfig`` default)."""
+    loss_type = getattr(trainer.args, "loss_type", None)
+    return hasattr(trainer.args, "beta") and isinstance(loss_type, (list, tuple)) and list(loss_type) == ["sigmoid"]
+
+
+# DPO's loss is log 2 for a pair the model does not prefer either way and falls towards 0 only as the margin grows
+# without bound (β·margin = 2.3 for a tenth of log 2): "a tenth of the starting loss" asks for more than memorising
+# the pairs takes. Memorised is: every pair ranked right (its own loss below log 2) and the mean below half of it.
+PAIRWISE_OVERFIT = dataclasses.replace(
+    C.OVERFIT, loss_below=math.log(2) / 2, accuracy_at_least=1.0,
+    loss_below_from="half of log 2, DPO's loss for a pair with no preference; each pair ranked right (below log 2)",
+    accuracy_means="of the pairs ranked right (the chosen answer above the rejected one)")
+
+
 class TrainerView(C.FrameworkView):
     """A ``transformers.Trainer`` as the gates' checks read it (:class:`pilotrun.gates.view.TrainingView`): its
     datasets and (a private copy of) its collator, its ``compute_loss`` with its own ``num_items_in_batch`` and
@@ -300,9 +319,9 @@ class TrainerView(C.FrameworkView):
 
     def model_copy(self, dtype):
         if dtype is None:
-            copied = copy.deepcopy(self.model)
+            copied = own_copy(self.model)
             return copied, next(copied.parameters()).device
-        return copy.deepcopy(self.model).to("cpu").to(dtype), torch.device("cpu")
+        return own_copy(self.model).to("cpu").to(dtype), torch.device("cpu")
 
     def accumulate(self, model, micro: list, device) -> float:
         return _trainer_backward(self.trainer, model, [batch for _, batch in micro])
@@ -337,8 +356,35 @@ class TrainerView(C.FrameworkView):
         val = self.data.val
         return [val[i] for i in range(min(self.trainer.args.per_device_eval_batch_size, len(val)))]
 
+    def overfit_plan(self) -> OverfitPlan:
+        return PAIRWISE_OVERFIT if pairwise_sigmoid(self.trainer) else C.OVERFIT
+
+    def target_scores(self, model: torch.nn.Module, items: list) -> tuple[float, float | None]:
+        losses = self.item_losses(model, items)
+        ranked = (sum(x < math.log(2) for x in losses) / len(losses)
+                  if pairwise_sigmoid(self.trainer) and self.scoring is None else None)
+        return sum(losses) / len(losses), ranked
+
     def outputs(self, batch) -> torch.Tensor:
-        return outputs_of(copy.deepcopy(self.model).cpu(), tensors_of(batch))
+        """The live model itself (no copy: TRL's forward closes over the original), its class's forward in eval mode,
+        every random stream and train flag as they were."""
+        model = self.model
+        device = next(model.parameters()).device
+        with rng_untouched(), class_forward(model) as patched:
+            out = outputs_of(model, {k: v.to(device) for k, v in tensors_of(batch).items()})
+        if patched:
+            amp = getattr(self.trainer.accelerator, "mixed_precision", "no")
+            self.reference_note = ("compared with the model's class forward in its weights' precision, as the reload "
+                                   "runs it: the forward wrappers set on "
+                                   f"{', '.join(n or type(model).__name__ for n in patched)} for training "
+                                   + (f"(accelerate's {amp} autocast among them) " if amp in ("bf16", "fp16") else "")
+                                   + "are not part of the artifact")
+        return out
+
+    def export_state(self) -> dict[str, torch.Tensor] | None:
+        from ..gates.reload_eval import export_state_of
+
+        return export_state_of(self.trainer.accelerator.unwrap_model(self.model))
 
     def reload_problem(self, artifact: Artifact) -> str | None:
         if (artifact.folder / "config.json").is_file():
@@ -370,4 +416,21 @@ class TrainerView(C.FrameworkView):
 def run_probes(job, trainer: Trainer, collate) -> dict[str, Outcome]:
     """Every in-process gate on the trainer, in the pilot's order, each recorded as it finishes."""
     root = Path(job.checkpoint_dir or trainer.args.output_dir or ".")
-    return C.run_probes(job, TrainerView(trainer, collate), root / "pilotrun-export")
+    with _bookkeeping_kept(trainer):
+        return C.run_probes(job, TrainerView(trainer, collate), root / "pilotrun-export")
+
+
+# What a trainer's compute_loss counts as it goes (TRL: its logged entropy, token accuracy and token count): the
+# probes' forwards must not show up in the program's own logs.
+_BOOKKEEPING = ("_metrics", "_total_train_tokens")
+
+
+@contextlib.contextmanager
+def _bookkeeping_kept(trainer: Trainer):
+    saved = {k: copy.deepcopy(vars(trainer)[k]) for k in _BOOKKEEPING if k in vars(trainer)}
+    tokens_seen = trainer.state.num_input_tokens_seen
+    try:
+        yield
+    finally:
+        vars(trainer).update(saved)
+        trainer.state.num_input_tokens_seen = tokens_seen

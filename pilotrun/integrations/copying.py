@@ -1,0 +1,101 @@
+"""Copies of a framework's model that are really separate, and the model's own forward without a program's wrappers.
+
+Frameworks patch ``forward`` on the instance: accelerate wraps it in autocast (``Trainer(bf16=True)``), TRL's
+``SFTTrainer``/``DPOTrainer`` replace it with a fused-LM-head forward that closes over the *original* model's bound
+``forward``. ``copy.deepcopy`` copies modules but shares functions, so the copy's patched forward still calls the
+original model — in train mode, with dropout on, and a probe that trains the copy puts gradients on the live model
+(found piloting a TRL ``SFTTrainer``). :func:`own_copy` rebuilds those wrappers so that every reference to the
+original reaches the copy instead; :func:`class_forward` runs the class's own forward, as an artifact reloaded in a
+fresh process has it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Wrappers nest a few levels (accelerate: fp32-outputs → autocast → TRL's fused forward → the bound forward).
+_DEPTH = 8
+
+
+def patched_forwards(model: torch.nn.Module) -> list[str]:
+    """The modules (by name, "" for the model itself) whose ``forward`` is set on the instance, not the class."""
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
+def own_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy whose instance-level forwards call the copy, never the original (see the module docstring)."""
+    memo: dict[int, Any] = {}
+    out = copy.deepcopy(model, memo)
+    for m in out.modules():
+        if "forward" in vars(m):
+            m.forward = _rebound(vars(m)["forward"], memo, _DEPTH)
+    return out
+
+
+def _rebound(obj: Any, memo: dict[int, Any], depth: int) -> Any:
+    """``obj`` with every original object the copy replaced (by ``memo``) swapped for its copy; ``obj`` itself when
+    nothing in it refers to one."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if depth <= 0:
+        return obj
+    if isinstance(obj, types.MethodType):
+        func, owner = _rebound(obj.__func__, memo, depth - 1), _rebound(obj.__self__, memo, depth - 1)
+        return obj if func is obj.__func__ and owner is obj.__self__ else types.MethodType(func, owner)
+    if isinstance(obj, types.FunctionType):
+        return _rebound_function(obj, memo, depth)
+    if callable(obj) and not isinstance(obj, (type, torch.nn.Module, types.BuiltinFunctionType)) \
+            and hasattr(obj, "__dict__"):
+        # A callable wrapper object (accelerate's ConvertOutputsToFp32 holds the forward it wraps as an attribute).
+        changed = {k: _rebound(v, memo, depth - 1) for k, v in vars(obj).items()}
+        if all(changed[k] is v for k, v in vars(obj).items()):
+            return obj
+        new = object.__new__(type(obj))  # not copy.copy: accelerate's wrapper refuses to be pickled
+        vars(new).update(changed)
+        return new
+    return obj
+
+
+def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], depth: int) -> types.FunctionType:
+    cells = fn.__closure__ or ()
+    contents = []
+    for cell in cells:
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # an empty cell (a name assigned later in the enclosing function)
+            contents.append(cell)
+    new_contents = [c if isinstance(c, types.CellType) else _rebound(c, memo, depth - 1) for c in contents]
+    attrs = {k: _rebound(v, memo, depth - 1) for k, v in vars(fn).items()}  # functools.wraps' __wrapped__
+    if all(a is b for a, b in zip(new_contents, contents)) and all(attrs[k] is v for k, v in vars(fn).items()):
+        return fn
+    closure = tuple(c if isinstance(c, types.CellType) else types.CellType(c) for c in new_contents)
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure or None)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    vars(new).update(attrs)
+    return new
+
+
+@contextlib.contextmanager
+def class_forward(model: torch.nn.Module) -> Iterator[list[str]]:
+    """Within: every module of ``model`` runs its class's ``forward`` (instance-level patches set aside and put back
+    on exit), in eval mode, each module's train/eval flag restored after. Yields the names of the patched modules.
+
+    The reload in a fresh process has no wrapper a program set up (accelerate's autocast, TRL's fused head), so the
+    outputs it is compared with come from the same function on the same weights, in the weights' own precision."""
+    saved = {name: vars(m).pop("forward") for name, m in model.named_modules() if "forward" in vars(m)}
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield sorted(saved)
+    finally:
+        for m, training in modes:
+            m.training = training
+        modules = dict(model.named_modules())
+        for name, fwd in saved.items():
+            modules[name].forward = fwd
