@@ -289,3 +289,25 @@ def test_a_collator_that_returns_a_batch_encoding_is_inspected_and_reloaded(tmp_
     export = run_check("export", lambda: check_export(view, tmp_path / "export"))
     reload = run_check("reload_eval", lambda: C.reload_after(view, export, tmp_path / "reload"))
     assert reload.verdict == Verdict.PASS and reload.details["max_abs_difference"] == 0.0, reload.reason
+
+
+def test_a_reload_that_differs_names_the_export_tensors_that_differ_or_are_missing_before_blaming_weights(tmp_path):
+    from pilotrun.gates.reload_eval import _weights_cause, weight_differences
+    from pilotrun.gates.view import Artifact
+
+    tr = trainer(None, tmp_path)
+    view = T.TrainerView(tr, chat.collate)
+    export = run_check("export", lambda: check_export(view, tmp_path / "export"))
+    artifact = Artifact(tmp_path / "export", export.details["manifest_sha256"])
+    same = weight_differences(view.export_state(), artifact)
+    # GPT-2 ties lm_head to the embedding and save_model stores it once: that is not "missing".
+    assert same["missing"] == [] and same["differ"] == [] and same["compared"] > 0, same
+    out = C.Outcome()
+    assert "all" in _weights_cause(view, artifact, out) and "equal the model's" in _weights_cause(view, artifact, out)
+
+    with torch.no_grad():
+        tr.model.transformer.h[1].mlp.c_fc.weight.add_(1.0)  # trained on after the export
+    tr.model.register_buffer("late_buffer", torch.ones(3))  # state the export never had
+    cause = _weights_cause(view, artifact, out)
+    assert "transformer.h.1.mlp.c_fc.weight" in cause and "late_buffer" in cause and "missing" in cause, cause
+    assert out.details["weights"]["differ"] == ["transformer.h.1.mlp.c_fc.weight"], out.details
