@@ -46,7 +46,8 @@ class DriftKind(str, Enum):
     """Why a lock field differs from the last run's. The lock gate reports the two differently."""
 
     EXPERIMENT = "experiment"    # the user changed the config (a key they vary on purpose): information
-    ENVIRONMENT = "environment"  # versions, container, code, model/data content moved under one config: a warning
+    CODE = "code"                # the program's files, a factory's module, the git commit were edited: information
+    ENVIRONMENT = "environment"  # versions, container, model/data content moved under one config: a warning
 
     def __str__(self) -> str:
         return str(self.value)
@@ -247,17 +248,49 @@ def diff_locks(old: dict, new: dict) -> list[tuple[str, object, object]]:
 
 
 def summarize_drift(drift: list[tuple[str, object, object]], limit: int = 6, sep: str = ": ") -> str:
-    """``field: old -> new; ...`` with long values cut (``sep`` goes between the field and its values)."""
+    """``field: old -> new; ...`` with long values cut around where they differ (``sep`` goes between the field and
+    its values): a changed command shows the words that changed, not its common start."""
     parts = []
     for key, old, new in drift[:limit]:
-        o, n = json.dumps(old, default=str), json.dumps(new, default=str)
-        if len(o) > 24:
-            o = o[:21] + "..."
-        if len(n) > 24:
-            n = n[:21] + "..."
+        o, n = _changed_part(json.dumps(old, default=str), json.dumps(new, default=str))
         parts.append(f"{key}{sep}{o} -> {n}")
     more = f" (+{len(drift) - limit} more)" if len(drift) > limit else ""
     return "; ".join(parts) + more
+
+
+HEX64 = re.compile(r'^"[0-9a-f]{64}"$')
+
+
+def _changed_part(old: str, new: str, width: int = 24) -> tuple[str, str]:
+    """Two JSON texts cut to ``width`` around their first difference (a sha256 shortened to its first 12 digits)."""
+    if HEX64.match(old) and HEX64.match(new):
+        return old[1:13] + "…", new[1:13] + "…"
+    if len(old) <= width and len(new) <= width:
+        return old, new
+    start = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    start = max(0, start - 8)
+
+    def cut(text: str) -> str:
+        piece = text[start:start + width]
+        return ("…" if start else "") + piece + ("…" if start + width < len(text) else "")
+
+    return cut(old), cut(new)
+
+
+def summarize_code(code: list[tuple[str, object, object]]) -> str:
+    """The edited files by name (``train.py edited, utils.py new``) and a moved commit, for the lock row."""
+    said = []
+    for key, old, new in code:
+        if key.startswith("program.files."):
+            name = key[len("program.files."):]
+            said.append(f"{name} {'new' if old == '<absent>' else 'removed' if new == '<absent>' else 'edited'}")
+        elif key.endswith("source_sha256"):
+            said.append(f"the {key.split('.')[0]} factory's module edited")
+        elif key == "code.commit":
+            said.append(f"git commit {str(old)[:10]} -> {str(new)[:10]}")
+        elif key == "code.dirty":
+            said.append("uncommitted changes" + (" now" if new else " gone"))
+    return ", ".join(said) or summarize_drift(code)
 
 
 # Lock fields under model.* / data.* that say *where* a thing comes from; the others (sha256, files.*) are its content.
@@ -272,6 +305,14 @@ def drift_kind(field: str, changed: set[str]) -> DriftKind:
     parts = field.split(".")
     if parts[0] in ("config", "config_hash", "seeds") or parts[-1].endswith("_seed"):  # model.random_init_seed
         return DriftKind.EXPERIMENT
+    if parts[0] == "program":
+        # The command is the config's program.command again (said once, as the config change); the files are code.
+        return DriftKind.EXPERIMENT if parts[1:] == ["command"] else DriftKind.CODE
+    if parts[0] == "code":
+        return DriftKind.CODE
+    if parts[0] in ("model", "data") and parts[-1] == "source_sha256" and not any(
+            k.startswith(f"config.{parts[0]}.") for k in changed):
+        return DriftKind.CODE  # the factory's module was edited under the same config
     if parts[0] in ("model", "data"):
         config_changed = any(k.startswith(f"config.{parts[0]}.") for k in changed)
         if parts[-1] in IDENTITY_FIELDS:

@@ -15,6 +15,7 @@ from pilotrun.lock import (
     config_changes,
     diff_locks,
     resolve_container_digest,
+    summarize_code,
     summarize_drift,
 )
 
@@ -127,8 +128,8 @@ def test_config_keys_are_the_experiment_and_the_rest_is_the_environment():
         "model.random_init_seed"}
     # Same data path, other content: the data drifted under the experiment, whatever else the user changed.
     assert {k for k, _, _ in kinds[DriftKind.ENVIRONMENT]} == {
-        "versions.torch", "distributions.numpy", "container.digest", "code.commit", "data.sha256",
-        "data.files.a.jsonl"}
+        "versions.torch", "distributions.numpy", "container.digest", "data.sha256", "data.files.a.jsonl"}
+    assert {k for k, _, _ in kinds[DriftKind.CODE]} == {"code.commit"}
     assert config_changes(kinds[DriftKind.EXPERIMENT]) == [
         ("distributed.strategy", "single", "ddp"), ("seed", 1, 2), ("train.micro_batch_size", 8, 4)]
 
@@ -173,3 +174,68 @@ def test_the_installed_distributions_do_not_depend_on_what_the_process_imported(
                        for imp in ("pass", "import ray"))
     assert with_ray[1], "ray no longer puts its vendored folder on sys.path; this test checks nothing now"
     assert plain[0] == with_ray[0]
+
+
+def test_edits_of_the_programs_files_and_a_factorys_module_are_code_and_the_command_is_said_once():
+    a, b = "73597b" + "0" * 58, "8e3a11" + "0" * 58
+    long_old = ["python", "run_clm.py", "--model_type", "gpt2", "--per_device_train_batch_size", "8"]
+    long_new = long_old[:-1] + ["4"]
+    old = {"config": {"program": {"command": long_old}}, "program": {"command": long_old, "sha256": "x",
+                                                                      "files": {"train.py": a}},
+           "model": {"source": "factory", "factory": "m:build", "source_sha256": "s1"}}
+    new = {"config": {"program": {"command": long_new}}, "program": {"command": long_new, "sha256": "y",
+                                                                      "files": {"train.py": b, "model.py": a}},
+           "model": {"source": "factory", "factory": "m:build", "source_sha256": "s2"}}
+    kinds = classify_drift(diff_locks(old, new))
+    assert {k for k, _, _ in kinds[DriftKind.CODE]} == {
+        "program.sha256", "program.files.train.py", "program.files.model.py", "model.source_sha256"}
+    assert not kinds[DriftKind.ENVIRONMENT]
+    # program.command repeats config.program.command: said once, as the config change.
+    assert config_changes(kinds[DriftKind.EXPERIMENT]) == [("program.command", long_old, long_new)]
+    text = summarize_drift(config_changes(kinds[DriftKind.EXPERIMENT]))
+    assert '"8"' in text and '"4"' in text, text  # the differing part, not the common start
+    assert summarize_code(kinds[DriftKind.CODE]).count("edited") == 2 and "model.py new" in summarize_code(
+        kinds[DriftKind.CODE])
+    hashes = summarize_drift([("program.files.train.py", a, b)])
+    assert hashes == "program.files.train.py: 73597b000000… -> 8e3a11000000…", hashes  # no unbalanced quotes
+
+
+def test_the_default_program_files_are_the_script_and_the_local_modules_it_imports(tmp_path):
+    from pilotrun.config.program import ProgramSpec, program_files
+
+    (tmp_path / "train.py").write_text("import os\nimport torch\nimport model\nfrom utils.io import load\n")
+    (tmp_path / "model.py").write_text("from layers import Block\n")
+    (tmp_path / "layers.py").write_text("x = 1\n")
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "__init__.py").write_text("")
+    (tmp_path / "utils" / "io.py").write_text("from . import fmt\n")
+    (tmp_path / "utils" / "fmt.py").write_text("def broken(:\n")  # does not parse: hashed, adds nothing
+    (tmp_path / "unused.py").write_text("")
+    files, why = program_files(ProgramSpec(command="python train.py --steps 3"), tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in files) == [
+        "layers.py", "model.py", "train.py", "utils/__init__.py", "utils/fmt.py", "utils/io.py"]
+    assert "local modules they import (layers.py, model.py" in why, why
+
+
+def test_an_edit_of_the_programs_own_file_is_a_code_change_not_environment_drift(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
+    folder = tmp_path / "own-loop"
+    shutil.copytree(EXAMPLES / "own-loop", folder)
+    from pilotrun.pilot import PilotOptions, run_pilot
+
+    def lock_row() -> dict:
+        spec = load_spec(folder / "pilot.yaml", allow_program=True)
+        result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                              gates=["lock"]))
+        return {r["gate"]: r for r in result.rows}["lock"]
+
+    lock_row()
+    script = folder / "train.py"
+    script.write_text(script.read_text() + "\n# tuned\n")
+    row = lock_row()
+    assert row["verdict"] == "pass", row["reason"]
+    assert "code changed from" in row["reason"] and "train.py edited" in row["reason"], row["reason"]
+    assert "drifted" not in row["reason"] and "config changed" not in row["reason"], row["reason"]
+    assert {d["kind"] for d in row["details"]["drift"]} == {"code"}

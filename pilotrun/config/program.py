@@ -36,7 +36,8 @@ class ProgramSpec:
         "python/python3 or torchrun runs with pilotrun's own interpreter (torchrun as python -m torch.distributed.run)")
     files: list[str] | None = doc(
         "files (glob patterns, relative to the spec's folder) the lock hashes; default: the command's words that "
-        "name existing files, and the file of a module run with -m (python -m train: train.py)", None)
+        "name existing files, the file of a module run with -m (python -m train: train.py), and the modules under "
+        "the spec's folder those scripts import (found by reading them, without running them)", None)
     timeout: float = doc("seconds each run of the program may take before pilotrun kills its process group", 600.0)
     compare: Literal["auto", "bitwise", "rtol"] = doc(
         "how the resume gate compares runs: bitwise, within pilot.resume.rtol, or auto (bitwise when this machine has "
@@ -78,13 +79,77 @@ def program_files(spec: ProgramSpec, folder: Path) -> tuple[list[Path], str]:
     """The files the lock hashes, and why these (the automatic choice says it)."""
     if spec.files is None:
         found = script_words(spec.words, folder)
+        scripts = [folder / w for w in found]
+        imported = local_imports([p for p in scripts if p.suffix == ".py"], folder)
         why = (f"program.files not given: the command's words naming files ({', '.join(found)})" if found
                else "program.files not given and the command names no file")
-        return [folder / w for w in found], why
+        if imported:
+            why += f" and the local modules they import ({', '.join(os.path.relpath(p, folder) for p in imported)})"
+        return scripts + imported, why
     out: list[Path] = []
     for pattern in spec.files:
         out += sorted(Path(p) for p in glob.glob(str(folder / pattern), recursive=True) if Path(p).is_file())
     return out, "program.files"
+
+
+# Enough for a program's own modules (nanoGPT: train.py imports model.py); a folder of hundreds is listed by hand.
+LOCAL_IMPORTS_MAX = 64
+
+
+def local_imports(scripts: list[Path], root: Path) -> list[Path]:
+    """The ``.py`` files under ``root`` that ``scripts`` import, and theirs in turn (``import model``, ``from utils
+    import x``, ``from . import y`` in a package): read with ``ast``, never run. Modules found on the interpreter's
+    own path (installed packages, the standard library) are not under ``root`` and are left out; a script that does
+    not parse adds none."""
+    import ast
+
+    root_as_given, root = root, root.resolve()
+    seen = {p.resolve() for p in scripts}
+    queue, out = [p.resolve() for p in scripts], []
+    while queue and len(out) < LOCAL_IMPORTS_MAX:
+        script = queue.pop(0)
+        try:
+            tree = ast.parse(script.read_text(errors="replace"))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            names: list[tuple[str, int]] = []
+            if isinstance(node, ast.Import):
+                names = [(a.name, 0) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                names = [(base, node.level)] + [(f"{base}.{a.name}" if base else a.name, node.level)
+                                                for a in node.names]
+            for name, level in names:
+                for path in _module_files(name, level, script, root):
+                    if path not in seen:
+                        seen.add(path)
+                        out.append(path)
+                        queue.append(path)
+    # Named under root as given (the lock names files relative to the spec's folder, links and all).
+    return sorted(root_as_given / p.relative_to(root) for p in out)[:LOCAL_IMPORTS_MAX]
+
+
+def _module_files(name: str, level: int, script: Path, root: Path) -> list[Path]:
+    """The files under ``root`` a module name resolves to from ``script`` (each package's ``__init__.py`` too)."""
+    base = script.parent
+    for _ in range(max(0, level - 1)):
+        base = base.parent
+    if not name:
+        return []
+    parts, found = name.split("."), []
+    here = base
+    for part in parts:
+        package, module = here / part / "__init__.py", here / f"{part}.py"
+        if package.is_file():
+            found.append(package)
+            here = here / part
+        elif module.is_file():
+            found.append(module)
+            break
+        else:
+            break
+    return [p.resolve() for p in found if p.resolve().is_relative_to(root)]
 
 
 def program_file_problems(spec: ProgramSpec, folder: Path) -> list[tuple[str, str]]:

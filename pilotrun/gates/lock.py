@@ -1,14 +1,23 @@
 """``lock``: record revisions, versions, config and seeds; report drift from the last run of this name.
 
-Two kinds of difference from the last run are kept apart (:class:`pilotrun.lock.DriftKind`): a config key the user
-changed is the experiment they meant to run (said as information), while other versions, another container, other
-code or other model/data content under the same config is the environment drifting (a warning)."""
+Three kinds of difference from the last run are kept apart (:class:`pilotrun.lock.DriftKind`): a config key the user
+changed is the experiment they meant to run and an edit of the program's files, a factory's module or the git commit
+is code (both said as information, the files named), while other versions, another container or other model/data
+content under the same config is the environment drifting (a warning)."""
 from __future__ import annotations
 
 import json
 
 from ..ledger.records import GateName
-from ..lock import DriftKind, classify_drift, collect_lock, config_changes, diff_locks, summarize_drift
+from ..lock import (
+    DriftKind,
+    classify_drift,
+    collect_lock,
+    config_changes,
+    diff_locks,
+    summarize_code,
+    summarize_drift,
+)
 from .base import Gate, OnProgram, Outcome, Product
 
 # Cutting a length changes the expected outputs (SPEC §4): a different experiment, said as a warning.
@@ -68,7 +77,11 @@ class LockGate(Gate):
             changed_on_purpose = [c for c in changes if c not in cut]
             if changed_on_purpose:
                 info.append(f"config changed from {prev_id}: {summarize_drift(changed_on_purpose, sep=' ')}")
-            if not environment and not changes:
+            code = kinds[DriftKind.CODE]
+            if code:
+                out.details["code_changes"] = [{"field": k, "before": a, "now": b} for k, a, b in code]
+                info.append(f"code changed from {prev_id}: {summarize_code(code)}")
+            if not environment and not changes and not code:
                 info.append(f"no drift from {prev_id}")
             elif not environment:
                 info.append("no environment drift")
