@@ -223,3 +223,19 @@ def test_overfit_scores_as_one_batch_a_loss_that_cannot_take_one_example():
     assert "scored as one batch" in row.reason
     clean = _check(check_overfit, fake, points.Regressor(dropout=0.0))
     assert clean.verdict == Verdict.PASS and "scored" not in clean.details, clean.reason
+
+
+def test_the_fits_own_model_checkpoint_saves_are_reported_so_auto_proves_them_and_stops_after(tmp_path):
+    # pilot.resume.before: auto: the control run asks for no save; the first one it reports is the program's own
+    # (a ModelCheckpoint every 4 updates) and the run stops `after` (2) updates later.
+    job = handle(tmp_path, "control", save_auto="50,2")
+    L.seed_everything(0, verbose=False)
+    own = L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, save_top_k=-1)
+    trainer = L.Trainer(max_steps=12, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path / "out"),
+                        limit_val_batches=0, callbacks=[PL.PilotrunCallback(job, probes=False), own])
+    trainer.fit(points.Regressor(), points.loader(96))
+    saved = events(job, "saved")
+    assert [(s["update"], s["asked"]) for s in saved] == [(4, False)], saved
+    assert Path(saved[0]["path"]).is_file() and Path(saved[0]["path"]).parent == tmp_path / "ck"
+    assert trainer.global_step == 6  # stopped 2 updates after the program's own checkpoint

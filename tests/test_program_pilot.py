@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _program(tmp_path: Path, patches: dict[str, str] | None = None, command: str = "python train.py --updates 12",
-             **program) -> Path:
-    """A copy of examples/own-loop with ``patches`` (old text -> new text) planted in train.py; its spec."""
+             resume: dict | None = None, **program) -> Path:
+    """A copy of examples/own-loop with ``patches`` (old text -> new text) planted in train.py; its spec (the resume
+    gate at a save after update 2 that pilotrun asks for, unless ``resume`` says otherwise)."""
     folder = tmp_path / "prog"
     shutil.copytree(EXAMPLES / "own-loop", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
     src = (folder / "train.py").read_text()
@@ -40,7 +41,8 @@ def _program(tmp_path: Path, patches: dict[str, str] | None = None, command: str
         src = src.replace(old, new)
     (folder / "train.py").write_text(src)
     return write_spec(folder / "pilot.yaml", {"name": "prog", "program": {"command": command, "timeout": 120,
-                                                                          **program}})
+                                                                          **program},
+                                              "pilot": {"resume": {"before": 2} if resume is None else resume}})
 
 
 def _pilot(spec_path: Path, tmp_path: Path, gates=("resume",)):
@@ -491,3 +493,66 @@ def test_a_program_that_leaves_a_child_and_a_daemon_warns_naming_them_and_leaves
         assert any("is not an event (a JSON object" in p for p in said) and any("'update' is not int" in p for p in said)
     finally:
         _kill(left)
+
+
+# -- pilot.resume.before: auto, the program's own checkpoint --------------------------------------------------------
+
+# nanoGPT's evaluation runs at the top of the step it resumes from as well: at its own checkpoints, a resume repeats
+# an RNG-drawing evaluation. A save pilotrun forces between two of them never shows it.
+EVAL_AGAIN_ON_RESUME = {'    start = state["update"]\n': '    start = state["update"]\n'
+                        '    if start % args.save_every == 0:  # its evaluation at the checkpoint step, again\n'
+                        '        torch.rand(1)\n'}
+
+
+@pytest.mark.process
+def test_auto_proves_the_resume_at_the_programs_own_checkpoint_where_a_defect_a_forced_save_misses_shows(tmp_path):
+    command = "python train.py --updates 12 --save-every 3"
+    row = _resume_row(_pilot(_program(tmp_path / "clean", command=command, resume={}), tmp_path / "clean"))
+    assert row["verdict"] == Verdict.PASS, row["reason"]
+    assert "proven at the program's own checkpoint after update 3 (pilot.resume.before: auto)" in row["reason"]
+    assert row["details"]["save_point"] == {"update": 3, "kind": "own", "own_saves": [3], "auto": True}
+    assert row["details"]["before"] == 3 and row["details"]["compared_updates"] == [4, 5]
+
+    planted = _program(tmp_path / "planted", EVAL_AGAIN_ON_RESUME, command=command, resume={})
+    row = _resume_row(_pilot(planted, tmp_path / "planted"))
+    assert row["verdict"] == Verdict.FAIL and "after the resume" in row["reason"], row["reason"]
+    # The same defect at a save pilotrun asks for (update 2): passes, and the row says the long run resumes elsewhere.
+    forced = _program(tmp_path / "forced", EVAL_AGAIN_ON_RESUME, command=command, resume={"before": 2})
+    row = _resume_row(_pilot(forced, tmp_path / "forced"))
+    assert row["verdict"] == Verdict.WARN, row["reason"]
+    assert "one pilotrun asked for (pilot.resume.before 2)" in row["reason"]
+    assert "saves on its own after update(s) 3" in row["reason"] and "pilot.resume.before: auto" in row["reason"]
+
+
+def _resume_row(result) -> dict:
+    return next(r for r in result.rows if r["gate"] == "resume")
+
+
+@pytest.mark.process
+def test_auto_on_a_program_that_never_saves_fails_naming_the_fix_and_runs_it_once(tmp_path):
+    spec = _program(tmp_path, command="python train.py --updates 4", resume={})  # saves every 20, on its own
+    row = _resume_row(_pilot(spec, tmp_path))
+    assert row["verdict"] == Verdict.FAIL, row["reason"]
+    assert "after update 4 without a checkpoint of its own, before update 50 (pilot.resume.auto_within)" in row[
+        "reason"] and "pilot.resume.before: N" in row["reason"]
+    assert sorted(p.name for p in (tmp_path / "out" / "program").glob("*.log")) == ["control.log"]
+
+
+def test_the_save_point_says_whose_checkpoint_the_proof_ran_at():
+    from pilotrun.program.resume import SaveKind, save_point
+
+    def control(*saves):
+        out = _outcome(Role.CONTROL, range(1, 9))
+        out.events[0] += [{"kind": "saved", "update": u, "path": "/x", "asked": asked} for u, asked in saves]
+        return out
+
+    assert save_point(control(), "auto", 50) is None
+    limit = save_point(control((50, True)), "auto", 50)
+    assert limit.kind == SaveKind.ASKED_AT_LIMIT and limit.said(8)[1] is True
+    assert "no checkpoint of its own by update 50" in limit.said(8)[0]
+    # `update % every == 0 or job.should_save(update)` never asks at its own points: that save is its own.
+    assert save_point(control((4, False)), 4, 50).kind == SaveKind.OWN
+    asked = save_point(control((2, True)), 2, 50)
+    assert asked.kind == SaveKind.ASKED and asked.said(4) == (
+        "the save after update 2 was one pilotrun asked for (pilot.resume.before 2); the program made no checkpoint "
+        "of its own in the control's 4 updates to prove instead (pilot.resume.before: auto proves its first)", False)

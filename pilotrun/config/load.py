@@ -86,6 +86,10 @@ def _schema_problems(problems: list[tuple[str, str]], raw: dict) -> list[tuple[s
             for p in problems]
 
 
+# pilot.resume.before: auto for pilotrun's own loop (any update is one it can save after; the hash it always had).
+LOOP_RESUME_BEFORE = 2
+
+
 def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] = (), check_files: bool = True) -> Spec:
     """Validate a mapping as if it were read from ``source`` (its folder anchors relative paths).
 
@@ -106,6 +110,8 @@ def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] =
                         str(p)) from None
     spec.source = str(p.resolve())
     spec.written = copy.deepcopy(raw)
+    if spec.program is None and spec.pilot.resume.before == "auto":
+        spec.pilot.resume.before = LOOP_RESUME_BEFORE  # pilotrun's own loop saves wherever the resume gate asks
     if isinstance(spec, ProgramOnlySpec):
         assert spec.program is not None  # ProgramOnlySpec.check refuses `program: null`
         problems = bound_problems(spec, this_machine=False)  # pilot.resume.before/after, seed: as for any spec

@@ -307,13 +307,24 @@ class OverfitSpec:
 
 @dataclass
 class ResumeSpec:
-    before: int = doc("updates the interrupted process runs before it saves and is killed", 2)
+    before: int | Literal["auto"] = doc(
+        "updates the interrupted process runs before it saves and is killed. auto: for a program, at its own first "
+        "checkpoint (its save_steps, eval_interval, epoch end: the first job.saved the control run reports without "
+        "pilotrun asking), so the resume is proven where the long run really resumes from; pilotrun asks for a save "
+        "at pilot.resume.auto_within if there is none by then. auto for pilotrun's own loop: 2. A number: pilotrun "
+        "asks for the save there (job.should_save), and the row says whether the program saves there on its own",
+        "auto")
     after: int = doc("updates the restored process runs; compared with the control run's", 2)
     rtol: float = doc(
         "relative tolerance for loss and gradient norm off CPU or in bf16/fp16 (CPU fp32 is bitwise)", 1e-3)
+    auto_within: int = doc(
+        "with before: auto (a program), the update by which the program should have saved on its own; pilotrun "
+        "asks for a save there otherwise, and the row warns that the long run never resumes from that point", 50)
 
     def check(self):
-        for name in ("before", "after"):
+        if self.before != "auto" and self.before < 1:
+            yield "before", f"must be at least 1 or auto, got {self.before}"
+        for name in ("after", "auto_within"):
             if getattr(self, name) < 1:
                 yield name, f"must be at least 1, got {getattr(self, name)}"
         if self.rtol < 0:

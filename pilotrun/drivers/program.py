@@ -11,7 +11,10 @@ pilot's rows, as each gate declares (``Gate.on_program``):
 
 One recording run serves every gate: it starts when the first gate needs it. With the resume gate selected it is the
 control run, which saves after ``pilot.resume.before`` like the interrupted run (so both do the same work up to the
-kill, and the save stage is measured) and runs on to ``before + after`` uninterrupted.
+kill, and the save stage is measured) and runs on to ``before + after`` uninterrupted. With ``before: auto`` (the
+default) nothing is asked of the control: its first save is the program's own checkpoint (or, if it has made none
+by ``auto_within``, one pilotrun asks for there, said as a warning), and it stops ``after`` updates later; the
+interrupted run is then killed after that same save.
 
 Example::
 
@@ -30,7 +33,15 @@ from ..devices import query_devices
 from ..humanize import human_seconds
 from ..ledger.records import Failure, GateRow, Verdict
 from ..program.env import Event, Role
-from ..program.resume import fresh_runs_agree, resume_rows, short_of
+from ..program.resume import (
+    SaveKind,
+    fresh_runs_agree,
+    no_own_save_row,
+    resume_rows,
+    save_point,
+    short_of,
+    with_save_point,
+)
 from ..program.runner import RunOutcome, RunPlan, run_program
 from .base import Capability, Driver, GateDeclaration, JobProcess, OnProgram, RunSite
 
@@ -84,12 +95,9 @@ class ProgramDriver(Driver):
 
     # -- the runs -----------------------------------------------------------------------------------------
     @property
-    def before(self) -> int:
-        return self.spec.pilot.resume.before
-
-    @property
-    def end(self) -> int:
-        return self.spec.pilot.resume.before + self.spec.pilot.resume.after
+    def auto(self) -> bool:
+        """pilot.resume.before: auto — the resume is proven at the program's own first checkpoint."""
+        return self.spec.pilot.resume.before == "auto"
 
     def _run(self, plan: RunPlan) -> RunOutcome:
         self.runs[plan.role] = run_program(self.program, self.spec.folder, plan, self.site.out_dir,
@@ -99,7 +107,10 @@ class ProgramDriver(Driver):
     def recording(self) -> RunOutcome:
         """The run whose stages and gate rows are the pilot's, started on first use."""
         role = Role.CONTROL if self.resume_selected else Role.STAGES
-        return self.runs.get(role) or self._run(RunPlan(role, save_at=(self.before,), stop_at=self.end))
+        r = self.spec.pilot.resume
+        plan = (RunPlan(role, save_auto=(r.auto_within, r.after)) if self.auto
+                else RunPlan(role, save_at=(r.before,), stop_at=r.before + r.after))
+        return self.runs.get(role) or self._run(plan)
 
     def _recorded(self) -> RunOutcome | None:
         return next((run for role, run in self.runs.items() if role.records), None)
@@ -149,20 +160,31 @@ class ProgramDriver(Driver):
     def _resume_rows(self) -> list[GateRow]:
         """Control, then (when it can be compared) interrupted and resumed runs; one row per rank."""
         exact, mode = compare_mode(self.spec)
-        rtol = self.spec.pilot.resume.rtol
+        r = self.spec.pilot.resume
         control = self.recording()
+        reported = control.ended_cleanly and any(control.updates(rank) for rank in control.ranks)
+        point = save_point(control, r.before, r.auto_within)
+        if point is None:  # auto: no save at all
+            if reported:
+                return [no_own_save_row(control, r.auto_within)]
+            before = r.auto_within  # the control's own failure is the row (resume_rows says it)
+        else:
+            before = point.update
+        end = before + r.after
         # A control run that failed, reported nothing or ended early is the row's whole story: two more runs would
         # each cost up to program.timeout (found piloting a program that ignores should_stop: all three timed out;
         # and a Lightning script whose max_steps was below pilot.resume.before + after).
-        if (control.ended_cleanly and any(control.updates(r) for r in control.ranks)
-                and short_of(control, self.end) is None):
-            interrupted = self._run(RunPlan(Role.INTERRUPTED, save_at=(self.before,), stop_at=self.end,
-                                            kill_after_save=self.before))
+        if reported and point is not None and short_of(control, end) is None:
+            # At the program's own checkpoint nothing is asked: the interrupted run saves there as the long run would
+            # (a Lightning epoch-end ModelCheckpoint, not a save_checkpoint of pilotrun's mid-epoch).
+            asked = () if point.auto and point.kind == SaveKind.OWN else (before,)
+            interrupted = self._run(RunPlan(Role.INTERRUPTED, save_at=asked, stop_at=end, kill_after_save=before))
             saved = interrupted.of(Event.SAVED, 0)
             if interrupted.killed and not interrupted.survivors and saved and fresh_runs_agree(
-                    control, interrupted, self.before, exact, rtol):
-                self._run(RunPlan(Role.RESUMED, stop_at=self.end, resume_from=saved[-1]["path"]))
-        return resume_rows(self.runs, self.before, self.spec.pilot.resume.after, exact, rtol, mode)
+                    control, interrupted, before, exact, r.rtol):
+                self._run(RunPlan(Role.RESUMED, stop_at=end, resume_from=saved[-1]["path"]))
+        rows = resume_rows(self.runs, before, r.after, exact, r.rtol, mode)
+        return with_save_point(rows, point, control) if point is not None else rows
 
     def notes(self) -> list[str]:
         recording = self._recorded()

@@ -82,6 +82,7 @@ class PilotrunCallback(pl.Callback):
         self.last_step: int | None = None
         self.spans: C.StageSpans | None = None
         self.probe_results: dict[str, Outcome] = {}
+        self.reported_step = -1  # the last update whose checkpoint job.saved was told of
 
     @property
     def active(self) -> bool:
@@ -103,7 +104,24 @@ class PilotrunCallback(pl.Callback):
             with rng_untouched():  # the control run then draws what the runs without probes draw
                 self.probe_results = run_probes(self.job, trainer, pl_module)
 
+    def _report_own_saves(self, trainer) -> None:
+        """The fit's own checkpoints (its ModelCheckpoint callbacks: every_n_train_steps, epoch end), told to the
+        handle once written — so ``pilot.resume.before: auto`` proves the resume at the program's own checkpoint.
+        ModelCheckpoint runs after this callback within a hook, so its save is seen at the next one."""
+        if not self.active:
+            return
+        for cb in trainer.checkpoint_callbacks:
+            step, path = getattr(cb, "_last_global_step_saved", 0), getattr(cb, "_last_checkpoint_saved", "")
+            if step > self.reported_step and path and Path(path).is_file():
+                self.reported_step = step
+                if trainer.is_global_zero:
+                    self.job.saved(step, str(path))
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._report_own_saves(trainer)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._report_own_saves(trainer)
         if not self.active or self.spans is None:
             return
         if not self.window.losses:  # the first micro batch of an update window
@@ -139,6 +157,7 @@ class PilotrunCallback(pl.Callback):
             self.spans.open("save", {"update": update, **self._inputs(trainer)})
             trainer.save_checkpoint(path)
             self.spans.close("save")
+            self.reported_step = max(self.reported_step, update)
             if trainer.is_global_zero:
                 self.job.saved(update, str(path))
         if self.job.should_stop(update) or C.role_name(self.job) == "probe":
@@ -153,6 +172,7 @@ class PilotrunCallback(pl.Callback):
             self.spans.close("eval")
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._report_own_saves(trainer)
         if self.spans is not None:
             self.spans.close_all()
 

@@ -14,6 +14,9 @@ Set by the parent for every process it starts (torchrun passes them to each rank
 ``PILOTRUN_SAVE_AT``          comma-separated updates after which to save (``should_save``)
 ``PILOTRUN_STOP_AT``          the update after which to stop (``should_stop``)
 ``PILOTRUN_KILL_WAIT``        seconds the interrupted run waits in ``saved()`` for its SIGKILL (default 300)
+``PILOTRUN_KILL_AT``          the update whose ``saved()`` the interrupted run waits in for its SIGKILL
+``PILOTRUN_SAVE_AUTO``        ``W,K`` (``pilot.resume.before: auto``): no save is asked for unless the program has
+                              made none of its own by update W; the run stops K updates after its first save
 ============================  ==========================================================================
 
 Rank and world size come from torchrun's own ``RANK`` and ``WORLD_SIZE`` (0 and 1 without torchrun).
@@ -32,8 +35,11 @@ RESUME_FROM = "PILOTRUN_RESUME_FROM"
 SAVE_AT = "PILOTRUN_SAVE_AT"
 STOP_AT = "PILOTRUN_STOP_AT"
 KILL_WAIT = "PILOTRUN_KILL_WAIT"
+SAVE_AUTO = "PILOTRUN_SAVE_AUTO"
+KILL_AT = "PILOTRUN_KILL_AT"
 
-ALL = (PROGRAM, ROLE, RUN_ID, LEDGER, EVENTS, CHECKPOINT_DIR, RESUME_FROM, SAVE_AT, STOP_AT, KILL_WAIT)
+ALL = (PROGRAM, ROLE, RUN_ID, LEDGER, EVENTS, CHECKPOINT_DIR, RESUME_FROM, SAVE_AT, STOP_AT, KILL_WAIT, SAVE_AUTO,
+       KILL_AT)
 
 
 class Role(TextEnum):
@@ -58,7 +64,7 @@ class Event(TextEnum):
 
     START = "start"      # the handle came up: rank, world size, pid, role
     UPDATE = "update"    # one optimizer update: update, loss, lr, grad_norm, ids, extra
-    SAVED = "saved"      # a checkpoint written after ``update`` at ``path``
+    SAVED = "saved"      # a checkpoint written after ``update`` at ``path``; ``asked``: should_save was True there
     STAGE = "stage"      # a stage's row (pilotrun.api's measurement)
     GATE = "gate"        # an in-process gate's row (record_gate)
     PROBLEM = "problem"  # a value the program reported that was refused: field, problem, update

@@ -30,7 +30,9 @@ Contract (stable: the transformers and Lightning integrations are built on it)::
     Where pilotrun wants this run's checkpoints written (a fresh folder per run).
 ``job.should_save(update) -> bool``, ``job.should_stop(update) -> bool``
     Update numbers count optimizer updates from 1 and continue across a resume (the first resumed update
-    after a checkpoint of update N is N+1).
+    after a checkpoint of update N is N+1). Save where the program always saves *or* where ``should_save`` says
+    (``pilot.resume.before: auto``, the default, proves the resume at the program's own first checkpoint and asks
+    for none unless the program has made none by ``pilot.resume.auto_within``); report every save with ``saved``.
 ``job.update(update, loss=..., lr=..., grad_norm=None, ids=None, **extra)``
     One optimizer update, after ``optimizer.step()``. ``loss`` and ``lr`` are numbers or one-element tensors;
     ``ids`` the sample ids of the examples in the update (ints or strings; a list, tuple or integer tensor),
@@ -118,11 +120,16 @@ class ProgramHandle:
             stop = env.get(E.STOP_AT) if self.active else None
             self._stop_at = int(stop) if stop else None
             self._kill_wait = float(env.get(E.KILL_WAIT) or DEFAULT_KILL_WAIT)
+            kill_at = env.get(E.KILL_AT) if self.active else None
+            self._kill_at = int(kill_at) if kill_at else None
+            auto = env.get(E.SAVE_AUTO) if self.active else None
+            self._auto = tuple(int(x) for x in auto.split(",")) if auto else None
         except ValueError as exc:
             # Only a hand-set environment gets here (pilotrun sets these): say which variables, and how to train
             # without pilotrun.
             raise RuntimeError(f"pilotrun.program(): {exc}; ${E.ROLE} must be one of {', '.join(r.value for r in Role)}"
-                               f", ${E.SAVE_AT} comma-separated integers, ${E.STOP_AT} an integer (pilotrun run sets "
+                               f", ${E.SAVE_AT} comma-separated integers, ${E.STOP_AT} an integer, ${E.SAVE_AUTO} two "
+                               f"integers W,K (pilotrun run sets "
                                f"them; unset ${E.PROGRAM} to train without pilotrun)") from None
         self.run_id = env.get(E.RUN_ID) if self.active else None
         self.resume_from = (env.get(E.RESUME_FROM) or None) if self.active else None
@@ -130,6 +137,8 @@ class ProgramHandle:
         self._events_dir = env.get(E.EVENTS) if self.active else None
         self._file: TextIO | None = None
         self._last_update: int | None = None
+        self._asked: set[int] = set()      # updates should_save said True for
+        self._first_save: int | None = None
         self._session: Session | None = None
         if self.active:
             self._emit(Event.START, pid=os.getpid(), world_size=self.world_size, resume_from=self.resume_from)
@@ -137,10 +146,22 @@ class ProgramHandle:
 
     # -- what the pilot asks -------------------------------------------------------------------------------
     def should_save(self, update: int) -> bool:
-        return self.active and update in self._save_at
+        if not self.active:
+            return False
+        if self._auto is not None:  # only when the program has not saved on its own by update W
+            ask = self._first_save is None and update == self._auto[0]
+        else:
+            ask = update in self._save_at
+        if ask:
+            self._asked.add(update)
+        return ask
 
     def should_stop(self, update: int) -> bool:
-        return self.active and self._stop_at is not None and update >= self._stop_at
+        if not self.active:
+            return False
+        if self._auto is not None:
+            return self._first_save is not None and update >= self._first_save + self._auto[1]
+        return self._stop_at is not None and update >= self._stop_at
 
     # -- what the program reports --------------------------------------------------------------------------
     def update(self, update: int, loss: Any = None, lr: Any = None, grad_norm: Any = None, ids: Any = None,
@@ -199,8 +220,10 @@ class ProgramHandle:
             self._problem(update, "saved", f"job.saved({update}, {str(path)!r}): nothing exists at {where}; call "
                           "it after the checkpoint is written")
             return
-        self._emit(Event.SAVED, update=update, path=str(where))
-        if self.role == Role.INTERRUPTED and update in self._save_at:
+        self._emit(Event.SAVED, update=update, path=str(where), asked=update in self._asked)
+        if self._first_save is None:
+            self._first_save = update
+        if self.role == Role.INTERRUPTED and (update in self._save_at or update == self._kill_at):
             # The parent kills the whole process group with SIGKILL once it reads this line; waiting here makes the
             # kill land right after a complete save, whatever the program's speed.
             deadline = time.monotonic() + self._kill_wait

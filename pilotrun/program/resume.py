@@ -7,14 +7,93 @@ killed after reporting ``saved(N)`` and the resumed run must have ended cleanly 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..ledger.records import Failure, GateRow, Verdict
+from ..ledger.records import Failure, GateRow, TextEnum, Verdict
 from .compare import CAUSE_TEXT, FIELDS, Comparison, attribute_across_ranks, compare_updates, reproducibility
 from .env import Event, Role
 from .runner import RunOutcome
 
 GATE = "resume"
+
+
+class SaveKind(TextEnum):
+    """Where the checkpoint the resume was proven from came from: the program's own, or one pilotrun asked for."""
+
+    OWN = "own"                        # the program saved there without should_save asking (its own schedule)
+    ASKED = "asked"                    # pilot.resume.before N: should_save asked for it
+    ASKED_AT_LIMIT = "asked-at-limit"  # before: auto, and the program had saved nothing by auto_within
+
+
+@dataclass(frozen=True)
+class SavePoint:
+    update: int
+    kind: SaveKind
+    own: tuple[int, ...]   # the updates the control run saved after on its own (rank 0)
+    auto: bool             # pilot.resume.before: auto
+    within: int            # pilot.resume.auto_within
+
+    def to_dict(self) -> dict:
+        return {"update": self.update, "kind": str(self.kind), "own_saves": list(self.own), "auto": self.auto}
+
+    def said(self, control_updates: int) -> tuple[str, bool]:
+        """(what the row adds, whether it warns)."""
+        if self.kind == SaveKind.OWN:
+            how = " (pilot.resume.before: auto)" if self.auto else ""
+            return f"proven at the program's own checkpoint after update {self.update}{how}", False
+        if self.kind == SaveKind.ASKED_AT_LIMIT:
+            return (f"the program made no checkpoint of its own by update {self.within} (pilot.resume.auto_within), "
+                    f"so pilotrun asked for one there: the long run never resumes from that point; let the program "
+                    f"save within its first {self.within} updates (its save interval) to prove its own"), True
+        others = [u for u in self.own if u != self.update]
+        if others:
+            return (f"the save after update {self.update} was one pilotrun asked for (pilot.resume.before "
+                    f"{self.update}), while the program saves on its own after update(s) "
+                    f"{', '.join(map(str, others[:5]))}: the long run resumes only from those; set "
+                    "pilot.resume.before: auto to prove one of them"), True
+        return (f"the save after update {self.update} was one pilotrun asked for (pilot.resume.before "
+                f"{self.update}); the program made no checkpoint of its own in the control's {control_updates} "
+                "updates to prove instead (pilot.resume.before: auto proves its first)"), False
+
+
+def save_point(control: RunOutcome, before: int | str, within: int) -> SavePoint | None:
+    """The checkpoint the interrupted run is killed after: with ``before: auto`` the control's first save (None
+    when it made none), else ``before`` — the program's own when it saved there without should_save asking."""
+    saves = control.of(Event.SAVED, 0)
+    own = tuple(int(e["update"]) for e in saves if not e.get("asked"))
+    if before == "auto":
+        if not saves:
+            return None
+        first = saves[0]
+        kind = SaveKind.ASKED_AT_LIMIT if first.get("asked") else SaveKind.OWN
+        return SavePoint(int(first["update"]), kind, own, True, within)
+    assert isinstance(before, int)
+    return SavePoint(before, SaveKind.OWN if before in own else SaveKind.ASKED, own, False, within)
+
+
+def no_own_save_row(control: RunOutcome, within: int) -> GateRow:
+    """``before: auto`` and the control ended without any checkpoint (and before pilotrun would have asked)."""
+    last = max((int(u["update"]) for r in control.ranks for u in control.updates(r)), default=0)
+    return _fail(f"the control run {control.how_it_ended()} after update {last} without a checkpoint of its own, "
+                 f"before update {within} (pilot.resume.auto_within) where pilotrun would have asked for one: a long "
+                 "run of this program could not resume either. Let it save within its first updates (its save "
+                 "interval, eval_interval or save_steps), or set pilot.resume.before: N to prove a save pilotrun "
+                 "asks for (job.should_save)",
+                 {"before": "auto", "auto_within": within, "logs": {str(control.role): str(control.log)}})
+
+
+def with_save_point(rows: list[GateRow], point: SavePoint, control: RunOutcome) -> list[GateRow]:
+    """Every row says which checkpoint the proof ran at; a passing one warns when it was not the program's own."""
+    updates = max((len(control.updates(r)) for r in control.ranks), default=0)
+    text, warns = point.said(updates)
+    for row in rows:
+        row.details = {**row.details, "save_point": point.to_dict()}
+        if row.verdict in (Verdict.PASS, Verdict.WARN):
+            row.reason = f"{row.reason}; {text}"
+            if warns:
+                row.verdict = Verdict.WARN
+    return rows
 
 
 def _fail(reason: str, details: dict, failure: Failure = Failure.CHECK, rank: int = 0) -> GateRow:

@@ -183,6 +183,7 @@ class RunPlan:
     stop_at: int | None = None
     resume_from: str | None = None
     kill_after_save: int | None = None  # SIGKILL the tree once rank 0 reports saved(this update)
+    save_auto: tuple[int, int] | None = None  # (W, K): the program's own first save, asked for at W; stop K after
 
 
 def _watch(tree: Tree, program: ProgramSpec, plan: RunPlan, rank0: Path, started: float,
@@ -218,6 +219,10 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
                 E.STOP_AT: "" if plan.stop_at is None else str(plan.stop_at)})
     if plan.resume_from:
         env[E.RESUME_FROM] = plan.resume_from
+    if plan.save_auto is not None:
+        env[E.SAVE_AUTO] = ",".join(map(str, plan.save_auto))
+    if plan.kill_after_save is not None:
+        env[E.KILL_AT] = str(plan.kill_after_save)
     started = time.monotonic()
     with open(log, "wb") as log_fh:
         # Under a keeper (pilotrun/procs.py): whatever the program starts (torchrun's ranks, its own children, a
