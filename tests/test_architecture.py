@@ -406,6 +406,7 @@ GATE_TEXT_ALLOWED = {
     ("pilotrun.estimate.cache", "eval"),        # the spec's eval: section (batch size, length) in the trace's key
     ("pilotrun.campaign.runner", "export"),     # the campaign's keep.export switch
     ("pilotrun.workers.train_phase", "restore"),  # the worker's --phase value (control, interrupted, resumed, restore)
+    ("pilotrun.config.spec", "resume"),         # the spec's pilot.resume: section (its auto_within key)
 }
 
 
