@@ -31,9 +31,9 @@ demo: venv
 # The whole suite. --dist loadfile: each module on one worker (its module-scoped fixtures run once; not loadgroup,
 # whose groups pytest 9.2 no longer passes to xdist 3.8's scheduler: node ids are computed now), the longest
 # modules first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). Tests that start a process
-# carry @pytest.mark.process.
+# carry @pytest.mark.process. --durations: the 25 slowest tests at the end, to keep the suite's time in view.
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The edit loop: every test without @pytest.mark.process (pure logic in the test's own process).
 test-fast: venv
