@@ -49,13 +49,16 @@ class LockGate(Gate):
                        "versions": lock["versions"], "model": _short(lock["model"]), "data": _short(lock["data"])}
         warnings: list[str] = []
         info = [f"recorded lock.json (config {lock['config_hash'][:8]}, torch {lock['versions']['torch']})"]
-        prev = ctx.ledger.previous_lock(ctx.spec.name, ctx.run_id) if ctx.ledger is not None else None
+        # The proven environment (a lock.json a task carried to the node) when given, else this name's last run.
+        prev = ctx.proven_lock or (ctx.ledger.previous_lock(ctx.spec.name, ctx.run_id) if ctx.ledger is not None
+                                   else None)
         if prev is None:
             info.append(f"first run named {ctx.spec.name!r}, nothing to compare")
         else:
             prev_id, prev_lock = prev
             kinds = classify_drift(diff_locks(prev_lock, lock))
             environment, changes = kinds[DriftKind.ENVIRONMENT], config_changes(kinds[DriftKind.EXPERIMENT])
+            device = kinds[DriftKind.DEVICE]
             out.details["compared_with"] = prev_id
             out.details["drift"] = [{"field": k, "before": a, "now": b, "kind": str(kind)}
                                     for kind, items in kinds.items() for k, a, b in items]
@@ -68,7 +71,10 @@ class LockGate(Gate):
             changed_on_purpose = [c for c in changes if c not in cut]
             if changed_on_purpose:
                 info.append(f"config changed from {prev_id}: {summarize_drift(changed_on_purpose, sep=' ')}")
-            if not environment and not changes:
+            if device:
+                info.append(f"built for another device than {prev_id} in {len(device)} field(s) (expected on "
+                            f"another accelerator): {summarize_drift(device, limit=3)}")
+            if not environment and not changes and not device:
                 info.append(f"no drift from {prev_id}")
             elif not environment:
                 info.append("no environment drift")
