@@ -201,10 +201,10 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
         extra = [Path(args.campaign).resolve()] if args.campaign else []
         root, why, mounts, notes, data_bytes = _workdir(spec, extra)
         sizes = per_run["sizes"]
-        data = Size(data_bytes + (sizes["data"]["bytes"] or 0),
-                    " + ".join(x for x in ((f"the spec's local data files, {human_bytes(data_bytes)}" if data_bytes
-                                            else ""), sizes["data"]["from"] if sizes["data"]["bytes"] else "") if x)
-                    or "no data files to hold")
+        download = sizes["data_download"]
+        data_why = [f"the spec's local data files, {human_bytes(data_bytes)}"] if data_bytes else []
+        data_why += [download["from"]] if download["bytes"] else []
+        data = Size(data_bytes + (download["bytes"] or 0), " + ".join(data_why) or "no data files to hold")
         task_file = Path(args.skypilot)
         lock_file = task_file.with_name(task_file.stem + ".lock.json")
         bucket = Bucket(args.bucket, "--bucket") if args.bucket else Bucket(
@@ -214,8 +214,8 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
             name=spec.name, spec_rel=os.path.relpath(Path(spec.source).resolve(), root), workdir=str(root),
             workdir_why=why, row=row, per_run=per_run, runs=runs, overrides=overrides, lock=lock, lock_from=lock_from,
             lock_file=str(lock_file.resolve()), requirements=req, bucket=bucket, spot=args.spot,
-            checkpoint=Size(sizes["checkpoint"]["bytes"], sizes["checkpoint"]["from"]),
-            export=Size(sizes["export"]["bytes"], sizes["export"]["from"]),
+            checkpoint=Size(sizes["per_checkpoint"]["bytes"], sizes["per_checkpoint"]["from"]),
+            export=Size(sizes["per_export"]["bytes"], sizes["per_export"]["from"]),
             model_download=Size(sizes["model_download"]["bytes"], sizes["model_download"]["from"]), data=data,
             source=pilotrun_source(), mounts=mounts, in_workdir=notes, campaign=campaign, long_run=args.long_run,
             keep_checkpoints=a.checkpoints_per_run)
