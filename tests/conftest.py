@@ -287,7 +287,7 @@ def gate_rows(spec_path, tmp_path, *overrides, gates=None) -> dict:
 # (about 80 calls of the suite). `run`, `launch` and `campaign` install signal handlers, start pilots and are signalled
 # by tests: always a real subprocess, as is any call with an ``env`` (imported libraries read theirs at import).
 IN_PROCESS = frozenset({"ledger", "report", "select", "plan", "batch", "inspect", "convert", "archive", "note",
-                        "estimate"})
+                        "estimate", "lock"})
 _CLI_ENV = {"PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
 
 
