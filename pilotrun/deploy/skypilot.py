@@ -296,7 +296,7 @@ def _run(inp: TaskInputs) -> Block:
              "set -euo pipefail",
              'WORKDIR="$PWD"   # ~/sky_workdir: the workdir SkyPilot synced',
              f'PY="${{PILOTRUN_PYTHON:-{VENV}/bin/python}}"   # the venv the setup made',
-             'TASK="${SKYPILOT_TASK_ID:?is not set: SkyPilot sets it, the same across the recoveries of a managed job}"',
+             'TASK="${SKYPILOT_TASK_ID:?is not set: SkyPilot sets it, the same across a managed jobs recoveries}"',
              'mkdir -p "$PILOTRUN_BUCKET" && cd "$PILOTRUN_BUCKET"   # runs/ goes to the bucket']
     spec = f'"$WORKDIR/{inp.spec_rel}"'
     sets = _sets(inp)
