@@ -77,7 +77,7 @@ def proven_lock(spec, ledger_path: Path | None, ref: str | None) -> tuple[dict, 
                                  "(`pilotrun ledger`) or a lock.json file")
             return json.loads(run["lock_json"]), f"run {run['run_id']}"
         for run_id in (led.run_ids(RunKind.PILOT, spec.config_hash()) if led is not None else []):
-            run = led.run(run_id)  # type: ignore[union-attr]
+            run = led.run(run_id)
             if run and run["status"] in (RunStatus.PASS, RunStatus.WARN) and run.get("lock_json"):
                 return json.loads(run["lock_json"]), f"pilot {run_id} ({run['status']})"
     finally:
