@@ -273,3 +273,28 @@ def test_the_help_of_each_new_command_shows_an_example(tmp_path):
         assert res.returncode == 0 and "examples:" in res.stdout and said in res.stdout, (args, res.stdout)
     res = pilotrun_cli("lock", cwd=tmp_path)
     assert res.returncode == 2 and "export" in res.stdout
+
+
+def test_the_nodes_lock_gate_names_the_devices_build_apart_from_what_drifted(toy, tmp_path):
+    from pilotrun.config import load_spec
+    from pilotrun.lock import collect_lock
+    from pilotrun.pilot import PilotOptions, run_pilot
+
+    spec = load_spec(toy)
+    proven = collect_lock(spec)
+    here = proven["versions"]["torch"]
+    base = here.split("+")[0]
+    # The lock proven on another machine: the same torch built for another device, one distribution older.
+    proven["versions"]["torch"] = proven["distributions"]["torch"] = base + ("+cu128" if here == base + "+cpu" else
+                                                                             "+cpu")
+    proven["distributions"]["nvidia-cublas-cu12"] = "12.8.4.1"
+    proven["distributions"]["numpy"] = "0.0.1"
+    result = run_pilot(spec, PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite", gates=["lock"],
+                                          proven_lock=("the proven lock p.json", proven)))
+    (row,) = result.rows
+    assert row["verdict"] == "warn" and row["details"]["compared_with"] == "the proven lock p.json"
+    assert "built for another device than the proven lock p.json in 3 field(s)" in row["reason"], row["reason"]
+    assert "the environment drifted from the proven lock p.json in 1 field(s): distributions.numpy" in row["reason"]
+    kinds = {d["field"]: d["kind"] for d in row["details"]["drift"]}
+    assert kinds == {"versions.torch": "device", "distributions.torch": "device",
+                     "distributions.nvidia-cublas-cu12": "device", "distributions.numpy": "environment"}
