@@ -114,7 +114,15 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     res = pilotrun_cli("plan", str(spec), "--accelerator", "L4-24GB", "--skypilot", str(cpu), "--campaign",
                        str(campaign), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    tasks = parse_with_skypilot(tmp_path, seven_b, cpu)
+    sharded = tmp_path / "fsdp4.yaml"  # the task a sharded plan gives: 4 GPUs, launch, the campaign on Ray, an image
+    from pilotrun.deploy.skypilot import task_text
+
+    from .test_deploy import inputs, lock
+
+    digest = "ghcr.io/org/train@sha256:" + "ab" * 32
+    with_image = lock() | {"container": {"digest": digest, "from": "--container-digest"}}
+    sharded.write_text(task_text(inputs(lock=with_image)))
+    tasks = parse_with_skypilot(tmp_path, seven_b, cpu, sharded)
 
     t = tasks["7b.yaml"]
     assert t["accelerators"] == {"H100": 1} and t["use_spot"] is True and t["num_nodes"] == 1
@@ -130,7 +138,6 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     pilot = run.index('-m pilotrun run "$WORKDIR/llama-7b-estimate/pilot.yaml" --task-id "$TASK"')
     assert pilot < run.index("torchrun --nproc-per-node 1 train.py"), run
     text = seven_b.read_text()
-    assert "spot recovery" not in text or "expected recovery" in text
     assert "(spot: " in text and "cost unknown: no price for H100-80GB" in text and "image_id: unknown" in text
 
     t = tasks["toy-task.yaml"]
@@ -139,6 +146,12 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     assert '-m pilotrun campaign "$WORKDIR/sweep.yaml" --task-id "$TASK" --parallel 1' in t["run"]
     text = cpu.read_text()
     assert "no --bucket: SkyPilot creates a bucket of this name" in text and "cost unknown" in text
+
+    t = tasks["fsdp4.yaml"]
+    assert t["accelerators"] == {"H100": 4} and t["image_id"] == {"null": f"docker:{digest}"}  # JSON of {None: image}: any region
+    assert t["disk_size"] == 60 + 5 * 80 + 13 + 2 and t["storage"]["/pilotrun-bucket"] == ["my-runs", None,
+                                                                                          "MOUNT_CACHED"]
+    assert '-m pilotrun launch --nproc-per-node 4' in t["run"] and "--engine ray" in t["run"]
 
 
 def _ledger(path: Path, sql: str, *args) -> list[dict]:
