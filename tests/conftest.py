@@ -146,7 +146,7 @@ LONGEST_MODULES = {
     "test_checkpoint_restore_resume.py": 93, "test_resume_damage.py": 84, "test_program_pilot.py": 81,
     "test_adapters.py": 80, "test_integration_examples.py": 65, "test_estimate.py": 56,
     "test_estimate_adapters.py": 49, "test_gates_data_and_accumulation.py": 44, "test_estimate_cache.py": 34,
-    "test_loading_policy.py": 28, "test_pilot_toy.py": 27, "test_launch_multinode.py": 23,
+    "test_loading_policy.py": 28, "test_pilot_toy.py": 27, "test_launch_multinode.py": 23, "test_skypilot.py": 60,
 }
 
 

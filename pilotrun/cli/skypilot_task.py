@@ -51,6 +51,8 @@ def add_skypilot_args(p, spot_flag: bool = True) -> None:
     g.add_argument("--long-run", metavar="COMMAND",
                    help="your own command the task runs after the pilot; it must continue from its own checkpoints "
                         f"under $PILOTRUN_BUCKET ({BUCKET_MOUNT}) when the task restarts")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                   help="with --long-run: the checkpoints your program keeps at once, for the disk (default 2)")
     g.add_argument("--lock", metavar="RUN_OR_LOCK_JSON",
                    help="the lock to reproduce: a run id or a lock.json (default: the newest passed pilot of this "
                         "config in the ledger, else this machine's environment, said so)")
@@ -76,6 +78,8 @@ def check_args(args) -> None:
         raise UsageError(f"--bucket: {problem}")
     if args.campaign is not None and not args.campaign.is_file():
         raise UsageError(f"--campaign: {args.campaign} is not a file; give the campaign YAML the task runs")
+    if args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if args.long_run is not None and not args.long_run.strip():
         raise UsageError("--long-run is empty: give the command the task runs after the pilot")
 
@@ -218,7 +222,7 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
             export=Size(sizes["per_export"]["bytes"], sizes["per_export"]["from"]),
             model_download=Size(sizes["model_download"]["bytes"], sizes["model_download"]["from"]), data=data,
             source=pilotrun_source(), mounts=mounts, in_workdir=notes, campaign=campaign, long_run=args.long_run,
-            keep_checkpoints=a.checkpoints_per_run)
+            keep_checkpoints=args.keep_checkpoints)
         text = task_text(inputs)
     except TaskRefused as exc:
         raise UsageError(str(exc)) from None

@@ -121,7 +121,7 @@ class TaskInputs:
     in_workdir: list[str] = field(default_factory=list)    # local files that travel with the workdir
     campaign: CampaignPart | None = None
     long_run: str | None = None
-    keep_checkpoints: int = 3          # a long run's checkpoints kept on the node at once (--checkpoints)
+    keep_checkpoints: int = 2          # a long run's checkpoints kept at once (--keep-checkpoints)
     notes: list[str] = field(default_factory=list)
 
 
@@ -209,7 +209,8 @@ def disk(inp: TaskInputs) -> tuple[int, str]:
     if inp.long_run is not None:
         ckpts += inp.keep_checkpoints
         exports += 1
-        counts.append(f"the long run's {inp.keep_checkpoints} checkpoint(s) (--checkpoints) and its export")
+        counts.append(f"the long run's {inp.keep_checkpoints} checkpoint(s) kept at once (--keep-checkpoints) and its "
+                      "export")
     parts = [(f"base {BASE_DISK_GB} GB (the image and the venv: assumed)", BASE_DISK_GB * 1e9)]
     unknown = []
     for label, size, times in (("checkpoint", inp.checkpoint, ckpts), ("export", inp.export, exports),
@@ -296,11 +297,11 @@ def _run(inp: TaskInputs) -> Block:
              "set -euo pipefail",
              'WORKDIR="$PWD"   # ~/sky_workdir: the workdir SkyPilot synced',
              f'PY="${{PILOTRUN_PYTHON:-{VENV}/bin/python}}"   # the venv the setup made',
-             'TASK="${SKYPILOT_TASK_ID:?is not set: SkyPilot sets it, the same across a managed jobs recoveries}"',
+             'TASK="${SKYPILOT_TASK_ID:?is not set: SkyPilot sets it, the same across recoveries}"',
              'mkdir -p "$PILOTRUN_BUCKET" && cd "$PILOTRUN_BUCKET"   # runs/ goes to the bucket']
     spec = f'"$WORKDIR/{inp.spec_rel}"'
     sets = _sets(inp)
-    changed = ", ".join(f"{k} {a} -> {b}" for k, a, b in inp.overrides)
+    changed = ", ".join(f"{k} {_set_value(a)} -> {_set_value(b)}" for k, a, b in inp.overrides)
     lines += ["# 1. the pilot on this node's accelerator: the same spec" +
               (f", at the plan's configuration ({changed})" if changed else " as written") +
               "; a failed gate ends the task (exit 1).",
