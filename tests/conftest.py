@@ -17,7 +17,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-IGNORED_DIRS = {".venv", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", "pilotrun.egg-info"}
+IGNORED_DIRS = {".venv", ".venv-skypilot", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", "pilotrun.egg-info"}
 
 # A well-formed image digest (pilotrun refuses a made-up one): tests that are not about the container pass it so the
 # lock has a digest to record, whatever machine runs them.
