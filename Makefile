@@ -8,12 +8,25 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.pilotrun-installed
+# SkyPilot in a venv of its own: its click<8.2 would downgrade huggingface_hub and transformers in $(VENV). The tests
+# load every task `pilotrun plan --skypilot` writes with its parser there (offline, HOME in a temp folder).
+SKY_VENV   ?= .venv-skypilot
+SKYPILOT_SPEC ?= skypilot==0.14.1
+SKY_STAMP  := $(SKY_VENV)/.skypilot-installed
 # pytest-xdist workers: one per core, at most 8 (each holds torch and starts pilots of its own).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
 
-.PHONY: venv demo test test-fast lint bench gpu-check clean
+.PHONY: venv skypilot-venv demo test test-fast lint bench gpu-check clean
 
 venv: $(STAMP)
+
+skypilot-venv: $(SKY_STAMP)
+
+$(SKY_STAMP):
+	test -x $(SKY_VENV)/bin/python || $(PYTHON) -m venv $(SKY_VENV)
+	@echo "pilotrun: installing $(SKYPILOT_SPEC) into $(SKY_VENV) for the task parser tests (about 40 s)"
+	$(SKY_VENV)/bin/python -m pip install -q "$(SKYPILOT_SPEC)"
+	touch $(SKY_STAMP)
 
 # pip -q keeps the log short; the echo lines say what the minutes are spent on (a new user saw nothing for 2.5).
 $(STAMP): pyproject.toml
@@ -32,8 +45,9 @@ demo: venv
 # whose groups pytest 9.2 no longer passes to xdist 3.8's scheduler: node ids are computed now), the longest
 # modules first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). Tests that start a process
 # carry @pytest.mark.process. --durations: the 25 slowest tests at the end, to keep the suite's time in view.
-test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+test: venv skypilot-venv
+	PILOTRUN_SKYPILOT_PYTHON=$(abspath $(SKY_VENV))/bin/python \
+	  $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The edit loop: every test without @pytest.mark.process (pure logic in the test's own process).
 test-fast: venv

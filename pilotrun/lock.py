@@ -36,6 +36,11 @@ DIGEST_RE = re.compile(r"^(?:[\w.\-/:]+@)?sha256:[0-9a-f]{64}$")
 DIGEST_FORMAT = "sha256:<64 lowercase hex digits> (optionally image@sha256:...)"
 # Fields that identify the machine, not the job: recorded, never reported as drift.
 NOT_DRIFT = ("created_at", "host.")
+# The device runtime's libraries (backends' versions): present on one machine and absent on another is the device.
+RUNTIME_LIBRARIES = ("versions.cuda", "versions.hip", "versions.cudnn", "versions.nccl")
+# Distributions that are a torch build's own runtime (CUDA's nvidia-* wheels, Triton): they come with the build.
+RUNTIME_PACKAGE = re.compile(r"^(nvidia-.+|triton|pytorch-triton(-.+)?)$")
+ABSENT = "<absent>"
 
 
 class ContainerDigestError(ValueError):
@@ -48,6 +53,9 @@ class DriftKind(str, Enum):
     EXPERIMENT = "experiment"    # the user changed the config (a key they vary on purpose): information
     CODE = "code"                # the program's files, a factory's module, the git commit were edited: information
     ENVIRONMENT = "environment"  # versions, container, model/data content moved under one config: a warning
+    # The same releases built for another device (torch 2.13.0+cpu -> 2.13.0+cu128, CUDA's libraries and wheels
+    # present on one side only): what a pilot proven on a laptop and run again on the rented node shows. Information.
+    DEVICE = "device"
 
     def __str__(self) -> str:
         return str(self.value)
@@ -110,6 +118,11 @@ def _installed_paths() -> list[str]:
     sites = [os.path.realpath(s) for s in (*site.getsitepackages(), site.getusersitepackages())]
     inside = [s + os.sep for s in sites]
     return [p for p in sys.path if not any(os.path.realpath(p or ".").startswith(i) for i in inside)]
+
+
+def installed_distributions() -> dict[str, str]:
+    """Every installed distribution (normalised name -> version), as the lock records them."""
+    return _distributions()
 
 
 def _distributions() -> dict:
@@ -242,8 +255,8 @@ def diff_locks(old: dict, new: dict) -> list[tuple[str, object, object]]:
     for key in sorted(set(a) | set(b)):
         if key.startswith(NOT_DRIFT):
             continue
-        if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            out.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
+        if a.get(key, ABSENT) != b.get(key, ABSENT):
+            out.append((key, a.get(key, ABSENT), b.get(key, ABSENT)))
     return out
 
 
@@ -324,12 +337,50 @@ def drift_kind(field: str, changed: set[str]) -> DriftKind:
     return DriftKind.ENVIRONMENT
 
 
+def _build_label(version: object) -> tuple[str, str | None] | None:
+    if not isinstance(version, str):
+        return None
+    base, _, label = version.partition("+")
+    return base, label or None
+
+
+def is_device_build(field: str, old: object, new: object) -> bool:
+    """Whether a drifted field is the same software built for another device: a runtime library or a runtime wheel
+    present on one side only, or one release of a distribution under another build label where one side is a CPU
+    (or unlabelled) build. CUDA 12.4 -> 12.8 on both sides is not: that is the environment drifting."""
+    one_side = old in (None, ABSENT) or new in (None, ABSENT)
+    if field in RUNTIME_LIBRARIES:
+        return one_side
+    name = field.split(".", 1)[1] if field.startswith("distributions.") else None
+    if name is not None and RUNTIME_PACKAGE.match(name):
+        return one_side
+    if field == "versions.torch" or name is not None:
+        a, b = _build_label(old), _build_label(new)
+        return (a is not None and b is not None and a[0] == b[0] and a[1] != b[1]
+                and (a[1] in (None, "cpu") or b[1] in (None, "cpu")))
+    return False
+
+
+def _moved_only(field: str, changed: set[str]) -> bool:
+    """A model/data file's location (``data.path``: absolute, where this machine keeps it) moved while its content
+    digest did not and the config names the same file: the same content elsewhere (a laptop's folder and the rented
+    node's workdir), not drift."""
+    parts = field.split(".")
+    if parts[0] not in ("model", "data") or parts[-1] != "path":
+        return False
+    prefix = ".".join(parts[:-1])
+    return f"{prefix}.sha256" not in changed and not any(k.startswith(f"config.{parts[0]}.") for k in changed)
+
+
 def classify_drift(drift: list[tuple[str, object, object]]) -> dict[DriftKind, list[tuple[str, object, object]]]:
-    """:func:`diff_locks`' output split by :class:`DriftKind` (both keys always present)."""
+    """:func:`diff_locks`' output split by :class:`DriftKind` (every key always present)."""
     changed = {k for k, _, _ in drift}
     out: dict[DriftKind, list[tuple[str, object, object]]] = {kind: [] for kind in DriftKind}
     for item in drift:
-        out[drift_kind(item[0], changed)].append(item)
+        if _moved_only(item[0], changed):
+            continue
+        kind = DriftKind.DEVICE if is_device_build(*item) else drift_kind(item[0], changed)
+        out[kind].append(item)
     return out
 
 

@@ -17,7 +17,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-IGNORED_DIRS = {".venv", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", "pilotrun.egg-info"}
+IGNORED_DIRS = {".venv", ".venv-skypilot", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", "pilotrun.egg-info"}
 
 # A well-formed image digest (pilotrun refuses a made-up one): tests that are not about the container pass it so the
 # lock has a digest to record, whatever machine runs them.
@@ -146,7 +146,7 @@ LONGEST_MODULES = {
     "test_checkpoint_restore_resume.py": 93, "test_resume_damage.py": 84, "test_program_pilot.py": 81,
     "test_adapters.py": 80, "test_integration_examples.py": 65, "test_estimate.py": 56,
     "test_estimate_adapters.py": 49, "test_gates_data_and_accumulation.py": 44, "test_estimate_cache.py": 34,
-    "test_loading_policy.py": 28, "test_pilot_toy.py": 27, "test_launch_multinode.py": 23,
+    "test_loading_policy.py": 28, "test_pilot_toy.py": 27, "test_launch_multinode.py": 23, "test_skypilot.py": 60,
 }
 
 
@@ -287,7 +287,7 @@ def gate_rows(spec_path, tmp_path, *overrides, gates=None) -> dict:
 # (about 80 calls of the suite). `run`, `launch` and `campaign` install signal handlers, start pilots and are signalled
 # by tests: always a real subprocess, as is any call with an ``env`` (imported libraries read theirs at import).
 IN_PROCESS = frozenset({"ledger", "report", "select", "plan", "batch", "inspect", "convert", "archive", "note",
-                        "estimate"})
+                        "estimate", "lock"})
 _CLI_ENV = {"PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
 
 

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pilotrun"
 LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
-    {"ui", "report"},
+    {"ui", "report", "deploy"},
     {"integrations"},
     {"pilot", "campaign", "estimate"},
     {"gates"},

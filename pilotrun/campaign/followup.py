@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..config.load import parse_override, spec_from_mapping
-from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind
+from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind, TextEnum
 from ..ledger.store import Ledger
 from ..procs import is_alive, process_mark
 from .engines.base import EngineChoice
@@ -35,10 +35,11 @@ from .orchestrate import (
     parallel_plan,
     plan_run_row,
     record_lost_end,
+    run_campaign,
     run_plan,
     runs_folder,
 )
-from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, run_spec
+from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, load_campaign, run_spec
 
 
 def _campaign(led: Ledger, campaign_ref: str, ledger_path: Path) -> dict:
@@ -124,12 +125,19 @@ def cut_short(runs: list[dict]) -> list[dict]:
             if not any(t["status"] in RESULTS for t in tries) and tries[-1]["status"] in CUT_SHORT]
 
 
-def _record_a_killed_campaign(camp: dict, runs: list[dict], ledger_path: Path) -> None:
+def _record_a_killed_campaign(camp: dict, runs: list[dict], ledger_path: Path, task_id: str | None = None) -> None:
     """A campaign with no recorded end whose process is gone (SIGKILL, OOM killer, reboot): give every run
-    left "running" or "planned" an end that says so, and end the campaign as interrupted."""
+    left "running" or "planned" an end that says so, and end the campaign as interrupted.
+
+    ``task_id``: the task restarting it (``recover``). A scheduler runs one copy of a task at a time (SkyPilot's
+    managed jobs relaunch it only once its node is gone), so a process its campaign recorded on another host is gone
+    with that host."""
     cid, cmeta = camp["run_id"], json.loads(camp["meta_json"] or "{}")
     orch = cmeta.get("orchestrator")
     alive = is_alive(orch)
+    elsewhere = alive is None and task_id is not None and orch is not None and cmeta.get("task_id") == task_id
+    if elsewhere:
+        alive = False
     if alive is None:
         where = f" on {orch['host']}" if orch else ""
         raise CampaignError(f"{cid} has no recorded end and its process{where} cannot be checked from here: if it "
@@ -144,7 +152,8 @@ def _record_a_killed_campaign(camp: dict, runs: list[dict], ledger_path: Path) -
                             + ", ".join(f"{r['run_id']} (pid {r['meta']['worker']['pid']})" for r in live)
                             + " still train: let them finish, or stop them with kill -INT PID (each records "
                             "where it stopped), then --resume")
-    killed = f"the campaign's process (pid {orch['pid']}) was killed"
+    killed = (f"the campaign's node ({orch['host']}) was lost: task {task_id} restarted on another machine"
+              if elsewhere else f"the campaign's process (pid {orch['pid']}) was killed")
     with Ledger(ledger_path) as led:
         for r in open_runs:
             steps = [m["step"] for m in led.metrics(r["run_id"], Series.TRAIN)]
@@ -240,3 +249,60 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow
             with Ledger(ledger_path) as led:
                 led.merge_meta(cid, {"budget_spent_s": spent + time.time() - began})
     return finish(cid, ledger_path, after=f"resume ({len(new)} run(s) continued)")
+
+
+class Continuation(TextEnum):
+    """What ``pilotrun campaign FILE --task-id ID`` did: a task's first start, or a restart of it."""
+
+    STARTED = "started"   # no campaign of this task in the ledger: started from the file
+    RESUMED = "resumed"   # its campaign was cut short (a preempted node, a signal): continued with --resume
+    ENDED = "ended"       # its campaign has ended with every run's result: nothing to run, exit 0
+
+
+def task_campaign(led: Ledger, name: str, task_id: str) -> dict | None:
+    """The newest campaign of this name that ``task_id`` started (``meta.task_id``), or None."""
+    for r in led.runs(name, limit=500):
+        if r["kind"] == RunKind.CAMPAIGN and json.loads(r["meta_json"] or "{}").get("task_id") == task_id:
+            return r
+    return None
+
+
+def recover(path: Path, task_id: str, ledger_path: Path, out_root: Path, parallel: int | None = 1,
+            allow_drift: bool = False, on_event=None, on_start=None,
+            engine: EngineChoice | None = None) -> tuple[Continuation, str, dict]:
+    """Start the campaign in ``path`` for the task ``task_id``, or, when this ledger already has the campaign that
+    task started, continue it: safe to call again after any interruption, as a task a scheduler restarts runs its
+    commands again. Every declared run is kept once: a run the interruption cut short stays as it was recorded
+    (stopped, not run) and continues as a new run linked to it (``resume``); runs with a result are left as they
+    are. (continuation, what happened in words, the result as ``run_campaign`` returns it)."""
+    c = load_campaign(path)
+    name = c.name or Path(path).stem
+    camp = None
+    if Path(ledger_path).exists():
+        with Ledger(ledger_path) as led:
+            camp = task_campaign(led, name, task_id)
+    if camp is None:
+        result = run_campaign(path, ledger_path, out_root, parallel, allow_drift, on_event, on_start, engine,
+                              task_id=task_id)
+        return Continuation.STARTED, f"task {task_id} started campaign {result['campaign_id']}", result
+    cid = camp["run_id"]
+    if camp["status"] == RunStatus.RUNNING:
+        with Ledger(ledger_path) as led:
+            runs = led.campaign_runs(cid)
+        _record_a_killed_campaign(camp, runs, ledger_path, task_id)  # or say why it cannot be continued yet
+    with Ledger(ledger_path) as led:
+        camp, runs = led.run(cid) or camp, led.campaign_runs(cid)
+    todo = cut_short(runs)
+    lost = [r for r in todo if r["meta"].get("stop_kind") == StopKind.WORKER_LOST]
+    if todo and (camp["status"] == RunStatus.INTERRUPTED or (camp["status"] == RunStatus.FINISHED_WITH_STOPS and lost)):
+        result = resume(cid, ledger_path, parallel, allow_drift, on_event, on_start, engine)
+        return Continuation.RESUMED, (f"task {task_id}'s campaign {cid} was cut short: continued its {len(todo)} "
+                                      "stopped or not-run run(s) as new linked runs"), result
+    if camp["status"] == RunStatus.INTERRUPTED:  # stopped after its last run's result, before its own end
+        finish(cid, ledger_path, after="a restart found every run with a result")
+    with Ledger(ledger_path) as led:
+        camp = led.run(cid) or camp
+    cmeta = json.loads(camp["meta_json"] or "{}")
+    result = {"campaign_id": cid, "runs": runs, "conclusion": cmeta.get("conclusion"),
+              "parallel": cmeta.get("parallel")}
+    return Continuation.ENDED, f"task {task_id}'s campaign {cid} has ended ({camp['status']}): nothing to run", result

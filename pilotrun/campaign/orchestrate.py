@@ -238,11 +238,13 @@ def plan_run_row(led: Ledger, campaign_id: str, key: str, run_id: str, spec, out
 
 
 def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | None = 1, allow_drift: bool = False,
-                 on_event=None, on_start=None, engine: EngineChoice | None = None) -> dict:
+                 on_event=None, on_start=None, engine: EngineChoice | None = None, task_id: str | None = None) -> dict:
     """Run every planned run; ``on_start(campaign_id, parallel_plan)`` and ``on_event(run_row)`` report progress.
 
     ``engine``: where the runs go (engines/base.py); None or "local": worker processes on this machine.
-    ``parallel`` None: as many as the engine fits (Ray: the cluster's resources; local: one)."""
+    ``parallel`` None: as many as the engine fits (Ray: the cluster's resources; local: one).
+    ``task_id``: the task that runs it, kept on the campaign's row so a restart of that task finds it
+    (``followup.recover``)."""
     c = load_campaign(path)
     name = c.name or Path(path).stem
     runs, problems = prepare(c)
@@ -270,7 +272,8 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
                           meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
                                 "base": str((c.folder / c.base).resolve()), "parallel": at_once,
                                 "orchestrator": process_mark(), "engine": engine_meta(engine, run_root),
-                                "base_written": load_spec(c.folder / c.base).written})
+                                "base_written": load_spec(c.folder / c.base).written,
+                                **({"task_id": task_id} if task_id else {})})
             for i, r in enumerate(runs):
                 r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
                 r["out"] = run_root / r["run_id"]

@@ -30,6 +30,7 @@ from . import estimate as estimate_cmd
 from . import inspect as inspect_cmd
 from . import launch as launch_cmd
 from . import ledger as ledger_cmd
+from . import lock as lock_cmd
 from . import note as note_cmd
 from . import plan as plan_cmd
 from . import report as report_cmd
@@ -46,6 +47,8 @@ EPILOG = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB --gpus 4
   pilotrun select examples/llama-7b-estimate/pilot.yaml
   pilotrun plan examples/llama-7b-estimate/pilot.yaml --runs 6
+  pilotrun plan examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB --skypilot task.yaml --bucket my-runs
+  pilotrun lock export examples/tiny-sft/pilot.yaml -o requirements.lock.txt
   pilotrun campaign examples/campaign/lr-sweep.yaml --parallel 2
   pilotrun report lr-sweep-2026
   pilotrun note "kept the control: no variant beat it beyond seed spread"
@@ -59,7 +62,7 @@ exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal
 
 COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
             "select": select_cmd, "plan": plan_cmd, "campaign": campaign_cmd, "report": report_cmd,
-            "note": note_cmd, "archive": archive_cmd, "ledger": ledger_cmd, "convert": convert_cmd}
+            "note": note_cmd, "archive": archive_cmd, "ledger": ledger_cmd, "lock": lock_cmd, "convert": convert_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

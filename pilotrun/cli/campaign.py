@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ..campaign.conclude import link_text, stop_text, table
 from ..campaign.engines.base import ENGINES, EngineChoice
-from ..campaign.followup import resume, retry
+from ..campaign.followup import recover, resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
@@ -22,6 +22,7 @@ HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml --parallel 2
   pilotrun campaign lr-sweep-2026 --retry r05 --set train.micro_batch_size=4 --set train.grad_accum_steps=4
   pilotrun campaign lr-sweep-2026 --resume --parallel 2   # after Ctrl-C: run what was stopped or not run
+  pilotrun campaign lr-sweep.yaml --task-id "$SKYPILOT_TASK_ID"   # start, or continue after a preemption
   pilotrun report lr-sweep-2026                  # the HTML report
   pilotrun campaign examples/campaign/lr-sweep.yaml --engine ray                  # a local Ray instance
   pilotrun campaign lr-sweep.yaml --engine ray --address 10.0.0.5:6379 --storage /shared/runs   # a Ray cluster
@@ -33,7 +34,11 @@ the budget the campaign had left; runs with a result (finished, diverged, failed
 With --engine ray each run is a Ray task (a CPU per process, and a GPU per process unless the spec trains on
 the CPU; `processes: N` in the campaign file makes each run a torchrun-style group of N); only this process
 writes the ledger; a run whose Ray worker or node was lost is kept as stopped at its last recorded update and
---resume runs it again as a new linked run."""
+--resume runs it again as a new linked run.
+With --task-id ID (a task a scheduler restarts; SkyPilot's $SKYPILOT_TASK_ID stays the same across its recoveries)
+the command is safe to run again: the first start starts the campaign and keeps the id on its row; a restart finds
+that campaign in the ledger and continues it as --resume does (its process, recorded on a node the restart replaced,
+is taken as gone); a campaign that has ended is left as it is (exit 0)."""
 
 
 def add_parser(sub) -> None:
@@ -62,6 +67,9 @@ def add_parser(sub) -> None:
     p.add_argument("--retry", metavar="RUN", help="retry this run of the campaign as a new, linked run")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted campaign: its stopped and not-run runs, as new linked runs")
+    p.add_argument("--task-id", metavar="ID",
+                   help="the id of the task running this command, the same across its restarts ($SKYPILOT_TASK_ID): "
+                        "start the campaign, or continue the one this task started (see below)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
@@ -75,6 +83,11 @@ def main(args) -> int:
         if args.retry and args.resume:
             raise UsageError("--retry reruns one run differently, --resume continues an interrupted campaign: "
                              "give one of them")
+        if args.task_id is not None and (args.retry or args.resume):
+            raise UsageError("--task-id starts or continues a campaign file by itself: leave out --retry and --resume")
+        if args.task_id is not None and not args.task_id.strip():
+            raise UsageError("--task-id is empty: give the id that stays the same across the task's restarts "
+                             "(SkyPilot sets $SKYPILOT_TASK_ID; outside SkyPilot, any name of your own)")
         if args.engine != "ray" and (args.address or args.storage):
             raise UsageError("--address and --storage go with --engine ray")
         engine = EngineChoice(args.engine, args.address, args.storage)
@@ -103,7 +116,12 @@ def main(args) -> int:
                     for line in at_once["checked"] + at_once["not_checked"]:
                         console.print(f"  {line}", style="dim", highlight=False, markup=False)
 
-            if args.resume:
+            if args.task_id is not None:
+                _, what, result = recover(Path(args.campaign), args.task_id, Path(ledger), args.out, args.parallel,
+                                          args.allow_drift, event, start, engine)
+                if not args.json:
+                    console.print(f"campaign: {what}", highlight=False, markup=False)
+            elif args.resume:
                 result = resume(args.campaign, ledger, args.parallel, args.allow_drift, event, start, engine)
             else:
                 result = run_campaign(Path(args.campaign), ledger, args.out, args.parallel, args.allow_drift, event,

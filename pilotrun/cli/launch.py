@@ -39,6 +39,7 @@ HELP = """examples:
   pilotrun launch --nproc-per-node 2 examples/tiny-sft/pilot.yaml --set distributed.strategy=ddp
   pilotrun launch --nproc-per-node 2 pilot.yaml --set distributed.strategy=fsdp --gates load,first_step,save,restore
   pilotrun launch --nnodes 2 --node-rank 0 --rdzv-endpoint head:29500 --nproc-per-node 8 pilot.yaml
+  pilotrun launch --nproc-per-node 4 pilot.yaml --task-id "$SKYPILOT_TASK_ID" --proven-lock lock.json   # a task's
 
 On GPUs --nproc-per-node defaults to the visible devices and may not exceed them (LOCAL_RANK picks the
 device); on CPU give it explicitly (gloo). Every rank writes its own rows; report.json combines them."""
@@ -64,6 +65,12 @@ def add_parser(sub) -> None:
     p.add_argument("--container-digest", help=f"image digest of the container, {DIGEST_FORMAT}")
     p.add_argument("--run-id", help="the run's id; on several nodes give every node the same one or none (default: "
                                     "rank 0 creates it and every node takes it)")
+    p.add_argument("--task-id", metavar="ID",
+                   help="the task running this command, the same across its restarts ($SKYPILOT_TASK_ID): a passed "
+                        "pilot of this task is not launched again (exit 0), a failed one stops it again (exit 1), "
+                        "one cut short is launched again (a distributed pilot is not resumed)")
+    p.add_argument("--proven-lock", type=Path, metavar="LOCK_JSON",
+                   help="a lock.json every rank's lock gate compares this environment with")
     p.add_argument("--rdzv-id", help="torchrun's rendezvous id (several nodes; default: the --run-id, else derived "
                                      "from the spec's name, the endpoint and --nnodes, the same on every node)")
     p.set_defaults(func=main)
@@ -118,6 +125,21 @@ def find_report(out: Path | None, rank: int | None = None) -> Path | None:
     return ranks[0] if ranks else None
 
 
+def _task_done(args, spec) -> int | None:
+    """``--task-id``, decided once here for every rank: the exit code when the task's pilot is not launched again."""
+    from ..pilot.recovery import Recovery
+    from .run import task_recovery
+
+    plan = task_recovery(args.task_id, args.ledger, spec, out_console())
+    if plan.action == Recovery.PROVEN:
+        return 0
+    if plan.action == Recovery.FAILED:
+        return EXIT_GATE_FAILED
+    if plan.action == Recovery.RESUME:
+        out_console().print("pilot: a distributed pilot is continued by launching it again: a new run", highlight=False)
+    return None
+
+
 def main(args) -> int:
     spec = load_spec(args.spec, args.overrides)
     resolve_container_digest(args.container_digest)  # refused here once, not once per rank
@@ -134,6 +156,8 @@ def main(args) -> int:
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0, a free port)")
     if args.rdzv_endpoint and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", args.rdzv_endpoint):
         raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
+    if args.task_id is not None and (done := _task_done(args, spec)) is not None:
+        return done
     # Create the ledger before the ranks start: a broken one is one clear error here, not one per rank.
     Ledger(args.ledger).close()
     # One node: this launcher names the run. Several: each node's launcher alone cannot (see rendezvous_id), so
@@ -150,7 +174,8 @@ def main(args) -> int:
     cmd += ["-m", "pilotrun", "run", str(args.spec)]
     for flag, value in (("--run-id", run_id), ("--out", args.out or (Path("runs") / run_id if run_id else None)),
                         ("--ledger", args.ledger), ("--gates", args.gates),
-                        ("--container-digest", args.container_digest)):
+                        ("--container-digest", args.container_digest), ("--task-id", args.task_id),
+                        ("--proven-lock", args.proven_lock)):
         if value:
             cmd += [flag, str(value)]
     for item in args.overrides:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -12,20 +13,27 @@ from ..estimate.experiments import adapter_line
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
 from ..estimate.source import model_download
 from ..humanize import money
-from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
+from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
 from .estimate import add_trace_cache_arg, print_trace_notes
 from .select import build_sheet
+from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
 
 HELP = """examples:
   pilotrun plan examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB
   pilotrun plan pilot.yaml --runs 6 --accelerator a100 --json
   pilotrun plan pilot.yaml --runs 3 --egress-mb-s 50 --evals 20
+  pilotrun plan pilot.yaml --accelerator H100-80GB --spot --skypilot task.yaml --bucket my-runs --campaign sweep.yaml
 
 Items measured by a pilot of this spec (preprocessing, data wait, evaluation, checkpoint speed) come from the
 ledger; the rest are assumptions printed with their value. 7 days suit compatibility and profiling; 30 days
 are only advised when a measured pilot on that accelerator backs the time estimate. The model download follows
 model: none for model.config, the files of a local model.hf, a Hub revision's files when it is in the local
-Hugging Face cache, else not measured (--model-gb). Costs need price_per_gpu_hour in a --catalog file."""
+Hugging Face cache, else not measured (--model-gb). Costs need price_per_gpu_hour in a --catalog file.
+--spot: the node may be preempted: each run's pipeline gets the expected recovery (--preemptions-per-day, each
+--relaunch-minutes plus half a run's training redone, as a cut-short campaign run restarts) and costs use
+spot_price_per_gpu_hour (the on-demand price, said so, when the catalog has none).
+
+""" + SKYPILOT_HELP
 
 
 def add_parser(sub) -> None:
@@ -46,9 +54,17 @@ def add_parser(sub) -> None:
     p.add_argument("--model-gb", type=float,
                    help="model files to download, GB (default: from the model source: none for model.config, the "
                         "local files' size, the Hub revision's size when it is in the local cache)")
+    p.add_argument("--spot", action="store_true",
+                   help="preemptible (spot) capacity: the expected recovery is added to each run, costs at the spot "
+                        "price; the --skypilot task gets use_spot")
+    p.add_argument("--preemptions-per-day", type=float, default=Assumptions.preemptions_per_day,
+                   help="with --spot: expected preemptions per day of node time (assumed)")
+    p.add_argument("--relaunch-minutes", type=float, default=Assumptions.relaunch_minutes,
+                   help="with --spot: minutes to relaunch and set up a node after a preemption (assumed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     add_trace_cache_arg(p)
     p.add_argument("--json", action="store_true")
+    add_skypilot_args(p, spot_flag=False)
     p.set_defaults(func=main)
 
 
@@ -59,14 +75,17 @@ def main(args) -> int:
         if value <= 0:
             raise UsageError(f"{flag} must be a positive rate, got {value}")
     for flag, value in (("--evals", args.evals), ("--checkpoints", args.checkpoints), ("--data-gb", args.data_gb),
-                        ("--model-gb", args.model_gb or 0)):
+                        ("--model-gb", args.model_gb or 0), ("--preemptions-per-day", args.preemptions_per_day),
+                        ("--relaunch-minutes", args.relaunch_minutes)):
         if value < 0:
             raise UsageError(f"{flag} must be 0 or more, got {value}")
+    check_args(args)
     spec = load_spec(args.spec, args.overrides, check_files=False)
     rows, traces = build_sheet(spec, args, None, args.json)
     ledger = ledger_if_present(args.ledger)
     a = Assumptions(download_mb_s=args.download_mb_s, egress_mb_s=args.egress_mb_s, evals_per_run=args.evals,
-                    checkpoints_per_run=args.checkpoints, data_bytes=int(args.data_gb * 1e9))
+                    checkpoints_per_run=args.checkpoints, data_bytes=int(args.data_gb * 1e9),
+                    preemptions_per_day=args.preemptions_per_day, relaunch_minutes=args.relaunch_minutes)
     download = model_download(spec, args.model_gb)
     out: list[dict] = []
     for row in rows:
@@ -75,12 +94,17 @@ def main(args) -> int:
                         "more_gpus": None, "verdict": "does not fit with any configuration tried: no rental plan"})
             continue
         trace = traces.get(ac=row["activation_checkpointing"])
-        per_run = pipeline_hours(spec, row, trace, ledger, a, download)
+        per_run = pipeline_hours(spec, row, trace, ledger, a, download, spot=args.spot)
         out.append({"accelerator": row["accelerator"], "configuration": row, "per_run": per_run,
                     "plans": rental_plans(row, per_run, args.runs), "more_gpus": more_gpus_advice(row, per_run)})
+    wrote = (write_task(spec, args, out[0]["configuration"], traces, out[0]["per_run"], args.runs, a)
+             if args.skypilot is not None else None)
     if args.json:
         print(json.dumps({"spec": spec.source, "runs": args.runs, "assumptions": a.to_dict(), "accelerators": out,
-                          "trace_cache": traces.notes}, indent=1, default=str))
+                          "trace_cache": traces.notes, "skypilot": str(args.skypilot) if wrote else None},
+                         indent=1, default=str))
+        if wrote:
+            err_console().print(escape(wrote), highlight=False)
         return 0
     print_trace_notes(traces)
     console = out_console()
@@ -121,4 +145,6 @@ def main(args) -> int:
                                         + (f"; {'; '.join(p['advice'])}" if p["advice"] else "")))
         console.print(Text(f"  more GPUs? {item['more_gpus']}", style="dim"))
         console.print()
+    if wrote:
+        console.print(Text(wrote, style="bold"))
     return 0

@@ -24,7 +24,7 @@ from ..lock import DIGEST_FORMAT, resolve_container_digest
 from ..pilot import PilotInterrupted, PilotOptions, ResumeError, rank_summary, run_pilot
 from ..strategies import UnknownStrategy
 from ..ui.console import ConsoleObserver
-from .common import UsageError, add_ledger_arg, console_for, out_console, writable_folder
+from .common import EXIT_GATE_FAILED, EXIT_OK, UsageError, add_ledger_arg, console_for, out_console, writable_folder
 
 HELP = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
@@ -32,6 +32,7 @@ HELP = """examples:
   pilotrun run pilot.yaml --set train.micro_batch_size=2 --set train.grad_accum_steps=8
   pilotrun run pilot.yaml --json > report.json    # the report on stdout, the live table on stderr
   pilotrun run pilot.yaml --resume                # continue the last interrupted pilot of this spec
+  pilotrun run pilot.yaml --task-id "$SKYPILOT_TASK_ID" --proven-lock lock.json   # a SkyPilot task's pilot
 
 your own program (README, "Pilot your own program"): a spec with
   name: own-loop
@@ -40,6 +41,12 @@ your own program (README, "Pilot your own program"): a spec with
 and in train.py `job = pilotrun.program()` (job.update, job.should_save, job.saved, job.should_stop,
 job.resume_from, job.stage); then `pilotrun run pilot.yaml` runs it as control, interrupted (SIGKILL after its
 save) and resumed, and compares the updates: examples/own-loop/
+
+--task-id ID (a task a scheduler restarts: SkyPilot's $SKYPILOT_TASK_ID, the same across its recoveries): the
+task's pilot that passed is not run again (exit 0), one that failed a gate stops the task again (exit 1), one cut
+short is continued with --resume (or run again when it left no checkpoint to resume), and a task with no pilot yet
+runs it. --proven-lock FILE: the lock gate compares this machine's environment with that lock.json (the pilot that
+proved the job elsewhere) and names what drifted; a torch built for another device is said as such, not as drift.
 
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage,
   130 stopped by Ctrl-C, 143 by SIGTERM (preemption, timeout), 129 by SIGHUP: recorded as interrupted;
@@ -64,6 +71,12 @@ def add_parser(sub) -> None:
                    help="load a checkpoint whose manifest the ledger did not record: every file is still checked "
                         "against its manifest, .pt files load with weights_only=True, and a DCP checkpoint (its "
                         "metadata is a pickle) stays refused")
+    p.add_argument("--task-id", metavar="ID",
+                   help="the id of the task running this command, the same across its restarts ($SKYPILOT_TASK_ID): "
+                        "a passed pilot of this task is not run again, one cut short is resumed")
+    p.add_argument("--proven-lock", type=Path, metavar="LOCK_JSON",
+                   help="a lock.json the lock gate compares this environment with (instead of the last run of this "
+                        "name), e.g. the laptop pilot's, carried to a rented node")
     p.add_argument("--json", action="store_true", help="print report.json to stdout (the table goes to stderr)")
     p.add_argument("--run-id", help=argparse.SUPPRESS)  # set by `pilotrun launch`: one id for every rank
     p.set_defaults(func=main)
@@ -85,15 +98,28 @@ def _run(args) -> tuple[int, str | None]:
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
     options = PilotOptions(out_dir=args.out, ledger_path=args.ledger, gates=gates,
                            container_digest=args.container_digest, resume=args.resume, trust=args.trust,
-                           run_id=args.run_id)
+                           run_id=args.run_id, proven_lock=_proven_lock(args.proven_lock), task_id=args.task_id)
     console = console_for(stderr=True) if args.json else out_console()
+    # Under `pilotrun launch` the launcher decided for every rank (task_recovery); --task-id is then the run's mark.
+    launched = bool(os.environ.get("PILOTRUN_LAUNCHED"))
+    recovered = _recover(args, spec, options, console) if args.task_id is not None and not launched else None
+    if recovered is not None:
+        return recovered, None
     writable_folder(args.out or Path("runs"), "--out" if args.out else "the output folder runs/ (or pass --out)")
     if env_from_os()[0] != 0:  # under torchrun only rank 0 speaks; every rank writes its rows
         console = Console(file=open(os.devnull, "w"))
     observer = ConsoleObserver(console, title=spec.name)
     try:
         with interruptible():
-            result = run_pilot(spec, options, observer)
+            try:
+                result = run_pilot(spec, options, observer)
+            except ResumeError as exc:
+                if args.task_id is None or not options.resume:
+                    raise
+                # A task's pilot cut short before it saved anything has nothing to resume: it runs again, said so.
+                console.print(f"[yellow]{escape(str(exc))}[/]: running the pilot again as a new run", highlight=False)
+                options.resume = None
+                result = run_pilot(spec, options, observer)
     except PilotInterrupted as stop:
         if observer.live is not None:
             observer.live.stop()
@@ -119,6 +145,56 @@ def _run(args) -> tuple[int, str | None]:
     # worker, and torchrun would report it as one.
     code = 0 if os.environ.get("PILOTRUN_LAUNCHED") and result.world_size > 1 else result.exit_code
     return code, report
+
+
+def _proven_lock(path: Path | None) -> tuple[str, dict] | None:
+    """``--proven-lock``: (its path, the lock) or None; exit 2 naming the file when it is not a pilotrun lock.json."""
+    if path is None:
+        return None
+    from ..safefile import FileProblem, read_json
+
+    try:
+        lock = read_json(path, 64 << 20, schema={"versions": dict, "distributions": dict})
+    except FileProblem as exc:
+        raise UsageError(f"--proven-lock: {exc}; give a run's lock.json (runs/RUN/lock.json, or the one `pilotrun "
+                         "plan --skypilot` writes beside the task)") from None
+    return f"the proven lock {path}", lock
+
+
+def task_recovery(task_id: str, ledger: Path | None, spec, console):
+    """What the task ``task_id`` does with this spec's pilot now (``pilot.recovery``), said on ``console``; exit 2
+    for an empty id."""
+    from ..ledger.store import Ledger, default_ledger_path
+    from ..pilot.recovery import Recovery, RecoveryPlan, pilot_recovery
+
+    if not task_id.strip():
+        raise UsageError("--task-id is empty: give the id that stays the same across the task's restarts "
+                         "(SkyPilot sets $SKYPILOT_TASK_ID; outside SkyPilot, any name of your own)")
+    path = Path(ledger or default_ledger_path())
+    if not path.exists():
+        plan = RecoveryPlan(Recovery.START, None, f"task {task_id}: no ledger at {path} yet")
+    else:
+        with Ledger(path) as led:
+            plan = pilot_recovery(led.runs(spec.name, limit=500), task_id, spec.config_hash())
+    console.print(f"pilot: {escape(plan.reason)}", highlight=False)
+    return plan
+
+
+def _recover(args, spec, options: PilotOptions, console) -> int | None:
+    """``--task-id``: the exit code when this task's pilot is not to run now; None to run it (``options.resume``
+    set when it continues a pilot cut short)."""
+    from ..pilot.recovery import Recovery
+
+    if args.resume:
+        raise UsageError("--task-id decides itself whether to --resume: give one of them")
+    plan = task_recovery(args.task_id, args.ledger, spec, console)
+    if plan.action == Recovery.PROVEN:
+        return EXIT_OK
+    if plan.action == Recovery.FAILED:
+        return EXIT_GATE_FAILED
+    if plan.action == Recovery.RESUME:
+        options.resume = plan.run_id
+    return None
 
 
 def _stopped(stop: PilotInterrupted, spec, args, console) -> None:

@@ -5,6 +5,7 @@ import contextlib
 import json
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -16,8 +17,9 @@ from ..estimate.select import sheet_row
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds, money
-from .common import UsageError, add_ledger_arg, ledger_if_present, out_console
+from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
 from .estimate import add_trace_cache_arg, print_trace_notes, traces_for
+from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
 
 HELP = """examples:
   pilotrun select examples/llama-7b-estimate/pilot.yaml
@@ -25,11 +27,15 @@ HELP = """examples:
   pilotrun select pilot.yaml --json
   pilotrun select pilot.yaml --catalog examples/catalog/my-gpus.yaml   # prices: cost per update and in total
   pilotrun select pilot.yaml --accelerator H100-80GB --accelerator MI300X-192GB --headroom 0.1
+  pilotrun select pilot.yaml --accelerator H100-80GB --skypilot task.yaml --bucket my-runs   # that row as a task
 
 For each accelerator: the first configuration that fits with headroom, in the fix order (single device,
 activation checkpointing, FSDP over 2/4/8, a smaller micro batch with more accumulation holding the examples
 per update), the largest micro batch and length that fit, and the time for train.updates. With prices in a
-catalog file (price_per_gpu_hour, see docs/catalog.md and examples/catalog/my-gpus.yaml) each time has its cost."""
+catalog file (price_per_gpu_hour, see docs/catalog.md and examples/catalog/my-gpus.yaml) each time has its cost.
+
+""" + SKYPILOT_HELP + """ From select the pipeline items take plan's default assumptions (`pilotrun plan
+--skypilot` takes its flags)."""
 
 
 def add_parser(sub) -> None:
@@ -51,6 +57,7 @@ def add_parser(sub) -> None:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
     out.add_argument("--markdown", action="store_true")
+    add_skypilot_args(p)
     p.set_defaults(func=main)
 
 
@@ -133,8 +140,11 @@ def markdown(spec, rows: list[dict]) -> str:
 
 
 def main(args) -> int:
+    check_args(args)
     spec = load_spec(args.spec, args.overrides, check_files=False)
     rows, traces = build_sheet(spec, args, args.headroom, args.json or args.markdown)
+    if args.skypilot is not None:  # one accelerator (check_args): its first row is the job as specified
+        err_console().print(escape(write_task(spec, args, rows[0], traces)), highlight=False)
     if args.json:
         print(json.dumps({"spec": spec.source, "rows": rows, "trace_cache": traces.notes}, indent=1, default=str))
         return 0

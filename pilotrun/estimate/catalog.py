@@ -32,6 +32,8 @@ class Accelerator:
     nccl_buffer_bytes: int
     notes: str = ""
     price_per_gpu_hour: float | None = None
+    spot_price_per_gpu_hour: float | None = None  # preemptible (spot) capacity; None: not known
+    skypilot: str = ""               # SkyPilot's name for it (resources.accelerators); "" when not known
     compute_capability: str = ""
     aliases: tuple = ()
     defaults: dict = field(default_factory=dict)
@@ -62,7 +64,9 @@ REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", 
             "blas_workspace_bytes", "nccl_buffer_bytes")
 # Every key an entry may have (docs/catalog.md describes each); a misspelt key is an error, not ignored: a
 # silently dropped "price_per_hour" would leave every cost blank with no reason given.
-OPTIONAL = ("aliases", "compute_capability", "memory_spec_gb", "notes", "price_per_gpu_hour")
+OPTIONAL = ("aliases", "compute_capability", "memory_spec_gb", "notes", "price_per_gpu_hour", "spot_price_per_gpu_hour",
+            "skypilot")
+PRICE_KEYS = ("price_per_gpu_hour", "spot_price_per_gpu_hour")
 DEFAULT_KEYS = ("reserved_margin", "utilisation", "headroom")
 
 
@@ -108,10 +112,16 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
         if unknown:
             raise CatalogError(f"catalog entry {name!r} has unknown key(s) {', '.join(unknown)}; known: "
                                f"{', '.join(REQUIRED + OPTIONAL)} (docs/catalog.md)")
-        price = f.get("price_per_gpu_hour")
-        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0):
-            raise CatalogError(f"catalog entry {name!r}: price_per_gpu_hour must be a number of your currency "
-                               f"per GPU per hour, e.g. 2.49; got {price!r}")
+        for key in PRICE_KEYS:
+            price = f.get(key)
+            if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0):
+                raise CatalogError(f"catalog entry {name!r}: {key} must be a number of your currency "
+                                   f"per GPU per hour, e.g. 2.49; got {price!r}")
+        price, spot = f.get("price_per_gpu_hour"), f.get("spot_price_per_gpu_hour")
+        sky_name = f.get("skypilot", "")
+        if not isinstance(sky_name, str) or (sky_name and not re.fullmatch(r"[A-Za-z0-9][\w.-]*", sky_name)):
+            raise CatalogError(f"catalog entry {name!r}: skypilot is SkyPilot's accelerator name as `sky show-gpus` "
+                               f"prints it, e.g. H100; got {sky_name!r}")
         out[name] = Accelerator(
             name=name, vendor=f["vendor"], stack=f["stack"], memory_bytes=int(f["memory_bytes"]),
             memory_spec_gb=float(f.get("memory_spec_gb", 0)), bandwidth_tb_s=float(f["bandwidth_tb_s"]),
@@ -119,6 +129,7 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
             context_bytes=int(f["context_bytes"]), blas_workspace_bytes=int(f["blas_workspace_bytes"]),
             nccl_buffer_bytes=int(f["nccl_buffer_bytes"]), notes=str(f.get("notes", "")),
             price_per_gpu_hour=None if price is None else float(price),
+            spot_price_per_gpu_hour=None if spot is None else float(spot), skypilot=sky_name,
             compute_capability=str(f.get("compute_capability", "")),
             aliases=tuple(f.get("aliases", [])), defaults=defaults,
         )

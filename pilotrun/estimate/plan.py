@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..ledger.details import SaveDetails, SteadyStepDetails
+from ..ledger.details import ExportDetails, SaveDetails, SteadyStepDetails
 from ..ledger.records import GateName, TextEnum
 from .experiments import adapter_view
 
@@ -24,6 +24,10 @@ class Assumptions:
     evals_per_run: int = 10
     checkpoints_per_run: int = 10
     data_bytes: int = 0                   # dataset bytes to download (0: already on the node)
+    # Spot (preemptible) capacity, with --spot: no public source gives a rate per accelerator and cloud; these are
+    # assumptions printed with their value, like the speeds above.
+    preemptions_per_day: float = 1.0
+    relaunch_minutes: float = 15.0        # a managed job's recovery: a new node, the setup (torch and the lock) again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +47,7 @@ class Item(TextEnum):
     EXPORT = "export"
     MERGED_EXPORT = "merged export (export.merge)"
     COPY_OFF = "copy results off"
+    RECOVERY = "spot recovery (expected)"  # with --spot: relaunches and the work a preemption makes redo
 
 
 def _last_rows(ledger, config_hash: str) -> tuple[str | None, dict[str, dict]]:
@@ -60,11 +65,13 @@ def _last_rows(ledger, config_hash: str) -> tuple[str | None, dict[str, dict]]:
 
 
 def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | None = None,
-                   download: dict | None = None) -> dict:
+                   download: dict | None = None, spot: bool = False) -> dict:
     """Hours (and, with a price, cost) of one run, item by item, on the sheet row's configuration.
 
     ``download`` is :func:`pilotrun.estimate.source.model_download`'s answer: what the node fetches
-    follows the model source (nothing for a config-built model), never the parameter count."""
+    follows the model source (nothing for a config-built model), never the parameter count.
+    ``spot``: the node may be preempted; the expected recovery is an item of its own (:func:`recovery_item`) and the
+    cost is at the spot price (the on-demand one, said so, when the catalog has none)."""
     a = a or Assumptions()
     pilot_id, pilot = _last_rows(ledger, spec.config_hash())
     source = f"pilot {pilot_id}" if pilot else None
@@ -113,14 +120,58 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
         weights += merged["bytes"]
     add(Item.COPY_OFF, (ckpt_bytes + weights) / (a.egress_mb_s * 1e6),
         f"last checkpoint + export at {a.egress_mb_s:g} MB/s (assumed)")
-    # The node is rented for the whole pipeline, so every item costs GPUs x hours x price.
+    cost_note = row.get("cost_note")
     price, gpus = row.get("price_per_gpu_hour"), row["gpus"]
+    if spot:
+        items.append(recovery_item(sum(i["hours"] for i in items if i["hours"] is not None),
+                                   train_s / 3600 if train_s else None, a))
+        if row.get("spot_price_per_gpu_hour") is not None:
+            price, cost_note = row["spot_price_per_gpu_hour"], None
+        elif price is not None:
+            cost_note = (f"no spot price for {row['accelerator']}: costs use the on-demand price_per_gpu_hour; add "
+                         "spot_price_per_gpu_hour in a --catalog file (docs/catalog.md)")
+    # The node is rented for the whole pipeline, so every item costs GPUs x hours x price.
     for i in items:
         i["cost"] = i["hours"] * gpus * price if (i["hours"] is not None and price is not None) else None
     known = [i["hours"] for i in items if i["hours"] is not None]
+    sizes = _sizes(pilot, source, ckpt_bytes, weights, adapter is not None, spec.train.precision, dl, a)
     return {"items": items, "hours": sum(known), "unknown": [i["item"] for i in items if i["hours"] is None],
             "cost": sum(known) * gpus * price if price is not None else None,
-            "cost_note": row.get("cost_note"), "measured_by": source}
+            "cost_note": cost_note, "measured_by": source, "spot": spot, "price_per_gpu_hour": price, "sizes": sizes}
+
+
+def _sizes(pilot: dict, source: str | None, ckpt_bytes: int, weights: int, adapter: bool, precision: str, dl: dict,
+           a: Assumptions) -> dict:
+    """What one checkpoint and one export take on disk (measured by the pilot where it saved and exported, else
+    from the trace), and what the node downloads: the disk a SkyPilot task asks for."""
+    measured_ckpt = SaveDetails.of((pilot.get(GateName.SAVE) or {}).get("details")).bytes
+    measured_export = ExportDetails.of((pilot.get(GateName.EXPORT) or {}).get("details")).bytes
+    return {
+        "per_checkpoint": {"bytes": measured_ckpt, "from": f"measured by {source} (save)"} if measured_ckpt else
+        {"bytes": ckpt_bytes, "from": "estimated from the trace: " + ("the adapter and its optimizer state" if adapter
+                                                                      else "parameters + optimizer state")},
+        "per_export": {"bytes": measured_export, "from": f"measured by {source} (export)"} if measured_export else
+        {"bytes": weights, "from": "estimated from the trace: " + ("the adapter" if adapter else
+                                                                   f"the weights in {precision}")},
+        "model_download": {"bytes": dl["bytes"], "from": dl["reason"]},
+        "data_download": {"bytes": a.data_bytes, "from": "--data-gb" if a.data_bytes else "no download (--data-gb)"},
+    }
+
+
+def recovery_item(hours: float, train_hours: float | None, a: Assumptions) -> dict:
+    """The expected cost in hours of running ``hours`` of pipeline on spot capacity: preemptions at
+    ``a.preemptions_per_day``, each a relaunch (a new node and the setup again) plus the work it makes redo. A
+    campaign run a preemption cuts short runs again from its start (``pilotrun campaign --resume``), so half a run's
+    training is redone on average. First order: a preemption during the recovery itself is not counted."""
+    preemptions = hours / 24 * a.preemptions_per_day
+    redo = train_hours / 2 if train_hours else 0.0
+    each = a.relaunch_minutes / 60 + redo
+    how = (f"{preemptions:.2f} expected preemption(s) in {hours:.1f} h at {a.preemptions_per_day:g}/day "
+           f"(assumed, --preemptions-per-day), each {a.relaunch_minutes:g} min to relaunch and set up again "
+           f"(assumed, --relaunch-minutes)")
+    how += (f" + {redo:.2f} h redone (half a run's training: a campaign run cut short runs again from its start)"
+            if train_hours else "; the training time is unknown, so the work redone is not counted")
+    return {"item": Item.RECOVERY, "hours": preemptions * each, "from": how}
 
 
 def rental_plans(row: dict, per_run: dict, runs: int) -> list[dict]:

@@ -106,6 +106,10 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
                                + (f"; length capped at the model's max_position_embeddings ({max_len})"
                                   if capped else "")),
         "price_per_gpu_hour": acc.price_per_gpu_hour,
+        "spot_price_per_gpu_hour": acc.spot_price_per_gpu_hour,
+        "stack": acc.stack,                       # cuda or rocm: which torch build the node needs
+        "skypilot": acc.skypilot,                 # SkyPilot's name for it ("" when the catalog has none)
+        "gpus_per_node": int(acc.interconnect.get("gpus_per_node") or 8),
         "cost_per_update": acc.cost(s / 3600 if s else None, gpus),
         "cost_for_planned_updates": acc.cost(s * t.updates / 3600 if s else None, gpus),
         "cost_note": acc.price_note(),

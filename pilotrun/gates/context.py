@@ -48,6 +48,8 @@ class PilotContext:
     container_digest: str | None = None
     progress: ProgressFn = no_progress
     restore_from: Path | None = None  # --resume: the checkpoint the driver is restored from right after load
+    # --proven-lock: (where it came from, the lock) the lock gate compares with instead of the last run of this name
+    proven_lock: tuple[str, dict] | None = None
     # Products (see gates.base.Product): set by the gate that produces each, or by recover() on --resume.
     inputs: JobInputs | None = None         # DATA
     data_error: str | None = None           # why the data could not be built (gates that need it are skipped)

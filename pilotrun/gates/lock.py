@@ -1,9 +1,11 @@
 """``lock``: record revisions, versions, config and seeds; report drift from the last run of this name.
 
-Three kinds of difference from the last run are kept apart (:class:`pilotrun.lock.DriftKind`): a config key the user
-changed is the experiment they meant to run and an edit of the program's files, a factory's module or the git commit
-is code (both said as information, the files named), while other versions, another container or other model/data
-content under the same config is the environment drifting (a warning)."""
+Four kinds of difference from the last run (or the proven lock a task carried) are kept apart
+(:class:`pilotrun.lock.DriftKind`): a config key the user changed is the experiment they meant to run, an edit of the
+program's files, a factory's module or the git commit is code, and the same releases built for another device (the
+rented node's CUDA build of a laptop's CPU torch) are the device — all three said as information — while other
+versions, another container or other model/data content under the same config is the environment drifting (a
+warning)."""
 from __future__ import annotations
 
 import json
@@ -58,13 +60,16 @@ class LockGate(Gate):
                        "versions": lock["versions"], "model": _short(lock["model"]), "data": _short(lock["data"])}
         warnings: list[str] = []
         info = [f"recorded lock.json (config {lock['config_hash'][:8]}, torch {lock['versions']['torch']})"]
-        prev = ctx.ledger.previous_lock(ctx.spec.name, ctx.run_id) if ctx.ledger is not None else None
+        # The proven environment (a lock.json a task carried to the node) when given, else this name's last run.
+        prev = ctx.proven_lock or (ctx.ledger.previous_lock(ctx.spec.name, ctx.run_id) if ctx.ledger is not None
+                                   else None)
         if prev is None:
             info.append(f"first run named {ctx.spec.name!r}, nothing to compare")
         else:
             prev_id, prev_lock = prev
             kinds = classify_drift(diff_locks(prev_lock, lock))
             environment, changes = kinds[DriftKind.ENVIRONMENT], config_changes(kinds[DriftKind.EXPERIMENT])
+            device = kinds[DriftKind.DEVICE]
             out.details["compared_with"] = prev_id
             out.details["drift"] = [{"field": k, "before": a, "now": b, "kind": str(kind)}
                                     for kind, items in kinds.items() for k, a, b in items]
@@ -81,7 +86,10 @@ class LockGate(Gate):
             if code:
                 out.details["code_changes"] = [{"field": k, "before": a, "now": b} for k, a, b in code]
                 info.append(f"code changed from {prev_id}: {summarize_code(code)}")
-            if not environment and not changes and not code:
+            if device:
+                info.append(f"built for another device than {prev_id} in {len(device)} field(s) (expected on "
+                            f"another accelerator): {summarize_drift(device, limit=3)}")
+            if not environment and not changes and not code and not device:
                 info.append(f"no drift from {prev_id}")
             elif not environment:
                 info.append("no environment drift")

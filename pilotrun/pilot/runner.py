@@ -64,6 +64,8 @@ class PilotOptions:
     run_id: str | None = None
     resume: str | None = None            # "latest" or a run id: continue an interrupted pilot
     trust: bool = False                  # load a checkpoint whose manifest the ledger did not record
+    proven_lock: tuple[str, dict] | None = None  # (where from, lock.json): what the lock gate compares with
+    task_id: str | None = None           # the task running this pilot, the same across its restarts (run meta)
 
 
 class PilotInterrupted(Interrupted):
@@ -126,14 +128,16 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = PilotContext(spec=spec, run_id=run_id, out_dir=out_dir, process=process, ledger=ledger,
                        container_digest=options.container_digest, progress=observer.on_progress,
-                       restore_from=plan.checkpoint if plan is not None else None)
+                       restore_from=plan.checkpoint if plan is not None else None, proven_lock=options.proven_lock)
     carried = carry_rows(plan, gates, ctx) if plan is not None else {}
     notes = notes + (plan.notes if plan is not None else [])
     result = PilotResult(run_id, out_dir, ledger.path, rank=env.rank, world_size=env.world_size)
     if env.is_main:
         ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
                          config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes,
-                                                               **_job_meta(spec, process)},
+                                                               **_job_meta(spec, process),
+                                                               **({"task_id": options.task_id} if options.task_id
+                                                                  else {})},
                          parent_id=plan.parent_id if plan else None)
     distributed.barrier(env)
     node_row = _register_on_this_node(ledger, env, run_id, spec, out_dir)

@@ -1,0 +1,239 @@
+"""``--skypilot TASK.yaml`` for ``pilotrun plan`` and ``pilotrun select``: gather the plan's data (the chosen row,
+the pipeline, the lock, the files the spec names) and write the task that ``deploy/skypilot.py`` makes of it."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+from pathlib import Path
+
+from .. import __file__ as _pilotrun_init
+from .. import __version__
+from ..campaign.spec import load_campaign
+from ..config.paths import looks_local
+from ..deploy.requirements import NoTorchIndex, Target, requirements
+from ..deploy.skypilot import (
+    BUCKET_MOUNT,
+    Bucket,
+    CampaignPart,
+    Mount,
+    PilotrunSource,
+    Size,
+    TaskInputs,
+    TaskRefused,
+    bucket_problem,
+    task_text,
+)
+from ..estimate.plan import Assumptions, pipeline_hours
+from ..estimate.source import model_download
+from ..humanize import human_bytes
+from ..safefile import write_atomic
+from .common import UsageError, ledger_if_present
+from .lock import proven_lock
+
+SKYPILOT_HELP = """SkyPilot task (--skypilot TASK.yaml, with one --accelerator): the plan's accelerators and count,
+spot with --spot, disk from the checkpoint and export sizes, the lock reproduced and verified in setup, and a run
+that pilots first, then the campaign (--campaign) or your long run (--long-run), each step safe to run again after
+a preemption. The ledger and run folders live on --bucket. TASK.lock.json is written beside it (the lock the node
+compares with). Launch it with `sky jobs launch TASK.yaml`."""
+
+
+def add_skypilot_args(p, spot_flag: bool = True) -> None:
+    """The task's flags; ``spot_flag`` False where the command has its own --spot (plan)."""
+    g = p.add_argument_group("SkyPilot task")
+    g.add_argument("--skypilot", type=Path, metavar="TASK_YAML",
+                   help="write the chosen row as a SkyPilot task (needs one --accelerator)")
+    g.add_argument("--bucket", help="the checkpoint and output bucket: a name (SkyPilot creates and keeps it) or an "
+                                    "existing bucket's URI, s3://... gs://... (default: pilotrun-<spec name>)")
+    g.add_argument("--campaign", type=Path, metavar="CAMPAIGN_YAML",
+                   help="the campaign the task runs after the pilot (its base must be this spec)")
+    g.add_argument("--long-run", metavar="COMMAND",
+                   help="your own command the task runs after the pilot; it must continue from its own checkpoints "
+                        f"under $PILOTRUN_BUCKET ({BUCKET_MOUNT}) when the task restarts")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                   help="with --long-run: the checkpoints your program keeps at once, for the disk (default 2)")
+    g.add_argument("--lock", metavar="RUN_OR_LOCK_JSON",
+                   help="the lock to reproduce: a run id or a lock.json (default: the newest passed pilot of this "
+                        "config in the ledger, else this machine's environment, said so)")
+    g.add_argument("--torch-index", metavar="URL",
+                   help="the index the node's torch comes from (default: from the lock and the accelerator's stack)")
+    if spot_flag:
+        g.add_argument("--spot", action="store_true", help="preemptible capacity: use_spot, and the expected "
+                                                           "recovery in the plan's cost")
+
+
+def check_args(args) -> None:
+    """Flags that go with --skypilot only, and one accelerator: exit 2 naming the flag before anything is traced."""
+    if args.skypilot is None:
+        given = [f for f, v in (("--bucket", args.bucket), ("--campaign", args.campaign), ("--long-run", args.long_run),
+                                ("--lock", args.lock), ("--torch-index", args.torch_index)) if v]
+        if given:
+            raise UsageError(f"{', '.join(given)} go(es) with --skypilot TASK.yaml")
+        return
+    if len(args.accelerator) != 1:
+        raise UsageError("--skypilot writes one task: choose its accelerator with one --accelerator NAME "
+                         "(`pilotrun select` lists them)")
+    if args.bucket is not None and (problem := bucket_problem(args.bucket)):
+        raise UsageError(f"--bucket: {problem}")
+    if args.campaign is not None and not args.campaign.is_file():
+        raise UsageError(f"--campaign: {args.campaign} is not a file; give the campaign YAML the task runs")
+    if args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if args.long_run is not None and not args.long_run.strip():
+        raise UsageError("--long-run is empty: give the command the task runs after the pilot")
+
+
+def _overrides(spec, row: dict) -> list[tuple[str, object, object]]:
+    """The spec keys the plan's row changes (the fixes it applied), as --set would."""
+    t = spec.train
+    pairs = [("distributed.strategy", spec.distributed.strategy, row["strategy"]),
+             ("train.activation_checkpointing", t.activation_checkpointing, row["activation_checkpointing"]),
+             ("train.micro_batch_size", t.micro_batch_size, row["micro_batch_size"]),
+             ("train.grad_accum_steps", t.grad_accum_steps, row["grad_accum_steps"])]
+    return [(k, a, b) for k, a, b in pairs if a != b]
+
+
+def _local_files(spec) -> list[tuple[str, str, Path]]:
+    """(spec key, as written, resolved) for every local file the spec names that the node needs."""
+    out = []
+    m, d = spec.model, spec.data
+    if m is not None:
+        for key, value in (("model.hf", m.hf), ("model.tokenizer", m.tokenizer)):
+            if isinstance(value, str) and looks_local(value) and not value.startswith("pkg:"):
+                out.append((key, value, spec.resolve(value)))
+    if d is not None:
+        paths = {"data.path": d.path} if isinstance(d.path, str) else {f"data.path.{k}": v for k, v in
+                                                                       (d.path or {}).items()}
+        for key, value in paths.items():
+            if isinstance(value, str) and not value.startswith("pkg:"):
+                out.append((key, value, spec.resolve(value)))
+    return out
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _workdir(spec, extra: list[Path]) -> tuple[Path, str, list[Mount], list[str], int]:
+    """The folder synced as the workdir (the spec's, and every relative file it names under one root), the mounts
+    of files it names by absolute path, the notes of what travels with the workdir, and the local data's bytes."""
+    rel, mounts, notes, data_bytes = [], [], [], 0
+    for key, written, path in _local_files(spec):
+        path = path.resolve()
+        if key.startswith("data.") and path.exists():
+            data_bytes += _size(path)
+        if Path(written).expanduser().is_absolute():
+            mounts.append(Mount(str(path), str(path), f"{key}: {written} (as written in the spec: the same path on "
+                                                      "the node)"))
+        else:
+            rel.append((key, written, path))
+    roots = [spec.folder.resolve(), *(p.resolve().parent for p in extra), *(p.parent for _, _, p in rel)]
+    root = Path(os.path.commonpath([str(r) for r in roots]))
+    for key, written, path in rel:
+        notes.append(f"{key} {written} ({path.relative_to(root)})")
+    why = ("the deepest folder holding the spec" + (", the campaign" if extra else "") +
+           (" and the files the spec names by relative path" if rel else "") +
+           ", so its relative paths hold on the node (~/sky_workdir there; .gitignore and .skyignore apply)")
+    return root, why, mounts, notes, data_bytes
+
+
+def pilotrun_source() -> PilotrunSource:
+    """How the node gets the pilotrun that runs here: its source tree (mounted), or a pip requirement."""
+    root = Path(_pilotrun_init).resolve().parent.parent
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file() and re.search(r'(?m)^name\s*=\s*"pilotrun"', pyproject.read_text()):
+        return PilotrunSource(str(root), None, f"pilotrun {__version__} from the source tree {root}")
+    try:
+        direct = json.loads(importlib.metadata.distribution("pilotrun").read_text("direct_url.json") or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        direct = {}
+    vcs = direct.get("vcs_info") or {}
+    if vcs.get("commit_id"):
+        req = f"pilotrun @ git+{direct['url']}@{vcs['commit_id']}"
+        return PilotrunSource(None, req, f"pilotrun {__version__} from {direct['url']} at {vcs['commit_id'][:10]}")
+    return PilotrunSource(None, f"pilotrun=={__version__}", f"pilotrun {__version__} from the package index (this "
+                                                            "machine has it installed, not from a source tree)")
+
+
+def _campaign(args, spec, row: dict, overrides) -> CampaignPart | None:
+    if args.campaign is None:
+        return None
+    c = load_campaign(args.campaign)  # a SpecError names the campaign file's field
+    base = (c.folder / c.base).resolve()
+    if base != Path(spec.source).resolve():
+        raise TaskRefused(f"--campaign {args.campaign}: its base is {base}, not the planned spec {spec.source}; plan "
+                          "the campaign's base, so the task pilots what the campaign runs")
+    if overrides:
+        keys = ", ".join(f"{k}: {b}" for k, _, b in overrides)
+        raise TaskRefused(f"the plan runs {spec.source} as {keys}, and a campaign runs its base as written: put "
+                          f"these in {base.name} (or plan another accelerator), then write the task again")
+    if row["gpus"] > 1 and c.processes != row["gpus"]:
+        raise TaskRefused(f"--campaign {args.campaign}: the plan runs each run on {row['gpus']} GPUs "
+                          f"({row['strategy']} x{row['gpus']}): set processes: {row['gpus']} in the campaign file")
+    return CampaignPart(os.path.relpath(Path(args.campaign).resolve(), start=_root_of(args, spec)),
+                        len(c.values) * len(c.seeds), c.processes, c.keep.checkpoint, c.keep.export)
+
+
+def _root_of(args, spec) -> Path:
+    extra = [Path(args.campaign).resolve()] if args.campaign else []
+    return _workdir(spec, extra)[0]
+
+
+def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs: int = 1,
+               assumptions: Assumptions | None = None) -> str:
+    """Write ``args.skypilot`` (and the lock beside it) for ``row``; what was written, in words. UsageError (exit 2)
+    naming what to change."""
+    if not row["fits"]:
+        raise UsageError(f"{row['accelerator']}: the job does not fit with any configuration tried "
+                         f"({'; '.join(row['steps'])}): no task written")
+    a = assumptions or Assumptions()
+    if per_run is None:
+        trace = traces.get(ac=row["activation_checkpointing"])
+        per_run = pipeline_hours(spec, row, trace, ledger_if_present(args.ledger), a, model_download(spec),
+                                 spot=args.spot)
+    overrides = _overrides(spec, row)
+    try:
+        campaign = _campaign(args, spec, row, overrides)
+        lock, lock_from = proven_lock(spec, args.ledger, args.lock)
+        try:
+            req = requirements(lock, Target(row["stack"]), lock_from, args.torch_index)
+        except NoTorchIndex as exc:
+            raise UsageError(f"{exc}") from None
+        extra = [Path(args.campaign).resolve()] if args.campaign else []
+        root, why, mounts, notes, data_bytes = _workdir(spec, extra)
+        sizes = per_run["sizes"]
+        download = sizes["data_download"]
+        data_why = [f"the spec's local data files, {human_bytes(data_bytes)}"] if data_bytes else []
+        data_why += [download["from"]] if download["bytes"] else []
+        data = Size(data_bytes + (download["bytes"] or 0), " + ".join(data_why) or "no data files to hold")
+        task_file = Path(args.skypilot)
+        lock_file = task_file.with_name(task_file.stem + ".lock.json")
+        bucket = Bucket(args.bucket, "--bucket") if args.bucket else Bucket(
+            _bucket_name(spec.name), "no --bucket: SkyPilot creates a bucket of this name (pilotrun-<spec name>); "
+            "pass --bucket to name yours")
+        inputs = TaskInputs(
+            name=spec.name, spec_rel=os.path.relpath(Path(spec.source).resolve(), root), workdir=str(root),
+            workdir_why=why, row=row, per_run=per_run, runs=runs, overrides=overrides, lock=lock, lock_from=lock_from,
+            lock_file=str(lock_file.resolve()), requirements=req, bucket=bucket, spot=args.spot,
+            checkpoint=Size(sizes["per_checkpoint"]["bytes"], sizes["per_checkpoint"]["from"]),
+            export=Size(sizes["per_export"]["bytes"], sizes["per_export"]["from"]),
+            model_download=Size(sizes["model_download"]["bytes"], sizes["model_download"]["from"]), data=data,
+            source=pilotrun_source(), mounts=mounts, in_workdir=notes, campaign=campaign, long_run=args.long_run,
+            keep_checkpoints=args.keep_checkpoints)
+        text = task_text(inputs)
+    except TaskRefused as exc:
+        raise UsageError(str(exc)) from None
+    if not task_file.parent.is_dir():
+        raise UsageError(f"--skypilot {task_file}: no folder {task_file.parent}; create it or write the task elsewhere")
+    write_atomic(lock_file, json.dumps(lock, indent=1, sort_keys=True))  # WriteFailed names the path: exit 2
+    write_atomic(task_file, text)
+    return (f"wrote {task_file} ({row['skypilot'] or row['accelerator']}:{row['gpus']}, the lock of {lock_from}) and "
+            f"{lock_file}; launch it with `sky jobs launch {task_file}`")
+
+
+def _bucket_name(name: str) -> str:
+    out = re.sub(r"[^a-z0-9.-]+", "-", f"pilotrun-{name}".lower()).strip("-.")[:63]
+    return out if len(out) >= 3 else "pilotrun-runs"
