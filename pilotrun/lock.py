@@ -35,7 +35,8 @@ CONTAINER_FLAG = "--container-digest"
 DIGEST_RE = re.compile(r"^(?:[\w.\-/:]+@)?sha256:[0-9a-f]{64}$")
 DIGEST_FORMAT = "sha256:<64 lowercase hex digits> (optionally image@sha256:...)"
 # Fields that identify the machine, not the job: recorded, never reported as drift.
-NOT_DRIFT = ("created_at", "host.")
+# Where it ran, not what ran: the machine, and the folder a program's spec is in (a rented node's is another).
+NOT_DRIFT = ("created_at", "host.", "program.folder")
 # The device runtime's libraries (backends' versions): present on one machine and absent on another is the device.
 RUNTIME_LIBRARIES = ("versions.cuda", "versions.hip", "versions.cudnn", "versions.nccl")
 # Distributions that are a torch build's own runtime (CUDA's nvidia-* wheels, Triton): they come with the build.
@@ -324,8 +325,8 @@ def drift_kind(field: str, changed: set[str]) -> DriftKind:
     if parts[0] == "code":
         return DriftKind.CODE
     if parts[0] in ("model", "data") and parts[-1] == "source_sha256" and not any(
-            k.startswith(f"config.{parts[0]}.") for k in changed):
-        return DriftKind.CODE  # the factory's module was edited under the same config
+            f"{parts[0]}.{name}" in changed for name in ("factory", "file")):
+        return DriftKind.CODE  # the same factory's module was edited (whatever else of the section changed)
     if parts[0] in ("model", "data"):
         config_changed = any(k.startswith(f"config.{parts[0]}.") for k in changed)
         if parts[-1] in IDENTITY_FIELDS:

@@ -311,3 +311,35 @@ def test_a_reload_that_differs_names_the_export_tensors_that_differ_or_are_missi
     cause = _weights_cause(view, artifact, out)
     assert "transformer.h.1.mlp.c_fc.weight" in cause and "late_buffer" in cause and "missing" in cause, cause
     assert out.details["weights"]["differ"] == ["transformer.h.1.mlp.c_fc.weight"], out.details
+
+
+def test_under_auto_the_trainers_own_save_steps_save_is_its_own_and_the_run_stops_after_it(tmp_path):
+    job = handle(tmp_path, "control", save_auto="3,2")  # pilotrun would ask at 3 too: the Trainer saves there itself
+    tr = trainer(job, tmp_path, max_steps=8, save_strategy="steps", save_steps=3, output_dir=str(tmp_path / "ck"))
+    tr.train()
+    assert [(s["update"], s["asked"]) for s in events(job, "saved")] == [(3, False)]
+    assert tr.state.global_step == 5
+
+
+def test_own_copy_rebinds_defaults_hooks_and_lists_that_reach_the_original_and_class_forward_keeps_device_hooks():
+    from pilotrun.integrations.copying import class_forward, own_copy
+
+    live = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    original = live.forward
+
+    def patched(x, _f=original):  # a wrapper holding the original's bound forward as a default
+        return _f(x)
+
+    live.forward = patched
+    held = [live[0]]
+    live[0].register_forward_hook(lambda mod, inp, out: out + 0 * held[0].weight.sum())  # a hook over a list
+    mine = own_copy(live)
+    mine(torch.ones(2, 4)).sum().backward()
+    assert all(p.grad is None for p in live.parameters()), "training the copy put gradients on the live model"
+    assert all(p.grad is not None for p in mine.parameters())
+
+    offloaded = torch.nn.Linear(2, 2)
+    offloaded._hf_hook = object()  # accelerate's device placement (device_map, CPU offload) is left in place
+    placed = offloaded.forward = lambda x: torch.zeros(1)
+    with class_forward(offloaded) as patched_names:
+        assert patched_names == [] and offloaded.forward is placed

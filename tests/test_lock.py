@@ -203,18 +203,23 @@ def test_edits_of_the_programs_files_and_a_factorys_module_are_code_and_the_comm
 def test_the_default_program_files_are_the_script_and_the_local_modules_it_imports(tmp_path):
     from pilotrun.config.program import ProgramSpec, program_files
 
-    (tmp_path / "train.py").write_text("import os\nimport torch\nimport model\nfrom utils.io import load\n")
+    (tmp_path / "train.py").write_text("import os\nimport torch\nimport model\nfrom utils.io import load\n"
+                                       "from models.gpt import GPT\n")
     (tmp_path / "model.py").write_text("from layers import Block\n")
     (tmp_path / "layers.py").write_text("x = 1\n")
     (tmp_path / "utils").mkdir()
     (tmp_path / "utils" / "__init__.py").write_text("")
-    (tmp_path / "utils" / "io.py").write_text("from . import fmt\n")
+    # Absolute imports resolve from the entry script's folder (sys.path[0]), not from the importing file's.
+    (tmp_path / "utils" / "io.py").write_text("from . import fmt\nimport model\nimport helper\n")
+    (tmp_path / "utils" / "helper.py").write_text("")  # `import helper` does not reach it from train.py's folder
     (tmp_path / "utils" / "fmt.py").write_text("def broken(:\n")  # does not parse: hashed, adds nothing
+    (tmp_path / "models").mkdir()  # a namespace package: no __init__.py
+    (tmp_path / "models" / "gpt.py").write_text("")
     (tmp_path / "unused.py").write_text("")
     files, why = program_files(ProgramSpec(command="python train.py --steps 3"), tmp_path)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in files) == [
-        "layers.py", "model.py", "train.py", "utils/__init__.py", "utils/fmt.py", "utils/io.py"]
-    assert "local modules they import (layers.py, model.py" in why, why
+        "layers.py", "model.py", "models/gpt.py", "train.py", "utils/__init__.py", "utils/fmt.py", "utils/io.py"]
+    assert "the local modules they import (model.py, utils/__init__.py, utils/io.py, models/gpt.py" in why, why
 
 
 def test_an_edit_of_the_programs_own_file_is_a_code_change_not_environment_drift(tmp_path, monkeypatch):

@@ -556,3 +556,36 @@ def test_the_save_point_says_whose_checkpoint_the_proof_ran_at():
     assert asked.kind == SaveKind.ASKED and asked.said(4) == (
         "the save after update 2 was one pilotrun asked for (pilot.resume.before 2); the program made no checkpoint "
         "of its own in the control's 4 updates to prove instead (pilot.resume.before: auto proves its first)", False)
+
+
+def test_under_auto_every_rank_stops_after_the_first_save_whichever_rank_reported_it(tmp_path):
+    # Most programs (and both integrations) call job.saved on rank 0 only: rank 1 must still stop with rank 0, or it
+    # trains on alone into a collective nobody joins.
+    from pilotrun.program import env as E
+    from pilotrun.program.handle import ProgramHandle
+
+    def rank(r: int) -> ProgramHandle:
+        return ProgramHandle(environ={E.PROGRAM: "1", E.ROLE: "control", E.RUN_ID: "t", E.EVENTS: str(tmp_path / "ev"),
+                                      E.CHECKPOINT_DIR: str(tmp_path / "ck"), E.SAVE_AUTO: "50,2", "RANK": str(r),
+                                      "WORLD_SIZE": "2"})
+
+    zero, one = rank(0), rank(1)
+    (tmp_path / "ck").mkdir()
+    assert not one.should_save(3) and not one.should_stop(4)
+    zero.saved(3, tmp_path / "ck")  # the program's own save, reported on rank 0 only
+    assert [zero.should_stop(u) for u in (4, 5)] == [one.should_stop(u) for u in (4, 5)] == [False, True]
+    assert not one.should_save(50)  # nor does rank 1 alone ask for a save at the limit
+    # A program that saved nothing, not even where pilotrun asked, stops `after` updates past the limit anyway.
+    other = ProgramHandle(environ={E.PROGRAM: "1", E.ROLE: "stages", E.RUN_ID: "t", E.EVENTS: str(tmp_path / "ev2"),
+                                   E.SAVE_AUTO: "5,2"})
+    assert other.should_save(5) and not other.should_stop(6) and other.should_stop(7)
+
+
+def test_auto_whose_first_checkpoint_leaves_nothing_to_compare_says_so():
+    from pilotrun.program.resume import SaveKind, SavePoint, no_room_row
+
+    control = _outcome(Role.CONTROL, range(1, 13))
+    row = no_room_row(control, SavePoint(12, SaveKind.OWN, (12,), True, 50), 2)
+    assert row.verdict == Verdict.FAIL and "first checkpoint of its own is after update 12" in row.reason
+    assert "A checkpoint at the end of training is not one a long run resumes from" in row.reason
+    assert "lower pilot.resume.before" not in row.reason

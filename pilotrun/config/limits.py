@@ -41,6 +41,7 @@ BOUNDS = (
     Bound("pilot.overfit.check_every", 1, 1_000_000, "as pilot.overfit.max_updates"),
     Bound("pilot.resume.before", 1, 100_000, "updates each resume process runs before it answers"),
     Bound("pilot.resume.after", 1, 100_000, "as pilot.resume.before"),
+    Bound("pilot.resume.auto_within", 1, 100_000, "as pilot.resume.before"),
     Bound("train.scheduler.warmup_updates", 0, 1 << 53, "as train.updates"),
     Bound("model.adapter.r", 1, 1 << 16,
           "a LoRA update's rank is at most min(in, out) of its Linear; published layers stay below 65,536 features on "

@@ -84,7 +84,9 @@ def program_files(spec: ProgramSpec, folder: Path) -> tuple[list[Path], str]:
         why = (f"program.files not given: the command's words naming files ({', '.join(found)})" if found
                else "program.files not given and the command names no file")
         if imported:
-            why += f" and the local modules they import ({', '.join(os.path.relpath(p, folder) for p in imported)})"
+            cut = f"the first {LOCAL_IMPORTS_MAX} " if len(imported) >= LOCAL_IMPORTS_MAX else ""
+            why += (f" and {cut}the local modules they import "
+                    f"({', '.join(os.path.relpath(p, folder) for p in imported)})")
         return scripts + imported, why
     out: list[Path] = []
     for pattern in spec.files:
@@ -97,13 +99,16 @@ LOCAL_IMPORTS_MAX = 64
 
 
 def local_imports(scripts: list[Path], root: Path) -> list[Path]:
-    """The ``.py`` files under ``root`` that ``scripts`` import, and theirs in turn (``import model``, ``from utils
-    import x``, ``from . import y`` in a package): read with ``ast``, never run. Modules found on the interpreter's
-    own path (installed packages, the standard library) are not under ``root`` and are left out; a script that does
-    not parse adds none."""
+    """The ``.py`` files under ``root`` that ``scripts`` import, and theirs in turn, as Python would find them: an
+    absolute import (``import model``, ``from models.gpt import GPT``, a folder without ``__init__.py`` too) from the
+    folders the scripts are run from (an entry script's own folder, and ``root`` for ``python -m``), a relative one
+    (``from . import y``) from the importing file's package. Read with ``ast``, never run. Modules that are not under
+    ``root`` (installed packages, the standard library) are not the program's; a file that does not parse adds none.
+    At most LOCAL_IMPORTS_MAX, in the order they were found (the scripts' own imports first)."""
     import ast
 
     root_as_given, root = root, root.resolve()
+    bases = list(dict.fromkeys([p.resolve().parent for p in scripts] + [root]))
     seen = {p.resolve() for p in scripts}
     queue, out = [p.resolve() for p in scripts], []
     while queue and len(out) < LOCAL_IMPORTS_MAX:
@@ -121,35 +126,46 @@ def local_imports(scripts: list[Path], root: Path) -> list[Path]:
                 names = [(base, node.level)] + [(f"{base}.{a.name}" if base else a.name, node.level)
                                                 for a in node.names]
             for name, level in names:
-                for path in _module_files(name, level, script, root):
-                    if path not in seen:
+                for path in _module_files(name, level, script, bases, root):
+                    if path not in seen and len(out) < LOCAL_IMPORTS_MAX:
                         seen.add(path)
                         out.append(path)
                         queue.append(path)
     # Named under root as given (the lock names files relative to the spec's folder, links and all).
-    return sorted(root_as_given / p.relative_to(root) for p in out)[:LOCAL_IMPORTS_MAX]
+    return [root_as_given / p.relative_to(root) for p in out]
 
 
-def _module_files(name: str, level: int, script: Path, root: Path) -> list[Path]:
-    """The files under ``root`` a module name resolves to from ``script`` (each package's ``__init__.py`` too)."""
-    base = script.parent
-    for _ in range(max(0, level - 1)):
-        base = base.parent
-    if not name:
-        return []
-    parts, found = name.split("."), []
-    here = base
-    for part in parts:
-        package, module = here / part / "__init__.py", here / f"{part}.py"
-        if package.is_file():
-            found.append(package)
-            here = here / part
+def _module_files(name: str, level: int, script: Path, bases: list[Path], root: Path) -> list[Path]:
+    """The files under ``root`` a module name resolves to (each regular package's ``__init__.py`` too)."""
+    if level:
+        starts = [script.parent]
+        for _ in range(level - 1):
+            starts = [starts[0].parent]
+    else:
+        starts = bases
+    for start in starts:
+        found = _walk_module(name.split(".") if name else [], start)
+        if found is not None:
+            return [p for p in found if p.is_relative_to(root)]
+    return []
+
+
+def _walk_module(parts: list[str], here: Path) -> list[Path] | None:
+    """The files ``parts`` names from ``here``, or None when its first part is not there."""
+    found: list[Path] = []
+    for i, part in enumerate(parts):
+        package, module = here / part, here / f"{part}.py"
+        if package.is_dir():
+            init = package / "__init__.py"
+            if init.is_file():
+                found.append(init.resolve())
+            here = package  # a namespace package (no __init__.py) is a package too
         elif module.is_file():
-            found.append(module)
+            found.append(module.resolve())
             break
         else:
-            break
-    return [p.resolve() for p in found if p.resolve().is_relative_to(root)]
+            return found if i else None
+    return found
 
 
 def program_file_problems(spec: ProgramSpec, folder: Path) -> list[tuple[str, str]]:

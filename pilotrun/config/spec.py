@@ -144,6 +144,8 @@ class Spec:
         if out.get("program") is None:  # absent, not null: specs without it keep the hash they always had
             out.pop("program", None)
             out["pilot"]["resume"].pop("auto_within", None)  # a program's key: the loop's hash stays as it was
+        elif out["pilot"]["resume"].get("before") != "auto":
+            out["pilot"]["resume"].pop("auto_within", None)  # read only with auto: a numbered spec's hash stays too
         out["pilot"].pop("factory_timeout", None)  # how long pilotrun waits, not what runs: the hash stays as it was
         for section in ("model", "data"):
             out[section].pop("written", None)  # the loader's copy of the mapping, not a key (an extra may be one)

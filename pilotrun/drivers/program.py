@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..api import peaks_phrase
+from ..config.load import LOOP_RESUME_BEFORE
 from ..devices import query_devices
 from ..humanize import human_seconds
 from ..ledger.records import Failure, GateRow, Verdict
@@ -37,6 +38,7 @@ from ..program.resume import (
     SaveKind,
     fresh_runs_agree,
     no_own_save_row,
+    no_room_row,
     resume_rows,
     save_point,
     short_of,
@@ -108,8 +110,11 @@ class ProgramDriver(Driver):
         """The run whose stages and gate rows are the pilot's, started on first use."""
         role = Role.CONTROL if self.resume_selected else Role.STAGES
         r = self.spec.pilot.resume
-        plan = (RunPlan(role, save_auto=(r.auto_within, r.after)) if self.auto
-                else RunPlan(role, save_at=(r.before,), stop_at=r.before + r.after))
+        if self.auto and role == Role.CONTROL:
+            plan = RunPlan(role, save_auto=(r.auto_within, r.after))
+        else:  # the stages alone need a few updates and one save, wherever the program makes its own
+            before = LOOP_RESUME_BEFORE if self.auto else r.before
+            plan = RunPlan(role, save_at=(before,), stop_at=before + r.after)
         return self.runs.get(role) or self._run(plan)
 
     def _recorded(self) -> RunOutcome | None:
@@ -174,6 +179,8 @@ class ProgramDriver(Driver):
         # A control run that failed, reported nothing or ended early is the row's whole story: two more runs would
         # each cost up to program.timeout (found piloting a program that ignores should_stop: all three timed out;
         # and a Lightning script whose max_steps was below pilot.resume.before + after).
+        if reported and point is not None and point.auto and short_of(control, end) is not None:
+            return [no_room_row(control, point, r.after)]
         if reported and point is not None and short_of(control, end) is None:
             # At the program's own checkpoint nothing is asked: the interrupted run saves there as the long run would
             # (a Lightning epoch-end ModelCheckpoint, not a save_checkpoint of pilotrun's mid-epoch).
@@ -183,7 +190,8 @@ class ProgramDriver(Driver):
             if interrupted.killed and not interrupted.survivors and saved and fresh_runs_agree(
                     control, interrupted, before, exact, r.rtol):
                 self._run(RunPlan(Role.RESUMED, stop_at=end, resume_from=saved[-1]["path"]))
-        rows = resume_rows(self.runs, before, r.after, exact, r.rtol, mode)
+        rows = resume_rows(self.runs, before, r.after, exact, r.rtol, mode,
+                           asked=point is None or point.kind != SaveKind.OWN or not point.auto)
         return with_save_point(rows, point, control) if point is not None else rows
 
     def notes(self) -> list[str]:

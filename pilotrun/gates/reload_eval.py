@@ -96,6 +96,9 @@ def _weights_cause(view: TrainingView, artifact: Artifact, out: Outcome) -> str:
                      f"({', '.join(diff['missing'][:5])})")
     if diff["differ"]:
         parts.append(f"{len(diff['differ'])} differ from the model's ({', '.join(diff['differ'][:5])})")
+    if diff["extra"]:
+        parts.append(f"the export holds {len(diff['extra'])} tensor(s) the model does not "
+                     f"({', '.join(diff['extra'][:5])}; renamed?)")
     return "; ".join(parts)
 
 
@@ -130,16 +133,21 @@ def weight_differences(live: dict[str, torch.Tensor], artifact: Artifact) -> dic
         if name.endswith(".safetensors") and not name.startswith("merged/"):
             with safe_open(str(artifact.folder / name), framework="pt") as fh:
                 stored.update({k: fh.get_tensor(k) for k in fh.keys()})
-    by_storage = {}
+    def storage(key: str, t: torch.Tensor) -> tuple:
+        # An empty or meta tensor has no storage to share (data_ptr 0): never taken for another's tied copy.
+        if t.numel() == 0 or t.device.type == "meta":
+            return (key,)
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+
+    by_storage: dict[tuple, list[str]] = {}
     for key, t in live.items():
-        by_storage.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(key)
+        by_storage.setdefault(storage(key, t), []).append(key)
     missing, differ = [], []
     for key, t in live.items():
         if key in stored:
             if stored[key].shape != t.shape or not torch.equal(stored[key], t.detach().to("cpu", stored[key].dtype)):
                 differ.append(key)
-        elif not any(k in stored for k in by_storage[(t.untyped_storage().data_ptr(), t.storage_offset(),
-                                                     tuple(t.shape))]):
+        elif not any(k in stored for k in by_storage[storage(key, t)]):
             missing.append(key)
     return {"compared": sum(k in stored for k in live), "missing": missing, "differ": differ,
             "extra": sorted(set(stored) - set(live))}

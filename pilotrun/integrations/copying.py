@@ -34,6 +34,9 @@ def own_copy(model: torch.nn.Module) -> torch.nn.Module:
     for m in out.modules():
         if "forward" in vars(m):
             m.forward = _rebound(vars(m)["forward"], memo, _DEPTH)
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):  # a hook closing over its module, likewise
+            for key, hook in list(hooks.items()):
+                hooks[key] = _rebound(hook, memo, _DEPTH)
     return out
 
 
@@ -49,6 +52,12 @@ def _rebound(obj: Any, memo: dict[int, Any], depth: int) -> Any:
         return obj if func is obj.__func__ and owner is obj.__self__ else types.MethodType(func, owner)
     if isinstance(obj, types.FunctionType):
         return _rebound_function(obj, memo, depth)
+    if type(obj) in (list, tuple):  # a closure over a list of modules
+        items = [_rebound(v, memo, depth - 1) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    if type(obj) is dict:
+        values = {k: _rebound(v, memo, depth - 1) for k, v in obj.items()}
+        return obj if all(values[k] is v for k, v in obj.items()) else type(obj)(values)
     if callable(obj) and not isinstance(obj, (type, torch.nn.Module, types.BuiltinFunctionType)) \
             and hasattr(obj, "__dict__"):
         # A callable wrapper object (accelerate's ConvertOutputsToFp32 holds the forward it wraps as an attribute).
@@ -71,11 +80,14 @@ def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], depth: int) 
             contents.append(cell)
     new_contents = [c if isinstance(c, types.CellType) else _rebound(c, memo, depth - 1) for c in contents]
     attrs = {k: _rebound(v, memo, depth - 1) for k, v in vars(fn).items()}  # functools.wraps' __wrapped__
-    if all(a is b for a, b in zip(new_contents, contents)) and all(attrs[k] is v for k, v in vars(fn).items()):
+    defaults = _rebound(fn.__defaults__, memo, depth - 1) if fn.__defaults__ else fn.__defaults__  # _f=m.forward
+    kwdefaults = _rebound(fn.__kwdefaults__, memo, depth - 1) if fn.__kwdefaults__ else fn.__kwdefaults__
+    if (all(a is b for a, b in zip(new_contents, contents)) and all(attrs[k] is v for k, v in vars(fn).items())
+            and defaults is fn.__defaults__ and kwdefaults is fn.__kwdefaults__):
         return fn
     closure = tuple(c if isinstance(c, types.CellType) else types.CellType(c) for c in new_contents)
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure or None)
-    new.__kwdefaults__ = fn.__kwdefaults__
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, closure or None)
+    new.__kwdefaults__ = kwdefaults
     new.__qualname__ = fn.__qualname__
     vars(new).update(attrs)
     return new
@@ -88,7 +100,10 @@ def class_forward(model: torch.nn.Module) -> Iterator[list[str]]:
 
     The reload in a fresh process has no wrapper a program set up (accelerate's autocast, TRL's fused head), so the
     outputs it is compared with come from the same function on the same weights, in the weights' own precision."""
-    saved = {name: vars(m).pop("forward") for name, m in model.named_modules() if "forward" in vars(m)}
+    # accelerate's device-placement hooks (device_map, CPU offload: ``_hf_hook``) are how the weights are reached, not
+    # a training wrapper: they stay.
+    saved = {name: vars(m).pop("forward") for name, m in model.named_modules()
+             if "forward" in vars(m) and not hasattr(m, "_hf_hook")}
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:

@@ -145,7 +145,9 @@ class PilotrunCallback(TrainerCallback):
         window.report(self.job, update, sum(window.losses) if window.losses else None)
         self.updates_here += 1
         self.spans.update_done(self.updates_here)
-        if self.job.should_save(update):
+        # The Trainer's own schedule (save_steps, the end of training: DefaultFlowCallback ran first) is asked first,
+        # so its saves are recorded as the program's own, not as ones pilotrun asked for.
+        if not control.should_save and self.job.should_save(update):
             control.should_save = True
         if self.job.should_stop(update) or C.role_name(self.job) == "probe":
             control.should_training_stop = True
@@ -265,8 +267,10 @@ OVERRIDE_FIX = ("{cls}.compute_loss overrides the Trainer's: sum its token losse
 
 def pairwise_sigmoid(trainer: Trainer) -> bool:
     """A preference trainer whose loss is DPO's -log σ(β·margin) alone (TRL's ``DPOConfig`` default)."""
-    loss_type = getattr(trainer.args, "loss_type", None)
-    return hasattr(trainer.args, "beta") and isinstance(loss_type, (list, tuple)) and list(loss_type) == ["sigmoid"]
+    args = trainer.args
+    loss_type, weights = getattr(args, "loss_type", None), getattr(args, "loss_weights", None)
+    return (hasattr(args, "beta") and isinstance(loss_type, (list, tuple)) and list(loss_type) == ["sigmoid"]
+            and weights in (None, [1.0], (1.0,)) and not getattr(trainer, "aux_loss_enabled", False))
 
 
 # DPO's loss is log 2 for a pair the model does not prefer either way and falls towards 0 only as the margin grows
@@ -275,7 +279,8 @@ def pairwise_sigmoid(trainer: Trainer) -> bool:
 PAIRWISE_OVERFIT = dataclasses.replace(
     C.OVERFIT, loss_below=math.log(2) / 2, accuracy_at_least=1.0,
     loss_below_from="half of log 2, DPO's loss for a pair with no preference; each pair ranked right (below log 2)",
-    accuracy_means="of the pairs ranked right (the chosen answer above the rejected one)")
+    accuracy_means="of the pairs ranked right (the chosen answer above the rejected one, relative to the reference "
+                   "model)")
 
 
 class TrainerView(C.FrameworkView):
@@ -369,9 +374,11 @@ class TrainerView(C.FrameworkView):
         """The live model itself (no copy: TRL's forward closes over the original), its class's forward in eval mode,
         every random stream and train flag as they were."""
         model = self.model
-        device = next(model.parameters()).device
+        if next(model.parameters()).device.type != "cpu":
+            # The reload runs on the CPU: another device's kernels (TF32, bf16) differ by more than the tolerance.
+            model = own_copy(model).to("cpu")
         with rng_untouched(), class_forward(model) as patched:
-            out = outputs_of(model, {k: v.to(device) for k, v in tensors_of(batch).items()})
+            out = outputs_of(model, tensors_of(batch))
         if patched:
             amp = getattr(self.trainer.accelerator, "mixed_precision", "no")
             self.reference_note = ("compared with the model's class forward in its weights' precision, as the reload "
@@ -429,8 +436,26 @@ _BOOKKEEPING = ("_metrics", "_total_train_tokens")
 def _bookkeeping_kept(trainer: Trainer):
     saved = {k: copy.deepcopy(vars(trainer)[k]) for k in _BOOKKEEPING if k in vars(trainer)}
     tokens_seen = trainer.state.num_input_tokens_seen
+    # The probes run on rank 0 alone, and TRL's compute_loss gathers its metrics from every rank: a collective the
+    # other ranks never join. What it gathers is thrown away (above), so rank 0's own values stand in.
+    accelerator = getattr(trainer, "accelerator", None)
+    gathers = {k: vars(accelerator).get(k) for k in _GATHERS} if accelerator is not None else {}
+    for k in gathers:
+        setattr(accelerator, k, _own_values)
     try:
         yield
     finally:
         vars(trainer).update(saved)
         trainer.state.num_input_tokens_seen = tokens_seen
+        for k, before in gathers.items():
+            if before is None:
+                vars(accelerator).pop(k, None)
+            else:
+                setattr(accelerator, k, before)
+
+
+_GATHERS = ("gather", "gather_for_metrics")
+
+
+def _own_values(tensor, *args, **kwargs):
+    return tensor

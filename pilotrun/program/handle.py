@@ -149,7 +149,7 @@ class ProgramHandle:
         if not self.active:
             return False
         if self._auto is not None:  # only when the program has not saved on its own by update W
-            ask = self._first_save is None and update == self._auto[0]
+            ask = self.first_save() is None and update == self._auto[0]
         else:
             ask = update in self._save_at
         if ask:
@@ -160,7 +160,9 @@ class ProgramHandle:
         if not self.active:
             return False
         if self._auto is not None:
-            return self._first_save is not None and update >= self._first_save + self._auto[1]
+            first = self.first_save()
+            # Nothing saved even where pilotrun asked (W): stop K later anyway, as a fixed plan would have.
+            return update >= (first if first is not None else self._auto[0]) + self._auto[1]
         return self._stop_at is not None and update >= self._stop_at
 
     # -- what the program reports --------------------------------------------------------------------------
@@ -223,6 +225,7 @@ class ProgramHandle:
         self._emit(Event.SAVED, update=update, path=str(where), asked=update in self._asked)
         if self._first_save is None:
             self._first_save = update
+            self._tell_ranks(update)
         if self.role == Role.INTERRUPTED and (update in self._save_at or update == self._kill_at):
             # The parent kills the whole process group with SIGKILL once it reads this line; waiting here makes the
             # kill land right after a complete save, whatever the program's speed.
@@ -256,6 +259,31 @@ class ProgramHandle:
                           f"{', '.join(v.value for v in Verdict)}; measurements must be JSON values)")
             return
         self._emit(Event.GATE, row=row.to_dict())
+
+    # -- the run's first save, the same on every rank -------------------------------------------------------
+    # With pilot.resume.before: auto, should_save/should_stop depend on the run's first save, and most programs (and
+    # both integrations) report saves on rank 0 only: a rank deciding alone would stop while the others train on
+    # (a collective left waiting). The first rank to report one writes it beside the event files; the others read it.
+    # Ranks are in step (each update's gradients are all-reduced), so it is there before any rank asks about a later
+    # update.
+    def _first_save_file(self) -> Path | None:
+        return None if self._events_dir is None else Path(self._events_dir) / f"{self.role}.first-save"
+
+    def _tell_ranks(self, update: int) -> None:
+        path = self._first_save_file()
+        if path is None or self._auto is None:
+            return
+        with contextlib.suppress(FileExistsError, OSError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(str(update))
+
+    def first_save(self) -> int | None:
+        """The update after which this run first saved, on whichever rank reported it (None: not yet)."""
+        if self._first_save is None and (path := self._first_save_file()) is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._first_save = int(path.read_text())
+        return self._first_save
 
     # -- the event file ------------------------------------------------------------------------------------
     @property

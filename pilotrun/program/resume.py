@@ -72,15 +72,36 @@ def save_point(control: RunOutcome, before: int | str, within: int) -> SavePoint
     return SavePoint(before, SaveKind.OWN if before in own else SaveKind.ASKED, own, False, within)
 
 
+def _last_update(control: RunOutcome) -> int:
+    return max((int(u["update"]) for r in control.ranks for u in control.updates(r)), default=0)
+
+
 def no_own_save_row(control: RunOutcome, within: int) -> GateRow:
-    """``before: auto`` and the control ended without any checkpoint (and before pilotrun would have asked)."""
-    last = max((int(u["update"]) for r in control.ranks for u in control.updates(r)), default=0)
+    """``before: auto`` and the control ended without any checkpoint."""
+    last = _last_update(control)
+    details = {"before": "auto", "auto_within": within, "logs": {str(control.role): str(control.log)}}
+    if last >= within:
+        return _fail(f"the control run {control.how_it_ended()} after update {last} without a checkpoint: it made "
+                     f"none of its own, and none where pilotrun asked for one after update {within} "
+                     f"(pilot.resume.auto_within; job.should_save({within}) was True there). Save where "
+                     "job.should_save says as well as on the program's own schedule, and report each save with "
+                     "job.saved(update, path)", details)
     return _fail(f"the control run {control.how_it_ended()} after update {last} without a checkpoint of its own, "
                  f"before update {within} (pilot.resume.auto_within) where pilotrun would have asked for one: a long "
                  "run of this program could not resume either. Let it save within its first updates (its save "
                  "interval, eval_interval or save_steps), or set pilot.resume.before: N to prove a save pilotrun "
-                 "asks for (job.should_save)",
-                 {"before": "auto", "auto_within": within, "logs": {str(control.role): str(control.log)}})
+                 "asks for (job.should_save)", details)
+
+
+def no_room_row(control: RunOutcome, point: SavePoint, after: int) -> GateRow:
+    """``before: auto`` and the program's first checkpoint leaves fewer than ``after`` updates to compare."""
+    last = _last_update(control)
+    return _fail(f"the program's first checkpoint of its own is after update {point.update} and the control run "
+                 f"{control.how_it_ended()} after update {last}: fewer than the {after} updates after it that the "
+                 "resume gate compares (pilot.resume.after). A checkpoint at the end of training is not one a long run "
+                 "resumes from; let the program save earlier in the pilot (its save interval below its length), or "
+                 "set pilot.resume.before: N to prove a save pilotrun asks for",
+                 {"before": "auto", "save_point": point.to_dict(), "logs": {str(control.role): str(control.log)}})
 
 
 def with_save_point(rows: list[GateRow], point: SavePoint, control: RunOutcome) -> list[GateRow]:
@@ -101,15 +122,17 @@ def _fail(reason: str, details: dict, failure: Failure = Failure.CHECK, rank: in
 
 
 def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool, rtol: float,
-                mode: str) -> list[GateRow]:
+                mode: str, asked: bool = True) -> list[GateRow]:
+    """``asked``: the save after ``before`` was one pilotrun asked for (False: the program's own checkpoint)."""
     details: dict = {"before": before, "after": after, "compare": mode,
                      "logs": {str(role): str(run.log) for role, run in runs.items()},
                      "seconds": {str(role): round(run.seconds, 3) for role, run in runs.items()}}
-    refused = _not_comparable(runs, before, after, details)
+    refused = _not_comparable(runs, before, after, details, asked)
     return refused if refused is not None else _compared(runs, before, after, exact, rtol, mode, details)
 
 
-def _not_comparable(runs: dict[Role, RunOutcome], before: int, after: int, details: dict) -> list[GateRow] | None:
+def _not_comparable(runs: dict[Role, RunOutcome], before: int, after: int, details: dict,
+                    asked: bool = True) -> list[GateRow] | None:
     """The row when the runs cannot be compared (invalid values, a control run that failed or ended early, an
     interrupted run that was not killed after its save); None when they can."""
     control, interrupted = runs[Role.CONTROL], runs.get(Role.INTERRUPTED)
@@ -142,8 +165,10 @@ def _not_comparable(runs: dict[Role, RunOutcome], before: int, after: int, detai
     if not interrupted.killed:
         saved = [e["update"] for e in interrupted.of(Event.SAVED)]
         said = f"reported saves after {saved}" if saved else "never called job.saved(update, path)"
-        return [_fail(f"the interrupted run {interrupted.how_it_ended()} and {said}; pilotrun asks for a save after "
-                      f"update {before} (job.should_save({before}) is True there): save then call "
+        where = (f"pilotrun asks for a save after update {before} (job.should_save({before}) is True there)" if asked
+                 else f"the control run saved on its own after update {before}, and the interrupted run, the same "
+                      "program, is killed once it reports that save")
+        return [_fail(f"the interrupted run {interrupted.how_it_ended()} and {said}; {where}: save then call "
                       f"job.saved({before}, path) on rank 0", details, Failure.ERROR)]
     if interrupted.survivors:
         return [_fail(f"the interrupted run {interrupted.how_it_ended()}; the resumed run was not started beside "

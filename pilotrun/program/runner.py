@@ -208,7 +208,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
     checkpoints = base / "checkpoints" / str(plan.role)
     checkpoints.mkdir(parents=True, exist_ok=True)
     events_dir.mkdir(parents=True, exist_ok=True)
-    for old in events_dir.glob(f"{plan.role}-rank*.jsonl"):
+    for old in [*events_dir.glob(f"{plan.role}-rank*.jsonl"), *events_dir.glob(f"{plan.role}.first-save")]:
         old.unlink()
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in E.ALL}
     package_root = str(Path(__file__).resolve().parents[2])  # the program imports this pilotrun
