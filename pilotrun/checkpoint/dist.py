@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .digest import CHECKPOINT_DIGEST, IDENTITY
 from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, read_manifest
 from .state import capture_rng, load_state_json, load_torch_file, restore_rng, save_to
 from .statefiles import check_config, check_trainer_state, job_hash
@@ -90,11 +91,12 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
     distributed.barrier(env)
     record: dict = {}
     if env.is_main:
-        files = {str(p.relative_to(tmp)): hash_and_sync(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): hash_and_sync(p, CHECKPOINT_DIGEST) for p in sorted(tmp.rglob("*"))
+                 if p.is_file()}
         manifest = {"format": "pilotrun-checkpoint/1", "layout": "dcp", "world_size": env.world_size,
                     "strategy": env.strategy, "step": trainer.step, "config_hash": config_hash, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        hash_and_sync(tmp / MANIFEST)
+        hash_and_sync(tmp / MANIFEST, IDENTITY)
         fsync_dir(tmp)
         if folder.exists():
             shutil.rmtree(folder)
