@@ -240,3 +240,46 @@ def test_a_sigkill_during_a_background_save_keeps_the_previous_checkpoint(tmp_pa
     assert not (tmp_path / "step-000002").exists()  # the half-written one never took the name
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000001"
     assert verify_folder(tmp_path / "step-000001")["step"] == 1
+
+
+def test_the_save_row_keeps_what_the_job_waited_apart_from_the_whole_save(toylm, tmp_path, monkeypatch):
+    from pilotrun.config import load_spec
+    from pilotrun.pilot import PilotOptions, run_pilot
+    from pilotrun.strategies import single
+
+    # As on an accelerator: the job waits for the host copy, a thread writes the rest.
+    monkeypatch.setattr(single, "saves_behind", lambda device: True)
+    result = run_pilot(load_spec(toylm), PilotOptions(out_dir=tmp_path / "out", ledger_path=tmp_path / "l.sqlite",
+                                                      gates=["save"]))
+    save = {r["gate"]: r for r in result.rows}["save"]
+    details = save["details"]
+    assert save["verdict"] == "pass", save["reason"]
+    assert 0 < details["blocking_seconds"] <= details["write_seconds"]
+    assert details["blocking_bytes_per_second"] == pytest.approx(details["bytes"] / details["blocking_seconds"])
+    assert "the job waited" in save["reason"] and "(the copy to host memory)" in save["reason"]
+    verify_folder(Path(details["path"]))
+
+
+def test_the_plan_charges_a_checkpoint_what_the_job_waited_and_an_export_the_write(tmp_path):
+    from pilotrun.config import load_spec
+    from pilotrun.estimate.plan import pipeline_hours
+    from pilotrun.ledger.store import Ledger
+
+    from .conftest import EXAMPLES
+    from .test_estimate import synthetic_trace
+
+    spec = load_spec(EXAMPLES / "llama-7b-estimate" / "pilot.yaml", check_files=False)
+    row = {"gpus": 1, "price_per_gpu_hour": None, "seconds_per_update": 1.0, "utilisation_source": "catalog default",
+           "cost_note": None}
+    details = {"bytes": 10**9, "bytes_per_second": 1e9, "write_seconds": 1.0, "blocking_seconds": 0.1,
+               "blocking_bytes_per_second": 1e10}
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("p", "job", "pilot", config_hash=spec.config_hash())
+        led.add_gate_row("p", {"gate": "save", "verdict": "pass", "reason": "", "inputs": {}, "memory": {},
+                               "seconds": 1.0, "details": details})
+        items = {i["item"]: i for i in pipeline_hours(spec, row, synthetic_trace(), led)["items"]}
+    trace = synthetic_trace()
+    ckpt_bytes = trace["parameter_bytes"] + trace["optimizer_state_bytes"]
+    assert items["checkpoints"]["hours"] == pytest.approx(10 * ckpt_bytes / 1e10 / 3600)
+    assert "10000 MB/s (what the job waited in pilot p; written at 1000 MB/s behind it)" in items["checkpoints"]["from"]
+    assert "at 1000 MB/s" in items["export"]["from"]

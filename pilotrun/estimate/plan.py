@@ -100,10 +100,15 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
         if eval_row else "not measured: run a pilot (eval gate)")
     ckpt_bytes = adapter["checkpoint_bytes"] if adapter else trace["parameter_bytes"] + trace["optimizer_state_bytes"]
     save_row = pilot.get(GateName.SAVE)
-    bw = SaveDetails.of((save_row or {}).get("details")).bytes_per_second or a.disk_mb_s * 1e6
-    add(Item.CHECKPOINTS, a.checkpoints_per_run * ckpt_bytes / bw,
-        f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {bw / 1e6:.0f} MB/s "
-        f"({f'measured by {source}' if save_row else 'assumed'})")
+    saved = SaveDetails.of((save_row or {}).get("details"))
+    bw = saved.bytes_per_second or a.disk_mb_s * 1e6
+    # A checkpoint costs the run what the job waits for it: the copy to host memory when the save is written behind
+    # the job (rows before that was possible waited for the whole write, their bytes_per_second).
+    job_bw = saved.blocking_bytes_per_second or bw
+    add(Item.CHECKPOINTS, a.checkpoints_per_run * ckpt_bytes / job_bw,
+        f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {job_bw / 1e6:.0f} MB/s "
+        + (f"(what the job waited in {source}" + (f"; written at {bw / 1e6:.0f} MB/s behind it)" if job_bw != bw
+                                                   else ")") if save_row else "(assumed)"))
     add(Item.EXPORT, weights / bw, f"{weights / 1e9:.1f} GB of {'adapter ' if adapter else ''}weights at "
         f"{bw / 1e6:.0f} MB/s")
     merged = adapter["merged_export"] if adapter else None

@@ -14,6 +14,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
+from ..checkpoint.saving import PendingSave
 from ..train.loss import plain_backward
 
 if TYPE_CHECKING:
@@ -149,6 +151,13 @@ class Strategy(ABC):
     @abstractmethod
     def save(self, folder: Path, driver: Any, config: dict, config_hash: str | None, env: DistEnv) -> dict:
         """Write the driver's full training state; every rank calls it. ``{"files": {...}, "bytes": n}``."""
+
+    def start_save(self, folder: Path, driver: Any, config: dict, config_hash: str | None,
+                   env: DistEnv) -> PendingSave:
+        """:meth:`save`, as a :class:`PendingSave`: what the job waited, and the record once complete. A strategy
+        that writes behind the job returns before the write is done; this one writes it all first."""
+        started = time.perf_counter()
+        return PendingSave.finished(folder, self.save(folder, driver, config, config_hash, env), started)
 
     @abstractmethod
     def restore(self, driver: Any, folder: Path, env: DistEnv) -> dict:
