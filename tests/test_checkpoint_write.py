@@ -283,3 +283,26 @@ def test_the_plan_charges_a_checkpoint_what_the_job_waited_and_an_export_the_wri
     assert items["checkpoints"]["hours"] == pytest.approx(10 * ckpt_bytes / 1e10 / 3600)
     assert "10000 MB/s (what the job waited in pilot p; written at 1000 MB/s behind it)" in items["checkpoints"]["from"]
     assert "at 1000 MB/s" in items["export"]["from"]
+
+
+def test_the_next_background_save_reuses_the_host_buffers_once_the_last_is_written(tmp_path):
+    from pilotrun.checkpoint import saving
+
+    trainer = Tiny()
+    first = start_checkpoint(tmp_path / "step-000001", trainer, {"c": 1})
+    buffers = [b.data_ptr() for b in saving._STAGING.buffers]
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.model(torch.randn(3, 8)).sum().backward()
+    trainer.optimizer.step()
+    trainer.step = 2
+    second = start_checkpoint(tmp_path / "step-000002", trainer, {"c": 1})
+    assert first.done()  # the second copy waited for the first write: it copies into the same buffers
+    assert [b.data_ptr() for b in saving._STAGING.buffers] == buffers
+    first.wait()
+    second.wait()
+    saving.release_staging()
+    assert saving._STAGING.buffers == []
+    old, _ = _load_sharded(tmp_path / "step-000001", "model")
+    new, _ = _load_sharded(tmp_path / "step-000002", "model")
+    assert all(torch.equal(old[k], before[k]) for k in before)
+    assert all(torch.equal(new[k], v) for k, v in trainer.model.state_dict().items())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -107,13 +108,53 @@ def save_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None =
 
 # -- behind the job ---------------------------------------------------------------------------------------------
 
+class _Staging:
+    """Host buffers kept between one process's background saves, reused when the next state has the same storages:
+    pinned memory is slow to allocate, and a fresh buffer's first touch faults in every page, so from the second save
+    on the job waits for the copy alone. A buffer is reused only once the save that wrote from it is complete."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.UntypedStorage] = []
+        self.pinned = False
+        self.writing: Future | None = None
+
+    def take(self, pinned: bool) -> list[torch.UntypedStorage]:
+        if self.writing is not None:
+            wait_for([self.writing])  # its failure, if any, is its own waiter's to raise
+            self.writing = None
+        if pinned != self.pinned:
+            self.buffers, self.pinned = [], pinned
+        return self.buffers
+
+
+_STAGING = _Staging()
+
+
+def release_staging() -> None:
+    """Free the kept host buffers (after the last background save of a process that saves no more), once the save
+    writing from them is complete."""
+    _STAGING.take(_STAGING.pinned)
+    _STAGING.buffers = []
+
+
 class _HostCopier:
     """Host copies of tensors, one per storage: views and tied weights keep sharing, as torch.save stores them."""
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, pinned: bool, reusable: list[torch.UntypedStorage]) -> None:
         self.pinned = pinned
+        self.reusable = reusable
+        self.used: list[torch.UntypedStorage] = []
         self.storages: dict[tuple, torch.UntypedStorage] = {}
         self.devices: set[torch.device] = set()
+
+    def _buffer(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
+        i = len(self.used)
+        if i < len(self.reusable) and self.reusable[i].nbytes() == nbytes and self.reusable[i].is_pinned() == pin:
+            buf = self.reusable[i]
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        self.used.append(buf)
+        return buf
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -123,7 +164,7 @@ class _HostCopier:
         if host is None:
             off_device = t.device.type != "cpu"
             pin = self.pinned and off_device
-            host = torch.empty(src.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+            host = self._buffer(src.nbytes(), pin)
             host.copy_(src, non_blocking=pin)  # the copies are queued; one synchronize per device waits for all
             if off_device:
                 self.devices.add(t.device)
@@ -145,14 +186,17 @@ class _HostCopier:
             runtime.synchronize(device)
 
 
-def host_copy(state: Captured) -> Captured:
+def host_copy(state: Captured, staging: _Staging = _STAGING) -> Captured:
     """``state`` with every tensor copied to host memory (pinned where this machine's accelerator runtime pins) and
-    every document copied: nothing in it is the job's any more once this returns."""
-    copier = _HostCopier(pinned=query_devices().runtime.pin_memory)
+    every document copied: nothing in it is the job's any more once this returns. The copy goes into ``staging``'s
+    buffers where they fit, after the save that last wrote from them is complete."""
+    pinned = query_devices().runtime.pin_memory
+    copier = _HostCopier(pinned, staging.take(pinned))
     out = replace(state, meta=copier.copy(state.meta), model=copier.copy(state.model),
                   optimizer=copier.copy(state.optimizer), param_groups=copier.copy(state.param_groups),
                   rng_tensors=copier.copy(state.rng_tensors), documents=copier.copy(state.documents))
     copier.wait()
+    staging.buffers = copier.used
     return out
 
 
@@ -200,9 +244,10 @@ def start_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None 
                      digest: Digest = CHECKPOINT_DIGEST) -> PendingSave:
     """Copy the trainer's state to host memory, then write it on a background thread (:class:`PendingSave`).
 
-    One at a time: wait for a pending save before starting the next into the same folder."""
+    One at a time: a save started while the previous one is still being written waits for it first (its host buffers
+    are the ones this copy reuses), and that wait counts as blocking time."""
     t0 = time.perf_counter()
-    snapshot = host_copy(capture(trainer, config, lock_hash))
+    snapshot = host_copy(capture(trainer, config, lock_hash))  # waits for the previous background save first
     blocking = time.perf_counter() - t0
 
     def write() -> tuple[dict, float]:
@@ -213,4 +258,5 @@ def start_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pilotrun-background-save")
     future = pool.submit(write)
     pool.shutdown(wait=False)
+    _STAGING.writing = future
     return PendingSave(folder, blocking, future, t0)

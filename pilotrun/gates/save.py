@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import distributed
 from ..checkpoint.io import disk_full_error, remove_stale_temps
+from ..checkpoint.saving import release_staging
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
@@ -69,6 +70,10 @@ class SaveGate(Gate):
             written = pending.wait()
         except Exception as exc:
             raise write_failure(folder, exc, ctx.base_inputs()) from exc
+        finally:
+            # The pilot saves once: its host copy is not kept for a next save (whose copy would then skip the
+            # allocation: the row's blocking time is the first save's, an upper bound of a long run's).
+            release_staging()
         seconds = time.perf_counter() - t0
         blocking = min(pending.blocking_seconds, seconds)
         files, total = written["files"], written["bytes"]
