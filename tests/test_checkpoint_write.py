@@ -306,3 +306,69 @@ def test_the_next_background_save_reuses_the_host_buffers_once_the_last_is_writt
     new, _ = _load_sharded(tmp_path / "step-000002", "model")
     assert all(torch.equal(old[k], before[k]) for k in before)
     assert all(torch.equal(new[k], v) for k, v in trainer.model.state_dict().items())
+
+
+TWO_RANK_ASYNC_DCP = textwrap.dedent("""
+    import json, sys, torch
+    import torch.distributed as dist
+    from pathlib import Path
+    from pilotrun import distributed, strategies
+    from pilotrun.checkpoint import LoadPolicy, manifest_sha256
+    from pilotrun.checkpoint.dist import restore_distributed, start_distributed
+
+    rank, store, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    env = distributed.DistEnv(rank, rank, 2, "ddp")
+
+    class Job:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.plain_model = torch.nn.Linear(4, 4)
+            self.model = strategies.get("ddp").wrap(self.plain_model, env, torch.device("cpu"))[0]
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: 1.0)
+            self.scaler, self.step = None, 1
+
+        def update(self):
+            self.model(torch.ones(2, 4)).sum().backward()
+            self.optimizer.step()
+
+        def state(self):
+            return {"step": self.step, "examples_seen": 2, "data_position": {"epoch": 0, "micro_index": 1}}
+
+        def load_state(self, state):
+            self.step = state["step"]
+
+    job = Job()
+    job.update()
+    saved = job.plain_model.weight.detach().clone()
+    pending = start_distributed(root / "step-000001", job, {"c": 1}, env)
+    job.update()  # the job goes on while DCP writes: the checkpoint keeps the weights of the save
+    job.update()
+    record = pending.wait()
+    assert not torch.equal(job.plain_model.weight.detach(), saved)
+    fresh = Job()
+    LoadPolicy.of([manifest_sha256(root / "step-000001")]).admit(root / "step-000001")
+    restore_distributed(fresh, root / "step-000001", env)
+    print(json.dumps({"restored": torch.equal(fresh.plain_model.weight.detach(), saved), "files": len(record["files"]),
+                      "behind": pending.behind}), flush=True)
+    distributed.shutdown(env)
+""")
+
+
+@pytest.mark.process
+def test_a_dcp_save_behind_the_job_keeps_the_state_of_its_start_on_every_rank(tmp_path):
+    from .test_distributed import STALLED_S, _outputs_unless_stalled
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANK_ASYNC_DCP, str(rank), str(tmp_path / "store"),
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in (0, 1)]
+    outs = _outputs_unless_stalled(procs, STALLED_S)
+    assert outs is not None, "a rank stalled in the background save"
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out, _ in outs:
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["restored"] and result["behind"] and result["files"] > 0, result
+    assert set(verify_folder(tmp_path / "step-000001")["files"]) >= {"dcp/.metadata", "rng-rank0.pt", "rng-rank1.pt"}

@@ -214,13 +214,14 @@ class PendingSave:
     strategy's record (``{"files", "bytes"}``) once the folder is complete, or raises the writer's failure;
     ``total_seconds`` is then the time from the start until the folder was in place."""
 
-    def __init__(self, folder: Path, blocking_seconds: float, future: Future, started: float) -> None:
+    def __init__(self, folder: Path, blocking_seconds: float, future: Future, started: float,
+                 behind: bool = True) -> None:
         self.folder = Path(folder)
         self.blocking_seconds = blocking_seconds
         self._future = future  # resolves to (record, perf_counter() when the folder was renamed into place)
         self._started = started
         self.total_seconds: float | None = None
-        self.behind = not future.done()  # written behind the job (the job waited for the copy only)
+        self.behind = behind  # written behind the job (the job waited for the copy only)
 
     @classmethod
     def finished(cls, folder: Path, record: dict, started: float) -> PendingSave:
@@ -229,7 +230,7 @@ class PendingSave:
         now = time.perf_counter()
         future: Future = Future()
         future.set_result((record, now))
-        return cls(folder, now - started, future, started)
+        return cls(folder, now - started, future, started, behind=False)
 
     def done(self) -> bool:
         return self._future.done()

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
-from ..checkpoint.saving import PendingSave
+from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed, start_distributed
+from ..checkpoint.saving import PendingSave, saves_behind
 from ..train.loss import plain_backward
 
 if TYPE_CHECKING:
@@ -200,6 +200,12 @@ class DistributedCheckpoint(Strategy):
         # where the strategy says one rank's buffers are the state, every rank hands DCP that rank's copy.
         return save_distributed(folder, driver, config, env, config_hash,
                                 buffers_from=self.buffer_sync(driver.model).source_rank)
+
+    def start_save(self, folder, driver, config, config_hash, env):
+        if saves_behind(driver.device):  # on an accelerator: DCP's async_save, the job waits for the copy
+            return start_distributed(folder, driver, config, env, config_hash,
+                                     buffers_from=self.buffer_sync(driver.model).source_rank)
+        return super().start_save(folder, driver, config, config_hash, env)
 
     def restore(self, driver, folder, env):
         return restore_distributed(driver, folder, env)
