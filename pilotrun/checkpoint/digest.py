@@ -1,13 +1,14 @@
 """The digests a manifest records for its files, and the one that names a manifest itself.
 
-A manifest entry names its algorithm by its key: ``{"blake3": "<hex>", "bytes": n}`` (written since issue 25) or
-``{"sha256": "<hex>", "bytes": n}`` (every manifest before it, and what a hand-rebuilt one usually carries). Each
-entry is verified with the algorithm it names, so a folder written before the change still verifies, and one entry
-carries exactly one digest: two would leave the reader to pick which one to believe.
+A manifest entry names its algorithm by its key: ``{"blake3": "<hex>", "bytes": n}`` (checkpoints since issue 25) or
+``{"sha256": "<hex>", "bytes": n}`` (every manifest before, exports, and what a hand-rebuilt one usually carries).
+Each entry is verified with the algorithm it names, so a folder written before the change still verifies, and one
+entry carries exactly one digest: two would leave the reader to pick which one to believe.
 
-New files are hashed with BLAKE3: on the 2-core dev VM one thread hashes 2.2-4 GB/s against sha256's 0.9-1.5 GB/s
-(``bench/digest_speed.py``, ``bench/results/digest_speed-*.json``), which is what lets a save hash every byte as it
-writes it without the hash becoming the longest part of the save.
+A checkpoint's files are hashed with BLAKE3: on the 2-core dev VM one thread hashes 3.85 GB/s against sha256's
+1.74 GB/s (``bench/digest_speed.py``, ``bench/results/digest_speed-cpu-2026-12-02.json``), and a save hashing with
+it while it writes stays under a durable ``torch.save`` of the same state (``bench/save_overhead.py``). Exports keep
+sha256: the archive's ``rerun_control.py`` checks them with nothing but hashlib.
 
 The *identity* of a folder is another matter: the ledger records the sha256 of the ``manifest.json`` bytes
 (:func:`pilotrun.checkpoint.trust.manifest_sha256`, the save and export rows, the archive's ``run.json``), and every

@@ -27,6 +27,7 @@ TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 # Errors that mean the filesystem is full (errno(3)): ENOSPC, and EDQUOT for a user's quota.
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
+
 class CheckpointError(Exception):
     """A checkpoint or artifact is missing, incomplete or does not match its manifest."""
 
@@ -47,7 +48,7 @@ def fsync_dir(path: Path) -> None:
 def hash_and_sync(path: Path, digest: Digest) -> dict:
     """The manifest entry of a file another library wrote (DCP's shards, save_pretrained's), read back once, and an
     fsync."""
-    with open(path, "rb+") as fh:
+    with open(path, "rb") as fh:
         os.fsync(fh.fileno())
         size = os.fstat(fh.fileno()).st_size
     return entry(digest, file_digest(path, digest), size)
