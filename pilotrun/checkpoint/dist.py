@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -160,6 +160,9 @@ def start_distributed(folder: Path, trainer, config: dict, env, config_hash: str
                                           use_non_blocking_copy=pinned))
     group = dist.new_group(backend="gloo") if env.active else None
     upload = dcp.async_save(state, checkpoint_id=str(tmp / "dcp"), process_group=group, async_stager=stager)
+    if not isinstance(upload, Future):  # torch answers an AsyncSaveResponse only to staging that runs behind
+        raise TypeError(f"torch.distributed.checkpoint.async_save returned {type(upload).__name__} to staging done "
+                        "before it returns: this torch's async_save is not the one pilotrun was written against")
     _write_small(tmp, trainer, config, env)
     step = trainer.step
     blocking = time.perf_counter() - t0
