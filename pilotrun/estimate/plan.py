@@ -105,10 +105,14 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     # A checkpoint costs the run what the job waits for it: the copy to host memory when the save is written behind
     # the job (rows before that was possible waited for the whole write, their bytes_per_second).
     job_bw = saved.blocking_bytes_per_second or bw
+    if save_row is None:
+        how = "assumed"
+    elif job_bw != bw:
+        how = f"what the job waited in {source}; written at {bw / 1e6:.0f} MB/s behind it"
+    else:
+        how = f"measured by {source}"
     add(Item.CHECKPOINTS, a.checkpoints_per_run * ckpt_bytes / job_bw,
-        f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {job_bw / 1e6:.0f} MB/s "
-        + (f"(what the job waited in {source}" + (f"; written at {bw / 1e6:.0f} MB/s behind it)" if job_bw != bw
-                                                   else ")") if save_row else "(assumed)"))
+        f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {job_bw / 1e6:.0f} MB/s ({how})")
     add(Item.EXPORT, weights / bw, f"{weights / 1e9:.1f} GB of {'adapter ' if adapter else ''}weights at "
         f"{bw / 1e6:.0f} MB/s")
     merged = adapter["merged_export"] if adapter else None

@@ -1,10 +1,10 @@
 """``save``: the full training state written atomically with a manifest of file digests; time and bytes.
 
 The strategy chooses the layout (one process: sharded ``.pt`` files; several: DCP) and whether the write runs behind
-the job (one process on an accelerator: the state is copied to pinned host memory and written by a background
-thread). The row keeps apart what the job waited (``blocking_seconds``: the plan charges that per checkpoint) and the
-whole save until the checkpoint is complete (``write_seconds``). The gate also records fingerprints of the live
-state, which ``restore`` must reproduce.
+the job (on an accelerator: the state is copied to pinned host memory and written by a background thread in one
+process, by DCP's ``async_save`` in several). The row keeps apart what the job waited (``blocking_seconds``: the
+plan charges that per checkpoint) and the whole save until the checkpoint is complete (``write_seconds``). The gate
+also records fingerprints of the live state, which ``restore`` must reproduce.
 """
 from __future__ import annotations
 
