@@ -38,12 +38,12 @@ from pilotrun.train.optim import Schedule  # noqa: E402
 class _State:
     """The attributes save_checkpoint reads from a trainer."""
 
-    def __init__(self, n_params: int) -> None:
+    def __init__(self, n_params: int, device: torch.device) -> None:
         width = 2048
         layers = max(1, n_params // (width * width))
-        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.model(torch.randn(4, width)).sum().backward()
+        self.model(torch.randn(4, width, device=device)).sum().backward()
         self.optimizer.step()  # allocates both AdamW moments
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, Schedule("cosine", 10, 1000, 0.1))
         self.scaler = None
@@ -97,8 +97,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp folder)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--device", default="cpu", help="where the state lives (cuda: the blocking time is the copy off "
+                    "the device into pinned host memory)")
     args = ap.parse_args()
-    state = _State(int(args.params))
+    state = _State(int(args.params), torch.device(args.device))
     n = sum(p.numel() for p in state.model.parameters())
     root = Path(tempfile.mkdtemp(dir=args.dir))
     other = Digest.SHA256 if CHECKPOINT_DIGEST is not Digest.SHA256 else Digest.BLAKE3
@@ -134,7 +136,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     p, d, q = med["plain"], med["durable"], med["pilot"]
-    result = {"parameters": n, "checkpoint_bytes": size, "digest": CHECKPOINT_DIGEST.value,
+    result = {"parameters": n, "checkpoint_bytes": size, "state_device": args.device, "digest": CHECKPOINT_DIGEST.value,
               "writer_threads": writer_threads(), "plain_torch_save_s": p, "plain_torch_save_fsync_s": d,
               "pilotrun_save_s": q, f"pilotrun_save_{other.value}_s": med["pilot_other"],
               "background_blocking_s": med["blocking"], "background_total_s": med["background_total"],
