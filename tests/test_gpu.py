@@ -44,3 +44,35 @@ def test_toy_pilot_on_cuda(tmp_path, precision):
         assert mem["source"] == "cuda-allocator", (gate, mem)
         assert mem["peak_reserved_bytes"] >= mem["peak_allocated_bytes"] > 0, (gate, mem)
     assert rows["steady_step"]["details"]["seconds_per_update"] > 0
+
+
+def test_a_save_behind_the_job_copies_the_device_state_to_pinned_host_memory(tmp_path):
+    from pilotrun.checkpoint import saving, start_checkpoint, verify_folder
+    from pilotrun.checkpoint.state import _load_sharded
+
+    dev = torch.device("cuda", 0)
+
+    class Job:
+        def __init__(self) -> None:
+            self.model = torch.nn.Linear(64, 64).to(dev)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+            self.model(torch.ones(2, 64, device=dev)).sum().backward()
+            self.optimizer.step()
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: 1.0)
+            self.scaler, self.step = None, 1
+
+        def state(self) -> dict:
+            return {"step": 1, "examples_seen": 2, "data_position": {"epoch": 0, "micro_index": 1}}
+
+    job = Job()
+    assert saving.saves_behind(dev)
+    saved = job.model.weight.detach().cpu()
+    pending = start_checkpoint(tmp_path / "step-000001", job, {"c": 1})
+    assert any(b.is_pinned() for b in saving._STAGING.buffers)  # the device's storages; the CPU RNG state is not
+    job.model(torch.ones(2, 64, device=dev)).sum().backward()
+    job.optimizer.step()  # the job goes on as soon as the copy is done
+    pending.wait()
+    saving.release_staging()
+    verify_folder(tmp_path / "step-000001")
+    weights, _ = _load_sharded(tmp_path / "step-000001", "model")
+    assert torch.equal(weights["weight"], saved)

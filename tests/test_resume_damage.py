@@ -35,7 +35,7 @@ def _to_dev_zero(f: Path) -> None:
 
 DAMAGE = [  # (what is done to the only checkpoint, words the refusal must contain)
     ("truncated", lambda c: _truncate(c / SHARD), [SHARD, "bytes, the manifest says", "truncated"]),
-    ("byte-flipped", lambda c: _flip(c / SHARD), [SHARD, "does not match its sha256", "same size"]),
+    ("byte-flipped", lambda c: _flip(c / SHARD), [SHARD, "does not match its blake3", "same size"]),
     ("renamed", lambda c: (c / SHARD).rename(c / "model-old.pt"),
      [f"{SHARD} is listed in the manifest", "missing (deleted or renamed)", "model-old.pt is not in the manifest"]),
     ("deleted", lambda c: (c / SHARD).unlink(), [f"{SHARD} is listed in the manifest", "missing"]),

@@ -3,7 +3,9 @@
 Each rank writes its shards (DCP) and its own RNG streams and data position; rank 0 writes
 the shared pieces (scheduler, scaler, config), then — after every rank is done — hashes every
 file into the manifest and renames the folder into place, so a checkpoint is either whole
-or absent, as in one process. The DCP folder can be read without the original processes:
+or absent, as in one process. On accelerators the shards are written behind the job by DCP's
+``async_save`` (:func:`start_distributed`): the job waits for the copy to host memory only.
+The DCP folder can be read without the original processes:
 :func:`convert` turns it into one file (``.pt`` for ``torch.load(weights_only=True)``, or
 ``.safetensors``).
 """
@@ -12,11 +14,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from ..devices import query_devices
+from .digest import CHECKPOINT_DIGEST, IDENTITY
 from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, read_manifest
+from .saving import PendingSave
 from .state import capture_rng, load_state_json, load_torch_file, restore_rng, save_to
 from .statefiles import check_config, check_trainer_state, job_hash
 from .trust import LoadPolicy, require_known
@@ -56,18 +63,10 @@ def _buffers_from(msd: dict, module: torch.nn.Module, source: int) -> dict:
     return out
 
 
-def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None,
-                     buffers_from: int | None = None) -> dict:
-    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0).
-
-    ``buffers_from``: the rank whose buffers are the training state (DDP: rank 0, which it broadcasts at
-    each forward). DCP writes one copy of a tensor all ranks hold, from whichever rank balances the write
-    load, so without this a buffer whose copies differ is saved from an arbitrary rank."""
-    import torch.distributed.checkpoint as dcp
-
+def _begin(folder: Path, trainer, env, buffers_from: int | None) -> tuple[Path, dict]:
+    """The temp folder (made by rank 0, seen by all) and the DCP state of this rank; every rank calls it."""
     from .. import distributed
 
-    folder = Path(folder)
     tmp = folder.parent / f".{folder.name}.tmp-dist"
     if env.is_main:
         if tmp.exists():
@@ -77,7 +76,11 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
     msd, osd = _state_dicts(trainer)
     if buffers_from is not None:
         msd = _buffers_from(msd, trainer.plain_model, buffers_from)
-    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "dcp"))
+    return tmp, {"model": msd, "optimizer": osd}
+
+
+def _write_small(tmp: Path, trainer, config: dict, env) -> None:
+    """This rank's RNG streams and data position, and (rank 0) the shared state files: kilobytes, written now."""
     rng_json, rng_tensors = capture_rng()
     save_to(rng_tensors, tmp / f"rng-rank{env.rank}.pt")
     (tmp / f"rng-rank{env.rank}.json").write_text(json.dumps(rng_json))
@@ -87,22 +90,98 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
         if trainer.scaler is not None:
             (tmp / "scaler.json").write_text(json.dumps(trainer.scaler.state_dict(), sort_keys=True))
         (tmp / "config.json").write_text(json.dumps(config, sort_keys=True))
-    distributed.barrier(env)
+
+
+def _finish(tmp: Path, folder: Path, env, step: int, config_hash: str | None, group=None) -> dict:
+    """Once every rank's files are written: rank 0 hashes them into the manifest and renames the folder into place;
+    every rank gets the record. ``group``: the process group to agree over (None: the job's own)."""
+    import torch.distributed as dist
+
+    def barrier() -> None:
+        if env.active:
+            dist.barrier(group=group)
+
+    barrier()
     record: dict = {}
     if env.is_main:
-        files = {str(p.relative_to(tmp)): hash_and_sync(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): hash_and_sync(p, CHECKPOINT_DIGEST) for p in sorted(tmp.rglob("*"))
+                 if p.is_file()}
         manifest = {"format": "pilotrun-checkpoint/1", "layout": "dcp", "world_size": env.world_size,
-                    "strategy": env.strategy, "step": trainer.step, "config_hash": config_hash, "files": files}
+                    "strategy": env.strategy, "step": step, "config_hash": config_hash, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        hash_and_sync(tmp / MANIFEST)
+        hash_and_sync(tmp / MANIFEST, IDENTITY)
         fsync_dir(tmp)
         if folder.exists():
             shutil.rmtree(folder)
         os.rename(tmp, folder)
         fsync_dir(folder.parent)
         record = {"files": files, "bytes": sum(f["bytes"] for f in files.values())}
-    distributed.barrier(env)
-    return distributed.broadcast(env, record)
+    barrier()
+    if not env.active:
+        return record
+    box = [record]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None,
+                     buffers_from: int | None = None) -> dict:
+    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0).
+
+    ``buffers_from``: the rank whose buffers are the training state (DDP: rank 0, which it broadcasts at
+    each forward). DCP writes one copy of a tensor all ranks hold, from whichever rank balances the write
+    load, so without this a buffer whose copies differ is saved from an arbitrary rank."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    tmp, state = _begin(folder, trainer, env, buffers_from)
+    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    _write_small(tmp, trainer, config, env)
+    return _finish(tmp, folder, env, trainer.step, config_hash)
+
+
+def start_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None,
+                      buffers_from: int | None = None) -> PendingSave:
+    """:func:`save_distributed` behind the job, through DCP's ``async_save``: every rank's state is copied to host
+    memory (pinned where the runtime pins) before this returns; DCP's thread writes the shards, then a second
+    thread of ours waits for them and agrees with the other ranks over a gloo group of its own (the job's
+    communicator stays the job's: NCCL collectives from two threads would interleave) before rank 0 writes the
+    manifest and renames the folder. Every rank calls it; :meth:`PendingSave.wait` on every rank too."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    t0 = time.perf_counter()
+    folder = Path(folder)
+    tmp, state = _begin(folder, trainer, env, buffers_from)
+    pinned = query_devices().runtime.pin_memory
+    # Staged now, in this thread (use_async_staging=False): once async_save returns the state is DCP's copy.
+    stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=pinned))
+    group = dist.new_group(backend="gloo") if env.active else None
+    upload = dcp.async_save(state, checkpoint_id=str(tmp / "dcp"), process_group=group, async_stager=stager)
+    if not isinstance(upload, Future):  # torch answers an AsyncSaveResponse only to staging that runs behind
+        raise TypeError(f"torch.distributed.checkpoint.async_save returned {type(upload).__name__} to staging done "
+                        "before it returns: this torch's async_save is not the one pilotrun was written against")
+    _write_small(tmp, trainer, config, env)
+    step = trainer.step
+    blocking = time.perf_counter() - t0
+
+    def finish() -> tuple[dict, float]:
+        try:
+            upload.result()
+        finally:
+            stager.close()
+        try:
+            return _finish(tmp, folder, env, step, config_hash, group), time.perf_counter()
+        finally:
+            if group is not None:
+                dist.destroy_process_group(group)
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pilotrun-background-dcp")
+    future = pool.submit(finish)
+    pool.shutdown(wait=False)
+    return PendingSave(folder, blocking, future, t0)
 
 
 def tied_names(model: torch.nn.Module) -> list[list[str]]:

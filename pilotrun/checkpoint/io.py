@@ -1,59 +1,35 @@
-"""Atomic folders with a sha256 manifest: a crash mid-save never damages the last good one.
+"""Atomic folders with a manifest of file digests: a crash mid-save never damages the last good one.
 
-A folder is written as ``.NAME.tmp-PID``, every file is flushed and fsynced with
-its sha256 computed while writing, ``manifest.json`` is written last, and the
-folder is renamed into place (then the parent is fsynced). Readers ignore
-``.tmp-`` folders and refuse a folder whose files do not match its manifest.
+A folder is written as ``.NAME.tmp-PID``: every file is hashed as it is written (:mod:`.writer`; nothing is read
+back) and fsynced once, ``manifest.json`` is written last and fsynced, then the folder, and the folder is renamed
+into place (then the parent is fsynced). Readers ignore ``.tmp-`` folders and refuse a folder whose files do not
+match its manifest. Which digest an entry carries is :mod:`.digest`'s; the manifest's own identity is its sha256.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
 import shutil
 import stat
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from .digest import IDENTITY, Digest, entry, entry_digest, file_digest
+from .writer import Flusher, HashingWriter, Writers, sync_and_close, write_through
 
 MANIFEST = "manifest.json"
 # ".step-000008.tmp-4242": the folder AtomicFolder writes before its rename (the PID is the writer's).
 TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 # Errors that mean the filesystem is full (errno(3)): ENOSPC, and EDQUOT for a user's quota.
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-HASH_CHUNK = 8 << 20  # measured: larger reads overlap worse with torch.save on 2 cores
 
 
 class CheckpointError(Exception):
     """A checkpoint or artifact is missing, incomplete or does not match its manifest."""
-
-
-class HashingWriter:
-    """A binary file that hashes what is written to it (one pass over the bytes)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fh = open(path, "wb")
-        self.sha = hashlib.sha256()
-        self.bytes = 0
-
-    def write(self, data) -> int:
-        mv = memoryview(data)
-        self.sha.update(mv)
-        self.bytes += mv.nbytes
-        return self.fh.write(mv)
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-    def close(self) -> None:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
 
 
 def fsync_dir(path: Path) -> None:
@@ -69,33 +45,34 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def hash_and_sync(path: Path) -> dict:
-    """sha256 of a file just written (read back from the page cache) and an fsync; runs in a thread."""
-    h = hashlib.sha256()
+def hash_and_sync(path: Path, digest: Digest) -> dict:
+    """The manifest entry of a file another library wrote (DCP's shards, save_pretrained's), read back once, and an
+    fsync."""
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(HASH_CHUNK), b""):
-            h.update(chunk)  # releases the GIL: overlaps torch.save of the next shard
-        size = fh.tell()
         os.fsync(fh.fileno())
-    return {"sha256": h.hexdigest(), "bytes": size}
+        size = os.fstat(fh.fileno()).st_size
+    return entry(digest, file_digest(path, digest), size)
 
 
 class AtomicFolder:
-    """``with AtomicFolder(final) as f: f.write_json("a.json", {...});
-    f.write_file("b.pt", lambda p: torch.save(obj, p))``.
+    """``with AtomicFolder(final) as f: f.write_json("a.json", {...}); f.submit("b.pt", torch.save, obj)``.
 
-    Large files are written by the library's own fast path (``write_file``) and hashed and
-    fsynced by a background thread while the next file is being written.
+    ``write_with`` writes a file here and now; ``submit`` hands it to the writer threads (several shards at once).
+    Either way the file is hashed as it is written and fsynced by a background thread while the next is written;
+    leaving the ``with`` waits for all of them, then writes the manifest and renames the folder into place.
+    ``digest`` is what the manifest records for each file (:mod:`.digest`: checkpoints pass ``CHECKPOINT_DIGEST``).
     """
 
-    def __init__(self, final: Path, kind: str, meta: dict | None = None) -> None:
+    def __init__(self, final: Path, kind: str, meta: dict | None = None, digest: Digest = Digest.SHA256,
+                 threads: int | None = None) -> None:
         self.final = Path(final)
         self.kind = kind
+        self.digest = digest
         self.meta = meta or {}
         self.tmp = self.final.parent / f".{self.final.name}.tmp-{os.getpid()}"
         self.files: dict[str, dict] = {}
-        self._pending: dict[str, Future] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._flusher = Flusher()
+        self._writers = Writers(threads)
         self.manifest_sha256: str | None = None
 
     def __enter__(self) -> AtomicFolder:
@@ -106,30 +83,14 @@ class AtomicFolder:
         return self
 
     def write_with(self, name: str, writer: Callable[[Any, Any], Any], obj: Any) -> None:
-        w = HashingWriter(self.tmp / name)
-        try:
-            writer(obj, w)
-        finally:
-            w.close()
-        self.files[name] = {"sha256": w.sha.hexdigest(), "bytes": w.bytes}
+        """``writer(obj, file)`` into ``name``, in this thread."""
+        self.files[name] = write_through(self.tmp / name, writer, obj, self._flusher, self.digest)
 
-    def write_file(self, name: str, write: Callable[[Path], Any]) -> None:
-        """``write(path)`` creates the file; hashing and fsync overlap with whatever is written next."""
+    def submit(self, name: str, writer: Callable[[Any, Any], Any], obj: Any) -> None:
+        """``writer(obj, file)`` into ``name`` on a writer thread; ``obj`` must not change until the folder is
+        complete (a live state_dict is fine while the caller waits; a background save writes its own snapshot)."""
         path = self.tmp / name
-        write(path)
-        if self._pool is None:
-            # One hashing thread per spare core (up to 4): shards hash in parallel on big nodes.
-            workers = max(1, min(4, (os.cpu_count() or 2) - 1))
-            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pilotrun-hash")
-        self._pending[name] = self._pool.submit(hash_and_sync, path)
-
-    def _finish_pending(self) -> None:
-        for name, fut in self._pending.items():
-            self.files[name] = fut.result()
-        self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        self._writers.submit(name, lambda: write_through(path, writer, obj, self._flusher, self.digest))
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self.write_with(name, lambda d, fh: fh.write(d), data)
@@ -138,36 +99,44 @@ class AtomicFolder:
         self.write_bytes(name, json.dumps(obj, indent=1, sort_keys=True).encode())
 
     def adopt_existing(self) -> None:
-        """Hash files that a library wrote into ``tmp`` itself (e.g. save_pretrained)."""
+        """Hash files that a library wrote into ``tmp`` itself (e.g. save_pretrained): read back, once."""
         for p in sorted(self.tmp.rglob("*")):
             if p.is_file():
                 rel = str(p.relative_to(self.tmp))
                 if rel in self.files or rel == MANIFEST:
                     continue
-                with open(p, "rb+") as fh:
-                    h = hashlib.sha256()
-                    for chunk in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(chunk)
-                    os.fsync(fh.fileno())
-                self.files[rel] = {"sha256": h.hexdigest(), "bytes": p.stat().st_size}
+                self.files[rel] = hash_and_sync(p, self.digest)
+
+    def _abandon(self) -> None:
+        self._writers.abandon()
+        self._flusher.abandon()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self._abandon()
             return
-        self._finish_pending()
+        try:
+            self.files.update(self._writers.wait())
+            self._flusher.wait()  # every file's data is on disk before the manifest that vouches for it
+        except BaseException:
+            self._abandon()
+            raise
         manifest = {
             "format": f"pilotrun-{self.kind}/1",
             "created_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "files": self.files,
             **self.meta,
         }
-        w = HashingWriter(self.tmp / MANIFEST)
-        w.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
-        w.close()
-        self.manifest_sha256 = w.sha.hexdigest()  # of the bytes written, not re-read: what the ledger records
+        w = HashingWriter(self.tmp / MANIFEST, IDENTITY)
+        try:
+            w.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
+            sync_and_close(w.hand_off())
+        except BaseException:
+            w.fh.close()
+            self._abandon()
+            raise
+        self.manifest_sha256 = w.hexdigest()  # of the bytes written, not re-read: what the ledger records
         fsync_dir(self.tmp)
         old = None
         if self.final.exists():
@@ -184,8 +153,8 @@ class AtomicFolder:
 
 
 def read_manifest(folder: Path) -> dict:
-    """The manifest as a mapping whose ``files`` entries each carry ``sha256`` and ``bytes``; anything else is
-    named as damage (a missing, garbage or hand-edited manifest)."""
+    """The manifest as a mapping whose ``files`` entries each carry ``bytes`` and one digest (:mod:`.digest`);
+    anything else is named as damage (a missing, garbage or hand-edited manifest)."""
     path = Path(folder) / MANIFEST
     if not path.is_file() or path.is_symlink():
         what = "is not a plain file" if path.exists() or path.is_symlink() else "is missing"
@@ -195,20 +164,10 @@ def read_manifest(folder: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is unreadable ({exc}); the checkpoint is damaged") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
-            for v in files.values()):
-        raise CheckpointError(f"{path}: field 'files' is not a mapping of file -> {{sha256, bytes}}; the manifest is "
-                              "damaged or was not written by pilotrun")
+    if not isinstance(files, dict) or not all(entry_digest(v) is not None for v in files.values()):
+        raise CheckpointError(f"{path}: field 'files' is not a mapping of file -> {{bytes, and one of sha256 or "
+                              "blake3}; the manifest is damaged or was not written by pilotrun")
     return manifest
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _problem(folder: Path, name: str, info: dict) -> str | None:
@@ -226,10 +185,11 @@ def _problem(folder: Path, name: str, info: dict) -> str | None:
         return f"{p} is not a regular file (a device, FIFO or folder), not the file that was saved"
     if st.st_size != info["bytes"]:
         return f"{p} is {st.st_size} bytes, the manifest says {info['bytes']}: truncated or replaced"
-    digest = _sha256(p)
-    if digest != info["sha256"]:
-        return (f"{p} does not match its sha256 in the manifest ({digest[:12]}…, the manifest says "
-                f"{info['sha256'][:12]}…): corrupted or replaced (same size)")
+    algo, want = entry_digest(info)  # type: ignore[misc]  # read_manifest checked every entry
+    digest = file_digest(p, algo)
+    if digest != want:
+        return (f"{p} does not match its {algo.value} in the manifest ({digest[:12]}…, the manifest says "
+                f"{want[:12]}…): corrupted or replaced (same size)")
     return None
 
 

@@ -6,7 +6,6 @@ nothing is pickled.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import random
@@ -17,7 +16,7 @@ import torch
 
 from ..devices import query_devices
 from ..safefile import FileKind, FileProblem, parse_json, read_bytes
-from .io import AtomicFolder, CheckpointError, read_manifest
+from .io import CheckpointError, read_manifest
 from .statefiles import STATE_JSON_CAP, check_config, check_trainer_state, job_hash
 
 
@@ -52,47 +51,12 @@ def restore_rng(js: dict, tensors: dict) -> None:
     query_devices().runtime.set_rng_state(tensors)  # another runtime's streams (a GPU's, on a CPU) stay unused
 
 
-SHARD_BYTES = 64 << 20  # shards let hashing and fsync of one overlap the writing of the next
-
-
-def _nbytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    return 0
-
-
-def _shards(items: list, limit: int) -> list[list]:
-    out: list[list] = []
-    cur: list = []
-    size = 0
-    for key, value in items:
-        n = _nbytes(value)
-        if cur and size + n > limit:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append((key, value))
-        size += n
-    if cur or not out:
-        out.append(cur)
-    return out
-
-
 def save_to(payload: dict, path: Path) -> None:
     """``torch.save`` through a Python file: given a path, torch's C++ writer loses the OS error, and a full disk
     reads "unexpected pos 768 vs 662"; through a file the OSError (ENOSPC) is chained to torch's error, and the
     save row says "No space left on device" (gates/save.write_failure)."""
     with open(path, "wb") as fh:
         torch.save(payload, fh)
-
-
-def _save_sharded(f: AtomicFolder, prefix: str, state: dict, extra: dict | None = None) -> None:
-    """``prefix-00000-of-00003.pt`` ...; the first shard also carries ``extra`` (e.g. param_groups)."""
-    groups = _shards(list(state.items()), SHARD_BYTES)
-    for i, group in enumerate(groups):
-        payload = {"entries": dict(group), **(extra if i == 0 and extra else {})}
-        f.write_file(f"{prefix}-{i:05d}-of-{len(groups):05d}.pt", functools.partial(save_to, payload))
 
 
 def _load_sharded(folder: Path, prefix: str, reference: dict | None = None) -> tuple[dict, dict]:
@@ -147,27 +111,6 @@ def model_state(trainer) -> dict:
     if getattr(trainer, "base_identity", None) is None:
         return trainer.model.state_dict()
     return {name: p.detach() for name, p in trainer.model.named_parameters() if p.requires_grad}
-
-
-def save_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None = None) -> AtomicFolder:
-    """Write the trainer's full state to ``folder`` atomically; returns the written folder's record."""
-    rng_json, rng_tensors = capture_rng()
-    meta = {"step": trainer.step, "config_hash": lock_hash}
-    base = getattr(trainer, "base_identity", None)
-    if base is not None:
-        meta["base_identity"] = base  # the frozen base the adapter was trained on (not saved: rebuilt, compared)
-    opt = trainer.optimizer.state_dict()
-    with AtomicFolder(folder, "checkpoint", meta) as f:
-        _save_sharded(f, "model", model_state(trainer))
-        _save_sharded(f, "optimizer", opt["state"], {"param_groups": opt["param_groups"]})
-        f.write_json("scheduler.json", trainer.scheduler.state_dict())
-        if trainer.scaler is not None:
-            f.write_json("scaler.json", trainer.scaler.state_dict())
-        f.write_file("rng.pt", functools.partial(save_to, rng_tensors))
-        f.write_json("rng.json", rng_json)
-        f.write_json("trainer_state.json", trainer.state())
-        f.write_json("config.json", config)
-    return f
 
 
 # -- loading -----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..ledger.records import kept_manifests
+from .digest import matches
 from .io import MANIFEST, CheckpointError, folder_problems, read_manifest
 
 if TYPE_CHECKING:
@@ -224,8 +225,7 @@ def require_known(folder: Path) -> Admission:
         raise LoadRefused(Refusal.DAMAGED, f"{folder / MANIFEST} changed after it was checked: not loaded")
     info = adm.manifest["files"].get(DCP_METADATA)
     meta = folder / DCP_METADATA
-    if info is None or meta.is_symlink() or not meta.is_file() \
-            or hashlib.sha256(meta.read_bytes()).hexdigest() != info["sha256"]:
+    if info is None or meta.is_symlink() or not meta.is_file() or not matches(meta, info):
         raise LoadRefused(Refusal.DAMAGED, f"{meta} is not the file its manifest lists: not loaded")
     return adm
 

@@ -9,6 +9,7 @@ in the registry (``drivers/build.py``); see docs/architecture.md.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from ..checkpoint.saving import PendingSave
 from ..ledger.records import TextEnum
 
 if TYPE_CHECKING:
@@ -207,6 +209,12 @@ class Driver(ABC):
     def save(self, folder: Path) -> dict:
         """The full training state to ``folder`` (atomically, with a manifest): ``{"files", "bytes"}``."""
         raise Unsupported(f"the {self.name} driver cannot {Capability.FULL_STATE.missing}")
+
+    def start_save(self, folder: Path) -> PendingSave:
+        """:meth:`save`, returning once the job may go on (a strategy may write behind it): ``wait()`` gives the
+        record once the checkpoint is complete."""
+        started = time.perf_counter()
+        return PendingSave.finished(folder, self.save(folder), started)
 
     def restore(self, folder: Path) -> dict:
         """Load a checkpoint this driver's strategy wrote; returns the saved trainer state (step, position)."""

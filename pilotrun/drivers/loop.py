@@ -17,6 +17,7 @@ import torch
 
 from .. import backends
 from ..checkpoint.export import export_adapter, export_model
+from ..checkpoint.saving import PendingSave
 from ..checkpoint.state import fingerprint_state
 from ..distributed import all_sum
 from ..models.adapters import base_reference, merged_copy
@@ -311,6 +312,9 @@ class LoopDriver(ModelDriver):
 
     def save(self, folder: Path) -> dict:
         return self.strategy.save(folder, self, self.spec.canonical(), self.spec.config_hash(), self.env)
+
+    def start_save(self, folder: Path) -> PendingSave:
+        return self.strategy.start_save(folder, self, self.spec.canonical(), self.spec.config_hash(), self.env)
 
     def restore(self, folder: Path) -> dict:
         return self.strategy.restore(self, folder, self.env)

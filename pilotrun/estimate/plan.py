@@ -106,11 +106,9 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     add(Item.VALIDATION, eval_s, f"{a.evals_per_run} evaluations x {eval_row['seconds']:.3g} s measured by {source}"
         if eval_row else "not measured: run a pilot (eval gate)")
     ckpt_bytes = adapter["checkpoint_bytes"] if adapter else trace["parameter_bytes"] + trace["optimizer_state_bytes"]
-    save_row = pilot.get(GateName.SAVE)
-    bw = SaveDetails.of((save_row or {}).get("details")).bytes_per_second or a.disk_mb_s * 1e6
-    add(Item.CHECKPOINTS, a.checkpoints_per_run * ckpt_bytes / bw,
-        f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {bw / 1e6:.0f} MB/s "
-        f"({f'measured by {source}' if save_row else 'assumed'})")
+    bw, job_bw, how = _save_speeds(pilot.get(GateName.SAVE), source, a)
+    add(Item.CHECKPOINTS, a.checkpoints_per_run * ckpt_bytes / job_bw,
+        f"{a.checkpoints_per_run} x {ckpt_bytes / 1e9:.1f} GB at {job_bw / 1e6:.0f} MB/s ({how})")
     add(Item.EXPORT, weights / bw, f"{weights / 1e9:.1f} GB of {'adapter ' if adapter else ''}weights at "
         f"{bw / 1e6:.0f} MB/s")
     merged = adapter["merged_export"] if adapter else None
@@ -138,6 +136,20 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     return {"items": items, "hours": sum(known), "unknown": [i["item"] for i in items if i["hours"] is None],
             "cost": sum(known) * gpus * price if price is not None else None,
             "cost_note": cost_note, "measured_by": source, "spot": spot, "price_per_gpu_hour": price, "sizes": sizes}
+
+
+def _save_speeds(save_row: dict | None, source: str | None, a: Assumptions) -> tuple[float, float, str]:
+    """(the write speed, the speed the job waits at, how both were known), in bytes per second. A checkpoint costs
+    the run what the job waits for it: the copy to host memory when the save is written behind the job (rows from
+    before that was possible waited for the whole write, their bytes_per_second)."""
+    saved = SaveDetails.of((save_row or {}).get("details"))
+    bw = saved.bytes_per_second or a.disk_mb_s * 1e6
+    job_bw = saved.blocking_bytes_per_second or bw
+    if save_row is None:
+        return bw, job_bw, "assumed"
+    if job_bw != bw:
+        return bw, job_bw, f"what the job waited in {source}; written at {bw / 1e6:.0f} MB/s behind it"
+    return bw, job_bw, f"measured by {source}"
 
 
 def _sizes(pilot: dict, source: str | None, ckpt_bytes: int, weights: int, adapter: bool, precision: str, dl: dict,

@@ -1,7 +1,10 @@
-"""``save``: the full training state written atomically with a sha256 manifest; time and bytes.
+"""``save``: the full training state written atomically with a manifest of file digests; time and bytes.
 
-The strategy chooses the layout (one process: sharded ``.pt`` files; several: DCP); the save
-gate also records fingerprints of the live state, which ``restore`` must reproduce.
+The strategy chooses the layout (one process: sharded ``.pt`` files; several: DCP) and whether the write runs behind
+the job (on an accelerator: the state is copied to pinned host memory and written by a background thread in one
+process, by DCP's ``async_save`` in several). The row keeps apart what the job waited (``blocking_seconds``: the
+plan charges that per checkpoint) and the whole save until the checkpoint is complete (``write_seconds``). The gate
+also records fingerprints of the live state, which ``restore`` must reproduce.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 
 from .. import distributed
 from ..checkpoint.io import disk_full_error, remove_stale_temps
+from ..checkpoint.saving import release_staging
 from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
@@ -61,10 +65,17 @@ class SaveGate(Gate):
         stale = self._remove_stale(ctx, folder.parent) if env.is_main else []
         t0 = time.perf_counter()
         try:
-            written = driver.save(folder)
+            pending = driver.start_save(folder)
+            # The checkpoint counts once its manifest is durable and the folder in place, however it was written.
+            written = pending.wait()
         except Exception as exc:
             raise write_failure(folder, exc, ctx.base_inputs()) from exc
+        finally:
+            # The pilot saves once: its host copy is not kept for a next save (whose copy would then skip the
+            # allocation: the row's blocking time is the first save's, an upper bound of a long run's).
+            release_staging()
         seconds = time.perf_counter() - t0
+        blocking = min(pending.blocking_seconds, seconds)
         files, total = written["files"], written["bytes"]
         # Each rank's fingerprints: its own shards, RNG streams and data position.
         mine = expect_path(folder, env.rank if env.active else None)
@@ -81,10 +92,14 @@ class SaveGate(Gate):
             path=str(folder), bytes=total, files=files, step=driver.step, layout=ctx.strategy.checkpoint_layout,
             bytes_per_second=total / seconds if seconds else None, write_seconds=seconds,
             manifest_sha256=ctx.checkpoint.manifest_sha256, expect=str(mine), expect_sha256=list(digests),
-            stale_temps_removed=[{"path": str(p), "bytes": n} for p, n in stale] if stale else None).to_dict()
+            stale_temps_removed=[{"path": str(p), "bytes": n} for p, n in stale] if stale else None,
+            blocking_seconds=blocking, blocking_bytes_per_second=total / blocking if blocking else None).to_dict()
         out.reason = (f"step {driver.step}: {human_bytes(total)} in {len(files)} files in "
                       f"{human_seconds(seconds)} ({human_bytes(total / seconds if seconds else 0)}/s), "
-                      "written atomically with a sha256 manifest")
+                      "written atomically with a manifest of file digests")
+        if pending.behind:
+            out.reason += (f"; the job waited {human_seconds(blocking)} (the copy to host memory), the rest was "
+                           "written behind it")
         if stale:
             freed = sum(n for _, n in stale)
             out.reason += (f"; removed {len(stale)} temp folder(s) of saves whose process is gone, freeing "

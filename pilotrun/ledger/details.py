@@ -115,9 +115,15 @@ class SaveDetails(RowDetails):
     expect: str | None                    # this rank's fingerprints file, which restore must reproduce
     expect_sha256: list[str] | None = None  # every rank's expect file's sha256 as written (rank order)
     stale_temps_removed: list[dict] | None = None  # [{path, bytes}] of killed saves' temp folders removed first
+    # What the job waited: a background save's copy to host memory, or the whole write of one written before it
+    # returned (then equal to write_seconds); None in rows written before saves could run behind the job.
+    blocking_seconds: float | None = None
+    blocking_bytes_per_second: float | None = None  # bytes / blocking_seconds: what the plan charges per checkpoint
 
     WRITTEN_WITH: ClassVar[dict[str, tuple[str, ...]]] = {"stale_temps_removed": ("stale_temps_removed",),
-                                                          "expect_sha256": ("expect_sha256",)}
+                                                          "expect_sha256": ("expect_sha256",),
+                                                          "blocking_seconds": ("blocking_seconds",
+                                                                               "blocking_bytes_per_second")}
 
 
 @dataclass(frozen=True)

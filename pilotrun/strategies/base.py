@@ -14,6 +14,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed
+from ..checkpoint.dist import full_model_state_dict, restore_distributed, save_distributed, start_distributed
+from ..checkpoint.saving import PendingSave, saves_behind
 from ..train.loss import plain_backward
 
 if TYPE_CHECKING:
@@ -150,6 +152,13 @@ class Strategy(ABC):
     def save(self, folder: Path, driver: Any, config: dict, config_hash: str | None, env: DistEnv) -> dict:
         """Write the driver's full training state; every rank calls it. ``{"files": {...}, "bytes": n}``."""
 
+    def start_save(self, folder: Path, driver: Any, config: dict, config_hash: str | None,
+                   env: DistEnv) -> PendingSave:
+        """:meth:`save`, as a :class:`PendingSave`: what the job waited, and the record once complete. A strategy
+        that writes behind the job returns before the write is done; this one writes it all first."""
+        started = time.perf_counter()
+        return PendingSave.finished(folder, self.save(folder, driver, config, config_hash, env), started)
+
     @abstractmethod
     def restore(self, driver: Any, folder: Path, env: DistEnv) -> dict:
         """Load a checkpoint this strategy wrote into a freshly built driver; returns the trainer state."""
@@ -191,6 +200,12 @@ class DistributedCheckpoint(Strategy):
         # where the strategy says one rank's buffers are the state, every rank hands DCP that rank's copy.
         return save_distributed(folder, driver, config, env, config_hash,
                                 buffers_from=self.buffer_sync(driver.model).source_rank)
+
+    def start_save(self, folder, driver, config, config_hash, env):
+        if saves_behind(driver.device):  # on an accelerator: DCP's async_save, the job waits for the copy
+            return start_distributed(folder, driver, config, env, config_hash,
+                                     buffers_from=self.buffer_sync(driver.model).source_rank)
+        return super().start_save(folder, driver, config, config_hash, env)
 
     def restore(self, driver, folder, env):
         return restore_distributed(driver, folder, env)

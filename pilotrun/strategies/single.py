@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 from ..checkpoint.io import MANIFEST, CheckpointError
-from ..checkpoint.state import restore_training_state, save_checkpoint
+from ..checkpoint.saving import save_checkpoint, saves_behind, start_checkpoint
+from ..checkpoint.state import restore_training_state
 from .base import StageBytes, Strategy
 
 
@@ -27,6 +28,11 @@ class Single(Strategy):
     def save(self, folder, driver, config, config_hash, env):
         record = save_checkpoint(folder, driver, config, config_hash)
         return {"files": record.files, "bytes": record.total_bytes}
+
+    def start_save(self, folder, driver, config, config_hash, env):
+        if saves_behind(driver.device):
+            return start_checkpoint(folder, driver, config, config_hash)
+        return super().start_save(folder, driver, config, config_hash, env)
 
     def restore(self, driver, folder, env):
         layout = _layout(folder)
