@@ -29,14 +29,28 @@ import points  # noqa: E402
 handle, events = program_handle, program_events
 
 
-def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = False, **kw) -> L.Trainer:
+class NoIds(points.Points):
+    """Points whose items carry no ``id``: the callback names each update's examples by their dataset positions."""
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        del item["id"]
+        return item
+
+
+def no_ids_loader(n: int, seed: int = 0, shuffle: bool = True) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(NoIds(n, seed), batch_size=4, num_workers=0,
+                                       sampler=points.EpochSeededSampler(n, seed) if shuffle else None)
+
+
+def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = False, loader=points.loader,
+        **kw) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job, probes=probes)],
                         **kw)
-    trainer.fit(points.Regressor(), points.loader(n), points.loader(8, seed=1, shuffle=False),
-                ckpt_path=job.resume_from)
+    trainer.fit(points.Regressor(), loader(n), loader(8, seed=1, shuffle=False), ckpt_path=job.resume_from)
     return trainer
 
 
@@ -146,8 +160,13 @@ def test_a_training_step_that_reads_its_trainer_is_probed_not_failed(tmp_path):
     trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job)])
-    trainer.fit(ReadsItsTrainer(), points.loader(16))
+    trainer.fit(ReadsItsTrainer(), no_ids_loader(16))
     rows = {g["row"]["gate"]: g["row"] for g in events(job, "gate")}
+    # The items carry no id: inspect says what names the updates' examples instead (what the resume row compares).
+    inspect = rows["inspect"]
+    assert inspect["verdict"] == "pass" and "(dataset positions 0, 1, 2, 3; the items have no 'id')" in \
+        inspect["reason"], inspect["reason"]
+    assert events(job, "update")[0]["extra"] == {"ids_are": "dataset-position"}
     assert rows["accum_equivalence"]["verdict"] == "pass", rows["accum_equivalence"]["reason"]
     assert rows["overfit"]["verdict"] == "pass", rows["overfit"]["reason"]
     reload = rows["reload_eval"]
@@ -169,12 +188,15 @@ def test_lightnings_own_resume_is_measured_bitwise(tmp_path):
     module's checkpoint hooks, a sampler seeded by (seed, epoch)), 3 updates per epoch. Measured on Lightning 2.6:
     at an epoch boundary the resumed updates equal the control's bitwise; mid-epoch a plain DataLoader is not
     resumable and Lightning replays the epoch from its start (its own warning says so), so the first resumed
-    update sees other examples."""
+    update sees other examples. The items carry no ``id``: the callback reports the dataset positions the sampler
+    yielded (a validation loop between updates fetches too, and is not counted)."""
     def run(job):
-        fit(job, tmp_path, max_steps=5, n=24, limit_val_batches=0)
+        fit(job, tmp_path, max_steps=5, n=24, loader=no_ids_loader, val_check_interval=2, limit_val_batches=1)
         return {u["update"]: u for u in events(job, "update")}
 
     control = run(handle(tmp_path, "control"))
+    assert all(u["extra"] == {"ids_are": "dataset-position"} for u in control.values())
+    assert sorted(i for n in (1, 2, 3) for i in control[n]["ids"]) == list(range(24)), "one epoch, shuffled"
     first = handle(tmp_path, "stages", save_at="2,3", stop_at=3)
     run(first)
     saved = {s["update"]: s["path"] for s in events(first, "saved")}
