@@ -56,7 +56,7 @@ def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = Fal
 
 def test_lightning_reports_every_update_stages_and_saves_and_stops_where_asked(tmp_path):
     job = handle(tmp_path, "control", save_at="3", stop_at=5)
-    trainer = fit(job, tmp_path, max_steps=8, val_check_interval=8, limit_val_batches=1)
+    trainer = fit(job, tmp_path, max_steps=8, val_check_interval=4, limit_val_batches=1)  # validation every 2
     assert trainer.global_step == 5
     updates = events(job, "update")
     assert [u["update"] for u in updates] == [1, 2, 3, 4, 5] and not events(job, "problem")
@@ -69,6 +69,13 @@ def test_lightning_reports_every_update_stages_and_saves_and_stops_where_asked(t
     stages = {s["row"]["gate"]: s["row"] for s in events(job, "stage")}
     assert set(stages) == {"first_step", "steady_step", "save", "eval"}
     assert all(r["verdict"] == "pass" for r in stages.values())
+    assert stages["first_step"]["reason"].startswith("1 update in "), stages["first_step"]["reason"]
+    # steady_step spans updates 2-4: the validation after update 2 and the save after update 3 are not its time
+    steady = stages["steady_step"]
+    assert steady["inputs"]["updates"] == 3 and steady["reason"].startswith("3 updates in "), steady["reason"]
+    assert "per update" in steady["reason"] and "; validation excluded (" in steady["reason"], steady["reason"]
+    assert "checkpoint save excluded" in steady["reason"], steady["reason"]
+    assert [x["what"] for x in steady["details"]["excluded"]] == ["validation", "checkpoint save"]
 
 
 class TokenMean(L.LightningModule):

@@ -55,7 +55,7 @@ def callback_of(tr) -> T.PilotrunCallback:
 
 def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp_path):
     job = handle(tmp_path, "control", save_at="3", stop_at=5)
-    tr = trainer(job, tmp_path, eval_strategy="steps", eval_steps=4)
+    tr = trainer(job, tmp_path, eval_strategy="steps", eval_steps=2)
     # ids that are not positions: an item's own id is what an update reports
     tr.train_dataset = chat.ChatData([{**it, "id": 1000 + it["id"]} for it in chat.dialogues(48)])
     tr.train()
@@ -79,6 +79,12 @@ def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp
     stages = {s["row"]["gate"]: s["row"] for s in events(job, "stage")}
     assert set(stages) == {"first_step", "steady_step", "save", "eval"}
     assert all(r["verdict"] == "pass" and r["seconds"] > 0 for r in stages.values())
+    assert stages["first_step"]["reason"].startswith("1 update in "), stages["first_step"]["reason"]
+    # steady_step spans updates 2-4: the evaluation after update 2 and the save after update 3 are not its time
+    steady = stages["steady_step"]
+    assert steady["inputs"]["updates"] == 3 and steady["reason"].startswith("3 updates in "), steady["reason"]
+    assert [x["what"] for x in steady["details"]["excluded"]] == ["evaluation", "checkpoint save"], steady["details"]
+    assert "; evaluation excluded (" in steady["reason"] and "checkpoint save excluded" in steady["reason"]
 
 
 class IgnoresNumItems(transformers.GPT2LMHeadModel):

@@ -203,39 +203,65 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float | None:
     return float(torch.stack(grads).norm()) if grads else None
 
 
+UPDATE_STAGES = ("first_step", "steady_step")
+# What a row says it left out when another stage opens inside an update stage (the framework's evaluation, its save).
+EXCLUDED = {"eval": "evaluation", "save": "checkpoint save"}
+
+
 class StageSpans:
     """``job.stage`` blocks that open in one framework hook and close in another (first_step: from the first
-    update's start to its end). Each name is open at most once; whatever is still open at train end closes then."""
+    update's start to its end). Each name is open at most once; whatever is still open at train end closes then.
+
+    An update stage counts its updates (``update_done``: its row says how many and the time per update) and leaves
+    out any other stage that opens inside it (an evaluation or a save between two of its updates: its time, its
+    host samples and its allocator peaks are not the update stage's, and the row says what was excluded)."""
 
     def __init__(self, job) -> None:
         self.job = job
         self.open_spans: dict[str, contextlib.ExitStack] = {}
+        self.handles: dict[str, Any] = {}
+        self.paused: dict[str, list[tuple[str, str]]] = {}  # stage -> (update stage it paused, what it is)
 
-    def open(self, name: str, inputs: dict | None = None, track: Iterable = ()) -> None:
+    def open(self, name: str, inputs: dict | None = None, track: Iterable = (), excludes: str | None = None) -> None:
+        """Open ``name``; ``excludes``: how an update stage's row names it when it opens inside one."""
         if name in self.open_spans:
             return
+        if name not in UPDATE_STAGES:
+            what = excludes or EXCLUDED.get(name, name)
+            for other in UPDATE_STAGES:
+                if other in self.open_spans:
+                    self.handles[other].pause()
+                    self.paused.setdefault(name, []).append((other, what))
         stack = contextlib.ExitStack()
-        stack.enter_context(self.job.stage(name, inputs=inputs, track=tuple(track)))
+        self.handles[name] = stack.enter_context(self.job.stage(name, inputs=inputs, track=tuple(track)))
         self.open_spans[name] = stack
 
     def close(self, name: str) -> None:
         stack = self.open_spans.pop(name, None)
+        self.handles.pop(name, None)
         if stack is not None:
             stack.close()
+        for other, what in self.paused.pop(name, []):
+            if other in self.handles:
+                self.handles[other].resume(what)
 
     def is_open(self, name: str) -> bool:
         return name in self.open_spans
 
     def update_done(self, updates_here: int) -> None:
-        """After this process's ``updates_here``-th update: first_step spans the first, steady_step the
-        ``STEADY_UPDATES`` after it."""
+        """After this process's ``updates_here``-th update: each open update stage counts it; first_step spans the
+        first, steady_step the ``STEADY_UPDATES`` after it."""
+        for name in UPDATE_STAGES:
+            if name in self.handles:
+                self.handles[name].update_done()
         if updates_here == 1:
             self.close("first_step")
         elif updates_here == 1 + STEADY_UPDATES:
             self.close("steady_step")
 
     def close_all(self) -> None:
-        for name in list(self.open_spans):
+        # The stages opened inside an update stage first, so it is resumed (and says what it left out) before it ends.
+        for name in sorted(self.open_spans, key=lambda n: n in UPDATE_STAGES):
             self.close(name)
 
 

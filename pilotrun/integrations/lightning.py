@@ -179,7 +179,8 @@ class PilotrunCallback(pl.Callback):
     def on_validation_start(self, trainer, pl_module) -> None:
         self.validating = True
         if self.active and self.spans is not None and not trainer.sanity_checking:
-            self.spans.open("eval", self._inputs(trainer))
+            # Inside a training stage (val_check_interval within steady_step's updates) it is left out of it.
+            self.spans.open("eval", self._inputs(trainer), excludes="validation")
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self.validating = False

@@ -45,9 +45,12 @@ class _Sampler(threading.Thread):
         self.rss_peak = self.proc.memory_info().rss
         self.device_used_peak: int | None = None
         self.device_used_reason: str | None = None  # why device_used_peak is None
+        self.paused = False  # a stretch the stage excludes (an evaluation inside a training stage): not sampled
         self._stop_event = threading.Event()
 
     def sample(self) -> None:
+        if self.paused:
+            return
         rss = self.proc.memory_info().rss
         if rss > self.rss_peak:
             self.rss_peak = rss
@@ -72,7 +75,13 @@ class StageMeter:
 
     ``tensor_tracking`` (CPU only) chooses whether the dispatch-mode tracker runs for
     the whole stage (``"stage"``) or only inside ``with m.track_tensors():`` blocks
-    (``"manual"``), so that timed updates are not slowed by tracking.
+    (``"manual"``), so that timed updates are not slowed by tracking; ``stop_tracking()`` ends a
+    stage's tracker early (after its first update). ``untracked_reason`` is what the memory says
+    when no block was tracked.
+
+    ``pause()``/``resume()`` leave a stretch out of the stage (an evaluation or a save inside a
+    training stage): its time is not counted, the host is not sampled, and the allocator's peaks of
+    the stretch are dropped (the peak before it is kept, the counters are reset after it).
     """
 
     def __init__(self, device: torch.device, track: Iterable = (), tensor_tracking: str = "stage") -> None:
@@ -86,6 +95,10 @@ class StageMeter:
         self._tracker: LiveTensorTracker | None = None
         self._sampler: _Sampler | None = None
         self._stack = contextlib.ExitStack()
+        self.untracked_reason = "no block of this stage was tracked"
+        self.paused_seconds = 0.0
+        self._paused_at: float | None = None
+        self._carried: dict[str, int] = {}  # the allocator's peaks before a pause
 
     @property
     def uses_tensor_tracker(self) -> bool:
@@ -102,6 +115,51 @@ class StageMeter:
             yield
         peak = tracker.peak_bytes
         self._tracked_peak = peak if self._tracked_peak is None else max(self._tracked_peak, peak)
+
+    def stop_tracking(self) -> None:
+        """End the stage's tensor tracker now (its peak so far is the stage's); the rest is only timed."""
+        if self._tracker is not None:
+            self._stack.close()
+            self._tracked_peak = self._tracker.peak_bytes
+            self._tracker = None
+
+    def elapsed(self) -> float:
+        """Seconds since the stage began, paused stretches left out."""
+        now = time.perf_counter()
+        paused = self.paused_seconds + (now - self._paused_at if self._paused_at is not None else 0.0)
+        return now - self._t0 - paused
+
+    @property
+    def is_tracking(self) -> bool:
+        """Whether the stage's live-tensor tracker is watching now."""
+        return self._tracker is not None
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused_at is not None
+
+    def pause(self) -> None:
+        if self._paused_at is not None:
+            return
+        synchronize(self.device)
+        for key, reading in (("peak_allocated_bytes", self.backend.peak_allocated(self.device)),
+                             ("peak_reserved_bytes", self.backend.peak_reserved(self.device))):
+            if self.backend.allocator_counts and reading.value is not None:
+                self._carried[key] = max(reading.value, self._carried.get(key, 0))
+        if self._sampler is not None:
+            self._sampler.sample()
+            self._sampler.paused = True
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._paused_at is None:
+            return
+        synchronize(self.device)
+        self.paused_seconds += time.perf_counter() - self._paused_at
+        self._paused_at = None
+        self.backend.reset_peaks(self.device)
+        if self._sampler is not None:
+            self._sampler.paused = False
 
     def register(self, objs: Iterable) -> None:
         """Count tensors that appeared without passing through dispatch (e.g. memory-mapped weights)."""
@@ -126,7 +184,12 @@ class StageMeter:
             synchronize(self.device)
         except Exception:  # a failed kernel can poison the sync; the row still gets written
             pass
-        self.seconds = time.perf_counter() - self._t0
+        self.seconds = self.elapsed()
+        if self._paused_at is not None:  # ended inside an excluded stretch
+            self.paused_seconds += time.perf_counter() - self._paused_at
+            self._paused_at = None
+            if self._sampler is not None:
+                self._sampler.paused = False
         self._stack.close()
         if self._tracker is not None:
             self._tracked_peak = self._tracker.peak_bytes
@@ -155,6 +218,9 @@ class StageMeter:
         if rt.allocator_counts:
             mem["source"] = f"{rt.device_type}-allocator"
             readings["peak_allocated_bytes"] = rt.peak_allocated(dev)
+            for key, before in self._carried.items():  # the peak before a paused stretch, where it was higher
+                if readings[key].value is not None and before > readings[key].value:
+                    readings[key] = backends.Reading(before)
             retries = rt.alloc_retries(dev)
             if retries.value is not None:
                 mem["alloc_retries"] = retries.value
@@ -162,7 +228,7 @@ class StageMeter:
             mem["source"] = f"{dev.type}-live-tensors"
             tracked = self._tracked_peak  # the live-tensor tracker's, where the allocator keeps no peak
             readings["peak_allocated_bytes"] = (backends.Reading(tracked) if tracked is not None else
-                                                backends.Reading(None, "no block of this stage was tracked"))
+                                                backends.Reading(None, self.untracked_reason))
         for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes"):
             mem[key] = readings[key].value
             if readings[key].value is None:
