@@ -122,6 +122,15 @@ def test_accum_equivalence_catches_a_per_batch_token_mean_and_passes_a_fixed_siz
     clean = _check(check_accum, SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2,
                                                 world_size=1), points.Regressor(dropout=0.5))
     assert clean.verdict == Verdict.PASS, clean.reason
+    assert clean.reason.startswith("2 micro batches of the first 8 examples (4+4 examples)"), clean.reason
+    # A program that does not accumulate is still compared as if it did, and the row says so (found with
+    # accumulate_grad_batches=1: "2 micro batches (20+20)" with nothing saying the program takes one per update).
+    single = _check(check_accum, SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=1,
+                                                 world_size=1), points.Regressor(dropout=0.5))
+    assert single.verdict == Verdict.PASS and single.reason.startswith(
+        "the program does not accumulate (accumulate_grad_batches 1); compared as if it did: the first 8 examples "
+        "as one batch vs as 2 micro batches (4+4) accumulated: relative gradient difference "), single.reason
+    assert single.details["program_accumulates"] is False
 
 
 class MaskingPad:

@@ -80,6 +80,7 @@ class Batching:
     normalisation: str | None = None             # how any window's loss is normalised (the framework's rule)
     planned: tuple[str, int] | None = None       # the long run's length in updates and where it is set
     warmup_updates: int | None = None
+    accum_setting: str = "train.grad_accum_steps"  # where the job sets its accumulation (a row names it)
 
 
 @dataclass(frozen=True)

@@ -298,7 +298,7 @@ class LightningView(C.FrameworkView):
                         short_window="each micro batch's loss / accumulate_grad_batches (Lightning)",
                         normalisation="each micro batch's loss / accumulate_grad_batches (Lightning)",
                         planned=("max_steps", int(steps)) if (steps := getattr(trainer, "max_steps", None) or 0) > 0
-                        else None)
+                        else None, accum_setting="accumulate_grad_batches")
 
     def accum_windows(self) -> list[Window]:
         return first_examples_window(self.data, self.size, int(self.trainer.accumulate_grad_batches), False)

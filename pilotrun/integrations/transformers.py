@@ -331,7 +331,8 @@ class TrainerView(C.FrameworkView):
                  if kwargs else "each micro batch's mean divided by its own micro-batch count (the Trainer's)")
         return Batching(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
                         len(self.data.train), drop_last=bool(args.dataloader_drop_last), short_window=short,
-                        normalisation=how, planned=("max_steps", args.max_steps) if args.max_steps > 0 else None)
+                        normalisation=how, planned=("max_steps", args.max_steps) if args.max_steps > 0 else None,
+                        accum_setting="gradient_accumulation_steps")
 
     def accum_windows(self) -> list[Window]:
         b = self.batching()
