@@ -15,7 +15,7 @@ Example (a complete script)::
                 loss = model(batch).pow(2).mean()
                 loss.backward(); opt.step(); opt.zero_grad()
                 st.check_finite(loss=loss)
-        print(run.rows[1]["memory"]["peak_allocated_bytes"], st.row["seconds"])  # the tracked steady_step
+        print(run.rows[1]["memory"]["peak_allocated_bytes"], st.row["seconds"])  # the measured steady_step
 
 ``pilotrun.stage(...)`` without a session opens one named after the script.
 Each stage resets peaks and synchronises the device on entry and exit, keeps the
@@ -28,14 +28,15 @@ instead, so the loop stops there.
 
 A stage of updates says how many and the time per update: call ``st.update_done()``
 after each one (or pass ``inputs={"updates": N}``); the row reads "3 updates in 7.9 s
-(2.6 s per update over the 2 after the first, whose memory was tracked)". Where the
-host's live-tensor tracker counts memory (CPU, MPS) it slows every update it watches,
-so it watches at most one update per stage name in a session — the first: a stage
-entered once per update tracks only its first entry, a stage of several updates stops
-tracking at its first ``update_done()``, and the rest are only timed (as pilotrun's own
-loop does), the time per update taken over those. ``with st.excluded("validation"):``
-leaves a stretch out of the stage (its time, host samples and allocator peaks) and the
-row says so.
+(2.6 s per update over the 2 after the first, whose memory was measured)". Measuring
+memory slows every update it watches (on CPU and MPS the live-tensor tracker sees every
+op, and the sampling thread of host RSS and device memory wakes every 10 ms), so a
+session measures it on one update per stage name, the first: a stage entered once per
+update measures its first entry only, a stage of several updates stops at its first
+``update_done()``, and the rest are only timed (as pilotrun's own loop does), the time
+per update taken over those; the allocator's own peak counters (CUDA) cost nothing and
+run on every stage. ``with st.excluded("validation"):`` leaves a stretch out of the
+stage (its time, host samples and allocator peaks) and the row says so.
 """
 from __future__ import annotations
 
@@ -103,13 +104,13 @@ def _per_update(handle: StageHandle, seconds: float | None, updates: int) -> tup
 
 
 def _updates_phrase(updates: int, seconds: float | None, per_update: float | None, timed: int) -> str:
-    """"3 updates in 7.9 s (2.6 s per update over the 2 after the first, whose memory was tracked)"; "1 update in
+    """"3 updates in 7.9 s (2.6 s per update over the 2 after the first, whose memory was measured)"; "1 update in
     0.4 s"."""
     total = human_seconds(seconds) if seconds is not None else "time not measured"
     if updates == 1:
         return f"1 update in {total}"
     per = f"{human_seconds(per_update)} per update" if per_update is not None else "time per update not measured"
-    over = f" over the {timed} after the first, whose memory was tracked" if timed < updates else ""
+    over = f" over the {timed} after the first, whose memory was measured" if timed < updates else ""
     return f"{updates} updates in {total} ({per}{over})"
 
 
@@ -144,18 +145,18 @@ class StageHandle:
         self.row: dict = {}
         self.meter = meter                   # None: an inert handle (nothing is measured)
         self.update_ends: list[float] = []   # the stage's clock (pauses left out) at each update_done()
-        self.tracked_updates: int | None = None  # updates the live-tensor tracker watched (None: it did not run)
+        self.tracked_updates: int | None = None  # updates whose memory was measured (None: none, or all of them)
         self.excluded_stretches: list[tuple[str, float]] = []  # (what, seconds) left out with excluded()
         self._paused_before = 0.0  # the meter's paused seconds when the current pause began
 
     def update_done(self) -> None:
-        """One update of this stage ended: counted for the row's time per update; the first ends the tensor
-        tracking (the rest are only timed)."""
+        """One update of this stage ended: counted for the row's time per update; the first ends the memory
+        measurement (tensor tracking, sampling: the rest are only timed)."""
         if self.meter is None:
             return
         self.update_ends.append(self.meter.elapsed())
-        if self.meter.is_tracking:
-            self.meter.stop_tracking()
+        if self.meter.measuring_memory:
+            self.meter.stop_memory()
             self.tracked_updates = len(self.update_ends)
 
     def pause(self) -> None:
@@ -216,7 +217,7 @@ class Session:
         self._owns_run = run_id is None and sink is None
         self.run_id = run_id or new_run_id(name)
         self.ledger: Ledger | None = None if sink is not None else Ledger(ledger)
-        self._tracked: set[str] = set()  # stage names whose memory the live-tensor tracker already watched
+        self._measured: set[str] = set()  # stage names whose memory was measured (on their first update)
         if self._owns_run:
             assert self.ledger is not None
             self.ledger.start_run(self.run_id, name, RunKind.STAGE, spec_path=sys.argv[0] if sys.argv else None)
@@ -229,24 +230,25 @@ class Session:
         dev = torch.device(device) if device is not None else _infer_device(track)
         started = now()
         error: BaseException | None = None
-        # The live-tensor tracker (CPU, MPS) slows what it watches: at most one update per stage name is tracked.
-        tracked_before = name in self._tracked
-        meter = StageMeter(dev, track=track, tensor_tracking="manual" if tracked_before else "stage")
-        if tracked_before:
-            meter.untracked_reason = (f"not tracked: memory was tracked on the first {name!r} stage's first update "
-                                      "only (the live-tensor tracker slows every update it watches)")
-        elif meter.uses_tensor_tracker:
-            self._tracked.add(name)
+        # Measuring memory slows what it watches (the live-tensor tracker on CPU/MPS sees every op; the sampling
+        # thread wakes every 10 ms): one update per stage name is measured, the first; the rest are only timed.
+        measured_before = name in self._measured
+        meter = StageMeter(dev, track=track, tensor_tracking="manual" if measured_before else "stage",
+                           measure_memory=not measured_before)
+        if measured_before:
+            meter.unmeasured_reason = (f"not measured: memory is measured on the first {name!r} stage's first "
+                                       "update only (measuring slows every update it watches)")
+        self._measured.add(name)
         handle = StageHandle(name, meter)
         with meter:
-            if meter.uses_tensor_tracker and not tracked_before:
-                handle.tracked_updates = 0  # watched until the first update_done(), or the whole stage
+            if not measured_before:
+                handle.tracked_updates = 0  # measured until the first update_done(), or the whole stage
             try:
                 yield handle
             except BaseException as exc:
                 error = exc
         if handle.tracked_updates == 0:
-            handle.tracked_updates = None  # the whole stage was watched: no update of it was only timed
+            handle.tracked_updates = None  # the whole stage was measured: no update of it was only timed
         if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit, StageFailed)):
             oom = out_of_memory_reason(error, dev)
             handle.fail(f"{name}: {oom or f'{type(error).__name__}: {error}'}",
@@ -257,6 +259,8 @@ class Session:
         inputs = dict(inputs or {})
         reason = handle.reason or (measured_summary(meter.seconds, memory) if handle.verdict == Verdict.PASS else
                                    str(handle.verdict))
+        timed_only = f"; memory measured on the first {name!r} stage only" if measured_before else ""
+        reason += timed_only if not handle.reason and handle.verdict == Verdict.PASS else ""
         updates = _updates_of(handle, inputs)
         if updates is not None:
             inputs["updates"] = updates
@@ -270,7 +274,7 @@ class Session:
                 # A stage over several updates (the integrations' steady_step spans 3): its time is their total,
                 # which read alone looked like one update's ("5.13 s"); say both, and over which updates.
                 reason = _updates_phrase(updates, meter.seconds, per_update, timed) + (
-                    f"; {peaks}" if (peaks := peaks_phrase(memory)) else "")
+                    f"; {peaks}" if (peaks := peaks_phrase(memory)) else "") + timed_only
         if handle.excluded_stretches:
             handle.details["excluded"] = [{"what": w, "seconds": t} for w, t in handle.excluded_stretches]
             if handle.verdict == Verdict.PASS and not handle.reason:
