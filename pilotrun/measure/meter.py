@@ -235,7 +235,8 @@ class StageMeter:
             mem["source"] = f"{rt.device_type}-allocator"
             readings["peak_allocated_bytes"] = rt.peak_allocated(dev)
             for key, before in self._carried.items():  # the peak before a paused stretch, where it was higher
-                if readings[key].value is not None and before > readings[key].value:
+                after = readings[key].value
+                if after is not None and before > after:
                     readings[key] = backends.Reading(before)
             retries = rt.alloc_retries(dev)
             if retries.value is not None:
