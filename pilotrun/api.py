@@ -15,7 +15,7 @@ Example (a complete script)::
                 loss = model(batch).pow(2).mean()
                 loss.backward(); opt.step(); opt.zero_grad()
                 st.check_finite(loss=loss)
-        print(st.row["memory"]["peak_allocated_bytes"], st.row["seconds"])
+        print(run.rows[1]["memory"]["peak_allocated_bytes"], st.row["seconds"])  # the measured steady_step
 
 ``pilotrun.stage(...)`` without a session opens one named after the script.
 Each stage resets peaks and synchronises the device on entry and exit, keeps the
@@ -25,6 +25,18 @@ reason keeps the exception's own first line (an out-of-memory error also says wh
 memory, from its type) and is re-raised unchanged. ``check_finite`` marks the row
 ``fail`` and returns False; with ``raise_on_fail=True`` it raises :class:`StageFailed`
 instead, so the loop stops there.
+
+A stage of updates says how many and the time per update: call ``st.update_done()``
+after each one (or pass ``inputs={"updates": N}``); the row reads "3 updates in 7.9 s
+(2.6 s per update over the 2 after the first, whose memory was measured)". Measuring
+memory slows every update it watches (on CPU and MPS the live-tensor tracker sees every
+op, and the sampling thread of host RSS and device memory wakes every 10 ms), so a
+session measures it on one update per stage name, the first: a stage entered once per
+update measures its first entry only, a stage of several updates stops at its first
+``update_done()``, and the rest are only timed (as pilotrun's own loop does), the time
+per update taken over those; the allocator's own peak counters (CUDA) cost nothing and
+run on every stage. ``with st.excluded("validation"):`` leaves a stretch out of the
+stage (its time, host samples and allocator peaks) and the row says so.
 """
 from __future__ import annotations
 
@@ -71,6 +83,46 @@ def measured_summary(seconds: float | None, memory: dict) -> str:
                      + ([peaks] if peaks else []))
 
 
+def _updates_of(handle: StageHandle, inputs: dict) -> int | None:
+    """The updates a stage spanned: those it counted with ``update_done()``, else ``inputs["updates"]``."""
+    if handle.update_ends:
+        return len(handle.update_ends)
+    declared = inputs.get("updates")
+    return declared if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0 else None
+
+
+def _per_update(handle: StageHandle, seconds: float | None, updates: int) -> tuple[float | None, int]:
+    """(mean seconds per update, how many updates it is taken over): over the updates after the tracked one where
+    the stage counted them (the tracker slows the update it watches), else over all of them."""
+    tracked = handle.tracked_updates or 0
+    ends = [0.0, *handle.update_ends]
+    each = [b - a for a, b in zip(ends, ends[1:])]
+    if tracked and len(each) > tracked:
+        rest = each[tracked:]
+        return sum(rest) / len(rest), len(rest)
+    return (seconds / updates if seconds is not None else None), updates
+
+
+def _updates_phrase(updates: int, seconds: float | None, per_update: float | None, timed: int) -> str:
+    """"3 updates in 7.9 s (2.6 s per update over the 2 after the first, whose memory was measured)"; "1 update in
+    0.4 s"."""
+    total = human_seconds(seconds) if seconds is not None else "time not measured"
+    if updates == 1:
+        return f"1 update in {total}"
+    per = f"{human_seconds(per_update)} per update" if per_update is not None else "time per update not measured"
+    over = f" over the {timed} after the first, whose memory was measured" if timed < updates else ""
+    return f"{updates} updates in {total} ({per}{over})"
+
+
+def _excluded_phrase(stretches: list[tuple[str, float]]) -> str:
+    """"validation excluded (77.8 s)"; several of one kind are summed."""
+    total: dict[str, list[float]] = {}
+    for what, seconds in stretches:
+        total.setdefault(what, []).append(seconds)
+    return "; ".join(f"{what} excluded ({human_seconds(sum(t))}" + (f", {len(t)} times)" if len(t) > 1 else ")")
+                     for what, t in total.items())
+
+
 def _infer_device(track: Iterable) -> torch.device:
     for obj in track:
         if isinstance(obj, torch.nn.Module):
@@ -84,13 +136,50 @@ def _infer_device(track: Iterable) -> torch.device:
 class StageHandle:
     """Yielded by ``stage()``: set the verdict yourself, or check values; ``row`` is filled on exit."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, meter: StageMeter | None = None) -> None:
         self.name = name
         self.verdict = Verdict.PASS
         self.reason = ""
         self.details: dict = {}
         self.failure: Failure | None = None
         self.row: dict = {}
+        self.meter = meter                   # None: an inert handle (nothing is measured)
+        self.update_ends: list[float] = []   # the stage's clock (pauses left out) at each update_done()
+        self.tracked_updates: int | None = None  # updates whose memory was measured (None: none, or all of them)
+        self.excluded_stretches: list[tuple[str, float]] = []  # (what, seconds) left out with excluded()
+        self._paused_before = 0.0  # the meter's paused seconds when the current pause began
+
+    def update_done(self) -> None:
+        """One update of this stage ended: counted for the row's time per update; the first ends the memory
+        measurement (tensor tracking, sampling: the rest are only timed)."""
+        if self.meter is None:
+            return
+        self.update_ends.append(self.meter.elapsed())
+        if self.meter.measuring_memory:
+            self.meter.stop_memory()
+            self.tracked_updates = len(self.update_ends)
+
+    def pause(self) -> None:
+        """Leave what follows out of the stage until :meth:`resume` (see :meth:`excluded`)."""
+        if self.meter is not None and not self.meter.is_paused:
+            self._paused_before = self.meter.paused_seconds
+            self.meter.pause()
+
+    def resume(self, what: str) -> None:
+        """End a pause; ``what`` names the stretch on the row ("validation")."""
+        if self.meter is not None and self.meter.is_paused:
+            self.meter.resume()
+            self.excluded_stretches.append((what, self.meter.paused_seconds - self._paused_before))
+
+    @contextlib.contextmanager
+    def excluded(self, what: str) -> Iterator[None]:
+        """``with st.excluded("validation"): ...``: the block's time, host samples and allocator peaks are not the
+        stage's; the row says what was left out and for how long."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume(what)
 
     def warn(self, reason: str) -> None:
         if self.verdict != Verdict.FAIL:
@@ -128,6 +217,7 @@ class Session:
         self._owns_run = run_id is None and sink is None
         self.run_id = run_id or new_run_id(name)
         self.ledger: Ledger | None = None if sink is not None else Ledger(ledger)
+        self._measured: set[str] = set()  # stage names whose memory was measured (on their first update)
         if self._owns_run:
             assert self.ledger is not None
             self.ledger.start_run(self.run_id, name, RunKind.STAGE, spec_path=sys.argv[0] if sys.argv else None)
@@ -138,14 +228,27 @@ class Session:
               device: torch.device | str | None = None) -> Iterator[StageHandle]:
         track = list(track)
         dev = torch.device(device) if device is not None else _infer_device(track)
-        handle = StageHandle(name)
         started = now()
         error: BaseException | None = None
-        with StageMeter(dev, track=track) as meter:
+        # Measuring memory slows what it watches (the live-tensor tracker on CPU/MPS sees every op; the sampling
+        # thread wakes every 10 ms): one update per stage name is measured, the first; the rest are only timed.
+        measured_before = name in self._measured
+        meter = StageMeter(dev, track=track, tensor_tracking="manual" if measured_before else "stage",
+                           measure_memory=not measured_before)
+        if measured_before:
+            meter.unmeasured_reason = (f"not measured: memory is measured on the first {name!r} stage's first "
+                                       "update only (measuring slows every update it watches)")
+        self._measured.add(name)
+        handle = StageHandle(name, meter)
+        with meter:
+            if not measured_before:
+                handle.tracked_updates = 0  # measured until the first update_done(), or the whole stage
             try:
                 yield handle
             except BaseException as exc:
                 error = exc
+        if handle.tracked_updates == 0:
+            handle.tracked_updates = None  # the whole stage was measured: no update of it was only timed
         if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit, StageFailed)):
             oom = out_of_memory_reason(error, dev)
             handle.fail(f"{name}: {oom or f'{type(error).__name__}: {error}'}",
@@ -153,17 +256,29 @@ class Session:
             handle.details["traceback"] = "".join(traceback.format_exception(type(error), error,
                                                                               error.__traceback__))[-4000:]
         memory = meter.memory
+        inputs = dict(inputs or {})
         reason = handle.reason or (measured_summary(meter.seconds, memory) if handle.verdict == Verdict.PASS else
                                    str(handle.verdict))
-        spans = (inputs or {}).get("updates")
-        if isinstance(spans, int) and not isinstance(spans, bool) and spans > 1 and meter.seconds is not None:
-            # A stage over several updates (the integrations' steady_step spans 3): its time is their total, which
-            # read alone looked like one update's ("5.13 s"); say both.
-            handle.details.setdefault("seconds_per_update", meter.seconds / spans)
+        timed_only = f"; memory measured on the first {name!r} stage only" if measured_before else ""
+        reason += timed_only if not handle.reason and handle.verdict == Verdict.PASS else ""
+        updates = _updates_of(handle, inputs)
+        if updates is not None:
+            inputs["updates"] = updates
+            per_update, timed = _per_update(handle, meter.seconds, updates)
+            handle.details.setdefault("seconds_per_update", per_update)
+            handle.details.setdefault("updates_timed", timed)
+            if handle.update_ends:
+                ends = [0.0, *handle.update_ends]
+                handle.details.setdefault("update_seconds", [b - a for a, b in zip(ends, ends[1:])])
             if not handle.reason and handle.verdict == Verdict.PASS:
-                reason = (f"{spans} updates in {human_seconds(meter.seconds)} "
-                          f"({human_seconds(meter.seconds / spans)} per update)"
-                          + (f"; {peaks}" if (peaks := peaks_phrase(memory)) else ""))
+                # A stage over several updates (the integrations' steady_step spans 3): its time is their total,
+                # which read alone looked like one update's ("5.13 s"); say both, and over which updates.
+                reason = _updates_phrase(updates, meter.seconds, per_update, timed) + (
+                    f"; {peaks}" if (peaks := peaks_phrase(memory)) else "") + timed_only
+        if handle.excluded_stretches:
+            handle.details["excluded"] = [{"what": w, "seconds": t} for w, t in handle.excluded_stretches]
+            if handle.verdict == Verdict.PASS and not handle.reason:
+                reason += "; " + _excluded_phrase(handle.excluded_stretches)
         row = GateRow(name, handle.verdict, reason, seconds=meter.seconds, started_at=started, ended_at=now(),
                       inputs={**(inputs or {}), "rank": self.rank, "world_size": self.world_size, "device": str(dev)},
                       memory=memory, rank=self.rank, world_size=self.world_size, details=handle.details,

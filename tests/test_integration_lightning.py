@@ -29,20 +29,34 @@ import points  # noqa: E402
 handle, events = program_handle, program_events
 
 
-def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = False, **kw) -> L.Trainer:
+class NoIds(points.Points):
+    """Points whose items carry no ``id``: the callback names each update's examples by their dataset positions."""
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        del item["id"]
+        return item
+
+
+def no_ids_loader(n: int, seed: int = 0, shuffle: bool = True) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(NoIds(n, seed), batch_size=4, num_workers=0,
+                                       sampler=points.EpochSeededSampler(n, seed) if shuffle else None)
+
+
+def fit(job, tmp_path: Path, max_steps: int = 6, n: int = 48, probes: bool = False, loader=points.loader,
+        **kw) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job, probes=probes)],
                         **kw)
-    trainer.fit(points.Regressor(), points.loader(n), points.loader(8, seed=1, shuffle=False),
-                ckpt_path=job.resume_from)
+    trainer.fit(points.Regressor(), loader(n), loader(8, seed=1, shuffle=False), ckpt_path=job.resume_from)
     return trainer
 
 
 def test_lightning_reports_every_update_stages_and_saves_and_stops_where_asked(tmp_path):
     job = handle(tmp_path, "control", save_at="3", stop_at=5)
-    trainer = fit(job, tmp_path, max_steps=8, val_check_interval=8, limit_val_batches=1)
+    trainer = fit(job, tmp_path, max_steps=8, val_check_interval=4, limit_val_batches=1)  # validation every 2
     assert trainer.global_step == 5
     updates = events(job, "update")
     assert [u["update"] for u in updates] == [1, 2, 3, 4, 5] and not events(job, "problem")
@@ -55,6 +69,13 @@ def test_lightning_reports_every_update_stages_and_saves_and_stops_where_asked(t
     stages = {s["row"]["gate"]: s["row"] for s in events(job, "stage")}
     assert set(stages) == {"first_step", "steady_step", "save", "eval"}
     assert all(r["verdict"] == "pass" for r in stages.values())
+    assert stages["first_step"]["reason"].startswith("1 update in "), stages["first_step"]["reason"]
+    # steady_step spans updates 2-4: the validation after update 2 and the save after update 3 are not its time
+    steady = stages["steady_step"]
+    assert steady["inputs"]["updates"] == 3 and steady["reason"].startswith("3 updates in "), steady["reason"]
+    assert "per update" in steady["reason"] and "; validation excluded (" in steady["reason"], steady["reason"]
+    assert "checkpoint save excluded" in steady["reason"], steady["reason"]
+    assert [x["what"] for x in steady["details"]["excluded"]] == ["validation", "checkpoint save"]
 
 
 class TokenMean(L.LightningModule):
@@ -101,6 +122,15 @@ def test_accum_equivalence_catches_a_per_batch_token_mean_and_passes_a_fixed_siz
     clean = _check(check_accum, SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=2,
                                                 world_size=1), points.Regressor(dropout=0.5))
     assert clean.verdict == Verdict.PASS, clean.reason
+    assert clean.reason.startswith("2 micro batches of the first 8 examples (4+4 examples)"), clean.reason
+    # A program that does not accumulate is still compared as if it did, and the row says so (found with
+    # accumulate_grad_batches=1: "2 micro batches (20+20)" with nothing saying the program takes one per update).
+    single = _check(check_accum, SimpleNamespace(train_dataloader=points.loader(16), accumulate_grad_batches=1,
+                                                 world_size=1), points.Regressor(dropout=0.5))
+    assert single.verdict == Verdict.PASS and single.reason.startswith(
+        "the program does not accumulate (accumulate_grad_batches 1); compared as if it did: the first 8 examples "
+        "as one batch vs as 2 micro batches (4+4) accumulated: relative gradient difference "), single.reason
+    assert single.details["program_accumulates"] is False
 
 
 class MaskingPad:
@@ -146,8 +176,13 @@ def test_a_training_step_that_reads_its_trainer_is_probed_not_failed(tmp_path):
     trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path / "out"), callbacks=[PL.PilotrunCallback(job)])
-    trainer.fit(ReadsItsTrainer(), points.loader(16))
+    trainer.fit(ReadsItsTrainer(), no_ids_loader(16))
     rows = {g["row"]["gate"]: g["row"] for g in events(job, "gate")}
+    # The items carry no id: inspect says what names the updates' examples instead (what the resume row compares).
+    inspect = rows["inspect"]
+    assert inspect["verdict"] == "pass" and "(dataset positions 0, 1, 2, 3; the items have no 'id')" in \
+        inspect["reason"], inspect["reason"]
+    assert events(job, "update")[0]["extra"] == {"ids_are": "dataset-position"}
     assert rows["accum_equivalence"]["verdict"] == "pass", rows["accum_equivalence"]["reason"]
     assert rows["overfit"]["verdict"] == "pass", rows["overfit"]["reason"]
     reload = rows["reload_eval"]
@@ -169,12 +204,15 @@ def test_lightnings_own_resume_is_measured_bitwise(tmp_path):
     module's checkpoint hooks, a sampler seeded by (seed, epoch)), 3 updates per epoch. Measured on Lightning 2.6:
     at an epoch boundary the resumed updates equal the control's bitwise; mid-epoch a plain DataLoader is not
     resumable and Lightning replays the epoch from its start (its own warning says so), so the first resumed
-    update sees other examples."""
+    update sees other examples. The items carry no ``id``: the callback reports the dataset positions the sampler
+    yielded (a validation loop between updates fetches too, and is not counted)."""
     def run(job):
-        fit(job, tmp_path, max_steps=5, n=24, limit_val_batches=0)
+        fit(job, tmp_path, max_steps=5, n=24, loader=no_ids_loader, val_check_interval=2, limit_val_batches=1)
         return {u["update"]: u for u in events(job, "update")}
 
     control = run(handle(tmp_path, "control"))
+    assert all(u["extra"] == {"ids_are": "dataset-position"} for u in control.values())
+    assert sorted(i for n in (1, 2, 3) for i in control[n]["ids"]) == list(range(24)), "one epoch, shuffled"
     first = handle(tmp_path, "stages", save_at="2,3", stop_at=3)
     run(first)
     saved = {s["update"]: s["path"] for s in events(first, "saved")}

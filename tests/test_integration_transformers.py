@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from pilotrun.gates.accum import check_accum  # noqa: E402
 from pilotrun.gates.base import run_check  # noqa: E402
 from pilotrun.gates.export import check_export  # noqa: E402
+from pilotrun.gates.inspect import check_inspect  # noqa: E402
 from pilotrun.integrations import common as C  # noqa: E402
 from pilotrun.integrations import transformers as T  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
@@ -41,9 +42,22 @@ def trainer(job, tmp_path: Path, model=None, max_steps: int = 8, probes: bool = 
         eval_dataset=chat.ChatData(chat.dialogues(8, seed=1)), callbacks=[T.PilotrunCallback(job, probes=probes)])
 
 
+class NoIds(chat.ChatData):
+    """The chats without their ``id``: the callback names each update's examples by their dataset positions."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v for k, v in self.items[i].items() if k != "id"}
+
+
+def callback_of(tr) -> T.PilotrunCallback:
+    return next(cb for cb in tr.callback_handler.callbacks if isinstance(cb, T.PilotrunCallback))
+
+
 def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp_path):
     job = handle(tmp_path, "control", save_at="3", stop_at=5)
-    tr = trainer(job, tmp_path, eval_strategy="steps", eval_steps=4)
+    tr = trainer(job, tmp_path, eval_strategy="steps", eval_steps=2)
+    # ids that are not positions: an item's own id is what an update reports
+    tr.train_dataset = chat.ChatData([{**it, "id": 1000 + it["id"]} for it in chat.dialogues(48)])
     tr.train()
     assert tr.state.global_step == 5, "the pilot's stop at update 5 is where the Trainer stopped"
     updates = events(job, "update")
@@ -52,7 +66,8 @@ def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp
     seen: list = []
     for u in updates:
         assert math.isfinite(u["loss"]) and u["lr"] > 0 and u["grad_norm"] > 0
-        assert len(u["ids"]) == 8 and all(isinstance(i, int) for i in u["ids"])  # 4 × 2 examples, the dataset's ids
+        assert len(u["ids"]) == 8 and all(isinstance(i, int) and i >= 1000 for i in u["ids"])  # 4 × 2, their own ids
+        assert "ids_are" not in u["extra"]
         seen += u["ids"]
     assert len(set(seen)) == len(seen) == 40, "within one epoch no example repeats"
     lrs = [u["lr"] for u in updates]
@@ -64,6 +79,12 @@ def test_trainer_reports_every_update_stages_and_saves_and_stops_where_asked(tmp
     stages = {s["row"]["gate"]: s["row"] for s in events(job, "stage")}
     assert set(stages) == {"first_step", "steady_step", "save", "eval"}
     assert all(r["verdict"] == "pass" and r["seconds"] > 0 for r in stages.values())
+    assert stages["first_step"]["reason"].startswith("1 update in "), stages["first_step"]["reason"]
+    # steady_step spans updates 2-4: the evaluation after update 2 and the save after update 3 are not its time
+    steady = stages["steady_step"]
+    assert steady["inputs"]["updates"] == 3 and steady["reason"].startswith("3 updates in "), steady["reason"]
+    assert [x["what"] for x in steady["details"]["excluded"]] == ["evaluation", "checkpoint save"], steady["details"]
+    assert "; evaluation excluded (" in steady["reason"] and "checkpoint save excluded" in steady["reason"]
 
 
 class IgnoresNumItems(transformers.GPT2LMHeadModel):
@@ -130,16 +151,25 @@ def test_the_trainers_own_resume_is_measured_bitwise(tmp_path):
     boundary with save_strategy="epoch" (transformers#17032: the RNG state of an epoch-end checkpoint). Measured on
     transformers 5.24: bitwise equal to the uninterrupted control (mid-epoch, transformers#39215, is measured by the
     hf-trainer example's pilot). ``ignore_data_skip=True`` (replay the epoch from its start) is the planted
-    difference that shows the comparison can fail."""
-    data = {"train_dataset": chat.ChatData(chat.dialogues(24))}  # 3 updates per epoch (4 × 2 examples each)
+    difference that shows the comparison can fail. The chats carry no ``id``: the callback reports the positions the
+    Trainer's sampler yielded, which a resume that restores the data order reproduces."""
+    data = {"train_dataset": NoIds(chat.dialogues(24))}  # 3 updates per epoch (4 × 2 examples each)
 
     def run(job, **args):
         tr = trainer(job, tmp_path, max_steps=5, save_strategy="epoch", **args)
         tr.train_dataset = data["train_dataset"]
         tr.train(resume_from_checkpoint=job.resume_from)
-        return {u["update"]: u for u in events(job, "update")}
+        assert "__getitems__" not in vars(tr.train_dataset), "the dataset is left as it was"
+        return {u["update"]: u for u in events(job, "update")}, callback_of(tr)
 
-    control = run(handle(tmp_path, "control"))
+    control, callback = run(handle(tmp_path, "control"))
+    assert all(u["extra"] == {"ids_are": "dataset-position"} for u in control.values())
+    assert sorted(i for n in (1, 2, 3) for i in control[n]["ids"]) == list(range(24)), "one epoch, shuffled"
+    assert [control[n]["ids"] for n in (1, 2, 3)] != [list(range(8 * k, 8 * k + 8)) for k in range(3)]
+    inspect = run_check("inspect", lambda: check_inspect(T.TrainerView(callback.trainer, chat.collate,
+                                                                       callback.update_ids)))
+    assert inspect.verdict == Verdict.PASS and "no 'id': updates name theirs by the positions" in inspect.reason, \
+        inspect.reason
     first = handle(tmp_path, "stages", save_at="2,3", stop_at=3)
     run(first)
     saved = {s["update"]: s["path"] for s in events(first, "saved")}
@@ -149,7 +179,7 @@ def test_the_trainers_own_resume_is_measured_bitwise(tmp_path):
     # saved after update 3 of 12, SIGKILLed, resumed: bitwise).
     for name, update, args in (("epoch boundary", 3, {}),
                                ("mid-epoch, ignore_data_skip", 2, {"ignore_data_skip": True})):
-        got = run(handle(tmp_path / name, "resumed", resume_from=saved[update]), **args)
+        got, _ = run(handle(tmp_path / name, "resumed", resume_from=saved[update]), **args)
         assert sorted(got) == list(range(update + 1, 6))
         found[name] = _differences(control, got)
     measured = f"transformers {transformers.__version__}: {found}"

@@ -60,3 +60,57 @@ def test_manual_tracking_measures_only_the_tracked_block():
             b = torch.empty(MB // 4)
         del a, b
     assert MB <= m.memory["peak_allocated_bytes"] < 8 * MB
+
+
+class CountingAllocator:
+    """A backend whose allocator keeps peak counters (as CUDA's does), driven by the test: ``peak`` is what the
+    allocator would report, ``reset_peaks`` starts it again."""
+
+    allocator_counts = True
+    device_type = "fake"
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def synchronize(self, device) -> None:
+        pass
+
+    def reset_peaks(self, device) -> None:
+        self.peak = 0
+
+    def peak_allocated(self, device):
+        from pilotrun.backends import Reading
+
+        return Reading(self.peak)
+
+    peak_reserved = peak_allocated
+
+    def alloc_retries(self, device):
+        from pilotrun.backends import Reading
+
+        return Reading(None, "fake")
+
+    def device_used(self, device):
+        from pilotrun.backends import Reading
+
+        return Reading(None, "fake")
+
+
+def test_a_paused_stretch_is_left_out_of_the_allocator_peaks_and_stopping_the_memory_ends_the_sampling(monkeypatch):
+    from pilotrun.measure import meter as M
+
+    fake = CountingAllocator()
+    monkeypatch.setattr(M.backends, "for_device", lambda device: fake)
+    with StageMeter(torch.device("cpu")) as m:
+        fake.peak = 100 * MB          # the stage's own peak, before the pause
+        m.pause()
+        fake.peak = 500 * MB          # an evaluation inside the stage: not the stage's
+        m.resume()                    # the counters start again here
+        fake.peak = 50 * MB
+        assert m.measuring_memory
+        m.stop_memory()               # the rest of the stage is only timed
+        assert not m.measuring_memory
+        m.pause()                     # a pause after the sampling ended samples nothing
+        m.resume()
+    assert m.memory["peak_allocated_bytes"] == 100 * MB and m.memory["peak_reserved_bytes"] == 100 * MB
+    assert m.memory["host_rss_peak_bytes"] > 0

@@ -60,6 +60,10 @@ def test_differing_id_lists_are_shown_from_their_first_difference_with_the_count
     text = d.sentence()
     assert ("update 3: ids from position 12 (4 of 16 differ): […, 60, 61, 62, 63] (control) vs […, 0, 1, 2, 3] "
             "(resumed) — the data order was not restored") in text, text
+    for record in control + resumed:  # an integration's dataset positions, where the items carry no id
+        record["extra"] = {"ids_are": "dataset-position"}
+    d = compare_updates(control, resumed, 3, 4, exact=True).difference
+    assert d.sentence().startswith("update 3: dataset positions from position 12 (4 of 16 differ)"), d.sentence()
 
 
 def test_bitwise_versus_tolerance():

@@ -382,6 +382,13 @@ def test_a_passing_resume_row_names_only_the_fields_the_program_reported(tmp_pat
             ((Role.CONTROL, [1, 2, 3, 4]), (Role.INTERRUPTED, [1, 2]), (Role.RESUMED, [3, 4]))}
     (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
     assert row.verdict == Verdict.PASS and "(ids, loss, lr, grad_norm)" in row.reason
+    # An integration's ids for items without one are their dataset positions: the row says what it compared.
+    for run in full.values():
+        for e in run.events[0]:
+            e["extra"] = {"ids_are": "dataset-position"}
+    (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
+    assert row.verdict == Verdict.PASS and "(dataset positions, loss, lr, grad_norm)" in row.reason, row.reason
+    assert row.details["ids_are"] == "dataset-position" and "extra.ids_are" not in row.details["compared_fields"]
 
 
 def test_one_resumed_update_compared_warns_that_the_optimizer_state_was_not_checked(tmp_path):

@@ -66,7 +66,7 @@ def main(args) -> int:
     if ds is None:
         raise UsageError(f"the data has no {args.split!r} split")
     n = spec.pilot.inspect.examples if args.n is None else args.n
-    views = [render_example(data, ds[i], args.split) for i in range(min(n, len(ds)))]
+    views = [render_example(data, ds[i], args.split, position=i) for i in range(min(n, len(ds)))]
     scan = scan_split(data, args.split)
     problems, warnings, info = (judge(scan, data.label_names, model_label_info(spec, data.label_names),
                                       spec.pilot.inspect.max_unsupervised_share)

@@ -89,9 +89,10 @@ def _id(item, position: int) -> str:
     return str(item["id"]) if isinstance(item, dict) and item.get("id") is not None else f"#{position}"
 
 
-def render_example(bundle: DataBundle, item: dict, split: str) -> ExampleView:
+def render_example(bundle: DataBundle, item: dict, split: str, position: int = 0) -> ExampleView:
+    """``item`` (at ``position`` in its split: its name when it has no id) as the collate hands it to the model."""
     batch = bundle.collate([item])
-    view = ExampleView(id=_id(item, 0), split=split, keys=sorted(batch) if isinstance(batch, Mapping) else [])
+    view = ExampleView(id=_id(item, position), split=split, keys=sorted(batch) if isinstance(batch, Mapping) else [])
     if not isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
         return view
     ids = _first(batch, "input_ids")

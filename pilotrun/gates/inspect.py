@@ -6,7 +6,9 @@ counted as the collate produces it: fails when prompt tokens are supervised (bui
 outside the model's outputs or its config names the classes differently, and when more than
 ``max_unsupervised_share`` of the training examples have no supervised label left after truncation (any at all
 warns). A framework's batch without them (a Lightning step that reads its own fields) is shown field by field.
-Examples without an ``id`` warn: the resume gate could not compare which examples each update saw.
+Examples without an ``id`` warn (the resume gate could not compare which examples each update saw) unless the job
+names its updates' examples by their dataset positions instead (an integration reads the indices its DataLoader
+fetched: :attr:`~pilotrun.gates.view.TrainingView.update_ids`); the row then says positions, never ids.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch
 
 from ..data.audit import class_problems, render_example, scan_split
 from ..ledger.records import GateName
+from ..program.env import IdKind
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
-from .view import TrainingView
+from .view import TrainingView, UpdateIds
 
 NO_IDS = ("updates carry no sample ids, so the resume gate cannot compare which examples each update saw; keep "
           "each item's id in the batches")
@@ -47,6 +50,11 @@ def _has_ids(items: list) -> bool:
     return bool(items) and all(isinstance(it, dict) and it.get("id") is not None for it in items)
 
 
+def _no_ids_warning(how: UpdateIds, what: str) -> str:
+    """The warning for items without an id where nothing else names an update's examples either."""
+    return f"{what}: {NO_IDS} (no dataset positions either: {how.how})"
+
+
 def _fields(view: TrainingView, items: list, out: Outcome) -> Outcome:
     """A batch whose targets the loss picks itself: its fields and shapes, its ids."""
     batch = view.data.collate(items)
@@ -55,14 +63,21 @@ def _fields(view: TrainingView, items: list, out: Outcome) -> Outcome:
     shapes = {str(k): (list(v.shape), str(v.dtype).replace("torch.", "")) if isinstance(v, torch.Tensor)
               else type(v).__name__ for k, v in pairs}
     ids = [it["id"] for it in items] if _has_ids(items) else None
+    how = view.update_ids
     out.details = {"fields": shapes, "ids": ids, "first_item": repr(items[0])[:500] if items else None}
     if view.targets_key is not None:
         out.warn(f"the collated batch has no '{view.targets_key}': the model must build its own targets; check that "
                  "its loss is what the long run should learn")
-    if ids is None:
-        out.warn(f"the first batch ({', '.join(shapes)}) has no 'id' field: {NO_IDS}")
+    if ids is None and not how.positions:
+        out.warn(_no_ids_warning(how, f"the first batch ({', '.join(shapes)}) has no 'id' field"))
         return out
-    out.reason = out.reason or (f"first batch: {len(ids)} examples (ids {', '.join(map(str, ids[:8]))}), fields "
+    if ids is None:
+        # Positions, not ids: the items carry none, and the updates name their examples by where they sit.
+        out.details.update(positions=list(range(len(items))), update_ids=str(IdKind.POSITION), update_ids_how=how.how)
+        named = f"dataset positions {', '.join(map(str, range(min(len(items), 8))))}; the items have no 'id'"
+    else:
+        named = f"ids {', '.join(map(str, ids[:8]))}"
+    out.reason = out.reason or (f"first batch: {len(items)} examples ({named}), fields "
                                 + ", ".join(f"{k} {v}" for k, v in shapes.items()))
     return out
 
@@ -82,7 +97,7 @@ def check_inspect(view: TrainingView, out: Outcome | None = None) -> Outcome:
     items = [data.train[i] for i in range(min(max(shown, 1), len(data.train)))]
     if not view.requires_targets and not isinstance(_targets_of(view, items), torch.Tensor):
         return _fields(view, items, out)
-    views = [render_example(data, it, "train") for it in items[:shown]]
+    views = [render_example(data, it, "train", position=i) for i, it in enumerate(items[:shown])]
     scan = scan_split(data, "train", progress=view.progress, limit=view.scan_limit)
     out.details = {"examples": [{"id": v.id, "text": v.plain(), "input_tokens": v.input_tokens,
                                  "supervised": v.supervised, "padding": v.padding, "batch_keys": v.keys}
@@ -115,7 +130,12 @@ def check_inspect(view: TrainingView, out: Outcome | None = None) -> Outcome:
     for w in warnings:
         out.warn(w)
     if not _has_ids(items):
-        out.warn(f"the examples have no 'id': {NO_IDS}")
+        how = view.update_ids
+        if how.positions:
+            out.details.update(update_ids=str(IdKind.POSITION), update_ids_how=how.how)
+            out.reason += f"; the examples have no 'id': updates name theirs by {how.how}"
+        else:
+            out.warn(_no_ids_warning(how, "the examples have no 'id'"))
     return out
 
 

@@ -21,7 +21,7 @@ from ..train.evaluation import accuracy_counts, outputs_of, shift_convention
 from ..train.loss import PolicySource, window_backward
 from ..train.optim import build_optimizer
 from ..train.rng import derived_seed
-from .view import Artifact, Batching, Exported, OverfitPlan, Reloaded, Window, WindowKind, tensors_of
+from .view import Artifact, Batching, Exported, OverfitPlan, Reloaded, UpdateIds, Window, WindowKind, tensors_of
 
 
 def model_label_info(spec, label_names) -> tuple[int | None, dict | None, str]:
@@ -116,6 +116,8 @@ class LoopView:
     scan_limit: int | None = None
     scoring: str | None = None  # the loop scores each example alone (the factory contract takes a batch of one)
     reference_note: str | None = None  # outputs() runs the model as training holds it
+    # The loop refuses an item without an id (ContractError), so its updates always carry the items' own.
+    update_ids = UpdateIds(False, "pilotrun's loop reports the items' own ids and refuses an item without one")
 
     def __init__(self, ctx, export_weights: Any = None) -> None:
         self.ctx, self.spec = ctx, ctx.spec

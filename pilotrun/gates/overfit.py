@@ -73,13 +73,17 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
     out = out or Outcome()
     plan = view.overfit_plan()
     subset = view.overfit_items(plan.examples)
-    ids = [str(it["id"]) if isinstance(it, dict) and "id" in it else str(i) for i, it in enumerate(subset)]
+    # The items' own ids; where one has none, every example is named by its position instead (a framework's view
+    # takes the training set's first examples; pilotrun's loop refuses an item without an id).
+    own = all(isinstance(it, dict) and "id" in it for it in subset)
+    ids = [str(it["id"]) if own else f"#{i}" for i, it in enumerate(subset)]
+    named = f"ids {', '.join(ids)}" if own else f"dataset positions {', '.join(str(i) for i in range(len(subset)))}"
     model, _ = view.model_copy(None)
     split = parameter_split(model)
     model.train()
     start_loss, start_acc = view.target_scores(model, subset)
     if not math.isfinite(start_loss):
-        raise GateFailure(f"the subset's loss is {start_loss} before training (ids {', '.join(ids)})",
+        raise GateFailure(f"the subset's loss is {start_loss} before training ({named})",
                           failure=Failure.NON_FINITE)
     threshold = plan.loss_below if plan.loss_below is not None else start_loss * plan.loss_fraction
     checks: list[dict] = [{"update": 0, "loss": start_loss, "accuracy": start_acc}]

@@ -11,6 +11,8 @@ A view answers in the job's own terms, and says where it cannot (:class:`NotMeas
 ``skip`` with that reason):
 
 - ``data``: the training and validation examples and the collate, as a :class:`~pilotrun.data.bundle.DataBundle`;
+  ``update_ids``: what names an update's examples where the items carry no ``id`` (their dataset positions, when an
+  integration reads them);
 - ``batching()``: micro batch × accumulation × replicas, the examples, how a window's loss is normalised;
 - ``accum_windows()``, ``accumulate(model, micro_batches, device)``, ``one_batch(model, batch, device)``: update
   windows to check, one update's backward as the job computes it, and the same examples as one batch through the
@@ -78,6 +80,17 @@ class Batching:
     normalisation: str | None = None             # how any window's loss is normalised (the framework's rule)
     planned: tuple[str, int] | None = None       # the long run's length in updates and where it is set
     warmup_updates: int | None = None
+    accum_setting: str = "train.grad_accum_steps"  # where the job sets its accumulation (a row names it)
+
+
+@dataclass(frozen=True)
+class UpdateIds:
+    """How the job names the examples of an update where its items carry no ``id``: ``positions`` True when it
+    reports their positions in the training dataset instead (an integration reads the indices its DataLoader
+    fetched), ``how`` what is read — or, when False, why nothing can be."""
+
+    positions: bool
+    how: str
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,7 @@ class TrainingView(Protocol):
     scan_limit: int | None        # training examples inspect counts at most (None: all of them)
     scoring: str | None           # how target_scores scored the overfit subset, when not one example at a time
     reference_note: str | None    # how outputs() ran the model, when not as the job holds it (wrappers set aside)
+    update_ids: UpdateIds         # what names an update's examples where the items have no id (inspect says it)
 
     def progress(self, done: int, total: int, text: str) -> None: ...
     def batching(self) -> Batching: ...

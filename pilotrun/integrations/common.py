@@ -30,9 +30,10 @@ from ..gates.export import check_export
 from ..gates.inspect import check_inspect
 from ..gates.overfit import check_overfit
 from ..gates.reload_eval import compare_reload, reference
-from ..gates.view import Artifact, Batching, OverfitPlan, TrainingView
+from ..gates.view import Artifact, Batching, OverfitPlan, TrainingView, UpdateIds
 from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
+from ..program.env import IDS_ARE, IdKind
 
 STEADY_UPDATES = 3        # the steady_step stage spans this many updates after the first
 # The overfit copy's budget. Its lr: the question is whether the model can learn its own targets at all, not whether
@@ -67,26 +68,36 @@ def runs_probes(job) -> bool:
 
 
 class UpdateWindow:
-    """What one optimizer update saw: the micro batches' losses and sample ids, the lr and grad norm."""
+    """What one optimizer update saw: the micro batches' losses and sample ids (and what kind of ids), the lr and grad
+    norm."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.ids: list[Any] = []
+        self.kinds: set[IdKind] = set()
         self.ids_missing = False
         self.lr: float | None = None
         self.grad_norm: float | None = None
 
-    def add(self, loss: float | None, ids: Iterable | None) -> None:
+    def add(self, loss: float | None, ids: Iterable | None, kind: IdKind = IdKind.ITEM) -> None:
         if loss is not None:
             self.losses.append(float(loss))
+        self.add_ids(ids, kind)
+
+    def add_ids(self, ids: Iterable | None, kind: IdKind = IdKind.ITEM) -> None:
+        """One micro batch's ids (None: it had none, and the update then reports none)."""
         if ids is None:
             self.ids_missing = True
         else:
             self.ids.extend(plain(i) for i in ids)
+            self.kinds.add(kind)
 
     def report(self, job, update: int, loss: float | None, **extra) -> None:
-        job.update(update, loss=loss, lr=self.lr, grad_norm=self.grad_norm,
-                   ids=None if self.ids_missing or not self.ids else self.ids, **extra)
+        ids = None if self.ids_missing or not self.ids else self.ids
+        if ids is not None and self.kinds != {IdKind.ITEM}:
+            # The resume row names what it compared: positions in the dataset, not the items' own ids.
+            extra[IDS_ARE] = str(next(iter(self.kinds)) if len(self.kinds) == 1 else IdKind.MIXED)
+        job.update(update, loss=loss, lr=self.lr, grad_norm=self.grad_norm, ids=ids, **extra)
 
 
 def plain(value: Any) -> Any:
@@ -108,45 +119,149 @@ def ids_of(batch_or_items: Any) -> list | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------ dataset positions
+
+
+POSITIONS_READ = ("the positions in the training dataset its DataLoader's sampler yielded for each micro batch "
+                  "(the indices the loader fetched)")
+
+
+class Positioned(list):
+    """The items one fetch of the training DataLoader returned, with ``positions``: their indices in its dataset."""
+
+    positions: list
+
+
+class PositionTap:
+    """Set as the training dataset's own ``__getitems__``: torch's DataLoader calls it with the indices its sampler
+    yielded for one batch — after every batch sampler, shard (``BatchSamplerShard``) or skip (``skip_first_batches``)
+    layer accelerate or Lightning put around it, and in the worker process that fetches — so the positions are those
+    of the very examples the collate receives. It returns them as a :class:`Positioned` list, or hands them to
+    ``on_fetch`` (in the main process) and returns a plain list."""
+
+    def __init__(self, dataset: Any, on_fetch: Callable[[list], None] | None = None) -> None:
+        self.dataset = dataset
+        self.own = vars(dataset).get("__getitems__")  # one the program set on the instance itself
+        self.on_fetch = on_fetch
+
+    def __call__(self, indices: list) -> list:
+        if self.own is not None:
+            items = self.own(indices)
+        elif callable(getattr(type(self.dataset), "__getitems__", None)):
+            items = type(self.dataset).__getitems__(self.dataset, indices)
+        else:
+            items = [self.dataset[i] for i in indices]
+        positions = [plain(i) for i in indices]
+        if self.on_fetch is not None:
+            self.on_fetch(positions)
+            return items
+        out = Positioned(items)
+        out.positions = positions
+        return out
+
+    def remove(self) -> None:
+        """Put the dataset back as it was."""
+        if vars(self.dataset).get("__getitems__") is self:
+            if self.own is not None:
+                vars(self.dataset)["__getitems__"] = self.own
+            else:
+                del vars(self.dataset)["__getitems__"]
+
+
+def tap_positions(loader: Any, on_fetch: Callable[[list], None] | None = None) -> tuple[PositionTap | None, str]:
+    """Install a :class:`PositionTap` on the dataset of a training DataLoader: (the tap, what is read), or (None, why
+    the positions cannot be read)."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        return None, f"the training loader ({type(loader).__name__}) has no dataset to take positions from"
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None, f"the training dataset ({type(dataset).__name__}) is iterable: its examples have no positions"
+    if getattr(loader, "batch_sampler", None) is None:
+        return None, "the training DataLoader batches nothing (batch_size=None): no sampler's batch to read"
+    try:
+        tap = PositionTap(dataset, on_fetch)
+        vars(dataset)["__getitems__"] = tap
+    except TypeError:  # vars() of an object without a __dict__ (a list, a class with __slots__)
+        return None, (f"the training dataset ({type(dataset).__name__}) takes no attribute, so the positions its "
+                      "DataLoader fetches cannot be read")
+    return tap, POSITIONS_READ
+
+
+def item_ids_or_positions(features: Any) -> tuple[list | None, IdKind]:
+    """The ids of a fetch's items: each item's own ``id`` where every item has one, else their dataset positions
+    (a :class:`Positioned` fetch), else None."""
+    ids = ids_of(features)
+    if ids is not None:
+        return ids, IdKind.ITEM
+    positions = getattr(features, "positions", None)
+    return (list(positions), IdKind.POSITION) if positions is not None else (None, IdKind.ITEM)
+
+
 def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float | None:
     """The 2-norm of the gradients the optimizer is about to use (None when no parameter has one)."""
     grads = [p.grad.detach().float().norm() for p in parameters if p.grad is not None]
     return float(torch.stack(grads).norm()) if grads else None
 
 
+UPDATE_STAGES = ("first_step", "steady_step")
+# What a row says it left out when another stage opens inside an update stage (the framework's evaluation, its save).
+EXCLUDED = {"eval": "evaluation", "save": "checkpoint save"}
+
+
 class StageSpans:
     """``job.stage`` blocks that open in one framework hook and close in another (first_step: from the first
-    update's start to its end). Each name is open at most once; whatever is still open at train end closes then."""
+    update's start to its end). Each name is open at most once; whatever is still open at train end closes then.
+
+    An update stage counts its updates (``update_done``: its row says how many and the time per update) and leaves
+    out any other stage that opens inside it (an evaluation or a save between two of its updates: its time, its
+    host samples and its allocator peaks are not the update stage's, and the row says what was excluded)."""
 
     def __init__(self, job) -> None:
         self.job = job
         self.open_spans: dict[str, contextlib.ExitStack] = {}
+        self.handles: dict[str, Any] = {}
+        self.paused: dict[str, list[tuple[str, str]]] = {}  # stage -> (update stage it paused, what it is)
 
-    def open(self, name: str, inputs: dict | None = None, track: Iterable = ()) -> None:
+    def open(self, name: str, inputs: dict | None = None, track: Iterable = (), excludes: str | None = None) -> None:
+        """Open ``name``; ``excludes``: how an update stage's row names it when it opens inside one."""
         if name in self.open_spans:
             return
+        if name not in UPDATE_STAGES:
+            what = excludes or EXCLUDED.get(name, name)
+            for other in UPDATE_STAGES:
+                if other in self.open_spans:
+                    self.handles[other].pause()
+                    self.paused.setdefault(name, []).append((other, what))
         stack = contextlib.ExitStack()
-        stack.enter_context(self.job.stage(name, inputs=inputs, track=tuple(track)))
+        self.handles[name] = stack.enter_context(self.job.stage(name, inputs=inputs, track=tuple(track)))
         self.open_spans[name] = stack
 
     def close(self, name: str) -> None:
         stack = self.open_spans.pop(name, None)
+        self.handles.pop(name, None)
         if stack is not None:
             stack.close()
+        for other, what in self.paused.pop(name, []):
+            if other in self.handles:
+                self.handles[other].resume(what)
 
     def is_open(self, name: str) -> bool:
         return name in self.open_spans
 
     def update_done(self, updates_here: int) -> None:
-        """After this process's ``updates_here``-th update: first_step spans the first, steady_step the
-        ``STEADY_UPDATES`` after it."""
+        """After this process's ``updates_here``-th update: each open update stage counts it; first_step spans the
+        first, steady_step the ``STEADY_UPDATES`` after it."""
+        for name in UPDATE_STAGES:
+            if name in self.handles:
+                self.handles[name].update_done()
         if updates_here == 1:
             self.close("first_step")
         elif updates_here == 1 + STEADY_UPDATES:
             self.close("steady_step")
 
     def close_all(self) -> None:
-        for name in list(self.open_spans):
+        # The stages opened inside an update stage first, so it is resumed (and says what it left out) before it ends.
+        for name in sorted(self.open_spans, key=lambda n: n in UPDATE_STAGES):
             self.close(name)
 
 
@@ -217,6 +332,8 @@ class FrameworkView:
     targets_key: str | None = None
     shift_labels: bool = False
     data: DataBundle
+    # Set by the callback from what it installed (tap_positions); a view built without one reads no positions.
+    update_ids: UpdateIds = UpdateIds(False, "this view was built outside a callback, which reads them")
 
     @property
     def model(self) -> torch.nn.Module:  # pragma: no cover - abstract

@@ -11,8 +11,9 @@ Outside a pilot the handle is inert and the callback does nothing. Inside one it
 
 - reports every optimizer update (``trainer.global_step``): the loss (the mean of the window's micro-batch losses
   as ``training_step`` returned them), the lr the optimizer steps with and the 2-norm of the accumulated gradients
-  before Lightning clips them (both read in ``on_before_optimizer_step``), and the sample ids (the batch's ``id``
-  field: keep it in your collate);
+  before Lightning clips them (both read in ``on_before_optimizer_step``), and the sample ids: the batch's ``id``
+  field where the collate keeps one, else the examples' positions in the training dataset (the indices its
+  DataLoader's sampler yielded, read where the loader fetches them; with ``num_workers=0``);
 - measures ``first_step``, ``steady_step`` (the next ``STEADY_UPDATES`` updates), ``eval`` (validation, not the
   sanity check) and ``save`` as stages;
 - saves where the pilot asks with ``trainer.save_checkpoint`` into ``job.checkpoint_dir`` (``step-<N>.ckpt``) and
@@ -32,6 +33,7 @@ imports it.
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,8 @@ import torch
 from ..checkpoint.io import AtomicFolder
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
-from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, Window, tensors_of
+from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, UpdateIds, Window, tensors_of
+from ..program.env import IdKind
 from ..train.loss import rng_untouched
 from . import common as C
 from .copying import own_copy
@@ -83,10 +86,36 @@ class PilotrunCallback(pl.Callback):
         self.spans: C.StageSpans | None = None
         self.probe_results: dict[str, Outcome] = {}
         self.reported_step = -1  # the last update whose checkpoint job.saved was told of
+        self.tap: C.PositionTap | None = None
+        self.fetched: deque[list] = deque()  # the positions of each training fetch, oldest first
+        self.validating = False
+        self.update_ids = UpdateIds(False, "the callback has not started")
 
     @property
     def active(self) -> bool:
         return bool(getattr(self.job, "active", False))
+
+    def _tap_positions(self, trainer) -> UpdateIds:
+        """Read the dataset positions of every training fetch (:class:`~pilotrun.integrations.common.PositionTap`),
+        in this process: Lightning created the epoch's iterator before on_train_start, so a collate wrapped now
+        would not be the one it calls; the dataset is looked up at every fetch."""
+        loader = trainer.train_dataloader
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            return UpdateIds(False, f"the train dataloaders are a {type(loader).__name__}, not one DataLoader")
+        if loader.num_workers > 0:
+            return UpdateIds(False, f"the train DataLoader fetches in {loader.num_workers} worker processes, whose "
+                                    "positions do not reach this one; with num_workers=0 they are read")
+        try:
+            len(loader)
+        except TypeError:
+            return UpdateIds(False, "the train DataLoader has no length, so Lightning fetched a batch ahead before "
+                                    "the callback started")
+        self.tap, how = C.tap_positions(loader, self._fetched)
+        return UpdateIds(self.tap is not None, how)
+
+    def _fetched(self, positions: list) -> None:
+        if not self.validating:  # a validation loader over the same dataset object fetches through the tap too
+            self.fetched.append(positions)
 
     def _inputs(self, trainer) -> dict:
         loader = trainer.train_dataloader
@@ -100,9 +129,10 @@ class PilotrunCallback(pl.Callback):
             return
         self.spans = C.StageSpans(self.job)
         self.last_step = trainer.global_step
+        self.update_ids = self._tap_positions(trainer)
         if self.probes and C.runs_probes(self.job):
             with rng_untouched():  # the control run then draws what the runs without probes draw
-                self.probe_results = run_probes(self.job, trainer, pl_module)
+                self.probe_results = run_probes(self.job, trainer, pl_module, self.update_ids)
 
     def _report_own_saves(self, trainer) -> None:
         """The fit's own checkpoints (its ModelCheckpoint callbacks: every_n_train_steps, epoch end), told to the
@@ -117,9 +147,6 @@ class PilotrunCallback(pl.Callback):
                 if trainer.is_global_zero:
                     self.job.saved(step, str(path))
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._report_own_saves(trainer)
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._report_own_saves(trainer)
         if not self.active or self.spans is None:
@@ -130,8 +157,10 @@ class PilotrunCallback(pl.Callback):
                 self.spans.open("first_step", {"update": trainer.global_step + 1, **self._inputs(trainer)}, track)
             elif self.updates_here == 1:
                 self.spans.open("steady_step", {"updates": C.STEADY_UPDATES, **self._inputs(trainer)}, track)
-        self.window.ids_missing |= C.ids_of(batch) is None
-        self.window.ids.extend(C.ids_of(batch) or [])
+        # The fetch that made this batch (every fetch is popped, so the next batch reads its own).
+        positions = self.fetched.popleft() if self.fetched else None
+        ids = C.ids_of(batch)
+        self.window.add_ids(*((ids, IdKind.ITEM) if ids is not None else (positions, IdKind.POSITION)))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.active:
@@ -164,17 +193,28 @@ class PilotrunCallback(pl.Callback):
             trainer.should_stop = True
 
     def on_validation_start(self, trainer, pl_module) -> None:
+        self.validating = True
         if self.active and self.spans is not None and not trainer.sanity_checking:
-            self.spans.open("eval", self._inputs(trainer))
+            # Inside a training stage (val_check_interval within steady_step's updates) it is left out of it.
+            self.spans.open("eval", self._inputs(trainer), excludes="validation")
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        self.validating = False
         if self.spans is not None:
             self.spans.close("eval")
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._report_own_saves(trainer)
+        # A fetch no batch came from (an epoch cut short) must not name the next epoch's first batch.
+        self.fetched.clear()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._report_own_saves(trainer)
         if self.spans is not None:
             self.spans.close_all()
+        if self.tap is not None:
+            self.tap.remove()
+            self.tap = None
 
 
 # ------------------------------------------------------------------------------------------------------ probes
@@ -252,8 +292,10 @@ class LightningView(C.FrameworkView):
     framework = "LightningModule.training_step with Lightning's loss / accumulate_grad_batches"
     targets_key: str | None = None  # training_step reads whatever fields it wants
 
-    def __init__(self, trainer, module: pl.LightningModule) -> None:
+    def __init__(self, trainer, module: pl.LightningModule, update_ids: UpdateIds | None = None) -> None:
         self.trainer, self.module = trainer, module
+        if update_ids is not None:
+            self.update_ids = update_ids
         dataset, collate, self.size = _loader_parts(trainer)
         self.data = C.framework_data(dataset, None, collate)
 
@@ -274,7 +316,7 @@ class LightningView(C.FrameworkView):
                         short_window="each micro batch's loss / accumulate_grad_batches (Lightning)",
                         normalisation="each micro batch's loss / accumulate_grad_batches (Lightning)",
                         planned=("max_steps", int(steps)) if (steps := getattr(trainer, "max_steps", None) or 0) > 0
-                        else None)
+                        else None, accum_setting="accumulate_grad_batches")
 
     def accum_windows(self) -> list[Window]:
         return first_examples_window(self.data, self.size, int(self.trainer.accumulate_grad_batches), False)
@@ -356,7 +398,7 @@ class LightningView(C.FrameworkView):
                         f"{cls.__qualname__} checkpoint (its training_step loss, eval mode)")
 
 
-def run_probes(job, trainer, module) -> dict[str, Outcome]:
+def run_probes(job, trainer, module, update_ids: UpdateIds | None = None) -> dict[str, Outcome]:
     """Every in-process gate on the fit, in the pilot's order, each recorded as it finishes."""
     root = Path(job.checkpoint_dir or trainer.default_root_dir)
-    return C.run_probes(job, LightningView(trainer, module), root / "pilotrun-export")
+    return C.run_probes(job, LightningView(trainer, module, update_ids), root / "pilotrun-export")

@@ -49,15 +49,17 @@ from ..checkpoint.export import safetensors_tensor_count
 from ..checkpoint.io import AtomicFolder
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
-from ..gates.view import Artifact, Batching, Exported, NotMeasured, OverfitPlan, Reloaded, Window, tensors_of
+from ..gates.view import Artifact, Batching, Exported, NotMeasured, OverfitPlan, Reloaded, UpdateIds, Window, tensors_of
+from ..program.env import IdKind
 from ..train.evaluation import outputs_of
 from ..train.loss import rng_untouched
 from . import common as C
 from .copying import class_forward, own_copy
 
-# The key the wrapped collate adds to a batch to carry its sample ids to training_step (popped there, before the
-# model sees the batch).
+# The keys the wrapped collate adds to a batch to carry its sample ids and what they are (the items' own or their
+# dataset positions) to training_step (popped there, before the model sees the batch).
 IDS_KEY = "__pilotrun_ids__"
+IDS_KIND_KEY = "__pilotrun_ids_are__"
 
 
 def _default_job():
@@ -90,6 +92,8 @@ class PilotrunCallback(TrainerCallback):
         self.pending_save = False
         self.spans: C.StageSpans | None = None
         self.probe_results: dict[str, Outcome] = {}
+        self.tap: C.PositionTap | None = None
+        self.update_ids = UpdateIds(False, "the callback found no train dataloader at train begin")
 
     def bind(self, trainer: Trainer) -> PilotrunCallback:
         self.trainer = trainer
@@ -121,7 +125,7 @@ class PilotrunCallback(TrainerCallback):
             self._carry_ids(dataloader, trainer)
         if self.probes and C.runs_probes(self.job):
             with rng_untouched():  # the control run then draws what the runs without probes draw
-                self.probe_results = run_probes(self.job, trainer, C.private_collate(self.collate))
+                self.probe_results = run_probes(self.job, trainer, C.private_collate(self.collate), self.update_ids)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self.active or self.spans is None:
@@ -176,6 +180,9 @@ class PilotrunCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.spans is not None:
             self.spans.close_all()
+        if self.tap is not None:
+            self.tap.remove()
+            self.tap = None
 
     # ------------------------------------------------------------------------------------------------ the parts
 
@@ -194,16 +201,26 @@ class PilotrunCallback(TrainerCallback):
 
     def _carry_ids(self, dataloader, trainer: Trainer) -> None:
         """Wrap the train dataloader's collate (ids in) and the trainer's training_step (ids out, loss recorded),
-        and the accelerator's clip_grad_norm_ (the pre-clip norm the Trainer logs)."""
-        # accelerate's DataLoaderShard delegates to the torch DataLoader it wraps: the collate lives there.
+        and the accelerator's clip_grad_norm_ (the pre-clip norm the Trainer logs).
+
+        The ids are each item's own ``id`` where the items carry one, else the items' positions in the training
+        dataset: the indices the Trainer's sampler yielded (a ``RandomSampler``, accelerate's
+        ``SeedableRandomSampler``, a ``LengthGroupedSampler``), read where the loader fetches them — after accelerate's
+        ``BatchSamplerShard`` picked this process's share and after ``skip_first_batches`` skipped what a resumed
+        epoch already trained — by a :class:`~pilotrun.integrations.common.PositionTap` on the loader's dataset (the
+        Trainer iterates the loader after on_train_begin, so the first epoch's fetches go through it too)."""
+        # accelerate's DataLoaderShard delegates to the torch DataLoader it wraps: the collate and dataset live there.
         loader = getattr(dataloader, "base_dataloader", dataloader)
         inner_collate = loader.collate_fn
+        self.tap, how = C.tap_positions(loader)
+        self.update_ids = UpdateIds(self.tap is not None, how)
 
         def collate(features):
-            batch = inner_collate(features)
-            ids = C.ids_of(features)
+            ids, kind = C.item_ids_or_positions(features)
+            batch = inner_collate(list(features) if isinstance(features, C.Positioned) else features)
             if ids is not None and hasattr(batch, "__setitem__"):
                 batch[IDS_KEY] = ids
+                batch[IDS_KIND_KEY] = str(kind)
             return batch
 
         loader.collate_fn = collate
@@ -218,8 +235,9 @@ class PilotrunCallback(TrainerCallback):
 
         def training_step(model, inputs, num_items_in_batch=None, *rest, **kw):
             ids = inputs.pop(IDS_KEY, None) if hasattr(inputs, "pop") else None
+            kind = IdKind(inputs.pop(IDS_KIND_KEY, IdKind.ITEM)) if hasattr(inputs, "pop") else IdKind.ITEM
             loss = inner_step(model, inputs, num_items_in_batch, *rest, **kw)
-            window_of.window.add(float(loss.detach()) if isinstance(loss, torch.Tensor) else loss, ids)
+            window_of.window.add(float(loss.detach()) if isinstance(loss, torch.Tensor) else loss, ids, kind)
             return loss
 
         # Instance attributes, not the classes': only this trainer and this accelerator are wrapped.
@@ -291,8 +309,10 @@ class TrainerView(C.FrameworkView):
     framework = "Trainer.compute_loss with its num_items_in_batch and accumulation scaling"
     targets_key: str | None = "labels"
 
-    def __init__(self, trainer: Trainer, collate) -> None:
+    def __init__(self, trainer: Trainer, collate, update_ids: UpdateIds | None = None) -> None:
         self.trainer = trainer
+        if update_ids is not None:
+            self.update_ids = update_ids
         decode = getattr(trainer.processing_class, "decode", None)
         self.data = C.framework_data(trainer.train_dataset, trainer.eval_dataset, collate, decode)
         self.shift_labels = bool(getattr(trainer, "_loss_shifts_labels", False))
@@ -316,7 +336,8 @@ class TrainerView(C.FrameworkView):
                  if kwargs else "each micro batch's mean divided by its own micro-batch count (the Trainer's)")
         return Batching(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
                         len(self.data.train), drop_last=bool(args.dataloader_drop_last), short_window=short,
-                        normalisation=how, planned=("max_steps", args.max_steps) if args.max_steps > 0 else None)
+                        normalisation=how, planned=("max_steps", args.max_steps) if args.max_steps > 0 else None,
+                        accum_setting="gradient_accumulation_steps")
 
     def accum_windows(self) -> list[Window]:
         b = self.batching()
@@ -420,11 +441,11 @@ class TrainerView(C.FrameworkView):
                         f"{payload['model_class']} (transformers from_pretrained)")
 
 
-def run_probes(job, trainer: Trainer, collate) -> dict[str, Outcome]:
+def run_probes(job, trainer: Trainer, collate, update_ids: UpdateIds | None = None) -> dict[str, Outcome]:
     """Every in-process gate on the trainer, in the pilot's order, each recorded as it finishes."""
     root = Path(job.checkpoint_dir or trainer.args.output_dir or ".")
     with _bookkeeping_kept(trainer):
-        return C.run_probes(job, TrainerView(trainer, collate), root / "pilotrun-export")
+        return C.run_probes(job, TrainerView(trainer, collate, update_ids), root / "pilotrun-export")
 
 
 # What a trainer's compute_loss counts as it goes (TRL: its logged entropy, token accuracy and token count): the

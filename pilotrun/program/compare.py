@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..ledger.records import TextEnum
+from .env import IDS_ARE, IdKind
 
 
 class Cause(TextEnum):
@@ -91,12 +92,13 @@ class Difference:
     cause: Cause
     other_name: str = "resumed"
     origin: str = ""  # the other rank this difference follows from (attribute_across_ranks), else empty
+    ids_are: IdKind = IdKind.ITEM  # what the control's ids at this update are (an integration's dataset positions)
 
     def sentence(self) -> str:
         where = f"update {self.update}" if self.update is not None else "updates"
         origin = f" ({self.origin})" if self.origin else ""
         if self.field == "ids" and isinstance(self.control, list) and isinstance(self.other, list):
-            what, control, other = _show_ids(self.control, self.other)
+            what, control, other = _show_ids(self.control, self.other, self.ids_are.label)
         else:
             what, control, other = self.field, _show(self.control), _show(self.other)
         return (f"{where}: {what} {control} (control) vs {other} ({self.other_name}) — "
@@ -126,7 +128,7 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def _show_ids(a: list, b: list, shown: int = 8) -> tuple[str, str, str]:
+def _show_ids(a: list, b: list, label: str = "ids", shown: int = 8) -> tuple[str, str, str]:
     """Two id lists from their first differing position (found with 16 ids per update: the first 8 were equal and
     the two lists printed alike), with how many differ: (what, control's, other's)."""
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -136,7 +138,7 @@ def _show_ids(a: list, b: list, shown: int = 8) -> tuple[str, str, str]:
         cut = ids[first:first + shown]
         return f"[{'…, ' if first else ''}{', '.join(map(repr, cut))}{', …' if first + shown < len(ids) else ''}]"
 
-    return f"ids from position {first} ({differing} of {max(len(a), len(b))} differ):", part(a), part(b)
+    return f"{label} from position {first} ({differing} of {max(len(a), len(b))} differ):", part(a), part(b)
 
 
 def values_equal(a: Any, b: Any, exact: bool, rtol: float) -> tuple[bool, float]:
@@ -186,12 +188,13 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
                 if name == "loss" and not ids_compared:
                     # "Same examples" would claim a comparison that was not made: another batch moves the loss too.
                     cause = Cause.DATA_OR_STATE
-                out.difference = Difference(n, name, va, vb, cause, other_name)
+                out.difference = Difference(n, name, va, vb, cause, other_name, ids_are=IdKind.of(ra))
                 return out
             if math.isfinite(rel):
                 out.largest_rel = max(out.largest_rel, rel)
         ea, eb = ra.get("extra") or {}, rb.get("extra") or {}
-        for key in sorted(set(ea) | set(eb)):
+        # IDS_ARE says what the ids are (compared above), not a value of the update's own.
+        for key in sorted((set(ea) | set(eb)) - {IDS_ARE}):
             ok, rel = values_equal(ea.get(key), eb.get(key), exact, rtol)
             if not ok:
                 out.difference = Difference(n, f"extra.{key}", ea.get(key), eb.get(key), Cause.EXTRA_FIELD, other_name)

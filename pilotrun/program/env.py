@@ -20,6 +20,10 @@ Set by the parent for every process it starts (torchrun passes them to each rank
 ============================  ==========================================================================
 
 Rank and world size come from torchrun's own ``RANK`` and ``WORLD_SIZE`` (0 and 1 without torchrun).
+
+An update's ``ids`` are the examples' own ids unless its ``extra`` says otherwise under :data:`IDS_ARE` (an
+:class:`IdKind`): the Trainer and Lightning integrations report the examples' positions in the training dataset where
+the items carry no ``id``, and the resume row then says it compared dataset positions.
 """
 from __future__ import annotations
 
@@ -40,6 +44,33 @@ KILL_AT = "PILOTRUN_KILL_AT"
 
 ALL = (PROGRAM, ROLE, RUN_ID, LEDGER, EVENTS, CHECKPOINT_DIR, RESUME_FROM, SAVE_AT, STOP_AT, KILL_WAIT, SAVE_AUTO,
        KILL_AT)
+
+
+# The update field (in ``extra``) naming what its ids are, when they are not the items' own (an IdKind value).
+IDS_ARE = "ids_are"
+
+
+class IdKind(TextEnum):
+    """What an update's ``ids`` are."""
+
+    ITEM = "item-id"                      # each example's own id (job.update(ids=...) without IDS_ARE)
+    POSITION = "dataset-position"         # the examples' indices in the training dataset, as its sampler yielded them
+    MIXED = "item-id-or-dataset-position"  # the own id where a micro batch's items carry one, the position elsewhere
+
+    @property
+    def label(self) -> str:
+        """How a row names them."""
+        return {IdKind.ITEM: "ids", IdKind.POSITION: "dataset positions",
+                IdKind.MIXED: "ids and dataset positions"}[self]
+
+    @classmethod
+    def of(cls, record: dict) -> IdKind:
+        """The kind of one update record's ids (the items' own when the record does not say)."""
+        value = (record.get("extra") or {}).get(IDS_ARE)
+        try:
+            return cls(value) if value is not None else cls.ITEM
+        except ValueError:
+            return cls.ITEM
 
 
 class Role(TextEnum):

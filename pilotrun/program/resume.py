@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..ledger.records import Failure, GateRow, TextEnum, Verdict
 from .compare import CAUSE_TEXT, FIELDS, Comparison, attribute_across_ranks, compare_updates, reproducibility
-from .env import Event, Role
+from .env import IDS_ARE, Event, IdKind, Role
 from .runner import RunOutcome
 
 GATE = "resume"
@@ -213,7 +213,7 @@ def _compared(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool
                               rank))
         else:
             rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, mode, dict(details),
-                             reported=reported_fields(control.updates(rank))))
+                             reported=reported_fields(control.updates(rank)), ids_are=ids_kind(control.updates(rank))))
     for row in rows:
         row.world_size = control.world_size  # a rank's row says of how many (found: "rank 1 of 1" on 2 ranks)
         if silent and row.verdict == Verdict.PASS:
@@ -238,8 +238,14 @@ def short_of(control: RunOutcome, end: int) -> tuple[int, int] | None:
 def reported_fields(updates: list[dict]) -> list[str]:
     """The fields the program reported a value for (the row names only what was really compared)."""
     out = [name for name in FIELDS if any(u.get(name) is not None for u in updates)]
-    extra = sorted({key for u in updates for key in (u.get("extra") or {})})
+    extra = sorted({key for u in updates for key in (u.get("extra") or {})} - {IDS_ARE})
     return out + [f"extra.{key}" for key in extra]
+
+
+def ids_kind(updates: list[dict]) -> IdKind:
+    """What the ids the program reported are: the items' own, or (an integration's) their dataset positions."""
+    kinds = {IdKind.of(u) for u in updates if u.get("ids") is not None}
+    return next(iter(kinds)) if len(kinds) == 1 else IdKind.MIXED if kinds else IdKind.ITEM
 
 
 def fresh_runs_agree(control: RunOutcome, interrupted: RunOutcome, before: int, exact: bool, rtol: float) -> bool:
@@ -249,13 +255,14 @@ def fresh_runs_agree(control: RunOutcome, interrupted: RunOutcome, before: int, 
 
 
 def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int, checkpoint: str, mode: str,
-         details: dict, reported: list[str] | None = None) -> GateRow:
+         details: dict, reported: list[str] | None = None, ids_are: IdKind = IdKind.ITEM) -> GateRow:
     details["compared_updates"] = diff.compared
     if diff.difference is not None:
         d = diff.difference
         details["difference"] = {"update": d.update, "field": d.field, "control": d.control, "other": d.other,
                                  "run": d.other_name, "cause": str(d.cause), "fix": CAUSE_TEXT[d.cause],
-                                 **({"origin": d.origin} if d.origin else {})}
+                                 **({"origin": d.origin} if d.origin else {}),
+                                 **({"ids_are": str(d.ids_are)} if d.field == "ids" else {})}
         stage = "before the save (fresh runs)" if not reproducible else "after the resume"
         return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
     details["largest_relative_difference"] = diff.largest_rel
@@ -264,7 +271,11 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
     killed = len(details.get("killed_pids") or [])
     fields = list(FIELDS) if reported is None else reported
     details["compared_fields"] = fields
-    reason = (f"{span} equal the control's {how} ({', '.join(fields) or 'no field reported'}) after SIGKILL of the "
+    if "ids" in fields:
+        details["ids_are"] = str(ids_are)
+    # The items carry no id where an integration reported their dataset positions: say what was compared.
+    named = [ids_are.label if f == "ids" else f for f in fields]
+    reason = (f"{span} equal the control's {how} ({', '.join(named) or 'no field reported'}) after SIGKILL of the "
               f"interrupted run ({killed} process(es)) at update {before} and a resume from {Path(checkpoint).name}")
     row = GateRow.now(GATE, Verdict.PASS, reason, details=details, rank=rank)
     if "ids" not in fields:
