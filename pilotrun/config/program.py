@@ -110,7 +110,8 @@ def local_imports(scripts: list[Path], root: Path) -> list[Path]:
     root_as_given, root = root, root.resolve()
     bases = list(dict.fromkeys([p.resolve().parent for p in scripts] + [root]))
     seen = {p.resolve() for p in scripts}
-    queue, out = [p.resolve() for p in scripts], []
+    queue: list[Path] = [p.resolve() for p in scripts]
+    out: list[Path] = []
     while queue and len(out) < LOCAL_IMPORTS_MAX:
         script = queue.pop(0)
         try:

@@ -113,7 +113,7 @@ class ProgramDriver(Driver):
         if self.auto and role == Role.CONTROL:
             plan = RunPlan(role, save_auto=(r.auto_within, r.after))
         else:  # the stages alone need a few updates and one save, wherever the program makes its own
-            before = LOOP_RESUME_BEFORE if self.auto else r.before
+            before = LOOP_RESUME_BEFORE if r.before == "auto" else r.before
             plan = RunPlan(role, save_at=(before,), stop_at=before + r.after)
         return self.runs.get(role) or self._run(plan)
 

@@ -14,7 +14,7 @@ import contextlib
 import copy
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,7 +27,10 @@ def patched_forwards(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if "forward" in vars(m)]
 
 
-def own_copy(model: torch.nn.Module) -> torch.nn.Module:
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def own_copy(model: M) -> M:
     """A deep copy whose instance-level forwards call the copy, never the original (see the module docstring)."""
     memo: dict[int, Any] = {}
     out = copy.deepcopy(model, memo)
