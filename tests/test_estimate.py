@@ -255,12 +255,13 @@ def test_cutting_the_maximum_length_is_marked_a_different_experiment(tmp_path, m
 
 
 def test_every_built_in_entry_is_complete_and_named_as_torch_names_its_device():
-    """Every built-in accelerator gives every key with a value (a precision it lacks is an explicit null),
+    """Every built-in accelerator gives every key with a value but the prices (a rental's, given in a --catalog file;
+    a precision it lacks is an explicit null),
     and one alias is the device name torch reports, matching that entry and no other."""
     raw = yaml.safe_load(resources.files("pilotrun.estimate").joinpath("catalog.yaml").read_text())["accelerators"]
     cat = load_catalog()
     for name, entry in raw.items():
-        assert set(entry) == (set(REQUIRED) | set(OPTIONAL)) - {"price_per_gpu_hour"}, name
+        assert set(entry) == (set(REQUIRED) | set(OPTIONAL)) - {"price_per_gpu_hour", "spot_price_per_gpu_hour"}, name
         assert all(entry[k] is not None for k in REQUIRED + ("compute_capability", "memory_spec_gb")), name
         assert set(entry["peak_tflops"]) == {"fp32", "tf32", "bf16", "fp16", "fp8"}, name
         assert {"kind", "per_gpu_gb_s", "gpus_per_node"} <= set(entry["interconnect"]), name
