@@ -35,7 +35,6 @@ from ..humanize import human_seconds
 from ..ledger.records import Failure, GateRow, Verdict
 from ..program.env import Event, Role
 from ..program.resume import (
-    SaveKind,
     fresh_runs_agree,
     no_own_save_row,
     no_room_row,
@@ -179,19 +178,20 @@ class ProgramDriver(Driver):
         # A control run that failed, reported nothing or ended early is the row's whole story: two more runs would
         # each cost up to program.timeout (found piloting a program that ignores should_stop: all three timed out;
         # and a Lightning script whose max_steps was below pilot.resume.before + after).
-        if reported and point is not None and point.auto and short_of(control, end) is not None:
+        short = short_of(control, end) if reported and point is not None else None
+        if point is not None and point.auto and short is not None:
             return [no_room_row(control, point, r.after)]
-        if reported and point is not None and short_of(control, end) is None:
+        asks = point is None or point.asks
+        if reported and point is not None and short is None:
             # At the program's own checkpoint nothing is asked: the interrupted run saves there as the long run would
             # (a Lightning epoch-end ModelCheckpoint, not a save_checkpoint of pilotrun's mid-epoch).
-            asked = () if point.auto and point.kind == SaveKind.OWN else (before,)
-            interrupted = self._run(RunPlan(Role.INTERRUPTED, save_at=asked, stop_at=end, kill_after_save=before))
+            interrupted = self._run(RunPlan(Role.INTERRUPTED, save_at=(before,) if asks else (), stop_at=end,
+                                            kill_after_save=before))
             saved = interrupted.of(Event.SAVED, 0)
             if interrupted.killed and not interrupted.survivors and saved and fresh_runs_agree(
                     control, interrupted, before, exact, r.rtol):
                 self._run(RunPlan(Role.RESUMED, stop_at=end, resume_from=saved[-1]["path"]))
-        rows = resume_rows(self.runs, before, r.after, exact, r.rtol, mode,
-                           asked=point is None or point.kind != SaveKind.OWN or not point.auto)
+        rows = resume_rows(self.runs, before, r.after, exact, r.rtol, mode, asked=asks)
         return with_save_point(rows, point, control) if point is not None else rows
 
     def notes(self) -> list[str]:

@@ -23,8 +23,10 @@ _DEPTH = 8
 
 
 def patched_forwards(model: torch.nn.Module) -> list[str]:
-    """The modules (by name, "" for the model itself) whose ``forward`` is set on the instance, not the class."""
-    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+    """The modules (by name, "" for the model itself) whose ``forward`` is set on the instance, not the class, by a
+    wrapper for training. accelerate's device-placement hooks (device_map, CPU offload: ``_hf_hook``) are how the
+    weights are reached, not such a wrapper, and are left out."""
+    return [name for name, m in model.named_modules() if "forward" in vars(m) and not hasattr(m, "_hf_hook")]
 
 
 M = TypeVar("M", bound=torch.nn.Module)
@@ -103,10 +105,8 @@ def class_forward(model: torch.nn.Module) -> Iterator[list[str]]:
 
     The reload in a fresh process has no wrapper a program set up (accelerate's autocast, TRL's fused head), so the
     outputs it is compared with come from the same function on the same weights, in the weights' own precision."""
-    # accelerate's device-placement hooks (device_map, CPU offload: ``_hf_hook``) are how the weights are reached, not
-    # a training wrapper: they stay.
-    saved = {name: vars(m).pop("forward") for name, m in model.named_modules()
-             if "forward" in vars(m) and not hasattr(m, "_hf_hook")}
+    modules = dict(model.named_modules())
+    saved = {name: modules[name].__dict__.pop("forward") for name in patched_forwards(model)}
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
@@ -114,6 +114,5 @@ def class_forward(model: torch.nn.Module) -> Iterator[list[str]]:
     finally:
         for m, training in modes:
             m.training = training
-        modules = dict(model.named_modules())
         for name, fwd in saved.items():
             modules[name].forward = fwd

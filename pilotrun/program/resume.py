@@ -34,6 +34,12 @@ class SavePoint:
     auto: bool             # pilot.resume.before: auto
     within: int            # pilot.resume.auto_within
 
+    @property
+    def asks(self) -> bool:
+        """Whether the interrupted run is asked for this save (job.should_save): not at the program's own checkpoint
+        that auto found, where it saves as the long run would."""
+        return not (self.auto and self.kind == SaveKind.OWN)
+
     def to_dict(self) -> dict:
         return {"update": self.update, "kind": str(self.kind), "own_saves": list(self.own), "auto": self.auto}
 
