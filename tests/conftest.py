@@ -180,11 +180,29 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = message
 
 
+# Signals whose handlers a test must leave as it found them: a handler left behind changes what the next test on
+# the same xdist worker sees (a SIGINT left ignored made a later test's real Ctrl-C do nothing).
+WATCHED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR1")
+                        if hasattr(signal, n))
+
+
+def _handlers() -> dict:
+    return {sig: signal.getsignal(sig) for sig in WATCHED_SIGNALS}
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(repo_files_before):
-    """Fail a test that leaves processes (children or orphans it started), a process group, or repo files."""
+    """Fail a test that leaves processes (children or orphans it started), a process group, repo files, a signal
+    handler or an interval timer."""
     before_children = {p.pid for p in psutil.Process().children(recursive=True)} | set(_marked())
+    handlers, mask = _handlers(), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
+    mask_now = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    changed = {signal.Signals(sig).name: (handlers[sig], now) for sig, now in _handlers().items()
+               if now != handlers[sig]}
+    for name, (was, _) in changed.items():
+        signal.signal(getattr(signal, name), was)
+    timer = signal.setitimer(signal.ITIMER_REAL, 0)
     import torch.distributed as dist
 
     leaked_pg = dist.is_available() and dist.is_initialized()
@@ -210,6 +228,9 @@ def no_leaks(repo_files_before):
     assert not leaked_pg, "the test left a torch.distributed process group initialised"
     assert not alive, f"the test left child processes running: {left}"
     assert not new_files, f"the test wrote into the repository: {sorted(new_files)[:10]}"
+    assert not changed, f"the test left signal handlers changed (now put back): {changed}"
+    assert timer == (0.0, 0.0), f"the test left an interval timer running (now stopped): {timer}"
+    assert mask_now == mask, f"the test left signals blocked (now unblocked): {sorted(mask_now - mask)}"
 
 
 @pytest.fixture
@@ -287,7 +308,7 @@ def gate_rows(spec_path, tmp_path, *overrides, gates=None) -> dict:
 # (about 80 calls of the suite). `run`, `launch` and `campaign` install signal handlers, start pilots and are signalled
 # by tests: always a real subprocess, as is any call with an ``env`` (imported libraries read theirs at import).
 IN_PROCESS = frozenset({"ledger", "report", "select", "plan", "batch", "inspect", "convert", "archive", "note",
-                        "estimate", "lock"})
+                        "estimate", "lock", "variants"})
 _CLI_ENV = {"PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
 
 

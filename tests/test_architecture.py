@@ -16,7 +16,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"ui", "report", "deploy"},
     {"integrations"},
-    {"pilot", "campaign", "estimate"},
+    {"pilot", "campaign", "estimate", "variants"},
     {"gates"},
     {"workers"},
     {"drivers"},

@@ -43,13 +43,14 @@ def test_a_fifo_as_data_is_refused_without_being_opened(tmp_path):
     fifo = tmp_path / "data.jsonl"
     os.mkfifo(fifo)
     # Opening a FIFO with no writer blocks forever: the alarm turns a regression into a failure, not a hang.
-    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("read_jsonl opened the FIFO and blocked"))
+    old = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("read_jsonl opened the FIFO and blocked"))
     signal.alarm(5)
     try:
         with pytest.raises(DataError, match="not a regular file"):
             read_jsonl(fifo, ("id",))
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 BOOM_ON_CALL = """from toy import build_data  # noqa: F401
@@ -92,8 +93,12 @@ def build_model(cfg):
 
 
 def test_ctrl_c_in_a_factory_still_interrupts_the_pilot(toy, tmp_path):
-    with pytest.raises(KeyboardInterrupt):
-        gate_rows(_with_factory(toy, "ctrlc_model", CTRL_C_ON_CALL), tmp_path, gates=["load"])
+    try:
+        rows = gate_rows(_with_factory(toy, "ctrlc_model", CTRL_C_ON_CALL), tmp_path, gates=["load"])
+    except KeyboardInterrupt:
+        return
+    pytest.fail(f"the pilot went on after a real SIGINT: {[(g, r['verdict'], r['reason']) for g, r in rows.items()]}; "
+                f"SIGINT's handler {signal.getsignal(signal.SIGINT)!r}, blocked {signal.pthread_sigmask(signal.SIG_BLOCK, [])}")
 
 
 def test_a_keyboard_interrupt_the_factory_raises_itself_is_the_load_gates_failure(toy, tmp_path):

@@ -36,6 +36,7 @@ from . import plan as plan_cmd
 from . import report as report_cmd
 from . import run as run_cmd
 from . import select as select_cmd
+from . import variants as variants_cmd
 from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, UsageError, err_console
 
 EPILOG = """examples:
@@ -61,7 +62,8 @@ exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal
   130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (the run is recorded as interrupted; `run --resume` continues a pilot)"""
 
 COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
-            "select": select_cmd, "plan": plan_cmd, "campaign": campaign_cmd, "report": report_cmd,
+            "select": select_cmd, "plan": plan_cmd, "variants": variants_cmd, "campaign": campaign_cmd,
+            "report": report_cmd,
             "note": note_cmd, "archive": archive_cmd, "ledger": ledger_cmd, "lock": lock_cmd, "convert": convert_cmd}
 
 

@@ -331,6 +331,41 @@ class ResumeSpec:
             yield "rtol", "must be 0 or more"
 
 
+# The fixes `pilotrun variants` runs beside the control unless pilot.variants.run names others (SPEC §4's order:
+# micro batch, checkpointing, precision). The definitions (what each sets) are pilotrun.variants.define's.
+BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing", "bf16", "fp16", "bf16-true")
+
+
+@dataclass
+class VariantsSpec:
+    updates: int = doc(
+        "updates the control and each variant run from the same initial weights on the same examples; the first 2 "
+        "are measured for memory, the rest timed in interleaved rounds (at least 3)", 10)
+    val_loss_rtol: float = doc(
+        "the quality check: a variant's validation loss after its updates must be within this relative difference "
+        "of the control's (|v - c| / |c|), else it fails; beyond half of it the variant warns", 0.02)
+    run: list[str] | None = doc(
+        f"the built-in variants to run (default: every one that differs from the control: "
+        f"{', '.join(BUILTIN_VARIANTS)})", None)
+    custom: dict[str, dict[str, Any]] = doc(
+        "variants of your own: a name -> the keys they change, as --set takes them "
+        "(e.g. {lr-half: {train.optimizer.lr: 1.5e-3}})", {})
+
+    def check(self):
+        if self.updates < 3:
+            yield "updates", f"must be at least 3 (2 measured for memory, at least 1 timed), got {self.updates}"
+        if not 0 < self.val_loss_rtol < 1:
+            yield "val_loss_rtol", f"must be between 0 and 1 (a relative difference), got {self.val_loss_rtol}"
+        for name in self.run or []:
+            if name not in BUILTIN_VARIANTS:
+                yield "run", f"unknown variant {name!r}; the built-in ones are {', '.join(BUILTIN_VARIANTS)}"
+        for name, keys in self.custom.items():
+            if name == "control" or name in BUILTIN_VARIANTS:
+                yield "custom", f"{name!r} is a built-in name; give your variant another name"
+            if not isinstance(keys, dict) or not keys:
+                yield "custom", f"{name!r}: give a mapping of the keys it changes, e.g. {{train.optimizer.lr: 1e-3}}"
+
+
 @dataclass
 class PilotSpec:
     updates: int = doc("updates the pilot runs: the first (first_step) and the rest (steady_step)", 6)
@@ -338,6 +373,8 @@ class PilotSpec:
     inspect: InspectSpec = doc("the inspect gate", InspectSpec)
     overfit: OverfitSpec = doc("the overfit gate", OverfitSpec)
     resume: ResumeSpec = doc("the resume gate", ResumeSpec)
+    variants: VariantsSpec = doc("`pilotrun variants`: memory fixes run and measured beside the control",
+                                 VariantsSpec)
     factory_timeout: float | None = doc(
         "seconds model.factory / data.factory may take to import, and again to return, before the spec check or the "
         "load gate gives up on it (null: no limit; enforced in each process's main thread)", DEFAULT_FACTORY_TIMEOUT)

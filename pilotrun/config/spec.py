@@ -147,6 +147,7 @@ class Spec:
         elif out["pilot"]["resume"].get("before") != "auto":
             out["pilot"]["resume"].pop("auto_within", None)  # read only with auto: a numbered spec's hash stays too
         out["pilot"].pop("factory_timeout", None)  # how long pilotrun waits, not what runs: the hash stays as it was
+        out["pilot"].pop("variants", None)  # what `pilotrun variants` compares, not the job: the hash stays too
         for section in ("model", "data"):
             out[section].pop("written", None)  # the loader's copy of the mapping, not a key (an extra may be one)
             extra = out[section].pop("extra", {}) or {}
@@ -185,6 +186,7 @@ class ProgramOnlySpec(Spec):
         for key in ("source", "written", *PROGRAM_OPTIONAL):
             out.pop(key, None)
         out["pilot"].pop("factory_timeout", None)
+        out["pilot"].pop("variants", None)
         return json.loads(json.dumps(out, sort_keys=True, default=list))
 
 

@@ -163,3 +163,29 @@ class OverfitDetails(RowDetails):
 
 
 __all__ = ["ExportDetails", "LoadDetails", "OverfitDetails", "RowDetails", "SaveDetails", "SteadyStepDetails"]
+
+
+@dataclass(frozen=True)
+class VariantDetails(RowDetails):
+    """A ``variant`` row of ``pilotrun variants`` (the control's and each variant's): what it set, what it held,
+    and what was measured against the control. The advisor reads the measured memory and time (``estimate``,
+    ``select``, ``plan``)."""
+
+    variant: str | None                      # "control", a built-in fix (checkpointing, bf16 ...) or the user's name
+    kind: str | None                         # variants.define.Kind
+    settings: dict | None                    # the keys it set, as --set takes them
+    what: str | None                         # what it is meant to do, in words
+    experiment: str | None                   # "same experiment", or "different experiment: changes ..."
+    held: list[str] | None                   # what it kept of the control (examples per update, max length)
+    changed: dict | None                     # dotted key -> [control's, variant's]
+    control_row: int | None                  # the control row's id (None on the control's own row)
+    updates: int | None                      # updates it ran (of pilot.variants.updates)
+    peak_live_bytes: int | None              # its peak of live tensor bytes over the measured updates
+    peak_ratio: float | None                 # peak_live_bytes / the control's
+    seconds_per_update: float | None         # median of its timed updates
+    time_ratio: float | None                 # median over interleaved rounds of its seconds / the control's
+    val_loss: float | None                   # after its updates
+    val_loss_rel_diff: float | None          # |val - control's| / |control's|
+    numerics: dict | None                    # variants.judge.Numerics
+    same_initial_weights: bool | None        # its model started from the control's weights (cast to its dtype)
+    error: str | None                        # why it stopped before its updates (then the verdict is fail)

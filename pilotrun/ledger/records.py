@@ -110,6 +110,12 @@ class RunKind(TextEnum):
     STAGE = "stage"                # `pilotrun.stage()` in a user's own loop
     CAMPAIGN = "campaign"          # a declared set of runs varying one key
     CAMPAIGN_RUN = "campaign-run"  # one run of a campaign (variant x seed)
+    VARIANTS = "variants"          # `pilotrun variants`: the control and memory fixes run side by side, measured
+
+
+# The row ``pilotrun variants`` writes per configuration (the control's first, each variant's linked to it by
+# VariantDetails.control_row): not a gate, so not a GateName.
+VARIANT_ROW = "variant"
 
 
 class RunStatus(TextEnum):
@@ -275,4 +281,4 @@ def as_json(obj: Any) -> Any:
 
 __all__ = ["CUT_SHORT", "RESULTS", "RESUMABLE", "Failure", "GateName", "GateRow", "RunEnd", "RunKind", "RunStatus",
            "Series", "StopKind", "TextEnum", "Verdict", "as_json", "final_val_loss", "new_run_id", "now", "Kept",
-           "MANIFESTS", "kept_manifests"]
+           "MANIFESTS", "kept_manifests", "VARIANT_ROW"]

@@ -1,0 +1,313 @@
+"""Run the control and its variants side by side in one process, measure them, and write their rows.
+
+Every configuration is built from the spec (the control's with the variant's keys set), its model loaded with the
+control's initial weights (cast to its dtype), and all of them run the same updates on the same examples:
+update by update, in a rotating order (a round), each update seeded alike so dropout draws the same masks. The
+first two updates of each are measured with the live-tensor tracker over its own model, optimizer and update
+(the allocator's counters would also hold the other configurations' state, which this process keeps alive); the
+rest are timed only, so the time ratio is taken round by round on a machine whose speed drifts. Then each is
+validated, judged against the control (:mod:`.judge`) and written to the ledger as one ``variant`` row per
+configuration, the variants' rows linked to the control's.
+
+Example::
+
+    result = run_variants("examples/tiny-sft/pilot.yaml", ledger_path=Path("runs/ledger.sqlite"))
+    [(a.name, a.row["verdict"]) for a in result.arms]
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import strategies
+from ..config.load import load_spec
+from ..config.schema import SpecError
+from ..drivers import build_driver, join_job, load_inputs
+from ..drivers.base import NonFiniteError
+from ..humanize import human_bytes
+from ..ledger.details import VariantDetails
+from ..ledger.records import VARIANT_ROW, GateRow, RunKind, RunStatus, Verdict, new_run_id
+from ..ledger.store import Ledger
+from ..measure.meter import is_oom, out_of_memory_reason
+from ..measure.tensors import LiveTensorTracker
+from ..train.rng import derived_seed, seed_everything
+from .define import Difference, Kind, Skipped, Variant, compare_specs, plan_variants
+from .judge import UpdatePoint, compare_updates, judge, time_ratio
+
+MEASURED = 2  # updates per configuration measured for memory; the rest are timed
+
+
+@dataclass
+class Arm:
+    """One configuration: the control (``variant`` None) or a variant."""
+
+    name: str
+    spec: object
+    variant: Variant | None = None
+    driver: object = None
+    points: list[UpdatePoint] = field(default_factory=list)
+    peak: int | None = None
+    error: str | None = None
+    val: float | None = None
+    same_init: bool | None = None
+    scaler_calls: int = 0
+    diff: Difference | None = None
+    row: dict = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        return self.driver is not None and self.error is None
+
+
+@dataclass
+class VariantsResult:
+    run_id: str
+    arms: list[Arm]
+    skipped: list[Skipped]
+    updates: int
+    rtol: float
+    device: str
+
+
+def _load(path: str | Path, overrides: list[str], extra: list[str], variant: str | None) -> object:
+    try:
+        spec = load_spec(path, overrides + extra)
+    except SpecError as exc:
+        if variant is None:
+            raise
+        raise SpecError([(f"pilot.variants ({variant})" + (f": {f}" if f else ""), m) for f, m in exc.problems],
+                        exc.source) from None
+    if spec.program is not None:
+        raise SpecError([("program", "pilotrun variants runs pilotrun's own loop (model/data/train); a program's "
+                                     "variants are not run yet: pilot the program, and vary its flags by hand")],
+                        spec.source)
+    if strategies.get(spec.distributed.strategy).multi_process:
+        one = strategies.one_process().name
+        raise SpecError([("distributed.strategy", f"variants run side by side in one process: set "
+                                                  f"distributed.strategy: {one} (--set distributed.strategy={one})")],
+                        spec.source)
+    return spec
+
+
+def _count_scaler_updates(arm: Arm) -> None:
+    """Count GradScaler.update calls: the scale must move once per optimizer update, never per micro batch."""
+    scaler = getattr(arm.driver, "scaler", None)
+    if scaler is None:
+        return
+    real = scaler.update
+
+    def counted(*args, **kwargs):
+        arm.scaler_calls += 1
+        return real(*args, **kwargs)
+
+    scaler.update = counted
+
+
+def _same_weights(arm: Arm, initial: dict) -> bool:
+    """Load the control's initial weights into the arm's model (cast to its dtypes); False where the state dicts
+    do not match (another architecture or an adapter): the arm then keeps its own seeded initialisation."""
+    model = arm.driver.plain_model
+    own = model.state_dict()
+    if set(own) != set(initial) or any(own[k].shape != initial[k].shape for k in own):
+        return False
+    model.load_state_dict(initial)
+    return True
+
+
+def _fail(arm: Arm, exc: BaseException, device: torch.device, step: int) -> None:
+    if isinstance(exc, NonFiniteError):
+        arm.error = str(exc)
+    elif is_oom(exc):
+        arm.error = f"update {step}: {out_of_memory_reason(exc, device) or 'out of memory'}"
+    else:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        arm.error = f"update {step}: {type(exc).__name__}: {first}"
+
+
+def _one_update(arm: Arm, step: int, seed: int, pad: int | None, device: torch.device) -> None:
+    seed_everything(derived_seed(seed * 1_000_003 + step))  # the same dropout masks for every configuration
+    calls = arm.scaler_calls
+    try:
+        if step <= MEASURED:
+            d = arm.driver
+            with LiveTensorTracker(track=[d.model, d.optimizer], device_type=device.type) as tracker:
+                rec = d.update(pad_to=pad)
+            arm.peak = max(arm.peak or 0, tracker.peak_bytes)
+        else:
+            rec = arm.driver.update(pad_to=pad)
+    except Exception as exc:
+        _fail(arm, exc, device, step)
+        return
+    arm.points.append(UpdatePoint(rec.step, rec.loss, rec.grad_norm, rec.seconds, list(rec.sample_ids),
+                                  bool(rec.scaler_skipped),
+                                  arm.scaler_calls - calls if getattr(arm.driver, "scaler", None) else None))
+
+
+def _build(arms: list[Arm], control_inputs, process, on_progress) -> None:
+    control = arms[0]
+    initial: dict = {}
+    for arm in arms:
+        on_progress(f"building {arm.name}")
+        try:
+            same_data = arm.spec.canonical()["data"] == control.spec.canonical()["data"]
+            inputs = control_inputs if same_data else load_inputs(arm.spec)
+            arm.driver = build_driver(arm.spec, inputs, process)
+        except Exception as exc:
+            _fail(arm, exc, process.device, 0)
+            arm.error = "building it: " + (arm.error or "").removeprefix("update 0: ")
+            continue
+        if arm is control:
+            initial = {k: v.detach().clone() for k, v in arm.driver.plain_model.state_dict().items()}
+        else:
+            arm.same_init = _same_weights(arm, initial)
+        _count_scaler_updates(arm)
+
+
+def _pad(spec, driver) -> int | None:
+    return spec.data.max_length if getattr(driver, "pad_batch", None) is not None else None
+
+
+def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_path: Path | None = None,
+                 on_progress: Callable[[str], None] = lambda _: None) -> VariantsResult:
+    """The control and each variant of ``pilot.variants``, run, measured, judged and written (see the module)."""
+    overrides = list(overrides or [])
+    control_spec = _load(path, overrides, [], None)
+    planned = plan_variants(control_spec)
+    arms = [Arm("control", control_spec)]
+    for v in planned.run:
+        arms.append(Arm(v.name, _load(path, overrides, v.overrides, v.name), variant=v))
+    cfg = control_spec.pilot.variants
+    process = join_job(control_spec)
+    if process.env.active:
+        raise SpecError([("distributed.strategy", "variants run in one process: start pilotrun variants without "
+                                                  "torchrun")], control_spec.source)
+    inputs = load_inputs(control_spec)
+    _build(arms, inputs, process, on_progress)
+    control = arms[0]
+    if control.error is None:
+        for step in range(1, cfg.updates + 1):
+            on_progress(f"update {step}/{cfg.updates}")
+            live = [a for a in arms if a.live]
+            k = step % len(live)
+            for arm in live[k:] + live[:k]:  # a rotating order: no configuration always runs first
+                _one_update(arm, step, control_spec.seed, _pad(arm.spec, arm.driver), process.device)
+            if not control.live:
+                break
+        for arm in arms:
+            if arm.live:
+                on_progress(f"validating {arm.name}")
+                seed_everything(control_spec.seed)
+                try:
+                    arm.val = float(arm.driver.evaluate()["val_loss"])
+                except Exception as exc:
+                    _fail(arm, exc, process.device, cfg.updates)
+    for arm in arms:
+        if arm.driver is not None:
+            arm.driver.close()
+    run_id = _write(arms, control_spec, cfg, planned.skipped, ledger_path, process)
+    return VariantsResult(run_id, arms, planned.skipped, cfg.updates, cfg.val_loss_rtol, str(process.device))
+
+
+def _median_seconds(arm: Arm) -> float | None:
+    timed = [p.seconds for p in arm.points if p.step > MEASURED]
+    return statistics.median(timed) if timed else None
+
+
+def _inputs(arm: Arm, device) -> dict:
+    t = arm.spec.train
+    return {"precision": t.precision, "micro_batch_size": t.micro_batch_size, "grad_accum_steps": t.grad_accum_steps,
+            "examples_per_update": t.micro_batch_size * t.grad_accum_steps, "max_length": arm.spec.data.max_length,
+            "activation_checkpointing": t.activation_checkpointing, "device": str(device)}
+
+
+MEMORY_SOURCE = ("live tensors of this configuration's model, optimizer and update (the allocator's counters would "
+                 "include the other configurations this process holds)")
+
+
+def _memory(arm: Arm) -> dict:
+    mem: dict = {"peak_allocated_bytes": arm.peak, "peak_reserved_bytes": None, "source": MEMORY_SOURCE,
+                 "not_measured": {"peak_reserved_bytes": "several configurations share one allocator in this process"}}
+    if arm.peak is None:
+        mem["not_measured"]["peak_allocated_bytes"] = arm.error or "no update was measured"
+    return mem
+
+
+def _control_row(arm: Arm, cfg, device) -> GateRow:
+    s = _median_seconds(arm)
+    if arm.error:
+        verdict, reason = Verdict.FAIL, f"control: {arm.error}; no variant can be compared"
+    else:
+        verdict = Verdict.PASS
+        reason = (f"control ({arm.spec.train.precision}, micro batch {arm.spec.train.micro_batch_size} x "
+                  f"{arm.spec.train.grad_accum_steps}): peak {human_bytes(arm.peak)} live, "
+                  f"{s * 1000:.1f} ms/update, val loss {arm.val:.4g} after {len(arm.points)} updates"
+                  if s is not None and arm.val is not None else "control ran")
+    details = VariantDetails(
+        variant="control", kind=str(Kind.CONTROL), settings={}, what="the spec as written", experiment="control",
+        held=None, changed=None, control_row=None, updates=len(arm.points), peak_live_bytes=arm.peak, peak_ratio=1.0,
+        seconds_per_update=s, time_ratio=1.0, val_loss=arm.val, val_loss_rel_diff=0.0, numerics=None,
+        same_initial_weights=True, error=arm.error)
+    return GateRow.now(VARIANT_ROW, verdict, reason, inputs=_inputs(arm, device), memory=_memory(arm), seconds=s,
+                       details=details.to_dict())
+
+
+def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device) -> GateRow:
+    assert arm.variant is not None
+    arm.diff = diff = compare_specs(control.spec, arm.spec)
+    numerics = compare_updates(control.points, arm.points)
+    ratio = time_ratio(control.points, arm.points, MEASURED + 1)
+    peak_ratio = arm.peak / control.peak if arm.peak and control.peak else None
+    rel = (abs(arm.val - control.val) / max(abs(control.val), 1e-12)
+           if arm.val is not None and control.val is not None and math.isfinite(arm.val) else None)
+    if control.error:
+        verdict, reason = Verdict.SKIP, f"{arm.name}: not compared: the control failed ({control.error})"
+        experiment = "not compared"
+    else:
+        j = judge(arm.name, str(arm.variant.kind), numerics, diff.question, arm.peak, control.peak, ratio, arm.val,
+                  control.val, cfg.val_loss_rtol)
+        verdict, reason, experiment = j.verdict, j.reason, j.experiment
+        if arm.error:
+            verdict, reason = Verdict.FAIL, f"{arm.name}: {arm.error}" + (f"; {reason.split(': ', 1)[1]}"
+                                                                          if arm.points else "")
+        if arm.same_init is False:
+            reason += "; its model did not take the control's initial weights (another architecture)"
+    details = VariantDetails(
+        variant=arm.name, kind=str(arm.variant.kind), settings=dict(arm.variant.settings), what=arm.variant.what,
+        experiment=experiment, held=diff.held, changed={k: list(v) for k, v in diff.changed.items()},
+        control_row=control_id, updates=len(arm.points), peak_live_bytes=arm.peak, peak_ratio=peak_ratio,
+        seconds_per_update=_median_seconds(arm), time_ratio=ratio, val_loss=arm.val, val_loss_rel_diff=rel,
+        numerics=numerics.to_dict(), same_initial_weights=arm.same_init, error=arm.error)
+    return GateRow.now(VARIANT_ROW, verdict, reason, inputs=_inputs(arm, device), memory=_memory(arm),
+                       seconds=_median_seconds(arm), details=details.to_dict())
+
+
+def _metrics(arm: Arm) -> list[dict]:
+    return [{"step": p.step, "loss": p.loss, "grad_norm": p.grad_norm, "seconds": p.seconds, "sample_ids": p.ids,
+             "extra": {"variant": arm.name, "scaler_skipped": p.scaler_skipped, "scaler_updates": p.scaler_updates,
+                       "memory_measured": p.step <= MEASURED}} for p in arm.points]
+
+
+def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path | None, process) -> str:
+    run_id = new_run_id(spec.name)
+    with Ledger(ledger_path) as ledger:
+        ledger.start_run(run_id, spec.name, RunKind.VARIANTS, spec_path=spec.source, config_hash=spec.config_hash(),
+                         meta={"updates": cfg.updates, "val_loss_rtol": cfg.val_loss_rtol, "measured_updates": MEASURED,
+                               "variants": [a.name for a in arms[1:]],
+                               "skipped": {s.name: s.why for s in skipped}, "device": str(process.device)})
+        control = arms[0]
+        row = _control_row(control, cfg, process.device)
+        control_id = ledger.add_gate_row(run_id, row, _metrics(control))
+        control.row = row.to_dict()
+        verdicts = [row.verdict]
+        for arm in arms[1:]:
+            vrow = _variant_row(arm, control, control_id, cfg, process.device)
+            ledger.add_gate_row(run_id, vrow, _metrics(arm))
+            arm.row = vrow.to_dict()
+            verdicts.append(vrow.verdict)
+        ledger.end_run(run_id, RunStatus.of_pilot([{"verdict": v} for v in verdicts]))
+    return run_id

@@ -1,0 +1,172 @@
+"""`pilotrun variants` (issue 21, deliverable 1): the memory fixes run beside the control from the same weights on
+the same examples, measured, judged against the control, and written to a real SQLite ledger, each variant's row
+linked to the control's."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pilotrun.config import load_spec
+from pilotrun.ledger.details import VariantDetails
+from pilotrun.ledger.records import VARIANT_ROW, RunKind
+from pilotrun.ledger.store import Ledger
+from pilotrun.variants.define import Kind, Skipped, compare_specs, plan_variants
+from pilotrun.variants.judge import UpdatePoint, compare_updates, judge, time_ratio
+from pilotrun.variants.run import run_variants
+
+from .conftest import copy_example, pilotrun_cli, write_spec
+
+# -- what runs, and what each holds ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def demo(tmp_path):
+    return copy_example("tiny-sft", tmp_path)
+
+
+def test_the_builtin_variants_follow_the_fix_order_and_skip_what_the_control_already_does(demo):
+    planned = plan_variants(load_spec(demo))
+    assert [v.name for v in planned.run] == ["micro-batch-half", "checkpointing", "bf16", "fp16", "bf16-true"]
+    half = planned.run[0]
+    assert half.settings == {"train.micro_batch_size": 4, "train.grad_accum_steps": 4} and half.kind == Kind.MEMORY_FIX
+    assert half.overrides == ["train.micro_batch_size=4", "train.grad_accum_steps=4"]
+
+    already = plan_variants(load_spec(demo, ["train.precision=bf16", "train.micro_batch_size=3",
+                                             "train.activation_checkpointing=true"]))
+    assert [v.name for v in already.run] == ["fp16", "bf16-true"]
+    why = {s.name: s.why for s in already.skipped}
+    assert why == {"micro-batch-half": "the micro batch is 3: it cannot be halved exactly",
+                   "checkpointing": "the control already recomputes activations (train.activation_checkpointing)",
+                   "bf16": "the control already trains in bf16"}
+    assert all(isinstance(s, Skipped) for s in already.skipped)
+
+
+def test_a_variant_that_changes_the_question_is_named_a_different_experiment(demo):
+    control = load_spec(demo)
+    half = compare_specs(control, load_spec(demo, ["train.micro_batch_size=4", "train.grad_accum_steps=4"]))
+    assert half.same_question and half.held[0] == "examples per update 16 (held)"
+    assert set(half.changed) == {"train.micro_batch_size", "train.grad_accum_steps"}
+    shorter = compare_specs(control, load_spec(demo, ["data.max_length=64"]))
+    assert shorter.question == ["data.max_length"] and "max length 64 (the control's 96)" in shorter.held
+    fewer = compare_specs(control, load_spec(demo, ["train.micro_batch_size=4"]))
+    assert fewer.question == ["examples per update"] and fewer.held[0] == "examples per update 8 (the control's 16)"
+    adapter = compare_specs(control, load_spec(demo, ["model.adapter={r: 4}"]))
+    assert any(q.startswith("model.adapter") for q in adapter.question)
+
+
+def test_unknown_or_builtin_names_are_refused_naming_the_field(demo, tmp_path):
+    res = pilotrun_cli("variants", str(demo), "--set", "pilot.variants.run=[nope]", cwd=tmp_path)
+    assert res.returncode == 2 and "pilot.variants.run" in res.stderr and "unknown variant 'nope'" in res.stderr
+    res = pilotrun_cli("variants", str(demo), "--set", "pilot.variants.custom={bf16: {train.precision: fp16}}",
+                       cwd=tmp_path)
+    assert res.returncode == 2 and "'bf16' is a built-in name" in res.stderr
+    res = pilotrun_cli("variants", str(demo), "--set", "pilot.variants.custom={mine: {train.nope: 1}}", cwd=tmp_path)
+    assert res.returncode == 2 and "pilot.variants (mine)" in res.stderr and "train.nope" in res.stderr
+    (tmp_path / "train.py").write_text("print('training')\n")
+    program = write_spec(tmp_path / "prog.yaml", {"name": "p", "program": {"command": "python train.py"}})
+    res = pilotrun_cli("variants", str(program), cwd=tmp_path)
+    assert res.returncode == 2 and "pilots a program and has no model/data/train" in res.stderr, res.stderr
+
+
+# -- the comparison (pure) ---------------------------------------------------------------------------------------
+
+def _points(losses, norms=None, seconds=None, ids=None, scaler=None):
+    norms = norms or [1.0] * len(losses)
+    seconds = seconds or [0.1] * len(losses)
+    return [UpdatePoint(i + 1, loss, norms[i], seconds[i], (ids or [[i]] * len(losses))[i], False,
+                        None if scaler is None else scaler[i]) for i, loss in enumerate(losses)]
+
+
+def test_numerics_are_compared_update_by_update_and_the_scaler_must_step_once_per_update():
+    c = _points([2.0, 1.8, 1.6], norms=[1.0, 2.0, 4.0])
+    v = _points([2.0, 1.9, 1.6], norms=[1.0, 3.0, 2.0], scaler=[1, 1, 1])
+    n = compare_updates(c, v)
+    assert n.loss_rel_diff_max == pytest.approx(0.1 / 1.8) and n.loss_rel_diff_last == 0.0
+    assert n.grad_norm_ratio_last == 0.5 and n.grad_norm_ratio_range == (0.5, 1.5)
+    assert n.same_examples and n.non_finite == 0 and n.scaler_skipped == 0 and n.scaler_once_per_update is True
+    per_micro = compare_updates(c, _points([2.0, 1.8, 1.6], scaler=[1, 2, 1]))
+    assert per_micro.scaler_once_per_update is False
+    j = judge("fp16", "memory-fix", per_micro, [], 80, 100, 1.1, 1.6, 1.6, 0.02)
+    assert j.verdict == "fail" and "not updated exactly once per optimizer update" in j.reason
+    nan = compare_updates(c, _points([2.0, math.nan, 1.6]))
+    assert nan.non_finite == 1 and nan.loss_rel_diff_max == 0.0
+    # The time ratio is per interleaved round, from the first timed update: a slow moment touches both sides.
+    assert time_ratio(_points([1, 1, 1, 1], seconds=[9, 9, 0.1, 0.2]),
+                      _points([1, 1, 1, 1], seconds=[1, 1, 0.13, 0.26]), timed_from=3) == pytest.approx(1.3)
+
+
+def test_the_verdict_says_what_was_measured_and_fails_outside_the_declared_tolerance():
+    same = compare_updates(_points([2.0, 1.8]), _points([2.0, 1.8]))
+    ok = judge("checkpointing", "memory-fix", same, [], 60, 100, 1.3, 1.70, 1.70, 0.02)
+    assert ok.verdict == "pass" and ok.experiment == "same experiment"
+    assert "peak -40% of the control's" in ok.reason and "time x1.30" in ok.reason
+    off = judge("bf16", "memory-fix", same, [], 60, 100, 0.8, 1.80, 1.70, 0.02)
+    assert off.verdict == "fail" and "beyond pilot.variants.val_loss_rtol 0.02" in off.reason
+    near = judge("bf16", "memory-fix", same, [], 60, 100, 0.8, 1.72, 1.70, 0.02)
+    assert near.verdict == "warn" and "past half the tolerance" in near.reason
+    useless = judge("bf16", "memory-fix", same, [], 120, 100, 0.8, 1.70, 1.70, 0.02)
+    assert useless.verdict == "warn" and "it saves no memory here" in useless.reason and "peak +20%" in useless.reason
+    other = judge("short", "own", same, ["data.max_length"], 50, 100, 0.7, 1.70, 1.70, 0.02)
+    assert other.verdict == "warn" and other.experiment == "different experiment: changes data.max_length"
+    assert "never a memory fix" in other.reason
+
+
+# -- the real run --------------------------------------------------------------------------------------------------
+
+def test_the_demo_variants_are_measured_linked_to_the_control_and_judged(demo, tmp_path):
+    ledger_path = tmp_path / "l.sqlite"
+    result = run_variants(demo, ["pilot.variants.updates=4",
+                                 "pilot.variants.run=[micro-batch-half, checkpointing, bf16, fp16]",
+                                 "pilot.variants.custom={shorter: {data.max_length: 48}}"], ledger_path)
+    assert [a.name for a in result.arms] == ["control", "micro-batch-half", "checkpointing", "bf16", "fp16", "shorter"]
+    with Ledger(ledger_path) as ledger:
+        run = ledger.run(result.run_id)
+        rows = ledger.gate_rows(result.run_id)
+        points = ledger.metrics(result.run_id)
+    assert run["kind"] == RunKind.VARIANTS and run["config_hash"] == load_spec(demo).config_hash()
+    assert [r["gate"] for r in rows] == [VARIANT_ROW] * 6
+    control_id = rows[0]["id"]
+    d = {r["details"]["variant"]: VariantDetails.of(r["details"]) for r in rows}
+    by_name = {r["details"]["variant"]: r for r in rows}
+    assert by_name["control"]["verdict"] == "pass" and d["control"].control_row is None
+    for name in ("micro-batch-half", "checkpointing", "bf16", "fp16", "shorter"):
+        assert d[name].control_row == control_id, name
+        assert d[name].updates == 4 and d[name].same_initial_weights is True, name
+        assert d[name].time_ratio is not None and d[name].time_ratio > 0, name
+        assert d[name].val_loss is not None and math.isfinite(d[name].val_loss), name
+    # Checkpointing keeps fewer activations alive: its measured peak is below the control's.
+    assert d["checkpointing"].peak_live_bytes < d["control"].peak_live_bytes
+    assert "time x" in by_name["checkpointing"]["reason"]
+    # Micro batch /2 x accumulation x2: the same examples in every update, the same examples per update.
+    assert d["micro-batch-half"].numerics["same_examples"] is True
+    assert by_name["micro-batch-half"]["inputs"]["examples_per_update"] == by_name["control"]["inputs"][
+        "examples_per_update"] == 16
+    assert d["micro-batch-half"].numerics["loss_rel_diff_max"] < 1e-4  # token-exact accumulation
+    # Lower precisions: loss differences reported with a verdict; fp16 with its scaler's skipped updates.
+    for name in ("bf16", "fp16"):
+        assert by_name[name]["verdict"] in ("pass", "warn", "fail") and "loss differs by up to" in by_name[name]["reason"]
+        assert d[name].numerics["loss_rel_diff_max"] is not None
+    assert d["fp16"].numerics["scaler_skipped"] is not None and d["fp16"].numerics["scaler_once_per_update"] is True
+    assert d["bf16"].numerics["scaler_skipped"] is None
+    # A shorter maximum length is another experiment, whatever it saves.
+    assert d["shorter"].experiment == "different experiment: changes data.max_length"
+    assert by_name["shorter"]["verdict"] in ("warn", "fail") and "never a memory fix" in by_name["shorter"]["reason"]
+    # Each configuration's updates are in the ledger, memory-measured ones marked.
+    control_points = [p for p in points if p["extra"]["variant"] == "control"]
+    assert [p["step"] for p in control_points] == [1, 2, 3, 4]
+    assert [p["extra"]["memory_measured"] for p in control_points] == [True, True, False, False]
+
+
+def test_the_command_prints_a_table_and_json(demo, tmp_path):
+    res = pilotrun_cli("variants", str(demo), "--ledger", str(tmp_path / "l.sqlite"), "--set",
+                       "pilot.variants.updates=3", "--set", "pilot.variants.run=[checkpointing]", "--json",
+                       cwd=tmp_path)
+    assert res.returncode in (0, 1), res.stderr
+    out = json.loads(res.stdout)
+    assert [r["details"]["variant"] for r in out["rows"]] == ["control", "checkpointing"]
+    assert set(out["not_run"]) == set()
+    res = pilotrun_cli("variants", str(demo), "--ledger", str(tmp_path / "l.sqlite"), "--set",
+                       "pilot.variants.updates=3", "--set", "pilot.variants.run=[checkpointing]", cwd=tmp_path)
+    assert "checkpointing" in res.stdout and "vs control" in res.stdout and "same experiment" in res.stdout
