@@ -170,3 +170,44 @@ def test_the_command_prints_a_table_and_json(demo, tmp_path):
     res = pilotrun_cli("variants", str(demo), "--ledger", str(tmp_path / "l.sqlite"), "--set",
                        "pilot.variants.updates=3", "--set", "pilot.variants.run=[checkpointing]", cwd=tmp_path)
     assert "checkpointing" in res.stdout and "vs control" in res.stdout and "same experiment" in res.stdout
+
+
+# -- the advisor uses what was measured (deliverable 2) -----------------------------------------------------------
+
+def _ledger_with_variants(path, spec, device_name: str, time_ratio: float) -> str:
+    from pilotrun.ledger.records import GateRow, new_run_id
+
+    run_id = new_run_id(spec.name)
+    with Ledger(path) as ledger:
+        ledger.start_run(run_id, spec.name, RunKind.VARIANTS, config_hash=spec.config_hash(),
+                         meta={"device": "cuda:0", "device_name": device_name})
+        control = ledger.add_gate_row(run_id, GateRow.now(VARIANT_ROW, "pass", "control", details={
+            "variant": "control", "time_ratio": 1.0, "peak_ratio": 1.0}))
+        ledger.add_gate_row(run_id, GateRow.now(VARIANT_ROW, "pass", "checkpointing", details={
+            "variant": "checkpointing", "control_row": control, "time_ratio": time_ratio, "peak_ratio": 0.58}))
+        ledger.add_gate_row(run_id, GateRow.now(VARIANT_ROW, "fail", "bf16", details={
+            "variant": "bf16", "control_row": control, "time_ratio": 0.5, "peak_ratio": 0.7}))
+    return run_id
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("device, applied", [("Card-16GB", True), ("cpu", False)])
+def test_the_advisor_times_checkpointing_with_the_recompute_measured_on_that_accelerator(tmp_path, device, applied):
+    from .test_estimate import EXAMPLES, SHALLOW, SMALL_CARD
+
+    (tmp_path / "cards.yaml").write_text(SMALL_CARD)
+    path = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
+    run_id = _ledger_with_variants(tmp_path / "l.sqlite", load_spec(path, SHALLOW, check_files=False), device, 1.5)
+    res = pilotrun_cli("estimate", str(path), "--set", SHALLOW[0], "--catalog", str(tmp_path / "cards.yaml"),
+                       "--accelerator", "Card-16GB", "--strategy", "single", "--json", "--ledger",
+                       str(tmp_path / "l.sqlite"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    ac = json.loads(res.stdout)["advice"]["Card-16GB"][0]
+    assert ac["variant"] == "activation checkpointing"
+    assert f"x1.50 time measured in {run_id} on {device}" in ac["reason"]
+    assert f"peak x0.58 of the control's live tensors, measured in {run_id}" in ac["reason"]
+    if applied:  # the time is the same job's without checkpointing x the measured ratio
+        assert ac["time_factor"] == pytest.approx(1.5, rel=1e-6) and "the FLOPs predicted" in ac["reason"]
+    else:  # measured on another device: quoted, the FLOPs ratio used
+        assert "not applied to Card-16GB: another device" in ac["reason"]
+        assert ac["time_factor"] != pytest.approx(1.5, rel=1e-3)

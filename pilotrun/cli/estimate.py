@@ -14,6 +14,7 @@ from ..estimate.advise import advise
 from ..estimate.cache import CACHE_ENV, TraceCache
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import adapter_line, adapter_view
+from ..estimate.measured import measured_fixes
 from ..estimate.model import estimate_fit
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
@@ -96,7 +97,8 @@ def main(args) -> int:
     if not args.no_advice and len(accs) == 1 and not any(f["fits"] for f in fits):
         first = fits[0]
         with console.status("working out variants...") if not args.json else contextlib.nullcontext():
-            advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog)
+            advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog,
+                                          measured=measured_fixes(ledger, spec.config_hash()))
     report = {"spec": spec.source, "config_hash": spec.config_hash(), "stages": stage_summary(trace),
               "model": {k: trace[k] for k in ("parameters", "trainable_parameters", "parameter_bytes",
                                                "gradient_bytes", "optimizer_state_bytes", "largest_layer",

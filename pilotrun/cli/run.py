@@ -221,6 +221,7 @@ def _advise_after_oom(spec, result, console) -> None:
         return
     from ..estimate.advise import advise
     from ..estimate.catalog import load_catalog, local_accelerator
+    from ..estimate.measured import measured_fixes
     from ..estimate.runner import Traces
     from ..ledger.store import Ledger
 
@@ -230,7 +231,9 @@ def _advise_after_oom(spec, result, console) -> None:
         return
     try:
         with console.status("out of memory: tracing variants that would fit..."):
-            variants = advise(spec, Traces(spec), acc, strategies.one_process().name, 1, catalog)
+            with Ledger(result.ledger_path) as led:
+                measured = measured_fixes(led, spec.config_hash())
+            variants = advise(spec, Traces(spec), acc, strategies.one_process().name, 1, catalog, measured=measured)
     except Exception as exc:  # advice is a help, never a second failure
         console.print(f"[yellow]no advice: {type(exc).__name__}: {escape(str(exc))}[/]")
         return

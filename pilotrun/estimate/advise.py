@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from .. import strategies
 from ..ledger.records import GateName
 from .catalog import Accelerator
+from .measured import MeasuredFixes
 from .model import estimate_fit
 
 
@@ -110,8 +111,10 @@ def _micro_batches(spec) -> list[int]:
 
 
 def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
-             utilisation: float | None) -> dict:
-    """One combination's row: the trace it needs, its fit, and what it changes in the spec."""
+             utilisation: float | None, measured: MeasuredFixes | None = None) -> dict:
+    """One combination's row: the trace it needs, its fit, and what it changes in the spec. Where ``pilotrun
+    variants`` measured checkpointing's recompute cost on this accelerator, that ratio replaces the FLOPs ratio in
+    the time; elsewhere the measurement is quoted beside the prediction."""
     t = spec.train
     trace = traces.get(ac=True if c.checkpointing else None, precision="bf16" if c.precision else None)
     strat = strategies.sharding().name if c.shard_level else strategy
@@ -131,12 +134,21 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
         experiment = "a variant: numerics change, record it as its own experiment"
         why.append("bf16 autocast with fp32 master weights; on hardware without bf16, fp16 with a grad scaler "
                    "stepped once per update")
+    recompute = None
     if c.checkpointing:
         changes["train.activation_checkpointing"] = True
         base_flops = traces.get()["stages"][GateName.STEADY_STEP]["flops"]
-        why.append(f"the forward is recomputed in backward "
-                   f"({trace['stages'][GateName.STEADY_STEP]['flops'] / base_flops:.2f}x FLOPs)")
+        flops = f"{trace['stages'][GateName.STEADY_STEP]['flops'] / base_flops:.2f}x FLOPs"
+        recompute, said = measured.time_factor("checkpointing", c.accelerator) if measured else (None, "")
+        if recompute is not None:
+            why.append(f"the forward is recomputed in backward: {said} (the FLOPs predicted {flops})")
+        else:
+            why.append(f"the forward is recomputed in backward ({flops}" + (f"; {said}" if said else "") + ")")
+        if measured and (mem := measured.memory_text("checkpointing")):
+            why.append(mem)
     fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util)
+    if recompute is not None:
+        fit = _measured_recompute(fit, spec, traces, c, strat, util, recompute)
     if c.smaller_micro_batch:
         # The largest smaller micro batch that fits; the smallest when none does (to show how far it is).
         sizes = _micro_batches(spec)
@@ -152,17 +164,27 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
     return _row(c, fit, base_s, changes, experiment, "; ".join(why))
 
 
+def _measured_recompute(fit: dict, spec, traces, c: Combination, strat: str, util: float | None,
+                        ratio: float) -> dict:
+    """``fit`` (with checkpointing) timed as the same combination without it × the recompute ratio measured."""
+    plain = traces.get(ac=False, precision="bf16" if c.precision else None)
+    without = estimate_fit(plain, c.accelerator, strat, c.gpus, utilisation=util)
+    s = without["seconds_per_update"]
+    return {**fit, "seconds_per_update": s * ratio if s else fit["seconds_per_update"]}
+
+
 def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: dict[str, Accelerator],
-           utilisation: float | None = None) -> list[dict]:
+           utilisation: float | None = None, measured: MeasuredFixes | None = None) -> list[dict]:
     """Combinations for ``spec`` on ``acc`` (as ``strategy`` over ``gpus``) in order of cost, up to and
-    including the cheapest that fits (marked ``cheapest_that_fits``); all of them when none fits."""
+    including the cheapest that fits (marked ``cheapest_that_fits``); all of them when none fits. ``measured``:
+    what ``pilotrun variants`` measured for this config (:func:`.measured.measured_fixes`)."""
     current = estimate_fit(traces.get(), acc, strategy, gpus, utilisation=utilisation)
     base_s = current["seconds_per_update"]
     out = []
     for c in combinations(spec, acc, strategy, gpus, catalog):
         if c.smaller_micro_batch and not _micro_batches(spec):
             continue
-        row = evaluate(spec, traces, c, strategy, base_s, utilisation)
+        row = evaluate(spec, traces, c, strategy, base_s, utilisation, measured)
         out.append(row)
         if row["fits"]:
             row["cheapest_that_fits"] = True

@@ -93,7 +93,10 @@ def plan_variants(spec) -> Planned:
     out = Planned()
     for name in cfg.run if cfg.run is not None else BUILTIN_VARIANTS:
         v = builtin(name, spec)
-        (out.skipped if isinstance(v, Skipped) else out.run).append(v)
+        if isinstance(v, Skipped):
+            out.skipped.append(v)
+        else:
+            out.run.append(v)
     for name, keys in cfg.custom.items():
         out.run.append(Variant(name, Kind.OWN, dict(keys), "pilot.variants.custom: " + ", ".join(
             f"{k}={v}" for k, v in keys.items())))

@@ -27,8 +27,10 @@ import torch
 from .. import strategies
 from ..config.load import load_spec
 from ..config.schema import SpecError
+from ..config.spec import Spec
 from ..drivers import build_driver, join_job, load_inputs
 from ..drivers.base import NonFiniteError
+from ..drivers.loop import LoopDriver
 from ..humanize import human_bytes
 from ..ledger.details import VariantDetails
 from ..ledger.records import VARIANT_ROW, GateRow, RunKind, RunStatus, Verdict, new_run_id
@@ -47,9 +49,9 @@ class Arm:
     """One configuration: the control (``variant`` None) or a variant."""
 
     name: str
-    spec: object
+    spec: Spec
     variant: Variant | None = None
-    driver: object = None
+    driver: LoopDriver | None = None
     points: list[UpdatePoint] = field(default_factory=list)
     peak: int | None = None
     error: str | None = None
@@ -74,7 +76,7 @@ class VariantsResult:
     device: str
 
 
-def _load(path: str | Path, overrides: list[str], extra: list[str], variant: str | None) -> object:
+def _load(path: str | Path, overrides: list[str], extra: list[str], variant: str | None) -> Spec:
     try:
         spec = load_spec(path, overrides + extra)
     except SpecError as exc:
@@ -111,6 +113,7 @@ def _count_scaler_updates(arm: Arm) -> None:
 def _same_weights(arm: Arm, initial: dict) -> bool:
     """Load the control's initial weights into the arm's model (cast to its dtypes); False where the state dicts
     do not match (another architecture or an adapter): the arm then keeps its own seeded initialisation."""
+    assert arm.driver is not None
     model = arm.driver.plain_model
     own = model.state_dict()
     if set(own) != set(initial) or any(own[k].shape != initial[k].shape for k in own):
@@ -132,14 +135,15 @@ def _fail(arm: Arm, exc: BaseException, device: torch.device, step: int) -> None
 def _one_update(arm: Arm, step: int, seed: int, pad: int | None, device: torch.device) -> None:
     seed_everything(derived_seed(seed * 1_000_003 + step))  # the same dropout masks for every configuration
     calls = arm.scaler_calls
+    d = arm.driver
+    assert d is not None
     try:
         if step <= MEASURED:
-            d = arm.driver
             with LiveTensorTracker(track=[d.model, d.optimizer], device_type=device.type) as tracker:
                 rec = d.update(pad_to=pad)
             arm.peak = max(arm.peak or 0, tracker.peak_bytes)
         else:
-            rec = arm.driver.update(pad_to=pad)
+            rec = d.update(pad_to=pad)
     except Exception as exc:
         _fail(arm, exc, device, step)
         return
@@ -156,19 +160,22 @@ def _build(arms: list[Arm], control_inputs, process, on_progress) -> None:
         try:
             same_data = arm.spec.canonical()["data"] == control.spec.canonical()["data"]
             inputs = control_inputs if same_data else load_inputs(arm.spec)
-            arm.driver = build_driver(arm.spec, inputs, process)
+            driver = build_driver(arm.spec, inputs, process)
+            if not isinstance(driver, LoopDriver):  # _load refused program specs: only the loop is built here
+                raise TypeError(f"expected pilotrun's loop, got the {driver.name} driver")
+            arm.driver = driver
         except Exception as exc:
             _fail(arm, exc, process.device, 0)
             arm.error = "building it: " + (arm.error or "").removeprefix("update 0: ")
             continue
         if arm is control:
-            initial = {k: v.detach().clone() for k, v in arm.driver.plain_model.state_dict().items()}
+            initial = {k: v.detach().clone() for k, v in driver.plain_model.state_dict().items()}
         else:
             arm.same_init = _same_weights(arm, initial)
         _count_scaler_updates(arm)
 
 
-def _pad(spec, driver) -> int | None:
+def _pad(spec: Spec, driver: LoopDriver | None) -> int | None:
     return spec.data.max_length if getattr(driver, "pad_batch", None) is not None else None
 
 
@@ -199,7 +206,7 @@ def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_pa
             if not control.live:
                 break
         for arm in arms:
-            if arm.live:
+            if arm.live and arm.driver is not None:
                 on_progress(f"validating {arm.name}")
                 seed_everything(control_spec.seed)
                 try:
@@ -298,7 +305,8 @@ def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path
         ledger.start_run(run_id, spec.name, RunKind.VARIANTS, spec_path=spec.source, config_hash=spec.config_hash(),
                          meta={"updates": cfg.updates, "val_loss_rtol": cfg.val_loss_rtol, "measured_updates": MEASURED,
                                "variants": [a.name for a in arms[1:]],
-                               "skipped": {s.name: s.why for s in skipped}, "device": str(process.device)})
+                               "skipped": {s.name: s.why for s in skipped}, "device": str(process.device),
+                               "device_name": process.device_name})
         control = arms[0]
         row = _control_row(control, cfg, process.device)
         control_id = ledger.add_gate_row(run_id, row, _metrics(control))
