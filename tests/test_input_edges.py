@@ -93,10 +93,16 @@ def build_model(cfg):
 
 
 def test_ctrl_c_in_a_factory_still_interrupts_the_pilot(toy, tmp_path):
+    # Python's own SIGINT handler, whatever this process inherited: pytest started as a shell's background job
+    # inherits SIGINT ignored (POSIX), and a Ctrl-C the process ignores interrupts nothing (the pilot then failed
+    # the load gate on the factory's None, not on the signal).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         rows = gate_rows(_with_factory(toy, "ctrlc_model", CTRL_C_ON_CALL), tmp_path, gates=["load"])
     except KeyboardInterrupt:
         return
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     pytest.fail(f"the pilot went on after a real SIGINT: {[(g, r['verdict'], r['reason']) for g, r in rows.items()]}; "
                 f"SIGINT's handler {signal.getsignal(signal.SIGINT)!r}, blocked {signal.pthread_sigmask(signal.SIG_BLOCK, [])}")
 
