@@ -229,6 +229,35 @@ class SchedulerSpec:
             yield "min_lr_ratio", "must be between 0 and 1"
 
 
+# train.activation_checkpointing's policies, cheapest recompute first: the advisor tries them in this order.
+AC_POLICIES = ("selective", "every-2", "full")
+
+
+def ac_policy(value: bool | str | None) -> str | None:
+    """The activation checkpointing policy a ``train.activation_checkpointing`` value names: None (off), ``full``
+    (``true`` too), ``selective`` or ``every-N``; ValueError naming the values otherwise."""
+    if value is None or value is False:
+        return None
+    if value is True or value == "full":
+        return "full"
+    if value == "selective":
+        return value
+    if isinstance(value, str) and (m := re.fullmatch(r"every-(\d+)", value)) and int(m.group(1)) >= 2:
+        return f"every-{int(m.group(1))}"
+    raise ValueError(f"expected false, true, full, selective or every-N (N >= 2), got {value!r}")
+
+
+def ac_words(policy: str | None) -> str:
+    """How a row or the advisor names a policy."""
+    if policy is None:
+        return "no activation checkpointing"
+    if policy == "full":
+        return "activation checkpointing"
+    if policy == "selective":
+        return "activation checkpointing (selective: matmul outputs kept)"
+    return f"activation checkpointing (1 block in {policy.removeprefix('every-')})"
+
+
 @dataclass
 class TrainSpec:
     micro_batch_size: int = doc("examples per forward/backward on one device")
@@ -241,7 +270,10 @@ class TrainSpec:
         "optimizer state held in bf16, no autocast (torch_dtype=bfloat16 fine-tuning)", "fp32")
     scheduler: SchedulerSpec = doc("learning-rate schedule (a name or a mapping)", SchedulerSpec)
     max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
-    activation_checkpointing: bool = doc("recompute activations in backward (Hugging Face models)", False)
+    activation_checkpointing: bool | str = doc(
+        "recompute activations in backward (Hugging Face models): false; true or full: every block's activations "
+        "recomputed; selective: per op, the matmul outputs kept and the rest recomputed (torchtitan's op policy); "
+        "every-N: every N-th block (N >= 2) recomputed, the others kept", False)
     device: str = doc("auto (first accelerator, else CPU), cpu, cuda, cuda:N or mps", "auto")
     shuffle: bool = doc("shuffle the training set each epoch (seeded)", True)
     loss_normalization: Literal["auto", "per_micro_batch"] = doc(
@@ -257,6 +289,10 @@ class TrainSpec:
             yield "max_grad_norm", "must be positive, or null to disable clipping"
         if not re.match(r"^(auto|cpu|mps|cuda(:\d+)?)$", self.device):
             yield "device", f"expected auto, cpu, cuda, cuda:N or mps, got {self.device!r}"
+        try:
+            ac_policy(self.activation_checkpointing)
+        except ValueError as exc:
+            yield "activation_checkpointing", str(exc)
 
 
 @dataclass
@@ -333,7 +369,8 @@ class ResumeSpec:
 
 # The fixes `pilotrun variants` runs beside the control unless pilot.variants.run names others (SPEC §4's order:
 # micro batch, checkpointing, precision). The definitions (what each sets) are pilotrun.variants.define's.
-BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing", "bf16", "fp16", "bf16-true")
+BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing-selective", "checkpointing-every-2", "checkpointing", "bf16",
+                    "fp16", "bf16-true")
 
 
 @dataclass

@@ -67,7 +67,7 @@ class BuildContext:
     folder: Path  # the spec file's folder: relative paths and factory modules are found from here
     seed: int  # seeds random initialisation and the split by group
     precision: Precision  # train.precision: bf16-true holds the model's weights in bf16
-    activation_checkpointing: bool  # train.activation_checkpointing
+    activation_checkpointing: bool | str  # train.activation_checkpointing (sections.ac_policy reads it)
     task: str | None  # data.task: with a Hugging Face model it picks the head (None: the data's label_names do)
     factory_timeout: float | None = None  # pilot.factory_timeout: seconds a factory's import and call may take
 

@@ -4,7 +4,8 @@ memory and time, up to the cheapest one that fits.
 The fixes, cheapest first (the fix order of docs/architecture.md, "Contracts"):
 
 1. smaller micro batch, more accumulation (examples per update held: the same experiment);
-2. activation checkpointing (memory saved vs time added, both predicted);
+2. activation checkpointing, its cheapest policy first (selective: the matmul outputs kept; one block in 2; every
+   block), memory saved vs time added, both predicted (the time measured, where ``pilotrun variants`` ran it there);
 3. mixed precision (bf16, or fp16 with a grad scaler stepped on the real update boundary);
 4. sharding with FSDP2 across 2, 4, 8... GPUs (each count dearer than the last);
 5. a larger accelerator (each larger one dearer than the last).
@@ -24,6 +25,7 @@ import itertools
 from dataclasses import dataclass
 
 from .. import strategies
+from ..config.sections import AC_POLICIES, ac_policy, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator
 from .measured import MeasuredFixes
@@ -39,13 +41,13 @@ class Combination:
     gpus: int = 1                  # FSDP2 ranks when sharding is used
     shard_level: int = 0           # 0: the strategy asked about; k: the k-th sharding step
     precision: bool = False        # bf16 instead of fp32
-    checkpointing: bool = False
+    checkpointing: str | None = None  # a policy (AC_POLICIES, cheapest recompute first), None: off
     smaller_micro_batch: bool = False
 
     @property
     def cost(self) -> tuple:
-        return (self.accelerator_level, self.shard_level, self.precision, self.checkpointing,
-                self.smaller_micro_batch)
+        ac = 0 if self.checkpointing is None else 1 + AC_POLICIES.index(self.checkpointing)
+        return (self.accelerator_level, self.shard_level, self.precision, ac, self.smaller_micro_batch)
 
     def name(self) -> str:
         parts = []
@@ -56,7 +58,7 @@ class Combination:
         if self.precision:
             parts.append("mixed precision (bf16)")
         if self.checkpointing:
-            parts.append("activation checkpointing")
+            parts.append(ac_words(self.checkpointing))
         if self.smaller_micro_batch:
             parts.append("smaller micro batch, more accumulation")
         return " + ".join(parts)
@@ -78,12 +80,29 @@ def combinations(spec, acc: Accelerator, strategy: str, gpus: int,
         for shard_level, n in enumerate(shards):
             for prec, ac, mb in itertools.product(
                     (False, True) if t.precision == "fp32" else (False,),
-                    (False, True) if not t.activation_checkpointing else (False,),
+                    (None, *AC_POLICIES) if not ac_policy(t.activation_checkpointing) else (None,),
                     (False, True) if t.micro_batch_size > 1 else (False,)):
                 c = Combination(accel, level, n if shard_level else gpus, shard_level, prec, ac, mb)
                 if any(c.cost):
                     out.append(c)
     return sorted(out, key=lambda c: c.cost)
+
+
+# What each policy recomputes, for the reason (the FLOPs count matmuls: the selective policy recomputes none).
+RECOMPUTES = {"full": "the forward is recomputed in backward",
+              "selective": "every op but the matmuls is recomputed in backward (the time counts FLOPs, so not "
+                           "these element-wise ops: pilotrun variants measures them)",
+              "every-2": "one block in 2 is recomputed in backward"}
+
+
+def _spec_value(policy: str) -> bool | str:
+    """The policy as train.activation_checkpointing takes it (full: true, as the spec has always said it)."""
+    return True if policy == "full" else policy
+
+
+def variant_name(policy: str) -> str:
+    """The `pilotrun variants` variant that measures this policy (variants.define's names)."""
+    return "checkpointing" if policy == "full" else f"checkpointing-{policy}"
 
 
 # The only keys a fix may change (docs/architecture.md "fix order"); model.* (adapter, quantization) never.
@@ -116,7 +135,8 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
     variants`` measured checkpointing's recompute cost on this accelerator, that ratio replaces the FLOPs ratio in
     the time; elsewhere the measurement is quoted beside the prediction."""
     t = spec.train
-    trace = traces.get(ac=True if c.checkpointing else None, precision="bf16" if c.precision else None)
+    trace = traces.get(ac=_spec_value(c.checkpointing) if c.checkpointing else None,
+                       precision="bf16" if c.precision else None)
     strat = strategies.sharding().name if c.shard_level else strategy
     util = utilisation if not c.accelerator_level else None  # a pilot's utilisation is per accelerator
     changes: dict = {}
@@ -136,15 +156,17 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
                    "stepped once per update")
     recompute = None
     if c.checkpointing:
-        changes["train.activation_checkpointing"] = True
+        changes["train.activation_checkpointing"] = _spec_value(c.checkpointing)
         base_flops = traces.get()["stages"][GateName.STEADY_STEP]["flops"]
         flops = f"{trace['stages'][GateName.STEADY_STEP]['flops'] / base_flops:.2f}x FLOPs"
-        recompute, said = measured.time_factor("checkpointing", c.accelerator) if measured else (None, "")
+        what = RECOMPUTES[c.checkpointing]
+        name = variant_name(c.checkpointing)
+        recompute, said = measured.time_factor(name, c.accelerator) if measured else (None, "")
         if recompute is not None:
-            why.append(f"the forward is recomputed in backward: {said} (the FLOPs predicted {flops})")
+            why.append(f"{what}: {said} (the FLOPs predicted {flops})")
         else:
-            why.append(f"the forward is recomputed in backward ({flops}" + (f"; {said}" if said else "") + ")")
-        if measured and (mem := measured.memory_text("checkpointing")):
+            why.append(f"{what} ({flops}" + (f"; {said}" if said else "") + ")")
+        if measured and (mem := measured.memory_text(name)):
             why.append(mem)
     fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util)
     if recompute is not None:

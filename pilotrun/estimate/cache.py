@@ -86,7 +86,7 @@ def _named_files(spec: Spec) -> dict[str, dict]:
     return files
 
 
-def trace_key(spec: Spec, target: str, ac: bool, precision: str, micro_batch: int | None = None,
+def trace_key(spec: Spec, target: str, ac: bool | str, precision: str, micro_batch: int | None = None,
               seq_len: int | None = None) -> dict:
     """Everything a trace's result depends on, as plain JSON."""
     c = spec.canonical()
@@ -180,7 +180,7 @@ ENTRY_SCHEMA = {"key": dict, "trace": {
     "stages": MapOf(_STAGE), "parameters": _BYTES, "trainable_parameters": _BYTES, "parameter_bytes": _BYTES,
     "gradient_bytes": _BYTES, "optimizer_state_bytes": _BYTES, "buffer_bytes": _BYTES,
     "largest_layer_bytes": _BYTES, "largest_layer": str, "layers": _BYTES, "foreach": bool, "precision": str,
-    "activation_checkpointing": bool, "seconds": NonNegative(), "grad_accum_steps": _BYTES,
+    "activation_checkpointing": (bool, str), "seconds": NonNegative(), "grad_accum_steps": _BYTES,
     "max_positions": Optional(_BYTES), "notes": Optional([str]), "optimizer": Optional(str),
     "adaptation": Optional(dict)}}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 
+from ..config.sections import ac_policy, ac_words
 from ..config.spec import Spec
 from ..ledger.details import SteadyStepDetails
 from ..ledger.records import GateName
@@ -36,15 +37,19 @@ class Traces:
         self.notes: list[str] = []
         self._cache: dict[tuple, dict] = {}
 
-    def get(self, ac: bool | None = None, precision: str | None = None) -> dict:
+    def get(self, ac: bool | str | None = None, precision: str | None = None) -> dict:
+        """The trace with activation checkpointing ``ac`` (a train.activation_checkpointing value; None: the
+        spec's) and ``precision`` (None: the spec's)."""
         key = (ac if ac is not None else self.spec.train.activation_checkpointing,
                precision or self.spec.train.precision)
         if key not in self._cache:
             self._cache[key] = self._load(*key)
         return self._cache[key]
 
-    def _load(self, ac: bool, precision: str) -> dict:
-        what = f"trace ({'with' if ac else 'without'} activation checkpointing, {precision})"
+    def _load(self, ac: bool | str, precision: str) -> dict:
+        policy = ac_policy(ac)
+        what = f"trace ({'without activation checkpointing' if policy is None else 'with ' + ac_words(policy)}, " \
+               f"{precision})"
         if self.disk is None:
             return trace_in_subprocess(self.spec, self.target, ac=ac, precision=precision)
         key = trace_key(self.spec, self.target, ac, precision)

@@ -92,7 +92,7 @@ class TraceResult:
     layers: int
     foreach: bool
     precision: str
-    activation_checkpointing: bool
+    activation_checkpointing: bool | str  # as train.activation_checkpointing names it (config.sections.ac_policy)
     seconds: float
     grad_accum_steps: int = 1
     max_positions: int | None = None     # the model's position limit, when its config has one
@@ -188,7 +188,7 @@ class _Job:
     adaptation: Adaptation
 
 
-def _prepare(spec: Spec, ac: bool, mb: int, seq: int | None) -> _Job:
+def _prepare(spec: Spec, ac: bool | str, mb: int, seq: int | None) -> _Job:
     t = spec.train
     length = seq or spec.data.max_length or 0
     eval_len = max(spec.eval_max_length or length, length) if seq is None else max(seq, spec.eval_max_length or 0)
@@ -290,7 +290,7 @@ def _optimizer_bytes(opt) -> int:
     return sum(seen.values())
 
 
-def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool | None = None,
+def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool | str | None = None,
               micro_batch_size: int | None = None, seq_len: int | None = None) -> TraceResult:
     """Trace first_step, steady_step and eval for ``target`` ("cuda" uses the optimizer's foreach path)."""
     t0 = time.perf_counter()
@@ -298,7 +298,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     t = spec.train
     ac = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     torch.manual_seed(spec.seed)
-    job = _prepare(spec, bool(ac), micro_batch_size or t.micro_batch_size, seq_len)
+    job = _prepare(spec, ac, micro_batch_size or t.micro_batch_size, seq_len)
     layer_name, layer_bytes, layers = largest_block(job.model)
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
@@ -313,7 +313,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     max_pos = getattr(job.config, "max_position_embeddings", None) if job.config is not None else None
     return TraceResult(stages=stages, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos,
                        largest_layer_bytes=layer_bytes, largest_layer=layer_name, layers=layers, foreach=foreach,
-                       precision=t.precision, activation_checkpointing=bool(ac), seconds=time.perf_counter() - t0,
+                       precision=t.precision, activation_checkpointing=ac, seconds=time.perf_counter() - t0,
                        notes=job.notes, optimizer=opt_path, adaptation=asdict(job.adaptation), **totals)
 
 

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--ac", choices=["on", "off", "spec"], default="spec")
+    ap.add_argument("--ac", default="spec", help="on (full), off, spec, or a policy: full, selective, every-N")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16", "bf16-true"])
     ap.add_argument("--micro-batch", type=int)
     ap.add_argument("--seq-len", type=int)
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = read_spec_file(args.spec, check_files=False)
         if args.precision:
             spec.train.precision = args.precision
-        ac = None if args.ac == "spec" else args.ac == "on"
+        ac: bool | str | None = {"spec": None, "on": True, "off": False}.get(args.ac, args.ac)
         with quiet_transformers():
             result = trace_job(spec, target=args.target, activation_checkpointing=ac,
                                micro_batch_size=args.micro_batch, seq_len=args.seq_len)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def trace_in_subprocess(spec: Spec, target: str = "cuda", ac: bool | None = None, precision: str | None = None,
+def trace_in_subprocess(spec: Spec, target: str = "cuda", ac: bool | str | None = None, precision: str | None = None,
                         micro_batch: int | None = None, seq_len: int | None = None, timeout: float = 1800) -> dict:
     """The trace as a dict (see TraceResult), computed in a child interpreter."""
     from ..workers.launch import WorkerError, run_worker
@@ -54,7 +54,8 @@ def trace_in_subprocess(spec: Spec, target: str = "cuda", ac: bool | None = None
     with tempfile.TemporaryDirectory(prefix="pilotrun-trace-") as tmp:
         folder = Path(tmp)
         spec_file = write_spec_file(spec, folder / "spec.json")
-        args = ["--spec", str(spec_file), "--target", target, "--ac", "spec" if ac is None else ("on" if ac else "off")]
+        said = "spec" if ac is None else "on" if ac is True else "off" if ac is False else ac
+        args = ["--spec", str(spec_file), "--target", target, "--ac", said]
         if precision:
             args += ["--precision", precision]
         if micro_batch:

@@ -15,7 +15,7 @@ import torch
 from ..config.factories import factory_guard, import_factory
 from ..config.hub_cache import TokenizerNotFound
 from ..config.paths import resolve_path
-from ..config.sections import ModelSpec, Precision, QuantizationSpec
+from ..config.sections import ModelSpec, Precision, QuantizationSpec, ac_policy, ac_words
 from ..config.spec import BuildContext
 
 
@@ -113,7 +113,7 @@ def head_for(task: str | None, label_names: list[str] | None) -> tuple[str, str]
 
 
 def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | None = None, tokenizer=None, *,
-                meta: bool = False, activation_checkpointing: bool | None = None,
+                meta: bool = False, activation_checkpointing: bool | str | None = None,
                 device: torch.device | str = "cpu") -> LoadedModel:
     """The one model builder: random init (seeded) or loaded weights, for the pilot, every worker and the estimator.
     It reads the spec's ``model`` section and, from ``job`` (``spec.build_context()``), the folder relative paths
@@ -152,9 +152,9 @@ def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | No
         _cast_bf16(loaded.model)
         loaded.notes.append("bf16-true: floating-point parameters held in bf16, no autocast")
     ac = job.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-    if ac:
-        if enable_activation_checkpointing(loaded.model):
-            loaded.notes.append("activation checkpointing on (non-reentrant)")
+    if policy := ac_policy(ac):
+        if enable_activation_checkpointing(loaded.model, policy):
+            loaded.notes.append(f"{ac_words(policy)} on (non-reentrant)")
         elif activation_checkpointing is None:
             raise ModelError(
                 "train.activation_checkpointing is true but the model has no gradient_checkpointing_enable(); "
@@ -295,19 +295,66 @@ def _build_hf(spec: ModelSpec, job: BuildContext, label_names: list[str] | None,
     return LoadedModel(model, "hf", head, source, notes, config=model.config)
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> bool:
-    """Non-reentrant activation checkpointing through the model's own switch (transformers 4 or 5)."""
+# What the selective policy keeps from the forward (torchtitan's op-level policy keeps the matmuls' outputs, whose
+# recompute costs the most): every other op's output is recomputed in backward.
+_KEPT_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+
+
+def _selective_context():
+    """``context_fn`` for torch.utils.checkpoint: the selective policy as torch's selective checkpoint contexts."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kept = {getattr(torch.ops.aten, n).default for n in _KEPT_OPS if hasattr(torch.ops.aten, n)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's checkpointable blocks in order (transformers' GradientCheckpointingLayer: its decoder layers)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers 4 before the class existed
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, policy: str = "full") -> bool:
+    """Non-reentrant activation checkpointing through the model's own switch (transformers 4 or 5), with the
+    ``train.activation_checkpointing`` policy: ``full``, ``selective`` (the matmul outputs kept) or ``every-N`` (one
+    block in N recomputed). False when the model has no switch; ModelError when it cannot take the policy."""
     new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
     old = getattr(model, "gradient_checkpointing_enable", None)
+    kwargs: dict = {"use_reentrant": False}
+    if policy == "selective":
+        kwargs["context_fn"] = _selective_context()
     if new is not None:
-        new(activation_checkpointing_kwargs={"use_reentrant": False})
+        new(activation_checkpointing_kwargs=kwargs)
     elif old is not None:
         try:
-            old(gradient_checkpointing_kwargs={"use_reentrant": False})
+            old(gradient_checkpointing_kwargs=kwargs)
         except TypeError:  # a user's own switch without the keyword
+            if policy != "full":
+                raise ModelError(f"train.activation_checkpointing: {policy} needs a switch that takes checkpoint "
+                                 "arguments (transformers' gradient_checkpointing_enable); use true (full) for this "
+                                 "model", field="train.activation_checkpointing") from None
             old()
     else:
         return False
+    if policy.startswith("every-"):
+        every = int(policy.removeprefix("every-"))
+        blocks = _blocks(model)
+        if not blocks:
+            raise ModelError(f"train.activation_checkpointing: {policy} recomputes one transformers block in {every}, "
+                             "and this model has none (GradientCheckpointingLayer); use true (full)",
+                             field="train.activation_checkpointing")
+        for i, block in enumerate(blocks):
+            block.gradient_checkpointing = i % every == 0  # type: ignore[assignment]  # a bool transformers reads
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.sections import BUILTIN_VARIANTS
+from ..config.sections import BUILTIN_VARIANTS, ac_policy, ac_words
 from ..ledger.records import TextEnum
 
 
@@ -71,11 +71,13 @@ def builtin(name: str, spec) -> Variant | Skipped:
                         "train.grad_accum_steps": t.grad_accum_steps * 2},
                        f"micro batch {t.micro_batch_size // 2} x {t.grad_accum_steps * 2} accumulation "
                        f"(examples per update held at {t.micro_batch_size * t.grad_accum_steps})")
-    if name == "checkpointing":
-        if t.activation_checkpointing:
-            return Skipped(name, "the control already recomputes activations (train.activation_checkpointing)")
-        return Variant(name, Kind.MEMORY_FIX, {"train.activation_checkpointing": True},
-                       "activation checkpointing: recompute activations in backward")
+    if name.startswith("checkpointing"):
+        policy = name.removeprefix("checkpointing-") if name != "checkpointing" else "full"
+        if ac_policy(t.activation_checkpointing) == policy:
+            return Skipped(name, f"the control already uses it (train.activation_checkpointing: "
+                                 f"{t.activation_checkpointing})")
+        return Variant(name, Kind.MEMORY_FIX, {"train.activation_checkpointing": True if policy == "full" else policy},
+                       f"{ac_words(policy)}: recompute activations in backward")
     if name in ("bf16", "fp16", "bf16-true"):
         if t.precision == name:
             return Skipped(name, f"the control already trains in {name}")
