@@ -10,6 +10,7 @@ from rich.text import Text
 
 from .. import strategies
 from ..config.load import load_spec
+from ..config.sections import ac_policy
 from ..estimate.advise import advise
 from ..estimate.cache import CACHE_ENV, TraceCache
 from ..estimate.catalog import CatalogError, find, load_catalog
@@ -47,8 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--catalog", type=Path, help="a YAML catalog that extends or overrides the built-in one")
     add_ledger_arg(p, "for utilisation measured by earlier pilots")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--activation-checkpointing", choices=["on", "off"],
-                   help="trace with activation checkpointing on or off (default: the spec's)")
+    p.add_argument("--activation-checkpointing", metavar="on|off|POLICY",
+                   help="trace with activation checkpointing on (full) or off, or a policy: full, selective, every-N "
+                        "(default: the spec's)")
     p.add_argument("--no-advice", action="store_true", help="skip the variants for rows that do not fit")
     add_trace_cache_arg(p)
     p.add_argument("--json", action="store_true")
@@ -71,7 +73,7 @@ def main(args) -> int:
     gpu_counts = [args.gpus] if args.gpus else [2, 4, 8]
     console = out_console()
     traces = traces_for(spec, args)
-    ac = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
+    ac = _ac_flag(args.activation_checkpointing)
     try:
         with (console.status("tracing the update with fake tensors (no memory, no GPU)...") if not args.json
               else contextlib.nullcontext()):
@@ -119,6 +121,18 @@ def main(args) -> int:
     _print(console, spec, trace, report)
     print_trace_notes(traces)
     return 0
+
+
+def _ac_flag(value: str | None) -> bool | str | None:
+    """--activation-checkpointing as train.activation_checkpointing takes it; exit 2 naming the values."""
+    if value is None:
+        return None
+    ac: bool | str = {"on": True, "off": False}.get(value, value)
+    try:
+        ac_policy(ac)
+    except ValueError as exc:
+        raise UsageError(f"--activation-checkpointing: {exc}") from None
+    return ac
 
 
 def add_trace_cache_arg(p) -> None:
