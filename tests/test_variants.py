@@ -109,6 +109,10 @@ def test_the_verdict_says_what_was_measured_and_fails_outside_the_declared_toler
     assert off.verdict == "fail" and "beyond pilot.variants.val_loss_rtol 0.02" in off.reason
     near = judge("bf16", "memory-fix", same, [], 60, 100, 0.8, 1.72, 1.70, 0.02)
     assert near.verdict == "warn" and "past half the tolerance" in near.reason
+    # A control that barely moved from the start cannot tell a variant that learned nothing: said, a warn.
+    still = judge("bf16", "memory-fix", same, [], 60, 100, 0.8, 1.70, 1.70, 0.02, start=1.71)
+    assert still.verdict == "warn" and "this check cannot tell a variant that learned nothing" in still.reason
+    assert judge("bf16", "memory-fix", same, [], 60, 100, 0.8, 1.70, 1.70, 0.02, start=2.5).verdict == "pass"
     useless = judge("bf16", "memory-fix", same, [], 120, 100, 0.8, 1.70, 1.70, 0.02)
     assert useless.verdict == "warn" and "it saves no memory here" in useless.reason and "peak +20%" in useless.reason
     other = judge("short", "own", same, ["data.max_length"], 50, 100, 0.7, 1.70, 1.70, 0.02)
@@ -120,7 +124,7 @@ def test_the_verdict_says_what_was_measured_and_fails_outside_the_declared_toler
 
 def test_the_demo_variants_are_measured_linked_to_the_control_and_judged(demo, tmp_path):
     ledger_path = tmp_path / "l.sqlite"
-    result = run_variants(demo, ["pilot.variants.updates=4",
+    result = run_variants(demo, ["pilot.variants.updates=5",
                                  "pilot.variants.run=[micro-batch-half, checkpointing-selective, checkpointing, "
                                  "bf16, fp16]",
                                  "pilot.variants.custom={shorter: {data.max_length: 48}}"], ledger_path)
@@ -138,7 +142,7 @@ def test_the_demo_variants_are_measured_linked_to_the_control_and_judged(demo, t
     assert by_name["control"]["verdict"] == "pass" and d["control"].control_row is None
     for name in ("micro-batch-half", "checkpointing-selective", "checkpointing", "bf16", "fp16", "shorter"):
         assert d[name].control_row == control_id, name
-        assert d[name].updates == 4 and d[name].same_initial_weights is True, name
+        assert d[name].updates == 5 and d[name].same_initial_weights is True, name
         assert d[name].time_ratio is not None and d[name].time_ratio > 0, name
         assert d[name].val_loss is not None and math.isfinite(d[name].val_loss), name
     # Checkpointing keeps fewer activations alive: its measured peak is below the control's; the selective policy,
@@ -163,20 +167,22 @@ def test_the_demo_variants_are_measured_linked_to_the_control_and_judged(demo, t
     assert by_name["shorter"]["verdict"] in ("warn", "fail") and "never a memory fix" in by_name["shorter"]["reason"]
     # Each configuration's updates are in the ledger, memory-measured ones marked.
     control_points = [p for p in points if p["extra"]["variant"] == "control"]
-    assert [p["step"] for p in control_points] == [1, 2, 3, 4]
-    assert [p["extra"]["memory_measured"] for p in control_points] == [True, True, False, False]
+    assert [p["step"] for p in control_points] == [1, 2, 3, 4, 5]
+    assert [p["extra"]["memory_measured"] for p in control_points] == [True, True, False, False, False]
+    # The validation loss at the shared initial weights is kept: the control moved away from it.
+    assert d["control"].val_loss_start is not None and d["control"].val_loss_start > d["control"].val_loss
 
 
 def test_the_command_prints_a_table_and_json(demo, tmp_path):
     res = pilotrun_cli("variants", str(demo), "--ledger", str(tmp_path / "l.sqlite"), "--set",
-                       "pilot.variants.updates=3", "--set", "pilot.variants.run=[checkpointing]", "--json",
+                       "pilot.variants.updates=5", "--set", "pilot.variants.run=[checkpointing]", "--json",
                        cwd=tmp_path)
     assert res.returncode in (0, 1), res.stderr
     out = json.loads(res.stdout)
     assert [r["details"]["variant"] for r in out["rows"]] == ["control", "checkpointing"]
     assert set(out["not_run"]) == set()
     res = pilotrun_cli("variants", str(demo), "--ledger", str(tmp_path / "l.sqlite"), "--set",
-                       "pilot.variants.updates=3", "--set", "pilot.variants.run=[checkpointing]", cwd=tmp_path)
+                       "pilot.variants.updates=5", "--set", "pilot.variants.run=[checkpointing]", cwd=tmp_path)
     assert "checkpointing" in res.stdout and "vs control" in res.stdout and "same experiment" in res.stdout
 
 
@@ -221,3 +227,44 @@ def test_the_advisor_times_checkpointing_with_the_recompute_measured_on_that_acc
     else:  # measured on another device: quoted, the FLOPs ratio used
         assert "not applied to Card-16GB: another device" in ac["reason"]
         assert ac["time_factor"] != pytest.approx(1.5, rel=1e-3)
+
+
+def test_a_policy_the_model_cannot_take_is_not_compared_and_the_rest_still_run(tmp_path, monkeypatch):
+    """The toy factory's plain torch model has no checkpointing switch: its checkpointing variants are skip rows
+    saying why, not failures, and bf16 is still measured."""
+    from .conftest import TEST_DIGEST, copy_fixture
+
+    monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)
+    toy = copy_fixture("toy", tmp_path)
+    result = run_variants(toy, ["pilot.variants.updates=5", "pilot.variants.run=[checkpointing-every-2, "
+                                                            "checkpointing, bf16]"], tmp_path / "l.sqlite")
+    rows = {a.name: a.row for a in result.arms}
+    assert rows["checkpointing"]["verdict"] == "skip" and "no gradient_checkpointing_enable()" in rows[
+        "checkpointing"]["reason"]
+    assert rows["checkpointing-every-2"]["verdict"] == "skip"
+    assert rows["bf16"]["verdict"] in ("pass", "warn") and rows["control"]["verdict"] == "pass"
+
+
+def test_the_advisor_reads_each_fix_from_the_newest_run_that_compared_it(tmp_path):
+    from pilotrun.estimate.measured import measured_fixes
+    from pilotrun.ledger.records import GateRow, new_run_id
+
+    spec = load_spec(copy_example("tiny-sft", tmp_path))
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        ids = []
+        for measured in ({"checkpointing": ("pass", 1.4)}, {"bf16": ("pass", 0.7), "checkpointing": ("fail", 9.0)}):
+            run_id = new_run_id(spec.name)
+            ids.append(run_id)
+            ledger.start_run(run_id, spec.name, RunKind.VARIANTS, config_hash=spec.config_hash(),
+                             meta={"device_name": "NVIDIA H100 80GB HBM3"})
+            control = ledger.add_gate_row(run_id, GateRow.now(VARIANT_ROW, "pass", "control",
+                                                              details={"variant": "control"}))
+            for name, (verdict, ratio) in measured.items():
+                ledger.add_gate_row(run_id, GateRow.now(VARIANT_ROW, verdict, name, details={
+                    "variant": name, "control_row": control, "time_ratio": ratio}))
+        found = measured_fixes(ledger, spec.config_hash())
+    assert found is not None and set(found.fixes) == {"checkpointing", "bf16"}
+    # The newer run's checkpointing failed: the older run's measurement stands, named as its own.
+    assert found.fixes["checkpointing"].time_ratio == 1.4 and found.where["checkpointing"][0] == ids[0]
+    assert found.where["bf16"][0] == ids[1]
+    assert measured_fixes(ledger=None, config_hash=spec.config_hash()) is None

@@ -99,8 +99,11 @@ def main(args) -> int:
     if not args.no_advice and len(accs) == 1 and not any(f["fits"] for f in fits):
         first = fits[0]
         with console.status("working out variants...") if not args.json else contextlib.nullcontext():
-            advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog,
-                                          measured=measured_fixes(ledger, spec.config_hash()))
+            try:
+                advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog,
+                                              measured=measured_fixes(ledger, spec.config_hash()))
+            except TraceError as exc:  # a fix's trace failed: the fits above still answer
+                err_console().print(Text(f"no advice: tracing a fix failed: {exc}", style="yellow"))
     report = {"spec": spec.source, "config_hash": spec.config_hash(), "stages": stage_summary(trace),
               "model": {k: trace[k] for k in ("parameters", "trainable_parameters", "parameter_bytes",
                                                "gradient_bytes", "optimizer_state_bytes", "largest_layer",

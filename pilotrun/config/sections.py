@@ -247,6 +247,11 @@ def ac_policy(value: bool | str | None) -> str | None:
     raise ValueError(f"expected false, true, full, selective or every-N (N >= 2), got {value!r}")
 
 
+def ac_variant(policy: str) -> str:
+    """The `pilotrun variants` variant that runs a policy (a name in BUILTIN_VARIANTS)."""
+    return "checkpointing" if policy == "full" else f"checkpointing-{policy}"
+
+
 def ac_words(policy: str | None) -> str:
     """How a row or the advisor names a policy."""
     if policy is None:
@@ -272,13 +277,27 @@ class TrainSpec:
     max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
     activation_checkpointing: bool | str = doc(
         "recompute activations in backward (Hugging Face models): false; true or full: every block's activations "
-        "recomputed; selective: per op, the matmul outputs kept and the rest recomputed (torchtitan's op policy); "
-        "every-N: every N-th block (N >= 2) recomputed, the others kept", False)
+        "recomputed; selective: per op, every matmul and attention output kept and the rest recomputed (a per-op "
+        "policy, as torchtitan's, which keeps every second matmul); every-N: one block in N (N >= 2) recomputed, "
+        "the others kept", False)
     device: str = doc("auto (first accelerator, else CPU), cpu, cuda, cuda:N or mps", "auto")
     shuffle: bool = doc("shuffle the training set each epoch (seeded)", True)
     loss_normalization: Literal["auto", "per_micro_batch"] = doc(
         "auto: token-exact accumulation via num_items_in_batch when the model accepts it; per_micro_batch: "
         "declare on purpose that each micro batch's own mean is averaged (accum_equivalence then only reports)", "auto")
+
+    @staticmethod
+    def normalize(data: Any) -> Any:
+        # One spelling per policy, so the config hash (and the ledger's lookups by it) agree: full is written true
+        # (as the spec has always said it), every-02 is every-2. A value ac_policy refuses is left for check().
+        ac = data.get("activation_checkpointing") if isinstance(data, dict) else None
+        if isinstance(ac, str):
+            try:
+                policy = ac_policy(ac)
+            except ValueError:
+                return data
+            return {**data, "activation_checkpointing": True if policy == "full" else policy}
+        return data
 
     def check(self):
         for name in ("micro_batch_size", "grad_accum_steps", "updates"):
@@ -377,7 +396,7 @@ BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing-selective", "checkpointin
 class VariantsSpec:
     updates: int = doc(
         "updates the control and each variant run from the same initial weights on the same examples; the first 2 "
-        "are measured for memory, the rest timed in interleaved rounds (at least 3)", 10)
+        "are measured for memory, the rest timed in interleaved rounds (at least 5: 3 rounds for the median)", 10)
     val_loss_rtol: float = doc(
         "the quality check: a variant's validation loss after its updates must be within this relative difference "
         "of the control's (|v - c| / |c|), else it fails; beyond half of it the variant warns", 0.02)
@@ -389,8 +408,8 @@ class VariantsSpec:
         "(e.g. {lr-half: {train.optimizer.lr: 1.5e-3}})", {})
 
     def check(self):
-        if self.updates < 3:
-            yield "updates", f"must be at least 3 (2 measured for memory, at least 1 timed), got {self.updates}"
+        if self.updates < 5:
+            yield "updates", f"must be at least 5 (2 measured for memory, at least 3 timed rounds), got {self.updates}"
         if not 0 < self.val_loss_rtol < 1:
             yield "val_loss_rtol", f"must be between 0 and 1 (a relative difference), got {self.val_loss_rtol}"
         for name in self.run or []:

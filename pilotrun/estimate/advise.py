@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass
 
 from .. import strategies
-from ..config.sections import AC_POLICIES, ac_policy, ac_words
+from ..config.sections import AC_POLICIES, ac_policy, ac_variant, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator
 from .measured import MeasuredFixes
@@ -100,11 +100,6 @@ def _spec_value(policy: str) -> bool | str:
     return True if policy == "full" else policy
 
 
-def variant_name(policy: str) -> str:
-    """The `pilotrun variants` variant that measures this policy (variants.define's names)."""
-    return "checkpointing" if policy == "full" else f"checkpointing-{policy}"
-
-
 # The only keys a fix may change (docs/architecture.md "fix order"); model.* (adapter, quantization) never.
 FIX_KEYS = frozenset({"accelerator", "distributed.strategy", "gpus", "train.precision",
                       "train.activation_checkpointing", "train.micro_batch_size", "train.grad_accum_steps"})
@@ -160,7 +155,7 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
         base_flops = traces.get()["stages"][GateName.STEADY_STEP]["flops"]
         flops = f"{trace['stages'][GateName.STEADY_STEP]['flops'] / base_flops:.2f}x FLOPs"
         what = RECOMPUTES[c.checkpointing]
-        name = variant_name(c.checkpointing)
+        name = ac_variant(c.checkpointing)
         recompute, said = measured.time_factor(name, c.accelerator) if measured else (None, "")
         if recompute is not None:
             why.append(f"{what}: {said} (the FLOPs predicted {flops})")
@@ -169,8 +164,7 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
         if measured and (mem := measured.memory_text(name)):
             why.append(mem)
     fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util)
-    if recompute is not None:
-        fit = _measured_recompute(fit, spec, traces, c, strat, util, recompute)
+    scale = 1.0
     if c.smaller_micro_batch:
         # The largest smaller micro batch that fits; the smallest when none does (to show how far it is).
         sizes = _micro_batches(spec)
@@ -179,18 +173,21 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
                                micro_scale=mb / t.micro_batch_size)
             if fit["fits"]:
                 break
+        scale = mb / t.micro_batch_size
         accum = t.micro_batch_size * t.grad_accum_steps // mb
         changes |= {"train.micro_batch_size": mb, "train.grad_accum_steps": accum}
         why.append(f"{mb} x {accum} = {mb * accum} examples per update, as before; activations scale with the "
                    "micro batch")
+    if recompute is not None:
+        fit = _measured_recompute(fit, traces, c, strat, util, recompute, scale)
     return _row(c, fit, base_s, changes, experiment, "; ".join(why))
 
 
-def _measured_recompute(fit: dict, spec, traces, c: Combination, strat: str, util: float | None,
-                        ratio: float) -> dict:
+def _measured_recompute(fit: dict, traces, c: Combination, strat: str, util: float | None, ratio: float,
+                        scale: float) -> dict:
     """``fit`` (with checkpointing) timed as the same combination without it × the recompute ratio measured."""
     plain = traces.get(ac=False, precision="bf16" if c.precision else None)
-    without = estimate_fit(plain, c.accelerator, strat, c.gpus, utilisation=util)
+    without = estimate_fit(plain, c.accelerator, strat, c.gpus, utilisation=util, micro_scale=scale)
     s = without["seconds_per_update"]
     return {**fit, "seconds_per_update": s * ratio if s else fit["seconds_per_update"]}
 

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..ledger.details import VariantDetails
 from ..ledger.records import RunKind, Verdict
@@ -23,41 +23,51 @@ from .catalog import Accelerator, matches
 
 @dataclass(frozen=True)
 class MeasuredFixes:
-    run_id: str
-    device: str | None                  # what the variants ran on (the accelerator's name, or cpu)
-    fixes: dict[str, VariantDetails]    # variant name -> its row's details (measured, not failed)
+    run_id: str                         # the newest variants run of the config
+    device: str | None                  # unused when ``where`` names each fix's run and device
+    fixes: dict[str, VariantDetails]    # variant name -> its newest compared row's details
+    where: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # name -> (run id, device it ran on)
+
+    def _where(self, name: str) -> tuple[str, str | None]:
+        return self.where.get(name, (self.run_id, self.device))
 
     def time_factor(self, name: str, acc: Accelerator) -> tuple[float | None, str]:
         """The measured time ratio of fix ``name`` where it applies to ``acc`` (else None), and what to say."""
         d = self.fixes.get(name)
         if d is None or d.time_ratio is None:
             return None, ""
-        where = f"measured in {self.run_id} on {self.device or 'an unrecorded device'}"
-        if not matches(acc, self.device):
-            return None, (f"x{d.time_ratio:.2f} time {where}; not applied to {acc.name}: another device "
+        run_id, device = self._where(name)
+        said = f"measured in {run_id} on {device or 'an unrecorded device'}"
+        if not matches(acc, device):
+            return None, (f"x{d.time_ratio:.2f} time {said}; not applied to {acc.name}: another device "
                           "(run pilotrun variants there)")
-        return d.time_ratio, f"x{d.time_ratio:.2f} time {where}"
+        return d.time_ratio, f"x{d.time_ratio:.2f} time {said}"
 
     def memory_text(self, name: str) -> str:
         d = self.fixes.get(name)
         if d is None or d.peak_ratio is None:
             return ""
-        return f"peak x{d.peak_ratio:.2f} of the control's live tensors, measured in {self.run_id}"
+        return f"peak x{d.peak_ratio:.2f} of the control's live tensors, measured in {self._where(name)[0]}"
 
 
 def measured_fixes(ledger: Ledger | None, config_hash: str) -> MeasuredFixes | None:
-    """The newest ``pilotrun variants`` run of this config in the ledger: its variants that ran and were compared
-    (a failed variant measured nothing the advisor should use). None without one."""
+    """What ``pilotrun variants`` runs of this config measured: for each variant, its row in the newest run that
+    compared it (a failed or skipped variant measured nothing the advisor should use), so a later run of other
+    variants does not hide an earlier measurement. None without one."""
     if ledger is None:
         return None
     ids = ledger.run_ids(RunKind.VARIANTS, config_hash)
     if not ids:
         return None
-    run = ledger.run(ids[0]) or {}
-    meta = json.loads(run.get("meta_json") or "{}")
-    fixes = {}
-    for row in ledger.gate_rows(ids[0]):
-        d = VariantDetails.of(row.get("details"))
-        if d.variant and d.variant != "control" and row.get("verdict") in (Verdict.PASS, Verdict.WARN):
-            fixes[d.variant] = d
-    return MeasuredFixes(ids[0], meta.get("device_name") or meta.get("device"), fixes)
+    fixes: dict[str, VariantDetails] = {}
+    where: dict[str, tuple[str, str | None]] = {}
+    for run_id in ids:  # newest first
+        run = ledger.run(run_id) or {}
+        meta = json.loads(run.get("meta_json") or "{}")
+        for row in ledger.gate_rows(run_id):
+            d = VariantDetails.of(row.get("details"))
+            if d.variant and d.variant not in fixes and d.control_row is not None and row.get("verdict") in (
+                    Verdict.PASS, Verdict.WARN):
+                fixes[d.variant] = d
+                where[d.variant] = (run_id, meta.get("device_name") or meta.get("device"))
+    return MeasuredFixes(ids[0], None, fixes, where)

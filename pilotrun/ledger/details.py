@@ -168,8 +168,8 @@ __all__ = ["ExportDetails", "LoadDetails", "OverfitDetails", "RowDetails", "Save
 @dataclass(frozen=True)
 class VariantDetails(RowDetails):
     """A ``variant`` row of ``pilotrun variants`` (the control's and each variant's): what it set, what it held,
-    and what was measured against the control. The advisor reads the measured memory and time (``estimate``,
-    ``select``, ``plan``)."""
+    and what was measured against the control. The advisor (``estimate``, and ``run``'s advice after an
+    out-of-memory failure) reads the measured time and memory (``estimate/measured.py``)."""
 
     variant: str | None                      # "control", a built-in fix (checkpointing, bf16 ...) or the user's name
     kind: str | None                         # variants.define.Kind
@@ -189,3 +189,4 @@ class VariantDetails(RowDetails):
     numerics: dict | None                    # variants.judge.Numerics
     same_initial_weights: bool | None        # its model started from the control's weights (cast to its dtype)
     error: str | None                        # why it stopped before its updates (then the verdict is fail)
+    val_loss_start: float | None = None      # the validation loss at the shared initial weights

@@ -153,14 +153,22 @@ def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | No
         loaded.notes.append("bf16-true: floating-point parameters held in bf16, no autocast")
     ac = job.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     if policy := ac_policy(ac):
-        if enable_activation_checkpointing(loaded.model, policy):
+        try:
+            enabled = enable_activation_checkpointing(loaded.model, policy)
+        except ModelError as exc:
+            if activation_checkpointing is None:  # the spec asked for the policy: its error names the fix
+                raise
+            enabled = False  # the estimator or the advisor asked: it says so and traces without it
+            loaded.checkpointing_unavailable = str(exc).removeprefix("train.activation_checkpointing: ")
+            loaded.notes.append(loaded.checkpointing_unavailable)
+        if enabled:
             loaded.notes.append(f"{ac_words(policy)} on (non-reentrant)")
-        elif activation_checkpointing is None:
-            raise ModelError(
-                "train.activation_checkpointing is true but the model has no gradient_checkpointing_enable(); "
-                "wrap its blocks with torch.utils.checkpoint in the factory, or set it to false"
-            )
-        else:
+        elif not loaded.checkpointing_unavailable:
+            if activation_checkpointing is None:
+                raise ModelError(
+                    "train.activation_checkpointing is true but the model has no gradient_checkpointing_enable(); "
+                    "wrap its blocks with torch.utils.checkpoint in the factory, or set it to false",
+                    field="train.activation_checkpointing")
             loaded.checkpointing_unavailable = ("activation checkpointing requested but the model has no "
                                                 "gradient_checkpointing_enable()")
             loaded.notes.append(loaded.checkpointing_unavailable)
@@ -295,8 +303,8 @@ def _build_hf(spec: ModelSpec, job: BuildContext, label_names: list[str] | None,
     return LoadedModel(model, "hf", head, source, notes, config=model.config)
 
 
-# What the selective policy keeps from the forward (torchtitan's op-level policy keeps the matmuls' outputs, whose
-# recompute costs the most): every other op's output is recomputed in backward.
+# What the selective policy keeps from the forward: every matmul's and attention's output, whose recompute costs the
+# most (torchtitan's op-level policy keeps every second matmul's); every other op's output is recomputed in backward.
 _KEPT_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
 
@@ -330,6 +338,11 @@ def enable_activation_checkpointing(model: torch.nn.Module, policy: str = "full"
     block in N recomputed). False when the model has no switch; ModelError when it cannot take the policy."""
     new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
     old = getattr(model, "gradient_checkpointing_enable", None)
+    blocks = _blocks(model) if policy.startswith("every-") else []
+    if policy.startswith("every-") and (new is not None or old is not None) and not blocks:
+        raise ModelError(f"train.activation_checkpointing: {policy} recomputes one transformers block in "
+                         f"{policy.removeprefix('every-')}, and this model has none (GradientCheckpointingLayer); "
+                         "use true (full)", field="train.activation_checkpointing")
     kwargs: dict = {"use_reentrant": False}
     if policy == "selective":
         kwargs["context_fn"] = _selective_context()
@@ -346,13 +359,8 @@ def enable_activation_checkpointing(model: torch.nn.Module, policy: str = "full"
             old()
     else:
         return False
-    if policy.startswith("every-"):
+    if blocks:
         every = int(policy.removeprefix("every-"))
-        blocks = _blocks(model)
-        if not blocks:
-            raise ModelError(f"train.activation_checkpointing: {policy} recomputes one transformers block in {every}, "
-                             "and this model has none (GradientCheckpointingLayer); use true (full)",
-                             field="train.activation_checkpointing")
         for i, block in enumerate(blocks):
             block.gradient_checkpointing = i % every == 0  # type: ignore[assignment]  # a bool transformers reads
     config = getattr(model, "config", None)

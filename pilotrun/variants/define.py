@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.sections import BUILTIN_VARIANTS, ac_policy, ac_words
+from ..config.sections import AC_POLICIES, BUILTIN_VARIANTS, ac_policy, ac_variant, ac_words
 from ..ledger.records import TextEnum
 
 
@@ -71,8 +71,7 @@ def builtin(name: str, spec) -> Variant | Skipped:
                         "train.grad_accum_steps": t.grad_accum_steps * 2},
                        f"micro batch {t.micro_batch_size // 2} x {t.grad_accum_steps * 2} accumulation "
                        f"(examples per update held at {t.micro_batch_size * t.grad_accum_steps})")
-    if name.startswith("checkpointing"):
-        policy = name.removeprefix("checkpointing-") if name != "checkpointing" else "full"
+    if (policy := next((p for p in AC_POLICIES if ac_variant(p) == name), None)) is not None:
         if ac_policy(t.activation_checkpointing) == policy:
             return Skipped(name, f"the control already uses it (train.activation_checkpointing: "
                                  f"{t.activation_checkpointing})")

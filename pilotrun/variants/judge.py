@@ -98,11 +98,14 @@ class Judgement:
 
 
 def judge(name: str, kind: str, numerics: Numerics, question: list[str], peak: int | None, control_peak: int | None,
-          ratio: float | None, val: float | None, control_val: float | None, rtol: float) -> Judgement:
+          ratio: float | None, val: float | None, control_val: float | None, rtol: float,
+          start: float | None = None) -> Judgement:
     """The variant's verdict: fail when it went non-finite, its scaler stepped off the update boundary, or its
     validation loss is outside ``rtol`` of the control's; warn when it changes the question, saves no memory,
     its scaler skipped updates, its examples differed, or its validation loss is past half of ``rtol``; else
-    pass. The reason claims only what was measured."""
+    pass. ``start``: the validation loss at the shared initial weights; where the control moved less than ``rtol``
+    from it, the check cannot tell a variant that learned nothing, and the variant warns saying so. The reason
+    claims only what was measured."""
     fails: list[str] = []
     warns: list[str] = []
     facts: list[str] = []
@@ -140,6 +143,10 @@ def judge(name: str, kind: str, numerics: Numerics, question: list[str], peak: i
             fails.append(f"validation loss {d:.2%} from the control's, beyond pilot.variants.val_loss_rtol {rtol:g}")
         elif d > rtol / 2:
             warns.append(f"validation loss {d:.2%} from the control's, past half the tolerance")
+        if start is not None and math.isfinite(start) and _rel(control_val, start) <= rtol:
+            warns.append(f"the control's validation loss moved only {share(_rel(control_val, start))} from "
+                         f"{start:.4g} at the start, within the tolerance: this check cannot tell a variant that "
+                         "learned nothing; run more updates (pilot.variants.updates)")
     verdict = Verdict.FAIL if fails else Verdict.WARN if warns else Verdict.PASS
     head = "; ".join(fails or warns)
     reason = f"{name}: " + (head + "; " if head else "") + ", ".join(facts)

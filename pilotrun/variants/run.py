@@ -16,8 +16,10 @@ Example::
 """
 from __future__ import annotations
 
+import gc
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +37,9 @@ from ..humanize import human_bytes
 from ..ledger.details import VariantDetails
 from ..ledger.records import VARIANT_ROW, GateRow, RunKind, RunStatus, Verdict, new_run_id
 from ..ledger.store import Ledger
-from ..measure.meter import is_oom, out_of_memory_reason
+from ..measure.meter import is_oom, out_of_memory_reason, synchronize
 from ..measure.tensors import LiveTensorTracker
+from ..models.loading import ModelError
 from ..train.rng import derived_seed, seed_everything
 from .define import Difference, Kind, Skipped, Variant, compare_specs, plan_variants
 from .judge import UpdatePoint, compare_updates, judge, time_ratio
@@ -60,6 +63,9 @@ class Arm:
     scaler_calls: int = 0
     diff: Difference | None = None
     row: dict = field(default_factory=dict)
+    # Why it was not compared, when that is not the variant's own failure: a policy the model cannot take, or out
+    # of memory while the other configurations were resident in this process (then a SKIP row, not a FAIL).
+    not_compared: str | None = None
 
     @property
     def live(self) -> bool:
@@ -74,6 +80,7 @@ class VariantsResult:
     updates: int
     rtol: float
     device: str
+    val_start: float | None = None  # the validation loss at the shared initial weights
 
 
 def _load(path: str | Path, overrides: list[str], extra: list[str], variant: str | None) -> Spec:
@@ -111,8 +118,9 @@ def _count_scaler_updates(arm: Arm) -> None:
 
 
 def _same_weights(arm: Arm, initial: dict) -> bool:
-    """Load the control's initial weights into the arm's model (cast to its dtypes); False where the state dicts
-    do not match (another architecture or an adapter): the arm then keeps its own seeded initialisation."""
+    """Load the control's initial weights into the arm's model (cast to its dtypes and device); False where the
+    state dicts do not match (another architecture, or an adapter): the arm then keeps its own seeded
+    initialisation."""
     assert arm.driver is not None
     model = arm.driver.plain_model
     own = model.state_dict()
@@ -122,32 +130,53 @@ def _same_weights(arm: Arm, initial: dict) -> bool:
     return True
 
 
-def _fail(arm: Arm, exc: BaseException, device: torch.device, step: int) -> None:
+def _fail(arm: Arm, exc: BaseException, device: torch.device, step: int, beside: int = 0) -> None:
+    """Record why ``arm`` stopped, and free what it holds: the others go on without its memory. ``beside``: the
+    other configurations resident in this process when it ran out of memory (then it is not compared: alone it
+    might fit)."""
     if isinstance(exc, NonFiniteError):
         arm.error = str(exc)
     elif is_oom(exc):
         arm.error = f"update {step}: {out_of_memory_reason(exc, device) or 'out of memory'}"
+        if beside:
+            arm.not_compared = (f"out of memory beside {beside} other configuration(s) held in this process; "
+                                "run it alone (pilot.variants.run: [its name]) to measure it")
+    elif isinstance(exc, ModelError) and exc.field == "train.activation_checkpointing":
+        arm.error = str(exc)
+        arm.not_compared = f"not run: {exc}"
     else:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         arm.error = f"update {step}: {type(exc).__name__}: {first}"
+    _release(arm)
 
 
-def _one_update(arm: Arm, step: int, seed: int, pad: int | None, device: torch.device) -> None:
+def _release(arm: Arm) -> None:
+    if arm.driver is not None:
+        arm.driver.close()
+        arm.driver = None
+    gc.collect()
+
+
+def _one_update(arm: Arm, step: int, seed: int, pad: int | None, device: torch.device, beside: int) -> None:
     seed_everything(derived_seed(seed * 1_000_003 + step))  # the same dropout masks for every configuration
     calls = arm.scaler_calls
     d = arm.driver
     assert d is not None
     try:
+        synchronize(device)  # the previous configuration's queued work is not this one's time
+        t0 = time.perf_counter()
         if step <= MEASURED:
             with LiveTensorTracker(track=[d.model, d.optimizer], device_type=device.type) as tracker:
                 rec = d.update(pad_to=pad)
             arm.peak = max(arm.peak or 0, tracker.peak_bytes)
         else:
             rec = d.update(pad_to=pad)
+        synchronize(device)
+        seconds = time.perf_counter() - t0
     except Exception as exc:
-        _fail(arm, exc, device, step)
+        _fail(arm, exc, device, step, beside=beside)
         return
-    arm.points.append(UpdatePoint(rec.step, rec.loss, rec.grad_norm, rec.seconds, list(rec.sample_ids),
+    arm.points.append(UpdatePoint(rec.step, rec.loss, rec.grad_norm, seconds, list(rec.sample_ids),
                                   bool(rec.scaler_skipped),
                                   arm.scaler_calls - calls if getattr(arm.driver, "scaler", None) else None))
 
@@ -164,14 +193,14 @@ def _build(arms: list[Arm], control_inputs, process, on_progress) -> None:
             if not isinstance(driver, LoopDriver):  # _load refused program specs: only the loop is built here
                 raise TypeError(f"expected pilotrun's loop, got the {driver.name} driver")
             arm.driver = driver
+            if arm is control:  # kept on the host: the device holds the configurations, not a spare copy
+                initial = {k: v.detach().to("cpu", copy=True) for k, v in driver.plain_model.state_dict().items()}
+            else:
+                arm.same_init = _same_weights(arm, initial)
         except Exception as exc:
-            _fail(arm, exc, process.device, 0)
+            _fail(arm, exc, process.device, 0, beside=sum(1 for a in arms if a.live and a is not arm))
             arm.error = "building it: " + (arm.error or "").removeprefix("update 0: ")
             continue
-        if arm is control:
-            initial = {k: v.detach().clone() for k, v in driver.plain_model.state_dict().items()}
-        else:
-            arm.same_init = _same_weights(arm, initial)
         _count_scaler_updates(arm)
 
 
@@ -194,17 +223,15 @@ def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_pa
         raise SpecError([("distributed.strategy", "variants run in one process: start pilotrun variants without "
                                                   "torchrun")], control_spec.source)
     inputs = load_inputs(control_spec)
-    _build(arms, inputs, process, on_progress)
-    control = arms[0]
-    if control.error is None:
-        for step in range(1, cfg.updates + 1):
-            on_progress(f"update {step}/{cfg.updates}")
-            live = [a for a in arms if a.live]
-            k = step % len(live)
-            for arm in live[k:] + live[:k]:  # a rotating order: no configuration always runs first
-                _one_update(arm, step, control_spec.seed, _pad(arm.spec, arm.driver), process.device)
-            if not control.live:
-                break
+    val_start = None
+    try:
+        _build(arms, inputs, process, on_progress)
+        control = arms[0]
+        if control.live and control.driver is not None:
+            on_progress("validating the initial weights")
+            seed_everything(control_spec.seed)
+            val_start = float(control.driver.evaluate()["val_loss"])
+            _rounds(arms, cfg.updates, control_spec.seed, process.device, on_progress)
         for arm in arms:
             if arm.live and arm.driver is not None:
                 on_progress(f"validating {arm.name}")
@@ -213,11 +240,27 @@ def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_pa
                     arm.val = float(arm.driver.evaluate()["val_loss"])
                 except Exception as exc:
                     _fail(arm, exc, process.device, cfg.updates)
-    for arm in arms:
-        if arm.driver is not None:
-            arm.driver.close()
-    run_id = _write(arms, control_spec, cfg, planned.skipped, ledger_path, process)
-    return VariantsResult(run_id, arms, planned.skipped, cfg.updates, cfg.val_loss_rtol, str(process.device))
+    finally:
+        for arm in arms:
+            _release(arm)
+    run_id = _write(arms, control_spec, cfg, planned.skipped, ledger_path, process, val_start)
+    return VariantsResult(run_id, arms, planned.skipped, cfg.updates, cfg.val_loss_rtol, str(process.device),
+                          val_start)
+
+
+def _rounds(arms: list[Arm], updates: int, seed: int, device: torch.device, on_progress) -> None:
+    """Update by update, every live configuration in a rotating order (no configuration always runs first)."""
+    control = arms[0]
+    for step in range(1, updates + 1):
+        on_progress(f"update {step}/{updates}")
+        live = [a for a in arms if a.live]
+        k = step % len(live)
+        for arm in live[k:] + live[:k]:
+            if arm.live:
+                _one_update(arm, step, seed, _pad(arm.spec, arm.driver), device,
+                            beside=sum(1 for a in arms if a.live and a is not arm))
+        if not control.live:
+            break
 
 
 def _median_seconds(arm: Arm) -> float | None:
@@ -244,7 +287,7 @@ def _memory(arm: Arm) -> dict:
     return mem
 
 
-def _control_row(arm: Arm, cfg, device) -> GateRow:
+def _control_row(arm: Arm, cfg, device, val_start: float | None) -> GateRow:
     s = _median_seconds(arm)
     if arm.error:
         verdict, reason = Verdict.FAIL, f"control: {arm.error}; no variant can be compared"
@@ -253,17 +296,18 @@ def _control_row(arm: Arm, cfg, device) -> GateRow:
         reason = (f"control ({arm.spec.train.precision}, micro batch {arm.spec.train.micro_batch_size} x "
                   f"{arm.spec.train.grad_accum_steps}): peak {human_bytes(arm.peak)} live, "
                   f"{s * 1000:.1f} ms/update, val loss {arm.val:.4g} after {len(arm.points)} updates"
+                  + (f" ({val_start:.4g} at the start)" if val_start is not None else "")
                   if s is not None and arm.val is not None else "control ran")
     details = VariantDetails(
         variant="control", kind=str(Kind.CONTROL), settings={}, what="the spec as written", experiment="control",
         held=None, changed=None, control_row=None, updates=len(arm.points), peak_live_bytes=arm.peak, peak_ratio=1.0,
         seconds_per_update=s, time_ratio=1.0, val_loss=arm.val, val_loss_rel_diff=0.0, numerics=None,
-        same_initial_weights=True, error=arm.error)
+        same_initial_weights=True, error=arm.error, val_loss_start=val_start)
     return GateRow.now(VARIANT_ROW, verdict, reason, inputs=_inputs(arm, device), memory=_memory(arm), seconds=s,
                        details=details.to_dict())
 
 
-def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device) -> GateRow:
+def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device, val_start: float | None) -> GateRow:
     assert arm.variant is not None
     arm.diff = diff = compare_specs(control.spec, arm.spec)
     numerics = compare_updates(control.points, arm.points)
@@ -274,21 +318,24 @@ def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device) -> GateRo
     if control.error:
         verdict, reason = Verdict.SKIP, f"{arm.name}: not compared: the control failed ({control.error})"
         experiment = "not compared"
+    elif arm.not_compared:
+        verdict, reason, experiment = Verdict.SKIP, f"{arm.name}: {arm.not_compared}", "not compared"
     else:
         j = judge(arm.name, str(arm.variant.kind), numerics, diff.question, arm.peak, control.peak, ratio, arm.val,
-                  control.val, cfg.val_loss_rtol)
+                  control.val, cfg.val_loss_rtol, start=val_start)
         verdict, reason, experiment = j.verdict, j.reason, j.experiment
         if arm.error:
             verdict, reason = Verdict.FAIL, f"{arm.name}: {arm.error}" + (f"; {reason.split(': ', 1)[1]}"
                                                                           if arm.points else "")
         if arm.same_init is False:
-            reason += "; its model did not take the control's initial weights (another architecture)"
+            reason += ("; its model did not take the control's initial weights (its state dict differs: another "
+                       "architecture or an adapter)")
     details = VariantDetails(
         variant=arm.name, kind=str(arm.variant.kind), settings=dict(arm.variant.settings), what=arm.variant.what,
         experiment=experiment, held=diff.held, changed={k: list(v) for k, v in diff.changed.items()},
         control_row=control_id, updates=len(arm.points), peak_live_bytes=arm.peak, peak_ratio=peak_ratio,
         seconds_per_update=_median_seconds(arm), time_ratio=ratio, val_loss=arm.val, val_loss_rel_diff=rel,
-        numerics=numerics.to_dict(), same_initial_weights=arm.same_init, error=arm.error)
+        numerics=numerics.to_dict(), same_initial_weights=arm.same_init, error=arm.error, val_loss_start=val_start)
     return GateRow.now(VARIANT_ROW, verdict, reason, inputs=_inputs(arm, device), memory=_memory(arm),
                        seconds=_median_seconds(arm), details=details.to_dict())
 
@@ -299,7 +346,8 @@ def _metrics(arm: Arm) -> list[dict]:
                        "memory_measured": p.step <= MEASURED}} for p in arm.points]
 
 
-def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path | None, process) -> str:
+def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path | None, process,
+           val_start: float | None) -> str:
     run_id = new_run_id(spec.name)
     with Ledger(ledger_path) as ledger:
         ledger.start_run(run_id, spec.name, RunKind.VARIANTS, spec_path=spec.source, config_hash=spec.config_hash(),
@@ -308,12 +356,12 @@ def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path
                                "skipped": {s.name: s.why for s in skipped}, "device": str(process.device),
                                "device_name": process.device_name})
         control = arms[0]
-        row = _control_row(control, cfg, process.device)
+        row = _control_row(control, cfg, process.device, val_start)
         control_id = ledger.add_gate_row(run_id, row, _metrics(control))
         control.row = row.to_dict()
         verdicts = [row.verdict]
         for arm in arms[1:]:
-            vrow = _variant_row(arm, control, control_id, cfg, process.device)
+            vrow = _variant_row(arm, control, control_id, cfg, process.device, val_start)
             ledger.add_gate_row(run_id, vrow, _metrics(arm))
             arm.row = vrow.to_dict()
             verdicts.append(vrow.verdict)
