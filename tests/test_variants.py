@@ -268,3 +268,29 @@ def test_the_advisor_reads_each_fix_from_the_newest_run_that_compared_it(tmp_pat
     assert found.fixes["checkpointing"].time_ratio == 1.4 and found.where["checkpointing"][0] == ids[0]
     assert found.where["bf16"][0] == ids[1]
     assert measured_fixes(ledger=None, config_hash=spec.config_hash()) is None
+
+
+@pytest.mark.process
+def test_select_and_plan_time_checkpointing_with_the_recompute_measured_on_that_accelerator(tmp_path):
+    from .test_estimate import EXAMPLES, SHALLOW, SMALL_CARD
+
+    (tmp_path / "cards.yaml").write_text(SMALL_CARD)
+    path = EXAMPLES / "llama-7b-estimate" / "pilot.yaml"
+    args = ["--set", SHALLOW[0], "--catalog", str(tmp_path / "cards.yaml"), "--accelerator", "Card-16GB", "--json"]
+    predicted = json.loads(pilotrun_cli("select", str(path), *args, cwd=tmp_path).stdout)["rows"][0]
+    run_id = _ledger_with_variants(tmp_path / "l.sqlite", load_spec(path, SHALLOW, check_files=False), "Card-16GB", 3.0)
+    res = pilotrun_cli("select", str(path), *args, "--ledger", str(tmp_path / "l.sqlite"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    row = json.loads(res.stdout)["rows"][0]
+    # On a 16 GB card the sheet needs FSDP2 x2 with checkpointing: timed with the measured recompute, said so.
+    assert row["activation_checkpointing"] is True and (row["strategy"], row["gpus"]) == ("fsdp", 2)
+    said = f"activation checkpointing: x3.00 time measured in {run_id} on Card-16GB, instead of the FLOPs ratio"
+    assert row["measured_recompute"] == said and said in row["steps"]
+    assert predicted["measured_recompute"] is None
+    shown = pilotrun_cli("select", str(path), *args[:-1], "--ledger", str(tmp_path / "l.sqlite"), cwd=tmp_path)
+    assert f"Card-16GB: {said}" in " ".join(shown.stdout.split())
+    assert row["seconds_per_update"] > 1.5 * predicted["seconds_per_update"]
+    plan = pilotrun_cli("plan", str(path), *args, "--ledger", str(tmp_path / "l.sqlite"), cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)["accelerators"][0]["configuration"]
+    assert planned["seconds_per_update"] == pytest.approx(row["seconds_per_update"])

@@ -101,9 +101,12 @@ def _length(spec, row: dict) -> str:
 
 
 def time_notes(rows: list[dict]) -> list[str]:
-    """Why each row that fits shows no time ("n/a"): its reason, once per accelerator."""
-    return list(dict.fromkeys(f"{r['accelerator']}: time n/a: {r['time_reason']}" for r in rows
-                              if r.get("time_reason")))
+    """Why each row that fits shows no time ("n/a"): its reason, once per accelerator; and a time that uses a
+    recompute cost `pilotrun variants` measured there."""
+    return list(dict.fromkeys([f"{r['accelerator']}: time n/a: {r['time_reason']}" for r in rows
+                               if r.get("time_reason")]
+                              + [f"{r['accelerator']}: {r['measured_recompute']}" for r in rows
+                                 if r.get("measured_recompute")]))
 
 
 def _hours(hours: float | None) -> str:

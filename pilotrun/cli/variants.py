@@ -24,8 +24,8 @@ The control (the spec as written) and each variant train the same updates from t
 same examples in one process: micro batch /2 with accumulation x2, activation checkpointing, bf16, fp16 with a
 grad scaler, bf16-true (each one that differs from the control), and any under pilot.variants.custom. The first
 2 updates of each are measured for memory, the rest timed in interleaved rounds; then each is validated. A row per
-configuration goes to the ledger, each variant's linked to the control's; estimate's advisor then uses the
-measured recompute cost where it ran on the target accelerator, and quotes it elsewhere.
+configuration goes to the ledger, each variant's linked to the control's; estimate's advisor, select and plan
+then use a checkpointing policy's measured recompute cost where it ran on the target accelerator.
 A variant fails when its loss or gradients go non-finite, its fp16 scaler steps off the update boundary, or its
 validation loss is beyond pilot.variants.val_loss_rtol of the control's; it warns when it saves no memory, its
 scaler skipped updates, or it changes the question (examples per update, max length, data, an adapter): a

@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 
 from .. import strategies
+from ..config.sections import ac_policy, ac_variant, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator, matches
 from .experiments import adapter_view, label
+from .measured import measured_fixes
 from .model import estimate_fit, largest_scale_that_fits
 from .runner import calibrated_utilisation
 
@@ -64,6 +66,23 @@ def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict,
     return trace, fit, steps
 
 
+def _measured_recompute(spec, traces, trace: dict, acc: Accelerator, strategy: str, gpus: int,
+                        util: float | None, scale: float, ledger) -> tuple[float, str] | None:
+    """The time per update with checkpointing as ``pilotrun variants`` measured it on this accelerator (the same
+    configuration without checkpointing x the measured ratio) and the step saying so; None when nothing measured
+    the trace's policy, or when it was measured on another device (the FLOPs ratio stands)."""
+    policy = ac_policy(trace["activation_checkpointing"])
+    measured = measured_fixes(ledger, spec.config_hash()) if policy else None
+    if policy is None or measured is None:
+        return None
+    ratio, said = measured.time_factor(ac_variant(policy), acc)
+    plain = traces.get(ac=False)
+    without = estimate_fit(plain, acc, strategy, gpus, utilisation=util, micro_scale=scale)["seconds_per_update"]
+    if ratio is None or not without:
+        return None
+    return without * ratio, f"{ac_words(policy)}: {said}, instead of the FLOPs ratio"
+
+
 def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: float | None = None) -> dict:
     from .stack import stack_status
 
@@ -87,6 +106,11 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
                                                trace["stages"][GateName.STEADY_STEP]["flops"], t.precision)
     fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size)
     s = fit["seconds_per_update"] if fit["fits"] else None
+    recompute = None
+    if s is not None and (said := _measured_recompute(spec, traces, trace, acc, strategy, gpus, util,
+                                                      mb / t.micro_batch_size, ledger)):
+        s, recompute = said
+        steps.append(recompute)
     verified = _verified_by(ledger, acc)
     return {
         "accelerator": acc.name,
@@ -123,6 +147,8 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "utilisation": fit["time"].get("utilisation"),
         "utilisation_source": util_source if util else "catalog default (no pilot on this accelerator)",
         "utilisation_measured": util is not None,
+        # The checkpointing recompute `pilotrun variants` measured on this accelerator, when the time uses it.
+        "measured_recompute": recompute,
         "bound": fit["time"].get("bound"),
         "software_stack": stack_status(acc, verified, extensions),
         "steps": steps,

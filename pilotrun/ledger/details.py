@@ -168,8 +168,8 @@ __all__ = ["ExportDetails", "LoadDetails", "OverfitDetails", "RowDetails", "Save
 @dataclass(frozen=True)
 class VariantDetails(RowDetails):
     """A ``variant`` row of ``pilotrun variants`` (the control's and each variant's): what it set, what it held,
-    and what was measured against the control. The advisor (``estimate``, and ``run``'s advice after an
-    out-of-memory failure) reads the measured time and memory (``estimate/measured.py``)."""
+    and what was measured against the control. The advisor (``estimate``, ``run``'s advice after an out-of-memory
+    failure), ``select`` and ``plan`` read the measured time and memory (``estimate/measured.py``)."""
 
     variant: str | None                      # "control", a built-in fix (checkpointing, bf16 ...) or the user's name
     kind: str | None                         # variants.define.Kind
