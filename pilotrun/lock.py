@@ -26,7 +26,7 @@ from . import __version__, backends
 from .config.factories import import_factory
 from .config.paths import looks_local
 from .config.program import program_files
-from .config.spec import Spec
+from .config.spec import Spec, dotted
 
 CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
 CONTAINER_FLAG = "--container-digest"
@@ -240,18 +240,9 @@ def program_lock(spec: Spec, cache: dict | None = None) -> dict:
             "sha256": hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()}
 
 
-def _flatten(value, prefix: str = "") -> dict:
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: value}
-
-
 def diff_locks(old: dict, new: dict) -> list[tuple[str, object, object]]:
     """``(field, old, new)`` for every dotted field that differs (machine identity excluded)."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = dotted(old), dotted(new)
     out = []
     for key in sorted(set(a) | set(b)):
         if key.startswith(NOT_DRIFT):

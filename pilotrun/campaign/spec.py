@@ -27,7 +27,7 @@ from typing import Any
 from ..config.limits import CAMPAIGN_BOUNDS, int_problem
 from ..config.load import set_dotted, spec_from_mapping
 from ..config.schema import SpecError, build, doc
-from ..config.spec import Spec, name_problem
+from ..config.spec import Spec, dotted, name_problem
 from ..config.yamlsafe import parse_bounded, read_spec_text
 
 
@@ -200,15 +200,6 @@ RETRY_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "train.activat
               "data.num_workers", "train.device")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
 
 def run_spec(campaign: CampaignSpec, value, seed: int, extra: Sequence[tuple[str, Any]] = (),
              base_written: dict | None = None) -> Spec:
@@ -231,7 +222,7 @@ def run_spec(campaign: CampaignSpec, value, seed: int, extra: Sequence[tuple[str
 
 def check_only_varied(control: Spec, variant: Spec, allowed: tuple[str, ...]) -> list[str]:
     """Keys (other than ``allowed``) whose values differ between two run specs."""
-    a, b = _flat(control.canonical()), _flat(variant.canonical())
+    a, b = dotted(control.canonical()), dotted(variant.canonical())
     # A key whose value is a mapping (train.scheduler) moves its sub-keys: those are the varied key too.
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "seed"
                   and not any(k == x or k.startswith(x + ".") for x in allowed))

@@ -40,6 +40,18 @@ NAME_MAX = 81
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
 
 
+def dotted(config: dict, prefix: str = "") -> dict:
+    """A nested mapping as ``{"train.optimizer.lr": 3e-3, ...}``: how specs, locks and variants are compared key by
+    key (an empty mapping adds no key)."""
+    out: dict = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def canonical_sha256(config: object) -> str:
     """The config hash: sha256 of the JSON with sorted keys and no spaces (what a checkpoint's config.json, written
     from ``canonical()``, must hash back to)."""

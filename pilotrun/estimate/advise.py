@@ -28,7 +28,7 @@ from .. import strategies
 from ..config.sections import AC_POLICIES, ac_policy, ac_variant, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator
-from .measured import MeasuredFixes
+from .measured import MeasuredFixes, seconds_with_recompute
 from .model import estimate_fit
 
 
@@ -178,18 +178,10 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
         changes |= {"train.micro_batch_size": mb, "train.grad_accum_steps": accum}
         why.append(f"{mb} x {accum} = {mb * accum} examples per update, as before; activations scale with the "
                    "micro batch")
-    if recompute is not None:
-        fit = _measured_recompute(fit, traces, c, strat, util, recompute, scale)
+    if recompute is not None and (s := seconds_with_recompute(traces, c.accelerator, strat, c.gpus, util, scale,
+                                                               recompute, "bf16" if c.precision else None)):
+        fit = {**fit, "seconds_per_update": s}
     return _row(c, fit, base_s, changes, experiment, "; ".join(why))
-
-
-def _measured_recompute(fit: dict, traces, c: Combination, strat: str, util: float | None, ratio: float,
-                        scale: float) -> dict:
-    """``fit`` (with checkpointing) timed as the same combination without it × the recompute ratio measured."""
-    plain = traces.get(ac=False, precision="bf16" if c.precision else None)
-    without = estimate_fit(plain, c.accelerator, strat, c.gpus, utilisation=util, micro_scale=scale)
-    s = without["seconds_per_update"]
-    return {**fit, "seconds_per_update": s * ratio if s else fit["seconds_per_update"]}
 
 
 def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: dict[str, Accelerator],

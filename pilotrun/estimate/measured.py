@@ -13,30 +13,26 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..ledger.details import VariantDetails
 from ..ledger.records import RunKind, Verdict
 from ..ledger.store import Ledger
 from .catalog import Accelerator, matches
+from .model import estimate_fit
 
 
 @dataclass(frozen=True)
 class MeasuredFixes:
-    run_id: str                         # the newest variants run of the config
-    device: str | None                  # unused when ``where`` names each fix's run and device
-    fixes: dict[str, VariantDetails]    # variant name -> its newest compared row's details
-    where: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # name -> (run id, device it ran on)
-
-    def _where(self, name: str) -> tuple[str, str | None]:
-        return self.where.get(name, (self.run_id, self.device))
+    fixes: dict[str, VariantDetails]          # variant name -> its newest compared row's details
+    where: dict[str, tuple[str, str | None]]  # variant name -> (the run that measured it, the device it ran on)
 
     def time_factor(self, name: str, acc: Accelerator) -> tuple[float | None, str]:
         """The measured time ratio of fix ``name`` where it applies to ``acc`` (else None), and what to say."""
         d = self.fixes.get(name)
         if d is None or d.time_ratio is None:
             return None, ""
-        run_id, device = self._where(name)
+        run_id, device = self.where[name]
         said = f"measured in {run_id} on {device or 'an unrecorded device'}"
         if not matches(acc, device):
             return None, (f"x{d.time_ratio:.2f} time {said}; not applied to {acc.name}: another device "
@@ -47,7 +43,17 @@ class MeasuredFixes:
         d = self.fixes.get(name)
         if d is None or d.peak_ratio is None:
             return ""
-        return f"peak x{d.peak_ratio:.2f} of the control's live tensors, measured in {self._where(name)[0]}"
+        return f"peak x{d.peak_ratio:.2f} of the control's live tensors, measured in {self.where[name][0]}"
+
+
+def seconds_with_recompute(traces, acc: Accelerator, strategy: str, gpus: int, utilisation: float | None,
+                           micro_scale: float, ratio: float, precision: str | None = None) -> float | None:
+    """A configuration's time per update with checkpointing as measured: the same configuration traced without
+    checkpointing (at ``precision``, None: the spec's), timed as the estimate does, x the measured recompute
+    ``ratio``. None where that time is unknown (no peak for the precision)."""
+    plain = traces.get(ac=False, precision=precision)
+    s = estimate_fit(plain, acc, strategy, gpus, utilisation=utilisation, micro_scale=micro_scale)["seconds_per_update"]
+    return s * ratio if s else None
 
 
 def measured_fixes(ledger: Ledger | None, config_hash: str) -> MeasuredFixes | None:
@@ -70,4 +76,4 @@ def measured_fixes(ledger: Ledger | None, config_hash: str) -> MeasuredFixes | N
                     Verdict.PASS, Verdict.WARN):
                 fixes[d.variant] = d
                 where[d.variant] = (run_id, meta.get("device_name") or meta.get("device"))
-    return MeasuredFixes(ids[0], None, fixes, where)
+    return MeasuredFixes(fixes, where)

@@ -11,7 +11,7 @@ from ..config.sections import ac_policy, ac_variant, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator, matches
 from .experiments import adapter_view, label
-from .measured import measured_fixes
+from .measured import measured_fixes, seconds_with_recompute
 from .model import estimate_fit, largest_scale_that_fits
 from .runner import calibrated_utilisation
 
@@ -76,11 +76,8 @@ def _measured_recompute(spec, traces, trace: dict, acc: Accelerator, strategy: s
     if policy is None or measured is None:
         return None
     ratio, said = measured.time_factor(ac_variant(policy), acc)
-    plain = traces.get(ac=False)
-    without = estimate_fit(plain, acc, strategy, gpus, utilisation=util, micro_scale=scale)["seconds_per_update"]
-    if ratio is None or not without:
-        return None
-    return without * ratio, f"{ac_words(policy)}: {said}, instead of the FLOPs ratio"
+    s = seconds_with_recompute(traces, acc, strategy, gpus, util, scale, ratio) if ratio is not None else None
+    return (s, f"{ac_words(policy)}: {said}, instead of the FLOPs ratio") if s else None
 
 
 def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: float | None = None) -> dict:

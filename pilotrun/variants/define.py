@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.sections import AC_POLICIES, BUILTIN_VARIANTS, ac_policy, ac_variant, ac_words
+from ..config.spec import dotted
 from ..ledger.records import TextEnum
 
 
@@ -104,15 +105,6 @@ def plan_variants(spec) -> Planned:
     return out
 
 
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): obj}
-
-
 @dataclass(frozen=True)
 class Difference:
     changed: dict[str, tuple[Any, Any]]   # dotted key -> (control's, variant's)
@@ -126,7 +118,7 @@ class Difference:
 
 def compare_specs(control, variant) -> Difference:
     """What the variant's spec changes from the control's, and which of the changes move the question."""
-    a, b = _flat(control.canonical()), _flat(variant.canonical())
+    a, b = dotted(control.canonical()), dotted(variant.canonical())
     changed = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
     question = [k for k in changed if any(k == q or k.startswith(q + ".") for q in QUESTION_KEYS)]
     ca, cb = control.train, variant.train

@@ -54,7 +54,8 @@ def share(x: float) -> str:
     return "0" if x == 0 else f"{x:.2%}" if x >= 1e-4 else f"{x:.1e}"
 
 
-def _rel(a: float, b: float) -> float:
+def rel_diff(a: float, b: float) -> float:
+    """|a - b| / |b| (b at least 1e-12 in size): how far a variant's value is from the control's."""
     return abs(a - b) / max(abs(b), 1e-12)
 
 
@@ -62,7 +63,7 @@ def compare_updates(control: list[UpdatePoint], variant: list[UpdatePoint]) -> N
     """Update by update over the updates both ran."""
     pairs = list(zip(control, variant))
     finite = [(c, v) for c, v in pairs if math.isfinite(v.loss) and math.isfinite(c.loss)]
-    diffs = [_rel(v.loss, c.loss) for c, v in finite]
+    diffs = [rel_diff(v.loss, c.loss) for c, v in finite]
     ratios = [v.grad_norm / c.grad_norm for c, v in pairs
               if v.grad_norm is not None and c.grad_norm and math.isfinite(v.grad_norm) and math.isfinite(c.grad_norm)]
     non_finite = sum(1 for v in variant if not v.scaler_skipped and (
@@ -72,7 +73,7 @@ def compare_updates(control: list[UpdatePoint], variant: list[UpdatePoint]) -> N
     return Numerics(
         updates=len(pairs),
         loss_rel_diff_max=max(diffs) if diffs else None,
-        loss_rel_diff_last=_rel(last[1].loss, last[0].loss) if last and (last[0], last[1]) in finite else None,
+        loss_rel_diff_last=rel_diff(last[1].loss, last[0].loss) if last and (last[0], last[1]) in finite else None,
         grad_norm_ratio_last=ratios[-1] if ratios else None,
         grad_norm_ratio_range=(min(ratios), max(ratios)) if ratios else None,
         non_finite=non_finite,
@@ -137,14 +138,14 @@ def judge(name: str, kind: str, numerics: Numerics, question: list[str], peak: i
         fails.append("no finite validation loss to compare" if val is None or not math.isfinite(val) else
                      "the control has no validation loss")
     else:
-        d = _rel(val, control_val)
+        d = rel_diff(val, control_val)
         facts.append(f"val loss {val:.4g} vs {control_val:.4g} ({share(d)}, tolerance {rtol:.2%})")
         if d > rtol:
             fails.append(f"validation loss {d:.2%} from the control's, beyond pilot.variants.val_loss_rtol {rtol:g}")
         elif d > rtol / 2:
             warns.append(f"validation loss {d:.2%} from the control's, past half the tolerance")
-        if start is not None and math.isfinite(start) and _rel(control_val, start) <= rtol:
-            warns.append(f"the control's validation loss moved only {share(_rel(control_val, start))} from "
+        if start is not None and math.isfinite(start) and rel_diff(control_val, start) <= rtol:
+            warns.append(f"the control's validation loss moved only {share(rel_diff(control_val, start))} from "
                          f"{start:.4g} at the start, within the tolerance: this check cannot tell a variant that "
                          "learned nothing; run more updates (pilot.variants.updates)")
     verdict = Verdict.FAIL if fails else Verdict.WARN if warns else Verdict.PASS

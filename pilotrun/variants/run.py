@@ -41,8 +41,8 @@ from ..measure.meter import is_oom, out_of_memory_reason, synchronize
 from ..measure.tensors import LiveTensorTracker
 from ..models.loading import ModelError
 from ..train.rng import derived_seed, seed_everything
-from .define import Difference, Kind, Skipped, Variant, compare_specs, plan_variants
-from .judge import UpdatePoint, compare_updates, judge, time_ratio
+from .define import Kind, Skipped, Variant, compare_specs, plan_variants
+from .judge import UpdatePoint, compare_updates, judge, rel_diff, time_ratio
 
 MEASURED = 2  # updates per configuration measured for memory; the rest are timed
 
@@ -61,7 +61,6 @@ class Arm:
     val: float | None = None
     same_init: bool | None = None
     scaler_calls: int = 0
-    diff: Difference | None = None
     row: dict = field(default_factory=dict)
     # Why it was not compared, when that is not the variant's own failure: a policy the model cannot take, or out
     # of memory while the other configurations were resident in this process (then a SKIP row, not a FAIL).
@@ -80,7 +79,6 @@ class VariantsResult:
     updates: int
     rtol: float
     device: str
-    val_start: float | None = None  # the validation loss at the shared initial weights
 
 
 def _load(path: str | Path, overrides: list[str], extra: list[str], variant: str | None) -> Spec:
@@ -177,8 +175,7 @@ def _one_update(arm: Arm, step: int, seed: int, pad: int | None, device: torch.d
         _fail(arm, exc, device, step, beside=beside)
         return
     arm.points.append(UpdatePoint(rec.step, rec.loss, rec.grad_norm, seconds, list(rec.sample_ids),
-                                  bool(rec.scaler_skipped),
-                                  arm.scaler_calls - calls if getattr(arm.driver, "scaler", None) else None))
+                                  bool(rec.scaler_skipped), arm.scaler_calls - calls if d.scaler else None))
 
 
 def _build(arms: list[Arm], control_inputs, process, on_progress) -> None:
@@ -205,7 +202,9 @@ def _build(arms: list[Arm], control_inputs, process, on_progress) -> None:
 
 
 def _pad(spec: Spec, driver: LoopDriver | None) -> int | None:
-    return spec.data.max_length if getattr(driver, "pad_batch", None) is not None else None
+    """The length updates are padded to, as the pilot's steady_step pads them (built-in tasks; None: the user's
+    collate decides)."""
+    return spec.data.max_length if driver is not None and driver.pad_batch is not None else None
 
 
 def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_path: Path | None = None,
@@ -244,8 +243,7 @@ def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_pa
         for arm in arms:
             _release(arm)
     run_id = _write(arms, control_spec, cfg, planned.skipped, ledger_path, process, val_start)
-    return VariantsResult(run_id, arms, planned.skipped, cfg.updates, cfg.val_loss_rtol, str(process.device),
-                          val_start)
+    return VariantsResult(run_id, arms, planned.skipped, cfg.updates, cfg.val_loss_rtol, str(process.device))
 
 
 def _rounds(arms: list[Arm], updates: int, seed: int, device: torch.device, on_progress) -> None:
@@ -255,10 +253,9 @@ def _rounds(arms: list[Arm], updates: int, seed: int, device: torch.device, on_p
         on_progress(f"update {step}/{updates}")
         live = [a for a in arms if a.live]
         k = step % len(live)
-        for arm in live[k:] + live[:k]:
-            if arm.live:
-                _one_update(arm, step, seed, _pad(arm.spec, arm.driver), device,
-                            beside=sum(1 for a in arms if a.live and a is not arm))
+        for arm in live[k:] + live[:k]:  # an arm fails only in its own update: the others stay live
+            _one_update(arm, step, seed, _pad(arm.spec, arm.driver), device,
+                        beside=sum(1 for a in arms if a.live and a is not arm))
         if not control.live:
             break
 
@@ -309,11 +306,11 @@ def _control_row(arm: Arm, cfg, device, val_start: float | None) -> GateRow:
 
 def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device, val_start: float | None) -> GateRow:
     assert arm.variant is not None
-    arm.diff = diff = compare_specs(control.spec, arm.spec)
+    diff = compare_specs(control.spec, arm.spec)
     numerics = compare_updates(control.points, arm.points)
     ratio = time_ratio(control.points, arm.points, MEASURED + 1)
     peak_ratio = arm.peak / control.peak if arm.peak and control.peak else None
-    rel = (abs(arm.val - control.val) / max(abs(control.val), 1e-12)
+    rel = (rel_diff(arm.val, control.val)
            if arm.val is not None and control.val is not None and math.isfinite(arm.val) else None)
     if control.error:
         verdict, reason = Verdict.SKIP, f"{arm.name}: not compared: the control failed ({control.error})"
