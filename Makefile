@@ -64,6 +64,7 @@ bench: venv
 	$(PY) bench/estimate_accuracy.py
 	$(PY) bench/distributed_estimate.py
 	$(PY) bench/published_memory.py
+	$(PY) bench/published_time.py
 
 # On a lent GPU machine: gpu tests, demo + LoRA pilots per precision, estimate vs measured, catalog fit (< 8 min).
 # Writes bench/results/gpu_check-<device>-<date>.{json,md}; commit them. `make gpu-check GPU_CHECK_ARGS=--dry` on a CPU.

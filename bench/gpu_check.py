@@ -41,7 +41,7 @@ from _common import RESULTS, machine  # noqa: E402
 from pilotrun.config import load_spec  # noqa: E402
 from pilotrun.config.schema import SpecError  # noqa: E402
 from pilotrun.estimate.catalog import Accelerator, load_catalog, matches  # noqa: E402
-from pilotrun.estimate.model import STAGES, stage_memory  # noqa: E402
+from pilotrun.estimate.model import STAGES, seconds_per_update, stage_memory  # noqa: E402
 from pilotrun.estimate.worker import TraceError, trace_in_subprocess  # noqa: E402
 
 BUDGET_S = 450  # the whole check, tests included, stays under 8 minutes on one GPU with margin
@@ -195,7 +195,7 @@ def fit(results: list[dict], acc: Accelerator) -> dict:
     under-predicting reserved memory is the costly error). utilisation: the median over variants of FLOPs per
     update / (measured seconds per update x datasheet peak); tiny models are launch-bound, so this is a floor
     for real jobs. context: median device used - reserved (CUDA context and anything outside the allocator)."""
-    margins, utils, contexts = [], [], []
+    margins, utils, contexts, ratios = [], [], [], []
     for r in results:
         for row in r.get("rows", []):
             mem = row.get("memory") or {}
@@ -206,6 +206,8 @@ def fit(results: list[dict], acc: Accelerator) -> dict:
                     contexts.append(used - r["used_before"] - reserved)
         if r.get("utilisation"):
             utils.append(r["utilisation"])
+        if (r.get("time") or {}).get("ratio"):
+            ratios.append(r["time"]["ratio"])
     catalog = {"reserved_margin": acc.defaults.get("reserved_margin"), "utilisation": acc.defaults.get("utilisation"),
                "context_bytes": acc.context_bytes}
     return {
@@ -217,6 +219,9 @@ def fit(results: list[dict], acc: Accelerator) -> dict:
                         if utils else "not measured: no steady_step time against a datasheet peak"),
         "context_bytes": ({"fitted": int(statistics.median(contexts)), "n": len(contexts)}
                           if contexts else "not measured: no device-level used memory"),
+        "time_ratio": ({"median": statistics.median(ratios), "n": len(ratios),
+                        "caveat": "estimated / measured seconds per update; launch gaps are not modelled, so small "
+                                  "models read low"} if ratios else "not measured: no steady_step time"),
     }
 
 
@@ -267,6 +272,12 @@ def run_item(item: dict, facts: dict, acc: Accelerator, deadline: float, work: P
         flops = trace["stages"]["steady_step"].get("flops")
         if peak and flops:
             out["utilisation"] = flops / (per_update * peak)
+        # The time model (each op the larger of FLOPs and bytes) against the measured update: kernel launch gaps are
+        # not modelled, so on these small models the estimate is expected below the measurement.
+        est = seconds_per_update(trace, acc, "single", 1, trace["precision"])
+        if est.get("seconds"):
+            out["time"] = {"estimated_seconds": est["seconds"], "measured_seconds": per_update,
+                           "ratio": est["seconds"] / per_update, "model": est.get("model")}
     if item["variant"] == "bf16-true":  # never a silent fallback: the load row must show bf16 weights
         load = next((r for r in rows if r["gate"] == "load"), {})
         if not re.search(r"bf16|bfloat16", load.get("reason", "")):

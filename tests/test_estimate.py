@@ -244,6 +244,7 @@ def test_more_gpus_follows_the_plan_items_for_training_and_the_data_wait():
     assert more_gpus_advice({}, {"items": items}).startswith("no: the input pipeline takes 20% of training time")
     items[1]["hours"] = 0.5
     assert more_gpus_advice({}, {"items": items}).startswith("yes")
+    assert "bound by memory traffic" in more_gpus_advice({"bound": "memory"}, {"items": items})
     # A plan read back from --json names its items as text.
     read_back = [{"item": "training", "hours": 10.0}, {"item": "data loading (not overlapped)", "hours": 3.0}]
     assert more_gpus_advice({}, {"items": read_back}).startswith("no: the input pipeline takes 30%")
@@ -289,12 +290,14 @@ def test_cutting_the_maximum_length_is_marked_a_different_experiment(tmp_path, m
 
 def test_every_built_in_entry_is_complete_and_named_as_torch_names_its_device():
     """Every built-in accelerator gives every key with a value but the prices (a rental's, given in a --catalog file;
-    a precision it lacks is an explicit null),
+    a precision it lacks is an explicit null) and its own time-model efficiency (given only with a published
+    measurement; the catalog's defaults otherwise),
     and one alias is the device name torch reports, matching that entry and no other."""
     raw = yaml.safe_load(resources.files("pilotrun.estimate").joinpath("catalog.yaml").read_text())["accelerators"]
     cat = load_catalog()
     for name, entry in raw.items():
-        assert set(entry) == (set(REQUIRED) | set(OPTIONAL)) - {"price_per_gpu_hour", "spot_price_per_gpu_hour"}, name
+        assert set(entry) == (set(REQUIRED) | set(OPTIONAL)) - {"price_per_gpu_hour", "spot_price_per_gpu_hour",
+                                                               "efficiency"}, name
         assert all(entry[k] is not None for k in REQUIRED + ("compute_capability", "memory_spec_gb")), name
         assert set(entry["peak_tflops"]) == {"fp32", "tf32", "bf16", "fp16", "fp8"}, name
         assert {"kind", "per_gpu_gb_s", "gpus_per_node"} <= set(entry["interconnect"]), name

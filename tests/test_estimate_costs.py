@@ -47,6 +47,9 @@ def test_the_example_catalog_loads_with_prices():
     ("accelerators:\n  H100-80GB: {price_per_gpu_hour: cheap}\n", "price_per_gpu_hour must be a number"),
     ("accelerators:\n  H100-80GB: {price_per_gpu_hour: -1}\n", "price_per_gpu_hour must be a number"),
     ("defaults: {head_room: 0.1}\naccelerators: {}\n", "unknown key.*head_room.*headroom"),
+    ("accelerators:\n  H100-80GB: {efficiency: {compute: 1.5, bandwidth: 0.8}}\n",
+     "H100-80GB.*efficiency takes compute and bandwidth, each a share in \\(0, 1\\]"),
+    ("accelerators:\n  H100-80GB: {efficiency: 0.7}\n", "efficiency takes compute and bandwidth"),
 ])
 def test_a_misspelt_or_wrong_catalog_key_is_named(tmp_path, text, match):
     path = tmp_path / "mine.yaml"

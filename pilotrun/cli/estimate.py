@@ -16,7 +16,7 @@ from ..estimate.cache import CACHE_ENV, TraceCache
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import adapter_line, adapter_view
 from ..estimate.measured import measured_fixes
-from ..estimate.model import estimate_fit
+from ..estimate.model import estimate_fit, time_source
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
 from ..humanize import at_length, human_bytes, human_seconds, money
@@ -90,7 +90,7 @@ def main(args) -> int:
                 if strategy.multi_process and n == 1:
                     continue
                 fit = estimate_fit(trace, acc, strategy.name, n, utilisation=util)
-                fit["utilisation_source"] = source if util else "catalog default"
+                fit["utilisation_source"] = time_source(fit["time"], source if util else None)
                 s = fit["seconds_per_update"]
                 fit["cost_per_update"] = acc.cost(s / 3600 if s else None, n)
                 fit["cost_note"] = acc.price_note()
@@ -195,9 +195,7 @@ def _print(console, spec, trace, report) -> None:
                            style="bold"))
         for c in first["corrections"]:
             console.print(f"  {c['name']:<44} {human_bytes(c['bytes']):>10}  {c['reason']}", highlight=False)
-        console.print(Text(f"time assumes {first['time'].get('utilisation', 0):.0%} of the dense "
-                           f"{spec.train.precision} peak ({first['utilisation_source']}); communication is not "
-                           "overlapped", style="dim"))
+        console.print(Text(f"time: {first['utilisation_source']}; communication is not overlapped", style="dim"))
     for acc, variants in report["advice"].items():
         console.print(Text(f"\ndoes not fit on {acc}: combinations of fixes in order of cost, up to the cheapest "
                            "that fits (the maximum length is never cut)", style="bold yellow"))

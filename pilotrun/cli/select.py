@@ -180,7 +180,7 @@ def main(args) -> int:
     console.print(t)
     console.print(Text(f"{spec.train.precision}; examples per update held at "
                        f"{spec.train.micro_batch_size * spec.train.grad_accum_steps}; largest sizes assume activations "
-                       "scale linearly (flash attention); utilisation: " + rows[0]["utilisation_source"], style="dim"))
+                       "scale linearly (flash attention); time: " + rows[0]["utilisation_source"], style="dim"))
     for line in dict.fromkeys(adapter_line(r["adapter"]) for r in rows if r.get("adapter")):
         console.print(Text(line, style="dim"))
     if several:

@@ -35,7 +35,8 @@ from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 3  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters)
+FORMAT = 4  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
+#             4: each op's FLOPs and bytes for the time model)
 
 
 def default_dir() -> Path:

@@ -13,6 +13,13 @@ from pathlib import Path
 import yaml
 
 
+@dataclass(frozen=True)
+class Efficiency:
+    compute: float     # share of the dense peak of an op's dtype a matmul-class kernel reaches
+    bandwidth: float   # share of the datasheet memory bandwidth a memory-bound kernel reaches
+    source: str        # where the two came from
+
+
 class CatalogError(Exception):
     """An unknown accelerator or an unreadable catalog file; the message lists what is known."""
 
@@ -37,6 +44,9 @@ class Accelerator:
     compute_capability: str = ""
     aliases: tuple = ()
     defaults: dict = field(default_factory=dict)
+    # {compute, bandwidth, source}: the shares of the dense peak and of the datasheet bandwidth this accelerator's
+    # kernels reach in a training step, where a published measurement gives them; else the catalog defaults.
+    efficiency: dict = field(default_factory=dict)
 
     def cost(self, hours: float | None, gpus: int) -> float | None:
         """What ``hours`` on ``gpus`` of these cost at the catalog's price; None without a price or a time."""
@@ -50,6 +60,15 @@ class Accelerator:
             return None
         return (f"no price for {self.name}: add price_per_gpu_hour under accelerators.{self.name} in a catalog file "
                 "and pass --catalog (docs/catalog.md)")
+
+    def efficiencies(self) -> Efficiency:
+        """The time model's shares of the peak and of the bandwidth (model.seconds_per_update), and their source."""
+        own = self.efficiency
+        if own:
+            return Efficiency(float(own["compute"]), float(own["bandwidth"]), str(own.get("source", "")))
+        return Efficiency(float(self.defaults.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)),
+                          float(self.defaults.get("bandwidth_efficiency", DEFAULT_BANDWIDTH_EFFICIENCY)),
+                          "the catalog's default efficiencies (docs/catalog.md)")
 
     def peak_flops(self, precision: str) -> float | None:
         tf = self.peak_tflops.get(PEAK_OF_PRECISION.get(precision, precision))
@@ -65,9 +84,12 @@ REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", 
 # Every key an entry may have (docs/catalog.md describes each); a misspelt key is an error, not ignored: a
 # silently dropped "price_per_hour" would leave every cost blank with no reason given.
 OPTIONAL = ("aliases", "compute_capability", "memory_spec_gb", "notes", "price_per_gpu_hour", "spot_price_per_gpu_hour",
-            "skypilot")
+            "skypilot", "efficiency")
 PRICE_KEYS = ("price_per_gpu_hour", "spot_price_per_gpu_hour")
-DEFAULT_KEYS = ("reserved_margin", "utilisation", "headroom")
+DEFAULT_KEYS = ("reserved_margin", "utilisation", "headroom", "compute_efficiency", "bandwidth_efficiency")
+# Used when the catalog's defaults lack them (a user catalog written before the time model); catalog.yaml says why.
+DEFAULT_COMPUTE_EFFICIENCY = 0.7
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
 
 
 def _read(path: Path | None) -> dict:
@@ -118,6 +140,12 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
                 raise CatalogError(f"catalog entry {name!r}: {key} must be a number of your currency "
                                    f"per GPU per hour, e.g. 2.49; got {price!r}")
         price, spot = f.get("price_per_gpu_hour"), f.get("spot_price_per_gpu_hour")
+        eff = f.get("efficiency") or {}
+        share = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1)  # noqa: E731
+        if eff and not (isinstance(eff, dict) and all(share(eff.get(k)) for k in ("compute", "bandwidth"))):
+            raise CatalogError(f"catalog entry {name!r}: efficiency takes compute and bandwidth, each a share in "
+                               "(0, 1], and its source, e.g. {compute: 0.7, bandwidth: 0.8, source: ...}; "
+                               f"got {eff!r}")
         sky_name = f.get("skypilot", "")
         if not isinstance(sky_name, str) or (sky_name and not re.fullmatch(r"[A-Za-z0-9][\w.-]*", sky_name)):
             raise CatalogError(f"catalog entry {name!r}: skypilot is SkyPilot's accelerator name as `sky show-gpus` "
@@ -131,7 +159,7 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
             price_per_gpu_hour=None if price is None else float(price),
             spot_price_per_gpu_hour=None if spot is None else float(spot), skypilot=sky_name,
             compute_capability=str(f.get("compute_capability", "")),
-            aliases=tuple(f.get("aliases", [])), defaults=defaults,
+            aliases=tuple(f.get("aliases", [])), defaults=defaults, efficiency=dict(eff),
         )
     return out
 

@@ -24,6 +24,7 @@ from .. import strategies
 from ..ledger.records import GateName
 from ..strategies import StageBytes, correction
 from .catalog import Accelerator
+from .ops import roofline_seconds
 
 # The traced stages are the estimates of these gates' rows (bench/estimate_accuracy.py compares them by name).
 STAGES = (GateName.FIRST_STEP, GateName.STEADY_STEP, GateName.EVAL)
@@ -112,20 +113,74 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
 
 def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str,
                        utilisation: float | None = None) -> dict:
-    """FLOPs per update over the dense datasheet peak × utilisation, plus communication (not overlapped)."""
-    util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
-    flops = trace["stages"][GateName.STEADY_STEP]["flops"]
-    peak = acc.peak_flops(precision)
-    if not peak:
-        return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
+    """Seconds of one update on ``gpus`` of ``acc``: compute plus communication (not overlapped).
+
+    Compute is each traced op's larger of FLOPs and bytes (ops.roofline_seconds) at the accelerator's compute and
+    bandwidth efficiencies: the micro batch's ops x the accumulation over the devices that split the update, plus
+    the optimizer step over the devices that split it (all of them when it shards, else each runs all of it). A
+    ``utilisation`` measured by a pilot on this accelerator replaces it: FLOPs over the dense peak x that share,
+    which gives back the time the pilot measured. A trace without per-op costs (written before them) takes the
+    FLOPs at the catalog's default utilisation, and says so.
+    """
     chosen = strategies.get(strategy)
-    compute = flops / chosen.compute_replicas(gpus) / (peak * util)
+    step = trace["stages"][GateName.STEADY_STEP]
+    flops = step["flops"]
+    peak = acc.peak_flops(precision)
     bw = float(acc.interconnect.get("per_gpu_gb_s", 0)) * 1e9
     comm = chosen.communication_seconds(trace, gpus, precision, bw)
+    if utilisation is None and step.get("ops"):
+        return _roofline(trace, step, acc, chosen, gpus, peak, comm)
+    util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
+    if not peak:
+        return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
+    compute = flops / chosen.compute_replicas(gpus) / (peak * util)
     return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
-            "communication_model": "not overlapped with compute (an upper bound)",
+            "communication_model": "not overlapped with compute (an upper bound)", "model": "flops",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
             "bound": "compute" if compute >= comm else "communication"}
+
+
+def _roofline(trace: dict, step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None,
+              comm: float) -> dict:
+    eff = acc.efficiencies()
+    micro = roofline_seconds(step["ops"], acc, eff.compute, eff.bandwidth)
+    opt = roofline_seconds(step.get("optimizer_ops") or [], acc, eff.compute, eff.bandwidth)
+    if micro["seconds"] is None or opt["seconds"] is None:
+        return {"seconds": None, "reason": micro.get("reason") or opt.get("reason")}
+    accum = trace.get("grad_accum_steps", 1)
+    replicas = chosen.compute_replicas(gpus)
+    step_replicas = chosen.optimizer_replicas(gpus)
+    micro_s = micro["seconds"] * accum / replicas
+    opt_s = opt["seconds"] / step_replicas
+    compute = micro_s + opt_s
+    memory_bound = micro["memory_bound_seconds"] * accum / replicas + opt["memory_bound_seconds"] / step_replicas
+    flops = step["flops"]
+    parts = {"compute": compute - memory_bound, "memory": memory_bound, "communication": comm}
+    return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
+            "communication_model": "not overlapped with compute (an upper bound)", "model": "roofline",
+            "memory_bound_seconds": memory_bound, "optimizer_seconds": opt_s,
+            "bytes_per_update": micro["bytes"] * accum / replicas + opt["bytes"] / step_replicas,
+            "flops_per_update": flops, "peak_flops": peak,
+            # The share of the dense peak the whole update reaches (MFU-like, recompute included): what a pilot's
+            # measured utilisation is compared with.
+            "utilisation": (flops / replicas / (compute * peak)) if (peak and compute) else None,
+            "compute_efficiency": eff.compute, "bandwidth_efficiency": eff.bandwidth,
+            "efficiency_source": eff.source,
+            "bound": max(parts, key=lambda k: parts[k])}
+
+
+def time_source(t: dict, measured: str | None = None) -> str:
+    """How a row's time was reached, for a person: the pilot that measured it, or the model and its figures."""
+    if measured:
+        return measured
+    if t.get("model") == "roofline":
+        share = t["memory_bound_seconds"] / t["seconds"] if t.get("seconds") else 0
+        return (f"each op at {t['compute_efficiency']:.0%} of its dtype's peak or {t['bandwidth_efficiency']:.0%} of "
+                f"the memory bandwidth, whichever is slower ({share:.0%} of the update memory-bound); "
+                f"{t['efficiency_source']}")
+    if t.get("utilisation") is not None:
+        return f"{t['utilisation']:.0%} of the dense peak (catalog default; the trace has no per-op costs)"
+    return t.get("reason") or "no time estimate"
 
 
 def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str | None = None,

@@ -224,4 +224,7 @@ def more_gpus_advice(row: dict, per_run: dict) -> str:
         return "no: communication already dominates the update; more GPUs would add to it"
     if wait_share > 0.10:
         return f"no: the input pipeline takes {wait_share:.0%} of training time; fix it first"
+    if row.get("bound") == "memory":
+        return ("yes, if the deadline needs it: the update is bound by memory traffic, and the micro batches' "
+                "traffic splits over more GPUs as their FLOPs do (the optimizer step's only when it is sharded)")
     return "yes, if the deadline needs it: the update is compute-bound"

@@ -12,7 +12,7 @@ from ..ledger.records import GateName
 from .catalog import Accelerator, matches
 from .experiments import adapter_view, label
 from .measured import measured_fixes, seconds_with_recompute
-from .model import estimate_fit, largest_scale_that_fits
+from .model import estimate_fit, largest_scale_that_fits, time_source
 from .runner import calibrated_utilisation
 
 
@@ -142,7 +142,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "time_reason": fit["time"].get("reason") if fit["fits"] and s is None else None,
         "hours_for_planned_updates": s * t.updates / 3600 if s else None,
         "utilisation": fit["time"].get("utilisation"),
-        "utilisation_source": util_source if util else "catalog default (no pilot on this accelerator)",
+        "utilisation_source": time_source(fit["time"], util_source if util else None),
         "utilisation_measured": util is not None,
         # The checkpointing recompute `pilotrun variants` measured on this accelerator, when the time uses it.
         "measured_recompute": recompute,

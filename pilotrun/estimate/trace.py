@@ -9,7 +9,8 @@ breakdown (parameters, gradients, optimizer state and step temporaries, activati
 unrounded and with every storage rounded to 512 B as the CUDA caching allocator does
 (``MemTracker`` gives the same totals, at a per-op cost that grows with the number of
 modules: minutes for a 7B model). ``FlopCounterMode`` counts FLOPs, with formulas
-added for the CPU attention kernels it does not know.
+added for the CPU attention kernels it does not know, and :class:`~pilotrun.estimate.ops.OpCosts` keeps each
+op's FLOPs and bytes moved for the time model (one micro batch's forward and backward, one optimizer step).
 
 Run it through :func:`pilotrun.estimate.worker.trace_in_subprocess`: a C++ abort in
 a trace must not take the tool down.
@@ -32,6 +33,7 @@ from ..models.structure import largest_block
 from ..train.batches import autocast_for, item_length, seq_len, supervised_count
 from ..train.loss import LossPolicy, decide_loss_policy, window_backward
 from .adapted import Adaptation, adapt, trace_optimizer
+from .ops import OpCosts
 
 ROUND = 512  # bytes: the CUDA caching allocator's block granularity
 
@@ -71,6 +73,10 @@ class StageTrace:
     seq_len: int = 0
     batch_size: int = 0
     optimizer_step_extra_bytes: int = 0  # temporaries of optimizer.step() above what was live before it
+    # The time model's input (ops.roofline_seconds): each op of one micro batch's forward and backward, and of
+    # one optimizer step, as [dtype, flops, bytes moved, count]. Empty in traces written before them.
+    ops: list[list] = field(default_factory=list)
+    optimizer_ops: list[list] = field(default_factory=list)
     # Per phase ("compute": forward and backward, "optimizer": the step), the moments that bound the peak at
     # other micro batches: [{"bytes", "breakdown"}]. Under activation checkpointing the stage's overall peak
     # is the optimizer step, whose breakdown has no activations at all: scaling that breakdown's activations
@@ -239,15 +245,20 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
                                    tracker.tensors, 0, seq_len(job.train_batch), job.micro_batch,
                                    optimizer_step_extra_bytes=max(0, tracker.step_peak - before),
                                    phases=tracker.phases())
-    # FLOPs in a separate pass: FlopCounterMode keeps tensors alive (the recomputed ones under activation
-    # checkpointing), which would inflate a peak measured at the same time.
-    counter = FlopCounterMode(display=False)
+    # FLOPs and bytes in a separate pass: FlopCounterMode keeps tensors alive (the recomputed ones under
+    # activation checkpointing), which would inflate a peak measured at the same time.
+    counter = OpCosts()
     with counter:
         window_backward(model, [(ids, _clone(job.train_batch))], job.policy, device, precision,
                         num_items=num_items, stats=False)
+    step = OpCosts()
+    with step:
+        opt.step()
     model.zero_grad(set_to_none=True)
     for traced_stage in stages.values():
         traced_stage.flops = counter.get_total_flops() * t.grad_accum_steps
+        traced_stage.ops = counter.rows()
+        traced_stage.optimizer_ops = step.rows()
     return stages
 
 

@@ -176,6 +176,11 @@ class Strategy(ABC):
         """How many devices split the FLOPs of one update."""
         return gpus if self.multi_process else 1
 
+    def optimizer_replicas(self, gpus: int) -> int:
+        """How many devices split the optimizer step: each steps its shard when the strategy shards, else every
+        device steps every parameter."""
+        return gpus if self.shards else 1
+
     @abstractmethod
     def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool) -> tuple[float, list[dict]]:
         """Per-rank bytes of one traced stage's tensors under this strategy, and the corrections that made them."""

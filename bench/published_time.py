@@ -1,0 +1,104 @@
+"""pilotrun's time per update against step times other projects measured on real GPUs and published.
+
+    .venv/bin/python bench/published_time.py                         # the jobs in bench/published/times.yaml
+    .venv/bin/python bench/published_time.py --jobs other/times.yaml # measurements kept elsewhere, same format
+    .venv/bin/python bench/published_time.py --only MPT-7B           # the jobs whose name contains it
+
+Each job runs ``pilotrun estimate SPEC --set ... --accelerator A --strategy S --gpus N --json`` and compares its
+``seconds_per_update`` with the published one. The goal is within ±25%. Beside the time model's answer (each op
+the larger of its FLOPs at the peak and its bytes at the bandwidth, model.seconds_per_update) the same trace is
+also timed as before it, FLOPs at the catalog's default utilisation, so the change shows on every row. Nothing in
+pilotrun was fit to these rows except where the catalog says so (its ``efficiency`` entries name the row they were
+taken from); the script prints which rows those are.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "bench")]
+
+from _common import machine, write_results  # noqa: E402
+
+from pilotrun.estimate.catalog import find, load_catalog  # noqa: E402
+
+JOBS = REPO / "bench" / "published" / "times.yaml"
+GOAL = 0.25
+
+
+def estimate(spec: Path, job: dict) -> dict:
+    cmd = [sys.executable, "-m", "pilotrun", "estimate", str(spec), "--accelerator", job["accelerator"],
+           "--strategy", job["strategy"], "--gpus", str(job["gpus"]), "--no-advice", "--json"]
+    for item in job.get("set", []):
+        cmd += ["--set", item]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr}")
+    return json.loads(res.stdout)
+
+
+def flops_only_seconds(fit: dict, default_utilisation: float) -> float | None:
+    """What the estimate said before the time model: FLOPs over the dense peak x the default utilisation, plus the
+    same communication."""
+    t = fit["time"]
+    if not t.get("peak_flops"):
+        return None
+    replicas = fit["gpus"] if fit["strategy"] != "single" else 1
+    return t["flops_per_update"] / replicas / (t["peak_flops"] * default_utilisation) + t["communication_seconds"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=Path, default=JOBS)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    data = yaml.safe_load(args.jobs.read_text())
+    catalog = load_catalog()
+    rows = []
+    print(f"{'job':52} {'published':>9} {'estimate':>9} {'ratio':>6} {'memory-bound':>12} {'flops-only':>10} "
+          f"{'ratio':>6}  efficiency from")
+    for job in data["jobs"]:
+        if args.only and args.only not in job["name"]:
+            continue
+        est = estimate(args.jobs.parent / job["spec"], job)
+        fit = est["fits"][0]
+        t = fit["time"]
+        published = float(job["published_seconds_per_update"])
+        seconds = fit["seconds_per_update"]
+        old = flops_only_seconds(fit, float(find(catalog, job["accelerator"]).defaults.get("utilisation", 0.4)))
+        row = {"job": job["name"], "source": job["source"], "spec": f"{args.jobs.parent.name}/{job['spec']}",
+               "set": job.get("set", []), "accelerator": job["accelerator"], "strategy": job["strategy"],
+               "gpus": job["gpus"], "published_seconds_per_update": published, "estimated_seconds_per_update": seconds,
+               "ratio": round(seconds / published, 4) if seconds else None,
+               "memory_bound_seconds": t.get("memory_bound_seconds"), "model": t.get("model"),
+               "efficiency_source": t.get("efficiency_source"), "flops_only_seconds": old,
+               "flops_only_ratio": round(old / published, 4) if old else None}
+        rows.append(row)
+        nan = float("nan")
+        print(f"{job['name']:52} {published:>8.3f}s {seconds or nan:>8.3f}s {row['ratio'] or nan:>6.3f} "
+              f"{(t.get('memory_bound_seconds') or 0):>11.3f}s {old or nan:>9.3f}s "
+              f"{row['flops_only_ratio'] or nan:>6.3f}  {t.get('efficiency_source', '')[:60]}")
+    ratios = [r["ratio"] for r in rows if r["ratio"]]
+    old_ratios = [r["flops_only_ratio"] for r in rows if r["flops_only_ratio"]]
+    within = sum(abs(x - 1) <= GOAL for x in ratios)
+    summary = {"jobs": len(rows), "within_goal": within, "goal": f"±{GOAL:.0%}",
+               "median_ratio": statistics.median(ratios) if ratios else None,
+               "worst_ratio": max(ratios, key=lambda x: abs(x - 1)) if ratios else None,
+               "flops_only_within_goal": sum(abs(x - 1) <= GOAL for x in old_ratios),
+               "flops_only_median_ratio": statistics.median(old_ratios) if old_ratios else None}
+    print(f"\n{within} of {len(rows)} within ±{GOAL:.0%} (median ratio {summary['median_ratio']:.3f}, worst "
+          f"{summary['worst_ratio']:.3f}); FLOPs at the default utilisation: {summary['flops_only_within_goal']} of "
+          f"{len(old_ratios)} (median {summary['flops_only_median_ratio']:.3f})")
+    write_results("published_time", {"jobs_file": str(args.jobs), "machine": machine(), "summary": summary,
+                                     "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

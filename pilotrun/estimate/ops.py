@@ -1,0 +1,133 @@
+"""Each traced op's FLOPs and bytes moved, and its time on an accelerator as the larger of the two.
+
+A step is not all matmuls: the optimizer step over every parameter, norms, element-wise ops, casts and the
+loss over the vocabulary read and write memory and do (almost) no matmul work, and a small micro batch makes
+even a matmul wait on its weights. FLOPs at a utilisation factor miss all of it. Here every op the trace runs
+is kept with its FLOPs (``FlopCounterMode``'s formulas) and the bytes it reads and writes (its tensor inputs
+and outputs; views move nothing), and on an accelerator its time is::
+
+    max(flops / (dense peak of the op's dtype x compute efficiency),
+        bytes / (datasheet memory bandwidth x bandwidth efficiency))
+
+Repeated layers give the same (dtype, flops, bytes) many times: the trace keeps each once with its count, so
+a 32-layer model's step is a few hundred rows. What this does not model: kernel launch gaps (they matter for
+tiny steps, not the rented jobs), caches (an op whose inputs are still in L2 reads less), fusion the eager step
+does not do (torch.compile would), and overlap of compute with communication (strategies add that apart).
+
+Example::
+
+    with OpCosts() as costs:
+        loss = model(**batch).loss; loss.backward()
+    costs.rows()                                  # [[dtype, flops, bytes, count], ...]
+    roofline_seconds(costs.rows(), catalog["H100-80GB"], 0.6, 0.8)
+"""
+from __future__ import annotations
+
+from collections import Counter
+from functools import cache
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from .catalog import Accelerator
+
+# The peak an op's inputs run at: fp32 matmuls run at the fp32 peak (torch leaves TF32 off for matmuls by
+# default: torch.backends.cuda.matmul.allow_tf32 is False), 8-bit floats at fp8.
+_PEAK_OF_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                  getattr(torch, "float8_e4m3fn", None): "fp8", getattr(torch, "float8_e5m2", None): "fp8"}
+
+
+# Ops that only allocate (no byte is read or written until another op fills the memory).
+_ALLOCATE_ONLY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh"})
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@cache
+def _written_arguments(packet: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an in-place op writes, from its schema: add_ writes self, _fused_adamw_
+    self, grads (it may unscale them in place: counted, an over-count of one gradient's bytes) and both moments."""
+    overloads = [getattr(packet, n) for n in packet.overloads()] if hasattr(packet, "overloads") else []
+    for o in overloads:
+        written = tuple((i, a.name) for i, a in enumerate(o._schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write)
+        if written:
+            return written
+    return ((0, "self"),)
+
+
+def _written_bytes(packet: Any, args: tuple, kwargs: dict) -> int:
+    parts = [args[i] if i < len(args) else kwargs.get(name) for i, name in _written_arguments(packet)]
+    return _nbytes(_tensors(parts))
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class OpCosts(FlopCounterMode):
+    """``FlopCounterMode`` that also keeps every op's (dtype, FLOPs, bytes moved), counted by signature."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.counts: Counter[tuple[str, int, int]] = Counter()
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        out = super()._count_flops(func_packet, out, args, kwargs)
+        namespace, _, name = str(func_packet).partition(".")
+        if namespace == "prim" or name in _ALLOCATE_ONLY:
+            return out   # metadata queries (tensor.device) and allocations move nothing
+        inputs = list({id(t): t for t in _tensors((args, kwargs))}.values())   # x * x reads x once
+        outputs = _tensors(out)
+        in_place = name.endswith("_")
+        read_from = {_storage(t) for t in inputs}
+        if not in_place and outputs and all(_storage(t) in read_from for t in outputs):
+            return out   # a view (view, transpose, expand, slice, _unsafe_view): an alias, no bytes moved
+        formula = self.flop_registry.get(func_packet)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        # An in-place op (add_, _foreach_mul_, _fused_adamw_) writes back what its schema says it mutates; the
+        # others write their outputs.
+        written = _written_bytes(func_packet, args, kwargs) if in_place else _nbytes(outputs)
+        dtype = inputs[0].dtype if inputs else torch.float32
+        self.counts[(_PEAK_OF_DTYPE.get(dtype) or "fp32", flops, _nbytes(inputs) + written)] += 1
+        return out
+
+    def rows(self) -> list[list]:
+        """[[dtype, flops, bytes, count], ...], largest bytes x count first (what a person reads first)."""
+        return [[d, f, b, n] for (d, f, b), n in sorted(self.counts.items(), key=lambda kv: -kv[0][2] * kv[1])]
+
+
+def roofline_seconds(rows: list[list], acc: Accelerator, compute_efficiency: float,
+                     bandwidth_efficiency: float) -> dict:
+    """Seconds of the ops in ``rows`` on ``acc``, each the larger of its FLOPs and its bytes; the split says which
+    ops bound the time. ``None`` seconds when the accelerator lacks a figure an op needs (no peak for its dtype,
+    no bandwidth), with the reason."""
+    bandwidth = acc.bandwidth_tb_s * 1e12 * bandwidth_efficiency
+    if bandwidth <= 0:
+        return {"seconds": None, "reason": f"{acc.name} has no memory bandwidth in the catalog"}
+    compute_bound = memory_bound = 0.0
+    flops = moved = 0
+    for dtype, f, b, n in rows:
+        by_bytes = b / bandwidth
+        by_flops = 0.0
+        if f:
+            peak = acc.peak_flops(dtype) or (acc.peak_flops("fp32") if dtype == "fp32" else None)
+            if not peak:
+                return {"seconds": None, "reason": f"{acc.name} has no {dtype} peak in the catalog"}
+            by_flops = f / (peak * compute_efficiency)
+        if by_flops >= by_bytes:
+            compute_bound += n * by_flops
+        else:
+            memory_bound += n * by_bytes
+        flops += n * f
+        moved += n * b
+    return {"seconds": compute_bound + memory_bound, "compute_bound_seconds": compute_bound,
+            "memory_bound_seconds": memory_bound, "flops": flops, "bytes": moved}
