@@ -27,6 +27,7 @@ sys.path[:0] = [str(REPO / "bench")]
 
 from _common import machine, write_results  # noqa: E402
 
+from pilotrun import strategies  # noqa: E402
 from pilotrun.estimate.catalog import find, load_catalog  # noqa: E402
 
 JOBS = REPO / "bench" / "published" / "times.yaml"
@@ -50,7 +51,7 @@ def flops_only_seconds(fit: dict, default_utilisation: float) -> float | None:
     t = fit["time"]
     if not t.get("peak_flops"):
         return None
-    replicas = fit["gpus"] if fit["strategy"] != "single" else 1
+    replicas = strategies.get(fit["strategy"]).compute_replicas(fit["gpus"])
     return t["flops_per_update"] / replicas / (t["peak_flops"] * default_utilisation) + t["communication_seconds"]
 
 

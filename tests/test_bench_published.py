@@ -1,10 +1,15 @@
-"""bench/published_memory.py compares the estimate with published GPU measurements; its specs must keep loading
-and keep describing the published jobs (the comparison itself traces 7B models: `make bench`, not CI)."""
+"""bench/published_memory.py and bench/published_time.py compare the estimate with published GPU measurements; their
+specs must keep loading and keep describing the published jobs (the comparisons trace 1B-13B models: `make bench`,
+not CI)."""
 from __future__ import annotations
 
 import importlib.util
 
+import yaml
+
+from pilotrun import strategies
 from pilotrun.config import load_spec
+from pilotrun.estimate.catalog import find, load_catalog
 
 from .conftest import REPO
 
@@ -18,12 +23,15 @@ def _bench():
 
 def test_the_published_jobs_specs_load_and_say_what_was_measured():
     bench = _bench()
-    assert {r[1] for r in bench.RUNS} == {"mistral-7b-lora.yaml", "mistral-7b-qlora.yaml"}
+    assert {r[1] for r in bench.RUNS} == {"mistral-7b-lora.yaml", "mistral-7b-qlora.yaml", "mistral-7b-full.yaml"}
     for _, name, batch, _, peak, allocated in bench.RUNS:
         spec = load_spec(bench.SPECS / name, [f"train.micro_batch_size={batch}"], check_files=False)
         adapter = spec.model.adapter
-        assert (adapter.r, adapter.alpha, sorted(adapter.target_modules)) == (
-            16, 16, ["k_proj", "o_proj", "q_proj", "v_proj"])
+        if "full" in name:
+            assert adapter is None and spec.train.optimizer.lr == 2e-5
+        else:  # the CSV's lora_alpha 16 and lora_dropout 0.0
+            assert (adapter.r, adapter.alpha, adapter.dropout, sorted(adapter.target_modules)) == (
+                16, 16, 0.0, ["k_proj", "o_proj", "q_proj", "v_proj"])
         assert spec.model.config["num_hidden_layers"] == 32 and spec.train.activation_checkpointing
         assert spec.data.max_length == 4096 and spec.train.micro_batch_size == batch
         assert peak > allocated > 0
@@ -32,3 +40,17 @@ def test_the_published_jobs_specs_load_and_say_what_was_measured():
             assert (quant.bits, quant.type, quant.double_quant, spec.train.precision) == (4, "nf4", False, "bf16")
         else:
             assert quant is None and spec.train.precision == "bf16-true"
+
+
+def test_every_published_step_time_names_a_loadable_job_its_source_and_a_positive_time():
+    jobs = yaml.safe_load((REPO / "bench" / "published" / "times.yaml").read_text())["jobs"]
+    catalog = load_catalog()
+    assert len(jobs) >= 17 and len({j["name"] for j in jobs}) == len(jobs)
+    for job in jobs:
+        spec = load_spec(REPO / "bench" / "published" / job["spec"], job.get("set", []), check_files=False)
+        assert job["source"] and job["published_seconds_per_update"] > 0, job["name"]
+        find(catalog, job["accelerator"])
+        strategy = strategies.get(job["strategy"])
+        assert (job["gpus"] > 1) == strategy.multi_process, job["name"]
+        # The per-GPU work the published row ran: whole micro batches on each GPU.
+        assert spec.train.grad_accum_steps % strategy.compute_replicas(job["gpus"]) == 0, job["name"]

@@ -54,7 +54,8 @@ def full_trace() -> dict:
     """A trace entry with every field the estimate reads (the shape trace.py writes), tiny numbers."""
     stage = {"peak_bytes": 100, "peak_bytes_rounded": 512, "breakdown": {"parameters": 8, "activations": 4},
              "tensors": 3, "flops": 1000, "seq_len": 8, "batch_size": 2, "optimizer_step_extra_bytes": 0,
-             "phases": {"compute": [{"bytes": 90, "breakdown": {"parameters": 8}}]}}
+             "phases": {"compute": [{"bytes": 90, "breakdown": {"parameters": 8}}]},
+             "ops": [["bf16", 1000, 64, 1]], "optimizer_ops": [["fp32", 0, 96, 1]]}
     return {"stages": {"first_step": stage, "steady_step": stage, "eval": stage}, "parameters": 2,
             "trainable_parameters": 2, "parameter_bytes": 8, "gradient_bytes": 8, "optimizer_state_bytes": 16,
             "buffer_bytes": 0, "largest_layer_bytes": 8, "largest_layer": "lin", "layers": 1, "foreach": True,
@@ -79,6 +80,10 @@ def test_a_cached_trace_that_is_a_fifo_a_device_deep_or_of_the_wrong_shape_is_sa
              "wrong types": json.dumps({"key": key, "trace": wrong}), "nan": json.dumps(
                  {"key": key, "trace": {**full_trace(), "seconds": float("nan")}}),
              "a list of stages": json.dumps({"key": key, "trace": {**full_trace(), "stages": [1, 2]}})}
+    for bad_row in (["bf16", -1000, 64, 1], ["bf16", 1000, 64], "x", [1, 2, 3, 4]):  # a negative time, a wrong shape
+        ops = full_trace()
+        ops["stages"]["steady_step"] = {**ops["stages"]["steady_step"], "ops": [bad_row]}
+        cases[f"op row {bad_row!r}"] = json.dumps({"key": key, "trace": ops})
     for what, content in cases.items():
         path.write_text(content)
         got = cache.get(key)

@@ -73,7 +73,22 @@ def test_micro_batches_split_over_the_gpus_and_only_a_sharded_optimizer_step_doe
     # A pilot's measured utilisation gives back the time it measured: FLOPs over the peak x that share.
     measured = seconds_per_update(trace, acc, "single", 1, "bf16", utilisation=0.5)
     assert measured["model"] == "flops" and measured["compute_seconds"] == pytest.approx(1e15 / (989e12 * 0.5))
-    assert time_source(measured, "measured by pilot r1") == "measured by pilot r1"
+    assert time_source(measured, "measured by pilot r1").startswith("measured by pilot r1; exact at the pilot's own")
+
+
+def test_each_gpu_runs_whole_micro_batches_and_a_smaller_one_keeps_the_examples():
+    acc = load_catalog()["H100-80GB"]
+    trace = _with_ops(synthetic_trace(), micro=[["bf16", int(1e14), int(1e9), 10]], step=[], accum=4)
+    one = seconds_per_update(trace, acc, "single", 1, "bf16")["compute_seconds"]
+    # 4 micro batches over 8 GPUs: each GPU still runs one whole micro batch, never half of one.
+    eight = seconds_per_update(trace, acc, "ddp", 8, "bf16")
+    assert eight["micro_batches_per_gpu"] == 1 and eight["compute_seconds"] == pytest.approx(one / 4)
+    # Half the micro batch on one GPU: twice the micro batches at half the cost each (the costs scale linearly).
+    half = seconds_per_update(trace, acc, "single", 1, "bf16", micro_scale=0.5)
+    assert half["micro_batches_per_gpu"] == 8 and half["compute_seconds"] == pytest.approx(one)
+    # Communication names the bound only when it takes longer than the compute.
+    assert eight["bound"] == ("communication" if eight["communication_seconds"] >= eight["compute_seconds"]
+                              else "compute")
 
 
 def test_a_trace_written_before_per_op_costs_is_timed_by_flops_and_says_so():

@@ -38,7 +38,15 @@ def test_every_variant_is_planned_and_a_missing_feature_is_not_measured_with_its
     monkeypatch.setitem(gpu_check.EXAMPLES, "lora-sft", tmp_path / "absent" / "pilot.yaml")
     items = {i["key"]: i for i in gpu_check.plan(facts)}
     assert set(items) == {f"tiny-sft:{v}" for v in ("fp32", "bf16", "bf16-true", "adamw8bit")} | {
-        f"lora-sft:{v}" for v in ("fp32", "bf16", "bf16-true", "qlora", "adamw8bit")}
+        f"lora-sft:{v}" for v in ("fp32", "bf16", "bf16-true", "qlora", "adamw8bit")} | {
+        f"llama-1b:{v}" for v in ("full-bf16-true", "no-checkpointing", "lora", "foreach-adamw", "length-4096")}
+    # The rented-size job is planned first (the budget may not reach the last items), at its real size on a GPU.
+    assert list(items)[0] == "llama-1b:full-bf16-true" and items["llama-1b:full-bf16-true"]["overrides"] == [
+        "train.device=cuda"]
+    assert items["llama-1b:foreach-adamw"]["overrides"] == ["train.optimizer.fused=false", "train.device=cuda"]
+    dry = {i["key"]: i for i in gpu_check.plan({**facts, "device": "cpu", "dry": True})}
+    assert "model.config.num_hidden_layers=2" in dry["llama-1b:lora"]["overrides"]
+    assert dry["tiny-sft:bf16"]["overrides"] == ["train.precision=bf16", "train.device=cpu"]
     assert items["tiny-sft:fp32"]["not_measured"] is None and items["tiny-sft:fp32"]["gates"] is None  # every gate
     assert items["tiny-sft:bf16"]["overrides"] == ["train.precision=bf16", "train.device=cuda"]
     assert items["lora-sft:fp32"]["not_measured"] == ("not measured: examples/lora-sft is not on this branch "
@@ -97,8 +105,9 @@ def test_the_dry_mode_runs_the_same_code_and_writes_both_files(tmp_path):
     # One pilot, whichever branch this is: bf16-true on the LoRA example once branch lora is in (the demo in bf16
     # before); the other keys are listed with their reason -- QLoRA and 8-bit AdamW need a CUDA bitsandbytes,
     # which a dry run never has, and before branch lora the LoRA example itself is missing.
+    # With branch lora in, the pilot is the rented-size job's LoRA variant (bf16-true), shrunk as a dry run shrinks it.
     lora = gpu_check.missing(gpu_check.Need.LORA_EXAMPLE, {}) is None
-    measured = "lora-sft:bf16-true" if lora else "tiny-sft:bf16"
+    measured = "llama-1b:lora" if lora else "tiny-sft:bf16"
     keys = [measured, "lora-sft:qlora", "tiny-sft:adamw8bit"] + ([] if lora else ["lora-sft:bf16-true"])
     res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry", "--out", str(tmp_path),
                           "--only", ",".join(keys), "--gpu-tests", "tests/test_gpu.py"],
@@ -124,3 +133,6 @@ def test_the_dry_mode_runs_the_same_code_and_writes_both_files(tmp_path):
     assert payload["fit"]["reserved_margin"].startswith("not measured")
     md = js.with_suffix(".md").read_text()
     assert "**Dry run**" in md and f"| {measured.replace(':', ' | ')} | steady_step | allocated |" in md
+    # The time model's estimate beside the measured update (an H200's estimate against a CPU: only the plumbing).
+    assert run["time"]["measured_seconds"] > 0 and run["time"]["estimated_seconds"] > 0
+    assert run["time"]["model"] == "roofline" and f"| {measured.replace(':', ' | ')} | " in md.split("## Time")[1]

@@ -137,7 +137,8 @@ def markdown(spec, rows: list[dict]) -> str:
     if len({r["experiment"] for r in rows}) > 1:
         lines += ["", OTHER_EXPERIMENT_NOTE[0].upper() + OTHER_EXPERIMENT_NOTE[1:] + "."]
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
-              "Times use the utilisation each row names. Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
+              "Times: each row's utilisation_source (the model, or the pilot that measured it). "
+              "Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
     lines += [f"- {n}" for n in price_notes(rows) + time_notes(rows)]
     return "\n".join(lines) + "\n"
 

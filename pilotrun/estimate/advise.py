@@ -88,10 +88,10 @@ def combinations(spec, acc: Accelerator, strategy: str, gpus: int,
     return sorted(out, key=lambda c: c.cost)
 
 
-# What each policy recomputes, for the reason (the FLOPs count matmuls: the selective policy recomputes none).
+# What each policy recomputes, for the reason (the selective policy recomputes no matmul: only memory traffic).
 RECOMPUTES = {"full": "the forward is recomputed in backward",
-              "selective": "every op but the matmuls is recomputed in backward (the time counts FLOPs, so not "
-                           "these element-wise ops: pilotrun variants measures them)",
+              "selective": "every op but the matmuls is recomputed in backward (the time counts their bytes; "
+                           "pilotrun variants measures them)",
               "every-2": "one block in 2 is recomputed in backward"}
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from .. import __version__
 from ..config.spec import Spec
 from ..ledger.records import GateName
-from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, read_json
+from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
 FORMAT = 4  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
@@ -175,7 +175,8 @@ ENTRY_CAP = 8 << 20
 _BYTES = NonNegative(integer=True)
 _STAGE = {"peak_bytes": _BYTES, "peak_bytes_rounded": _BYTES, "breakdown": MapOf(_BYTES), "tensors": _BYTES,
           "flops": NonNegative(), "seq_len": _BYTES, "batch_size": _BYTES, "optimizer_step_extra_bytes": _BYTES,
-          "phases": MapOf([{"bytes": _BYTES, "breakdown": MapOf(_BYTES)}])}
+          "phases": MapOf([{"bytes": _BYTES, "breakdown": MapOf(_BYTES)}]),
+          "ops": Optional([list]), "optimizer_ops": Optional([list])}
 # What the estimate reads of a trace, each number finite and >= 0 (a negative peak printed "-9.1e17 TiB").
 ENTRY_SCHEMA = {"key": dict, "trace": {
     "stages": MapOf(_STAGE), "parameters": _BYTES, "trainable_parameters": _BYTES, "parameter_bytes": _BYTES,
@@ -198,4 +199,16 @@ def _check(entry: object, key: dict) -> str | None:
     for field in ("parameter_bytes", "optimizer_state_bytes", "precision", "seconds"):
         if field not in entry["trace"]:
             return f"{field} missing"
+    for name, stage in stages.items():
+        for part in ("ops", "optimizer_ops"):
+            bad = next((r for r in stage.get(part) or [] if not _op_row(r)), None)
+            if bad is not None:
+                return f"stages.{name}.{part} holds {bad!r}, expected [dtype, flops, bytes, count] (each >= 0)"
     return None
+
+
+def _op_row(row: object) -> bool:
+    """[dtype, flops, bytes, count], the time model's input (ops.OpCosts.rows): a negative one would be a negative
+    time."""
+    return (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+            and all(check(v, _BYTES) is None for v in row[1:]))

@@ -112,15 +112,17 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
 
 
 def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str,
-                       utilisation: float | None = None) -> dict:
+                       utilisation: float | None = None, micro_scale: float = 1.0) -> dict:
     """Seconds of one update on ``gpus`` of ``acc``: compute plus communication (not overlapped).
 
     Compute is each traced op's larger of FLOPs and bytes (ops.roofline_seconds) at the accelerator's compute and
     bandwidth efficiencies: the micro batch's ops x the accumulation over the devices that split the update, plus
-    the optimizer step over the devices that split it (all of them when it shards, else each runs all of it). A
+    the optimizer step over the devices that split it (all of them when it shards, else each runs all of it). Each
+    device runs whole micro batches: at ``micro_scale`` (another micro batch, examples per update held) the traced
+    micro batch's costs are scaled linearly and counted once per micro batch a device runs, at least one. A
     ``utilisation`` measured by a pilot on this accelerator replaces it: FLOPs over the dense peak x that share,
-    which gives back the time the pilot measured. A trace without per-op costs (written before them) takes the
-    FLOPs at the catalog's default utilisation, and says so.
+    which gives back the time the pilot measured at its own configuration and scales it by FLOPs elsewhere. A trace
+    without per-op costs (written before them) takes the FLOPs at the catalog's default utilisation, and says so.
     """
     chosen = strategies.get(strategy)
     step = trace["stages"][GateName.STEADY_STEP]
@@ -129,7 +131,7 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     bw = float(acc.interconnect.get("per_gpu_gb_s", 0)) * 1e9
     comm = chosen.communication_seconds(trace, gpus, precision, bw)
     if utilisation is None and step.get("ops"):
-        return _roofline(trace, step, acc, chosen, gpus, peak, comm)
+        return _roofline(trace, step, acc, chosen, gpus, peak, comm, micro_scale)
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
@@ -141,38 +143,39 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
 
 
 def _roofline(trace: dict, step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None,
-              comm: float) -> dict:
+              comm: float, micro_scale: float) -> dict:
     eff = acc.efficiencies()
     micro = roofline_seconds(step["ops"], acc, eff.compute, eff.bandwidth)
     opt = roofline_seconds(step.get("optimizer_ops") or [], acc, eff.compute, eff.bandwidth)
     if micro["seconds"] is None or opt["seconds"] is None:
         return {"seconds": None, "reason": micro.get("reason") or opt.get("reason")}
-    accum = trace.get("grad_accum_steps", 1)
-    replicas = chosen.compute_replicas(gpus)
+    # The update's micro batches (examples per update held at another micro batch) over the devices, whole ones.
+    per_device = max(1, math.ceil(trace.get("grad_accum_steps", 1) / (chosen.compute_replicas(gpus) * micro_scale)
+                                  - 1e-9))
+    share = per_device * micro_scale   # the traced micro batch's costs, scaled linearly to the one run
     step_replicas = chosen.optimizer_replicas(gpus)
-    micro_s = micro["seconds"] * accum / replicas
     opt_s = opt["seconds"] / step_replicas
-    compute = micro_s + opt_s
-    memory_bound = micro["memory_bound_seconds"] * accum / replicas + opt["memory_bound_seconds"] / step_replicas
+    compute = micro["seconds"] * share + opt_s
+    memory_bound = micro["memory_bound_seconds"] * share + opt["memory_bound_seconds"] / step_replicas
     flops = step["flops"]
-    parts = {"compute": compute - memory_bound, "memory": memory_bound, "communication": comm}
+    compute_bound = compute - memory_bound
+    bound = ("communication" if comm >= compute else "memory" if memory_bound >= compute_bound else "compute")
     return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
             "communication_model": "not overlapped with compute (an upper bound)", "model": "roofline",
-            "memory_bound_seconds": memory_bound, "optimizer_seconds": opt_s,
-            "bytes_per_update": micro["bytes"] * accum / replicas + opt["bytes"] / step_replicas,
+            "memory_bound_seconds": memory_bound, "optimizer_seconds": opt_s, "micro_batches_per_gpu": per_device,
+            "bytes_per_update": micro["bytes"] * share + opt["bytes"] / step_replicas,
             "flops_per_update": flops, "peak_flops": peak,
             # The share of the dense peak the whole update reaches (MFU-like, recompute included): what a pilot's
             # measured utilisation is compared with.
-            "utilisation": (flops / replicas / (compute * peak)) if (peak and compute) else None,
+            "utilisation": (flops / chosen.compute_replicas(gpus) / (compute * peak)) if (peak and compute) else None,
             "compute_efficiency": eff.compute, "bandwidth_efficiency": eff.bandwidth,
-            "efficiency_source": eff.source,
-            "bound": max(parts, key=lambda k: parts[k])}
+            "efficiency_source": eff.source, "bound": bound}
 
 
 def time_source(t: dict, measured: str | None = None) -> str:
     """How a row's time was reached, for a person: the pilot that measured it, or the model and its figures."""
     if measured:
-        return measured
+        return f"{measured}; exact at the pilot's own strategy and micro batch, scaled by FLOPs elsewhere"
     if t.get("model") == "roofline":
         share = t["memory_bound_seconds"] / t["seconds"] if t.get("seconds") else 0
         return (f"each op at {t['compute_efficiency']:.0%} of its dtype's peak or {t['bandwidth_efficiency']:.0%} of "
@@ -191,7 +194,7 @@ def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precis
     precision = precision or trace["precision"]
     stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale) for s in STAGES}
     worst = max(STAGES, key=lambda s: stages[s]["device_used_bytes"])
-    t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation)
+    t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale)
     return {
         "accelerator": acc.name, "strategy": strategy, "gpus": gpus, "precision": precision,
         "peak_allocated_bytes": stages[worst]["peak_allocated_bytes"],

@@ -73,29 +73,60 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def _no_flops(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+@cache
+def _kept_whole() -> dict:
+    """Ops with a CPU/CUDA kernel that FlopCounterMode would still run as their generic decomposition (it decomposes
+    every op without a FLOP formula that has one): silu_backward, in every SwiGLU MLP, became seven element-wise ops
+    and six times its bytes. A zero-FLOP formula keeps each whole, as the device runs it."""
+    kept = {}
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, _, op = qualified.partition("::")
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        if ns != "aten" or not has(qualified, "CompositeImplicitAutograd"):
+            continue
+        if has(qualified, "CPU") or has(qualified, "CUDA"):
+            name, _, overload = op.partition(".")
+            packet = getattr(torch.ops.aten, name)
+            kept[getattr(packet, overload or "default")] = _no_flops
+    return kept
+
+
 class OpCosts(FlopCounterMode):
     """``FlopCounterMode`` that also keeps every op's (dtype, FLOPs, bytes moved), counted by signature."""
 
     def __init__(self) -> None:
-        super().__init__(display=False)
+        super().__init__(display=False, custom_mapping=_kept_whole())
         self.counts: Counter[tuple[str, int, int]] = Counter()
 
     def _count_flops(self, func_packet, out, args, kwargs):
-        out = super()._count_flops(func_packet, out, args, kwargs)
+        formula = self.flop_registry.get(func_packet)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        if formula is not None:   # what FlopCounterMode._count_flops records, per module, with the formula run once
+            for parent in set(self.mod_tracker.parents):
+                self.flop_counts[parent][func_packet] += flops
         namespace, _, name = str(func_packet).partition(".")
         if namespace == "prim" or name in _ALLOCATE_ONLY:
             return out   # metadata queries (tensor.device) and allocations move nothing
-        inputs = list({id(t): t for t in _tensors((args, kwargs))}.values())   # x * x reads x once
+        given = _tensors(kwargs.get("out"))   # out=: written, not read
+        inputs = [t for t in {id(t): t for t in _tensors((args, kwargs))}.values()   # x * x reads x once
+                  if not any(t is g for g in given)]
         outputs = _tensors(out)
         in_place = name.endswith("_")
         read_from = {_storage(t) for t in inputs}
-        if not in_place and outputs and all(_storage(t) in read_from for t in outputs):
+        if not given and not in_place and outputs and all(_storage(t) in read_from for t in outputs):
             return out   # a view (view, transpose, expand, slice, _unsafe_view): an alias, no bytes moved
-        formula = self.flop_registry.get(func_packet)
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        # An in-place op (add_, _foreach_mul_, _fused_adamw_) writes back what its schema says it mutates; the
-        # others write their outputs.
-        written = _written_bytes(func_packet, args, kwargs) if in_place else _nbytes(outputs)
+        # out= writes its tensors; an in-place op (add_, _foreach_mul_, _fused_adamw_) writes back what its schema
+        # says it mutates; the others write their outputs.
+        if given:
+            written = _nbytes(given)
+        elif in_place:
+            written = _written_bytes(func_packet, args, kwargs)
+        else:
+            written = _nbytes(outputs)
         dtype = inputs[0].dtype if inputs else torch.float32
         self.counts[(_PEAK_OF_DTYPE.get(dtype) or "fp32", flops, _nbytes(inputs) + written)] += 1
         return out

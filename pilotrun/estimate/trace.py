@@ -253,6 +253,9 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
                         num_items=num_items, stats=False)
     step = OpCosts()
     with step:
+        # The loop measures (and with max_grad_norm clips) the gradient norm before every optimizer step.
+        grads = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, t.max_grad_norm if t.max_grad_norm is not None else float("inf"))
         opt.step()
     model.zero_grad(set_to_none=True)
     for traced_stage in stages.values():
