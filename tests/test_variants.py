@@ -216,17 +216,26 @@ def test_the_advisor_times_checkpointing_with_the_recompute_measured_on_that_acc
                        "--accelerator", "Card-16GB", "--strategy", "single", "--json", "--ledger",
                        str(tmp_path / "l.sqlite"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    advice = {v["variant"]: v for v in json.loads(res.stdout)["advice"]["Card-16GB"]}
+    out = json.loads(res.stdout)
+    advice = {v["variant"]: v for v in out["advice"]["Card-16GB"]}
     ac = advice["activation checkpointing"]  # full: the policy the variant "checkpointing" measured
     selective = advice["activation checkpointing (selective: matmul outputs kept)"]
     assert "measured in" not in selective["reason"]  # nothing measured that policy
     assert f"x1.50 time measured in {run_id} on {device}" in ac["reason"]
     assert f"peak x0.58 of the control's live tensors, measured in {run_id}" in ac["reason"]
+    plain = out["fits"][0]  # the same job without checkpointing on the card
     if applied:  # the time is the same job's without checkpointing x the measured ratio
         assert ac["time_factor"] == pytest.approx(1.5, rel=1e-6) and "the FLOPs predicted" in ac["reason"]
+        # and its memory the same job's x the measured peak ratio (one device, the fix alone): 0.58 of the allocated
+        # peak, the bytes saved taken off reserved and device memory with the 10% reserved margin on them.
+        saved = plain["peak_allocated_bytes"] * (1 - 0.58) * 1.10
+        assert ac["peak_allocated_bytes"] == pytest.approx(plain["peak_allocated_bytes"] * 0.58, abs=1)
+        assert ac["device_used_bytes"] == pytest.approx(plain["device_used_bytes"] - saved, abs=2)
+        assert "memory: x0.58 of the configuration without it, as measured there, applied" in ac["reason"]
     else:  # measured on another device: quoted, the FLOPs ratio used
         assert "not applied to Card-16GB: another device" in ac["reason"]
         assert ac["time_factor"] != pytest.approx(1.5, rel=1e-3)
+        assert "as measured there, applied" not in ac["reason"]
 
 
 def test_a_policy_the_model_cannot_take_is_not_compared_and_the_rest_still_run(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ Runs alone (`python train.py`), under torchrun (`torchrun --standalone --nproc-p
 CPU), and under `pilotrun run pilot.yaml`. The lines marked `# pilotrun` are all that pilotrun needs.
 """
 import argparse
+import gc
 import os
 import random
 
@@ -95,4 +96,8 @@ with job.stage("eval", track=[model]), torch.no_grad():  # pilotrun
 if rank == 0:
     print(f"updates {start + 1}..{update}: final train loss {loss.item():.4f}, val loss {val_loss:.4f}")
 if distributed:
+    # DDP's Reducer holds the process group; freed at interpreter exit it joins gloo threads that need the GIL and
+    # the rank can abort ("terminate called without an active exception", pytorch#56297). Free it first.
+    del net
+    gc.collect()
     dist.destroy_process_group()

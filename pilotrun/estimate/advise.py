@@ -28,7 +28,7 @@ from .. import strategies
 from ..config.sections import AC_POLICIES, ac_policy, ac_variant, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator
-from .measured import MeasuredFixes, seconds_with_recompute
+from .measured import MeasuredFixes, seconds_with_recompute, with_measured_peak
 from .model import estimate_fit
 
 
@@ -181,7 +181,28 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
     if recompute is not None and (s := seconds_with_recompute(traces, c.accelerator, strat, c.gpus, util, scale,
                                                                recompute, "bf16" if c.precision else None)):
         fit = {**fit, "seconds_per_update": s}
+    fit = _measured_memory(traces, c, strat, util, fit, measured, why)
     return _row(c, fit, base_s, changes, experiment, "; ".join(why))
+
+
+def _measured_memory(traces, c: Combination, strategy: str, utilisation: float | None, fit: dict,
+                     measured: MeasuredFixes | None, why: list[str]) -> dict:
+    """A fix measured alone on this accelerator (``pilotrun variants`` runs one device) replaces the traced saving:
+    the configuration without it x the measured peak ratio. Combined with another fix, or sharded, the ratio of
+    one device alone does not hold, and the trace stands."""
+    fixes = ([ac_variant(c.checkpointing)] if c.checkpointing else []) + (["bf16"] if c.precision else [])
+    others = c.shard_level or c.smaller_micro_batch or c.accelerator_level
+    if measured is None or others or len(fixes) != 1 or strategies.get(strategy).compute_replicas(c.gpus) != 1:
+        return fit
+    ratio = measured.memory_factor(fixes[0], c.accelerator)
+    if ratio is None:
+        return fit
+    plain = estimate_fit(traces.get(), c.accelerator, strategy, c.gpus, utilisation=utilisation)
+    margin = float(c.accelerator.defaults.get("reserved_margin", 0.10))
+    out = {**fit, **with_measured_peak(plain, ratio, margin)}
+    why.append(f"memory: x{ratio:.2f} of the configuration without it, as measured there, applied "
+               f"(the trace predicted {fit['device_used_bytes'] / 2**30:.1f} GiB per device)")
+    return out
 
 
 def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: dict[str, Accelerator],

@@ -9,6 +9,7 @@ Example::
 
     measured = measured_fixes(ledger, spec.config_hash())      # None: no variants run of this config
     use = measured.time_factor("checkpointing", acc)          # (1.31, "measured in RUN on NVIDIA H100 ...")
+    peak = measured.memory_factor("checkpointing", acc)       # 0.58: applied to a one-device row alone
 """
 from __future__ import annotations
 
@@ -44,6 +45,23 @@ class MeasuredFixes:
         if d is None or d.peak_ratio is None:
             return ""
         return f"peak x{d.peak_ratio:.2f} of the control's live tensors, measured in {self.where[name][0]}"
+
+    def memory_factor(self, name: str, acc: Accelerator) -> float | None:
+        """The measured peak ratio of fix ``name`` where it applies to ``acc`` (the variants ran there), else None."""
+        d = self.fixes.get(name)
+        if d is None or d.peak_ratio is None or not matches(acc, self.where[name][1]):
+            return None
+        return d.peak_ratio
+
+
+def with_measured_peak(plain: dict, ratio: float, margin: float) -> dict:
+    """``plain`` (the same configuration without the fix, estimate_fit's row) with its allocated peak x the measured
+    ``ratio``: reserved and device memory lose the same bytes with the reserved ``margin`` on them; fits follows."""
+    alloc = plain["peak_allocated_bytes"] * ratio
+    saved = (plain["peak_allocated_bytes"] - alloc) * (1 + margin)
+    device = plain["device_used_bytes"] - saved
+    return {"peak_allocated_bytes": int(alloc), "peak_reserved_bytes": int(plain["peak_reserved_bytes"] - saved),
+            "device_used_bytes": int(device), "fits": device <= plain["capacity_bytes"]}
 
 
 def seconds_with_recompute(traces, acc: Accelerator, strategy: str, gpus: int, utilisation: float | None,
