@@ -124,3 +124,19 @@ def test_the_demo_trace_counts_the_optimizer_step_and_the_matmuls_in_their_dtype
     # The demo's matmuls are too small to keep an H100 busy: most of its update waits on memory.
     assert fit["time"]["model"] == "roofline" and fit["time"]["bound"] == "memory"
     assert fit["seconds_per_update"] / 2 < fit["time"]["memory_bound_seconds"] <= fit["seconds_per_update"]
+
+
+def test_across_nodes_the_collectives_run_at_the_link_between_nodes_or_the_time_says_it_is_a_lower_bound(tmp_path):
+    trace = _with_ops(synthetic_trace(), micro=[["bf16", int(1e14), int(1e9), 10]], step=[], accum=16)
+    built_in = load_catalog()["H100-80GB"]
+    one_node = seconds_per_update(trace, built_in, "fsdp", 8, "bf16")
+    assert one_node["communication"] == {"link": "within one node at 900 GB/s per GPU", "lower_bound": False}
+    two_nodes = seconds_per_update(trace, built_in, "fsdp", 16, "bf16")
+    assert two_nodes["communication"]["lower_bound"] and "lower bound" in time_source(two_nodes)
+    user = tmp_path / "cat.yaml"
+    user.write_text("accelerators:\n  H100-80GB:\n    interconnect: {kind: NVLink4 + IB, per_gpu_gb_s: 900, "
+                    "gpus_per_node: 8, inter_node_gb_s: 50}\n")
+    told = seconds_per_update(trace, load_catalog(user)["H100-80GB"], "fsdp", 16, "bf16")
+    assert told["communication"] == {"link": "across 2 nodes at 50 GB/s per GPU", "lower_bound": False}
+    assert told["communication_seconds"] == pytest.approx(two_nodes["communication_seconds"] * 900 / 50)
+    assert "lower bound" not in time_source(told)

@@ -128,18 +128,37 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     step = trace["stages"][GateName.STEADY_STEP]
     flops = step["flops"]
     peak = acc.peak_flops(precision)
-    bw = float(acc.interconnect.get("per_gpu_gb_s", 0)) * 1e9
+    bw, link = collective_bandwidth(acc, gpus)
     comm = chosen.communication_seconds(trace, gpus, precision, bw)
     if utilisation is None and step.get("ops"):
-        return _roofline(trace, step, acc, chosen, gpus, peak, comm, micro_scale)
+        return {**_roofline(trace, step, acc, chosen, gpus, peak, comm, micro_scale), "communication": link}
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
     compute = flops / chosen.compute_replicas(gpus) / (peak * util)
     return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
+            "communication": link,
             "communication_model": "not overlapped with compute (an upper bound)", "model": "flops",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
             "bound": "compute" if compute >= comm else "communication"}
+
+
+def collective_bandwidth(acc: Accelerator, gpus: int) -> tuple[float, dict]:
+    """Bytes per second per GPU for the collectives of ``gpus`` devices, and which link that is: ``{"link",
+    "lower_bound"}``. Beyond one node (``interconnect.gpus_per_node``) the ring runs at the slower link between nodes
+    (``inter_node_gb_s``); without that figure the intra-node one is used and the time is a lower bound."""
+    per_node = int(acc.interconnect.get("gpus_per_node") or 8)
+    intra = float(acc.interconnect.get("per_gpu_gb_s", 0)) * 1e9
+    if gpus <= per_node:
+        return intra, {"link": f"within one node at {intra / 1e9:g} GB/s per GPU", "lower_bound": False}
+    nodes = math.ceil(gpus / per_node)
+    inter = acc.interconnect.get("inter_node_gb_s")
+    if inter:
+        return float(inter) * 1e9, {"link": f"across {nodes} nodes at {float(inter):g} GB/s per GPU",
+                                    "lower_bound": False}
+    return intra, {"link": f"across {nodes} nodes at the intra-node {intra / 1e9:g} GB/s per GPU: the catalog has no "
+                           f"interconnect.inter_node_gb_s for {acc.name}, so the time is a lower bound (add it in a "
+                           "--catalog file, e.g. 50 for 400 Gb/s per GPU)", "lower_bound": True}
 
 
 def _roofline(trace: dict, step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None,
@@ -178,9 +197,11 @@ def time_source(t: dict, measured: str | None = None) -> str:
         return f"{measured}; exact at the pilot's own strategy and micro batch, scaled by FLOPs elsewhere"
     if t.get("model") == "roofline":
         share = t["memory_bound_seconds"] / t["seconds"] if t.get("seconds") else 0
+        link = t.get("communication") or {}
+        lower = f"; communication {link['link']}" if link.get("lower_bound") else ""
         return (f"each op at {t['compute_efficiency']:.0%} of its dtype's peak or {t['bandwidth_efficiency']:.0%} of "
                 f"the memory bandwidth, whichever is slower ({share:.0%} of the update memory-bound); "
-                f"{t['efficiency_source']}")
+                f"{t['efficiency_source']}{lower}")
     if t.get("utilisation") is not None:
         return f"{t['utilisation']:.0%} of the dense peak (catalog default; the trace has no per-op costs)"
     return t.get("reason") or "no time estimate"
