@@ -239,7 +239,7 @@ def fit(results: list[dict], acc: Accelerator) -> dict:
         "reserved_margin": ({"fitted": max(margins), "median": statistics.median(margins), "n": len(margins)}
                             if margins else "not measured: no stage had both allocated and reserved counters"),
         "utilisation": ({"fitted": statistics.median(utils), "n": len(utils),
-                         "caveat": "tiny models are launch-bound: a floor, not a real job's utilisation"}
+                         "caveat": "the demo-sized models are launch-bound (a floor); read the 1B items per item"}
                         if utils else "not measured: no steady_step time against a datasheet peak"),
         "context_bytes": ({"fitted": int(statistics.median(contexts)), "n": len(contexts)}
                           if contexts else "not measured: no device-level used memory"),

@@ -50,6 +50,8 @@ def test_the_example_catalog_loads_with_prices():
     ("accelerators:\n  H100-80GB: {efficiency: {compute: 1.5, bandwidth: 0.8}}\n",
      "H100-80GB.*efficiency takes compute and bandwidth, each a share in \\(0, 1\\]"),
     ("accelerators:\n  H100-80GB: {efficiency: 0.7}\n", "efficiency takes compute and bandwidth"),
+    ("accelerators:\n  H100-80GB: {interconnect: {per_gpu_gb_s: 900, inter_node_gb_s: -50}}\n",
+     "H100-80GB.*interconnect.inter_node_gb_s must be a number >= 0"),
 ])
 def test_a_misspelt_or_wrong_catalog_key_is_named(tmp_path, text, match):
     path = tmp_path / "mine.yaml"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from enum import Enum
 
 from .. import strategies
 from ..config.sections import AC_POLICIES, ac_policy, ac_variant, ac_words
@@ -30,6 +31,13 @@ from ..ledger.records import GateName
 from .catalog import Accelerator
 from .measured import MeasuredFixes, seconds_with_recompute, with_measured_peak
 from .model import estimate_fit
+
+
+class MemorySource(str, Enum):
+    """Where a row's memory comes from: the fix's trace, or what ``pilotrun variants`` measured of it."""
+
+    TRACE = "trace"
+    MEASURED = "measured"
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,7 @@ def _row(c: Combination, fit: dict, base_s: float | None, changes: dict, experim
         "accelerator": fit["accelerator"], "strategy": fit["strategy"], "gpus": fit["gpus"],
         "device_used_bytes": fit["device_used_bytes"], "peak_allocated_bytes": fit["peak_allocated_bytes"],
         "capacity_bytes": fit["capacity_bytes"], "fits": fit["fits"], "seconds_per_update": s,
+        "memory_source": fit.get("memory_source", MemorySource.TRACE),
         "time_factor": (s / base_s) if s and base_s else None, "cheapest_that_fits": False,
     }
 
@@ -198,10 +207,9 @@ def _measured_memory(traces, c: Combination, strategy: str, utilisation: float |
     if ratio is None:
         return fit
     plain = estimate_fit(traces.get(), c.accelerator, strategy, c.gpus, utilisation=utilisation)
-    margin = float(c.accelerator.defaults.get("reserved_margin", 0.10))
-    out = {**fit, **with_measured_peak(plain, ratio, margin)}
-    why.append(f"memory: x{ratio:.2f} of the configuration without it, as measured there, applied "
-               f"(the trace predicted {fit['device_used_bytes'] / 2**30:.1f} GiB per device)")
+    out = {**fit, **with_measured_peak(plain, fit, ratio, c.accelerator), "memory_source": MemorySource.MEASURED}
+    why.append(f"memory: training x{ratio:.2f} of the configuration without it, as measured there, applied "
+               f"(the trace predicted {fit['device_used_bytes'] / 2**30:.1f} GiB per device; evaluation as traced)")
     return out
 
 

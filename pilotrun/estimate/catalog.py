@@ -140,6 +140,13 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
                 raise CatalogError(f"catalog entry {name!r}: {key} must be a number of your currency "
                                    f"per GPU per hour, e.g. 2.49; got {price!r}")
         price, spot = f.get("price_per_gpu_hour"), f.get("spot_price_per_gpu_hour")
+        link = f["interconnect"] if isinstance(f["interconnect"], dict) else None
+        bad_link = ("interconnect must be a mapping" if link is None else next(
+            (f"interconnect.{k} must be a number >= 0 (GB/s per GPU), e.g. 50; got {link[k]!r}"
+             for k in ("per_gpu_gb_s", "inter_node_gb_s") if link.get(k) is not None
+             and (isinstance(link[k], bool) or not isinstance(link[k], (int, float)) or link[k] < 0)), None))
+        if bad_link:
+            raise CatalogError(f"catalog entry {name!r}: {bad_link}")
         eff = f.get("efficiency") or {}
         share = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1)  # noqa: E731
         if eff and not (isinstance(eff, dict) and all(share(eff.get(k)) for k in ("compute", "bandwidth"))):

@@ -20,7 +20,7 @@ from ..ledger.details import VariantDetails
 from ..ledger.records import RunKind, Verdict
 from ..ledger.store import Ledger
 from .catalog import Accelerator, matches
-from .model import estimate_fit
+from .model import TRAINING, estimate_fit
 
 
 @dataclass(frozen=True)
@@ -54,23 +54,35 @@ class MeasuredFixes:
         return d.peak_ratio
 
 
-def with_measured_peak(plain: dict, ratio: float, margin: float) -> dict:
-    """``plain`` (the same configuration without the fix, estimate_fit's row) with its allocated peak x the measured
-    ``ratio``: reserved and device memory lose the same bytes with the reserved ``margin`` on them; fits follows."""
-    alloc = plain["peak_allocated_bytes"] * ratio
-    saved = (plain["peak_allocated_bytes"] - alloc) * (1 + margin)
-    device = plain["device_used_bytes"] - saved
-    return {"peak_allocated_bytes": int(alloc), "peak_reserved_bytes": int(plain["peak_reserved_bytes"] - saved),
-            "device_used_bytes": int(device), "fits": device <= plain["capacity_bytes"]}
+def with_measured_peak(plain: dict, fixed: dict, ratio: float, acc: Accelerator) -> dict:
+    """The fix's row with the training stages measured: ``plain`` (estimate_fit of the job without the fix) x the
+    measured peak ``ratio``, the library workspaces kept out of the ratio, the bytes saved taken off reserved and
+    device memory with the reserved margin on them. The variants measured updates, not evaluation: the eval stage
+    stays as ``fixed`` (the fix's own trace) has it, and the row is its worst stage."""
+    margin = float(acc.defaults.get("reserved_margin", 0.10))
+    workspaces = acc.blas_workspace_bytes * 2   # training: forward and autograd threads, as model.stage_memory
+    stages = dict(fixed["stages"])
+    for name in TRAINING:
+        p = plain["stages"][name]
+        alloc = (p["peak_allocated_bytes"] - workspaces) * ratio + workspaces
+        saved = (p["peak_allocated_bytes"] - alloc) * (1 + margin)
+        stages[name] = {**p, "peak_allocated_bytes": int(alloc), "measured_ratio": ratio,
+                        "peak_reserved_bytes": int(p["peak_reserved_bytes"] - saved),
+                        "device_used_bytes": int(p["device_used_bytes"] - saved)}
+    worst = max(stages, key=lambda s: stages[s]["device_used_bytes"])
+    return {"stages": stages, "limiting_stage": worst, "fits": stages[worst]["device_used_bytes"] <= acc.memory_bytes,
+            **{k: stages[worst][k] for k in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")}}
 
 
 def seconds_with_recompute(traces, acc: Accelerator, strategy: str, gpus: int, utilisation: float | None,
-                           micro_scale: float, ratio: float, precision: str | None = None) -> float | None:
+                           micro_scale: float, ratio: float, precision: str | None = None,
+                           micro_batches: int | None = None) -> float | None:
     """A configuration's time per update with checkpointing as measured: the same configuration traced without
     checkpointing (at ``precision``, None: the spec's), timed as the estimate does, x the measured recompute
     ``ratio``. None where that time is unknown (no peak for the precision)."""
     plain = traces.get(ac=False, precision=precision)
-    s = estimate_fit(plain, acc, strategy, gpus, utilisation=utilisation, micro_scale=micro_scale)["seconds_per_update"]
+    s = estimate_fit(plain, acc, strategy, gpus, utilisation=utilisation, micro_scale=micro_scale,
+                     micro_batches=micro_batches)["seconds_per_update"]
     return s * ratio if s else None
 
 

@@ -111,33 +111,46 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
             "device_used_bytes": int(device_used), "corrections": corrections, "limiting_phase": phase}
 
 
+def micro_batches_per_gpu(trace: dict, replicas: int, micro_scale: float = 1.0) -> int:
+    """The whole micro batches each of ``replicas`` devices runs in one update, at least one: the update's examples
+    (the traced micro batch x the accumulation) at a micro batch ``micro_scale`` times the traced one."""
+    return max(1, math.ceil(trace.get("grad_accum_steps", 1) / (replicas * micro_scale) - 1e-9))
+
+
 def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str,
-                       utilisation: float | None = None, micro_scale: float = 1.0) -> dict:
+                       utilisation: float | None = None, micro_scale: float = 1.0,
+                       micro_batches: int | None = None) -> dict:
     """Seconds of one update on ``gpus`` of ``acc``: compute plus communication (not overlapped).
 
     Compute is each traced op's larger of FLOPs and bytes (ops.roofline_seconds) at the accelerator's compute and
     bandwidth efficiencies: the micro batch's ops x the accumulation over the devices that split the update, plus
     the optimizer step over the devices that split it (all of them when it shards, else each runs all of it). Each
     device runs whole micro batches: at ``micro_scale`` (another micro batch, examples per update held) the traced
-    micro batch's costs are scaled linearly and counted once per micro batch a device runs, at least one. A
-    ``utilisation`` measured by a pilot on this accelerator replaces it: FLOPs over the dense peak x that share,
-    which gives back the time the pilot measured at its own configuration and scales it by FLOPs elsewhere. A trace
-    without per-op costs (written before them) takes the FLOPs at the catalog's default utilisation, and says so.
+    micro batch's costs are scaled linearly and counted once per micro batch a device runs, at least one
+    (``micro_batches`` gives that count where the caller arranged it, e.g. a sheet row). A ``utilisation`` measured
+    by a pilot on this accelerator replaces the per-op model: each device's FLOPs over the dense peak x that share,
+    scaled by FLOPs from the pilot's configuration to this one. A trace without per-op costs (written before them)
+    takes the FLOPs at the catalog's default utilisation, and says so.
     """
     chosen = strategies.get(strategy)
     step = trace["stages"][GateName.STEADY_STEP]
     flops = step["flops"]
     peak = acc.peak_flops(precision)
+    per_device = micro_batches or micro_batches_per_gpu(trace, chosen.compute_replicas(gpus), micro_scale)
+    share = per_device * micro_scale   # traced micro batches' worth of work on each device
     bw, link = collective_bandwidth(acc, gpus)
-    comm = chosen.communication_seconds(trace, gpus, precision, bw)
+    comm = chosen.communication_seconds(trace, gpus, precision, bw, per_device)
+    # The FLOPs one device runs: the traced micro batch's (the update's / the accumulation) x its share.
+    device_flops = flops / max(1, trace.get("grad_accum_steps", 1)) * share
     if utilisation is None and step.get("ops"):
-        return {**_roofline(trace, step, acc, chosen, gpus, peak, comm, micro_scale), "communication": link}
+        return {**_roofline(step, acc, chosen, gpus, peak, comm, per_device, share, device_flops),
+                "communication": link}
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
-    compute = flops / chosen.compute_replicas(gpus) / (peak * util)
+    compute = device_flops / (peak * util)
     return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
-            "communication": link,
+            "communication": link, "micro_batches_per_gpu": per_device,
             "communication_model": "not overlapped with compute (an upper bound)", "model": "flops",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
             "bound": "compute" if compute >= comm else "communication"}
@@ -161,17 +174,13 @@ def collective_bandwidth(acc: Accelerator, gpus: int) -> tuple[float, dict]:
                            "--catalog file, e.g. 50 for 400 Gb/s per GPU)", "lower_bound": True}
 
 
-def _roofline(trace: dict, step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None,
-              comm: float, micro_scale: float) -> dict:
+def _roofline(step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None, comm: float, per_device: int,
+              share: float, device_flops: float) -> dict:
     eff = acc.efficiencies()
     micro = roofline_seconds(step["ops"], acc, eff.compute, eff.bandwidth)
     opt = roofline_seconds(step.get("optimizer_ops") or [], acc, eff.compute, eff.bandwidth)
     if micro["seconds"] is None or opt["seconds"] is None:
         return {"seconds": None, "reason": micro.get("reason") or opt.get("reason")}
-    # The update's micro batches (examples per update held at another micro batch) over the devices, whole ones.
-    per_device = max(1, math.ceil(trace.get("grad_accum_steps", 1) / (chosen.compute_replicas(gpus) * micro_scale)
-                                  - 1e-9))
-    share = per_device * micro_scale   # the traced micro batch's costs, scaled linearly to the one run
     step_replicas = chosen.optimizer_replicas(gpus)
     opt_s = opt["seconds"] / step_replicas
     compute = micro["seconds"] * share + opt_s
@@ -186,36 +195,36 @@ def _roofline(trace: dict, step: dict, acc: Accelerator, chosen, gpus: int, peak
             "flops_per_update": flops, "peak_flops": peak,
             # The share of the dense peak the whole update reaches (MFU-like, recompute included): what a pilot's
             # measured utilisation is compared with.
-            "utilisation": (flops / chosen.compute_replicas(gpus) / (compute * peak)) if (peak and compute) else None,
+            "utilisation": (device_flops / (compute * peak)) if (peak and compute) else None,
             "compute_efficiency": eff.compute, "bandwidth_efficiency": eff.bandwidth,
             "efficiency_source": eff.source, "bound": bound}
 
 
 def time_source(t: dict, measured: str | None = None) -> str:
     """How a row's time was reached, for a person: the pilot that measured it, or the model and its figures."""
+    link = t.get("communication") or {}
+    lower = f"; communication {link['link']}" if link.get("lower_bound") else ""
     if measured:
-        return f"{measured}; exact at the pilot's own strategy and micro batch, scaled by FLOPs elsewhere"
+        return f"{measured}; scaled by FLOPs from the pilot's configuration to this one{lower}"
     if t.get("model") == "roofline":
         share = t["memory_bound_seconds"] / t["seconds"] if t.get("seconds") else 0
-        link = t.get("communication") or {}
-        lower = f"; communication {link['link']}" if link.get("lower_bound") else ""
         return (f"each op at {t['compute_efficiency']:.0%} of its dtype's peak or {t['bandwidth_efficiency']:.0%} of "
                 f"the memory bandwidth, whichever is slower ({share:.0%} of the update memory-bound); "
                 f"{t['efficiency_source']}{lower}")
     if t.get("utilisation") is not None:
-        return f"{t['utilisation']:.0%} of the dense peak (catalog default; the trace has no per-op costs)"
+        return f"{t['utilisation']:.0%} of the dense peak (catalog default; the trace has no per-op costs){lower}"
     return t.get("reason") or "no time estimate"
 
 
 def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str | None = None,
-                 utilisation: float | None = None, micro_scale: float = 1.0) -> dict:
+                 utilisation: float | None = None, micro_scale: float = 1.0, micro_batches: int | None = None) -> dict:
     """One row of the ``fits`` table: the largest stage's per-rank peaks against capacity, and time."""
     if not strategies.get(strategy).multi_process and gpus != 1:
         raise ValueError(f"strategy {strategy} uses one GPU")
     precision = precision or trace["precision"]
     stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale) for s in STAGES}
     worst = max(STAGES, key=lambda s: stages[s]["device_used_bytes"])
-    t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale)
+    t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale, micro_batches)
     return {
         "accelerator": acc.name, "strategy": strategy, "gpus": gpus, "precision": precision,
         "peak_allocated_bytes": stages[worst]["peak_allocated_bytes"],

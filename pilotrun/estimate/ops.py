@@ -77,21 +77,20 @@ def _no_flops(*args: Any, **kwargs: Any) -> int:
     return 0
 
 
+# Ops a device runs as one kernel that FlopCounterMode would still run as their generic decomposition (it decomposes
+# every op without a FLOP formula that has one): silu_backward, in every SwiGLU MLP, became seven element-wise ops and
+# six times its bytes. None of them multiplies matrices, so a zero-FLOP formula keeps each whole. (On torch 2.13 these
+# are every aten op with both a CPU kernel and a CompositeImplicitAutograd one.)
+_WHOLE = ("silu_backward", "mish_backward", "native_channel_shuffle")
+
+
 @cache
 def _kept_whole() -> dict:
-    """Ops with a CPU/CUDA kernel that FlopCounterMode would still run as their generic decomposition (it decomposes
-    every op without a FLOP formula that has one): silu_backward, in every SwiGLU MLP, became seven element-wise ops
-    and six times its bytes. A zero-FLOP formula keeps each whole, as the device runs it."""
     kept = {}
-    for qualified in torch._C._dispatch_get_all_op_names():
-        ns, _, op = qualified.partition("::")
-        has = torch._C._dispatch_has_kernel_for_dispatch_key
-        if ns != "aten" or not has(qualified, "CompositeImplicitAutograd"):
-            continue
-        if has(qualified, "CPU") or has(qualified, "CUDA"):
-            name, _, overload = op.partition(".")
-            packet = getattr(torch.ops.aten, name)
-            kept[getattr(packet, overload or "default")] = _no_flops
+    for name in _WHOLE:
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            kept[getattr(packet, overload)] = _no_flops
     return kept
 
 
@@ -111,9 +110,11 @@ class OpCosts(FlopCounterMode):
         namespace, _, name = str(func_packet).partition(".")
         if namespace == "prim" or name in _ALLOCATE_ONLY:
             return out   # metadata queries (tensor.device) and allocations move nothing
-        given = _tensors(kwargs.get("out"))   # out=: written, not read
-        inputs = [t for t in {id(t): t for t in _tensors((args, kwargs))}.values()   # x * x reads x once
-                  if not any(t is g for g in given)]
+        written_names = {n for _, n in _written_arguments(func_packet)}
+        out_kwargs = {k: v for k, v in kwargs.items() if k in written_names}   # out=, values=/indices=: written
+        given = _tensors(out_kwargs)
+        inputs = list({id(t): t for t in _tensors((args, {k: v for k, v in kwargs.items() if k not in out_kwargs}))}
+                      .values())   # x * x reads x once; mul(x, y, out=x) reads x and writes it
         outputs = _tensors(out)
         in_place = name.endswith("_")
         read_from = {_storage(t) for t in inputs}

@@ -67,7 +67,7 @@ def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict,
 
 
 def _measured_recompute(spec, traces, trace: dict, acc: Accelerator, strategy: str, gpus: int,
-                        util: float | None, scale: float, ledger) -> tuple[float, str] | None:
+                        util: float | None, scale: float, ledger, micro_batches: int) -> tuple[float, str] | None:
     """The time per update with checkpointing as ``pilotrun variants`` measured it on this accelerator (the same
     configuration without checkpointing x the measured ratio) and the step saying so; None when nothing measured
     the trace's policy, or when it was measured on another device (the FLOPs ratio stands)."""
@@ -76,7 +76,8 @@ def _measured_recompute(spec, traces, trace: dict, acc: Accelerator, strategy: s
     if policy is None or measured is None:
         return None
     ratio, said = measured.time_factor(ac_variant(policy), acc)
-    s = seconds_with_recompute(traces, acc, strategy, gpus, util, scale, ratio) if ratio is not None else None
+    s = (seconds_with_recompute(traces, acc, strategy, gpus, util, scale, ratio, micro_batches=micro_batches)
+         if ratio is not None else None)
     return (s, f"{ac_words(policy)}: {said}, instead of the FLOPs ratio") if s else None
 
 
@@ -101,11 +102,12 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
     accum = max(1, per_rank // mb)
     util, util_source = calibrated_utilisation(ledger, spec.config_hash(), acc,
                                                trace["stages"][GateName.STEADY_STEP]["flops"], t.precision)
-    fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size)
+    fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size,
+                       micro_batches=accum)  # the row's own micro batches per GPU, timed as the row says
     s = fit["seconds_per_update"] if fit["fits"] else None
     recompute = None
     if s is not None and (said := _measured_recompute(spec, traces, trace, acc, strategy, gpus, util,
-                                                      mb / t.micro_batch_size, ledger)):
+                                                      mb / t.micro_batch_size, ledger, accum)):
         s, recompute = said
         steps.append(recompute)
     verified = _verified_by(ledger, acc)

@@ -185,8 +185,10 @@ class Strategy(ABC):
     def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool) -> tuple[float, list[dict]]:
         """Per-rank bytes of one traced stage's tensors under this strategy, and the corrections that made them."""
 
-    def communication_seconds(self, trace: dict, gpus: int, precision: str, bytes_per_second: float) -> float:
-        """Seconds per update spent communicating (not overlapped with compute: an upper bound)."""
+    def communication_seconds(self, trace: dict, gpus: int, precision: str, bytes_per_second: float,
+                              micro_batches: int = 1) -> float:
+        """Seconds per update spent communicating (not overlapped with compute: an upper bound), each GPU running
+        ``micro_batches`` micro batches in the update."""
         return 0.0
 
 

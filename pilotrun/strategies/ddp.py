@@ -50,7 +50,7 @@ class DDP(DistributedCheckpoint):
             "DDP gradient buckets", buckets, "allocated",
             "DDP keeps a flat copy of every gradient for all-reduce (gradient_as_bucket_view=False)")]
 
-    def communication_seconds(self, trace, gpus, precision, bytes_per_second):
+    def communication_seconds(self, trace, gpus, precision, bytes_per_second, micro_batches=1):
         if gpus < 2 or not bytes_per_second:
             return 0.0
         return 2 * trace["gradient_bytes"] * (gpus - 1) / gpus / bytes_per_second  # one all-reduce per update

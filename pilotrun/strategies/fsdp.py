@@ -1,8 +1,6 @@
 """FSDP2: ``fully_shard`` on every repeated block and the root; parameters, gradients and optimizer state sharded."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -66,11 +64,11 @@ class FSDP(DistributedCheckpoint):
                                           "made"))
         return sharded + stage.buffers + stage.activations + inflight, corrections
 
-    def communication_seconds(self, trace, gpus, precision, bytes_per_second):
+    def communication_seconds(self, trace, gpus, precision, bytes_per_second, micro_batches=1):
         if gpus < 2 or not bytes_per_second:
             return 0.0
         # Parameters gathered (in the compute dtype) for forward and again for backward, fp32 gradients
         # reduce-scattered, on every micro batch this rank runs.
-        micro_steps = max(1, math.ceil(trace.get("grad_accum_steps", 1) / gpus))
+        micro_steps = max(1, micro_batches)
         compute_bytes = trace["parameter_bytes"] * (0.5 if precision in ("bf16", "fp16") else 1.0)
         return micro_steps * (2 * compute_bytes + trace["gradient_bytes"]) * (gpus - 1) / gpus / bytes_per_second
