@@ -246,7 +246,7 @@ def test_a_measured_peak_replaces_the_training_stages_and_evaluation_stays_as_tr
 
     def stage(alloc):
         return {"peak_allocated_bytes": alloc, "peak_reserved_bytes": int(alloc * 1.1),
-                "device_used_bytes": int(alloc * 1.1) + acc.context_bytes}
+                "device_used_bytes": int(alloc * 1.1) + acc.context_bytes, "workspace_bytes": ws}
 
     plain = {"stages": {"first_step": stage(60 * gib), "steady_step": stage(70 * gib), "eval": stage(20 * gib)}}
     fixed = {"stages": {"first_step": stage(50 * gib), "steady_step": stage(55 * gib), "eval": stage(45 * gib)}}

@@ -247,6 +247,14 @@ def ac_policy(value: bool | str | None) -> str | None:
     raise ValueError(f"expected false, true, full, selective or every-N (N >= 2), got {value!r}")
 
 
+def ac_spec_value(policy: str | None) -> bool | str:
+    """A policy as ``train.activation_checkpointing`` holds it (the inverse of :func:`ac_policy`): None is
+    ``false``, full is ``true`` (as the spec has always said it), the others their names."""
+    if policy is None:
+        return False
+    return True if policy == "full" else policy
+
+
 def ac_variant(policy: str) -> str:
     """The `pilotrun variants` variant that runs a policy (a name in BUILTIN_VARIANTS)."""
     return "checkpointing" if policy == "full" else f"checkpointing-{policy}"
@@ -296,7 +304,7 @@ class TrainSpec:
                 policy = ac_policy(ac)
             except ValueError:
                 return data
-            return {**data, "activation_checkpointing": True if policy == "full" else policy}
+            return {**data, "activation_checkpointing": ac_spec_value(policy)}
         return data
 
     def check(self):

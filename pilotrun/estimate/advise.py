@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .. import strategies
-from ..config.sections import AC_POLICIES, ac_policy, ac_variant, ac_words
+from ..config.sections import AC_POLICIES, ac_policy, ac_spec_value, ac_variant, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator
 from .measured import MeasuredFixes, seconds_with_recompute, with_measured_peak
@@ -103,11 +103,6 @@ RECOMPUTES = {"full": "the forward is recomputed in backward",
               "every-2": "one block in 2 is recomputed in backward"}
 
 
-def _spec_value(policy: str) -> bool | str:
-    """The policy as train.activation_checkpointing takes it (full: true, as the spec has always said it)."""
-    return True if policy == "full" else policy
-
-
 # The only keys a fix may change (docs/architecture.md "fix order"); model.* (adapter, quantization) never.
 FIX_KEYS = frozenset({"accelerator", "distributed.strategy", "gpus", "train.precision",
                       "train.activation_checkpointing", "train.micro_batch_size", "train.grad_accum_steps"})
@@ -139,7 +134,7 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
     variants`` measured checkpointing's recompute cost on this accelerator, that ratio replaces the FLOPs ratio in
     the time; elsewhere the measurement is quoted beside the prediction."""
     t = spec.train
-    trace = traces.get(ac=_spec_value(c.checkpointing) if c.checkpointing else None,
+    trace = traces.get(ac=ac_spec_value(c.checkpointing) if c.checkpointing else None,
                        precision="bf16" if c.precision else None)
     strat = strategies.sharding().name if c.shard_level else strategy
     util = utilisation if not c.accelerator_level else None  # a pilot's utilisation is per accelerator
@@ -160,7 +155,7 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
                    "stepped once per update")
     recompute = None
     if c.checkpointing:
-        changes["train.activation_checkpointing"] = _spec_value(c.checkpointing)
+        changes["train.activation_checkpointing"] = ac_spec_value(c.checkpointing)
         base_flops = traces.get()["stages"][GateName.STEADY_STEP]["flops"]
         flops = f"{trace['stages'][GateName.STEADY_STEP]['flops'] / base_flops:.2f}x FLOPs"
         what = RECOMPUTES[c.checkpointing]

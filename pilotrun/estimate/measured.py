@@ -56,15 +56,15 @@ class MeasuredFixes:
 
 def with_measured_peak(plain: dict, fixed: dict, ratio: float, acc: Accelerator) -> dict:
     """The fix's row with the training stages measured: ``plain`` (estimate_fit of the job without the fix) x the
-    measured peak ``ratio``, the library workspaces kept out of the ratio, the bytes saved taken off reserved and
-    device memory with the reserved margin on them. The variants measured updates, not evaluation: the eval stage
-    stays as ``fixed`` (the fix's own trace) has it, and the row is its worst stage."""
+    measured peak ``ratio``, the library workspaces (each stage's ``workspace_bytes``) kept out of the ratio, the
+    bytes saved taken off reserved and device memory with the reserved margin on them. The variants measured
+    updates, not evaluation: the eval stage stays as ``fixed`` (the fix's own trace) has it, and the row is its worst
+    stage."""
     margin = float(acc.defaults.get("reserved_margin", 0.10))
-    workspaces = acc.blas_workspace_bytes * 2   # training: forward and autograd threads, as model.stage_memory
     stages = dict(fixed["stages"])
     for name in TRAINING:
         p = plain["stages"][name]
-        alloc = (p["peak_allocated_bytes"] - workspaces) * ratio + workspaces
+        alloc = (p["peak_allocated_bytes"] - p["workspace_bytes"]) * ratio + p["workspace_bytes"]
         saved = (p["peak_allocated_bytes"] - alloc) * (1 + margin)
         stages[name] = {**p, "peak_allocated_bytes": int(alloc), "measured_ratio": ratio,
                         "peak_reserved_bytes": int(p["peak_reserved_bytes"] - saved),

@@ -108,7 +108,8 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
         corrections.append(correction("collective buffers", comm, "device",
                                       f"{'RCCL' if acc.stack == 'rocm' else 'NCCL'} buffers for one communicator"))
     return {"peak_allocated_bytes": int(allocated), "peak_reserved_bytes": int(reserved),
-            "device_used_bytes": int(device_used), "corrections": corrections, "limiting_phase": phase}
+            "device_used_bytes": int(device_used), "corrections": corrections, "limiting_phase": phase,
+            "workspace_bytes": workspaces}
 
 
 def micro_batches_per_gpu(trace: dict, replicas: int, micro_scale: float = 1.0) -> int:

@@ -53,19 +53,22 @@ def _storage(t: torch.Tensor) -> int:
 
 @cache
 def _written_arguments(packet: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the arguments an in-place op writes, from its schema: add_ writes self, _fused_adamw_
-    self, grads (it may unscale them in place: counted, an over-count of one gradient's bytes) and both moments."""
+    """(position, name) of the arguments an op's schema says it writes, from its first overload that writes any:
+    add_ writes self; _fused_adamw_ self, grads (it may unscale them in place: counted, an over-count of one
+    gradient's bytes) and both moments; mul's out overload out, sort's values and indices. () when none does."""
     overloads = [getattr(packet, n) for n in packet.overloads()] if hasattr(packet, "overloads") else []
     for o in overloads:
         written = tuple((i, a.name) for i, a in enumerate(o._schema.arguments)
                         if a.alias_info is not None and a.alias_info.is_write)
         if written:
             return written
-    return ((0, "self"),)
+    return ()
 
 
 def _written_bytes(packet: Any, args: tuple, kwargs: dict) -> int:
-    parts = [args[i] if i < len(args) else kwargs.get(name) for i, name in _written_arguments(packet)]
+    """What an in-place op writes back: the arguments its schema mutates (its first argument when it names none)."""
+    parts = [args[i] if i < len(args) else kwargs.get(name)
+             for i, name in _written_arguments(packet) or ((0, "self"),)]
     return _nbytes(_tensors(parts))
 
 
@@ -151,7 +154,7 @@ def roofline_seconds(rows: list[list], acc: Accelerator, compute_efficiency: flo
         by_bytes = b / bandwidth
         by_flops = 0.0
         if f:
-            peak = acc.peak_flops(dtype) or (acc.peak_flops("fp32") if dtype == "fp32" else None)
+            peak = acc.peak_flops(dtype)
             if not peak:
                 return {"seconds": None, "reason": f"{acc.name} has no {dtype} peak in the catalog"}
             by_flops = f / (peak * compute_efficiency)

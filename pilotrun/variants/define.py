@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.sections import AC_POLICIES, BUILTIN_VARIANTS, ac_policy, ac_variant, ac_words
+from ..config.sections import AC_POLICIES, BUILTIN_VARIANTS, ac_policy, ac_spec_value, ac_variant, ac_words
 from ..config.spec import dotted
 from ..ledger.records import TextEnum
 
@@ -76,7 +76,7 @@ def builtin(name: str, spec) -> Variant | Skipped:
         if ac_policy(t.activation_checkpointing) == policy:
             return Skipped(name, f"the control already uses it (train.activation_checkpointing: "
                                  f"{t.activation_checkpointing})")
-        return Variant(name, Kind.MEMORY_FIX, {"train.activation_checkpointing": True if policy == "full" else policy},
+        return Variant(name, Kind.MEMORY_FIX, {"train.activation_checkpointing": ac_spec_value(policy)},
                        f"{ac_words(policy)}: recompute activations in backward")
     if name in ("bf16", "fp16", "bf16-true"):
         if t.precision == name:
