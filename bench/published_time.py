@@ -56,18 +56,25 @@ def flops_only_seconds(fit: dict, default_utilisation: float) -> float | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jobs", type=Path, default=JOBS)
-    ap.add_argument("--only", default="")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=Path, default=JOBS,
+                    help="a YAML file of published jobs in bench/published/times.yaml's format (its specs beside it)")
+    ap.add_argument("--only", default="", help="run only the jobs whose name contains this text")
     args = ap.parse_args()
-    data = yaml.safe_load(args.jobs.read_text())
+    try:
+        data = yaml.safe_load(args.jobs.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"--jobs {args.jobs}: cannot read it ({exc}); give a file in the format of "
+                         f"{JOBS.relative_to(REPO)}") from None
+    jobs = [j for j in (data or {}).get("jobs", []) if args.only in j.get("name", "")]
+    if not jobs:
+        raise SystemExit(f"--jobs {args.jobs}: no job" + (f" whose name contains {args.only!r}" if args.only else "")
+                         + f"; each is an entry under jobs: as in {JOBS.relative_to(REPO)}")
     catalog = load_catalog()
     rows = []
     print(f"{'job':52} {'published':>9} {'estimate':>9} {'ratio':>6} {'memory-bound':>12} {'flops-only':>10} "
           f"{'ratio':>6}  efficiency from")
-    for job in data["jobs"]:
-        if args.only and args.only not in job["name"]:
-            continue
+    for job in jobs:
         est = estimate(args.jobs.parent / job["spec"], job)
         fit = est["fits"][0]
         t = fit["time"]
