@@ -11,12 +11,14 @@ from rich.text import Text
 from .. import strategies
 from ..config.load import load_spec
 from ..config.sections import ac_policy
+from ..config.spec import Spec
 from ..estimate.advise import advise
 from ..estimate.cache import CACHE_ENV, TraceCache
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import adapter_line, adapter_view
 from ..estimate.measured import measured_fixes
 from ..estimate.model import estimate_fit, time_source
+from ..estimate.program_job import ProgramJob, Source, is_program_spec, load_job
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
 from ..humanize import at_length, human_bytes, human_seconds, money
@@ -25,14 +27,18 @@ from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, 
 
 HELP = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml
+  pilotrun estimate examples/hf-trainer/pilot.yaml --set model.config.n_layer=24 --set data.max_length=2048
   pilotrun estimate pilot.yaml --accelerator H100-80GB --gpus 4 --strategy fsdp
   pilotrun estimate pilot.yaml --accelerator a100 --json
   pilotrun estimate pilot.yaml --catalog my-gpus.yaml      # add or override accelerators (prices too)
 
 Nothing is allocated and no weights or data files are read: the model is built on the meta device and
-traced with fake tensors in a separate process. Without --gpus, DDP and FSDP are shown over 2, 4 and 8 GPUs.
-Traces are cached as JSON under $PILOTRUN_CACHE/traces (default ~/.cache/pilotrun/traces), shared with
-select and plan; --no-trace-cache traces again and replaces the cached entry."""
+traced with fake tensors in a separate process. A program spec (program:) is described by its program: run
+once until it describes its job (the transformers/Lightning callback at train begin, or job.describe), before
+its first update; the spec's model/data/train and --set override what it said. Without --gpus, DDP and FSDP are
+shown over 2, 4 and 8 GPUs. Traces (and a program's description) are cached as JSON under $PILOTRUN_CACHE
+(default ~/.cache/pilotrun), shared with select and plan; --no-trace-cache traces (and describes) again and
+replaces the cached entry."""
 
 
 def add_parser(sub) -> None:
@@ -58,7 +64,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    spec = load_spec(args.spec, args.overrides, check_files=False)
+    spec, job = load_estimated(args, quiet=args.json)
     try:
         catalog = load_catalog(args.catalog)
         accs = [find(catalog, a) for a in args.accelerator] or list(catalog.values())
@@ -117,13 +123,45 @@ def main(args) -> int:
                                           "utilisation_source")}
                        | {"corrections": f["stages"][f["limiting_stage"]]["corrections"] + f["notes"],
                           "time": f["time"]} for f in fits],
-              "advice": advice}
+              "advice": advice, "program": job.to_dict() if job is not None else None}
     if args.json:
         print(json.dumps(report, indent=1, default=str))
         return 0
+    if job is not None:
+        print_program_job(console, job)
     _print(console, spec, trace, report)
     print_trace_notes(traces)
     return 0
+
+
+def load_estimated(args, quiet: bool) -> tuple[Spec, ProgramJob | None]:
+    """The spec to trace: as written, or for a program spec the job the program describes (run once, cached) under
+    what the spec and ``--set`` write."""
+    if not is_program_spec(args.spec):
+        return load_spec(args.spec, args.overrides, check_files=False), None
+    with (err_console().status("describing the program's job (running it until it describes its model, before its "
+                               "first update)...") if not quiet else contextlib.nullcontext()):
+        job = load_job(args.spec, args.overrides, refresh=getattr(args, "no_trace_cache", False))
+    return job.spec, job
+
+
+def print_program_job(console, job: ProgramJob) -> None:
+    """Where each value of a program's estimated job came from, grouped: the program, the spec, --set, assumed."""
+    f = job.facts
+    console.print(Text.assemble(("the program's job ", "bold"), f"({f.framework}: {f.model_class.rsplit('.', 1)[-1]}, "
+                                f"{f.parameters:,} parameters, {f.trainable_parameters:,} trainable, "
+                                f"{f.world_size} process(es)); {job.described}"))
+    for source in Source:
+        facts = [x for x in job.provenance if x.source is source]
+        if not facts:
+            continue
+        console.print(Text(f"  from {source}:" if source is not Source.ASSUMED else "  assumed:",
+                           style="yellow" if source is Source.ASSUMED else "bold"))
+        for x in facts:
+            console.print(Text(f"    {x.line(source=False)}", style="yellow" if source is Source.ASSUMED else ""),
+                          highlight=False)
+    for note in f.notes:
+        console.print(Text(f"  {note}", style="dim"))
 
 
 def _ac_flag(value: str | None) -> bool | str | None:

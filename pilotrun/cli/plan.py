@@ -8,13 +8,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ..config.load import load_spec
 from ..estimate.experiments import adapter_line
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
 from ..estimate.source import model_download
 from ..humanize import money
 from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
-from .estimate import add_trace_cache_arg, print_trace_notes
+from .estimate import add_trace_cache_arg, load_estimated, print_program_job, print_trace_notes
 from .select import build_sheet
 from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
 
@@ -80,7 +79,7 @@ def main(args) -> int:
         if value < 0:
             raise UsageError(f"{flag} must be 0 or more, got {value}")
     check_args(args)
-    spec = load_spec(args.spec, args.overrides, check_files=False)
+    spec, job = load_estimated(args, quiet=args.json)
     rows, traces = build_sheet(spec, args, None, args.json)
     ledger = ledger_if_present(args.ledger)
     a = Assumptions(download_mb_s=args.download_mb_s, egress_mb_s=args.egress_mb_s, evals_per_run=args.evals,
@@ -101,50 +100,58 @@ def main(args) -> int:
              if args.skypilot is not None else None)
     if args.json:
         print(json.dumps({"spec": spec.source, "runs": args.runs, "assumptions": a.to_dict(), "accelerators": out,
-                          "trace_cache": traces.notes, "skypilot": str(args.skypilot) if wrote else None},
+                          "trace_cache": traces.notes, "skypilot": str(args.skypilot) if wrote else None,
+                          "program": job.to_dict() if job is not None else None},
                          indent=1, default=str))
         if wrote:
             err_console().print(escape(wrote), highlight=False)
         return 0
     print_trace_notes(traces)
     console = out_console()
+    if job is not None:
+        print_program_job(console, job)
     for item in out:
-        row, per_run = item["configuration"], item["per_run"]
-        if per_run is None:
-            console.print(Text.assemble((item["accelerator"], "bold cyan"), " · ", (item["verdict"], "red")))
-            console.print(Text("  " + "; ".join(row["steps"]), style="dim"))
-            console.print()
-            continue
-        console.print(Text.assemble((item["accelerator"], "bold cyan"),
-                                    f" · {row['strategy']} x{row['gpus']}"
-                                    f"{' + AC' if row['activation_checkpointing'] else ''}"
-                                    f" · micro batch {row['micro_batch_size']} x {row['grad_accum_steps']}"
-                                    f" · {'fits' if row['fits'] else 'DOES NOT FIT'}"))
-        if row.get("adapter"):
-            console.print(Text("  " + adapter_line(row["adapter"]), style="dim"))
-        t = Table(box=None, header_style="bold")
-        t.add_column("item")
-        t.add_column("hours", justify="right")
-        t.add_column("cost", justify="right")
-        t.add_column("from")
-        for i in per_run["items"]:
-            t.add_row(i["item"], f"{i['hours']:.2f}" if i["hours"] is not None else "?", money(i["cost"]), i["from"])
-        runs_cost = per_run["cost"] * args.runs if per_run["cost"] is not None else None
-        t.add_row(Text("one run", style="bold"), Text(f"{per_run['hours']:.1f}", style="bold"),
-                  Text(money(per_run["cost"]), style="bold"),
-                  f"x {args.runs} run(s) = {per_run['hours'] * args.runs:.1f} h, {money(runs_cost)}")
-        console.print(t)
-        if per_run["cost_note"]:
-            console.print(Text("  " + per_run["cost_note"], style="dim"))
-        for p in item["plans"]:
-            verdict = Text("fits", style="green") if p["fits_with_margin"] else Text("too short", style="red")
-            cost = (f", rental {money(p['cost'])} (the runs themselves: {money(p['work_cost'])})" if p.get("cost")
-                    else "")
-            console.print(Text.assemble(f"  {p['days']:>2} days on {p['gpus']} GPU(s){cost}: ", verdict,
-                                        f" ({p['runs_that_fit']} run(s) fit with a 20% margin)"
-                                        + (f"; {'; '.join(p['advice'])}" if p["advice"] else "")))
-        console.print(Text(f"  more GPUs? {item['more_gpus']}", style="dim"))
-        console.print()
+        _print_item(console, item, args.runs)
     if wrote:
         console.print(Text(wrote, style="bold"))
     return 0
+
+
+def _print_item(console, item: dict, runs: int) -> None:
+    """One accelerator's plan: its configuration, the per-run items, the rental plans."""
+    row, per_run = item["configuration"], item["per_run"]
+    if per_run is None:
+        console.print(Text.assemble((item["accelerator"], "bold cyan"), " · ", (item["verdict"], "red")))
+        console.print(Text("  " + "; ".join(row["steps"]), style="dim"))
+        console.print()
+        return
+    console.print(Text.assemble((item["accelerator"], "bold cyan"),
+                                f" · {row['strategy']} x{row['gpus']}"
+                                f"{' + AC' if row['activation_checkpointing'] else ''}"
+                                f" · micro batch {row['micro_batch_size']} x {row['grad_accum_steps']}"
+                                f" · {'fits' if row['fits'] else 'DOES NOT FIT'}"))
+    if row.get("adapter"):
+        console.print(Text("  " + adapter_line(row["adapter"]), style="dim"))
+    t = Table(box=None, header_style="bold")
+    t.add_column("item")
+    t.add_column("hours", justify="right")
+    t.add_column("cost", justify="right")
+    t.add_column("from")
+    for i in per_run["items"]:
+        t.add_row(i["item"], f"{i['hours']:.2f}" if i["hours"] is not None else "?", money(i["cost"]), i["from"])
+    runs_cost = per_run["cost"] * runs if per_run["cost"] is not None else None
+    t.add_row(Text("one run", style="bold"), Text(f"{per_run['hours']:.1f}", style="bold"),
+              Text(money(per_run["cost"]), style="bold"),
+              f"x {runs} run(s) = {per_run['hours'] * runs:.1f} h, {money(runs_cost)}")
+    console.print(t)
+    if per_run["cost_note"]:
+        console.print(Text("  " + per_run["cost_note"], style="dim"))
+    for p in item["plans"]:
+        verdict = Text("fits", style="green") if p["fits_with_margin"] else Text("too short", style="red")
+        cost = (f", rental {money(p['cost'])} (the runs themselves: {money(p['work_cost'])})" if p.get("cost")
+                else "")
+        console.print(Text.assemble(f"  {p['days']:>2} days on {p['gpus']} GPU(s){cost}: ", verdict,
+                                    f" ({p['runs_that_fit']} run(s) fit with a 20% margin)"
+                                    + (f"; {'; '.join(p['advice'])}" if p["advice"] else "")))
+    console.print(Text(f"  more GPUs? {item['more_gpus']}", style="dim"))
+    console.print()

@@ -9,7 +9,6 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ..config.load import load_spec
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import OTHER_EXPERIMENT_NOTE, adapter_line, other_experiments
 from ..estimate.runner import Traces
@@ -18,7 +17,7 @@ from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds, money
 from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
-from .estimate import add_trace_cache_arg, print_trace_notes, traces_for
+from .estimate import add_trace_cache_arg, load_estimated, print_program_job, print_trace_notes, traces_for
 from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
 
 HELP = """examples:
@@ -114,7 +113,7 @@ def _hours(hours: float | None) -> str:
     return human_seconds(hours * 3600) if hours else "—"
 
 
-def markdown(spec, rows: list[dict]) -> str:
+def markdown(spec, rows: list[dict], job=None) -> str:
     cols = ["accelerator", "memory/device", "fits", "strategy", "GPUs", "precision", "micro batch x accum",
             "largest micro batch", "largest length", "device used", "time/update", "cost/update",
             "time for updates", "cost for updates", "stack", "experiment"]
@@ -122,7 +121,11 @@ def markdown(spec, rows: list[dict]) -> str:
     lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
              f"{spec.train.micro_batch_size * spec.train.grad_accum_steps} examples per update, "
              + (f"length {spec.data.max_length}, " if spec.data.max_length else "")
-             + f"{spec.train.precision}.", "", head]
+             + f"{spec.train.precision}.", ""]
+    if job is not None:
+        lines += [f"The job as the program describes it ({job.facts.framework}; {job.described}):", ""]
+        lines += [f"- {f.line()}" for f in job.provenance] + [""]
+    lines.append(head)
     for r in rows:
         ok = r["fits"]
         lines.append(
@@ -145,18 +148,21 @@ def markdown(spec, rows: list[dict]) -> str:
 
 def main(args) -> int:
     check_args(args)
-    spec = load_spec(args.spec, args.overrides, check_files=False)
+    spec, job = load_estimated(args, quiet=args.json or args.markdown)
     rows, traces = build_sheet(spec, args, args.headroom, args.json or args.markdown)
     if args.skypilot is not None:  # one accelerator (check_args): its first row is the job as specified
         err_console().print(escape(write_task(spec, args, rows[0], traces)), highlight=False)
     if args.json:
-        print(json.dumps({"spec": spec.source, "rows": rows, "trace_cache": traces.notes}, indent=1, default=str))
+        print(json.dumps({"spec": spec.source, "rows": rows, "trace_cache": traces.notes,
+                          "program": job.to_dict() if job is not None else None}, indent=1, default=str))
         return 0
     print_trace_notes(traces)
     if args.markdown:
-        print(markdown(spec, rows), end="")
+        print(markdown(spec, rows, job), end="")
         return 0
     console = out_console()
+    if job is not None:
+        print_program_job(console, job)
     t = Table(box=None, header_style="bold", title=f"selection sheet · {spec.name}", title_justify="left")
     several = len({r["experiment"] for r in rows}) > 1
     columns = ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum per rank", "largest mb",

@@ -22,7 +22,7 @@ from .yamlsafe import parse_bounded, parse_override_value, read_spec_text
 
 
 class ProgramSpecRefused(SpecError):
-    """A program-only spec given to a command that needs model/data/train (estimate, select, plan, campaign)."""
+    """A program-only spec given to a command that needs model/data/train (campaign, variants)."""
 
 
 def set_dotted(mapping: dict, dotted: str, value: Any) -> None:
@@ -43,11 +43,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parse_override_value(key.strip(), value) if value.strip() else None
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None, check_files: bool = True,
-              allow_program: bool = False) -> Spec:
-    """Read, validate and check a spec file; raises :class:`SpecError` (exit 2) on any problem.
-    ``check_files=False`` skips the data and tokenizer files (the estimator reads neither). A program-only spec
-    (``program:`` without model/data/train, a :class:`ProgramOnlySpec`) is refused unless ``allow_program``."""
+def read_raw(path: str | Path) -> tuple[dict, Path]:
+    """The spec file's mapping as written (bounded parse); SpecError naming the file when it is not one."""
     p = Path(path)
     if not p.exists():
         raise SpecError([("", f"spec file not found: {p}")], str(p))
@@ -58,6 +55,15 @@ def load_spec(path: str | Path, overrides: list[str] | None = None, check_files:
         raise SpecError([("", f"{p} is empty; see examples/tiny-sft/pilot.yaml")], str(p))
     if not isinstance(raw, dict):
         raise SpecError([("", f"{p} must be a mapping of keys (name, model, data, train, ...)")], str(p))
+    return raw, p
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None, check_files: bool = True,
+              allow_program: bool = False) -> Spec:
+    """Read, validate and check a spec file; raises :class:`SpecError` (exit 2) on any problem.
+    ``check_files=False`` skips the data and tokenizer files (the estimator reads neither). A program-only spec
+    (``program:`` without model/data/train, a :class:`ProgramOnlySpec`) is refused unless ``allow_program``."""
+    raw, p = read_raw(path)
     overridden = []
     for item in overrides or []:
         key, value = parse_override(item)
@@ -74,8 +80,8 @@ def _schema_problems(problems: list[tuple[str, str]], raw: dict) -> list[tuple[s
     """The schema's problems, with the fix where model/data/train are missing: all of them with ``program:``, or
     ``program.command`` instead of them."""
     partial = [k for k in PROGRAM_OPTIONAL if k in raw]
-    if "program" in raw and partial:  # some of model/data/train: say the fix, not three "missing" lines
-        missing = [k for k in PROGRAM_OPTIONAL if k not in raw]
+    missing = [k for k in PROGRAM_OPTIONAL if k not in raw]
+    if "program" in raw and partial and missing:  # some of model/data/train: say the fix, not three "missing" lines
         return [(f, m) for f, m in problems if f not in missing] + [
             (missing[0], f"missing: with program: give all of model, data and train (the integrations' gates "
                          f"read them) or none of them (got {', '.join(partial)})")]

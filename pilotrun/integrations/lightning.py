@@ -32,6 +32,7 @@ imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -44,6 +45,7 @@ from ..checkpoint.io import AtomicFolder
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
 from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, UpdateIds, Window, tensors_of
+from ..program.describe import LIGHTNING_PRECISION, JobFacts, describe_objects, longest_collated
 from ..program.env import IdKind
 from ..train.loss import rng_untouched
 from . import common as C
@@ -127,6 +129,8 @@ class PilotrunCallback(pl.Callback):
             self.job = _default_job()
         if not self.active:
             return
+        if C.role_name(self.job) == "describe":  # the process ends in describe(): nothing after it runs
+            self.job.describe(facts=describe_fit(trainer, pl_module))
         self.spans = C.StageSpans(self.job)
         self.last_step = trainer.global_step
         self.update_ids = self._tap_positions(trainer)
@@ -274,6 +278,34 @@ def _loader_parts(trainer) -> tuple[Any, Callable, int]:
         size = len(next(iter(loader.batch_sampler)))
     # A private copy: a collate with its own state (a random generator) must not advance in the control run only.
     return loader.dataset, C.private_collate(loader.collate_fn), int(size)
+
+
+def describe_fit(trainer, module) -> JobFacts:
+    """The job as the fit will run it: the module (the transformers model inside it, when it holds one and nothing
+    else trainable), its optimizer, the Trainer's precision, accumulation and devices, the loader's micro batch and
+    the length its collate produces for the longest training examples."""
+    precision = LIGHTNING_PRECISION.get(str(trainer.precision))
+    try:
+        dataset, collate, micro = _loader_parts(trainer)
+        length, how = longest_collated(dataset, collate, micro)
+    except (RuntimeError, StopIteration, TypeError) as exc:
+        micro, length, how = None, None, f"not measured: {exc}"
+    updates = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+    if updates is None:
+        with contextlib.suppress(Exception):  # an unsized loader without max_steps: the fit itself cannot say
+            updates = int(trainer.estimated_stepping_batches)
+    clip = trainer.gradient_clip_val
+    facts = describe_objects(
+        module, trainer.optimizers[0] if trainer.optimizers else None, framework="lightning.Trainer",
+        micro_batch_size=micro, grad_accum_steps=int(trainer.accumulate_grad_batches), precision=precision,
+        precision_source=f"Trainer(precision={trainer.precision!r})" if precision else "", max_length=length,
+        length_source=how, world_size=int(trainer.world_size), updates=updates,
+        max_grad_norm=float(clip) if clip else None)
+    if precision is None:
+        facts.notes.append(f"Trainer(precision={trainer.precision!r}) has no train.precision equivalent")
+    if len(trainer.optimizers) > 1:
+        facts.notes.append(f"the fit has {len(trainer.optimizers)} optimizers; the first is described")
+    return facts
 
 
 # Lightning passes no token count: training_step must weigh its micro batch by the window's labels itself.

@@ -50,6 +50,7 @@ from ..checkpoint.io import AtomicFolder
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
 from ..gates.view import Artifact, Batching, Exported, NotMeasured, OverfitPlan, Reloaded, UpdateIds, Window, tensors_of
+from ..program.describe import JobFacts, describe_objects, longest_collated
 from ..program.env import IdKind
 from ..train.evaluation import outputs_of
 from ..train.loss import rng_untouched
@@ -121,6 +122,8 @@ class PilotrunCallback(TrainerCallback):
             args.output_dir = str(self.job.checkpoint_dir)
         dataloader = kwargs.get("train_dataloader")
         self.collate = getattr(dataloader, "collate_fn", None) or trainer.data_collator
+        if C.role_name(self.job) == "describe":  # the process ends in describe(): nothing after it runs
+            self.job.describe(facts=describe_trainer(trainer, args, state, kwargs.get("optimizer"), dataloader))
         if dataloader is not None:
             self._carry_ids(dataloader, trainer)
         if self.probes and C.runs_probes(self.job):
@@ -243,6 +246,36 @@ class PilotrunCallback(TrainerCallback):
         # Instance attributes, not the classes': only this trainer and this accelerator are wrapped.
         setattr(trainer, "training_step", training_step)  # noqa: B010
         setattr(trainer.accelerator, "clip_grad_norm_", clip_grad_norm_)  # noqa: B010
+
+
+def describe_trainer(trainer: Trainer, args, state, optimizer, dataloader) -> JobFacts:
+    """The job as the Trainer will run it: its model, the optimizer it built, TrainingArguments' batch, precision and
+    checkpointing, and the length its collate produces for the longest training examples (TRL's ``max_length``
+    where the examples cannot be read)."""
+    loader = getattr(dataloader, "base_dataloader", dataloader)
+    micro = int(args.per_device_train_batch_size)
+    length, how = (None, "not measured: the Trainer has no train dataloader at train begin")
+    if loader is not None:
+        length, how = longest_collated(loader.dataset, loader.collate_fn, micro)
+    declared = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
+    if length is None and isinstance(declared, int):
+        length, how = declared, f"{type(args).__name__}.max_length (the examples could not be read: {how})"
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    assert trainer.model is not None  # the Trainer refuses to train without one
+    facts = describe_objects(
+        trainer.model, optimizer or trainer.optimizer, framework=f"{type(trainer).__module__}.{type(trainer).__name__}",
+        micro_batch_size=micro, grad_accum_steps=int(args.gradient_accumulation_steps), precision=precision,
+        precision_source="TrainingArguments." + ("bf16" if args.bf16 else "fp16") if precision else "",
+        activation_checkpointing=True if args.gradient_checkpointing else None, max_length=length, length_source=how,
+        world_size=int(args.world_size), updates=int(state.max_steps) if state.max_steps > 0 else None,
+        max_grad_norm=float(args.max_grad_norm) if args.max_grad_norm else None)
+    if facts.precision is None:
+        facts.precision, facts.precision_source = "fp32", "TrainingArguments: bf16 and fp16 off, fp32 parameters"
+    if facts.precision == "bf16-true" and precision is not None:
+        facts.precision_source = f"bfloat16 parameters (TrainingArguments.{'bf16' if args.bf16 else 'fp16'} " \
+                                 "autocasts them, no fp32 master copy)"
+    facts.notes.append(f"TrainingArguments.optim: {getattr(args.optim, 'value', args.optim)}")
+    return facts
 
 
 # ------------------------------------------------------------------------------------------------------ the view

@@ -82,6 +82,8 @@ class Role(TextEnum):
     RESUMED = "resumed"          # a fresh process resumed from that checkpoint to N+K
     STAGES = "stages"            # stages only, no resume (``--gates`` without resume)
     PROBE = "probe"              # a short run for in-process gates (integrations)
+    DESCRIBE = "describe"        # stops where the program describes its job (job.describe), before its first update:
+    #                              what estimate, select and plan trace
 
     @property
     def records(self) -> bool:
@@ -99,4 +101,5 @@ class Event(TextEnum):
     STAGE = "stage"      # a stage's row (pilotrun.api's measurement)
     GATE = "gate"        # an in-process gate's row (record_gate)
     PROBLEM = "problem"  # a value the program reported that was refused: field, problem, update
+    DESCRIBE = "describe"  # the job's shape (program.describe.JobFacts as a dict under ``facts``)
     END = "end"          # the process exited normally (atexit)

@@ -46,6 +46,13 @@ Contract (stable: the transformers and Lightning integrations are built on it)::
 ``with job.stage(name, inputs=None, track=()) as st:``
     :func:`pilotrun.stage`'s measurement (time, peaks kept apart, a ``fail`` row on an exception). Names the pilot
     reads: ``first_step``, ``steady_step``, ``eval``, ``save`` (also ``load``).
+``job.describe(model, optimizer=None, batch=None, max_length=None, micro_batch_size=None, grad_accum_steps=None,
+precision=None, activation_checkpointing=None, updates=None, max_grad_norm=None)``
+    The job's shape for ``pilotrun estimate|select|plan`` on the program spec: call it once the model and optimizer
+    exist, before the first update (the transformers and Lightning callbacks call it for you). ``batch`` a collated
+    micro batch (gives the micro batch size and length when they are not given); ``precision`` as
+    ``train.precision`` names it (fp32, bf16, fp16, bf16-true). In the ``describe`` run the process ends here
+    (exit 0, on every rank): the estimate needs no update.
 ``job.record_gate(gate, verdict, reason, **measurements)``
     An in-process gate's row (inspect, batch, accum_equivalence, overfit, export, reload_eval from an integration):
     ``verdict`` a :class:`~pilotrun.ledger.records.Verdict` or its text; measurements must be JSON values.
@@ -177,6 +184,11 @@ class ProgramHandle:
             self._problem(update, "update", f"update {update} reported after update {self._last_update}; update "
                           "numbers must increase (count optimizer updates, not micro batches)")
             return
+        if self.role == Role.DESCRIBE:
+            self._problem(update, "describe", f"update {update} was reported before job.describe(...): describe the "
+                          "job once the model and optimizer exist, before the first update (or use the transformers/"
+                          "Lightning callback, which does)")
+            self._end_describe_run()
         self._last_update = update
         record: dict[str, Any] = {"update": update}
         for name, value, required in (("loss", loss, True), ("lr", lr, True), ("grad_norm", grad_norm, False)):
@@ -233,6 +245,33 @@ class ProgramHandle:
             while time.monotonic() < deadline:
                 time.sleep(0.05)
             os._exit(3)
+
+    def describe(self, model: Any = None, optimizer: Any = None, *, facts: Any = None, **settings: Any) -> None:
+        if not self.active:
+            return
+        from .describe import describe_objects
+
+        try:
+            if facts is None:
+                if model is None:
+                    raise TypeError("give the model: job.describe(model, optimizer, batch=..., max_length=...)")
+                facts = describe_objects(model, optimizer, world_size=self.world_size, **settings)
+            data = facts.to_dict()
+            _check_description(data)
+        except (TypeError, ValueError) as exc:
+            self._problem(None, "describe", f"job.describe(): {exc}")
+            data = None
+        if data is not None:
+            self._emit(Event.DESCRIBE, facts=data)
+        if self.role == Role.DESCRIBE:
+            self._end_describe_run()
+
+    def _end_describe_run(self) -> None:
+        """The describe run needs nothing after the description: end every rank here, cleanly and at once."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        os._exit(0)
 
     @contextlib.contextmanager
     def stage(self, name: str, inputs: dict | None = None, track: Iterable = (),
@@ -311,6 +350,20 @@ class ProgramHandle:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
+
+
+def _check_description(data: dict) -> None:
+    """ValueError naming the keyword whose value the estimate could not use."""
+    if data.get("precision") not in (None, *PRECISIONS):
+        raise ValueError(f"precision={data['precision']!r}; give one of {', '.join(PRECISIONS)} (as train.precision "
+                         "names them)")
+    for key in ("micro_batch_size", "grad_accum_steps", "max_length", "updates"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key}={value!r}; give a positive int")
 
 
 _handle: ProgramHandle | None = None

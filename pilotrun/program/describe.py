@@ -1,0 +1,302 @@
+"""The job a program runs, read from its own objects: what ``estimate``, ``select`` and ``plan`` trace for a program.
+
+The integrations call :func:`describe_objects` at train begin with the framework's objects (the model, the optimizer
+it built, its batch and precision settings); a bare script calls ``job.describe(...)`` with the same keywords. The
+result is a :class:`JobFacts`: only what the program's objects say, each field None where they do not say it (the
+estimate then names what it assumed). Nothing here imports what a model names: a transformers model is described by
+its config mapping, a plain module by its class name only.
+
+Example::
+
+    facts = describe_objects(model, optimizer, micro_batch_size=4, grad_accum_steps=2, precision="bf16",
+                             max_length=2048, updates=1000)
+    facts.to_dict()["optimizer"]   # {"class": "torch.optim.adamw.AdamW", "name": "adamw", "lr": 0.001, ...}
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..config.sections import Precision
+
+# Examples read to find the longest the collate produces: enough for a fine-tuning set's long tail, bounded for a
+# streamed one (the describe run stops right after, so reading them changes nothing the run does).
+LENGTH_SCAN = 20_000
+
+# Config keys that say where a model came from or how it was loaded, not what it is: the estimate rebuilds the
+# architecture and sets its own precision (train.precision), so a saved dtype must not leak into the trace.
+NOT_ARCHITECTURE = ("transformers_version", "_name_or_path", "architectures", "quantization_config", "dtype",
+                    "torch_dtype", "_commit_hash", "_attn_implementation_autoset", "auto_map")
+
+# An optimizer class's module-qualified name -> the estimator's train.optimizer.name for it.
+OPTIMIZERS = {
+    "torch.optim.adamw.AdamW": "adamw",
+    "torch.optim.adam.Adam": "adamw",        # the same state (two moments) and step traffic as AdamW
+    "torch.optim.sgd.SGD": "sgd",
+    "bitsandbytes.optim.adamw.AdamW8bit": "adamw8bit",
+    "bitsandbytes.optim.adam.Adam8bit": "adamw8bit",
+    "bitsandbytes.optim.adamw.PagedAdamW8bit": "paged_adamw8bit",
+    "bitsandbytes.optim.adam.PagedAdam8bit": "paged_adamw8bit",
+    "transformers.optimization.Adafactor": "adafactor",
+}
+
+# Lightning's Trainer.precision -> train.precision ("16-true" has no pilotrun equivalent: pure fp16 weights).
+LIGHTNING_PRECISION: dict[str, Precision] = {
+    "32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16-true"}
+
+
+@dataclass
+class JobFacts:
+    """What the program's objects say about its job; None where they say nothing."""
+
+    framework: str                              # who described it: transformers.Trainer, lightning, job.describe
+    model_kind: str                             # "transformers" (rebuildable from config) or "module" (class only)
+    model_class: str                            # module-qualified class of the model (the base under an adapter)
+    parameters: int
+    trainable_parameters: int
+    parameter_dtype: str                        # the most common dtype of the parameters (float32, bfloat16, ...)
+    config: dict | None = None                  # the transformers config mapping (model_kind transformers)
+    head: str | None = None                     # causal-lm | seq-classification | None (another head)
+    adapter: dict | None = None                 # {type, r, alpha, dropout, target_modules} of a PEFT LoRA
+    quantization: dict | None = None            # {bits, type, double_quant, compute_dtype} of a bitsandbytes base
+    optimizer: dict | None = None               # {class, name (None: not one the estimator traces), lr, ...}
+    precision: str | None = None                # as train.precision names it
+    precision_source: str = ""
+    activation_checkpointing: bool | None = None
+    micro_batch_size: int | None = None
+    grad_accum_steps: int | None = None
+    world_size: int = 1
+    updates: int | None = None                  # the optimizer updates the program will run
+    max_grad_norm: float | None = None
+    max_length: int | None = None
+    length_source: str = ""                     # declared, or how it was measured
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self), default=str))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> JobFacts:
+        """From an event's mapping; ValueError naming the field when it is not one."""
+        if not isinstance(data, dict):
+            raise ValueError("the description is not a mapping")
+        known = set(cls.__dataclass_fields__)
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:
+            raise ValueError(f"the description lacks a field: {exc}") from None
+
+
+def _qualname(obj: Any) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module the program's wrappers hold: DDP/FSDP1 ``.module``, ``torch.compile``'s ``_orig_mod``."""
+    for _ in range(8):
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module):
+            model = inner
+            continue
+        if type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):
+            model = model.module  # type: ignore[assignment]
+            continue
+        break
+    return model
+
+
+def unwrap_optimizer(opt: Any) -> Any:
+    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer``."""
+    for _ in range(4):
+        inner = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
+        if inner is None or inner is opt or not hasattr(inner, "param_groups"):
+            break
+        opt = inner
+    return opt
+
+
+def _is_transformers(module: Any) -> bool:
+    config = getattr(module, "config", None)
+    return isinstance(module, torch.nn.Module) and hasattr(config, "to_dict") and bool(getattr(config, "model_type",
+                                                                                               ""))
+
+
+def _transformers_inside(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The transformers model a wrapper (a LightningModule, a plain module holding ``self.model``) trains, when every
+    parameter of the wrapper is that model's."""
+    if _is_transformers(model):
+        return model
+    total = sum(p.numel() for p in model.parameters())
+    for _name, sub in model.named_modules():
+        if sub is not model and _is_transformers(sub) and sum(p.numel() for p in sub.parameters()) == total:
+            return sub
+    return None
+
+
+def _head(model: torch.nn.Module) -> str | None:
+    name = type(model).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal-lm"
+    if name.endswith("ForSequenceClassification"):
+        return "seq-classification"
+    return None
+
+
+def _architecture(config: Any) -> dict:
+    data = json.loads(json.dumps(config.to_dict(), default=str))
+    return {k: v for k, v in data.items() if k not in NOT_ARCHITECTURE}
+
+
+def _adapter(model: torch.nn.Module) -> tuple[torch.nn.Module, dict | None]:
+    """The base under a PEFT model, and its LoRA adapter as model.adapter says it."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not hasattr(model, "get_base_model"):
+        return model, None
+    name = getattr(model, "active_adapter", None)
+    cfg = configs.get(name if isinstance(name, str) else "default") or next(iter(configs.values()), None)
+    base = model.get_base_model()  # type: ignore[operator]
+    if cfg is None or str(getattr(cfg, "peft_type", "")).split(".")[-1].upper() != "LORA":
+        return base, {"type": str(getattr(cfg, "peft_type", "unknown")), "unsupported": True}
+    targets = cfg.target_modules
+    if isinstance(targets, (set, list, tuple)):
+        # PEFT matches a name by its last component(s); the injected set holds full paths.
+        targets = sorted({str(t).split(".")[-1] for t in targets})
+    return base, {"type": "lora", "r": int(cfg.r), "alpha": float(cfg.lora_alpha), "dropout": float(cfg.lora_dropout),
+                  "target_modules": targets}
+
+
+def _quantization(config: Any) -> dict | None:
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    get = (lambda k: q.get(k)) if isinstance(q, dict) else (lambda k: getattr(q, k, None))
+    if get("load_in_4bit"):
+        dtype = str(get("bnb_4bit_compute_dtype") or "float32").replace("torch.", "")
+        return {"bits": 4, "type": get("bnb_4bit_quant_type") or "nf4",
+                "double_quant": bool(get("bnb_4bit_use_double_quant")),
+                "compute_dtype": {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32")}
+    if get("load_in_8bit"):
+        return {"bits": 8}
+    return {"unsupported": str(get("quant_method") or type(q).__name__)}
+
+
+def _checkpointing(model: torch.nn.Module) -> bool | None:
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers 5 deprecates one of the two names
+            value = getattr(model, attr, None)
+        if isinstance(value, bool):
+            return value
+    return None
+
+
+def describe_optimizer(opt: Any) -> dict | None:
+    """The optimizer's class, the estimator's name for it (None: not one it traces) and its hyper-parameters."""
+    if opt is None:
+        return None
+    opt = unwrap_optimizer(opt)
+    qual = _qualname(opt)
+    groups = getattr(opt, "param_groups", None) or [{}]
+    first = {**getattr(opt, "defaults", {}), **groups[0]}
+    out: dict[str, Any] = {"class": qual, "name": OPTIMIZERS.get(qual)}
+    for key in ("lr", "weight_decay", "eps", "momentum"):
+        # A scheduler's warm-up has already lowered lr at train begin (to 0 at its first step); the peak it
+        # started from is initial_lr.
+        value = first.get("initial_lr", first.get(key)) if key == "lr" else first.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[key] = float(value)
+    betas = first.get("betas")
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        out["betas"] = [float(b) for b in betas]
+    out["fused"] = bool(first.get("fused")) if out["name"] == "adamw" else None
+    return out
+
+
+def dominant_dtype(model: torch.nn.Module) -> str:
+    counts: dict[str, int] = {}
+    for p in model.parameters():
+        key = str(p.dtype).replace("torch.", "")
+        counts[key] = counts.get(key, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else "float32"
+
+
+def batch_length(batch: Any) -> int | None:
+    """The sequence length of a collated batch: its ``input_ids``' second dimension."""
+    ids = batch.get("input_ids") if hasattr(batch, "get") else None
+    if isinstance(ids, torch.Tensor) and ids.ndim >= 2:
+        return int(ids.shape[1])
+    return None
+
+
+def longest_collated(dataset: Any, collate: Any, micro_batch: int, scan: int = LENGTH_SCAN) -> tuple[int | None, str]:
+    """The length the collate gives the longest micro batch among the first ``scan`` examples, and how it was found."""
+    from ..train.batches import item_length
+
+    try:
+        sized = len(dataset)
+    except TypeError:
+        sized = None
+    try:
+        items = ([dataset[i] for i in range(min(sized, scan))] if sized is not None
+                 else list(itertools.islice(iter(dataset), scan)))
+        lengths = sorted(((item_length(item, collate), i) for i, item in enumerate(items)), reverse=True)
+        longest = [items[i] for _, i in lengths[:max(1, micro_batch)]]
+        found = batch_length(collate(longest)) if longest else None
+    except Exception as exc:  # the program's own dataset or collate: say why, the estimate asks for max_length
+        return None, f"not measured: reading the training examples failed ({type(exc).__name__}: {exc})"
+    if found is None:
+        return None, "not measured: the collated batch has no input_ids"
+    read = len(items)
+    of = f"all {read}" if sized is not None and read == sized else f"the first {read}" + (
+        f" of {sized}" if sized is not None else "")
+    return found, f"the longest micro batch the program's collate produces from {of} training examples"
+
+
+def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework: str = "job.describe",
+                     micro_batch_size: int | None = None, grad_accum_steps: int | None = None,
+                     precision: str | None = None, precision_source: str = "", activation_checkpointing: bool | None
+                     = None, max_length: int | None = None, length_source: str = "", batch: Any = None,
+                     world_size: int = 1, updates: int | None = None, max_grad_norm: float | None = None) -> JobFacts:
+    """The facts of a job from its objects. ``batch`` (a collated micro batch) gives the micro batch size and the
+    length when they are not given."""
+    notes: list[str] = []
+    model = unwrap_model(model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dtype = dominant_dtype(model)
+    base, adapter = _adapter(model)
+    hf = _transformers_inside(base)
+    facts = JobFacts(framework=framework, model_kind="transformers" if hf is not None else "module",
+                     model_class=_qualname(hf if hf is not None else base), parameters=total,
+                     trainable_parameters=trainable, parameter_dtype=dtype, adapter=adapter,
+                     optimizer=describe_optimizer(optimizer), world_size=int(world_size), updates=updates,
+                     max_grad_norm=max_grad_norm, notes=notes)
+    if hf is not None:
+        facts.config = _architecture(hf.config)
+        facts.head = _head(hf)
+        facts.quantization = _quantization(hf.config)
+        if activation_checkpointing is None:
+            activation_checkpointing = _checkpointing(hf)
+    facts.activation_checkpointing = activation_checkpointing
+    if precision is None and dtype == "bfloat16":
+        precision, precision_source = "bf16-true", "the parameters are bfloat16 and no autocast was declared"
+    facts.precision, facts.precision_source = precision, precision_source if precision else ""
+    if batch is not None:
+        ids = batch.get("input_ids") if hasattr(batch, "get") else None
+        if micro_batch_size is None and isinstance(ids, torch.Tensor):
+            micro_batch_size = int(ids.shape[0])
+        if max_length is None and (found := batch_length(batch)) is not None:
+            max_length, length_source = found, "the length of the batch given to job.describe"
+    facts.micro_batch_size = micro_batch_size
+    facts.grad_accum_steps = grad_accum_steps
+    facts.max_length = max_length
+    facts.length_source = length_source or ("declared" if max_length is not None else "")
+    return facts
