@@ -203,14 +203,15 @@ def _stopped(stop: PilotInterrupted, spec, args, console) -> None:
     done = len(result.rows)
     console.print(f"[bold yellow]interrupted ({stop.how})[/]: run {escape(result.run_id)} recorded as interrupted "
                   f"after {done} gate row(s) (ledger {escape(str(result.ledger_path))})", highlight=False)
-    if result.world_size > 1 or spec.program is not None:  # --resume continues one process of pilotrun's loop
-        what = "a program pilot" if spec.program is not None else "a distributed pilot"
-        console.print(f"  {what} is continued by running it again", highlight=False)
+    if result.world_size > 1:  # --resume continues one process of pilotrun's loop
+        console.print("  a distributed pilot is continued by running it again", highlight=False)
         return
     words = ["pilotrun", "run", str(args.spec), "--resume", result.run_id]
     words += ["--ledger", str(args.ledger)] if args.ledger else []
     words += [w for item in args.overrides for w in ("--set", item)]  # --resume needs the same config
-    console.print(f"  continue it from its last good checkpoint: {escape(shlex.join(words))}", highlight=False)
+    how = ("keeping the runs of the program it finished" if spec.program is not None
+           else "from its last good checkpoint")
+    console.print(f"  continue it, {how}: {escape(shlex.join(words))}", highlight=False)
 
 
 def _advise_after_oom(spec, result, console) -> None:

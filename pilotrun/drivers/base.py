@@ -84,6 +84,9 @@ class RunSite:
     out_dir: Path
     ledger_path: Path
     progress: Callable[[str], None] = lambda text: None
+    # Runs of the program an interrupted pilot finished (pilot/resume.plan_program_resume), by role: kept as they
+    # ended instead of run again.
+    finished: dict = field(default_factory=dict)
 
 
 class TrainingCheckError(RuntimeError):

@@ -74,7 +74,7 @@ class ProgramDriver(Driver):
         self.device, self.env, self.strategy = process.device, process.env, process.strategy
         self.step = 0
         self.how_wrapped = f"the program's own: {' '.join(spec.program.words)}"
-        self.runs: dict[Role, RunOutcome] = {}
+        self.runs: dict[Role, RunOutcome] = dict(site.finished)  # an interrupted pilot's finished runs (--resume)
         self.resume_selected = False     # a RUNS gate will run: the recording run is the control
         self.problems_gate: str | None = None  # the gate whose rows carry the program's invalid values
         self.known: list[str] = []       # every gate's name, in order (a recorded row for another is named in a note)
@@ -185,11 +185,11 @@ class ProgramDriver(Driver):
         if reported and point is not None and short is None:
             # At the program's own checkpoint nothing is asked: the interrupted run saves there as the long run would
             # (a Lightning epoch-end ModelCheckpoint, not a save_checkpoint of pilotrun's mid-epoch).
-            interrupted = self._run(RunPlan(Role.INTERRUPTED, save_at=(before,) if asks else (), stop_at=end,
-                                            kill_after_save=before))
+            interrupted = self.runs.get(Role.INTERRUPTED) or self._run(
+                RunPlan(Role.INTERRUPTED, save_at=(before,) if asks else (), stop_at=end, kill_after_save=before))
             saved = interrupted.of(Event.SAVED, 0)
             if interrupted.killed and not interrupted.survivors and saved and fresh_runs_agree(
-                    control, interrupted, before, exact, r.rtol):
+                    control, interrupted, before, exact, r.rtol) and Role.RESUMED not in self.runs:
                 self._run(RunPlan(Role.RESUMED, stop_at=end, resume_from=saved[-1]["path"]))
         rows = resume_rows(self.runs, before, r.after, exact, r.rtol, mode, asked=asks)
         return with_save_point(rows, point, control) if point is not None else rows

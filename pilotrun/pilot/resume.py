@@ -25,7 +25,7 @@ from ..ledger.records import RESUMABLE, GateName, RunKind, Verdict
 from ..ledger.store import Ledger
 from ..lock import diff_locks
 
-__all__ = ["ResumeError", "ResumePlan", "carry_rows", "plan_resume"]
+__all__ = ["ProgramResumePlan", "ResumeError", "ResumePlan", "carry_rows", "plan_program_resume", "plan_resume"]
 
 
 class ResumeError(Exception):
@@ -163,3 +163,71 @@ def carry_rows(plan: ResumePlan, gates: list[type[Gate]], ctx: PilotContext) -> 
     plan.notes.append(f"resuming run {plan.parent_id} from {plan.checkpoint} ({len(carried)} gate row(s) carried "
                       "over)")
     return carried
+
+
+@dataclass
+class ProgramResumePlan:
+    """An interrupted program pilot continued: the runs of the program it finished, reused as they ended."""
+
+    parent_id: str
+    reused: dict = field(default_factory=dict)   # Role -> RunOutcome
+    notes: list[str] = field(default_factory=list)
+
+
+def _changed_program_files(parent: dict, spec) -> list[str]:
+    """The program's files whose content differs from what the parent's lock hashed (added and removed too)."""
+    from ..lock import program_lock
+
+    try:
+        old = (json.loads(parent["lock_json"]).get("program") or {}).get("files") if parent.get("lock_json") else None
+    except ValueError:
+        old = None
+    if not isinstance(old, dict):
+        return []
+    new = program_lock(spec).get("files") or {}
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def plan_program_resume(ledger: Ledger, spec, target: str | None) -> ProgramResumePlan:
+    """Which runs of an interrupted program pilot are kept: each one that ended as planned (the control and resumed
+    runs cleanly, the interrupted run killed after its save, its checkpoint still there). The program, its command
+    and its files must be those of the interrupted pilot: a changed one is a config change (ResumeError)."""
+    from ..program.env import Event, Role
+    from ..program.runner import finished_run
+
+    parent = _parent(ledger, spec.name, target)
+    pid = parent["run_id"]
+    if parent.get("config_hash") and parent["config_hash"] != spec.config_hash():
+        old = json.loads(parent["lock_json"]).get("config", {}) if parent.get("lock_json") else {}
+        changed = [k for k, _, _ in diff_locks({"config": old}, {"config": spec.canonical()})] if old else []
+        raise ResumeError(f"the spec changed since run {pid}{': ' + ', '.join(changed[:6]) if changed else ''}; a "
+                          "resumed pilot must run the same config (run without --resume to start a new pilot)")
+    edited = _changed_program_files(parent, spec)
+    if edited:
+        raise ResumeError(f"the program changed since run {pid}: {', '.join(edited[:6])} differ from the files its "
+                          "lock hashed; a resumed pilot must run the same program (run without --resume to pilot the "
+                          "new one)")
+    out = Path(parent["out_dir"] or "")
+    reused: dict = {}
+    notes: list[str] = []
+    for role in (Role.CONTROL, Role.STAGES, Role.INTERRUPTED, Role.RESUMED):
+        run = finished_run(out, role)
+        if run is None:
+            continue
+        if role == Role.INTERRUPTED:
+            saved = run.of(Event.SAVED, 0)
+            if not (run.killed and not run.survivors and saved and Path(saved[-1]["path"]).exists()):
+                notes.append(f"run {pid}'s interrupted run is run again: it "
+                             + ("left no checkpoint that still exists" if run.killed else run.how_it_ended()))
+                continue
+        elif not run.ended_cleanly:
+            notes.append(f"run {pid}'s {role} run is run again: it {run.how_it_ended()}")
+            continue
+        if role == Role.RESUMED and Role.INTERRUPTED not in reused:
+            continue  # it resumed from a checkpoint this pilot does not keep
+        reused[role] = run
+    kept = ", ".join(f"{role} ({run.seconds:.1f} s)" for role, run in reused.items())
+    notes.append(f"resuming program pilot {pid}: " + (f"its finished runs are kept as they ended: {kept}; the rest "
+                                                      "run now" if reused else "none of its runs finished: all run "
+                                                                               "again"))
+    return ProgramResumePlan(pid, reused, notes)

@@ -36,7 +36,7 @@ from ..ledger.store import Ledger, LedgerWriteFailed
 from ..measure.meter import StageMeter
 from ..safefile import WriteFailed, write_atomic
 from .report import FALLBACK_FILE, PilotResult, write_report
-from .resume import ResumeError, ResumePlan, carry_rows, plan_resume
+from .resume import ResumePlan, carry_rows, plan_program_resume, plan_resume
 
 
 class Observer(Protocol):
@@ -98,9 +98,6 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     options = options or PilotOptions()
     observer = observer or Quiet()
     gates, notes = select_gates(options.gates or spec.pilot.gates)
-    if options.resume and not driver_class(spec).in_process:
-        raise ResumeError("--resume continues pilotrun's own loop; a program pilot is run again (its resume gate "
-                          "already interrupts and resumes the program)")
     process = join_job(spec)
     env = process.env
     try:
@@ -118,9 +115,11 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     run_id = distributed.agree_run_id(env, options.run_id, lambda: new_run_id(spec.name), spec.config_hash())
     out_dir = Path(options.out_dir) if options.out_dir else Path("runs") / run_id
     ledger = Ledger(options.ledger_path)
+    in_process = driver_class(spec).in_process
     try:
         plan = (plan_resume(ledger, spec.name, options.resume, options.trust, spec.canonical(), spec.config_hash())
-                if options.resume else None)
+                if options.resume and in_process else None)
+        program_plan = plan_program_resume(ledger, spec, options.resume) if options.resume and not in_process else None
     except BaseException:
         ledger.close()
         raise
@@ -130,7 +129,8 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                        container_digest=options.container_digest, progress=observer.on_progress,
                        restore_from=plan.checkpoint if plan is not None else None, proven_lock=options.proven_lock)
     carried = carry_rows(plan, gates, ctx) if plan is not None else {}
-    notes = notes + (plan.notes if plan is not None else [])
+    notes = notes + (plan.notes if plan is not None else []) + (program_plan.notes if program_plan else [])
+    parent_id = plan.parent_id if plan is not None else program_plan.parent_id if program_plan else None
     result = PilotResult(run_id, out_dir, ledger.path, rank=env.rank, world_size=env.world_size)
     if env.is_main:
         ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
@@ -138,13 +138,14 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                                                                **_job_meta(spec, process),
                                                                **({"task_id": options.task_id} if options.task_id
                                                                   else {})},
-                         parent_id=plan.parent_id if plan else None)
+                         parent_id=parent_id)
     distributed.barrier(env)
     node_row = _register_on_this_node(ledger, env, run_id, spec, out_dir)
     distributed.barrier(env)  # this node's ranks write rows only once the run is in its ledger
     observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [_where(spec, process)])
-    if not driver_class(spec).in_process:  # the program: built from the spec alone, before its gates
-        site = RunSite(run_id, out_dir, ledger.path, progress=lambda text: observer.on_progress(0, 1, text))
+    if not in_process:  # the program: built from the spec alone, before its gates
+        site = RunSite(run_id, out_dir, ledger.path, progress=lambda text: observer.on_progress(0, 1, text),
+                       finished=program_plan.reused if program_plan else {})
         ctx.driver = build_driver(spec, None, process, site=site)
         ctx.driver.prepare(gates, GATE_NAMES)
     progress = _Progress()

@@ -174,6 +174,44 @@ def failure_lines(text: str, lines: int = 3) -> str:
     return " | ".join(shown)[-400:] or "(empty log)"
 
 
+# How each run ended, beside its events: what `pilotrun run --resume` reads to reuse the runs an interrupted pilot
+# finished (the events alone do not say whether a run ended cleanly, was killed as planned, or timed out).
+OUTCOME_FIELDS = ("returncode", "seconds", "killed", "killed_pids", "survivors", "leftovers", "event_problems",
+                  "timed_out")
+
+
+def _record(base: Path, outcome: RunOutcome) -> None:
+    from ..safefile import WriteFailed, write_atomic
+
+    folder = base / "runs"
+    record = {"role": str(outcome.role), "log": str(outcome.log), **{k: getattr(outcome, k) for k in OUTCOME_FIELDS}}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / f"{outcome.role}.json", json.dumps(record, default=str))
+    except (OSError, WriteFailed):
+        pass  # only --resume reads it: without it that run is run again
+
+
+def finished_run(out_dir: Path, role: Role) -> RunOutcome | None:
+    """A run of an earlier pilot in ``out_dir`` as it ended (its record and its events); None when it has no record
+    (it was still running when that pilot stopped) or the record is not one."""
+    from ..safefile import read_json
+
+    base = out_dir.resolve() / "program"
+    try:
+        record = read_json(base / "runs" / f"{role}.json", 1 << 20, {"role": str, "log": str})
+    except FileProblem:
+        return None
+    if record.get("role") != str(role):
+        return None
+    outcome = RunOutcome(role, None, 0.0, Path(record["log"]))
+    for key in OUTCOME_FIELDS:
+        if key in record and key != "event_problems":  # found again below, reading the same files
+            setattr(outcome, key, record[key])
+    outcome.events = read_rank_events(base / "events", role, outcome.event_problems)
+    return outcome
+
+
 @dataclass
 class RunPlan:
     """What one run is asked to do."""
@@ -239,6 +277,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
             outcome.leftovers = ending.leftovers
     outcome.seconds = time.monotonic() - started
     outcome.events = read_rank_events(events_dir, plan.role, outcome.event_problems)
+    _record(base, outcome)
     if progress is not None:
         progress(f"{plan.role} run {outcome.how_it_ended()} after {outcome.seconds:.1f} s")
     return outcome
