@@ -449,3 +449,57 @@ def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per
     res = pilotrun_cli("campaign", str(spec), "--engine", "ray", "--ledger", str(tmp_path / "local.sqlite"),
                        cwd=tmp_path, env=ray_env)
     assert res.returncode == 2 and "distributed.strategy is single: set it to ddp or fsdp" in res.stderr, res.stderr
+
+
+PROGRAM = """
+import argparse
+import torch
+import pilotrun
+
+cli = argparse.ArgumentParser()
+cli.add_argument("--lr", type=float)
+cli.add_argument("--seed", type=int)
+cli.add_argument("--updates", type=int)
+a = cli.parse_args()
+job = pilotrun.program()
+torch.manual_seed(a.seed)
+x = torch.randn(64, 8)
+y = x @ torch.randn(8, 1)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+for update in range(1, a.updates + 1):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    job.update(update, loss=loss, lr=a.lr, ids=list(range(64)))
+    if update % 4 == 0:
+        job.evaluated(update, torch.nn.functional.mse_loss(model(x), y))
+    if job.should_stop(update):
+        break
+"""
+
+
+@pytest.mark.process
+def test_a_program_campaign_keeps_the_same_rows_on_ray_as_on_the_local_engine(tmp_path, ray_env):
+    """Issue 20: the base is the user's program; a diverging lr is stopped at the same update on both engines."""
+    (tmp_path / "prog").mkdir()
+    (tmp_path / "prog" / "train.py").write_text(PROGRAM)
+    (tmp_path / "prog" / "pilot.yaml").write_text(yaml.safe_dump({"name": "prog",
+                                                                  "program": {"command": "python train.py"}}))
+    spec = tmp_path / "prog-lr.yaml"
+    spec.write_text(yaml.safe_dump({"name": "prog-lr", "base": "prog/pilot.yaml", "vary": {"lr": [0.01, 3.0]},
+                                    "seeds": [1, 2], "updates": 8, "stop": {"divergence": 3.0},
+                                    "program": {"args": ["--lr", "{value}", "--seed", "{seed}", "--updates",
+                                                         "{updates}"]}}, sort_keys=False))
+    ledgers = {"local": tmp_path / "local.sqlite", "ray": tmp_path / "ray.sqlite"}
+    for engine, ledger in ledgers.items():
+        res = pilotrun_cli("campaign", str(spec), "--engine", engine, "--parallel", "2", "--ledger", str(ledger),
+                           "--out", str(tmp_path / "runs"), "--json", cwd=tmp_path, env=ray_env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+    (local, local_text), (on_ray, ray_text) = _summary(ledgers["local"]), _summary(ledgers["ray"])
+    assert on_ray == local and ray_text == local_text, (on_ray, local)
+    assert [r[3] for r in local] == ["finished", "finished", "diverged", "diverged"], local
+    assert all(r[6] == r[8] == r[7] for r in local if r[3] == "diverged")  # stopped where its last point is
+    assert all(r[7] == 8 for r in local if r[3] == "finished")
+    assert not _marked(ray_env[MARK]), "the campaign left Ray processes behind"

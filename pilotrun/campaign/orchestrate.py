@@ -38,7 +38,7 @@ from .devices import assign_devices, worker_device_env
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .resources import PerRun, pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
-from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_spec
+from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_device, run_spec
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
 ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")
@@ -177,13 +177,15 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
             if i == 0:
                 controls[seed] = spec
             else:
-                moved = check_only_varied(controls[seed], spec, (c.key,))
+                # A program's runs differ in the words and variables the templates filled in, by construction.
+                moved = check_only_varied(controls[seed], spec, (c.key,) if c.program is None else
+                                          ("program.command", "program.env"))
                 if moved:
                     problems.append(f"{c.key} = {value!r} would also change {', '.join(moved)}")
                 if examples_per_update(spec) != examples_per_update(controls[seed]):
                     problems.append(f"{c.key} = {value!r} changes the examples per update "
                                     f"({examples_per_update(controls[seed])} -> {examples_per_update(spec)})")
-            if c.processes > 1 and not strategies.get(spec.distributed.strategy).multi_process:
+            if c.processes > 1 and c.program is None and not strategies.get(spec.distributed.strategy).multi_process:
                 raise CampaignError(f"processes: {c.processes} runs each run as a group of {c.processes} processes, "
                                     f"but the base's distributed.strategy is {spec.distributed.strategy}: set it to "
                                     f"{' or '.join(strategies.multi_process_names())}")
@@ -194,9 +196,10 @@ def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
 def _accelerator(spec) -> tuple[str, int] | None:
     """The accelerator the runs will share (name, memory), or None when they run on the CPU."""
     inv = query_devices()
-    if spec.train.device == "cpu" or not inv.runtime.indexed or not inv.count:
+    device = run_device(spec)
+    if device == "cpu" or not inv.runtime.indexed or not inv.count:
         return None
-    index = int(spec.train.device.split(":")[1]) if spec.train.device.startswith("cuda:") else 0
+    index = int(device.split(":")[1]) if device.startswith("cuda:") else 0
     return (inv.names[index], inv.total_memory_bytes[index]) if index < inv.count else None
 
 
@@ -206,10 +209,10 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
 
     ``base_hash``: the base spec's config hash when it is not the file on disk (a resume uses the stored base)."""
     with Ledger(ledger_path) as led:
-        per_run = pilot_memory(led, base_hash or load_spec(c.folder / c.base).config_hash())
+        per_run = pilot_memory(led, base_hash or load_spec(c.folder / c.base, allow_program=True).config_hash())
     host = query_host()
     # One device per run when several are visible; a campaign run is one process (world size 1).
-    devices = assign_devices(query_devices(), control_spec.train.device, per_run=1, environ=os.environ)
+    devices = assign_devices(query_devices(), run_device(control_spec), per_run=1, environ=os.environ)
     return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
                          accelerator=_accelerator(control_spec), per_run=per_run, devices=devices)
 
@@ -218,6 +221,8 @@ def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:
     """What runs but will not measure what it seems to: said before the start and kept on the campaign's row."""
     out = []
     for r in runs:
+        if r["spec"].train is None:  # a program's schedule is its own
+            continue
         w = r["spec"].train.scheduler.warmup_updates
         if w >= c.updates:
             out.append(f"{c.key} = {r['variant']!r}: the warm-up ({w} updates) is not over by the campaign's "
@@ -272,7 +277,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
                           meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
                                 "base": str((c.folder / c.base).resolve()), "parallel": at_once,
                                 "orchestrator": process_mark(), "engine": engine_meta(engine, run_root),
-                                "base_written": load_spec(c.folder / c.base).written,
+                                "base_written": load_spec(c.folder / c.base, allow_program=True).written,
                                 **({"task_id": task_id} if task_id else {})})
             for i, r in enumerate(runs):
                 r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
@@ -288,7 +293,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
 def base_pilot(c: CampaignSpec, ledger_path: Path, base_hash: str | None = None) -> PerRun | None:
     """What one run needed in a pilot of the base spec (resources.py), or None when no pilot measured it."""
     with Ledger(ledger_path) as led:
-        return pilot_memory(led, base_hash or load_spec(c.folder / c.base).config_hash())
+        return pilot_memory(led, base_hash or load_spec(c.folder / c.base, allow_program=True).config_hash())
 
 
 def runs_folder(engine: EngineChoice | None, campaign_id: str, folder: Path) -> Path:

@@ -198,6 +198,10 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
         torch.set_num_threads(plan["threads"])
     result: dict = {"run_id": run_id, "val": []}
     with sink if sink is not None else Ledger(ledger_path) as led:
+        if spec.program is not None:  # the user's program, not pilotrun's loop
+            from .program_run import program_run
+
+            return program_run(spec, run_id, out_dir, led, plan, deadline, stop_requested, how)
         try:
             driver = build_job(spec)
         except Exception as exc:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shlex
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,6 +63,47 @@ class Keep:
     control_set: int = doc("validation examples whose predictions are kept for every run", 16)
 
 
+# What a program campaign's templates may name: the run's varied value, its seed, the campaign's update budget.
+TEMPLATE_FIELDS = ("value", "seed", "updates")
+
+
+@dataclass
+class ProgramTemplate:
+    """How a run's varied value and seed reach a program (a base with ``program:``): words appended to its command
+    and environment variables, each with ``{value}``, ``{seed}`` or ``{updates}`` filled in."""
+
+    args: list[str] = doc("words appended to program.command, e.g. [--learning_rate, '{value}', --seed, '{seed}']",
+                          list)
+    env: dict[str, str] = doc("environment variables for each run, e.g. {LR: '{value}'} (added to program.env)", dict)
+
+    def check(self):
+        import string
+
+        for where, text in [*(("args", a) for a in self.args), *((f"env.{k}", v) for k, v in self.env.items())]:
+            if not isinstance(text, str):
+                yield where, f"must be a string (quote it in YAML), got {type(text).__name__}"
+                continue
+            try:
+                names = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+            except ValueError as exc:
+                yield where, f"{text!r} is not a template: {exc} (write {{{{ and }}}} for literal braces)"
+                continue
+            unknown = [n for n in names if n not in TEMPLATE_FIELDS]
+            if unknown:
+                yield where, f"{text!r} names {', '.join(unknown)}; a template may name {', '.join(TEMPLATE_FIELDS)}"
+        if not any("{value}" in t for t in [*self.args, *self.env.values()] if isinstance(t, str)):
+            yield "", "no template names {value}: every run would run the same program (e.g. args: [--lr, '{value}'])"
+
+    def fill(self, value: Any, seed: int, updates: int) -> tuple[list[str], dict[str, str]]:
+        fields = {"value": _as_text(value), "seed": seed, "updates": updates}
+        return [a.format(**fields) for a in self.args], {k: v.format(**fields) for k, v in self.env.items()}
+
+
+def _as_text(value: Any) -> str:
+    """A varied value as a program reads it on its command line: a float without YAML's exponent quirks."""
+    return repr(value) if isinstance(value, float) else str(value)
+
+
 @dataclass
 class CampaignSpec:
     base: str = doc("the pilot spec every run starts from (relative to this file)")
@@ -73,6 +115,8 @@ class CampaignSpec:
     eval: EvalEvery = doc("validation frequency", EvalEvery)
     stop: StopRules = doc("stop reasons, declared before the start", StopRules)
     keep: Keep = doc("what each run keeps", Keep)
+    program: ProgramTemplate | None = doc(
+        "with a program base (program: in the base spec): how each run's value and seed reach the program", None)
     processes: int = doc(
         "processes per run: above 1, each run is a torchrun-style group (the base's distributed.strategy ddp or "
         "fsdp, gloo on CPU) inside one Ray task with that many GPUs (or CPUs); needs --engine ray", 1)
@@ -181,10 +225,24 @@ def load_campaign(path: str | Path) -> CampaignSpec:
     from ..config.load import load_spec
 
     try:  # a broken base is the base's fault, not the varied value's
-        load_spec(base)
+        base_spec = load_spec(base, allow_program=True)
     except SpecError as exc:
         raise SpecError([("base", f"{spec.base} is not a valid pilot spec: " + "; ".join(
             f"{f}: {m}" if f else m for f, m in exc.problems))], str(p)) from None
+    if base_spec.program is not None and spec.program is None:
+        raise SpecError([("program", f"the base {spec.base} runs a program: say how each run's value and seed reach "
+                                     f"it, e.g. program: {{args: [--{spec.key.rsplit('.', 1)[-1]}, '{{value}}', --seed,"
+                                     " '{seed}']} (README, \"then run the first campaign\")")], str(p))
+    if base_spec.program is None and spec.program is not None:
+        raise SpecError([("program", f"the base {spec.base} has no program: (pilotrun's own loop); vary a spec key "
+                                     "instead and remove program:")], str(p))
+    if spec.program is not None and len(spec.seeds) > 1 and not any(
+            "{seed}" in t for t in [*spec.program.args, *spec.program.env.values()]):
+        raise SpecError([("program", f"seeds {spec.seeds} would run the same program {len(spec.seeds)} times: name "
+                                     "{seed} in program.args or program.env")], str(p))
+    if spec.program is not None and spec.processes > 1:
+        raise SpecError([("processes", "a program starts its own processes (torchrun in program.command): remove "
+                                       "processes")], str(p))
     return spec
 
 
@@ -211,7 +269,18 @@ def run_spec(campaign: CampaignSpec, value, seed: int, extra: Sequence[tuple[str
     from ..config.load import load_spec
 
     base_path = campaign.folder / campaign.base
-    raw = copy.deepcopy(base_written if base_written is not None else load_spec(base_path).written)
+    raw = copy.deepcopy(base_written if base_written is not None else load_spec(base_path, allow_program=True).written)
+    if campaign.program is not None:  # the value and seed go to the program through its command and environment
+        if extra:
+            raise SpecError([("", f"{', '.join(k for k, _ in extra)}: a program's run takes its sizes from its own "
+                                  "arguments; pilotrun cannot change them for a retry")], str(base_path))
+        args, env = campaign.program.fill(value, seed, campaign.updates)
+        program = raw["program"]
+        words = program["command"] if isinstance(program["command"], list) else shlex.split(program["command"])
+        program["command"] = [*words, *args]
+        program["env"] = {**(program.get("env") or {}), **env}
+        raw["seed"] = seed
+        return spec_from_mapping(raw, base_path, check_files=False)
     set_dotted(raw, campaign.key, value)
     raw["seed"] = seed
     set_dotted(raw, "train.updates", campaign.updates)  # the schedule spans the campaign's budget
@@ -228,5 +297,13 @@ def check_only_varied(control: Spec, variant: Spec, allowed: tuple[str, ...]) ->
                   and not any(k == x or k.startswith(x + ".") for x in allowed))
 
 
-def examples_per_update(spec: Spec) -> int:
+def examples_per_update(spec: Spec) -> int | None:
+    """None for a program's run: its batch is its own (the program's arguments hold it fixed)."""
+    if spec.train is None:
+        return None
     return spec.train.micro_batch_size * spec.train.grad_accum_steps
+
+
+def run_device(spec: Spec) -> str:
+    """The device a run asks for: ``train.device``, or ``auto`` for a program (which picks its own)."""
+    return spec.train.device if spec.train is not None else "auto"

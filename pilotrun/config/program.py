@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -39,6 +40,9 @@ class ProgramSpec:
         "name existing files, the file of a module run with -m (python -m train: train.py), and the modules under "
         "the spec's folder those scripts import (found by reading them, without running them)", None)
     timeout: float = doc("seconds each run of the program may take before pilotrun kills its process group", 600.0)
+    env: dict[str, str] | None = doc(
+        "environment variables set for every run of the program (a campaign's program.env templates add to them); "
+        "names starting with PILOTRUN_ are pilotrun's own", None)
     compare: Literal["auto", "bitwise", "rtol"] = doc(
         "how the resume gate compares runs: bitwise, within pilot.resume.rtol, or auto (bitwise when this machine has "
         "no accelerator, so the program ran on CPU; rtol otherwise)", "auto")
@@ -57,6 +61,13 @@ class ProgramSpec:
             yield "command", "give the program's command line, e.g. 'python train.py' or a list of words"
         if self.timeout <= 0:
             yield "timeout", f"must be positive, got {self.timeout}"
+        for name, value in (self.env or {}).items():
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                yield "env", f"{name!r} is not an environment variable name"
+            elif name.startswith("PILOTRUN_"):
+                yield f"env.{name}", "is pilotrun's own (pilotrun/program/env.py sets it for each run); remove it"
+            if not isinstance(value, str):
+                yield f"env.{name}", f"must be a string (quote it in YAML), got {type(value).__name__}"
 
 
 def script_words(words: list[str], folder: Path) -> list[str]:

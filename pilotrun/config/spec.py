@@ -156,8 +156,11 @@ class Spec:
         if out.get("program") is None:  # absent, not null: specs without it keep the hash they always had
             out.pop("program", None)
             out["pilot"]["resume"].pop("auto_within", None)  # a program's key: the loop's hash stays as it was
-        elif out["pilot"]["resume"].get("before") != "auto":
-            out["pilot"]["resume"].pop("auto_within", None)  # read only with auto: a numbered spec's hash stays too
+        else:
+            if out["pilot"]["resume"].get("before") != "auto":
+                out["pilot"]["resume"].pop("auto_within", None)  # read only with auto: a numbered spec's hash stays
+            if not out["program"].get("env"):
+                out["program"].pop("env", None)  # no environment of its own: the hash it always had
         out["pilot"].pop("factory_timeout", None)  # how long pilotrun waits, not what runs: the hash stays as it was
         out["pilot"].pop("variants", None)  # what `pilotrun variants` compares, not the job: the hash stays too
         for section in ("model", "data"):
@@ -197,6 +200,8 @@ class ProgramOnlySpec(Spec):
         out = asdict(self)
         for key in ("source", "written", *PROGRAM_OPTIONAL):
             out.pop(key, None)
+        if out.get("program") and not out["program"].get("env"):
+            out["program"].pop("env", None)  # no environment of its own: the hash it always had
         out["pilot"].pop("factory_timeout", None)
         out["pilot"].pop("variants", None)
         return json.loads(json.dumps(out, sort_keys=True, default=list))

@@ -206,6 +206,11 @@ class PilotrunCallback(pl.Callback):
         self.validating = False
         if self.spans is not None:
             self.spans.close("eval")
+        loss = trainer.callback_metrics.get("val_loss")
+        if self.active and loss is not None and not trainer.sanity_checking and trainer.is_global_zero:
+            self.job.evaluated(trainer.global_step, loss, **{k.removeprefix("val_"): v for k, v in
+                                                             trainer.callback_metrics.items() if k.startswith("val_")
+                                                             and k != "val_loss"})
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._report_own_saves(trainer)

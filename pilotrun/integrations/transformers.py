@@ -168,6 +168,10 @@ class PilotrunCallback(TrainerCallback):
         if not self.active or self.spans is None:
             return
         self.spans.close("eval")
+        metrics = kwargs.get("metrics") or {}
+        if "eval_loss" in metrics and args.process_index == 0:
+            self.job.evaluated(state.global_step, metrics["eval_loss"],
+                               **{k.removeprefix("eval_"): v for k, v in metrics.items() if k != "eval_loss"})
         if self.pending_save:
             self.pending_save = False
             self.spans.open("save", {"update": state.global_step, **self._inputs(args)})

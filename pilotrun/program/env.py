@@ -17,6 +17,10 @@ Set by the parent for every process it starts (torchrun passes them to each rank
 ``PILOTRUN_KILL_AT``          the update whose ``saved()`` the interrupted run waits in for its SIGKILL
 ``PILOTRUN_SAVE_AUTO``        ``W,K`` (``pilot.resume.before: auto``): no save is asked for unless the program has
                               made none of its own by update W; the run stops K updates after its first save
+``PILOTRUN_STOP_FILE``        a campaign run's stop request: ``should_stop`` is True once this file exists (a stop
+                              rule, the budget, Ctrl-C)
+``PILOTRUN_STOP_RULES``       a campaign's stop rules as JSON (``non_finite``, ``divergence``): ``should_stop`` is True
+                              from the update whose loss breaks one, as pilotrun records it
 ============================  ==========================================================================
 
 Rank and world size come from torchrun's own ``RANK`` and ``WORLD_SIZE`` (0 and 1 without torchrun).
@@ -41,9 +45,11 @@ STOP_AT = "PILOTRUN_STOP_AT"
 KILL_WAIT = "PILOTRUN_KILL_WAIT"
 SAVE_AUTO = "PILOTRUN_SAVE_AUTO"
 KILL_AT = "PILOTRUN_KILL_AT"
+STOP_FILE = "PILOTRUN_STOP_FILE"
+STOP_RULES = "PILOTRUN_STOP_RULES"
 
 ALL = (PROGRAM, ROLE, RUN_ID, LEDGER, EVENTS, CHECKPOINT_DIR, RESUME_FROM, SAVE_AT, STOP_AT, KILL_WAIT, SAVE_AUTO,
-       KILL_AT)
+       KILL_AT, STOP_FILE, STOP_RULES)
 
 
 # The update field (in ``extra``) naming what its ids are, when they are not the items' own (an IdKind value).
@@ -82,6 +88,8 @@ class Role(TextEnum):
     RESUMED = "resumed"          # a fresh process resumed from that checkpoint to N+K
     STAGES = "stages"            # stages only, no resume (``--gates`` without resume)
     PROBE = "probe"              # a short run for in-process gates (integrations)
+    CAMPAIGN = "campaign"        # one run of a campaign: its updates and validations become the run's series, and
+    #                              it stops where pilotrun's stop rules say (PILOTRUN_STOP_FILE)
     DESCRIBE = "describe"        # stops where the program describes its job (job.describe), before its first update:
     #                              what estimate, select and plan trace
 
@@ -101,5 +109,6 @@ class Event(TextEnum):
     STAGE = "stage"      # a stage's row (pilotrun.api's measurement)
     GATE = "gate"        # an in-process gate's row (record_gate)
     PROBLEM = "problem"  # a value the program reported that was refused: field, problem, update
+    EVAL = "eval"        # a validation point: update, loss, metrics (job.evaluated)
     DESCRIBE = "describe"  # the job's shape (program.describe.JobFacts as a dict under ``facts``)
     END = "end"          # the process exited normally (atexit)

@@ -21,7 +21,8 @@ Contract (stable: the transformers and Lightning integrations are built on it)::
     True when started by ``pilotrun run`` (``$PILOTRUN_PROGRAM`` set). Inert (False): ``resume_from`` and
     ``checkpoint_dir`` are None, ``should_save``/``should_stop`` return False, ``update``/``saved``/
     ``record_gate`` do nothing and ``stage()`` yields a handle without measuring.
-``job.role: Role`` (a str enum: "control" | "interrupted" | "resumed" | "stages" | "probe"; "" when inert)
+``job.role: Role`` (a str enum: "control" | "interrupted" | "resumed" | "stages" | "probe" | "campaign" | "describe";
+    "" when inert)
 ``job.rank: int``, ``job.world_size: int``
     torchrun's ``RANK`` and ``WORLD_SIZE`` (0 and 1 without it).
 ``job.resume_from: str | None``
@@ -29,6 +30,9 @@ Contract (stable: the transformers and Lightning integrations are built on it)::
 ``job.checkpoint_dir: str | None``
     Where pilotrun wants this run's checkpoints written (a fresh folder per run).
 ``job.should_save(update) -> bool``, ``job.should_stop(update) -> bool``
+    (In a campaign's run ``should_stop`` also applies the campaign's stop rules to the losses reported and its
+    stop requests; with several ranks it is a collective then: call it on every rank at every update, as the
+    callbacks do.)
     Update numbers count optimizer updates from 1 and continue across a resume (the first resumed update
     after a checkpoint of update N is N+1). Save where the program always saves *or* where ``should_save`` says
     (``pilot.resume.before: auto``, the default, proves the resume at the program's own first checkpoint and asks
@@ -39,6 +43,10 @@ Contract (stable: the transformers and Lightning integrations are built on it)::
     on each rank its own; ``extra`` more numbers/strings compared like the rest. A refused value (a NaN or inf
     loss, an update number not above the last one, ids of the wrong type) becomes a ``problem`` the pilot
     reports as a row naming the update and field; it never raises.
+``job.evaluated(update, loss, **metrics)``
+    A validation point after update ``update``: its loss and any number metrics (``accuracy=...``). A campaign of
+    the program judges its runs by the last one; the callbacks report the Trainer's ``eval_loss`` and Lightning's
+    ``val_loss``.
 ``job.saved(update, path)``
     A checkpoint holding the state *after* update ``update`` is complete at ``path`` (call it on the rank that
     writes it, after the write; with per-rank files after a barrier). In the interrupted run this call does not
@@ -129,6 +137,9 @@ class ProgramHandle:
             self._kill_wait = float(env.get(E.KILL_WAIT) or DEFAULT_KILL_WAIT)
             kill_at = env.get(E.KILL_AT) if self.active else None
             self._kill_at = int(kill_at) if kill_at else None
+            self._stop_file = (env.get(E.STOP_FILE) or None) if self.active else None
+            rules = env.get(E.STOP_RULES) if self.active else None
+            self._rules: dict | None = json.loads(rules) if rules else None
             auto = env.get(E.SAVE_AUTO) if self.active else None
             self._auto = tuple(int(x) for x in auto.split(",")) if auto else None
         except ValueError as exc:
@@ -147,6 +158,8 @@ class ProgramHandle:
         self._asked: set[int] = set()      # updates should_save said True for
         self._first_save: int | None = None
         self._session: Session | None = None
+        self._first_loss: float | None = None
+        self._rule_broken = False   # a campaign's stop rule broken by a reported loss
         if self.active:
             self._emit(Event.START, pid=os.getpid(), world_size=self.world_size, resume_from=self.resume_from)
             atexit.register(self._at_exit)
@@ -166,6 +179,8 @@ class ProgramHandle:
     def should_stop(self, update: int) -> bool:
         if not self.active:
             return False
+        if self._rules is not None or self._stop_file is not None:  # a campaign's run
+            return self._campaign_stop()
         if self._auto is not None:
             first = self.first_save()
             # Nothing saved even where pilotrun asked (W): stop K later anyway, as a fixed plan would have.
@@ -206,6 +221,7 @@ class ProgramHandle:
             if not math.isfinite(number):
                 self._problem(update, name, f"{name} is {number} (non-finite)", non_finite=True)
             record[name] = number if math.isfinite(number) else str(number)
+        self._check_rules(record["loss"])
         record["ids"] = None
         if ids is not None:
             try:
@@ -225,6 +241,23 @@ class ProgramHandle:
             clean_extra[key] = number if math.isfinite(number) else str(number)
         record["extra"] = clean_extra
         self._emit(Event.UPDATE, **record)
+
+    def evaluated(self, update: int, loss: Any, **metrics: Any) -> None:
+        if not self.active:
+            return
+        try:
+            value = _as_number(loss)
+        except (TypeError, ValueError) as exc:
+            self._problem(update, "evaluated", f"loss is {exc}")
+            return
+        clean = {}
+        for key, metric in metrics.items():
+            try:
+                number = _as_number(metric)
+            except (TypeError, ValueError):
+                continue  # a text or nested metric the Trainer logs beside the loss: not a number to compare
+            clean[key] = number if math.isfinite(number) else str(number)
+        self._emit(Event.EVAL, update=update, loss=value if math.isfinite(value) else str(value), metrics=clean)
 
     def saved(self, update: int, path: str | os.PathLike) -> None:
         if not self.active:
@@ -299,6 +332,28 @@ class ProgramHandle:
             return
         self._emit(Event.GATE, row=row.to_dict())
 
+    # -- a campaign's stop rules ----------------------------------------------------------------------------
+    def _check_rules(self, loss: float | str | None) -> None:
+        """The campaign's rules, applied to this rank's loss as pilotrun applies them to the run's series."""
+        if self._rules is None or self._rule_broken or loss is None:
+            return
+        if isinstance(loss, str):  # non-finite, kept as its text
+            self._rule_broken = bool(self._rules.get("non_finite", True))
+            return
+        if self._first_loss is None:
+            self._first_loss = loss
+        divergence = self._rules.get("divergence")
+        if divergence and loss > divergence * self._first_loss:
+            self._rule_broken = True
+
+    def _campaign_stop(self) -> bool:
+        """A stop rule broken here, or the stop file (budget, Ctrl-C); agreed over the ranks (any rank's reason stops
+        them all at the same update: one rank stopping alone would leave the others in a collective)."""
+        stop = self._rule_broken or (self._stop_file is not None and os.path.exists(self._stop_file))
+        if self.world_size > 1:
+            stop = _any_rank(stop)
+        return stop
+
     # -- the run's first save, the same on every rank -------------------------------------------------------
     # With pilot.resume.before: auto, should_save/should_stop depend on the run's first save, and most programs (and
     # both integrations) report saves on rank 0 only: a rank deciding alone would stop while the others train on
@@ -350,6 +405,19 @@ class ProgramHandle:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether any rank's flag is set (an all-reduce, when the program's process group is up)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")

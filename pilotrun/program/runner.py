@@ -222,14 +222,51 @@ class RunPlan:
     resume_from: str | None = None
     kill_after_save: int | None = None  # SIGKILL the tree once rank 0 reports saved(this update)
     save_auto: tuple[int, int] | None = None  # (W, K): the program's own first save, asked for at W; stop K after
+    stop_file: str | None = None  # should_stop is True once this file exists (a campaign's stop request)
+    stop_rules: dict | None = None  # a campaign's non_finite and divergence rules, applied by the handle too
+    timeout: float | None = None  # seconds before the run is killed (None: program.timeout; inf: never)
+
+
+class EventTail:
+    """The events appended to one event file since the last poll (whole lines only: the program may be mid-write)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read(EVENTS_CAP)
+        except OSError:
+            return []
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if _not_an_event(event) is None:
+                out.append(event)
+        return out
 
 
 def _watch(tree: Tree, program: ProgramSpec, plan: RunPlan, rank0: Path, started: float,
-           outcome: RunOutcome) -> None:
-    """Until the program ends; kill it past ``program.timeout``, or once rank 0 reports the planned save."""
+           outcome: RunOutcome, on_poll: Callable[[], bool] | None = None) -> None:
+    """Until the program ends; kill it past its timeout, once rank 0 reports the planned save, or when ``on_poll``
+    (called every poll) says so."""
+    timeout = program.timeout if plan.timeout is None else plan.timeout
     while tree.poll() is None:
-        if time.monotonic() - started > program.timeout:
+        if time.monotonic() - started > timeout:
             outcome.timed_out = True
+            return
+        if on_poll is not None and on_poll():
+            outcome.killed = True
             return
         if plan.kill_after_save is not None and any(
                 e.get("kind") == Event.SAVED and e.get("update") == plan.kill_after_save for e in read_events(rank0)):
@@ -239,8 +276,9 @@ def _watch(tree: Tree, program: ProgramSpec, plan: RunPlan, rank0: Path, started
 
 
 def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path, run_id: str, ledger_path: Path,
-                progress: Callable[[str], None] | None = None) -> RunOutcome:
-    """Run the program in ``plan.role`` until it ends, is killed after its save, or times out."""
+                progress: Callable[[str], None] | None = None, on_poll: Callable[[], bool] | None = None) -> RunOutcome:
+    """Run the program in ``plan.role`` until it ends, is killed after its save, times out, or ``on_poll`` (called
+    every POLL_S while it runs) returns True."""
     base = out_dir.resolve() / "program"  # absolute: the program runs from the spec's folder
     events_dir, log = base / "events", base / f"{plan.role}.log"
     checkpoints = base / "checkpoints" / str(plan.role)
@@ -248,7 +286,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
     events_dir.mkdir(parents=True, exist_ok=True)
     for old in [*events_dir.glob(f"{plan.role}-rank*.jsonl"), *events_dir.glob(f"{plan.role}.first-save")]:
         old.unlink()
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in E.ALL}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in E.ALL} | (program.env or {})
     package_root = str(Path(__file__).resolve().parents[2])  # the program imports this pilotrun
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     env.update({E.PROGRAM: "1", E.ROLE: str(plan.role), E.RUN_ID: run_id, E.LEDGER: str(ledger_path.resolve()),
@@ -261,6 +299,10 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
         env[E.SAVE_AUTO] = ",".join(map(str, plan.save_auto))
     if plan.kill_after_save is not None:
         env[E.KILL_AT] = str(plan.kill_after_save)
+    if plan.stop_file is not None:
+        env[E.STOP_FILE] = plan.stop_file
+    if plan.stop_rules is not None:
+        env[E.STOP_RULES] = json.dumps(plan.stop_rules)
     started = time.monotonic()
     with open(log, "wb") as log_fh:
         # Under a keeper (pilotrun/procs.py): whatever the program starts (torchrun's ranks, its own children, a
@@ -269,7 +311,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
                     stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         outcome = RunOutcome(plan.role, None, 0.0, log)
         try:
-            _watch(tree, program, plan, events_dir / f"{plan.role}-rank0.jsonl", started, outcome)
+            _watch(tree, program, plan, events_dir / f"{plan.role}-rank0.jsonl", started, outcome, on_poll)
         finally:
             ending = tree.kill()  # also after an exception or Ctrl-C here: leave nothing behind
             outcome.returncode = tree.returncode

@@ -44,6 +44,7 @@ from ...procs import Tree
 from ...workers.launch import worker_env
 from ..resources import PerRun
 from ..runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
+from ..spec import run_device
 from ..spool import SpoolReader, end_item
 from .base import EngineChoice, EngineRefusal
 
@@ -332,11 +333,12 @@ class RayEngine:
     def plan(self, requested: int | None, runs: int, spec, per_run: PerRun | None, processes: int = 1) -> dict:
         """Runs at once on this cluster, and the resources each asks for (kept for ``launch``): a CPU per process,
         and a GPU per process (the run's world size) unless the spec trains on the CPU."""
-        gpus = processes if backends.numbered(spec.train.device) else 0
+        device = run_device(spec)
+        gpus = processes if backends.numbered(device) else 0
         cluster = self.cluster()
         if gpus and not cluster.get("GPU"):
-            if spec.train.device != "auto":
-                raise EngineRefusal(f"train.device is {spec.train.device} but the Ray cluster has no GPU: set "
+            if device != "auto":
+                raise EngineRefusal(f"train.device is {device} but the Ray cluster has no GPU: set "
                                     "train.device: cpu (or auto), or give --address of a cluster with GPUs")
             gpus = 0  # auto: the runs use the CPU, as `auto` does on a machine without an accelerator
         at_once = plan_ray(requested, runs, cluster=cluster, gpus_per_run=gpus, cpus_per_run=processes,

@@ -1,0 +1,168 @@
+"""One campaign run of the user's program: its updates and validations become the run's series, pilotrun's stop rules
+stop it, and its end is recorded as a run of pilotrun's loop is.
+
+The program runs in the ``campaign`` role (:class:`~pilotrun.program.env.Role`) with its run's value and seed already
+in its command and environment (:func:`pilotrun.campaign.spec.run_spec`). Every ``job.update`` becomes a point of
+the ``train`` series and every ``job.evaluated`` a point of ``val`` (the callbacks report both), read from rank 0's
+event file while the program runs and written in transactions. The stop rules (a non-finite loss, divergence) are
+applied twice to the same losses: by the handle, whose ``should_stop`` is True from the update that broke one (the
+program stops exactly there), and here, to record the run's end. The budget and Ctrl-C write the stop file
+``should_stop`` reads too; a program that does not stop within :data:`STOP_GRACE_S` of either is killed with its
+process tree. A diverged run keeps every point it wrote.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..ledger.records import RunEnd, RunStatus, Series, StopKind
+from ..program.env import Event, Role
+from ..program.runner import EventTail, RunOutcome, RunPlan, run_program
+
+STOP_GRACE_S = 60.0  # after the stop file, the program's own should_stop has this long to end the run
+FLUSH_EVERY_S = 2.0
+
+
+def _number(value: Any) -> float | None:
+    """A reported number (a non-finite one arrives as its text, "nan" or "inf")."""
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+class _Watch:
+    """What rank 0 reported so far, the stop rules applied to it, and the run's end once one is decided."""
+
+    def __init__(self, led, run_id: str, plan: dict, deadline: float | None, stop_requested: Callable[[], bool],
+                 how: Callable[[], str], stop_file: Path) -> None:
+        self.led, self.run_id, self.plan = led, run_id, plan
+        self.deadline, self.stop_requested, self.how, self.stop_file = deadline, stop_requested, how, stop_file
+        self.pending: list[dict] = []
+        self.flushed = time.monotonic()
+        self.first_loss: float | None = None
+        self.last_update = 0
+        self.val: list[dict] = []
+        self.saved: tuple[int, str] | None = None
+        self.end: RunEnd | None = None
+        self.asked: float | None = None
+
+    def take(self, event: dict) -> None:
+        kind = event.get("kind")
+        if kind == Event.UPDATE:
+            self._update(event)
+        elif kind == Event.EVAL and isinstance(event.get("update"), int):
+            loss = _number(event.get("loss"))
+            metrics: dict = event["metrics"] if isinstance(event.get("metrics"), dict) else {}
+            point = {"step": event["update"], "val_loss": loss, **metrics}
+            self.val.append(point)
+            self.flush()
+            self.led.add_metrics(self.run_id, Series.VAL, [{"step": event["update"], "loss": loss,
+                                                            "extra": {"accuracy": metrics.get("accuracy")}}])
+        elif kind == Event.SAVED and isinstance(event.get("update"), int):
+            self.saved = (event["update"], str(event.get("path")))
+
+    def _update(self, event: dict) -> None:
+        step, loss = event["update"], _number(event.get("loss"))
+        self.last_update = max(self.last_update, step)
+        self.pending.append({"step": step, "loss": loss, "lr": _number(event.get("lr")),
+                             "grad_norm": _number(event.get("grad_norm")), "sample_ids": event.get("ids"),
+                             "extra": event.get("extra") or {}})
+        if self.end is not None or loss is None:
+            return
+        stop = self.plan["stop"]
+        if not math.isfinite(loss):
+            if stop.get("non_finite", True):
+                self.end = RunEnd(RunStatus.DIVERGED, StopKind.NON_FINITE, f"non-finite loss ({event.get('loss')})",
+                                  step)
+            return
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        if stop.get("divergence") and loss > stop["divergence"] * self.first_loss:
+            self.end = RunEnd(RunStatus.DIVERGED, StopKind.DIVERGENCE,
+                              f"loss {loss:.4g} > {stop['divergence']:g} x the first loss {self.first_loss:.4g}", step)
+
+    def flush(self) -> None:
+        self.flushed = time.monotonic()
+        if self.pending:
+            self.led.add_metrics(self.run_id, Series.TRAIN, self.pending)
+            self.pending = []
+
+    def poll(self, tail: EventTail) -> bool:
+        """Read what is new, decide whether the run must stop; True: kill it now (it ignored the request)."""
+        for event in tail.poll():
+            self.take(event)
+        if self.end is None and self.stop_requested():
+            self.end = RunEnd(RunStatus.STOPPED, StopKind.INTERRUPTED, f"interrupted ({self.how()})",
+                              self.last_update)
+        elif self.end is None and self.deadline is not None and time.time() > self.deadline:
+            self.end = RunEnd(RunStatus.STOPPED, StopKind.BUDGET, "budget: the campaign's time budget ran out",
+                              self.last_update)
+        if self.end is not None and self.asked is None:
+            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+            self.stop_file.write_text(self.end.reason or "")
+            self.asked = time.monotonic()
+        if time.monotonic() - self.flushed > FLUSH_EVERY_S:
+            self.flush()
+        return self.asked is not None and time.monotonic() - self.asked > STOP_GRACE_S
+
+    def decide(self, outcome: RunOutcome) -> RunEnd:
+        """The run's end from the stop rules and how the program ended."""
+        if self.end is not None:
+            if outcome.killed:  # on_poll asked for the kill: the program ignored should_stop
+                return RunEnd(self.end.status, self.end.stop, f"{self.end.reason}; the program did not stop within "
+                              f"{STOP_GRACE_S:g} s of the request (job.should_stop) and was killed", self.end.at)
+            if self.end.at is not None and self.last_update > self.end.at:
+                # Asked at the update the rule fired, the program stops at its next should_stop: those points are kept.
+                return RunEnd(self.end.status, self.end.stop, f"{self.end.reason}; the program stopped after update "
+                              f"{self.last_update}", self.end.at)
+            return self.end
+        updates = self.plan["updates"]
+        if outcome.returncode != 0:
+            return RunEnd(RunStatus.FAILED, StopKind.ERROR, f"the program {outcome.how_it_ended()}", self.last_update)
+        if self.last_update < updates:
+            return RunEnd(RunStatus.FAILED, StopKind.ERROR, (
+                f"the program ended after update {self.last_update} of the campaign's {updates} (its own step count "
+                "is lower: pass {updates} to it, e.g. program.args: [--max_steps, '{updates}'])"), self.last_update)
+        return RunEnd(RunStatus.FINISHED)
+
+
+def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: float | None,
+                stop_requested: Callable[[], bool], how: Callable[[], str]) -> dict:
+    """Run the program once as this campaign run and record it in ``led`` (the ledger or a Ray relay)."""
+    assert spec.program is not None
+    base = out_dir / "program"
+    stop_file = base / "stop-requested"
+    stop_file.unlink(missing_ok=True)
+    watch = _Watch(led, run_id, plan, deadline, stop_requested, how, stop_file)
+    tail = EventTail(base / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
+    rules = {"non_finite": bool(plan["stop"].get("non_finite", True)), "divergence": plan["stop"].get("divergence")}
+    outcome = run_program(spec.program, spec.folder, RunPlan(Role.CAMPAIGN, stop_at=plan["updates"],
+                                                             stop_file=str(stop_file), stop_rules=rules,
+                                                             timeout=math.inf),
+                          out_dir, run_id, base / "ledger-of-the-program.sqlite", on_poll=lambda: watch.poll(tail))
+    for event in tail.poll():  # what it wrote after the last poll
+        watch.take(event)
+    watch.flush()
+    for rank in outcome.ranks:  # the other ranks' points, from their own files (each rank reports its own ids)
+        if rank:
+            led.add_metrics(run_id, Series.TRAIN, [{"step": e["update"], "loss": _number(e.get("loss")),
+                                                    "lr": _number(e.get("lr")), "sample_ids": e.get("ids"),
+                                                    "extra": e.get("extra") or {}} for e in outcome.updates(rank)],
+                            rank=rank)
+    end = watch.decide(outcome)
+    final = watch.val[-1] if watch.val else None
+    kept: dict[str, Any] = {"program_log": str(outcome.log)}
+    if plan["keep"].get("checkpoint", True) and watch.saved is not None:
+        kept["checkpoint"] = watch.saved[1]  # the program's own, in its format: pilotrun never loads it
+        kept["checkpoint_update"] = watch.saved[0]
+    if end.status == RunStatus.FINISHED and final is None:
+        kept["final_note"] = "the program reported no validation (job.evaluated, or the callbacks' eval)"
+    led.finish_campaign_run(run_id, end, final=final, first_loss=watch.first_loss, **kept)
+    result = {"run_id": run_id, "val": watch.val, "status": str(end.status), **end.fields(), "final": final,
+              "first_loss": watch.first_loss, **kept}
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    return result

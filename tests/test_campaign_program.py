@@ -1,0 +1,118 @@
+"""Campaigns of the user's program (issue 20, 2): the varied value and the seed reach the program through a template,
+every update and validation comes back through the handle into the run's series, pilotrun's stop rules stop a run
+through ``should_stop`` at the update that broke one, and every run keeps its row.
+
+Pure tests build the runs' specs and drive a handle in this process; the process test runs the hf-trainer example's
+own train.py (a transformers Trainer) as a 3-lr x 2-seed campaign where one lr diverges."""
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+
+import pytest
+import yaml
+
+from pilotrun.campaign.spec import ProgramTemplate, load_campaign, run_spec
+from pilotrun.config.schema import SpecError
+
+from .conftest import EXAMPLES, pilotrun_cli, program_events, program_handle
+
+
+def _setup(tmp_path, **campaign):
+    shutil.copytree(EXAMPLES / "hf-trainer", tmp_path / "hf-trainer", ignore=shutil.ignore_patterns("__pycache__",
+                                                                                                     "out"))
+    doc = yaml.safe_load((EXAMPLES / "campaign" / "trainer-lr.yaml").read_text())
+    doc.update(campaign)
+    path = tmp_path / "campaign" / "trainer-lr.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_the_template_puts_the_value_and_seed_on_the_command_line(tmp_path):
+    c = load_campaign(_setup(tmp_path))
+    assert c.program is not None and c.key == "learning_rate"
+    spec = run_spec(c, 3e-3, 2)
+    assert spec.program is not None and spec.program.words == [
+        "python", "train.py", "--learning_rate", "0.003", "--seed", "2", "--max_steps", "12"]
+    assert spec.seed == 2 and spec.model is None  # a program spec: the program builds its own job
+    assert run_spec(c, 1e-3, 2).config_hash() != spec.config_hash()
+    t = ProgramTemplate(args=["--lr", "{value}"], env={"SEED": "{seed}", "STEPS": "{updates}"})
+    assert t.fill(1.0, 7, 30) == (["--lr", "1.0"], {"SEED": "7", "STEPS": "30"})
+    with pytest.raises(SpecError) as err:
+        run_spec(c, 3e-3, 2, [("train.micro_batch_size", 2)])
+    assert "its own arguments" in str(err.value)
+
+
+@pytest.mark.parametrize(("change", "field", "words"), [
+    ({"program": None}, "program", "say how each run's value and seed reach it"),
+    ({"program": {"args": ["--learning_rate", "{value}"]}}, "program", "name {seed}"),
+    ({"program": {"args": ["--seed", "{seed}"]}}, "program", "no template names {value}"),
+    ({"program": {"args": ["--lr", "{value}", "--x", "{epochs}"]}}, "program.args", "names epochs"),
+    ({"program": {"args": ["--lr", "{value", "{seed}"]}}, "program.args", "is not a template"),
+    ({"processes": 2}, "processes", "starts its own processes"),
+])
+def test_a_program_campaign_that_cannot_run_as_declared_is_refused(tmp_path, change, field, words):
+    path = _setup(tmp_path, **change)
+    with pytest.raises(SpecError) as err:
+        load_campaign(path)
+    fields = dict(err.value.problems)
+    assert any(f.startswith(field) and words in m for f, m in fields.items()), fields
+
+
+def test_the_handle_applies_the_stop_rules_at_the_update_that_breaks_one(tmp_path):
+    stop_file = tmp_path / "stop"
+    job = program_handle(tmp_path, "campaign", stop_file=stop_file,
+                         stop_rules=json.dumps({"non_finite": True, "divergence": 3.0}))
+    for update, loss in enumerate([2.0, 5.9, 1.0], 1):
+        job.update(update, loss=loss, lr=0.1)
+        assert not job.should_stop(update)
+    job.update(4, loss=6.01, lr=0.1)   # > 3 x the first loss
+    assert job.should_stop(4)
+    job.evaluated(4, 1.5, accuracy=0.25, note="text is left out")
+    [point] = program_events(job, "eval")
+    assert point["loss"] == 1.5 and point["metrics"] == {"accuracy": 0.25}
+
+    nan = program_handle(tmp_path / "b", "campaign", stop_file=stop_file, stop_rules=json.dumps({"non_finite": True}))
+    nan.update(1, loss=float("nan"), lr=0.1)
+    assert nan.should_stop(1)
+    kept = program_handle(tmp_path / "c", "campaign", stop_file=stop_file, stop_rules=json.dumps({"non_finite": False}))
+    kept.update(1, loss=float("inf"), lr=0.1)
+    assert not kept.should_stop(1)
+    stop_file.write_text("budget")  # the budget or Ctrl-C: the campaign writes the file
+    assert kept.should_stop(2)
+
+
+@pytest.mark.process
+def test_a_trainer_program_campaign_keeps_every_run_and_stops_the_diverging_one(tmp_path):
+    path = _setup(tmp_path)
+    ledger = tmp_path / "ledger.sqlite"
+    res = pilotrun_cli("campaign", str(path), "--parallel", "2", "--ledger", str(ledger), "--out",
+                       str(tmp_path / "runs"), "--json", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    db = sqlite3.connect(ledger)
+    db.row_factory = sqlite3.Row
+    runs = db.execute("SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid").fetchall()
+    assert len(runs) == 6
+    for r in runs:
+        meta = json.loads(r["meta_json"])
+        points = {s: db.execute("SELECT COUNT(*), MAX(step) FROM metrics WHERE run_id = ? AND gate = ?",
+                                (r["run_id"], s)).fetchone() for s in ("train", "val")}
+        if meta["variant"] == 3.0:
+            # Stopped by the divergence rule at the update that broke it (the program's should_stop): its 3 points
+            # are kept, and the row names the loss and the update.
+            assert (r["status"], meta["stop_kind"], meta["stopped_at"]) == ("diverged", "divergence", 3), meta
+            assert tuple(points["train"]) == (3, 3) and "x the first loss" in meta["stop_reason"]
+        else:
+            assert r["status"] == "finished" and tuple(points["train"]) == (12, 12)
+            # The Trainer's own evaluations (eval_steps=4), reported by the callback.
+            assert tuple(points["val"]) == (3, 12) and meta["final"]["step"] == 12
+            assert meta["final"]["val_loss"] > 0 and "checkpoint-12" in meta["checkpoint"]
+    ids = json.loads(db.execute("SELECT sample_ids_json FROM metrics WHERE gate = 'train' LIMIT 1").fetchone()[0])
+    assert len(ids) == 8  # each update's example ids, as the pilot's resume gate reads them
+    text = json.loads(res.stdout)["conclusion"]["text"]
+    assert any("learning_rate = 3.0 diverged in 2 of 2" in t for t in text), text
+    seeds = {json.loads(r["meta_json"])["seed"]: json.loads(r["meta_json"])["final"]["val_loss"] for r in runs
+             if json.loads(r["meta_json"])["variant"] == 1e-3}
+    assert seeds[1] != seeds[2]  # the seed reached the program: its runs differ
