@@ -116,3 +116,114 @@ def test_a_trainer_program_campaign_keeps_every_run_and_stops_the_diverging_one(
     seeds = {json.loads(r["meta_json"])["seed"]: json.loads(r["meta_json"])["final"]["val_loss"] for r in runs
              if json.loads(r["meta_json"])["variant"] == 1e-3}
     assert seeds[1] != seeds[2]  # the seed reached the program: its runs differ
+
+
+RESUMABLE = """
+import argparse, os, time
+import torch
+import pilotrun
+
+cli = argparse.ArgumentParser()
+cli.add_argument("--lr", type=float)
+cli.add_argument("--seed", type=int)
+cli.add_argument("--updates", type=int)
+a = cli.parse_args()
+job = pilotrun.program()
+torch.manual_seed(a.seed)
+x = torch.randn(64, 8)
+y = x @ torch.randn(8, 1)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+start = 0
+if job.resume_from:
+    state = torch.load(job.resume_from, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    start = state["update"]
+for update in range(start + 1, a.updates + 1):
+    if update == 6:  # the test interrupts the campaign here, once update 5 is recorded
+        while os.path.exists("hold") and not job.should_stop(5):
+            time.sleep(0.05)
+        if job.should_stop(5):
+            break
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    job.update(update, loss=loss, lr=a.lr, ids=list(range(64)))
+    if update % 4 == 0:
+        job.evaluated(update, torch.nn.functional.mse_loss(model(x), y))
+        path = os.path.join(job.checkpoint_dir or "checkpoints", f"update-{update}.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "update": update}, path)
+        job.saved(update, path)
+    if job.should_stop(update):
+        break
+"""
+
+
+@pytest.mark.process
+def test_an_interrupted_program_campaign_continues_from_the_programs_last_checkpoint(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import TEST_DIGEST
+
+    (tmp_path / "prog").mkdir()
+    (tmp_path / "prog" / "train.py").write_text(RESUMABLE)
+    (tmp_path / "prog" / "hold").write_text("")
+    (tmp_path / "prog" / "pilot.yaml").write_text(yaml.safe_dump({"name": "prog",
+                                                                  "program": {"command": "python train.py"}}))
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(yaml.safe_dump({"name": "sweep", "base": "prog/pilot.yaml", "vary": {"lr": [0.01, 0.02]},
+                                    "seeds": [1], "updates": 8,
+                                    "program": {"args": ["--lr", "{value}", "--seed", "{seed}", "--updates",
+                                                         "{updates}"]}}, sort_keys=False))
+    ledger = tmp_path / "ledger.sqlite"
+    env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST}
+    proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(spec), "--ledger", str(ledger),
+                             "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    def points(run_suffix: str) -> list[tuple]:
+        if not ledger.exists():
+            return []
+        with sqlite3.connect(ledger) as db:
+            return db.execute("SELECT step, loss FROM metrics WHERE gate = 'train' AND run_id LIKE ? ORDER BY step",
+                              (f"%-{run_suffix}",)).fetchall()
+
+    try:
+        deadline = time.monotonic() + 120
+        while len(points("r01")) < 5:  # updates 1-5 recorded; the program holds before 6
+            assert proc.poll() is None and time.monotonic() < deadline, "the campaign ended or stalled"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out
+    first = points("r01")
+    (tmp_path / "prog" / "hold").unlink()
+    with sqlite3.connect(ledger) as db:
+        cid = db.execute("SELECT run_id FROM runs WHERE kind = 'campaign'").fetchone()[0]
+    res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), "--json", cwd=tmp_path,
+                       env={"PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST}, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with sqlite3.connect(ledger) as db:
+        db.row_factory = sqlite3.Row
+        rows = {r["run_id"].rsplit("-", 1)[1]: (r["status"], r["parent_id"], json.loads(r["meta_json"]))
+                for r in db.execute("SELECT * FROM runs WHERE kind = 'campaign-run'")}
+    assert rows["r01"][0] == "stopped" and rows["r01"][2]["checkpoint_update"] == 4
+    assert rows["r02"][0] == "not-run"
+    status, parent, meta = rows["r03"]
+    assert (status, parent) == ("finished", f"{cid}-r01") and meta["continues_from_checkpoint"]["update"] == 4
+    resumed = points("r03")
+    # It continued from the program's checkpoint after update 4: its update 5 is the interrupted run's update 5.
+    assert [s for s, _ in resumed] == [5, 6, 7, 8] and resumed[0] == first[4]
+    assert rows["r04"][0] == "finished" and rows["r04"][2]["continues_from_checkpoint"] is None
+    assert [s for s, _ in points("r04")] == list(range(1, 9))  # never started: from the start

@@ -181,8 +181,9 @@ def _seconds(a: str, b: str | None) -> float:
 
 def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow_drift: bool = False,
            on_event=None, on_start=None, engine: EngineChoice | None = None) -> dict:
-    """Continue an interrupted campaign: each run it stopped or never started runs again, from the start,
-    as a new run linked to the one it continues. The time budget is what the campaign had left."""
+    """Continue an interrupted campaign: each run it stopped or never started runs again, from the start, as a new
+    run linked to the one it continues (a program's run from the last checkpoint its program reported, which the
+    pilot's resume gate proved it continues from exactly). The time budget is what the campaign had left."""
     with Ledger(ledger_path) as led:
         camp = _campaign(led, campaign_ref, ledger_path)
         runs = led.campaign_runs(camp["run_id"])
@@ -232,7 +233,9 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow
         root = _run_root(camp, cmeta, engine)
         try:
             for parent, spec in zip(todo, specs):
-                new.append(_new_run(camp, cmeta, parent, spec, ledger_path, root, continues=parent["run_id"]))
+                cont = _program_continuation(c, parent)
+                new.append(_new_run(camp, cmeta, parent, spec, ledger_path, root, continues=parent["run_id"], **cont))
+                _write_continuation(new[-1]["out"], cont.get("continues_from_checkpoint"))
             if on_start:
                 on_start(cid, at_once)
             execute(new, c, cid, ledger_path, Path(camp["out_dir"]), plan, deadline, at_once["parallel"], allow_drift,
@@ -249,6 +252,30 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow
             with Ledger(ledger_path) as led:
                 led.merge_meta(cid, {"budget_spent_s": spent + time.time() - began})
     return finish(cid, ledger_path, after=f"resume ({len(new)} run(s) continued)")
+
+
+def _program_continuation(c, parent: dict) -> dict:
+    """For a program's run: the checkpoint its program reported last, to continue from (kept in the new run's meta);
+    nothing for pilotrun's loop, whose runs start again."""
+    if c.program is None:
+        return {}
+    from .program_run import last_checkpoint
+
+    found = last_checkpoint(parent)
+    if found is None:
+        return {"continues_from_checkpoint": None}
+    return {"continues_from_checkpoint": {**found, "run_id": parent["run_id"],
+                                          "first_loss": (parent.get("meta") or {}).get("first_loss")}}
+
+
+def _write_continuation(out: Path, found: dict | None) -> None:
+    """The continuation a program's run reads in its folder (program_run.CONTINUE_FILE)."""
+    from .program_run import CONTINUE_FILE
+
+    if found:
+        (out / CONTINUE_FILE).write_text(json.dumps({"resume_from": found["path"], "after_update": found["update"],
+                                                     "first_loss": found.get("first_loss"),
+                                                     "from_run": found["run_id"]}))
 
 
 class Continuation(TextEnum):

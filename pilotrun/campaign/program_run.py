@@ -21,7 +21,7 @@ from typing import Any
 
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..program.env import Event, Role
-from ..program.runner import EventTail, RunOutcome, RunPlan, run_program
+from ..program.runner import EventTail, RunOutcome, RunPlan, read_events, run_program
 
 STOP_GRACE_S = 60.0  # after the stop file, the program's own should_stop has this long to end the run
 FLUSH_EVERY_S = 2.0
@@ -130,6 +130,35 @@ class _Watch:
         return RunEnd(RunStatus.FINISHED)
 
 
+# Beside a run's folder when it continues an interrupted run of the same variant and seed (followup.resume): the
+# checkpoint the program reported last, the update it holds, and the interrupted run's first loss (the divergence
+# rule's reference stays the run's first loss, not the first one after the resume).
+CONTINUE_FILE = "continue.json"
+
+
+def last_checkpoint(run: dict) -> dict | None:
+    """The last checkpoint a program's campaign run reported that still exists: {update, path}, from its row or, when
+    its campaign was killed before recording its end, from its event file."""
+    meta = run.get("meta") or {}
+    found = (meta.get("checkpoint_update"), meta.get("checkpoint"))
+    if not all(found) and run.get("out_dir"):
+        saved = [e for e in read_events(Path(run["out_dir"]) / "program" / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
+                 if e.get("kind") == Event.SAVED]
+        found = (saved[-1]["update"], saved[-1].get("path")) if saved else (None, None)
+    update, path = found
+    if not isinstance(update, int) or not isinstance(path, str) or not Path(path).exists():
+        return None
+    return {"update": update, "path": path}
+
+
+def _continuation(out_dir: Path) -> dict:
+    try:
+        data = json.loads((out_dir / CONTINUE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: float | None,
                 stop_requested: Callable[[], bool], how: Callable[[], str]) -> dict:
     """Run the program once as this campaign run and record it in ``led`` (the ledger or a Ray relay)."""
@@ -140,9 +169,12 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     watch = _Watch(led, run_id, plan, deadline, stop_requested, how, stop_file)
     tail = EventTail(base / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
     rules = {"non_finite": bool(plan["stop"].get("non_finite", True)), "divergence": plan["stop"].get("divergence")}
+    cont = _continuation(out_dir)
+    if isinstance(cont.get("first_loss"), (int, float)):
+        rules["first_loss"] = watch.first_loss = float(cont["first_loss"])
     outcome = run_program(spec.program, spec.folder, RunPlan(Role.CAMPAIGN, stop_at=plan["updates"],
                                                              stop_file=str(stop_file), stop_rules=rules,
-                                                             timeout=math.inf),
+                                                             timeout=math.inf, resume_from=cont.get("resume_from")),
                           out_dir, run_id, base / "ledger-of-the-program.sqlite", on_poll=lambda: watch.poll(tail))
     for event in tail.poll():  # what it wrote after the last poll
         watch.take(event)

@@ -158,7 +158,8 @@ class ProgramHandle:
         self._asked: set[int] = set()      # updates should_save said True for
         self._first_save: int | None = None
         self._session: Session | None = None
-        self._first_loss: float | None = None
+        first = (self._rules or {}).get("first_loss")  # a resumed campaign run: the interrupted run's first loss
+        self._first_loss: float | None = float(first) if isinstance(first, (int, float)) else None
         self._rule_broken = False   # a campaign's stop rule broken by a reported loss
         if self.active:
             self._emit(Event.START, pid=os.getpid(), world_size=self.world_size, resume_from=self.resume_from)
