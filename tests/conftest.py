@@ -147,6 +147,8 @@ LONGEST_MODULES = {
     "test_adapters.py": 80, "test_integration_examples.py": 65, "test_estimate.py": 56,
     "test_estimate_adapters.py": 49, "test_gates_data_and_accumulation.py": 44, "test_estimate_cache.py": 34,
     "test_loading_policy.py": 28, "test_pilot_toy.py": 27, "test_launch_multinode.py": 23, "test_skypilot.py": 60,
+    "test_campaign_program.py": 55, "test_integration_accelerate.py": 50, "test_program_estimate.py": 30,
+    "test_program_pilot_resume.py": 14,
 }
 
 

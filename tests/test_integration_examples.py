@@ -64,9 +64,9 @@ def test_a_trainer_whose_model_ignores_num_items_in_batch_is_caught_by_accum_equ
     shutil.copytree(EXAMPLES / "hf-trainer", folder, ignore=shutil.ignore_patterns("runs", "out", "__pycache__"))
     (folder / "planted.py").write_text(PLANTED)
     script = (folder / "train.py").read_text()
-    assert "model = chat.model()" in script
-    (folder / "train.py").write_text(script.replace("model = chat.model()", "import planted\n    model = "
-                                                    "chat.model(model_class=planted.IgnoresNumItems)"))
+    assert "model = chat.model(seed=opts.seed)" in script
+    (folder / "train.py").write_text(script.replace("model = chat.model(seed=opts.seed)", "import planted\n    model = "
+                                                    "chat.model(seed=opts.seed, model_class=planted.IgnoresNumItems)"))
     out = subprocess.run([sys.executable, "-m", "pilotrun", "run", "pilot.yaml", "--json", "--gates",
                           "accum_equivalence", "--container-digest", TEST_DIGEST], cwd=folder, capture_output=True,
                          text=True, timeout=900)

@@ -28,13 +28,16 @@ from .schema import doc
 # The first words that name pilotrun's own interpreter (so the program runs with the packages pilotrun sees).
 PYTHON_WORDS = ("python", "python3")
 TORCHRUN_WORD = "torchrun"
+# `accelerate launch ...` runs as python -m accelerate.commands.launch with pilotrun's interpreter, as torchrun does.
+ACCELERATE_WORDS = ("accelerate", "launch")
 
 
 @dataclass
 class ProgramSpec:
     command: list[str] | str = doc(
         "the command line, a list or a string (split like a shell); run from the spec's folder; a first word "
-        "python/python3 or torchrun runs with pilotrun's own interpreter (torchrun as python -m torch.distributed.run)")
+        "python/python3, torchrun or `accelerate launch` runs with pilotrun's own interpreter (torchrun as python -m "
+        "torch.distributed.run, accelerate launch as python -m accelerate.commands.launch)")
     files: list[str] | None = doc(
         "files (glob patterns, relative to the spec's folder) the lock hashes; default: the command's words that "
         "name existing files, the file of a module run with -m (python -m train: train.py), and the modules under "
@@ -191,9 +194,10 @@ def program_file_problems(spec: ProgramSpec, folder: Path) -> list[tuple[str, st
         problems.append(("program.command", f"no module {module!r} for `python -m` in {folder} nor on this "
                          "interpreter's sys.path (the program runs with pilotrun's own interpreter, from the spec's "
                          "folder); check the name, or install the package"))
-    if words[0] in PYTHON_WORDS or words[0] == TORCHRUN_WORD:
-        # python's script is its first plain word; torchrun's options take values, so its first word ending in .py
-        if words[0] == TORCHRUN_WORD:
+    launcher = words[0] == TORCHRUN_WORD or tuple(words[:2]) == ACCELERATE_WORDS
+    if words[0] in PYTHON_WORDS or launcher:
+        # python's script is its first plain word; a launcher's options take values, so its first word ending in .py
+        if launcher:
             script = next((w for w in words[1:] if w.endswith(".py") and not w.startswith("-")), None)
         else:
             script = next((w for w in words[1:] if not w.startswith("-")), None)

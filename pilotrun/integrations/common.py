@@ -30,7 +30,7 @@ from ..gates.export import check_export
 from ..gates.inspect import check_inspect
 from ..gates.overfit import check_overfit
 from ..gates.reload_eval import compare_reload, reference
-from ..gates.view import Artifact, Batching, OverfitPlan, TrainingView, UpdateIds
+from ..gates.view import Artifact, Batching, OverfitPlan, Reloaded, TrainingView, UpdateIds, tensors_of
 from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
 from ..program.env import IDS_ARE, IdKind
@@ -413,6 +413,24 @@ class FrameworkView:
     def control_items(self) -> list:
         val = self.data.val
         return [val[i] for i in range(min(self.batching().micro_batch_size, len(val)))]
+
+
+def reload_pretrained(artifact: Artifact, batch, work: Path) -> Reloaded:
+    """A fresh process loads a transformers export with its own ``from_pretrained`` (safetensors only, no remote
+    code), admitted by pilotrun's loading policy against the manifest the export row recorded; its outputs on
+    ``batch``."""
+    from safetensors.torch import load_file, save_file
+
+    from ..workers.launch import run_worker
+
+    save_file(tensors_of(batch), str(work / "inputs.safetensors"))
+    payload = run_worker("pilotrun.workers.reload",
+                         ["--export", str(artifact.folder), "--inputs", str(work / "inputs.safetensors"),
+                          "--outputs", str(work / "outputs.safetensors"),
+                          "--known-manifest", str(artifact.manifest_sha256)],
+                         work / "reload.json", work / "reload.log", "reload")
+    return Reloaded(load_file(str(work / "outputs.safetensors"))["outputs"], payload["model_class"],
+                    f"{payload['model_class']} (transformers from_pretrained)")
 
 
 def reload_after(view: TrainingView, export: Outcome, work: Path) -> Outcome:

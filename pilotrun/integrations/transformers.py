@@ -462,20 +462,7 @@ class TrainerView(C.FrameworkView):
                 "reload checked")
 
     def reload(self, artifact: Artifact, batch, work: Path) -> Reloaded:
-        """A fresh process loads the export with transformers' own ``from_pretrained`` (safetensors only, no remote
-        code), admitted by pilotrun's loading policy against the manifest the export row recorded."""
-        from safetensors.torch import load_file, save_file
-
-        from ..workers.launch import run_worker
-
-        save_file(tensors_of(batch), str(work / "inputs.safetensors"))
-        payload = run_worker("pilotrun.workers.reload",
-                             ["--export", str(artifact.folder), "--inputs", str(work / "inputs.safetensors"),
-                              "--outputs", str(work / "outputs.safetensors"),
-                              "--known-manifest", str(artifact.manifest_sha256)],
-                             work / "reload.json", work / "reload.log", "reload")
-        return Reloaded(load_file(str(work / "outputs.safetensors"))["outputs"], payload["model_class"],
-                        f"{payload['model_class']} (transformers from_pretrained)")
+        return C.reload_pretrained(artifact, batch, work)
 
 
 def run_probes(job, trainer: Trainer, collate, update_ids: UpdateIds | None = None) -> dict[str, Outcome]:

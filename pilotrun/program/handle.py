@@ -413,9 +413,13 @@ def _any_rank(flag: bool) -> bool:
     import torch
     import torch.distributed as dist
 
+    from .. import backends
+
     if not (dist.is_available() and dist.is_initialized()):
         return flag
-    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    # The collective's tensor lives where the group's backend reads it: the current accelerator for NCCL/RCCL.
+    device = next((rt.current_device() for rt in (backends.get(n) for n in backends.names())
+                   if rt.dist_backend == dist.get_backend() and rt.indexed), None) or torch.device("cpu")
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
