@@ -154,7 +154,7 @@ class AccelerateView(C.FrameworkView):
         how = "save_pretrained" if hasattr(model, "save_pretrained") else "accelerator.save_model"
         with AtomicFolder(folder, "export", {"written_by": f"accelerate {how}"}) as out:
             if how == "save_pretrained":
-                model.save_pretrained(str(out.tmp), safe_serialization=True)
+                model.save_pretrained(str(out.tmp), safe_serialization=True)  # type: ignore[operator]
             else:
                 self.accelerator.save_model(self.prepared, str(out.tmp), safe_serialization=True)
             out.adopt_existing()
