@@ -26,6 +26,12 @@ def _copy(tmp_path: Path, patches: dict[str, str] | None = None) -> Path:
         assert old in src, f"the example changed: {old!r} is not in train.py any more"
         src = src.replace(old, new)
     (folder / "train.py").write_text(src)
+    if patches:  # the defects are the loop's own: run it without the launcher process (one interpreter fewer per run)
+        spec = folder / "pilot.yaml"
+        spec.write_text(spec.read_text().replace(
+            "accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py",
+            "python train.py"))
+        assert "python train.py --updates" in spec.read_text()
     return folder / "pilot.yaml"
 
 
