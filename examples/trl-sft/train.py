@@ -50,9 +50,10 @@ def sums(n: int, seed: int) -> Dataset:
 
 torch.manual_seed(opts.seed)
 tok = tokenizer()
-model = LlamaForCausalLM(LlamaConfig(vocab_size=len(SYMBOLS), hidden_size=48, intermediate_size=96,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     max_position_embeddings=32, pad_token_id=0, eos_token_id=1, bos_token_id=1))
+with job.stage("load"):  # pilotrun (optional: measures the model's construction)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(SYMBOLS), hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=32, pad_token_id=0, eos_token_id=1, bos_token_id=1))
 args = SFTConfig(output_dir="out", max_steps=opts.max_steps, per_device_train_batch_size=8,
                  gradient_accumulation_steps=2, learning_rate=opts.learning_rate, warmup_steps=2, logging_steps=1,
                  save_steps=8, eval_strategy="steps", eval_steps=8, per_device_eval_batch_size=8, seed=opts.seed,
