@@ -47,6 +47,34 @@ def test_framework_example_passes_every_gate_it_can_run(tmp_path, example):
         assert "own checkpoint after update 8" in gates["resume"]["reason"]
 
 
+@pytest.mark.parametrize("example", ["hf-trainer", "lightning"])
+def test_framework_example_under_torchrun_with_two_processes(tmp_path, example):
+    """The callbacks with two gloo processes (issue 20, 5): a row per rank for the stages and the resume proof (each
+    rank's updates compared), the probes on rank 0 alone, and nothing left running (the leak check)."""
+    folder = tmp_path / example
+    shutil.copytree(EXAMPLES / example, folder, ignore=shutil.ignore_patterns("runs", "out", "__pycache__"))
+    spec = folder / "pilot.yaml"
+    spec.write_text(spec.read_text().replace("command: python train.py",
+                                             "command: torchrun --standalone --nproc-per-node 2 train.py"))
+    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", "pilot.yaml", "--json", "--container-digest",
+                          TEST_DIGEST], cwd=folder, capture_output=True, text=True, timeout=900)
+    assert out.stdout.strip(), out.stderr[-3000:]
+    rows = json.loads(out.stdout)["gates"]
+    assert out.returncode == 0, [(r["gate"], r["verdict"], r["reason"][:200]) for r in rows]
+    by_rank = {(r["gate"], r.get("rank", 0)): r for r in rows}
+    for gate in ("first_step", "steady_step", "eval", "save", "resume"):
+        assert {by_rank[(gate, rank)]["verdict"] for rank in (0, 1)} == {"pass"}, gate
+        assert by_rank[(gate, 1)]["world_size"] == 2
+    assert "bitwise" in by_rank[("resume", 1)]["reason"]
+    probes = [r for r in rows if r["gate"] in INTEGRATION_GATES]
+    assert sorted(r["gate"] for r in probes) == sorted(INTEGRATION_GATES)  # once each: rank 0's
+    assert "x 2 replica(s)" in by_rank[("batch", 0)]["reason"]
+    expected = {"export": "pass", "reload_eval": "pass"} if example == "hf-trainer" else {
+        # Lightning's save_checkpoint is a collective the probe on rank 0 alone cannot join: said, not hung.
+        "export": "skip", "reload_eval": "skip"}
+    assert {g: by_rank[(g, 0)]["verdict"] for g in expected} == expected
+
+
 PLANTED = '''
 import transformers
 import torch

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,10 @@ job = pilotrun.program()  # pilotrun
 
 L.seed_everything(0)
 trainer = L.Trainer(max_steps=16, accumulate_grad_batches=2, val_check_interval=6, limit_val_batches=2,
-                    accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    # one process, or each of torchrun's (`torchrun --nproc-per-node 2 train.py`: gloo DDP on CPU)
+                    accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")),
+                    strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
+                    logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, default_root_dir="out",
                     callbacks=[PilotrunCallback()])  # pilotrun
 with job.stage("load"):  # pilotrun (optional: measures the module's construction)
