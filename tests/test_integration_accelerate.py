@@ -13,7 +13,7 @@ from pilotrun.config.load import load_spec
 from pilotrun.pilot import PilotOptions, run_pilot
 from pilotrun.program.runner import command_words
 
-from .conftest import EXAMPLES, TEST_DIGEST, pilotrun_cli
+from .conftest import EXAMPLES, TEST_DIGEST, pilotrun_cli, write_spec
 
 pytest.importorskip("accelerate")
 
@@ -66,10 +66,26 @@ def test_the_accelerate_example_passes_every_gate_it_can_run(tmp_path):
     res = pilotrun_cli("estimate", str(tmp_path / "accelerate" / "pilot.yaml"), "--accelerator", "H100-80GB",
                        "--gpus", "2", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    values = {v["key"]: v for v in json.loads(res.stdout)["program"]["values"]}
+    ours = json.loads(res.stdout)
+    values = {v["key"]: v for v in ours["program"]["values"]}
     assert values["train.grad_accum_steps"]["value"] == 2 and values["train.micro_batch_size"]["value"] == 4
     assert values["data.max_length"]["value"] == 16 and values["train.updates"]["value"] == 24
     assert values["train.optimizer.lr"]["value"] == 3e-3 and values["train.precision"]["source"] == "program"
+    # A pilotrun spec written by hand from train.py gives the same numbers (issue 20: within 2%).
+    hand = write_spec(tmp_path / "by-hand.yaml", {
+        "name": "accelerate-by-hand",
+        "model": {"config": {"model_type": "gpt2", "vocab_size": 32, "n_positions": 16, "n_embd": 32, "n_layer": 2,
+                             "n_head": 2}},
+        "data": {"task": "causal-lm", "max_length": 16},
+        "train": {"micro_batch_size": 4, "grad_accum_steps": 2, "updates": 24, "max_grad_norm": 1.0,
+                  "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.01, "fused": False}}})
+    res = pilotrun_cli("estimate", str(hand), "--accelerator", "H100-80GB", "--gpus", "2", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    theirs = json.loads(res.stdout)
+    assert ours["model"]["parameters"] == theirs["model"]["parameters"]
+    for mine, by_hand in zip(ours["fits"], theirs["fits"], strict=True):
+        for key in ("device_used_bytes", "peak_allocated_bytes", "seconds_per_update"):
+            assert mine[key] == pytest.approx(by_hand[key], rel=0.02), (mine["strategy"], key)
 
 
 PLANTED = {
