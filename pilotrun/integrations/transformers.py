@@ -320,6 +320,13 @@ OVERRIDE_FIX = ("{cls}.compute_loss overrides the Trainer's: sum its token losse
                 "argument (the window's supervised tokens) instead of averaging the micro batch")
 
 
+def preference_trainer(trainer: Trainer) -> bool:
+    """A TRL preference trainer (DPO, and the others whose config has a beta and a loss_type): its batches pair a chosen
+    with a rejected answer instead of carrying labels."""
+    args = trainer.args
+    return hasattr(args, "beta") and hasattr(args, "loss_type")
+
+
 def pairwise_sigmoid(trainer: Trainer) -> bool:
     """A preference trainer whose loss is DPO's -log σ(β·margin) alone (TRL's ``DPOConfig`` default)."""
     args = trainer.args
@@ -348,6 +355,10 @@ class TrainerView(C.FrameworkView):
 
     def __init__(self, trainer: Trainer, collate, update_ids: UpdateIds | None = None) -> None:
         self.trainer = trainer
+        if preference_trainer(trainer):
+            # A preference trainer's batch holds the chosen and rejected answers, and its loss compares them: there is
+            # no 'labels' field to read, and no reason to warn that there is none.
+            self.targets_key = None
         if update_ids is not None:
             self.update_ids = update_ids
         decode = getattr(trainer.processing_class, "decode", None)
