@@ -451,41 +451,15 @@ def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per
     assert res.returncode == 2 and "distributed.strategy is single: set it to ddp or fsdp" in res.stderr, res.stderr
 
 
-PROGRAM = """
-import argparse
-import torch
-import pilotrun
-
-cli = argparse.ArgumentParser()
-cli.add_argument("--lr", type=float)
-cli.add_argument("--seed", type=int)
-cli.add_argument("--updates", type=int)
-a = cli.parse_args()
-job = pilotrun.program()
-torch.manual_seed(a.seed)
-x = torch.randn(64, 8)
-y = x @ torch.randn(8, 1)
-model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=a.lr)
-for update in range(1, a.updates + 1):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    job.update(update, loss=loss, lr=a.lr, ids=list(range(64)))
-    if update % 4 == 0:
-        job.evaluated(update, torch.nn.functional.mse_loss(model(x), y))
-    if job.should_stop(update):
-        break
-"""
-
 
 @pytest.mark.process
 def test_a_program_campaign_on_ray_keeps_every_row_and_stops_the_diverging_runs_at_their_update(tmp_path, ray_env):
     """Issue 20: the base is the user's program; a diverging lr is stopped by should_stop at the update that broke the
     rule, as on the local engine (test_campaign_program.py)."""
+    from .test_campaign_program import RESUMABLE
+
     (tmp_path / "prog").mkdir()
-    (tmp_path / "prog" / "train.py").write_text(PROGRAM)
+    (tmp_path / "prog" / "train.py").write_text(RESUMABLE)  # a regression with its own checkpoints, every 4 updates
     (tmp_path / "prog" / "pilot.yaml").write_text(yaml.safe_dump({"name": "prog",
                                                                   "program": {"command": "python train.py"}}))
     spec = tmp_path / "prog-lr.yaml"

@@ -153,6 +153,15 @@ def test_load_job_reads_the_spec_and_set_over_a_description(tmp_path):
     assert job.spec.program is not None and job.spec.name == "p"
     values = {v["key"]: v["source"] for v in job.to_dict()["values"]}
     assert values["train.updates"] == "spec" and values["data.max_length"] == "--set"
+    assert "piloted_as" not in job.spec.canonical()
+    # What the program's own pilots measured is looked up under the hash `pilotrun run` records them under: the spec
+    # file with the overrides a pilot takes, not the estimate's sizes.
+    from pilotrun.config.load import load_spec
+
+    runnable = write_spec(tmp_path / "run.yaml", {"name": "p", "program": {"command": "python train.py"}})
+    job = load_job(runnable, ["data.max_length=128", "program.timeout=60"], describe=describe)
+    piloted = load_spec(runnable, ["program.timeout=60"], allow_program=True)
+    assert job.spec.pilot_hash() == piloted.config_hash() != job.spec.config_hash()
     with pytest.raises(SpecError) as err:
         load_job(spec_path, ["program.timeout=-1"], describe=describe)
     assert "timeout" in str(err.value)
@@ -244,3 +253,30 @@ def test_select_on_the_trainer_example_matches_the_equivalent_spec(tmp_path):
     assert shown.returncode == 0, shown.stderr
     assert "from program:" in shown.stdout and "train.micro_batch_size = 4" in shown.stdout
     assert "TrainingArguments" in shown.stdout
+
+
+def test_the_plan_reads_a_program_pilots_rows_and_claims_only_what_they_measured(tmp_path):
+    """A program's pilot is recorded under the program spec's hash; its inspect row (an integration's probe) has no
+    time and its save row no bytes (the program's own format): the plan uses what they timed and says the rest."""
+    from pilotrun.config import load_spec
+    from pilotrun.estimate.plan import pipeline_hours
+    from pilotrun.ledger.store import Ledger
+
+    from .test_estimate import synthetic_trace
+
+    spec = load_spec(EXAMPLES / "llama-7b-estimate" / "pilot.yaml", check_files=False)
+    spec.piloted_as = "program-spec-hash"
+    row = {"gpus": 1, "price_per_gpu_hour": None, "seconds_per_update": 1.0, "utilisation_source": "catalog default",
+           "cost_note": None}
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("p", "job", "pilot", config_hash="program-spec-hash")
+        for gate, seconds, details in (("inspect", None, {}), ("load", 2.0, {}), ("eval", 0.5, {}),
+                                       ("save", 0.1, {"note": "a stage: no bytes"})):
+            led.add_gate_row("p", {"gate": gate, "verdict": "pass", "reason": "", "inputs": {}, "memory": {},
+                                   "seconds": seconds, "details": details})
+        items = {i["item"]: i for i in pipeline_hours(spec, row, synthetic_trace(), led)["items"]}
+    assert items["preprocessing and load"]["hours"] == pytest.approx(2.0 / 3600)
+    assert items["preprocessing and load"]["from"] == "measured by pilot p (load)"
+    assert "measured by pilot p" in items["validation"]["from"]
+    assert items["checkpoints"]["from"].endswith("(assumed: pilot p's save row has no bytes written (the program's "
+                                                 "own checkpoint))")

@@ -89,7 +89,7 @@ def main(args) -> int:
     ledger = ledger_if_present(args.ledger)
     fits = []
     for acc in accs:
-        util, source = calibrated_utilisation(ledger, spec.config_hash(), acc,
+        util, source = calibrated_utilisation(ledger, spec.pilot_hash(), acc,
                                               trace["stages"][GateName.STEADY_STEP]["flops"], spec.train.precision)
         for strategy in chosen:
             for n in (gpu_counts if strategy.multi_process else [1]):
@@ -107,7 +107,7 @@ def main(args) -> int:
         with console.status("working out variants...") if not args.json else contextlib.nullcontext():
             try:
                 advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog,
-                                              measured=measured_fixes(ledger, spec.config_hash()))
+                                              measured=measured_fixes(ledger, spec.pilot_hash()))
             except TraceError as exc:  # a fix's trace failed: the fits above still answer
                 err_console().print(Text(f"no advice: tracing a fix failed: {exc}", style="yellow"))
     report = {"spec": spec.source, "config_hash": spec.config_hash(), "stages": stage_summary(trace),

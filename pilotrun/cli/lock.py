@@ -76,7 +76,7 @@ def proven_lock(spec, ledger_path: Path | None, ref: str | None) -> tuple[dict, 
                 raise UsageError(f"no run {ref!r} with a lock in {ledger_path or 'the ledger'}: give a run id "
                                  "(`pilotrun ledger`) or a lock.json file")
             return json.loads(run["lock_json"]), f"run {run['run_id']}"
-        for run_id in (led.run_ids(RunKind.PILOT, spec.config_hash()) if led is not None else []):
+        for run_id in (led.run_ids(RunKind.PILOT, spec.pilot_hash()) if led is not None else []):
             run = led.run(run_id)
             if run and run["status"] in (RunStatus.PASS, RunStatus.WARN) and run.get("lock_json"):
                 return json.loads(run["lock_json"]), f"pilot {run_id} ({run['status']})"
@@ -84,7 +84,7 @@ def proven_lock(spec, ledger_path: Path | None, ref: str | None) -> tuple[dict, 
         if led is not None:
             led.close()
     return collect_lock(spec), (f"this machine's environment: no pilot of {spec.name} (config "
-                                f"{spec.config_hash()[:8]}) passed in the ledger, so not proven by one")
+                                f"{spec.pilot_hash()[:8]}) passed in the ledger, so not proven by one")
 
 
 def lock_target(lock: dict) -> Target:

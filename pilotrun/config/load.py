@@ -43,6 +43,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parse_override_value(key.strip(), value) if value.strip() else None
 
 
+def apply_overrides(raw: dict, overrides: list[str]) -> list[str]:
+    """``--set KEY=VALUE`` items applied to the spec's mapping, in order; the keys they set."""
+    keys = []
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+        keys.append(key)
+    return keys
+
+
 def read_raw(path: str | Path) -> tuple[dict, Path]:
     """The spec file's mapping as written (bounded parse); SpecError naming the file when it is not one."""
     p = Path(path)
@@ -64,11 +74,7 @@ def load_spec(path: str | Path, overrides: list[str] | None = None, check_files:
     ``check_files=False`` skips the data and tokenizer files (the estimator reads neither). A program-only spec
     (``program:`` without model/data/train, a :class:`ProgramOnlySpec`) is refused unless ``allow_program``."""
     raw, p = read_raw(path)
-    overridden = []
-    for item in overrides or []:
-        key, value = parse_override(item)
-        set_dotted(raw, key, value)
-        overridden.append(key)
+    overridden = apply_overrides(raw, overrides or [])
     spec = spec_from_mapping(raw, p, overridden, check_files)
     if isinstance(spec, ProgramOnlySpec) and not allow_program:
         raise ProgramSpecRefused([("program", "this spec pilots a program and has no model/data/train, which this "

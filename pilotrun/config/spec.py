@@ -104,6 +104,9 @@ class Spec:
     source: str = field(default="", init=False, metadata={"internal": True})
     # The YAML as written (+ --set).
     written: dict = field(default_factory=dict, init=False, metadata={"internal": True})
+    # For the job a program described (estimate/program_job.py): the program spec's config hash, under which its
+    # pilots are recorded. Empty: this spec's own.
+    piloted_as: str = field(default="", init=False, metadata={"internal": True})
 
     def check(self):
         if (why := name_problem(self.name)) is not None:
@@ -153,6 +156,7 @@ class Spec:
         out = asdict(self)
         out.pop("source", None)
         out.pop("written", None)
+        out.pop("piloted_as", None)
         if out.get("program") is None:  # absent, not null: specs without it keep the hash they always had
             out.pop("program", None)
             out["pilot"]["resume"].pop("auto_within", None)  # a program's key: the loop's hash stays as it was
@@ -171,6 +175,12 @@ class Spec:
 
     def config_hash(self) -> str:
         return canonical_sha256(self.canonical())
+
+    def pilot_hash(self) -> str:
+        """The config hash a pilot of this job is recorded under: what the estimate's ledger lookups (measured
+        utilisation, stage times, variants, the proven lock) ask for. A program's pilot is recorded under its
+        program spec's hash, not under the hash of the job the program described."""
+        return self.piloted_as or self.config_hash()
 
 
 # Sections a program spec may leave out: the program builds its own model, data and training loop.
@@ -198,7 +208,7 @@ class ProgramOnlySpec(Spec):
 
     def canonical(self) -> dict:
         out = asdict(self)
-        for key in ("source", "written", *PROGRAM_OPTIONAL):
+        for key in ("source", "written", "piloted_as", *PROGRAM_OPTIONAL):
             out.pop(key, None)
         if out.get("program") and not out["program"].get("env"):
             out["program"].pop("env", None)  # no environment of its own: the hash it always had

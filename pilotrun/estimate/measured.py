@@ -7,7 +7,7 @@ matching, as a pilot's utilisation is), and is otherwise quoted beside the predi
 
 Example::
 
-    measured = measured_fixes(ledger, spec.config_hash())      # None: no variants run of this config
+    measured = measured_fixes(ledger, spec.pilot_hash())      # None: no variants run of this config
     use = measured.time_factor("checkpointing", acc)          # (1.31, "measured in RUN on NVIDIA H100 ...")
     peak = measured.memory_factor("checkpointing", acc)       # 0.58: applied to a one-device row alone
 """

@@ -73,7 +73,7 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     ``spot``: the node may be preempted; the expected recovery is an item of its own (:func:`recovery_item`) and the
     cost is at the spot price (the on-demand one, said so, when the catalog has none)."""
     a = a or Assumptions()
-    pilot_id, pilot = _last_rows(ledger, spec.config_hash())
+    pilot_id, pilot = _last_rows(ledger, spec.pilot_hash())
     source = f"pilot {pilot_id}" if pilot else None
     items: list[dict] = []
 
@@ -91,9 +91,11 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     add(Item.DATA_DOWNLOAD, a.data_bytes / (a.download_mb_s * 1e6),
         f"{a.data_bytes / 1e9:.1f} GB (--data-gb) at {a.download_mb_s:g} MB/s (assumed)" if a.data_bytes else
         "0 GB: the data is assumed on the node already (--data-gb gives its size)")
-    prep = sum(pilot[g]["seconds"] for g in (GateName.INSPECT, GateName.LOAD) if g in pilot) if pilot else None
-    add(Item.PREPARATION, prep, f"measured by {source} (inspect + load)" if prep is not None else
-        "not measured: run a pilot of this spec")
+    # A program's inspect row is an integration's probe with no time of its own: only timed rows count.
+    timed = [g for g in (GateName.INSPECT, GateName.LOAD) if (pilot.get(g) or {}).get("seconds") is not None]
+    prep = sum(pilot[g]["seconds"] for g in timed) if timed else None
+    add(Item.PREPARATION, prep, f"measured by {source} ({' + '.join(map(str, timed))})" if prep is not None else
+        "not measured: run a pilot of this spec" if not pilot else f"not measured: {source} timed no inspect or load")
     train_s = row["seconds_per_update"] * spec.train.updates if row.get("seconds_per_update") else None
     add(Item.TRAINING, train_s, f"{spec.train.updates} updates x {row['seconds_per_update']:.3g} s "
         f"({row['utilisation_source']})" if train_s else "no time estimate")
@@ -101,7 +103,7 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     wait = SteadyStepDetails.of(steady.get("details")).data_wait_share if steady else None
     add(Item.DATA_WAIT, train_s * wait if (train_s and wait is not None) else None,
         f"{wait:.0%} of update time waited on data in {source}" if wait is not None else "not measured")
-    eval_row = pilot.get(GateName.EVAL)
+    eval_row = pilot.get(GateName.EVAL) if (pilot.get(GateName.EVAL) or {}).get("seconds") is not None else None
     eval_s = eval_row["seconds"] * a.evals_per_run if eval_row else None
     add(Item.VALIDATION, eval_s, f"{a.evals_per_run} evaluations x {eval_row['seconds']:.3g} s measured by {source}"
         if eval_row else "not measured: run a pilot (eval gate)")
@@ -147,6 +149,8 @@ def _save_speeds(save_row: dict | None, source: str | None, a: Assumptions) -> t
     job_bw = saved.blocking_bytes_per_second or bw
     if save_row is None:
         return bw, job_bw, "assumed"
+    if saved.bytes_per_second is None:  # a program's save stage: its time, not the bytes its own format wrote
+        return bw, job_bw, f"assumed: {source}'s save row has no bytes written (the program's own checkpoint)"
     if job_bw != bw:
         return bw, job_bw, f"what the job waited in {source}; written at {bw / 1e6:.0f} MB/s behind it"
     return bw, job_bw, f"measured by {source}"

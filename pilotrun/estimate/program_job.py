@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.load import parse_override, read_raw, set_dotted, spec_from_mapping
+from ..config.load import apply_overrides, read_raw, set_dotted, spec_from_mapping
 from ..config.program import program_files
 from ..config.schema import SpecError
 from ..config.spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
@@ -395,17 +395,25 @@ def load_job(path: str | Path, overrides: list[str] | None = None, refresh: bool
              describe: Callable[[ProgramOnlySpec, bool], tuple[JobFacts, str]] = describe_program) -> ProgramJob:
     """A program spec's job: the program described (or its cached description), then the spec over it."""
     raw, p = read_raw(path)
-    overridden = []
-    for item in overrides or []:
-        key, value = parse_override(item)
-        set_dotted(raw, key, value)
-        overridden.append(key)
+    overridden = apply_overrides(raw, overrides or [])
     program_part = {k: v for k, v in raw.items() if k not in PROGRAM_OPTIONAL}
     program = spec_from_mapping(program_part, p, [o for o in overridden if o.split(".")[0] not in PROGRAM_OPTIONAL])
     assert isinstance(program, ProgramOnlySpec)
     facts, described = describe(program, refresh)
     spec, provenance = job_spec(raw, p, overridden, facts)
+    spec.piloted_as = _piloted_as(path, overrides or [], program)
     return ProgramJob(spec, program, facts, provenance, described)
+
+
+def _piloted_as(path: str | Path, overrides: list[str], program: ProgramOnlySpec) -> str:
+    """The hash `pilotrun run` records this program's pilots under: the spec file with the overrides a pilot takes
+    (not the estimate's own sizes under model/data/train). Its pilots are the ledger's measurements of the job."""
+    raw, p = read_raw(path)
+    kept = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] not in PROGRAM_OPTIONAL]
+    try:
+        return spec_from_mapping(raw, p, apply_overrides(raw, kept), check_files=False).config_hash()
+    except SpecError:  # a spec only the estimate reads (a partial model/data/train): no pilot runs it as written
+        return program.config_hash()
 
 
 def is_program_spec(path: str | Path) -> bool:

@@ -72,7 +72,7 @@ def _measured_recompute(spec, traces, trace: dict, acc: Accelerator, strategy: s
     configuration without checkpointing x the measured ratio) and the step saying so; None when nothing measured
     the trace's policy, or when it was measured on another device (the FLOPs ratio stands)."""
     policy = ac_policy(trace["activation_checkpointing"])
-    measured = measured_fixes(ledger, spec.config_hash()) if policy else None
+    measured = measured_fixes(ledger, spec.pilot_hash()) if policy else None
     if policy is None or measured is None:
         return None
     ratio, said = measured.time_factor(ac_variant(policy), acc)
@@ -100,7 +100,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
     per_rank = max(1, examples // replicas)
     mb = _divisors_at_most(per_rank, mb)
     accum = max(1, per_rank // mb)
-    util, util_source = calibrated_utilisation(ledger, spec.config_hash(), acc,
+    util, util_source = calibrated_utilisation(ledger, spec.pilot_hash(), acc,
                                                trace["stages"][GateName.STEADY_STEP]["flops"], t.precision)
     fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size,
                        micro_batches=accum)  # the row's own micro batches per GPU, timed as the row says

@@ -123,12 +123,6 @@ class AccelerateView(C.FrameworkView):
     def accum_windows(self) -> list[Window]:
         return first_examples_window(self.data, self.size, int(self.accelerator.gradient_accumulation_steps), True)
 
-    def model_copy(self, dtype):
-        if dtype is None:
-            copied = own_copy(self.model)
-            return copied, next(copied.parameters()).device
-        return own_copy(self.model).to("cpu").to(dtype), torch.device("cpu")
-
     def accumulate(self, model, micro: list, device) -> float:
         total = 0.0
         for _, batch in micro:

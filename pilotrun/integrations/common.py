@@ -342,6 +342,16 @@ class FrameworkView:
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def model_copy(self, dtype: torch.dtype | None) -> tuple[torch.nn.Module, torch.device]:
+        """A copy of the live model that shares nothing with it (``copying.own_copy``): where it is, or on the CPU in
+        ``dtype`` (the float64 reference)."""
+        from .copying import own_copy
+
+        if dtype is None:
+            copied = own_copy(self.model)
+            return copied, next(copied.parameters()).device
+        return own_copy(self.model).to("cpu").to(dtype), torch.device("cpu")
+
     def batching(self) -> Batching:  # pragma: no cover - abstract
         raise NotImplementedError
 

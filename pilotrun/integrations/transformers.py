@@ -391,12 +391,6 @@ class TrainerView(C.FrameworkView):
         b = self.batching()
         return first_examples_window(self.data, b.micro_batch_size, b.grad_accum_steps, self.shift_labels)
 
-    def model_copy(self, dtype):
-        if dtype is None:
-            copied = own_copy(self.model)
-            return copied, next(copied.parameters()).device
-        return own_copy(self.model).to("cpu").to(dtype), torch.device("cpu")
-
     def accumulate(self, model, micro: list, device) -> float:
         return _trainer_backward(self.trainer, model, [batch for _, batch in micro])
 
