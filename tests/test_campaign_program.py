@@ -50,7 +50,10 @@ def test_the_template_puts_the_value_and_seed_on_the_command_line(tmp_path):
     ({"program": {"args": ["--learning_rate", "{value}"]}}, "program", "name {seed}"),
     ({"program": {"args": ["--seed", "{seed}"]}}, "program", "no template names {value}"),
     ({"program": {"args": ["--lr", "{value}", "--x", "{epochs}"]}}, "program.args", "names epochs"),
-    ({"program": {"args": ["--lr", "{value", "{seed}"]}}, "program.args", "is not a template"),
+    ({"program": {"args": ["--lr", "{value", "{seed}"]}}, "program.args", "not a template"),
+    ({"program": {"args": ["--lr", "{{value}}", "{seed}"]}}, "program", "no template names {value}"),
+    ({"program": {"args": ["--lr", "{value:.3g}", "{seed}"]}}, "program.args", "write {value} alone"),
+    ({"program": {"args": ["--lr", "{value!r}", "{seed}"]}}, "program.args", "write {value} alone"),
     ({"processes": 2}, "processes", "starts its own processes"),
 ])
 def test_a_program_campaign_that_cannot_run_as_declared_is_refused(tmp_path, change, field, words):

@@ -50,6 +50,10 @@ def test_facts_come_from_the_objects():
     # bf16 weights without autocast declared: bf16-true, and the reason says so.
     half = describe_objects(_gpt2().to(torch.bfloat16), None, micro_batch_size=1)
     assert half.precision == "bf16-true" and "bfloat16" in half.precision_source
+    # bf16 weights under bf16 autocast (TrainingArguments.bf16 on a model loaded in bf16) still train as bf16-true.
+    autocast = describe_objects(_gpt2().to(torch.bfloat16), None, micro_batch_size=1, precision="bf16",
+                                precision_source="TrainingArguments.bf16")
+    assert autocast.precision == "bf16-true" and "TrainingArguments.bf16 autocasts" in autocast.precision_source
     # A batch gives the micro batch and the length when they are not given.
     batch = {"input_ids": torch.zeros(3, 17, dtype=torch.long)}
     from_batch = describe_objects(model, opt, batch=batch)

@@ -259,13 +259,12 @@ def _program_continuation(c, parent: dict) -> dict:
     nothing for pilotrun's loop, whose runs start again."""
     if c.program is None:
         return {}
-    from .program_run import last_checkpoint
+    from .program_run import first_loss, last_checkpoint
 
     found = last_checkpoint(parent)
     if found is None:
         return {"continues_from_checkpoint": None}
-    return {"continues_from_checkpoint": {**found, "run_id": parent["run_id"],
-                                          "first_loss": (parent.get("meta") or {}).get("first_loss")}}
+    return {"continues_from_checkpoint": {**found, "run_id": parent["run_id"], "first_loss": first_loss(parent)}}
 
 
 def _write_continuation(out: Path, found: dict | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,10 @@ from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..program.env import Event, Role
 from ..program.runner import EventTail, RunOutcome, RunPlan, read_events, run_program
 
-STOP_GRACE_S = 60.0  # after the stop file, the program's own should_stop has this long to end the run
+# After the stop file, the program's own should_stop has this long to end the run. Well under the engines' own grace
+# for the whole worker (orchestrate.STOP_GRACE_S, the Ray engine's: 60 s), so the worker kills the program and still
+# records the run's end, its checkpoint and the reason before its engine gives up on it.
+STOP_GRACE_S = 30.0
 FLUSH_EVERY_S = 2.0
 
 
@@ -136,19 +140,37 @@ class _Watch:
 CONTINUE_FILE = "continue.json"
 
 
+def _events(run: dict) -> list[dict]:
+    if not run.get("out_dir"):
+        return []
+    return read_events(Path(run["out_dir"]) / "program" / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
+
+
 def last_checkpoint(run: dict) -> dict | None:
     """The last checkpoint a program's campaign run reported that still exists: {update, path}, from its row or, when
-    its campaign was killed before recording its end, from its event file."""
+    its campaign was killed before recording its end, from its event file; for a run that continued another and
+    saved nothing new, the checkpoint it continued from."""
     meta = run.get("meta") or {}
     found = (meta.get("checkpoint_update"), meta.get("checkpoint"))
-    if not all(found) and run.get("out_dir"):
-        saved = [e for e in read_events(Path(run["out_dir"]) / "program" / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
-                 if e.get("kind") == Event.SAVED]
+    if not all(found):
+        saved = [e for e in _events(run) if e.get("kind") == Event.SAVED]
         found = (saved[-1]["update"], saved[-1].get("path")) if saved else (None, None)
     update, path = found
-    if not isinstance(update, int) or not isinstance(path, str) or not Path(path).exists():
-        return None
-    return {"update": update, "path": path}
+    if isinstance(update, int) and isinstance(path, str) and Path(path).exists():
+        return {"update": update, "path": path}
+    before = meta.get("continues_from_checkpoint")
+    if isinstance(before, dict) and isinstance(before.get("path"), str) and Path(before["path"]).exists():
+        return {"update": before.get("update"), "path": before["path"]}
+    return None
+
+
+def first_loss(run: dict) -> float | None:
+    """The run's first loss: its row's, or (a campaign killed before recording the run's end) its events' first."""
+    recorded = (run.get("meta") or {}).get("first_loss")
+    if isinstance(recorded, (int, float)):
+        return float(recorded)
+    losses = [_number(e.get("loss")) for e in _events(run) if e.get("kind") == Event.UPDATE]
+    return next((x for x in losses if x is not None and math.isfinite(x)), None)
 
 
 def _continuation(out_dir: Path) -> dict:
@@ -172,6 +194,8 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     cont = _continuation(out_dir)
     if isinstance(cont.get("first_loss"), (int, float)):
         rules["first_loss"] = watch.first_loss = float(cont["first_loss"])
+    if isinstance(cont.get("after_update"), int):  # the updates before its checkpoint are the continued run's
+        watch.last_update = cont["after_update"]
     outcome = run_program(spec.program, spec.folder, RunPlan(Role.CAMPAIGN, stop_at=plan["updates"],
                                                              stop_file=str(stop_file), stop_rules=rules,
                                                              timeout=math.inf, resume_from=cont.get("resume_from")),
@@ -191,6 +215,10 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     if plan["keep"].get("checkpoint", True) and watch.saved is not None:
         kept["checkpoint"] = watch.saved[1]  # the program's own, in its format: pilotrun never loads it
         kept["checkpoint_update"] = watch.saved[0]
+    elif not plan["keep"].get("checkpoint", True) and end.status == RunStatus.FINISHED:
+        # keep.checkpoint: false: the checkpoints written where pilotrun asked go once the run has its result (a run
+        # cut short keeps them: --resume continues from them)
+        shutil.rmtree(base / "checkpoints", ignore_errors=True)
     if end.status == RunStatus.FINISHED and final is None:
         kept["final_note"] = "the program reported no validation (job.evaluated, or the callbacks' eval)"
     led.finish_campaign_run(run_id, end, final=final, first_loss=watch.first_loss, **kept)

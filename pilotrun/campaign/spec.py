@@ -77,26 +77,50 @@ class ProgramTemplate:
     env: dict[str, str] = doc("environment variables for each run, e.g. {LR: '{value}'} (added to program.env)", dict)
 
     def check(self):
-        import string
-
+        named: set[str] = set()
         for where, text in [*(("args", a) for a in self.args), *((f"env.{k}", v) for k, v in self.env.items())]:
             if not isinstance(text, str):
                 yield where, f"must be a string (quote it in YAML), got {type(text).__name__}"
                 continue
             try:
-                names = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+                fields = template_fields(text)
             except ValueError as exc:
-                yield where, f"{text!r} is not a template: {exc} (write {{{{ and }}}} for literal braces)"
+                yield where, f"{text!r}: {exc}"
                 continue
-            unknown = [n for n in names if n not in TEMPLATE_FIELDS]
+            unknown = [n for n in fields if n not in TEMPLATE_FIELDS]
             if unknown:
                 yield where, f"{text!r} names {', '.join(unknown)}; a template may name {', '.join(TEMPLATE_FIELDS)}"
-        if not any("{value}" in t for t in [*self.args, *self.env.values()] if isinstance(t, str)):
+            named |= set(fields)
+        if "value" not in named:
             yield "", "no template names {value}: every run would run the same program (e.g. args: [--lr, '{value}'])"
+
+    def names(self, field: str) -> bool:
+        """Whether some template fills ``{field}`` in (a valid template: check() passed)."""
+        return any(field in template_fields(t) for t in [*self.args, *self.env.values()])
 
     def fill(self, value: Any, seed: int, updates: int) -> tuple[list[str], dict[str, str]]:
         fields = {"value": _as_text(value), "seed": seed, "updates": updates}
         return [a.format(**fields) for a in self.args], {k: v.format(**fields) for k, v in self.env.items()}
+
+
+def template_fields(text: str) -> list[str]:
+    """The fields a template fills in; ValueError for a template ``str.format`` would refuse or change the value of
+    (a conversion such as ``!r`` or a format spec: the value is written as the campaign file gives it)."""
+    import string
+
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        raise ValueError(f"not a template: {exc} (write {{{{ and }}}} for literal braces)") from None
+    fields = []
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if spec or conversion:
+            raise ValueError(f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}: write "
+                             f"{{{name}}} alone (the value goes in as the campaign file gives it)")
+        fields.append(name)
+    return fields
 
 
 def _as_text(value: Any) -> str:
@@ -236,8 +260,7 @@ def load_campaign(path: str | Path) -> CampaignSpec:
     if base_spec.program is None and spec.program is not None:
         raise SpecError([("program", f"the base {spec.base} has no program: (pilotrun's own loop); vary a spec key "
                                      "instead and remove program:")], str(p))
-    if spec.program is not None and len(spec.seeds) > 1 and not any(
-            "{seed}" in t for t in [*spec.program.args, *spec.program.env.values()]):
+    if spec.program is not None and len(spec.seeds) > 1 and not spec.program.names("seed"):
         raise SpecError([("program", f"seeds {spec.seeds} would run the same program {len(spec.seeds)} times: name "
                                      "{seed} in program.args or program.env")], str(p))
     if spec.program is not None and spec.processes > 1:

@@ -33,8 +33,9 @@ HELP = """examples:
   pilotrun estimate pilot.yaml --catalog my-gpus.yaml      # add or override accelerators (prices too)
 
 Nothing is allocated and no weights or data files are read: the model is built on the meta device and
-traced with fake tensors in a separate process. A program spec (program:) is described by its program: run
-once until it describes its job (the transformers/Lightning callback at train begin, or job.describe), before
+traced with fake tensors in a separate process. A program spec (program: without all of model, data and train)
+is described by its program: run once (so it builds its model and reads its data as it always does) until it
+describes its job (the transformers/Lightning callback at train begin, or job.describe), before
 its first update; the spec's model/data/train and --set override what it said. Without --gpus, DDP and FSDP are
 shown over 2, 4 and 8 GPUs. Traces (and a program's description) are cached as JSON under $PILOTRUN_CACHE
 (default ~/.cache/pilotrun), shared with select and plan; --no-trace-cache traces (and describes) again and

@@ -37,7 +37,7 @@ from ..config.spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
 from ..ledger.records import TextEnum
 from ..program.describe import JobFacts
 from ..program.env import Event, Role
-from ..safefile import FileKind, FileProblem, read_json
+from ..safefile import FileKind, FileProblem, WriteFailed, read_json, write_atomic
 from .cache import CACHE_ENV, default_dir
 
 FORMAT = 1  # bump when JobFacts' fields change meaning
@@ -206,7 +206,8 @@ def _merge(program: dict, written: dict) -> dict:
     for section, keys in EXCLUSIVE.items():
         mine = written.get(section) or {}
         chosen = [k for k in keys if k in mine]
-        same_config = (chosen == ["config"] and "config" in out.get(section, {})
+        same_config = (chosen == ["config"] and isinstance(mine["config"], dict)
+                       and "config" in out.get(section, {})
                        and mine["config"].get("model_type", out[section]["config"].get("model_type"))
                        == out[section]["config"].get("model_type"))
         if chosen and not same_config:
@@ -251,8 +252,13 @@ def job_spec(raw: dict, source: str | Path, overridden: list[str], facts: JobFac
     written = {k: raw[k] for k in PROGRAM_OPTIONAL if k in raw}
     merged = _merge(program, written)
     given = _leaves(written)
-    unresolved = [(k, why) for k, why in missing
-                  if not any(g == k or g.startswith(k + ".") for g in given)]
+
+    def gives(key: str) -> bool:
+        if key in EXCLUSIVE:  # the model or the data is given by naming its source, not by any key under it
+            return any(g == f"{key}.{src}" or g.startswith(f"{key}.{src}.") for src in EXCLUSIVE[key] for g in given)
+        return any(g == key or g.startswith(key + ".") for g in given)
+
+    unresolved = [(k, why) for k, why in missing if not gives(k)]
     if unresolved:
         raise DescribeError([(k, why) for k, why in unresolved], str(source))
     # A program value stays unless the spec gave it (or a section above it), or the merge dropped it (a source the
@@ -281,7 +287,18 @@ def describe_key(program: ProgramOnlySpec) -> dict:
         except OSError:
             hashed[str(path)] = None
     return {"format": FORMAT, "command": program.program.words, "folder": str(program.folder), "files": hashed,
-            "python": sys.executable, "describers": _describers_digest()}
+            "env": program.program.env or {}, "python": sys.executable, "describers": _describers_digest(),
+            "launcher_config": _launcher_config()}
+
+
+def _launcher_config() -> str | None:
+    """``accelerate launch``'s default config (precision, processes) when the command uses it: its sha256."""
+    root = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    path = Path(os.environ.get("ACCELERATE_CONFIG_FILE") or root / "accelerate" / "default_config.yaml")
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _describers_digest() -> str:
@@ -289,7 +306,7 @@ def _describers_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for rel in ("program/describe.py", "program/handle.py", "integrations/transformers.py",
-                "integrations/lightning.py"):
+                "integrations/lightning.py", "integrations/accelerate.py", "integrations/common.py"):
         with contextlib.suppress(OSError):
             h.update((root / rel).read_bytes())
     return h.hexdigest()[:16]
@@ -324,12 +341,10 @@ def _store(key: dict, facts: JobFacts) -> str:
     path = _cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "facts": facts.to_dict(),
-                                   "described_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
-        os.replace(tmp, path)
-    except OSError as exc:
-        return f"; not cached: {path.parent}: {exc.strerror or exc} (set {CACHE_ENV} to a writable folder)"
+        write_atomic(path, json.dumps({"key": key, "facts": facts.to_dict(),
+                                       "described_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+    except (OSError, WriteFailed) as exc:
+        return f"; not cached: {path.parent}: {exc} (set {CACHE_ENV} to a writable folder)"
     return f", cached as {path}"
 
 
@@ -417,9 +432,11 @@ def _piloted_as(path: str | Path, overrides: list[str], program: ProgramOnlySpec
 
 
 def is_program_spec(path: str | Path) -> bool:
-    """Whether the spec file names ``program:`` (read only to choose the path; load_spec reports its problems)."""
+    """Whether the spec's job comes from its program: ``program:`` without all of model, data and train (a spec that
+    writes all three is estimated from them, as before, without running the program). Read only to choose the path;
+    load_spec reports the file's problems."""
     try:
         raw, _p = read_raw(path)
     except SpecError:
         return False
-    return isinstance(raw, dict) and "program" in raw
+    return isinstance(raw, dict) and "program" in raw and not all(k in raw for k in PROGRAM_OPTIONAL)

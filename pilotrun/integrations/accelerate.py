@@ -59,17 +59,26 @@ def _base_loader(loader: Any) -> Any:
     return getattr(loader, "base_dataloader", loader)
 
 
-def _micro_batch(loader: Any) -> int:
+def _micro_batch(loader: Any, accelerator: Any = None) -> int:
+    """Examples per forward on one process. With ``split_batches`` accelerate splits the loader's batch over the
+    processes."""
     base = _base_loader(loader)
     size = base.batch_size or getattr(base.batch_sampler, "batch_size", None)
-    return int(size) if size else len(next(iter(base.batch_sampler)))
+    if not size and base.batch_sampler is not None:
+        size = len(next(iter(base.batch_sampler)))
+    if not size:
+        raise TypeError(f"the train loader ({type(base).__name__}) has no batch size to read; pass a DataLoader "
+                        "with batch_size")
+    if accelerator is not None and getattr(getattr(accelerator, "dataloader_config", None), "split_batches", False):
+        size = max(1, int(size) // int(accelerator.num_processes))
+    return int(size)
 
 
 def describe_loop(accelerator, model, optimizer, loader, updates: int | None = None, max_length: int | None = None,
                   max_grad_norm: float | None = None) -> JobFacts:
     """The job as the loop will run it, from the objects it prepared."""
     base = _base_loader(loader)
-    micro = _micro_batch(loader)
+    micro = _micro_batch(loader, accelerator)
     how = "declared (begin(max_length=...))"
     if max_length is None:
         max_length, how = longest_collated(base.dataset, base.collate_fn, micro)
@@ -80,8 +89,10 @@ def describe_loop(accelerator, model, optimizer, loader, updates: int | None = N
         grad_accum_steps=int(accelerator.gradient_accumulation_steps), precision=precision,
         precision_source=f"Accelerator(mixed_precision={mixed!r})" if precision else "", max_length=max_length,
         length_source=how, world_size=int(accelerator.num_processes), updates=updates, max_grad_norm=max_grad_norm)
-    if facts.precision is None:
+    if facts.precision is None and mixed == "no":
         facts.precision, facts.precision_source = "fp32", "Accelerator(mixed_precision='no'), fp32 parameters"
+    elif facts.precision is None:  # fp8: the estimator traces no fp8 matmuls; the estimate then assumes fp32
+        facts.notes.append(f"Accelerator(mixed_precision={mixed!r}) has no train.precision equivalent: not traced")
     return facts
 
 
@@ -101,7 +112,7 @@ class AccelerateView(C.FrameworkView):
         if update_ids is not None:
             self.update_ids = update_ids
         base = _base_loader(loader)
-        self.size = _micro_batch(loader)
+        self.size = _micro_batch(loader, accelerator)
         self.data = C.framework_data(base.dataset, eval_dataset, C.private_collate(base.collate_fn))
 
     @property
@@ -190,8 +201,8 @@ def begin(job, accelerator, model, optimizer, train_dataloader, *, updates: int 
     if not getattr(job, "active", False):
         return {}
     if C.role_name(job) == "describe":
-        job.describe(facts=describe_loop(accelerator, model, optimizer, train_dataloader, updates, max_length,
-                                         max_grad_norm))
+        job.describe(facts=lambda: describe_loop(accelerator, model, optimizer, train_dataloader, updates,
+                                                 max_length, max_grad_norm))
         return {}
     if not C.runs_probes(job):
         return {}

@@ -130,7 +130,7 @@ class PilotrunCallback(pl.Callback):
         if not self.active:
             return
         if C.role_name(self.job) == "describe":  # the process ends in describe(): nothing after it runs
-            self.job.describe(facts=describe_fit(trainer, pl_module))
+            self.job.describe(facts=lambda: describe_fit(trainer, pl_module))
         self.spans = C.StageSpans(self.job)
         self.last_step = trainer.global_step
         self.update_ids = self._tap_positions(trainer)

@@ -123,7 +123,8 @@ class PilotrunCallback(TrainerCallback):
         dataloader = kwargs.get("train_dataloader")
         self.collate = getattr(dataloader, "collate_fn", None) or trainer.data_collator
         if C.role_name(self.job) == "describe":  # the process ends in describe(): nothing after it runs
-            self.job.describe(facts=describe_trainer(trainer, args, state, kwargs.get("optimizer"), dataloader))
+            self.job.describe(facts=lambda: describe_trainer(trainer, args, state, kwargs.get("optimizer"),
+                                                             dataloader))
         if dataloader is not None:
             self._carry_ids(dataloader, trainer)
         if self.probes and C.runs_probes(self.job):
@@ -275,9 +276,6 @@ def describe_trainer(trainer: Trainer, args, state, optimizer, dataloader) -> Jo
         max_grad_norm=float(args.max_grad_norm) if args.max_grad_norm else None)
     if facts.precision is None:
         facts.precision, facts.precision_source = "fp32", "TrainingArguments: bf16 and fp16 off, fp32 parameters"
-    if facts.precision == "bf16-true" and precision is not None:
-        facts.precision_source = f"bfloat16 parameters (TrainingArguments.{'bf16' if args.bf16 else 'fp16'} " \
-                                 "autocasts them, no fp32 master copy)"
     facts.notes.append(f"TrainingArguments.optim: {getattr(args.optim, 'value', args.optim)}")
     return facts
 

@@ -188,6 +188,17 @@ def _changed_program_files(parent: dict, spec) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
+def _ancestors(ledger: Ledger, run: dict, limit: int = 16) -> list[dict]:
+    """The run and the pilots it resumed, newest first."""
+    chain = [run]
+    while len(chain) < limit and chain[-1].get("parent_id"):
+        before = ledger.run(chain[-1]["parent_id"])
+        if before is None or before.get("kind") != RunKind.PILOT:
+            break
+        chain.append(before)
+    return chain
+
+
 def plan_program_resume(ledger: Ledger, spec, target: str | None) -> ProgramResumePlan:
     """Which runs of an interrupted program pilot are kept: each one that ended as planned (the control and resumed
     runs cleanly, the interrupted run killed after its save, its checkpoint still there). The program, its command
@@ -207,11 +218,12 @@ def plan_program_resume(ledger: Ledger, spec, target: str | None) -> ProgramResu
         raise ResumeError(f"the program changed since run {pid}: {', '.join(edited[:6])} differ from the files its "
                           "lock hashed; a resumed pilot must run the same program (run without --resume to pilot the "
                           "new one)")
-    out = Path(parent["out_dir"] or "")
+    chain = _ancestors(ledger, parent)
     reused: dict = {}
     notes: list[str] = []
     for role in (Role.CONTROL, Role.STAGES, Role.INTERRUPTED, Role.RESUMED):
-        run = finished_run(out, role)
+        # A run a resumed pilot kept is recorded where it ran: in the folder of the pilot before it.
+        run = next((r for p in chain if (r := finished_run(Path(p["out_dir"] or ""), role, p["run_id"]))), None)
         if run is None:
             continue
         if role == Role.INTERRUPTED:

@@ -286,8 +286,11 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
         if activation_checkpointing is None:
             activation_checkpointing = _checkpointing(hf)
     facts.activation_checkpointing = activation_checkpointing
-    if precision is None and dtype == "bfloat16":
-        precision, precision_source = "bf16-true", "the parameters are bfloat16 and no autocast was declared"
+    if dtype == "bfloat16" and precision in (None, "bf16"):
+        # bf16 weights train as bf16-true whether or not autocast runs over them: no fp32 master copy, bf16 gradients
+        # and optimizer state (train.precision: bf16 would trace fp32 weights and overstate memory).
+        said = f"; {precision_source} autocasts over them" if precision else " and no autocast was declared"
+        precision, precision_source = "bf16-true", f"the parameters are bfloat16{said}"
     facts.precision, facts.precision_source = precision, precision_source if precision else ""
     if batch is not None:
         ids = batch.get("input_ids") if hasattr(batch, "get") else None

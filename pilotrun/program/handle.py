@@ -181,7 +181,8 @@ class ProgramHandle:
         if not self.active:
             return False
         if self._rules is not None or self._stop_file is not None:  # a campaign's run
-            return self._campaign_stop()
+            stop = self._campaign_stop()  # a collective with several ranks: every rank joins it, every update
+            return stop or (self._stop_at is not None and update >= self._stop_at)
         if self._auto is not None:
             first = self.first_save()
             # Nothing saved even where pilotrun asked (W): stop K later anyway, as a fixed plan would have.
@@ -286,14 +287,16 @@ class ProgramHandle:
         from .describe import describe_objects
 
         try:
+            if callable(facts):  # an integration's describer: whatever it raises becomes the reason, not a crash
+                facts = facts()
             if facts is None:
                 if model is None:
                     raise TypeError("give the model: job.describe(model, optimizer, batch=..., max_length=...)")
                 facts = describe_objects(model, optimizer, world_size=self.world_size, **settings)
             data = facts.to_dict()
             _check_description(data)
-        except (TypeError, ValueError) as exc:
-            self._problem(None, "describe", f"job.describe(): {exc}")
+        except Exception as exc:  # noqa: BLE001 - the program's objects: said as the description's problem
+            self._problem(None, "describe", f"job.describe(): {type(exc).__name__}: {exc}")
             data = None
         if data is not None:
             self._emit(Event.DESCRIBE, facts=data)
@@ -350,7 +353,9 @@ class ProgramHandle:
     def _campaign_stop(self) -> bool:
         """A stop rule broken here, or the stop file (budget, Ctrl-C); agreed over the ranks (any rank's reason stops
         them all at the same update: one rank stopping alone would leave the others in a collective)."""
-        stop = self._rule_broken or (self._stop_file is not None and os.path.exists(self._stop_file))
+        # The rules read rank 0's losses, as the run's series (and pilotrun's record of why it stopped) holds them.
+        broken = self._rule_broken and self.rank == 0
+        stop = broken or (self._stop_file is not None and os.path.exists(self._stop_file))
         if self.world_size > 1:
             stop = _any_rank(stop)
         return stop

@@ -182,11 +182,12 @@ OUTCOME_FIELDS = ("returncode", "seconds", "killed", "killed_pids", "survivors",
                   "timed_out")
 
 
-def _record(base: Path, outcome: RunOutcome) -> None:
+def _record(base: Path, outcome: RunOutcome, run_id: str) -> None:
     from ..safefile import WriteFailed, write_atomic
 
     folder = base / "runs"
-    record = {"role": str(outcome.role), "log": str(outcome.log), **{k: getattr(outcome, k) for k in OUTCOME_FIELDS}}
+    record = {"role": str(outcome.role), "run_id": run_id, "log": str(outcome.log),
+              **{k: getattr(outcome, k) for k in OUTCOME_FIELDS}}
     try:
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(folder / f"{outcome.role}.json", json.dumps(record, default=str))
@@ -194,9 +195,9 @@ def _record(base: Path, outcome: RunOutcome) -> None:
         pass  # only --resume reads it: without it that run is run again
 
 
-def finished_run(out_dir: Path, role: Role) -> RunOutcome | None:
-    """A run of an earlier pilot in ``out_dir`` as it ended (its record and its events); None when it has no record
-    (it was still running when that pilot stopped) or the record is not one."""
+def finished_run(out_dir: Path, role: Role, run_id: str) -> RunOutcome | None:
+    """The run ``role`` of pilot ``run_id`` in ``out_dir`` as it ended (its record and its events); None when it has
+    no record (it was still running when that pilot stopped), or the record is another pilot's or not one."""
     from ..safefile import read_json
 
     base = out_dir.resolve() / "program"
@@ -204,7 +205,7 @@ def finished_run(out_dir: Path, role: Role) -> RunOutcome | None:
         record = read_json(base / "runs" / f"{role}.json", 1 << 20, {"role": str, "log": str})
     except FileProblem:
         return None
-    if record.get("role") != str(role):
+    if record.get("role") != str(role) or record.get("run_id") != run_id:
         return None
     outcome = RunOutcome(role, None, 0.0, Path(record["log"]))
     for key in OUTCOME_FIELDS:
@@ -286,8 +287,10 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
     checkpoints = base / "checkpoints" / str(plan.role)
     checkpoints.mkdir(parents=True, exist_ok=True)
     events_dir.mkdir(parents=True, exist_ok=True)
-    for old in [*events_dir.glob(f"{plan.role}-rank*.jsonl"), *events_dir.glob(f"{plan.role}.first-save")]:
-        old.unlink()
+    # This role's earlier events and record (a pilot run again into the same --out) are not this run's.
+    for old in [*events_dir.glob(f"{plan.role}-rank*.jsonl"), *events_dir.glob(f"{plan.role}.first-save"),
+                base / "runs" / f"{plan.role}.json"]:
+        old.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in E.ALL} | (program.env or {})
     package_root = str(Path(__file__).resolve().parents[2])  # the program imports this pilotrun
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
@@ -321,7 +324,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
             outcome.leftovers = ending.leftovers
     outcome.seconds = time.monotonic() - started
     outcome.events = read_rank_events(events_dir, plan.role, outcome.event_problems)
-    _record(base, outcome)
+    _record(base, outcome, run_id)
     if progress is not None:
         progress(f"{plan.role} run {outcome.how_it_ended()} after {outcome.seconds:.1f} s")
     return outcome
