@@ -419,3 +419,24 @@ def program_events(job, kind: str) -> list[dict]:
     """The events of one kind a handle wrote."""
     assert job.events_path is not None
     return [x for x in map(json.loads, job.events_path.read_text().splitlines()) if x["kind"] == kind]
+
+
+def interrupt_when(cmd: list[str], ready, cwd: Path, env: dict, timeout: float = 120) -> tuple[int, str]:
+    """Run ``cmd``, SIGINT it once ``ready()`` is true (polled), and return its exit code and output; the process is
+    killed if it ends early, stalls past ``timeout`` or the test fails, never left running."""
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, f"{cmd[3:5]} ended before it could be interrupted"
+            assert time.monotonic() < deadline, f"{cmd[3:5]} did not get there in {timeout} s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out

@@ -168,12 +168,9 @@ for update in range(start + 1, a.updates + 1):
 @pytest.mark.process
 def test_an_interrupted_program_campaign_continues_from_the_programs_last_checkpoint(tmp_path):
     import os
-    import signal
-    import subprocess
     import sys
-    import time
 
-    from .conftest import TEST_DIGEST
+    from .conftest import TEST_DIGEST, interrupt_when
 
     (tmp_path / "prog").mkdir()
     (tmp_path / "prog" / "train.py").write_text(RESUMABLE)
@@ -187,9 +184,6 @@ def test_an_interrupted_program_campaign_continues_from_the_programs_last_checkp
                                                          "{updates}"]}}, sort_keys=False))
     ledger = tmp_path / "ledger.sqlite"
     env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST}
-    proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "campaign", str(spec), "--ledger", str(ledger),
-                             "--out", str(tmp_path / "runs")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
 
     def points(run_suffix: str) -> list[tuple]:
         if not ledger.exists():
@@ -198,18 +192,9 @@ def test_an_interrupted_program_campaign_continues_from_the_programs_last_checkp
             return db.execute("SELECT step, loss FROM metrics WHERE gate = 'train' AND run_id LIKE ? ORDER BY step",
                               (f"%-{run_suffix}",)).fetchall()
 
-    try:
-        deadline = time.monotonic() + 120
-        while len(points("r01")) < 5:  # updates 1-5 recorded; the program holds before 6
-            assert proc.poll() is None and time.monotonic() < deadline, "the campaign ended or stalled"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, out
+    code, out = interrupt_when([sys.executable, "-m", "pilotrun", "campaign", str(spec), "--ledger", str(ledger),
+                                "--out", str(tmp_path / "runs")], lambda: len(points("r01")) >= 5, tmp_path, env)
+    assert code == 130, out  # interrupted once updates 1-5 were recorded: the program holds before 6
     first = points("r01")
     (tmp_path / "prog" / "hold").unlink()
     with sqlite3.connect(ledger) as db:

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from pilotrun.ledger import Ledger
 
-from .conftest import EXAMPLES, TEST_DIGEST, pilotrun_cli, write_spec
+from .conftest import EXAMPLES, TEST_DIGEST, interrupt_when, pilotrun_cli, write_spec
 
 HOLD = '''
 import os, time
@@ -40,14 +37,6 @@ def _spec(tmp_path: Path) -> Path:
                                               "pilot": {"resume": {"before": 2, "after": 2}}})
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"pilotrun ended before {path} appeared"
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
-        time.sleep(0.1)
-
-
 @pytest.mark.process
 def test_an_interrupted_program_pilot_resumes_keeping_its_finished_runs(tmp_path):
     spec = _spec(tmp_path)
@@ -56,16 +45,9 @@ def test_an_interrupted_program_pilot_resumes_keeping_its_finished_runs(tmp_path
     cmd = [sys.executable, "-m", "pilotrun", "run", str(spec), "--gates", "lock,resume", "--ledger", str(ledger),
            "--out", str(first_out)]
     env = {**__import__("os").environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        _wait_for(first_out / "program" / "events" / "resumed-rank0.jsonl", proc)  # control and interrupted done
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, out
+    # Stopped once the resumed run began: the control and interrupted runs are done.
+    code, out = interrupt_when(cmd, (first_out / "program" / "events" / "resumed-rank0.jsonl").exists, tmp_path, env)
+    assert code == 130, out
     assert "--resume" in out and "keeping the runs of the program it finished" in out
     with Ledger(ledger) as led:
         [parent] = led.runs("prog")
