@@ -303,3 +303,19 @@ def test_row_details_read_rows_written_before_and_by_programs(tmp_path):
     assert (old.seconds_per_update, old.data_wait_share) == (0.5, None)
     assert program == SteadyStepDetails.of(None) and program.seconds_per_update is None
     assert SaveDetails.of({"path": "checkpoints/step-000008"}).manifest_sha256 is None  # a failed save's row
+
+
+@pytest.mark.process
+def test_a_csv_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`pilotrun ledger --csv metrics | head -1`: the reader closing the pipe is not an internal error."""
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as led:
+        led.start_run("r", "job", "campaign-run")
+        led.add_metrics("r", "train", [{"step": i, "loss": 1.0 / (i + 1), "lr": 0.1} for i in range(20000)])
+    proc = subprocess.Popen([sys.executable, "-m", "pilotrun", "ledger", "--ledger", str(path), "--csv", "metrics"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"run_id,")
+    proc.stdout.close()  # as head does after its line
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and b"internal error" not in err and b"Traceback" not in err, err
+    assert not (tmp_path / "runs" / "pilotrun-crash.txt").exists()

@@ -7,6 +7,7 @@ Exit codes: 0 no gate failed · 1 a gate failed · 2 bad spec, file or usage ·
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -122,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except SystemExit:
         raise
+    except BrokenPipeError:  # `pilotrun ledger --csv metrics | head`: the reader has what it wanted
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 0
     except BaseException as exc:  # a bug in pilotrun, or a BaseException subclass (torch's CheckpointException)
         saved = _save_crash("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         err_console().print(f"[bold red]internal error[/]: {type(exc).__name__}: {escape(str(exc))}{escape(saved)}. "

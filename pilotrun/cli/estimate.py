@@ -21,7 +21,7 @@ from ..estimate.model import estimate_fit, time_source
 from ..estimate.program_job import ProgramJob, Source, is_program_spec, load_job
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
-from ..humanize import at_length, human_bytes, human_seconds, money
+from ..humanize import at_length, human_bytes, human_count, human_seconds, money
 from ..ledger.records import GateName
 from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
 
@@ -196,11 +196,16 @@ def print_trace_notes(traces: Traces) -> None:
 def _print(console, spec, trace, report) -> None:
     st = report["stages"]
     console.print(Text.assemble(("estimate ", "bold"), (spec.name, "bold cyan"),
-                                f" · {trace['parameters'] / 1e9:.2f}B parameters · {spec.train.precision} · "
+                                f" · {human_count(trace['parameters'])} parameters · {spec.train.precision} · "
                                 f"micro batch {spec.train.micro_batch_size} x {spec.train.grad_accum_steps}"
                                 f"{at_length(spec.data.max_length)} · traced in {trace['seconds']:.1f} s"))
     if report.get("adapter"):
         console.print(Text(adapter_line(report["adapter"]), style="cyan"))
+    limit = trace.get("max_positions")
+    if limit and spec.data.max_length and spec.data.max_length > limit:
+        console.print(Text(f"length {spec.data.max_length} is beyond the model's {limit} positions "
+                           "(max_position_embeddings): the long run cannot train at it; the trace ran it anyway",
+                           style="bold yellow"))
     if trace.get("optimizer"):
         console.print(Text(f"optimizer: {trace['optimizer']}; state {human_bytes(trace['optimizer_state_bytes'])}",
                            style="dim"))

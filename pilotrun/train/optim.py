@@ -65,9 +65,9 @@ def choose_fused(spec: OptimizerSpec, device: torch.device, dtypes: set[torch.dt
     if spec.fused is True:
         if problem is not None:
             raise OptimizerError("train.optimizer.fused", f"is true but {problem}; set it to auto or false")
-        return True, "fused: true (required by the spec)"
+        return True, "train.optimizer.fused: true (the fused kernel required)"
     if spec.fused is False:
-        return False, "fused: false (set in the spec): torch's default kernel"
+        return False, "train.optimizer.fused: false: torch's default kernel"
     if problem is not None:
         return False, f"fused: auto chose the default kernel: {problem}"
     if device.type == "cpu":
