@@ -252,6 +252,18 @@ def copy_example(name: str, dest: Path) -> Path:
     return target / "pilot.yaml"
 
 
+def planted_example(name: str, folder: Path, patches: dict[str, str] | None = None, script: str = "train.py") -> Path:
+    """A copy of an example at ``folder`` with ``patches`` (old text -> new text) planted in its script; each old
+    text must still be there (an edited example must not silently drop a planted defect). Returns the folder."""
+    shutil.copytree(EXAMPLES / name, folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
+    src = (folder / script).read_text()
+    for old, new in (patches or {}).items():
+        assert old in src, f"the example changed: {old!r} is not in {script} any more"
+        src = src.replace(old, new)
+    (folder / script).write_text(src)
+    return folder
+
+
 def copy_fixture(name: str, dest: Path) -> Path:
     target = dest / name
     shutil.copytree(FIXTURES / name, target, ignore=shutil.ignore_patterns("__pycache__"))

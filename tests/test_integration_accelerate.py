@@ -4,7 +4,6 @@ defects people plant in such loops, each caught by the resume gate with its caus
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,13 @@ from pilotrun.config.load import load_spec
 from pilotrun.pilot import PilotOptions, run_pilot
 from pilotrun.program.runner import command_words
 
-from .conftest import EXAMPLES, TEST_DIGEST, pilotrun_cli, write_spec
+from .conftest import TEST_DIGEST, pilotrun_cli, planted_example, write_spec
 
 pytest.importorskip("accelerate")
 
 
 def _copy(tmp_path: Path, patches: dict[str, str] | None = None) -> Path:
-    folder = tmp_path / "accelerate"
-    shutil.copytree(EXAMPLES / "accelerate", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
-    src = (folder / "train.py").read_text()
-    for old, new in (patches or {}).items():
-        assert old in src, f"the example changed: {old!r} is not in train.py any more"
-        src = src.replace(old, new)
-    (folder / "train.py").write_text(src)
+    folder = planted_example("accelerate", tmp_path / "accelerate", patches)
     if patches:  # the defects are the loop's own: run it without the launcher process (one interpreter fewer per run)
         spec = folder / "pilot.yaml"
         spec.write_text(spec.read_text().replace(

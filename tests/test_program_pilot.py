@@ -24,7 +24,7 @@ from pilotrun.program.env import Event, Role
 from pilotrun.program.resume import resume_rows
 from pilotrun.program.runner import RunOutcome
 
-from .conftest import EXAMPLES, TEST_DIGEST, copy_fixture, write_spec
+from .conftest import EXAMPLES, TEST_DIGEST, copy_fixture, planted_example, write_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,13 +33,7 @@ def _program(tmp_path: Path, patches: dict[str, str] | None = None, command: str
              resume: dict | None = None, **program) -> Path:
     """A copy of examples/own-loop with ``patches`` (old text -> new text) planted in train.py; its spec (the resume
     gate at a save after update 2 that pilotrun asks for, unless ``resume`` says otherwise)."""
-    folder = tmp_path / "prog"
-    shutil.copytree(EXAMPLES / "own-loop", folder, ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
-    src = (folder / "train.py").read_text()
-    for old, new in (patches or {}).items():
-        assert old in src, f"the example changed: {old!r} is not in train.py any more"
-        src = src.replace(old, new)
-    (folder / "train.py").write_text(src)
+    folder = planted_example("own-loop", tmp_path / "prog", patches)
     return write_spec(folder / "pilot.yaml", {"name": "prog", "program": {"command": command, "timeout": 120,
                                                                           **program},
                                               "pilot": {"resume": {"before": 2} if resume is None else resume}})

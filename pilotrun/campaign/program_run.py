@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
-from ..program.env import Event, Role
+from ..program.env import Event, Role, StopRules
 from ..program.runner import EventTail, RunOutcome, RunPlan, read_events, run_program
 
 # After the stop file, the program's own should_stop has this long to end the run. Well under the engines' own grace
@@ -39,16 +39,22 @@ def _number(value: Any) -> float | None:
         return None
 
 
+def train_point(event: dict) -> dict:
+    """A ``job.update`` event as a point of the run's ``train`` series."""
+    return {"step": event["update"], "loss": _number(event.get("loss")), "lr": _number(event.get("lr")),
+            "grad_norm": _number(event.get("grad_norm")), "sample_ids": event.get("ids"),
+            "extra": event.get("extra") or {}}
+
+
 class _Watch:
     """What rank 0 reported so far, the stop rules applied to it, and the run's end once one is decided."""
 
-    def __init__(self, led, run_id: str, plan: dict, deadline: float | None, stop_requested: Callable[[], bool],
-                 how: Callable[[], str], stop_file: Path) -> None:
-        self.led, self.run_id, self.plan = led, run_id, plan
+    def __init__(self, led, run_id: str, plan: dict, rules: StopRules, deadline: float | None,
+                 stop_requested: Callable[[], bool], how: Callable[[], str], stop_file: Path) -> None:
+        self.led, self.run_id, self.plan, self.rules = led, run_id, plan, rules
         self.deadline, self.stop_requested, self.how, self.stop_file = deadline, stop_requested, how, stop_file
         self.pending: list[dict] = []
         self.flushed = time.monotonic()
-        self.first_loss: float | None = None
         self.last_update = 0
         self.val: list[dict] = []
         self.saved: tuple[int, str] | None = None
@@ -71,23 +77,18 @@ class _Watch:
             self.saved = (event["update"], str(event.get("path")))
 
     def _update(self, event: dict) -> None:
-        step, loss = event["update"], _number(event.get("loss"))
+        point = train_point(event)
+        step, loss = point["step"], point["loss"]
         self.last_update = max(self.last_update, step)
-        self.pending.append({"step": step, "loss": loss, "lr": _number(event.get("lr")),
-                             "grad_norm": _number(event.get("grad_norm")), "sample_ids": event.get("ids"),
-                             "extra": event.get("extra") or {}})
+        self.pending.append(point)
         if self.end is not None or loss is None:
             return
-        stop = self.plan["stop"]
-        if not math.isfinite(loss):
-            if stop.get("non_finite", True):
-                self.end = RunEnd(RunStatus.DIVERGED, StopKind.NON_FINITE, f"non-finite loss ({event.get('loss')})",
-                                  step)
-            return
-        self.first_loss = loss if self.first_loss is None else self.first_loss
-        if stop.get("divergence") and loss > stop["divergence"] * self.first_loss:
-            self.end = RunEnd(RunStatus.DIVERGED, StopKind.DIVERGENCE,
-                              f"loss {loss:.4g} > {stop['divergence']:g} x the first loss {self.first_loss:.4g}", step)
+        broken = self.rules.broken(loss)  # the rules the handle applied to the same loss
+        if broken is StopKind.NON_FINITE:
+            self.end = RunEnd(RunStatus.DIVERGED, broken, f"non-finite loss ({event.get('loss')})", step)
+        elif broken is StopKind.DIVERGENCE:
+            self.end = RunEnd(RunStatus.DIVERGED, broken, f"loss {loss:.4g} > {self.rules.divergence:g} x the first "
+                              f"loss {self.rules.first_loss:.4g}", step)
 
     def flush(self) -> None:
         self.flushed = time.monotonic()
@@ -188,16 +189,18 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     base = out_dir / "program"
     stop_file = base / "stop-requested"
     stop_file.unlink(missing_ok=True)
-    watch = _Watch(led, run_id, plan, deadline, stop_requested, how, stop_file)
-    tail = EventTail(base / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
-    rules = {"non_finite": bool(plan["stop"].get("non_finite", True)), "divergence": plan["stop"].get("divergence")}
     cont = _continuation(out_dir)
-    if isinstance(cont.get("first_loss"), (int, float)):
-        rules["first_loss"] = watch.first_loss = float(cont["first_loss"])
+    first = cont.get("first_loss")  # a continued run keeps the interrupted run's first loss as the rule's reference
+    rules = StopRules(bool(plan["stop"].get("non_finite", True)), plan["stop"].get("divergence"),
+                      float(first) if isinstance(first, (int, float)) else None)
+    watch = _Watch(led, run_id, plan, rules, deadline, stop_requested, how, stop_file)
+    tail = EventTail(base / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
     if isinstance(cont.get("after_update"), int):  # the updates before its checkpoint are the continued run's
         watch.last_update = cont["after_update"]
     outcome = run_program(spec.program, spec.folder, RunPlan(Role.CAMPAIGN, stop_at=plan["updates"],
-                                                             stop_file=str(stop_file), stop_rules=rules,
+                                                             stop_file=str(stop_file),
+                                                             stop_rules=StopRules(rules.non_finite, rules.divergence,
+                                                                                  rules.first_loss),
                                                              timeout=math.inf, resume_from=cont.get("resume_from")),
                           out_dir, run_id, base / "ledger-of-the-program.sqlite", on_poll=lambda: watch.poll(tail))
     for event in tail.poll():  # what it wrote after the last poll
@@ -205,10 +208,7 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     watch.flush()
     for rank in outcome.ranks:  # the other ranks' points, from their own files (each rank reports its own ids)
         if rank:
-            led.add_metrics(run_id, Series.TRAIN, [{"step": e["update"], "loss": _number(e.get("loss")),
-                                                    "lr": _number(e.get("lr")), "sample_ids": e.get("ids"),
-                                                    "extra": e.get("extra") or {}} for e in outcome.updates(rank)],
-                            rank=rank)
+            led.add_metrics(run_id, Series.TRAIN, [train_point(e) for e in outcome.updates(rank)], rank=rank)
     end = watch.decide(outcome)
     final = watch.val[-1] if watch.val else None
     kept: dict[str, Any] = {"program_log": str(outcome.log)}
@@ -221,8 +221,8 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
         shutil.rmtree(base / "checkpoints", ignore_errors=True)
     if end.status == RunStatus.FINISHED and final is None:
         kept["final_note"] = "the program reported no validation (job.evaluated, or the callbacks' eval)"
-    led.finish_campaign_run(run_id, end, final=final, first_loss=watch.first_loss, **kept)
+    led.finish_campaign_run(run_id, end, final=final, first_loss=rules.first_loss, **kept)
     result = {"run_id": run_id, "val": watch.val, "status": str(end.status), **end.fields(), "final": final,
-              "first_loss": watch.first_loss, **kept}
+              "first_loss": rules.first_loss, **kept}
     (out_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     return result

@@ -22,7 +22,8 @@ from .yamlsafe import parse_bounded, parse_override_value, read_spec_text
 
 
 class ProgramSpecRefused(SpecError):
-    """A program-only spec given to a command that needs model/data/train (campaign, variants)."""
+    """A program-only spec given to a command that needs model/data/train (``pilotrun variants``: it runs pilotrun's
+    own loop)."""
 
 
 def set_dotted(mapping: dict, dotted: str, value: Any) -> None:

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config.load import apply_overrides, read_raw, set_dotted, spec_from_mapping
-from ..config.program import program_files
 from ..config.schema import SpecError
 from ..config.spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
 from ..ledger.records import TextEnum
+from ..lock import program_lock
 from ..program.describe import JobFacts
 from ..program.env import Event, Role
 from ..safefile import FileKind, FileProblem, WriteFailed, read_json, write_atomic
@@ -279,13 +279,7 @@ def job_spec(raw: dict, source: str | Path, overridden: list[str], facts: JobFac
 def describe_key(program: ProgramOnlySpec) -> dict:
     """What a description depends on: the command and the content of the program's files."""
     assert program.program is not None
-    files, _why = program_files(program.program, program.folder)
-    hashed: dict[str, str | None] = {}
-    for path in files:
-        try:
-            hashed[os.path.relpath(path, program.folder)] = hashlib.sha256(path.read_bytes()).hexdigest()
-        except OSError:
-            hashed[str(path)] = None
+    hashed = program_lock(program)["files"]  # the lock's own hashes of the program's files
     return {"format": FORMAT, "command": program.program.words, "folder": str(program.folder), "files": hashed,
             "env": program.program.env or {}, "python": sys.executable, "describers": _describers_digest(),
             "launcher_config": _launcher_config()}
@@ -410,20 +404,21 @@ def load_job(path: str | Path, overrides: list[str] | None = None, refresh: bool
              describe: Callable[[ProgramOnlySpec, bool], tuple[JobFacts, str]] = describe_program) -> ProgramJob:
     """A program spec's job: the program described (or its cached description), then the spec over it."""
     raw, p = read_raw(path)
+    as_written = copy.deepcopy(raw)
     overridden = apply_overrides(raw, overrides or [])
     program_part = {k: v for k, v in raw.items() if k not in PROGRAM_OPTIONAL}
     program = spec_from_mapping(program_part, p, [o for o in overridden if o.split(".")[0] not in PROGRAM_OPTIONAL])
     assert isinstance(program, ProgramOnlySpec)
     facts, described = describe(program, refresh)
     spec, provenance = job_spec(raw, p, overridden, facts)
-    spec.piloted_as = _piloted_as(path, overrides or [], program)
+    spec.piloted_as = _piloted_as(as_written, p, overrides or [], program)
     return ProgramJob(spec, program, facts, provenance, described)
 
 
-def _piloted_as(path: str | Path, overrides: list[str], program: ProgramOnlySpec) -> str:
-    """The hash `pilotrun run` records this program's pilots under: the spec file with the overrides a pilot takes
-    (not the estimate's own sizes under model/data/train). Its pilots are the ledger's measurements of the job."""
-    raw, p = read_raw(path)
+def _piloted_as(raw: dict, p: Path, overrides: list[str], program: ProgramOnlySpec) -> str:
+    """The hash `pilotrun run` records this program's pilots under: the spec file (``raw``, as written) with the
+    overrides a pilot takes (not the estimate's own sizes under model/data/train). Its pilots are the ledger's
+    measurements of the job."""
     kept = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] not in PROGRAM_OPTIONAL]
     try:
         return spec_from_mapping(raw, p, apply_overrides(raw, kept), check_files=False).config_hash()

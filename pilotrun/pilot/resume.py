@@ -103,16 +103,23 @@ def _refusal_lines(folder: Path, exc: LoadRefused) -> str:
     return f"  - {exc}"
 
 
+def _same_config(parent: dict, config: dict, config_hash: str) -> None:
+    """ResumeError naming the keys that changed when this spec's config is not the interrupted pilot's."""
+    if not parent.get("config_hash") or parent["config_hash"] == config_hash:
+        return
+    old = json.loads(parent["lock_json"]).get("config", {}) if parent.get("lock_json") else {}
+    changed = [k for k, _, _ in diff_locks({"config": old}, {"config": config})] if old else []
+    what = f": {', '.join(changed[:6])}" if changed else ""
+    raise ResumeError(f"the spec changed since run {parent['run_id']}{what}; a resumed pilot must run the same config "
+                      "(run without --resume to start a new pilot)")
+
+
 def plan_resume(ledger: Ledger, name: str, target: str | None, trust: bool, config: dict | None = None,
                 config_hash: str | None = None) -> ResumePlan:
     parent = _parent(ledger, name, target)
     pid = parent["run_id"]
-    if config_hash is not None and parent.get("config_hash") and parent["config_hash"] != config_hash:
-        old = json.loads(parent["lock_json"]).get("config", {}) if parent.get("lock_json") else {}
-        changed = [k for k, _, _ in diff_locks({"config": old}, {"config": config or {}})] if old else []
-        what = f": {', '.join(changed[:6])}" if changed else ""
-        raise ResumeError(f"the spec changed since run {pid}{what}; a resumed pilot must run the same config "
-                          "(run without --resume to start a new pilot)")
+    if config_hash is not None:
+        _same_config(parent, config or {}, config_hash)
     candidates = _candidates(ledger, parent)
     if not candidates:
         return ResumePlan(pid, None, notes=[f"run {pid} was interrupted before its save gate wrote a checkpoint: "
@@ -208,11 +215,7 @@ def plan_program_resume(ledger: Ledger, spec, target: str | None) -> ProgramResu
 
     parent = _parent(ledger, spec.name, target)
     pid = parent["run_id"]
-    if parent.get("config_hash") and parent["config_hash"] != spec.config_hash():
-        old = json.loads(parent["lock_json"]).get("config", {}) if parent.get("lock_json") else {}
-        changed = [k for k, _, _ in diff_locks({"config": old}, {"config": spec.canonical()})] if old else []
-        raise ResumeError(f"the spec changed since run {pid}{': ' + ', '.join(changed[:6]) if changed else ''}; a "
-                          "resumed pilot must run the same config (run without --resume to start a new pilot)")
+    _same_config(parent, spec.canonical(), spec.config_hash())
     edited = _changed_program_files(parent, spec)
     if edited:
         raise ResumeError(f"the program changed since run {pid}: {', '.join(edited[:6])} differ from the files its "

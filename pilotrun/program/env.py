@@ -31,7 +31,11 @@ the items carry no ``id``, and the resume row then says it compared dataset posi
 """
 from __future__ import annotations
 
-from ..ledger.records import TextEnum
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from ..ledger.records import StopKind, TextEnum
 
 PROGRAM = "PILOTRUN_PROGRAM"
 ROLE = "PILOTRUN_ROLE"
@@ -112,3 +116,35 @@ class Event(TextEnum):
     EVAL = "eval"        # a validation point: update, loss, metrics (job.evaluated)
     DESCRIBE = "describe"  # the job's shape (program.describe.JobFacts as a dict under ``facts``)
     END = "end"          # the process exited normally (atexit)
+
+
+@dataclass
+class StopRules:
+    """A campaign's stop rules, as ``PILOTRUN_STOP_RULES`` carries them, applied to a run's losses in order: the same
+    object decides in the program's handle (``should_stop``) and in the run that records why it stopped.
+    ``first_loss``: the run's first finite loss (set by the first one seen, or carried over to a continued run)."""
+
+    non_finite: bool = True
+    divergence: float | None = None
+    first_loss: float | None = None
+
+    def broken(self, loss: float) -> StopKind | None:
+        """The rule ``loss`` breaks, if any (a non-finite loss is never a run's first loss)."""
+        if not math.isfinite(loss):
+            return StopKind.NON_FINITE if self.non_finite else None
+        if self.first_loss is None:
+            self.first_loss = loss
+        if self.divergence and loss > self.divergence * self.first_loss:
+            return StopKind.DIVERGENCE
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> StopRules:
+        """ValueError naming what is wrong (only a hand-set environment gets one)."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or set(data) - {"non_finite", "divergence", "first_loss"}:
+            raise ValueError(f"{STOP_RULES} must be a JSON object of non_finite, divergence, first_loss")
+        return cls(**data)

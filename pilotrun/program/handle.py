@@ -139,7 +139,7 @@ class ProgramHandle:
             self._kill_at = int(kill_at) if kill_at else None
             self._stop_file = (env.get(E.STOP_FILE) or None) if self.active else None
             rules = env.get(E.STOP_RULES) if self.active else None
-            self._rules: dict | None = json.loads(rules) if rules else None
+            self._rules: E.StopRules | None = E.StopRules.from_json(rules) if rules else None
             auto = env.get(E.SAVE_AUTO) if self.active else None
             self._auto = tuple(int(x) for x in auto.split(",")) if auto else None
         except ValueError as exc:
@@ -158,8 +158,6 @@ class ProgramHandle:
         self._asked: set[int] = set()      # updates should_save said True for
         self._first_save: int | None = None
         self._session: Session | None = None
-        first = (self._rules or {}).get("first_loss")  # a resumed campaign run: the interrupted run's first loss
-        self._first_loss: float | None = float(first) if isinstance(first, (int, float)) else None
         self._rule_broken = False   # a campaign's stop rule broken by a reported loss
         if self.active:
             self._emit(Event.START, pid=os.getpid(), world_size=self.world_size, resume_from=self.resume_from)
@@ -338,17 +336,11 @@ class ProgramHandle:
 
     # -- a campaign's stop rules ----------------------------------------------------------------------------
     def _check_rules(self, loss: float | str | None) -> None:
-        """The campaign's rules, applied to this rank's loss as pilotrun applies them to the run's series."""
+        """The campaign's rules, applied to this rank's loss as pilotrun applies them to the run's series (a
+        non-finite loss is recorded as its text)."""
         if self._rules is None or self._rule_broken or loss is None:
             return
-        if isinstance(loss, str):  # non-finite, kept as its text
-            self._rule_broken = bool(self._rules.get("non_finite", True))
-            return
-        if self._first_loss is None:
-            self._first_loss = loss
-        divergence = self._rules.get("divergence")
-        if divergence and loss > divergence * self._first_loss:
-            self._rule_broken = True
+        self._rule_broken = self._rules.broken(float(loss)) is not None
 
     def _campaign_stop(self) -> bool:
         """A stop rule broken here, or the stop file (budget, Ctrl-C); agreed over the ranks (any rank's reason stops

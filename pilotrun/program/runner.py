@@ -226,7 +226,7 @@ class RunPlan:
     kill_after_save: int | None = None  # SIGKILL the tree once rank 0 reports saved(this update)
     save_auto: tuple[int, int] | None = None  # (W, K): the program's own first save, asked for at W; stop K after
     stop_file: str | None = None  # should_stop is True once this file exists (a campaign's stop request)
-    stop_rules: dict | None = None  # a campaign's non_finite and divergence rules, applied by the handle too
+    stop_rules: E.StopRules | None = None  # a campaign's stop rules, applied by the handle too
     timeout: float | None = None  # seconds before the run is killed (None: program.timeout; inf: never)
 
 
@@ -307,7 +307,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
     if plan.stop_file is not None:
         env[E.STOP_FILE] = plan.stop_file
     if plan.stop_rules is not None:
-        env[E.STOP_RULES] = json.dumps(plan.stop_rules)
+        env[E.STOP_RULES] = plan.stop_rules.to_json()
     started = time.monotonic()
     with open(log, "wb") as log_fh:
         # Under a keeper (pilotrun/procs.py): whatever the program starts (torchrun's ranks, its own children, a
