@@ -79,7 +79,12 @@ def test_rows_survive_in_the_ledger(toy, tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as led:
         stored = led.gate_rows(result.run_id)
         assert [r["gate"] for r in stored] == IN_PROCESS
-        assert led.run(result.run_id)["status"] == "pass"
+        # The run's status is its rows': every gate passes, except that on a machine busy with other processes the
+        # steady step may measure the toy's data wait above the warning line (a timing, said as such, never a fail).
+        warned = [(r["gate"], r["reason"]) for r in stored if r["verdict"] == "warn"]
+        assert all(g == "steady_step" and "waiting on data" in why for g, why in warned), warned
+        assert all(r["verdict"] in ("pass", "warn") for r in stored), stored
+        assert led.run(result.run_id)["status"] == ("warn" if warned else "pass")
         metrics = [m for m in led.metrics(result.run_id) if m["gate"] in ("first_step", "steady_step")]
         assert [m["step"] for m in metrics if m["gate"] in ("first_step", "steady_step")] == [1, 2, 3, 4]
         assert all(len(m["sample_ids"]) == 8 for m in metrics)
