@@ -23,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from pilotrun.campaign.conclude import conclude
+from pilotrun.campaign.conclude import conclude, unanswered_failures
 from pilotrun.campaign.orchestrate import CampaignError, prepare
 from pilotrun.campaign.spec import load_campaign
 from pilotrun.checkpoint import LoadPolicy
@@ -50,6 +50,19 @@ def _run(variant, seed, status="finished", loss=None, parent=None, drift=None):
 
 
 # -- the conclusion (pure) ----------------------------------------------------------------------
+
+def test_a_failed_run_is_unanswered_until_a_retry_follows_it_and_a_divergence_is_a_result():
+    def row(run_id, status, parent=None):
+        return {"run_id": run_id, "status": status, "parent_id": parent, "meta": {}}
+
+    runs = [row("c-r01", "finished"), row("c-r02", "failed"), row("c-r03", "diverged"), row("c-r04", "stopped"),
+            row("c-r05", "not-run"), row("c-r06", "failed")]
+    assert [r["run_id"] for r in unanswered_failures(runs)] == ["c-r02", "c-r06"]
+    runs.append(row("c-r07", "failed", parent="c-r02"))  # the retry failed too: it is the one unanswered now
+    assert [r["run_id"] for r in unanswered_failures(runs)] == ["c-r06", "c-r07"]
+    runs += [row("c-r08", "finished", parent="c-r07"), row("c-r09", "diverged", parent="c-r06")]
+    assert unanswered_failures(runs) == []
+
 
 def test_a_lower_mean_within_seed_spread_does_not_beat_the_control():
     runs = [_run("a", 1, loss=2.00), _run("a", 2, loss=2.20), _run("b", 1, loss=1.95), _run("b", 2, loss=2.15)]

@@ -134,6 +134,14 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
             "metric": "final validation loss (lower is better)"}
 
 
+def unanswered_failures(runs: list[dict]) -> list[dict]:
+    """The runs that failed (raised, or ended without a result) and that no later run follows: a ``--retry`` of a
+    failed run answers it, and a retry that fails in turn is itself unanswered. A diverged or stopped run is a
+    result of the experiment, not a failure of the job. ``pilotrun campaign`` exits 1 when this is not empty."""
+    followed = {r.get("parent_id") for r in runs if r.get("parent_id")}
+    return [r for r in runs if r["status"] == RunStatus.FAILED and r["run_id"] not in followed]
+
+
 def stop_text(meta: dict) -> str:
     """Where and why a run stopped, in one cell ("" for a run that finished)."""
     reason = meta.get("stop_reason")

@@ -8,14 +8,14 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ..campaign.conclude import link_text, stop_text, table
+from ..campaign.conclude import link_text, stop_text, table, unanswered_failures
 from ..campaign.engines.base import ENGINES, EngineChoice
 from ..campaign.followup import recover, resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
 from ..lock import resolve_container_digest
-from .common import UsageError, add_ledger_arg, err_console, out_console
+from .common import EXIT_GATE_FAILED, EXIT_OK, UsageError, add_ledger_arg, err_console, out_console
 
 HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml
@@ -38,7 +38,9 @@ writes the ledger; a run whose Ray worker or node was lost is kept as stopped at
 With --task-id ID (a task a scheduler restarts; SkyPilot's $SKYPILOT_TASK_ID stays the same across its recoveries)
 the command is safe to run again: the first start starts the campaign and keeps the id on its row; a restart finds
 that campaign in the ledger and continues it as --resume does (its process, recorded on a node the restart replaced,
-is taken as gone); a campaign that has ended is left as it is (exit 0)."""
+is taken as gone); a campaign that has ended is left as it is.
+Exit 0 when every run has a result (finished, diverged or stopped by a rule); 1 when a run failed (raised, or
+ended without a result) and no retry followed it; 2 bad file or usage; 130/143 interrupted (every run recorded)."""
 
 
 def add_parser(sub) -> None:
@@ -135,7 +137,20 @@ def main(args) -> int:
                             f"{exc.result['campaign_id']} --resume` runs again what was cut short")
         return exc.exit_code
     _show(args, result)
-    return 0
+    return _exit_code(result)
+
+
+def _exit_code(result: dict) -> int:
+    """1 when a run failed and no retry followed it (as `pilotrun run` exits 1 when a gate failed); said on stderr."""
+    failed = unanswered_failures(result["runs"])
+    if not failed:
+        return EXIT_OK
+    named = "; ".join(f"{r['run_id']} ({stop_text(r['meta']) or 'no reason recorded'})" for r in failed[:5])
+    more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+    err_console().print(f"[bold red]{len(failed)} run(s) failed[/]: {escape(named)}{more}. `pilotrun campaign "
+                        f"{escape(result['campaign_id'])} --retry RUN` runs one again as a new linked run",
+                        highlight=False)
+    return EXIT_GATE_FAILED
 
 
 def _show(args, result: dict) -> None:

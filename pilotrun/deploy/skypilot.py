@@ -319,7 +319,8 @@ def _run(inp: TaskInputs) -> Block:
                if c.processes > 1 else f"--parallel {row['gpus']}   # one run per GPU")
         lines += [f"# 2. the campaign ({c.runs} declared run(s)): started once; a restart continues it as --resume "
                   "does:",
-                  "#    every run kept once, a run the preemption cut short continues as a new run linked to it.",
+                  "#    every run kept once, a run the preemption cut short continues as a new run linked to it; a run",
+                  "#    that failed (its job raised) ends the task (exit 1) after every row is written.",
                   f'"$PY" -m pilotrun campaign "$WORKDIR/{c.path_rel}" --task-id "$TASK" {how}']
     if inp.long_run is not None:
         step = 3 if inp.campaign is not None else 2
