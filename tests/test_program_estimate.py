@@ -228,6 +228,34 @@ def test_a_bare_script_is_estimated_from_one_describe_call(tmp_path):
     assert log.endswith(".log") and "trained update" not in open(log).read()  # ended at its first report
 
 
+def test_the_description_is_cached_per_environment_and_program_files(tmp_path, monkeypatch):
+    """A cached description answers only for the same files and the same installed libraries: an upgrade (TRL once
+    changed its gradient-checkpointing default) or an edit describes the program again."""
+    from pilotrun.estimate import program_job
+
+    class Got(Exception):
+        pass
+
+    def grab(program, refresh):  # the program part as load_job reads it; no describe run
+        raise Got(program)
+
+    with pytest.raises(Got) as got:
+        load_job(_bare(tmp_path / "bare", describe=True), describe=grab)
+    program = got.value.args[0]
+    first = program_job.describe_key(program)
+    assert program_job.describe_key(program) == first
+    real = program_job.installed_distributions()
+    assert "torch" in real and "transformers" in real
+    monkeypatch.setattr(program_job, "installed_distributions", lambda: {**real, "transformers": "99.0.0"})
+    upgraded = program_job.describe_key(program)
+    assert upgraded["distributions"] != first["distributions"]
+    assert program_job._cache_path(upgraded) != program_job._cache_path(first)
+    monkeypatch.setattr(program_job, "installed_distributions", lambda: real)
+    assert program_job.describe_key(program) == first
+    (tmp_path / "bare" / "train.py").write_text((tmp_path / "bare" / "train.py").read_text() + "\n# edited\n")
+    assert program_job.describe_key(program)["files"] != first["files"]
+
+
 @pytest.mark.process
 def test_select_on_the_trainer_example_matches_the_equivalent_spec(tmp_path):
     """The hf-trainer example's program spec, and a pilotrun spec written by hand from its train.py and chat.py."""

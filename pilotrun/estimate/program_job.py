@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from ..config.load import apply_overrides, read_raw, set_dotted, spec_from_mappi
 from ..config.schema import SpecError
 from ..config.spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
 from ..ledger.records import TextEnum
-from ..lock import program_lock
+from ..lock import installed_distributions, program_lock
 from ..program.describe import JobFacts
 from ..program.env import Event, Role
 from ..safefile import FileKind, FileProblem, WriteFailed, read_json, write_atomic
@@ -277,12 +278,21 @@ def job_spec(raw: dict, source: str | Path, overridden: list[str], facts: JobFac
 
 
 def describe_key(program: ProgramOnlySpec) -> dict:
-    """What a description depends on: the command and the content of the program's files."""
+    """What a description depends on: the command, the content of the program's files, and the environment that
+    runs it (the interpreter and every installed distribution: an upgraded transformers or TRL may build another
+    job from the same script, e.g. a new default for gradient checkpointing)."""
     assert program.program is not None
     hashed = program_lock(program)["files"]  # the lock's own hashes of the program's files
     return {"format": FORMAT, "command": program.program.words, "folder": str(program.folder), "files": hashed,
-            "env": program.program.env or {}, "python": sys.executable, "describers": _describers_digest(),
+            "env": program.program.env or {}, "python": sys.executable, "python_version": platform.python_version(),
+            "distributions": _distributions_digest(), "describers": _describers_digest(),
             "launcher_config": _launcher_config()}
+
+
+def _distributions_digest() -> str:
+    """The installed distributions and their versions, as the lock records them, in one digest."""
+    listed = json.dumps(installed_distributions(), sort_keys=True)
+    return hashlib.sha256(listed.encode()).hexdigest()[:16]
 
 
 def _launcher_config() -> str | None:
