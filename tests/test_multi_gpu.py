@@ -98,6 +98,43 @@ def test_a_run_that_does_not_fit_one_device_is_said_and_runs_alone():
     assert p["parallel"] == 4 and "NVIDIA L4 memory not checked: pilot cpu-pilot has no device" in p["not_checked"][0]
 
 
+@pytest.mark.parametrize(("command", "processes"), [
+    ("python train.py", None), ("torchrun --standalone --nproc-per-node 2 train.py", 2),
+    ("torchrun --nproc_per_node=4 train.py --nproc-per-node 9", 4),  # the script's own flag is not the launcher's
+    ("python -m torch.distributed.run --nproc-per-node=3 -m train", 3), ("accelerate launch --num_processes 2 t.py", 2),
+    ("accelerate launch t.py", None),  # accelerate's config file decides: not read here
+    ("torchrun --nproc-per-node gpu train.py", None), ("deepspeed --num_gpus 8 train.py", 8)])
+def test_a_programs_launcher_says_how_many_processes_a_run_starts(command, processes):
+    import shlex
+
+    from pilotrun.config.program import launcher_processes
+
+    assert launcher_processes(shlex.split(command)) == processes
+
+
+def test_a_program_campaign_gives_each_run_as_many_devices_as_its_launcher_starts(tmp_path, monkeypatch):
+    """Each run of `torchrun --nproc-per-node 2 train.py` gets two of the four GPUs, so two run at once; a plain
+    `python train.py` gets one each."""
+    from pilotrun.campaign import orchestrate
+    from pilotrun.campaign.spec import load_campaign
+    from pilotrun.config import load_spec
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(orchestrate, "query_devices", lambda: _gpus(4))
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    for command, slots in (("torchrun --standalone --nproc-per-node 2 train.py", [["0", "1"], ["2", "3"]]),
+                           ("python train.py", [["0"], ["1"], ["2"], ["3"]])):
+        (tmp_path / "pilot.yaml").write_text(yaml.safe_dump({"name": "prog", "program": {"command": command}}))
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+            "name": "c", "base": "pilot.yaml", "vary": {"lr": [0.1, 0.2]}, "seeds": [1, 2], "updates": 4,
+            "program": {"args": ["--lr", "{value}", "--seed", "{seed}"]}}))
+        c = load_campaign(tmp_path / "c.yaml")
+        plan = orchestrate.parallel_plan(c, load_spec(tmp_path / "pilot.yaml", allow_program=True), 4,
+                                         tmp_path / "l.sqlite")
+        assert plan["devices"]["slots"] == slots and plan["parallel"] == len(slots), plan
+        assert plan["devices"]["per_run"] == len(slots[0])
+
+
 @pytest.mark.process
 def test_each_campaign_worker_is_started_with_its_own_device(tmp_path, monkeypatch):
     """A real two-run campaign, --parallel 3 on a node reporting two GPUs: two at once, each on its own device."""

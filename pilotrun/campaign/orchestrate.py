@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .. import strategies
 from ..config.load import load_spec
+from ..config.program import launcher_processes
 from ..config.schema import SpecError
 from ..devices import query_devices, query_host
 from ..interrupt import Interrupted, as_interrupted, interruptible
@@ -203,6 +204,11 @@ def _accelerator(spec) -> tuple[str, int] | None:
     return (inv.names[index], inv.total_memory_bytes[index]) if index < inv.count else None
 
 
+def run_processes(spec) -> int:
+    """The processes one run starts on this machine: a program's launcher count (config/program.py), else 1."""
+    return (launcher_processes(spec.program.words) if spec.program is not None else None) or 1
+
+
 def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path,
                   base_hash: str | None = None) -> dict:
     """How many runs at once, from this machine and a pilot of the base spec in the ledger (see resources.py).
@@ -211,8 +217,10 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
     with Ledger(ledger_path) as led:
         per_run = pilot_memory(led, base_hash or load_spec(c.folder / c.base, allow_program=True).config_hash())
     host = query_host()
-    # One device per run when several are visible; a campaign run is one process (world size 1).
-    devices = assign_devices(query_devices(), run_device(control_spec), per_run=1, environ=os.environ)
+    # One device per process of a run when several are visible: pilotrun's loop runs one process per run here, a
+    # program as many as its launcher starts (`torchrun --nproc-per-node 2 train.py`: two devices per run).
+    devices = assign_devices(query_devices(), run_device(control_spec), per_run=run_processes(control_spec),
+                             environ=os.environ)
     return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
                          accelerator=_accelerator(control_spec), per_run=per_run, devices=devices)
 
@@ -317,9 +325,10 @@ def engine_meta(engine: EngineChoice | None, run_root: Path) -> dict:
 
 def cluster_plan(eng: ClusterEngine, requested: int | None, runs: int, spec, per_run: PerRun | None,
                  processes: int) -> dict:
-    """The engine's own plan (how many at once, what each asks for); its refusal as a CampaignError."""
+    """The engine's own plan (how many at once, what each asks for); its refusal as a CampaignError. A program whose
+    launcher starts several processes (run_processes) asks for a CPU, and a GPU, per process as a group does."""
     try:
-        return eng.plan(requested, runs, spec, per_run, processes)
+        return eng.plan(requested, runs, spec, per_run, max(processes, run_processes(spec)))
     except EngineRefusal as exc:
         raise CampaignError(str(exc)) from None
 

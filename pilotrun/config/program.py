@@ -73,6 +73,39 @@ class ProgramSpec:
                 yield f"env.{name}", f"must be a string (quote it in YAML), got {type(value).__name__}"
 
 
+# A launcher's flag that says how many processes it starts on this node (torchrun, accelerate launch, deepspeed).
+PROCESS_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--num_processes", "--num-processes", "--num_gpus",
+                 "--num-gpus")
+LAUNCHER_MODULES = ("torch.distributed.run", "accelerate.commands.launch")
+
+
+def launcher_processes(words: list[str]) -> int | None:
+    """How many processes the command's launcher starts on this node, when its own words say so: torchrun (or
+    ``python -m torch.distributed.run``) ``--nproc-per-node N``, ``accelerate launch --num_processes N``,
+    ``deepspeed --num_gpus N``. None for a plain ``python train.py``, a count the launcher decides itself
+    (``--nproc-per-node gpu``, accelerate's config file), or a flag after the script (the program's own argument).
+    A campaign gives each run of such a program that many devices."""
+    if not words:
+        return None
+    head = words[1:] if Path(words[0]).name.startswith(PYTHON_WORDS) else words
+    if head[:1] == ["-m"] and len(head) > 1 and head[1] in LAUNCHER_MODULES:
+        rest = head[2:]
+    elif head[:1] == [TORCHRUN_WORD] or head[:1] == ["deepspeed"]:
+        rest = head[1:]
+    elif head[:2] == list(ACCELERATE_WORDS):
+        rest = head[2:]
+    else:
+        return None
+    for i, word in enumerate(rest):
+        if word.endswith(".py") or word in ("-m", "--module"):  # the program's own arguments start here
+            return None
+        flag, eq, value = word.partition("=")
+        if flag in PROCESS_FLAGS:
+            value = value if eq else (rest[i + 1] if i + 1 < len(rest) else "")
+            return int(value) if value.isdigit() and int(value) > 0 else None
+    return None
+
+
 def script_words(words: list[str], folder: Path) -> list[str]:
     """The command's words that name existing files in ``folder`` (the script and its config files), and the file of
     a module run with ``-m`` (``python -m train`` → ``train.py``, a package's ``__main__.py``)."""
