@@ -51,17 +51,39 @@ def _run(variant, seed, status="finished", loss=None, parent=None, drift=None):
 
 # -- the conclusion (pure) ----------------------------------------------------------------------
 
-def test_a_failed_run_is_unanswered_until_a_retry_follows_it_and_a_divergence_is_a_result():
-    def row(run_id, status, parent=None):
-        return {"run_id": run_id, "status": status, "parent_id": parent, "meta": {}}
+def test_a_failed_run_is_unanswered_until_a_later_attempt_of_its_pair_has_a_result():
+    def row(n, status, variant, seed):
+        return {"run_id": f"c-r{n:02d}", "status": status, "meta": {"variant_index": variant, "seed": seed}}
 
-    runs = [row("c-r01", "finished"), row("c-r02", "failed"), row("c-r03", "diverged"), row("c-r04", "stopped"),
-            row("c-r05", "not-run"), row("c-r06", "failed")]
-    assert [r["run_id"] for r in unanswered_failures(runs)] == ["c-r02", "c-r06"]
-    runs.append(row("c-r07", "failed", parent="c-r02"))  # the retry failed too: it is the one unanswered now
-    assert [r["run_id"] for r in unanswered_failures(runs)] == ["c-r06", "c-r07"]
-    runs += [row("c-r08", "finished", parent="c-r07"), row("c-r09", "diverged", parent="c-r06")]
-    assert unanswered_failures(runs) == []
+    def ids(runs):
+        return [r["run_id"] for r in unanswered_failures(runs)]
+
+    runs = [row(1, "finished", 0, 1), row(2, "failed", 0, 2), row(3, "diverged", 1, 1), row(4, "stopped", 1, 2),
+            row(5, "not-run", 2, 1), row(6, "failed", 2, 2)]
+    assert ids(runs) == ["c-r02", "c-r06"]  # a divergence, a stop and a run not started are not failures
+    runs.append(row(7, "failed", 0, 2))  # a retry of r02 that failed too: the pair's latest failure is named
+    assert ids(runs) == ["c-r07", "c-r06"]
+    runs += [row(8, "stopped", 0, 2), row(9, "refused", 2, 2)]  # cut short or refused: still no result
+    assert ids(runs) == ["c-r07", "c-r06"]
+    runs += [row(10, "finished", 0, 2), row(11, "diverged", 2, 2)]  # a retry of r02 again: the pair has its answer
+    assert ids(runs) == []
+    runs.append(row(12, "failed", 0, 1))  # a changed retry of a finished seed that failed: the last word is a failure
+    assert ids(runs) == ["c-r12"]
+
+
+def test_the_campaigns_exit_code_is_1_while_a_failure_is_unanswered_and_names_it(capsys):
+    from pilotrun.cli.campaign import _exit_code
+
+    def row(n, status, seed, reason=None):
+        return {"run_id": f"c-r{n:02d}", "status": status, "meta": {"variant_index": 0, "seed": seed,
+                                                                       "stop_reason": reason}}
+
+    result = {"campaign_id": "c", "runs": [row(1, "finished", 1), row(2, "failed", 2, "building the job raised X")]}
+    assert _exit_code(result) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "1 run(s) failed: c-r02 (building the job raised X)" in err and "pilotrun campaign c --retry RUN" in err
+    result["runs"].append(row(3, "finished", 2))
+    assert _exit_code(result) == 0 and capsys.readouterr().err == ""
 
 
 def test_a_lower_mean_within_seed_spread_does_not_beat_the_control():

@@ -285,9 +285,9 @@ def test_a_failing_factory_gives_the_same_row_on_ray_and_each_ray_run_has_a_fres
                            "--out", str(tmp_path / "runs"), "--json", cwd=tmp_path, env=env, timeout=300)
         # Exit 1: two runs failed and no retry followed them; named on stderr, every row kept, the JSON still written.
         assert res.returncode == 1, res.stdout + res.stderr
-        camp = json.loads(res.stdout)["campaign_id"]
-        assert "2 run(s) failed" in res.stderr and f"{camp}-r02 (building the job raised ValueError" in res.stderr
-        assert f"pilotrun campaign {camp} --retry RUN" in res.stderr, res.stderr
+        camp, said = json.loads(res.stdout)["campaign_id"], " ".join(res.stderr.split())
+        assert "2 run(s) failed" in said and f"{camp}-r02 (building the job raised ValueError" in said, said
+        assert f"pilotrun campaign {camp} --retry RUN" in said, said
     (local, local_text), (on_ray, ray_text) = _summary(ledgers["local"]), _summary(ledgers["ray"])
     assert on_ray == local and ray_text == local_text, (on_ray, local)
     # The run records a job that cannot be built itself, with the exception (not "process lost", not Ray's wrapper).

@@ -101,9 +101,13 @@ def test_a_run_that_does_not_fit_one_device_is_said_and_runs_alone():
 @pytest.mark.parametrize(("command", "processes"), [
     ("python train.py", None), ("torchrun --standalone --nproc-per-node 2 train.py", 2),
     ("torchrun --nproc_per_node=4 train.py --nproc-per-node 9", 4),  # the script's own flag is not the launcher's
-    ("python -m torch.distributed.run --nproc-per-node=3 -m train", 3), ("accelerate launch --num_processes 2 t.py", 2),
-    ("accelerate launch t.py", None),  # accelerate's config file decides: not read here
-    ("torchrun --nproc-per-node gpu train.py", None), ("deepspeed --num_gpus 8 train.py", 8)])
+    (".venv/bin/torchrun -m --nproc-per-node 2 train", 2),  # torchrun's -m runs the script as a module
+    ("torchrun --no-python ./run.sh --nproc-per-node 9", 1),  # the launcher's default: one
+    ("python3.11 -u -X importtime -m torch.distributed.run --nproc-per-node=3 -m train", 3),
+    ("python -m torch.distributed.launch --nproc_per_node 2 train.py", 2),
+    ("accelerate launch --num_processes 2 t.py", 2), ("accelerate launch --num_processes 8 --num_machines 2 t.py", 4),
+    ("accelerate launch t.py --num_processes 2", None),  # accelerate's config file decides: not read here
+    ("torchrun --nproc-per-node gpu train.py", None), ("deepspeed --num_gpus 8 train.py", None)])
 def test_a_programs_launcher_says_how_many_processes_a_run_starts(command, processes):
     import shlex
 
@@ -133,6 +137,44 @@ def test_a_program_campaign_gives_each_run_as_many_devices_as_its_launcher_start
                                          tmp_path / "l.sqlite")
         assert plan["devices"]["slots"] == slots and plan["parallel"] == len(slots), plan
         assert plan["devices"]["per_run"] == len(slots[0])
+    # Two processes per run and one GPU: no run can have its devices, refused before the start (it would otherwise
+    # start on every device, or share one).
+    monkeypatch.setattr(orchestrate, "query_devices", lambda: _gpus(1))
+    (tmp_path / "pilot.yaml").write_text(yaml.safe_dump({"name": "prog", "program": {
+        "command": "torchrun --standalone --nproc-per-node 2 train.py"}}))
+    with pytest.raises(orchestrate.CampaignError, match="each run starts 2 processes, one device each: 1 cuda device"):
+        orchestrate.parallel_plan(c, load_spec(tmp_path / "pilot.yaml", allow_program=True), 4, tmp_path / "l.sqlite")
+
+
+def test_a_cluster_is_asked_for_a_cpu_and_a_gpu_per_process_of_a_programs_run(tmp_path):
+    from pilotrun.campaign import orchestrate
+    from pilotrun.config import load_spec
+
+    asked = []
+
+    class Cluster:  # the engine's plan as Ray's is called (engines/ray.py), recording what each run asks for
+        def plan(self, requested, runs, spec, per_run, processes):
+            asked.append(processes)
+            return {"parallel": 1}
+
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    for command in ("accelerate launch --num_processes 4 train.py", "python train.py"):
+        (tmp_path / "pilot.yaml").write_text(yaml.safe_dump({"name": "prog", "program": {"command": command}}))
+        spec = load_spec(tmp_path / "pilot.yaml", allow_program=True)
+        orchestrate.cluster_plan(Cluster(), 2, 4, spec, None, 1)
+    assert asked == [4, 1]
+
+
+def test_a_run_of_several_processes_takes_a_core_a_thread_share_and_host_memory_per_process():
+    measured = PerRun(host_bytes=2 * GIB, device_bytes=None, source="pilot-1")
+    p = plan_parallel(8, cpus=8, host_available_bytes=200 * GIB, accelerator=None, per_run=measured, processes=2)
+    assert (p["parallel"], p["limited_by"], p["threads_per_run"]) == (4, str(Limit.CPU_CORES), 1)
+    assert p["reasons"] == ["8 CPU core(s), 2 processes per run: more CPU processes than cores only makes each slower"]
+    p = plan_parallel(2, cpus=8, host_available_bytes=200 * GIB, accelerator=None, per_run=measured, processes=2)
+    assert p["threads_per_run"] == 2 and p["text"].endswith("2 CPU thread(s) each of its processes")
+    p = plan_parallel(4, cpus=64, host_available_bytes=10 * GIB, accelerator=None, per_run=measured, processes=2)
+    assert (p["parallel"], p["limited_by"]) == (2, str(Limit.HOST_MEMORY))  # 2 x 2 GiB per run in 9 GiB
+    assert "one process peaked at 2.0 GiB x 2 per run in pilot pilot-1" in p["reasons"][0]
 
 
 @pytest.mark.process

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pilotrun.config.load import load_spec
 from pilotrun.drivers import DRIVERS, OnProgram, ProgramDriver, RunSite, build_driver, driver_class, join_job
 from pilotrun.gates.registry import BY_NAME, GATE_NAMES, GATES
@@ -96,3 +98,19 @@ def test_the_notes_name_what_went_on_no_row(tmp_path):
     assert notes[0] == "invalid values the program reported: update 2: lr not given"
     assert notes[1].startswith("the program recorded rows for unknown gate(s) ['warmup']; known: lock, inspect")
     assert len(GATES) == len(driver.known)
+
+
+@pytest.mark.process
+def test_a_campaign_runs_share_of_the_cores_reaches_the_program_unless_its_env_sets_its_own(tmp_path):
+    """RunPlan.threads becomes the program's OMP_NUM_THREADS / MKL_NUM_THREADS (torchrun passes a value it is given
+    on to every rank); a variable the spec's program.env sets is the user's choice and stays."""
+    import sys
+
+    from pilotrun.config.program import ProgramSpec
+    from pilotrun.program.runner import RunPlan, run_program
+
+    show = "import os; print('threads', os.environ.get('OMP_NUM_THREADS'), os.environ.get('MKL_NUM_THREADS'))"
+    program = ProgramSpec(command=[sys.executable, "-c", show], env={"MKL_NUM_THREADS": "7"})
+    run_program(program, tmp_path, RunPlan(Role.CAMPAIGN, threads=3, timeout=60), tmp_path / "out", "r1",
+                tmp_path / "l.sqlite")
+    assert "threads 3 7" in (tmp_path / "out" / "program" / f"{Role.CAMPAIGN}.log").read_text()

@@ -11,6 +11,7 @@ until a seed looks better cannot move the result. Runs on a drifted lock are not
 """
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
 
@@ -135,11 +136,19 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
 
 
 def unanswered_failures(runs: list[dict]) -> list[dict]:
-    """The runs that failed (raised, or ended without a result) and that no later run follows: a ``--retry`` of a
-    failed run answers it, and a retry that fails in turn is itself unanswered. A diverged or stopped run is a
-    result of the experiment, not a failure of the job. ``pilotrun campaign`` exits 1 when this is not empty."""
-    followed = {r.get("parent_id") for r in runs if r.get("parent_id")}
-    return [r for r in runs if r["status"] == RunStatus.FAILED and r["run_id"] not in followed]
+    """Per declared variant and seed, its latest failed attempt (its job raised, or its process ended without a
+    result) when no later attempt of the same pair finished or diverged: a ``--retry`` that then finishes answers
+    it; one that fails, is stopped or is refused does not. A diverged or stopped run is a result of the experiment
+    or of a rule, not a failure of the job. ``pilotrun campaign`` exits 1 when this is not empty."""
+    attempts: dict[tuple, list[dict]] = {}
+    for r in runs:  # planned order: declared runs, then retries and continuations
+        attempts.setdefault((r["meta"].get("variant_index"), json.dumps(r["meta"].get("seed"))), []).append(r)
+    out = []
+    for tries in attempts.values():
+        failed = [i for i, t in enumerate(tries) if t["status"] == RunStatus.FAILED]
+        if failed and not any(t["status"] in (RunStatus.FINISHED, RunStatus.DIVERGED) for t in tries[failed[-1]:]):
+            out.append(tries[failed[-1]])
+    return out
 
 
 def stop_text(meta: dict) -> str:

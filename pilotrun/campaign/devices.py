@@ -71,7 +71,8 @@ def assign_devices(inv: DeviceInventory, train_device: str, per_run: int = 1,
                    environ: Mapping[str, str] | None = None) -> DeviceSlots:
     """Split the visible accelerators into one slot of ``per_run`` devices per concurrent run.
 
-    ``per_run`` is the spec's world size (processes, one device each); a campaign run is one process today.
+    ``per_run`` is a run's processes, one device each: one for a run of pilotrun's loop, a program's launcher count
+    (``torchrun --nproc-per-node 2``: two).
     ``environ`` is the launcher's environment (its visibility variables); ``{}`` when not given."""
     environ = environ if environ is not None else {}
     rt = inv.runtime

@@ -282,7 +282,8 @@ class Continuation(TextEnum):
 
     STARTED = "started"   # no campaign of this task in the ledger: started from the file
     RESUMED = "resumed"   # its campaign was cut short (a preempted node, a signal): continued with --resume
-    ENDED = "ended"       # its campaign has ended with every run's result: nothing to run, exit 0
+    ENDED = "ended"       # its campaign has ended with every run's result: nothing to run (exit 0, or 1 while a
+    # failed run has no answer: cli/campaign.py)
 
 
 def task_campaign(led: Ledger, name: str, task_id: str) -> dict | None:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from .. import strategies
 from ..config.load import load_spec
-from ..config.program import launcher_processes
 from ..config.schema import SpecError
 from ..devices import query_devices, query_host
 from ..interrupt import Interrupted, as_interrupted, interruptible
@@ -35,11 +34,19 @@ from ..procs import Tree, process_mark
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
-from .devices import assign_devices, worker_device_env
+from .devices import DeviceMode, assign_devices, worker_device_env
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .resources import PerRun, pilot_memory, plan_parallel
 from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
-from .spec import CampaignSpec, check_only_varied, examples_per_update, load_campaign, run_device, run_spec
+from .spec import (
+    CampaignSpec,
+    check_only_varied,
+    examples_per_update,
+    load_campaign,
+    run_device,
+    run_processes,
+    run_spec,
+)
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
 ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")
@@ -204,11 +211,6 @@ def _accelerator(spec) -> tuple[str, int] | None:
     return (inv.names[index], inv.total_memory_bytes[index]) if index < inv.count else None
 
 
-def run_processes(spec) -> int:
-    """The processes one run starts on this machine: a program's launcher count (config/program.py), else 1."""
-    return (launcher_processes(spec.program.words) if spec.program is not None else None) or 1
-
-
 def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Path,
                   base_hash: str | None = None) -> dict:
     """How many runs at once, from this machine and a pilot of the base spec in the ledger (see resources.py).
@@ -219,10 +221,14 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
     host = query_host()
     # One device per process of a run when several are visible: pilotrun's loop runs one process per run here, a
     # program as many as its launcher starts (`torchrun --nproc-per-node 2 train.py`: two devices per run).
-    devices = assign_devices(query_devices(), run_device(control_spec), per_run=run_processes(control_spec),
-                             environ=os.environ)
+    processes = run_processes(control_spec)
+    devices = assign_devices(query_devices(), run_device(control_spec), per_run=processes, environ=os.environ)
+    if devices.mode == DeviceMode.PER_RUN and not devices.slots:
+        raise CampaignError(f"each run starts {processes} processes, one device each: {devices.reason}; start fewer "
+                            "per run in program.command, or make more devices visible")
     return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
-                         accelerator=_accelerator(control_spec), per_run=per_run, devices=devices)
+                         accelerator=_accelerator(control_spec), per_run=per_run, devices=devices,
+                         processes=processes)
 
 
 def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:

@@ -201,7 +201,8 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
                                                              stop_file=str(stop_file),
                                                              stop_rules=StopRules(rules.non_finite, rules.divergence,
                                                                                   rules.first_loss),
-                                                             timeout=math.inf, resume_from=cont.get("resume_from")),
+                                                             timeout=math.inf, resume_from=cont.get("resume_from"),
+                                                             threads=plan.get("threads")),
                           out_dir, run_id, base / "ledger-of-the-program.sqlite", on_poll=lambda: watch.poll(tail))
     for event in tail.poll():  # what it wrote after the last poll
         watch.take(event)

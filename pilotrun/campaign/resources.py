@@ -24,8 +24,8 @@ from .devices import DeviceMode, DeviceSlots
 # Share of the available host / accelerator memory parallel runs may take together; the rest is
 # for the orchestrator, the page cache and the allocator's fragmentation.
 HEADROOM = 0.9
-# A campaign run is one process doing what the job's own gates measure (load, updates, eval, save, export, a
-# restore): their peaks are what one run needs.
+# A campaign run does what the job's own gates measure (load, updates, eval, save, export, a restore): their peaks
+# are what one of its processes needs.
 RUN_STAGES = job_memory_gates()
 
 
@@ -74,11 +74,14 @@ class Limit(str, Enum):
 
 
 def plan_parallel(requested: int, *, cpus: int, host_available_bytes: int, accelerator: tuple[str, int] | None,
-                  per_run: PerRun | None, devices: DeviceSlots | None = None) -> dict:
-    """Runs at once and torch threads per run. ``accelerator`` is (name, memory bytes) of the device the runs share.
+                  per_run: PerRun | None, devices: DeviceSlots | None = None, processes: int = 1) -> dict:
+    """Runs at once and torch threads per process. ``accelerator`` is (name, memory bytes) of the device the runs
+    share.
 
     ``devices`` (from :func:`pilotrun.campaign.devices.assign_devices`) in mode per-run gives each run its own
-    device(s) instead: the slots cap the runs, and the pilot's peak is checked against one device."""
+    device(s) instead: the slots cap the runs, and the pilot's peak is checked against one device. ``processes``:
+    how many processes one run starts (a program's launcher: torchrun --nproc-per-node N); each takes a core, its
+    threads and the host memory one process of the pilot peaked at."""
     limits: list[tuple[int, str, Limit]] = []
     fine: list[str] = []  # checks that cap nothing (a run fits its own device)
     not_checked: list[str] = []
@@ -88,15 +91,19 @@ def plan_parallel(requested: int, *, cpus: int, host_available_bytes: int, accel
         accelerator = None
         limits.append((len(devices.slots), devices.reason, Limit.DEVICES))
     elif accelerator is None:
-        limits.append((cpus, f"{cpus} CPU core(s): more CPU runs than cores only makes each slower", Limit.CPU_CORES))
+        why = (f"{cpus} CPU core(s), {processes} processes per run: more CPU processes than cores only makes each "
+               "slower" if processes > 1 else f"{cpus} CPU core(s): more CPU runs than cores only makes each slower")
+        limits.append((cpus // processes, why, Limit.CPU_CORES))
     if per_run is None:
         not_checked.append("memory not checked: no pilot of the base spec in the ledger (run `pilotrun run BASE` "
                            "with the same ledger to have it checked)")
     else:
         if per_run.host_bytes:
-            n = int(HEADROOM * host_available_bytes // per_run.host_bytes)
-            limits.append((n, f"host memory: {_gib(host_available_bytes)} available, one run peaked at "
-                              f"{_gib(per_run.host_bytes)} in pilot {per_run.source}", Limit.HOST_MEMORY))
+            n = int(HEADROOM * host_available_bytes // (per_run.host_bytes * processes))
+            each = f"one process peaked at {_gib(per_run.host_bytes)} x {processes} per run" if processes > 1 else \
+                f"one run peaked at {_gib(per_run.host_bytes)}"
+            limits.append((n, f"host memory: {_gib(host_available_bytes)} available, {each} in pilot "
+                              f"{per_run.source}", Limit.HOST_MEMORY))
         if accelerator is not None:
             name, total = accelerator
             if per_run.device_bytes:
@@ -125,13 +132,13 @@ def plan_parallel(requested: int, *, cpus: int, host_available_bytes: int, accel
     if allowed < 1:
         reasons.append("even one run may not fit; running one at a time")
         allowed = 1
-    threads = max(1, cpus // allowed)
+    threads = max(1, cpus // (allowed * processes))
     plan: dict = {
         "requested": requested, "parallel": allowed, "threads_per_run": threads, "limited_by": str(limited_by),
         "reasons": reasons, "checked": [f"{why}: room for {max(n, 0)}" for n, why, _ in limits] + fine,
         "not_checked": not_checked,
         "text": (f"{allowed} run(s) at once" + (f" (asked {requested})" if allowed != requested else "")
-                 + f", {threads} CPU thread(s) each")}
+                 + f", {threads} CPU thread(s) each" + (" of its processes" if processes > 1 else ""))}
     if devices is not None:
         plan["devices"] = devices.to_dict()
         if own:  # the slots the workers take turns on: as many as run at once

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..config.limits import CAMPAIGN_BOUNDS, int_problem
 from ..config.load import set_dotted, spec_from_mapping
+from ..config.program import launcher_processes
 from ..config.schema import SpecError, build, doc
 from ..config.spec import Spec, dotted, name_problem
 from ..config.yamlsafe import parse_bounded, read_spec_text
@@ -325,6 +326,12 @@ def examples_per_update(spec: Spec) -> int | None:
     if spec.train is None:
         return None
     return spec.train.micro_batch_size * spec.train.grad_accum_steps
+
+
+def run_processes(spec: Spec) -> int:
+    """The processes one run starts on its machine: a program's launcher count (config/program.py), else 1 (a run
+    of pilotrun's loop here; a group of ``processes`` is Ray's, engines/ray.py)."""
+    return (launcher_processes(spec.program.words) if spec.program is not None else None) or 1
 
 
 def run_device(spec: Spec) -> str:

@@ -39,8 +39,9 @@ With --task-id ID (a task a scheduler restarts; SkyPilot's $SKYPILOT_TASK_ID sta
 the command is safe to run again: the first start starts the campaign and keeps the id on its row; a restart finds
 that campaign in the ledger and continues it as --resume does (its process, recorded on a node the restart replaced,
 is taken as gone); a campaign that has ended is left as it is.
-Exit 0 when every run has a result (finished, diverged or stopped by a rule); 1 when a run failed (raised, or
-ended without a result) and no retry followed it; 2 bad file or usage; 130/143 interrupted (every run recorded)."""
+Exit 0 when every run has a result (finished, diverged or stopped by a rule) or its recorded reason (refused, not
+run); 1 when a run failed (raised, or ended without a result) and no later attempt of its variant and seed finished
+or diverged; 2 bad file or usage; 3 internal error; 130/143/129 interrupted (every run recorded)."""
 
 
 def add_parser(sub) -> None:
@@ -51,7 +52,8 @@ def add_parser(sub) -> None:
     p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry or --resume")
     p.add_argument("--parallel", type=int, default=None,
                    help="runs at once, at most (default: 1 locally; with --engine ray, what the cluster fits); "
-                        "locally with several GPUs each run gets its own (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES); "
+                        "locally with several GPUs each run gets its own (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES; "
+                        "a program launched with N processes per run, N of them); "
                         "fewer when the cores, the GPUs or the memory a pilot of the base spec measured do not "
                         "allow it (the reason is printed and kept)")
     p.add_argument("--engine", choices=ENGINES, default="local",

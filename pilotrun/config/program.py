@@ -73,37 +73,57 @@ class ProgramSpec:
                 yield f"env.{name}", f"must be a string (quote it in YAML), got {type(value).__name__}"
 
 
-# A launcher's flag that says how many processes it starts on this node (torchrun, accelerate launch, deepspeed).
-PROCESS_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--num_processes", "--num-processes", "--num_gpus",
-                 "--num-gpus")
-LAUNCHER_MODULES = ("torch.distributed.run", "accelerate.commands.launch")
+# Modules a `python -m` command launches ranks with, and the launcher whose arguments they take.
+LAUNCHER_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torchrun",
+                    "accelerate.commands.launch": "accelerate"}
+PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W", "-Q")
+
+
+def _launcher(words: list[str]) -> tuple[str | None, list[str]]:
+    """("torchrun" | "accelerate" | None, the launcher's own words after its name)."""
+    first = Path(words[0]).name if words else ""
+    if first == TORCHRUN_WORD:
+        return "torchrun", words[1:]
+    if first == ACCELERATE_WORDS[0] and words[1:2] == [ACCELERATE_WORDS[1]]:
+        return "accelerate", words[2:]
+    if first.startswith(PYTHON_WORDS):
+        i = 1
+        while i < len(words) and words[i].startswith("-") and words[i] != "-m":  # interpreter options: -u, -X opt
+            i += 2 if words[i] in PYTHON_OPTIONS_WITH_VALUE else 1
+        if words[i:i + 1] == ["-m"] and i + 1 < len(words) and words[i + 1] in LAUNCHER_MODULES:
+            return LAUNCHER_MODULES[words[i + 1]], words[i + 2:]
+    return None, []
 
 
 def launcher_processes(words: list[str]) -> int | None:
-    """How many processes the command's launcher starts on this node, when its own words say so: torchrun (or
-    ``python -m torch.distributed.run``) ``--nproc-per-node N``, ``accelerate launch --num_processes N``,
-    ``deepspeed --num_gpus N``. None for a plain ``python train.py``, a count the launcher decides itself
-    (``--nproc-per-node gpu``, accelerate's config file), or a flag after the script (the program's own argument).
-    A campaign gives each run of such a program that many devices."""
-    if not words:
+    """How many processes the command's launcher starts on this machine, when its own words say so: torchrun (or
+    ``python -m torch.distributed.run``) ``--nproc-per-node N``, ``accelerate launch --num_processes N`` (over
+    ``--num_machines``). Read with the launcher's own argument parser, so the program's own arguments after its
+    script are never taken for the launcher's. None for a plain ``python train.py``, or a count the launcher decides
+    itself (``--nproc-per-node gpu``, accelerate's config file). A campaign gives each run that many devices."""
+    import contextlib
+    import io
+
+    launcher, rest = _launcher(words)
+    if launcher is None:
         return None
-    head = words[1:] if Path(words[0]).name.startswith(PYTHON_WORDS) else words
-    if head[:1] == ["-m"] and len(head) > 1 and head[1] in LAUNCHER_MODULES:
-        rest = head[2:]
-    elif head[:1] == [TORCHRUN_WORD] or head[:1] == ["deepspeed"]:
-        rest = head[1:]
-    elif head[:2] == list(ACCELERATE_WORDS):
-        rest = head[2:]
-    else:
-        return None
-    for i, word in enumerate(rest):
-        if word.endswith(".py") or word in ("-m", "--module"):  # the program's own arguments start here
+    with contextlib.redirect_stderr(io.StringIO()):  # a launcher's usage error is the program's, not ours
+        try:
+            if launcher == "torchrun":
+                from torch.distributed.run import get_args_parser
+
+                args, _ = get_args_parser().parse_known_args(rest)
+                count = str(args.nproc_per_node)
+            else:
+                from accelerate.commands.launch import launch_command_parser
+
+                args, _ = launch_command_parser().parse_known_args(rest)
+                if args.num_processes is None:
+                    return None
+                count = str(int(args.num_processes) // max(1, int(args.num_machines or 1)))
+        except (SystemExit, ImportError, ValueError, TypeError):
             return None
-        flag, eq, value = word.partition("=")
-        if flag in PROCESS_FLAGS:
-            value = value if eq else (rest[i + 1] if i + 1 < len(rest) else "")
-            return int(value) if value.isdigit() and int(value) > 0 else None
-    return None
+    return int(count) if count.isdigit() and int(count) > 0 else None
 
 
 def script_words(words: list[str], folder: Path) -> list[str]:

@@ -316,11 +316,13 @@ def _run(inp: TaskInputs) -> Block:
         c = inp.campaign
         how = (f"--engine ray --parallel {max(1, row['gpus'] // c.processes)}   # processes: {c.processes} per run "
                "(the campaign file): each run a torchrun-style group in a Ray task on this node"
-               if c.processes > 1 else f"--parallel {row['gpus']}   # one run per GPU")
+               if c.processes > 1 else
+               f"--parallel {row['gpus']}   # one run per GPU (a program's run: one per process it launches)")
         lines += [f"# 2. the campaign ({c.runs} declared run(s)): started once; a restart continues it as --resume "
                   "does:",
-                  "#    every run kept once, a run the preemption cut short continues as a new run linked to it; a run",
-                  "#    that failed (its job raised) ends the task (exit 1) after every row is written.",
+                  "#    every run kept once, a run the preemption cut short continues as a new run linked to it; a",
+                  "#    run that failed (its job raised, or ended without a result) ends the task (exit 1) after every",
+                  "#    row is written, before any later step.",
                   f'"$PY" -m pilotrun campaign "$WORKDIR/{c.path_rel}" --task-id "$TASK" {how}']
     if inp.long_run is not None:
         step = 3 if inp.campaign is not None else 2

@@ -228,6 +228,7 @@ class RunPlan:
     stop_file: str | None = None  # should_stop is True once this file exists (a campaign's stop request)
     stop_rules: E.StopRules | None = None  # a campaign's stop rules, applied by the handle too
     timeout: float | None = None  # seconds before the run is killed (None: program.timeout; inf: never)
+    threads: int | None = None  # CPU threads per process (a campaign run's share of the cores; program.env's wins)
 
 
 class EventTail:
@@ -292,6 +293,9 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
                 base / "runs" / f"{plan.role}.json"]:
         old.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in E.ALL} | (program.env or {})
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if plan.threads else ():  # torchrun keeps a value it is given
+        if var not in (program.env or {}):
+            env[var] = str(plan.threads)
     package_root = str(Path(__file__).resolve().parents[2])  # the program imports this pilotrun
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     env.update({E.PROGRAM: "1", E.ROLE: str(plan.role), E.RUN_ID: run_id, E.LEDGER: str(ledger_path.resolve()),

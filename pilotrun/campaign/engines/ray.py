@@ -44,7 +44,7 @@ from ...procs import Tree
 from ...workers.launch import worker_env
 from ..resources import PerRun
 from ..runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
-from ..spec import run_device
+from ..spec import run_device, run_processes
 from ..spool import SpoolReader, end_item
 from .base import EngineChoice, EngineRefusal
 
@@ -376,7 +376,9 @@ class RayEngine:
     # -- one run ----------------------------------------------------------------------------------
     def launch(self, r: dict, ledger: Path, plan_file: Path, deadline: float | None, threads: int | None) -> None:
         plan = json.loads(plan_file.read_text())
-        plan["threads"] = 1 if plan.get("processes", 1) > 1 else self.resources["num_cpus"]
+        # The task's CPUs shared by the processes of the run: a group of ranks, or a program's own launcher's.
+        plan["threads"] = 1 if plan.get("processes", 1) > 1 else max(1, int(self.resources["num_cpus"])
+                                                                    // run_processes(r["spec"]))
         payload = {"source": r["spec"].source, "written": r["spec"].written}
         with self.lock:
             if self.stopping.is_set():
