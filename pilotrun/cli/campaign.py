@@ -143,7 +143,8 @@ def main(args) -> int:
 
 
 def _exit_code(result: dict) -> int:
-    """1 when a run failed and no retry followed it (as `pilotrun run` exits 1 when a gate failed); said on stderr."""
+    """1 while a run's failure has no answer (campaign.conclude.unanswered_failures), as `pilotrun run` exits 1 when a
+    gate failed; the runs are named on stderr."""
     failed = unanswered_failures(result["runs"])
     if not failed:
         return EXIT_OK

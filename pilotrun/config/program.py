@@ -76,7 +76,7 @@ class ProgramSpec:
 # Modules a `python -m` command launches ranks with, and the launcher whose arguments they take.
 LAUNCHER_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torchrun",
                     "accelerate.commands.launch": "accelerate"}
-PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W", "-Q")
+PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W")
 
 
 def _launcher(words: list[str]) -> tuple[str | None, list[str]]:
