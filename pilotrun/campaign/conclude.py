@@ -135,16 +135,22 @@ def conclude(key: str, values: list, runs: list[dict], interrupted: bool = False
             "metric": "final validation loss (lower is better)"}
 
 
+def attempts(runs: list[dict]) -> dict[tuple, list[dict]]:
+    """The runs per declared variant and seed, each pair's in planned order (declared run, then retries and
+    continuations)."""
+    out: dict[tuple, list[dict]] = {}
+    for r in runs:
+        out.setdefault((r["meta"].get("variant_index"), json.dumps(r["meta"].get("seed"))), []).append(r)
+    return out
+
+
 def unanswered_failures(runs: list[dict]) -> list[dict]:
     """Per declared variant and seed, its latest failed attempt (its job raised, or its process ended without a
     result) when no later attempt of the same pair finished or diverged: a ``--retry`` that then finishes answers
     it; one that fails, is stopped or is refused does not. A diverged or stopped run is a result of the experiment
     or of a rule, not a failure of the job. ``pilotrun campaign`` exits 1 when this is not empty."""
-    attempts: dict[tuple, list[dict]] = {}
-    for r in runs:  # planned order: declared runs, then retries and continuations
-        attempts.setdefault((r["meta"].get("variant_index"), json.dumps(r["meta"].get("seed"))), []).append(r)
     out = []
-    for tries in attempts.values():
+    for tries in attempts(runs).values():
         failed = [i for i, t in enumerate(tries) if t["status"] == RunStatus.FAILED]
         if failed and not any(t["status"] in (RunStatus.FINISHED, RunStatus.DIVERGED) for t in tries[failed[-1]:]):
             out.append(tries[failed[-1]])

@@ -22,6 +22,7 @@ from ..config.load import parse_override, spec_from_mapping
 from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind, TextEnum
 from ..ledger.store import Ledger
 from ..procs import is_alive, process_mark
+from .conclude import attempts
 from .engines.base import EngineChoice
 from .orchestrate import (
     CampaignError,
@@ -118,10 +119,7 @@ def cut_short(runs: list[dict]) -> list[dict]:
 
     A pair that finished, diverged, failed or was refused has its answer (changing it is a ``--retry``).
     """
-    attempts: dict[tuple, list[dict]] = {}
-    for r in runs:  # planned order: declared runs, then retries
-        attempts.setdefault((r["meta"].get("variant_index"), json.dumps(r["meta"].get("seed"))), []).append(r)
-    return [tries[-1] for tries in attempts.values()
+    return [tries[-1] for tries in attempts(runs).values()
             if not any(t["status"] in RESULTS for t in tries) and tries[-1]["status"] in CUT_SHORT]
 
 

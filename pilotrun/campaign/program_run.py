@@ -198,9 +198,7 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     if isinstance(cont.get("after_update"), int):  # the updates before its checkpoint are the continued run's
         watch.last_update = cont["after_update"]
     outcome = run_program(spec.program, spec.folder, RunPlan(Role.CAMPAIGN, stop_at=plan["updates"],
-                                                             stop_file=str(stop_file),
-                                                             stop_rules=StopRules(rules.non_finite, rules.divergence,
-                                                                                  rules.first_loss),
+                                                             stop_file=str(stop_file), stop_rules=rules,
                                                              timeout=math.inf, resume_from=cont.get("resume_from"),
                                                              threads=plan.get("threads")),
                           out_dir, run_id, base / "ledger-of-the-program.sqlite", on_poll=lambda: watch.poll(tail))

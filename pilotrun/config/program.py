@@ -30,6 +30,7 @@ PYTHON_WORDS = ("python", "python3")
 TORCHRUN_WORD = "torchrun"
 # `accelerate launch ...` runs as python -m accelerate.commands.launch with pilotrun's interpreter, as torchrun does.
 ACCELERATE_WORDS = ("accelerate", "launch")
+TORCHRUN_MODULE, ACCELERATE_MODULE = "torch.distributed.run", "accelerate.commands.launch"
 
 
 @dataclass
@@ -74,8 +75,8 @@ class ProgramSpec:
 
 
 # Modules a `python -m` command launches ranks with, and the launcher whose arguments they take.
-LAUNCHER_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torchrun",
-                    "accelerate.commands.launch": "accelerate"}
+LAUNCHER_MODULES = {TORCHRUN_MODULE: "torchrun", "torch.distributed.launch": "torchrun",
+                    ACCELERATE_MODULE: "accelerate"}
 PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W")
 
 

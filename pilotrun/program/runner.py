@@ -19,7 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config.program import ACCELERATE_WORDS, PYTHON_WORDS, TORCHRUN_WORD, ProgramSpec
+from ..config.program import (
+    ACCELERATE_MODULE,
+    ACCELERATE_WORDS,
+    PYTHON_WORDS,
+    TORCHRUN_MODULE,
+    TORCHRUN_WORD,
+    ProgramSpec,
+)
 from ..procs import KILL_WAIT_S, Tree, leftover_text
 from ..safefile import FileKind, FileProblem, read_bytes
 from . import env as E
@@ -36,9 +43,9 @@ def command_words(words: list[str]) -> list[str]:
     if words and words[0] in PYTHON_WORDS:
         return [sys.executable, *words[1:]]
     if words and words[0] == TORCHRUN_WORD:
-        return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+        return [sys.executable, "-m", TORCHRUN_MODULE, *words[1:]]
     if tuple(words[:2]) == ACCELERATE_WORDS:
-        return [sys.executable, "-m", "accelerate.commands.launch", *words[2:]]
+        return [sys.executable, "-m", ACCELERATE_MODULE, *words[2:]]
     return list(words)
 
 
