@@ -317,27 +317,41 @@ def gate_rows(spec_path, tmp_path, *overrides, gates=None) -> dict:
     return {r["gate"]: r for r in result.rows}
 
 
-# Commands that read the ledger and files and write files, and start no pilot. Without an ``env`` of its own,
-# pilotrun_cli runs them through ``pilotrun.cli.main`` in the test's process: the same parser, error handling and
-# exit codes, the output as a pipe would get it, without the ~2 s of interpreter start and imports a subprocess pays
-# (about 80 calls of the suite). `run`, `launch` and `campaign` install signal handlers, start pilots and are signalled
-# by tests: always a real subprocess, as is any call with an ``env`` (imported libraries read theirs at import).
+# Commands pilotrun_cli runs through ``pilotrun.cli.main`` in the test's process: the same parser, error handling and
+# exit codes, the output as a pipe would get it, without the interpreter start and imports a subprocess pays (1.2 s
+# of CPU for torch, 3-4 s with transformers; on 2 cores the suite is bound by CPU, not by waiting). `run` and
+# `campaign` are among them: a pilot's gates already run in the test's process through gate_rows, and the leak check
+# (no_leaks) fails a call that leaves a signal handler, a timer, a blocked signal, a process group or a process
+# behind. A real subprocess is kept for `launch` (torchrun), for a call whose ``env`` changes a variable that is not
+# pilotrun's own (libraries read theirs at import: HF_HUB_CACHE, RAY_*), and for every call a test signals (those
+# use Popen, not this helper).
 IN_PROCESS = frozenset({"ledger", "report", "select", "plan", "batch", "inspect", "convert", "archive", "note",
-                        "estimate", "lock", "variants"})
+                        "estimate", "lock", "variants", "run", "campaign"})
 _CLI_ENV = {"PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST, "COLUMNS": "200"}
 
 
-def _cli_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _read_at_call(env: dict | None) -> bool:
+    """Whether a subprocess would see nothing this process cannot give the call: every variable of ``env`` is one
+    pilotrun reads when a command runs (PILOTRUN_*), or already has that value here (HF_HUB_OFFLINE=1)."""
+    return all(k.startswith("PILOTRUN_") or os.environ.get(k) == v for k, v in (env or {}).items())
+
+
+def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     import contextlib
+    import faulthandler
     import io
 
     from pilotrun.cli import common, main
 
     out, err = io.StringIO(), io.StringIO()
-    saved_env = {k: os.environ.get(k) for k in _CLI_ENV}
+    call_env = {**_CLI_ENV, **(env or {})}
+    saved_env = {k: os.environ.get(k) for k in call_env}
     saved_cwd = os.getcwd()
-    os.environ.update(_CLI_ENV)
+    os.environ.update(call_env)
     common.err_console.cache_clear()  # built once per process: built again for this call's stderr and width
+    # The subprocess's timeout, kept: a call that hangs ends this worker with every thread's stack on stderr (xdist
+    # reports the test as failed and starts a new worker) instead of holding CI until its own limit.
+    faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -346,6 +360,7 @@ def _cli_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
             except SystemExit as exc:  # argparse's usage errors and --help
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         os.chdir(saved_cwd)
         for k, v in saved_env.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -354,10 +369,10 @@ def _cli_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def pilotrun_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The real command line: a real subprocess, or ``pilotrun.cli.main`` in this process for the IN_PROCESS
-    commands called without an ``env``."""
-    if env is None and args and args[0] in IN_PROCESS:
-        return _cli_in_process(list(args), cwd)
+    """The real command line: ``pilotrun.cli.main`` in this process for the IN_PROCESS commands (with no ``env``, or
+    one of pilotrun's own variables only), else a real subprocess."""
+    if args and args[0] in IN_PROCESS and _read_at_call(env):
+        return _cli_in_process(list(args), cwd, timeout, env)
     full_env = {**os.environ, **_CLI_ENV, **(env or {})}
     return subprocess.run([sys.executable, "-m", "pilotrun", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
