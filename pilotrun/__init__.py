@@ -11,8 +11,26 @@ Your own program, piloted by ``pilotrun run`` (``program:`` in the spec): ``job 
 """
 __version__ = "0.1.0"
 
-from . import program  # noqa: E402  (callable: job = pilotrun.program(); see pilotrun.program.handle)
-from .api import Session, StageFailed, StageHandle, session, stage  # noqa: E402
-from .program import ProgramHandle  # noqa: E402
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import program
+    from .api import Session, StageFailed, StageHandle, session, stage
+    from .program import ProgramHandle
+
+# Imported when first used (PEP 562), not with the package: `pilotrun.ledger`, the config, the CLI's parser and the
+# processes that only supervise another (a campaign's run of a user's program) need no torch, whose import costs a
+# second of CPU and a few hundred MB of host memory in each of them.
+_LAZY = {"program": ".program", "ProgramHandle": ".program", "Session": ".api", "StageFailed": ".api",
+         "StageHandle": ".api", "session": ".api", "stage": ".api"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pilotrun' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name], __name__)
+    return module if name == "program" else getattr(module, name)
+
 
 __all__ = ["ProgramHandle", "Session", "StageFailed", "StageHandle", "program", "session", "stage", "__version__"]

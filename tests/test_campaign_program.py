@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 import yaml
 
 from pilotrun.campaign.spec import ProgramTemplate, load_campaign, run_spec
 from pilotrun.config.schema import SpecError
+from pilotrun.workers.common import write_spec_file
 
 from .conftest import EXAMPLES, pilotrun_cli, program_events, program_handle
 
@@ -85,6 +88,24 @@ def test_the_handle_applies_the_stop_rules_at_the_update_that_breaks_one(tmp_pat
     assert not kept.should_stop(1)
     stop_file.write_text("budget")  # the budget or Ctrl-C: the campaign writes the file
     assert kept.should_stop(2)
+
+
+# What a campaign worker runs for a program's run, up to the call that starts the program: the worker's module, the
+# run's spec read back, the recording function. It must leave torch out (each of --parallel N supervisors would pay a
+# second of CPU and a few hundred MB of host memory for a library it never uses).
+SUPERVISOR = ("import sys; from pilotrun.campaign import worker; from pilotrun.campaign.program_run import "
+              "record_program_run; from pilotrun.workers.common import read_spec_file; "
+              "assert read_spec_file(sys.argv[1]).program is not None; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+
+
+@pytest.mark.process
+def test_the_process_supervising_a_program_run_never_imports_torch(tmp_path):
+    spec = write_spec_file(run_spec(load_campaign(_setup(tmp_path)), 1e-3, 1), tmp_path / "spec.json")
+    res = subprocess.run([sys.executable, "-c", SUPERVISOR, str(spec)], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
 
 
 @pytest.mark.process

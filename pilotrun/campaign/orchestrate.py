@@ -37,7 +37,6 @@ from .conclude import conclude, current
 from .devices import DeviceMode, assign_devices, worker_device_env
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .resources import PerRun, pilot_memory, plan_parallel
-from .runner import STOP_REASON_FILE, STOP_SIGNAL, interrupted
 from .spec import (
     CampaignSpec,
     check_only_varied,
@@ -47,6 +46,7 @@ from .spec import (
     run_processes,
     run_spec,
 )
+from .stops import STOP_REASON_FILE, STOP_SIGNAL, interrupted
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
 ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")

@@ -18,11 +18,15 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
+from ..ledger.store import Ledger
 from ..program.env import Event, Role, StopRules
 from ..program.runner import EventTail, RunOutcome, RunPlan, read_events, run_program
+
+if TYPE_CHECKING:
+    from .runner import RunSink
 
 # After the stop file, the program's own should_stop has this long to end the run. Well under the engines' own grace
 # for the whole worker (orchestrate.STOP_GRACE_S, the Ray engine's: 60 s), so the worker kills the program and still
@@ -180,6 +184,16 @@ def _continuation(out_dir: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def record_program_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: dict, deadline: float | None,
+                       stop_requested: Callable[[], bool], how: Callable[[], str], sink: RunSink | None = None) -> dict:
+    """:func:`program_run` recorded in the ledger at ``ledger_path``, or in ``sink`` (a Ray relay): what
+    ``runner.train_run`` does for a program, callable without importing torch (this process only supervises)."""
+    assert sink is not None or ledger_path is not None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with sink if sink is not None else Ledger(ledger_path) as led:
+        return program_run(spec, run_id, out_dir, led, plan, deadline, stop_requested, how)
 
 
 def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: float | None,

@@ -8,7 +8,6 @@ early, the kind, the reason and the update it stopped at. A diverged run keeps e
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,18 +23,12 @@ from ..ledger.records import MANIFESTS, Kept, RunEnd, RunStatus, Series, StopKin
 from ..ledger.store import Ledger
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
+from .program_run import record_program_run
+from .stops import interrupted
 
 # Points also reach the ledger at least this often, not only at validations: a run whose process or
 # Ray node dies between two validations still has the updates it made (its stopped row cites the last one).
 FLUSH_EVERY_S = 2.0
-STOP_REASON_FILE = "stopped-by"  # beside the campaign's plan.json: what stopped it ("Ctrl-C", "SIGTERM", ...)
-
-
-def interrupted(how: str) -> str:
-    """A stopped run's reason: "interrupted (SIGTERM)" after a preemption, not "(Ctrl-C)"."""
-    return f"interrupted ({how})"
-# What the campaign sends a worker to stop it at the next update (SIGINT where there is no SIGUSR1).
-STOP_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGINT)
 
 
 def control_predictions(model, data, spec, device, n: int, out_dir: Path) -> list[dict]:
@@ -193,15 +186,13 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
     where this process must not write it (a Ray worker: only the campaign's driver writes the ledger).
     """
     assert sink is not None or ledger_path is not None
+    if spec.program is not None:  # the user's program, not pilotrun's loop
+        return record_program_run(spec, run_id, out_dir, ledger_path, plan, deadline, stop_requested, how, sink)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan.get("threads"):  # runs side by side share the cores instead of each taking all of them
         torch.set_num_threads(plan["threads"])
     result: dict = {"run_id": run_id, "val": []}
     with sink if sink is not None else Ledger(ledger_path) as led:
-        if spec.program is not None:  # the user's program, not pilotrun's loop
-            from .program_run import program_run
-
-            return program_run(spec, run_id, out_dir, led, plan, deadline, stop_requested, how)
         try:
             driver = build_job(spec)
         except Exception as exc:

@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 
 from ..workers.common import read_spec_file
-from .runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
 from .spool import SpoolSink
+from .stops import STOP_REASON_FILE, STOP_SIGNAL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
             return "Ctrl-C"
 
     sink = SpoolSink(args.spool / f"rank{os.environ.get('RANK', '0')}.jsonl") if args.spool else None
-    result = train_run(read_spec_file(args.spec), args.run_id, args.out, args.ledger,
-                       json.loads(args.plan.read_text()), args.deadline, stop.is_set, how, sink=sink)
+    spec = read_spec_file(args.spec)
+    if spec.program is not None:  # this process only supervises the user's program: no torch imported here
+        from .program_run import record_program_run as run
+    else:
+        from .runner import train_run as run
+    result = run(spec, args.run_id, args.out, args.ledger, json.loads(args.plan.read_text()), args.deadline,
+                 stop.is_set, how, sink=sink)
     if stop.is_set():
         return 130
     return 0 if result["status"] in ("finished", "diverged", "stopped") else 1

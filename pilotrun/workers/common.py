@@ -10,12 +10,13 @@ import resource
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .. import backends
 from ..config.load import spec_from_mapping
 from ..config.spec import Spec
+
+if TYPE_CHECKING:
+    import torch
 
 
 def write_spec_file(spec: Spec, path: Path) -> Path:
@@ -34,6 +35,8 @@ def peak_memory(device: torch.device) -> dict:
     """This process's peaks, for the gate row (children report their own memory)."""
     mem: dict[str, int | None] = {"host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                   * (1 if sys.platform == "darwin" else 1024)}
+    from .. import backends  # here, not at the top: a process that only supervises a program never imports torch
+
     rt = backends.for_device(device)
     if rt.allocator_counts:  # elsewhere no peak is kept outside a meter (its tracker counts inside one only)
         mem["peak_allocated_bytes"] = rt.peak_allocated(device).value

@@ -43,9 +43,10 @@ from ...ledger.store import Ledger
 from ...procs import Tree
 from ...workers.launch import worker_env
 from ..resources import PerRun
-from ..runner import STOP_REASON_FILE, STOP_SIGNAL, train_run
+from ..runner import train_run
 from ..spec import run_device, run_processes
 from ..spool import SpoolReader, end_item
+from ..stops import STOP_REASON_FILE, STOP_SIGNAL
 from .base import EngineChoice, EngineRefusal
 
 # A local instance is a helper for this campaign, not a cluster: a small object store (the runs exchange only
