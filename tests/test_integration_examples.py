@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import EXAMPLES, TEST_DIGEST
+from .conftest import EXAMPLES, TEST_DIGEST, pilotrun_cli
 
 pytestmark = pytest.mark.process
 
@@ -23,8 +21,7 @@ INTEGRATION_GATES = ["inspect", "batch", "accum_equivalence", "overfit", "export
 def pilot(example: str, tmp_path: Path, *extra: str, spec: str = "pilot.yaml") -> tuple[int, dict]:
     folder = tmp_path / example
     shutil.copytree(EXAMPLES / example, folder, ignore=shutil.ignore_patterns("runs", "out", "__pycache__"))
-    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", spec, "--json", "--container-digest",
-                          TEST_DIGEST, *extra], cwd=folder, capture_output=True, text=True, timeout=900)
+    out = pilotrun_cli("run", spec, "--json", "--container-digest", TEST_DIGEST, *extra, cwd=folder, timeout=900)
     assert out.stdout.strip(), out.stderr[-3000:]
     return out.returncode, {g["gate"]: g for g in json.loads(out.stdout)["gates"]}
 
@@ -59,8 +56,7 @@ def test_framework_example_under_torchrun_with_two_processes(tmp_path, example):
     spec = folder / "pilot.yaml"
     spec.write_text(spec.read_text().replace("command: python train.py",
                                              "command: torchrun --standalone --nproc-per-node 2 train.py"))
-    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", "pilot.yaml", "--json", "--container-digest",
-                          TEST_DIGEST], cwd=folder, capture_output=True, text=True, timeout=900)
+    out = pilotrun_cli("run", "pilot.yaml", "--json", "--container-digest", TEST_DIGEST, cwd=folder, timeout=900)
     assert out.stdout.strip(), out.stderr[-3000:]
     rows = json.loads(out.stdout)["gates"]
     assert out.returncode == 0, [(r["gate"], r["verdict"], r["reason"][:200]) for r in rows]
@@ -103,9 +99,8 @@ def test_a_trainer_whose_model_ignores_num_items_in_batch_is_caught_by_accum_equ
     assert "model = chat.model(seed=opts.seed)" in script
     (folder / "train.py").write_text(script.replace("model = chat.model(seed=opts.seed)", "import planted\n    model = "
                                                     "chat.model(seed=opts.seed, model_class=planted.IgnoresNumItems)"))
-    out = subprocess.run([sys.executable, "-m", "pilotrun", "run", "pilot.yaml", "--json", "--gates",
-                          "accum_equivalence", "--container-digest", TEST_DIGEST], cwd=folder, capture_output=True,
-                         text=True, timeout=900)
+    out = pilotrun_cli("run", "pilot.yaml", "--json", "--gates", "accum_equivalence", "--container-digest", TEST_DIGEST,
+                       cwd=folder, timeout=900)
     gates = {g["gate"]: g for g in json.loads(out.stdout)["gates"]}
     assert out.returncode == 1, out.stderr[-2000:]
     row = gates["accum_equivalence"]

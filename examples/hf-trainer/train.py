@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 from transformers import Trainer, TrainingArguments
 
 import pilotrun
@@ -40,3 +41,8 @@ trainer = Trainer(model=model, args=args, data_collator=chat.collate, processing
                   eval_dataset=chat.ChatData(chat.dialogues(16, seed=1)),
                   callbacks=[PilotrunCallback()])  # pilotrun
 trainer.train(resume_from_checkpoint=job.resume_from)  # pilotrun: resume where the pilot asks
+# Under torchrun, end the process group before the interpreter does, as PyTorch advises: the Trainer leaves it open, and
+# gloo's threads torn down with the interpreter can abort a finished run at exit (SIGABRT, "terminate called without
+# an active exception": rank 1 of a pilot's control run did so once in the test suite, 2026-12-02).
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
