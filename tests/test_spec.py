@@ -230,6 +230,23 @@ def test_module_shadowed_by_the_standard_library_is_explained(toy_dir):
     assert "'json' resolved to" in msg and "rename your file" in msg
 
 
+def test_a_second_spec_folder_gets_its_own_modules_not_the_siblings_the_first_imported(tmp_path):
+    """Two specs in one process (the Python API, the suite's in-process pilots): the first folder's factory imports a
+    sibling; the second folder has a module of that sibling's name. Found when one test's `be:build_model`, importing
+    its `toylm`, made a later test's `toylm:build_model` resolve to the earlier folder."""
+    from pilotrun.config.factories import import_factory
+
+    for name, value in (("a", 1), ("b", 2)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "helper_pr.py").write_text(f"VALUE = {value}\ndef build():\n    return VALUE\n")
+        (folder / "entry_pr.py").write_text("from helper_pr import VALUE\ndef build():\n    return VALUE\n")
+    assert import_factory("entry_pr:build", tmp_path / "a")() == 1  # imports a/helper_pr as a sibling
+    assert import_factory("helper_pr:build", tmp_path / "b")() == 2  # b's own module, not a's
+    assert import_factory("entry_pr:build", tmp_path / "b")() == 2  # b's entry sees b's sibling
+    assert import_factory("entry_pr:build", tmp_path / "a")() == 1  # and back
+
+
 def test_override_errors_say_they_came_from_set(toy_dir):
     path = write_spec(toy_dir / "s.yaml", VALID)
     with pytest.raises(SpecError) as info:

@@ -34,13 +34,26 @@ _FACTORY_MODULES: dict[str, Path] = {}  # top-level module name -> spec folder i
 
 
 def _forget_other_folder(top: str, folder: Path) -> None:
-    """Drop another spec folder's module of the same top-level name, so that this folder's own is imported."""
-    previous = _FACTORY_MODULES.get(top)
-    if previous is not None and previous != folder:
-        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+    """Drop what another spec folder's factories brought in: the factory's module and every module imported from that
+    folder with it (a factory module importing its sibling ``toylm`` there), so that this folder's own are imported.
+    Run between two specs in one process (the Python API, the test suite), a sibling left behind shadowed this
+    folder's module of the same name."""
+    others = {f for f in _FACTORY_MODULES.values() if f != folder}
+    if not others:
+        return
+    prefixes = tuple({p for f in others for p in (str(f) + "/", str(f.resolve()) + "/")})
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and file.startswith(prefixes):
             del sys.modules[name]
-        if str(previous) in sys.path:
-            sys.path.remove(str(previous))
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        if _FACTORY_MODULES.get(top) in others:
+            del sys.modules[name]
+    for f in others:
+        if str(f) in sys.path:
+            sys.path.remove(str(f))
+    for name in [t for t, f in _FACTORY_MODULES.items() if f in others]:
+        del _FACTORY_MODULES[name]
 
 
 def import_factory(target: str, folder: Path) -> Any:
