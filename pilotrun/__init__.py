@@ -33,4 +33,8 @@ def __getattr__(name: str) -> Any:
     return module if name == "program" else getattr(module, name)
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = ["ProgramHandle", "Session", "StageFailed", "StageHandle", "program", "session", "stage", "__version__"]

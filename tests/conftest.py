@@ -136,20 +136,19 @@ _watch(os, "system", lambda command: f"os.system: {command}")
 _watch(multiprocessing.util, "spawnv_passfds", lambda path, args, fds: f"multiprocessing spawn: {os.fsdecode(path)}")
 
 
-# The modules that take longest under `make test` (seconds of test time on 2 cores, measured 2026-12-01; the
-# program modules of issue 20 on 2026-12-02), longest first. `make test` keeps each module on one worker (--dist loadfile: a module-scoped fixture, such as
-# test_campaign's one real campaign or the killed pilot the loading-policy tests resume, runs once) and hands the
-# modules out in this order, so the long ones start first and the short ones fill in at the end. Only an order:
-# a module not listed runs after these, a stale figure costs minutes, never a result.
+# The modules that take longest under `make test` (seconds of test time on 2 cores, measured 2026-12-02 with run and
+# campaign in the test's process), longest first. `make test` keeps each module on one worker (--dist loadfile: a
+# module-scoped fixture, such as test_campaign's one real campaign or the killed pilot the loading-policy tests resume,
+# runs once) and hands the modules out in this order, so the long ones start first and the short ones fill in at the
+# end. Only an order: a module not listed runs after these, a stale figure costs minutes, never a result.
 LONGEST_MODULES = {
-    "test_distributed.py": 210, "test_campaign_ray.py": 195, "test_integration_examples.py": 190,
-    "test_campaign.py": 161, "test_cli.py": 107,
-    "test_checkpoint_restore_resume.py": 93, "test_resume_damage.py": 84, "test_program_pilot.py": 81,
-    "test_adapters.py": 80, "test_estimate.py": 56,
-    "test_estimate_adapters.py": 49, "test_gates_data_and_accumulation.py": 44, "test_estimate_cache.py": 34,
-    "test_loading_policy.py": 28, "test_pilot_toy.py": 27, "test_launch_multinode.py": 23, "test_skypilot.py": 60,
-    "test_campaign_program.py": 80, "test_integration_accelerate.py": 60, "test_program_estimate.py": 35,
-    "test_program_pilot_resume.py": 16,
+    "test_campaign_ray.py": 157, "test_integration_examples.py": 143, "test_distributed.py": 122, "test_campaign.py": 75,
+    "test_integration_accelerate.py": 68, "test_program_pilot.py": 68, "test_estimate.py": 66, "test_cli.py": 51,
+    "test_checkpoint_restore_resume.py": 51, "test_campaign_program.py": 35, "test_adapters.py": 35,
+    "test_skypilot.py": 30, "test_estimate_adapters.py": 27, "test_resume_damage.py": 24,
+    "test_gates_data_and_accumulation.py": 23, "test_program_estimate.py": 22, "test_spec_fuzz.py": 16,
+    "test_gpu_check.py": 15, "test_launch_multinode.py": 15, "test_variants.py": 14, "test_estimate_cache.py": 14,
+    "test_pilot_toy.py": 13,
 }
 
 
@@ -336,6 +335,19 @@ def _read_at_call(env: dict | None) -> bool:
     return all(k.startswith("PILOTRUN_") or os.environ.get(k) == v for k, v in (env or {}).items())
 
 
+# Where the in-process watchdog writes the stacks of a call that hangs: this worker's real stderr, duplicated at
+# configure time, before pytest captures fd 2 (inside a test the dump would land in a capture file nobody reads).
+_WATCHDOG: dict = {"file": None, "armed": True}
+
+
+def pytest_configure(config):
+    import faulthandler  # noqa: F401  (the module pytest's own plugin uses; imported here so the dup is taken early)
+
+    _WATCHDOG["file"] = os.fdopen(os.dup(2), "w")
+    # One timer per process: when pytest's own per-test timer is set (-o faulthandler_timeout=N), it is left alone.
+    _WATCHDOG["armed"] = not float(config.getini("faulthandler_timeout") or 0)
+
+
 def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     import contextlib
     import faulthandler
@@ -349,10 +361,12 @@ def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None
     saved_cwd = os.getcwd()
     os.environ.update(call_env)
     common.err_console.cache_clear()  # built once per process: built again for this call's stderr and width
-    # The subprocess's timeout, kept: a call that hangs ends this worker with every thread's stack on stderr (xdist
-    # reports the test as failed and starts a new worker) instead of holding CI until its own limit.
-    faulthandler.dump_traceback_later(timeout, exit=True)
     try:
+        # The subprocess's timeout, kept: under xdist, a call that hangs ends this worker with every thread's stack on
+        # its stderr (xdist reports the test as failed and starts a new worker) instead of holding CI until its limit;
+        # run without xdist, it ends the session the same way.
+        if _WATCHDOG["armed"] and _WATCHDOG["file"] is not None:
+            faulthandler.dump_traceback_later(timeout, exit=True, file=_WATCHDOG["file"])
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -360,7 +374,8 @@ def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None
             except SystemExit as exc:  # argparse's usage errors and --help
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        if _WATCHDOG["armed"]:
+            faulthandler.cancel_dump_traceback_later()
         os.chdir(saved_cwd)
         for k, v in saved_env.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
 from trl import DPOConfig, DPOTrainer
 
 import pilotrun  # pilotrun
@@ -28,3 +29,5 @@ trainer = DPOTrainer(model=model, ref_model=sums.model(), args=args, train_datas
                      eval_dataset=sums.sums(16, seed=1, preference=True), processing_class=sums.tokenizer(),
                      callbacks=[PilotrunCallback()])  # pilotrun
 trainer.train(resume_from_checkpoint=job.resume_from)  # pilotrun: resume where the pilot asks
+if torch.distributed.is_initialized():  # under torchrun: end the group before the interpreter does (hf-trainer's note)
+    torch.distributed.destroy_process_group()

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 from trl import SFTConfig, SFTTrainer
 
 import pilotrun  # pilotrun
@@ -38,3 +39,5 @@ trainer = SFTTrainer(model=model, args=args, train_dataset=sums.sums(128, seed=0
                      eval_dataset=sums.sums(16, seed=1), processing_class=sums.tokenizer(),
                      callbacks=[PilotrunCallback()])  # pilotrun
 trainer.train(resume_from_checkpoint=job.resume_from)  # pilotrun: resume where the pilot asks
+if torch.distributed.is_initialized():  # under torchrun: end the group before the interpreter does (hf-trainer's note)
+    torch.distributed.destroy_process_group()
