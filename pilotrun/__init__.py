@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from .api import Session, StageFailed, StageHandle, session, stage
     from .program import ProgramHandle
 
-# Imported when first used (PEP 562), not with the package: `pilotrun.ledger`, the config, the CLI's parser and the
-# processes that only supervise another (a campaign's run of a user's program) need no torch, whose import costs a
-# second of CPU and a few hundred MB of host memory in each of them.
+# Imported when first used (PEP 562), not with the package: a process that only supervises another (a campaign's run
+# of a user's program) reads the ledger and the config and needs no torch, whose import costs a second of CPU and a few
+# hundred MB of host memory in each of them.
 _LAZY = {"program": ".program", "ProgramHandle": ".program", "Session": ".api", "StageFailed": ".api",
          "StageHandle": ".api", "session": ".api", "stage": ".api"}
 

@@ -337,15 +337,13 @@ def _read_at_call(env: dict | None) -> bool:
 
 # Where the in-process watchdog writes the stacks of a call that hangs: this worker's real stderr, duplicated at
 # configure time, before pytest captures fd 2 (inside a test the dump would land in a capture file nobody reads).
-_WATCHDOG: dict = {"file": None, "armed": True}
+# None when pytest's own per-test timer is set (-o faulthandler_timeout=N): a process has one timer, left to pytest.
+_WATCHDOG_FILE: list = [None]
 
 
 def pytest_configure(config):
-    import faulthandler  # noqa: F401  (the module pytest's own plugin uses; imported here so the dup is taken early)
-
-    _WATCHDOG["file"] = os.fdopen(os.dup(2), "w")
-    # One timer per process: when pytest's own per-test timer is set (-o faulthandler_timeout=N), it is left alone.
-    _WATCHDOG["armed"] = not float(config.getini("faulthandler_timeout") or 0)
+    if not float(config.getini("faulthandler_timeout") or 0):
+        _WATCHDOG_FILE[0] = os.fdopen(os.dup(2), "w")
 
 
 def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -365,8 +363,8 @@ def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None
         # The subprocess's timeout, kept: under xdist, a call that hangs ends this worker with every thread's stack on
         # its stderr (xdist reports the test as failed and starts a new worker) instead of holding CI until its limit;
         # run without xdist, it ends the session the same way.
-        if _WATCHDOG["armed"] and _WATCHDOG["file"] is not None:
-            faulthandler.dump_traceback_later(timeout, exit=True, file=_WATCHDOG["file"])
+        if _WATCHDOG_FILE[0] is not None:
+            faulthandler.dump_traceback_later(timeout, exit=True, file=_WATCHDOG_FILE[0])
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -374,7 +372,7 @@ def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None
             except SystemExit as exc:  # argparse's usage errors and --help
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
-        if _WATCHDOG["armed"]:
+        if _WATCHDOG_FILE[0] is not None:
             faulthandler.cancel_dump_traceback_later()
         os.chdir(saved_cwd)
         for k, v in saved_env.items():
@@ -385,7 +383,7 @@ def _cli_in_process(args: list[str], cwd: Path, timeout: float, env: dict | None
 
 def pilotrun_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real command line: ``pilotrun.cli.main`` in this process for the IN_PROCESS commands (with no ``env``, or
-    one of pilotrun's own variables only), else a real subprocess."""
+    one a subprocess would not see differently: _read_at_call), else a real subprocess."""
     if args and args[0] in IN_PROCESS and _read_at_call(env):
         return _cli_in_process(list(args), cwd, timeout, env)
     full_env = {**os.environ, **_CLI_ENV, **(env or {})}

@@ -46,8 +46,8 @@ def _forget_other_folder(top: str, folder: Path) -> None:
         file = getattr(module, "__file__", None)
         if isinstance(file, str) and file.startswith(prefixes):
             del sys.modules[name]
-    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-        if _FACTORY_MODULES.get(top) in others:
+    if _FACTORY_MODULES.get(top) in others:  # a namespace package has no __file__ for the sweep above
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
             del sys.modules[name]
     for f in others:
         if str(f) in sys.path:
