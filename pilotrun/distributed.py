@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends
+from .errors import LaunchError as LaunchError  # defined there: the CLI catches it without importing torch
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-class LaunchError(RuntimeError):
-    """The processes and the spec disagree (a strategy without processes, processes without a strategy), or the
-    launcher's environment variables are not usable."""
 
 
 def _env_int(name: str, default: int, low: int) -> int:

@@ -27,6 +27,7 @@ from .config.factories import import_factory
 from .config.paths import looks_local
 from .config.program import program_files
 from .config.spec import Spec, dotted
+from .errors import ContainerDigestError as ContainerDigestError  # defined there: the CLI catches it without torch
 
 CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
 CONTAINER_FLAG = "--container-digest"
@@ -42,10 +43,6 @@ RUNTIME_LIBRARIES = ("versions.cuda", "versions.hip", "versions.cudnn", "version
 # Distributions that are a torch build's own runtime (CUDA's nvidia-* wheels, Triton): they come with the build.
 RUNTIME_PACKAGE = re.compile(r"^(nvidia-.+|triton|pytorch-triton(-.+)?)$")
 ABSENT = "<absent>"
-
-
-class ContainerDigestError(ValueError):
-    """A container digest was given (flag or environment variable) but is not a digest; the message names which."""
 
 
 class DriftKind(str, Enum):

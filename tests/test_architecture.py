@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"train", "checkpoint", "models", "data"},
     {"ledger", "measure", "config", "lock", "devices", "distributed", "batching", "humanize", "interrupt", "procs",
      "keeper", "safefile"},
-    {"backends"},
+    {"backends", "errors"},
 ]
 # Siblings that may import each other inside one layer (everything else in a layer is independent).
 # program/: the handle measures stages with api's code. procs: starts the keeper script by its path.
@@ -377,6 +377,11 @@ def test_every_registered_extension_lives_where_the_doc_says_a_new_one_goes():
                           if "PilotrunCallback" in _module_names(p))
     assert integrations == ["lightning", "transformers"]
     assert "`pilotrun/integrations/<framework>.py`" in entries["A framework integration"]
+    from pilotrun.cli.common import COMMANDS
+
+    commands = sorted(p.stem for p in (PACKAGE / "cli").glob("*.py") if "add_parser" in _module_names(p))
+    assert commands == sorted(COMMANDS), "each cli module with add_parser is a line in cli/common.py's COMMANDS"
+    assert "`pilotrun/cli/<name>.py`" in entries["A command"]
 def _gate_literals(node: ast.AST) -> list[str]:
     """Gate names written as text in ``node``: a string constant, or the constants of a tuple, list or set."""
     from pilotrun.ledger.records import GateName

@@ -15,10 +15,51 @@ pytestmark = pytest.mark.process
 
 
 def test_help_shows_examples(tmp_path):
+    from pilotrun.cli.common import COMMANDS
+
     res = pilotrun_cli("--help", cwd=tmp_path)
     assert res.returncode == 0 and "pilotrun run examples/tiny-sft/pilot.yaml" in res.stdout
+    listed = " ".join(res.stdout.split())  # argparse wraps a long help line
+    assert all(f"{name} {summary}" in listed for name, summary in COMMANDS.items()), res.stdout
     res = pilotrun_cli("run", "--help", cwd=tmp_path)
     assert res.returncode == 0 and "examples:" in res.stdout and "--set" in res.stdout
+    res = pilotrun_cli("rnu", "x.yaml", cwd=tmp_path)
+    assert res.returncode == 2 and "invalid choice: 'rnu'" in res.stderr and "'run'" in res.stderr
+
+
+# Each command runs in a fresh process, as `pilotrun` runs it, and says whether torch got imported on the way.
+_TORCH_AFTER = """
+import sys
+from pilotrun.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as stop:  # --help and --version end in argparse
+    code = stop.code
+print("torch imported:", "torch" in sys.modules, "exit", code)
+"""
+
+
+def test_commands_that_only_read_or_count_start_without_torch(tmp_path):
+    # `pilotrun` imports only the module of the command it runs (cli/__init__.py): reading the ledger, adding a note
+    # or batch arithmetic must not pay for torch and the training stack (about 1.3 s of CPU per command).
+    from pilotrun.ledger.records import GateRow
+    from pilotrun.ledger.store import Ledger
+
+    ledger = tmp_path / "l.sqlite"
+    with Ledger(ledger) as led:
+        led.start_run("tiny-sft-2026-a", "tiny-sft", "pilot")
+        led.add_gate_row("tiny-sft-2026-a", GateRow.now("eval", "pass", "loss 2.1", seconds=1.0))
+        led.end_run("tiny-sft-2026-a", "pass")
+    commands = {"--help": [], "ledger": ["--ledger", str(ledger)],
+                "ledger --run": ["tiny-sft-2026-a", "--ledger", str(ledger)],
+                "note": ["kept the control", "--ledger", str(ledger)],
+                "batch": ["--micro-batch", "2", "--grad-accum", "8", "--examples", "3200"]}
+    for command, rest in commands.items():
+        res = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *command.split(), *rest], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert "torch imported: False exit 0" in res.stdout, (command, res.stdout[-2000:], res.stderr[-2000:])
+    with Ledger(ledger) as led:
+        assert [n["text"] for n in led.notes("tiny-sft-2026-a")] == ["kept the control"]
 
 
 @pytest.mark.parametrize("spec_text, field", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 import tempfile
@@ -18,27 +19,11 @@ from rich.markup import escape
 
 from ..config.exitguard import ExitCalled, guard_os_exit
 from ..config.schema import SpecError
-from ..distributed import LaunchError
+from ..errors import ContainerDigestError, LaunchError
 from ..interrupt import as_interrupted
 from ..ledger.store import LedgerError
-from ..lock import ContainerDigestError
 from ..safefile import WriteFailed
-from . import archive as archive_cmd
-from . import batch as batch_cmd
-from . import campaign as campaign_cmd
-from . import convert as convert_cmd
-from . import estimate as estimate_cmd
-from . import inspect as inspect_cmd
-from . import launch as launch_cmd
-from . import ledger as ledger_cmd
-from . import lock as lock_cmd
-from . import note as note_cmd
-from . import plan as plan_cmd
-from . import report as report_cmd
-from . import run as run_cmd
-from . import select as select_cmd
-from . import variants as variants_cmd
-from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, UsageError, err_console
+from .common import COMMANDS, EXIT_BAD_INPUT, EXIT_INTERNAL, UsageError, err_console
 
 EPILOG = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
@@ -62,12 +47,6 @@ EPILOG = """examples:
 exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage, 3 internal error,
   130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (the run is recorded as interrupted; `run --resume` continues a pilot)"""
 
-COMMANDS = {"run": run_cmd, "launch": launch_cmd, "inspect": inspect_cmd, "batch": batch_cmd, "estimate": estimate_cmd,
-            "select": select_cmd, "plan": plan_cmd, "variants": variants_cmd, "campaign": campaign_cmd,
-            "report": report_cmd,
-            "note": note_cmd, "archive": archive_cmd, "ledger": ledger_cmd, "lock": lock_cmd, "convert": convert_cmd}
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's default exits 2 with usage; keep 2, add the hint
         self.print_usage(sys.stderr)
@@ -75,7 +54,18 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_in(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (``pilotrun`` takes no option with a
+    value before the command), when that word is a command; else None."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every command listed; only ``command``'s module is imported, for its flags.
+
+    The other commands are stubs with their help line: enough for ``pilotrun --help`` and for argparse to name an
+    unknown command, and they cost no import (``pilotrun ledger`` never loads torch)."""
     from .. import __version__
 
     parser = _Parser(prog="pilotrun",
@@ -83,13 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pilotrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for module in COMMANDS.values():
-        module.add_parser(sub)
+    for name, summary in COMMANDS.items():
+        if name == command:
+            importlib.import_module(f"{__name__}.{name}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(command_in(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

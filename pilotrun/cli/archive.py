@@ -8,7 +8,7 @@ from pathlib import Path
 from ..humanize import human_bytes
 from ..ledger.store import Ledger, LedgerError
 from ..report.archive import ArchiveError, archive_run
-from .common import UsageError, add_ledger_arg, existing_ledger, out_console
+from .common import UsageError, add_ledger_arg, command_parser, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun archive lr-sweep-2026-r01                      # writes lr-sweep-2026-r01.tar.gz here
@@ -20,10 +20,7 @@ A run without a model (diverged, failed) is archived too; its README says why th
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("archive", help="pack a run or a whole campaign into a .tar.gz", description=__doc__,
-                       epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "archive", __doc__, HELP)
     p.add_argument("run", help="a run or campaign id (a unique prefix is enough)")
     p.add_argument("--out", type=Path, help="the archive (default: RUN_ID.tar.gz in the current folder)")
     add_ledger_arg(p)

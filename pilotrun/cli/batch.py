@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ..batching import batch_plan, compare
-from .common import UsageError, out_console
+from .common import UsageError, command_parser, out_console
 
 HELP = """examples:
   pilotrun batch --micro-batch 2 --grad-accum 8 --replicas 1 --examples 3200
@@ -16,10 +16,7 @@ HELP = """examples:
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("batch", help="examples-per-update arithmetic", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "batch", __doc__, HELP)
     p.add_argument("--micro-batch", type=int, required=True, help="examples per forward/backward per replica")
     p.add_argument("--grad-accum", type=int, default=1, help="micro batches per update")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel ranks (DDP/FSDP) that see different examples")

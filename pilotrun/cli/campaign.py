@@ -15,7 +15,7 @@ from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campa
 from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
 from ..lock import resolve_container_digest
-from .common import EXIT_GATE_FAILED, EXIT_OK, UsageError, add_ledger_arg, err_console, out_console
+from .common import EXIT_GATE_FAILED, EXIT_OK, UsageError, add_ledger_arg, command_parser, err_console, out_console
 
 HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml
@@ -45,10 +45,7 @@ or diverged; 2 bad file or usage; 3 internal error; 130/143/129 interrupted (eve
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("campaign", help="run a control and variants over seeds", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "campaign", __doc__, HELP)
     p.add_argument("campaign", help="CAMPAIGN.yaml, or a campaign id with --retry or --resume")
     p.add_argument("--parallel", type=int, default=None,
                    help="runs at once, at most (default: 1 locally; with --engine ray, what the cluster fits); "

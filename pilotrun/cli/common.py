@@ -1,6 +1,7 @@
-"""Shared by the subcommands: exit codes, consoles, errors that become exit 2."""
+"""Shared by the subcommands: the command table, exit codes, consoles, errors that become exit 2."""
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import tempfile
@@ -13,6 +14,34 @@ EXIT_OK, EXIT_GATE_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 # 130 Ctrl-C (SIGINT) · 143 SIGTERM (preemption, `timeout`, schedulers) · 129 SIGHUP (a closed SSH session).
 # `pilotrun run` records the pilot as interrupted, naming the signal; `--resume` continues it.
 EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_HANGUP = 130, 143, 129
+
+
+# Each subcommand: its module under pilotrun/cli and its one-line help. `pilotrun` imports only the module of the
+# command it runs (cli/__init__.py), so `pilotrun --help`, `ledger` or `note` start without torch and the
+# training stack; adding a command is its module and a line here.
+COMMANDS: dict[str, str] = {
+    "run": "run the pilot's gates on a spec",
+    "launch": "run the pilot on several processes (torchrun)",
+    "inspect": "show examples as the loss sees them",
+    "batch": "examples-per-update arithmetic",
+    "estimate": "predict memory and time on accelerators you do not have",
+    "select": "the selection sheet: accelerator, strategy, sizes and time",
+    "plan": "pipeline budget and 3/7/30-day rental plans",
+    "variants": "run the memory fixes beside the control and measure them",
+    "campaign": "run a control and variants over seeds",
+    "report": "write a self-contained HTML report",
+    "note": "attach a note to a run or campaign",
+    "archive": "pack a run or a whole campaign into a .tar.gz",
+    "ledger": "list runs and gate rows",
+    "lock": "export a lock as a requirements file; check an environment against one",
+    "convert": "a distributed checkpoint as one .pt or .safetensors file",
+}
+
+
+def command_parser(sub, name: str, doc: str | None, epilog: str) -> argparse.ArgumentParser:
+    """The subparser of command ``name``: its help line from COMMANDS, the module's docstring and examples."""
+    return sub.add_parser(name, help=COMMANDS[name], description=doc, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 class UsageError(Exception):

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..checkpoint.dist import convert
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.trust import LoadPolicy
-from .common import UsageError, add_ledger_arg, existing_ledger, out_console
+from .common import UsageError, add_ledger_arg, command_parser, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun convert runs/RUN/checkpoints/step-000008 --out step8.pt
@@ -20,10 +20,7 @@ HELP = """examples:
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("convert", help="a distributed checkpoint as one .pt or .safetensors file",
-                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "convert", __doc__, HELP)
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--out", type=Path, required=True, help="FILE.pt or FILE.safetensors")
     add_ledger_arg(p, "the checkpoint's manifest must be recorded there")

@@ -23,7 +23,7 @@ from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
 from ..humanize import at_length, human_bytes, human_count, human_seconds, money
 from ..ledger.records import GateName
-from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
+from .common import UsageError, add_ledger_arg, command_parser, err_console, ledger_if_present, out_console
 
 HELP = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml
@@ -43,10 +43,7 @@ replaces the cached entry."""
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("estimate", help="predict memory and time on accelerators you do not have",
-                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "estimate", __doc__, HELP)
     p.add_argument("spec")
     p.add_argument("--accelerator", action="append", default=[], help="catalog name or alias (repeatable; default all)")
     p.add_argument("--gpus", type=int, help="GPUs for ddp/fsdp (default 2, 4 and 8)")

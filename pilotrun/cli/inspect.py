@@ -12,7 +12,7 @@ from ..data.jsonl import DataError
 from ..gates.inspect import judge
 from ..gates.loop_view import model_label_info
 from ..models.loading import ModelError, load_tokenizer
-from .common import EXIT_GATE_FAILED, UsageError, out_console
+from .common import EXIT_GATE_FAILED, UsageError, command_parser, out_console
 
 HELP = """examples:
   pilotrun inspect examples/tiny-sft/pilot.yaml            # 3 examples + counts over the training split
@@ -25,10 +25,7 @@ exit codes: 0 fine (warnings allowed), 1 a problem the inspect gate would fail o
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("inspect", help="show examples as the loss sees them", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "inspect", __doc__, HELP)
     p.add_argument("spec", help="path to pilot.yaml")
     p.add_argument("-n", type=int, default=None, help="examples to show (default pilot.inspect.examples)")
     p.add_argument("--split", default="train", choices=["train", "val", "test"])

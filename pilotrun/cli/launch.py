@@ -33,7 +33,15 @@ from ..interrupt import Interrupted, interruptible
 from ..ledger.records import RunStatus, new_run_id
 from ..ledger.store import Ledger
 from ..lock import DIGEST_FORMAT, resolve_container_digest
-from .common import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, UsageError, add_ledger_arg, out_console
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_GATE_FAILED,
+    EXIT_INTERNAL,
+    UsageError,
+    add_ledger_arg,
+    command_parser,
+    out_console,
+)
 
 HELP = """examples:
   pilotrun launch --nproc-per-node 2 examples/tiny-sft/pilot.yaml --set distributed.strategy=ddp
@@ -46,10 +54,7 @@ device); on CPU give it explicitly (gloo). Every rank writes its own rows; repor
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("launch", help="run the pilot on several processes (torchrun)", description=__doc__,
-                       epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "launch", __doc__, HELP)
     p.add_argument("--nproc-per-node", type=int, help="processes on this machine (default: visible GPUs)")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the run, each running this same command")
     p.add_argument("--node-rank", type=int, default=0,

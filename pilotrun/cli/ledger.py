@@ -11,7 +11,7 @@ from rich.text import Text
 from ..ledger.store import Ledger, LedgerError
 from ..ledger.tables import TABLES, selected_runs, table, write_csv
 from ..ui.console import STYLE, gate_table
-from .common import UsageError, add_ledger_arg, err_console, existing_ledger, out_console
+from .common import UsageError, add_ledger_arg, command_parser, err_console, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun ledger                      # recent runs, newest first
@@ -25,10 +25,7 @@ HELP = """examples:
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("ledger", help="list runs and gate rows", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "ledger", __doc__, HELP)
     add_ledger_arg(p)
     p.add_argument("--run", help="show one run's gate rows (an id, or a prefix: the newest run it matches; the "
                    "others are listed)")

@@ -15,7 +15,16 @@ from ..deploy.requirements import NoTorchIndex, Target, check, parse, python_of,
 from ..ledger.records import RunKind, RunStatus
 from ..lock import collect_lock, installed_distributions
 from ..safefile import FileProblem, read_bytes, read_json
-from .common import EXIT_GATE_FAILED, EXIT_OK, UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
+from .common import (
+    EXIT_GATE_FAILED,
+    EXIT_OK,
+    UsageError,
+    add_ledger_arg,
+    command_parser,
+    err_console,
+    ledger_if_present,
+    out_console,
+)
 
 HELP = """examples:
   pilotrun lock export examples/tiny-sft/pilot.yaml -o requirements.lock.txt      # the last passed pilot's lock
@@ -32,8 +41,7 @@ check: exit 0 when every pinned distribution (and the python in the file's heade
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("lock", help="export a lock as a requirements file; check an environment against one",
-                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "lock", __doc__, HELP)
     verbs = p.add_subparsers(dest="verb", metavar="export|check", parser_class=type(p))
     e = verbs.add_parser("export", help="the lock as a requirements file with exact versions", epilog=HELP,
                          formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..ledger.store import Ledger, LedgerError
-from .common import UsageError, add_ledger_arg, existing_ledger, out_console
+from .common import UsageError, add_ledger_arg, command_parser, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun note "chose bf16: fp16 overflowed in steady_step"          # on the latest run or campaign
@@ -10,10 +10,7 @@ HELP = """examples:
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("note", help="attach a note to a run or campaign", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "note", __doc__, HELP)
     p.add_argument("text")
     p.add_argument("--run", help="run or campaign id (default: the latest)")
     add_ledger_arg(p)

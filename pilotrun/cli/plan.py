@@ -12,7 +12,7 @@ from ..estimate.experiments import adapter_line
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
 from ..estimate.source import model_download
 from ..humanize import money
-from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
+from .common import UsageError, add_ledger_arg, command_parser, err_console, ledger_if_present, out_console
 from .estimate import add_trace_cache_arg, load_estimated, print_program_job, print_trace_notes
 from .select import build_sheet
 from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
@@ -36,10 +36,7 @@ spot_price_per_gpu_hour (the on-demand price, said so, when the catalog has none
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("plan", help="pipeline budget and 3/7/30-day rental plans", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "plan", __doc__, HELP)
     p.add_argument("spec")
     p.add_argument("--runs", type=int, default=1, help="runs of the whole pipeline (a campaign's size)")
     p.add_argument("--accelerator", action="append", default=[])

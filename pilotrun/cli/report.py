@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..ledger.store import Ledger, LedgerError
 from ..report.html import render
-from .common import UsageError, add_ledger_arg, existing_ledger, out_console
+from .common import UsageError, add_ledger_arg, command_parser, existing_ledger, out_console
 
 HELP = """examples:
   pilotrun report tiny-sft-2026                    # a pilot: gates, memory per stage vs capacity, curves, lock
@@ -16,10 +16,7 @@ folder to have them in the report too."""
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("report", help="write a self-contained HTML report", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "report", __doc__, HELP)
     p.add_argument("run", help="a run or campaign id (a unique prefix is enough)")
     p.add_argument("--out", type=Path, help="the HTML file (default: report.html in the run's folder)")
     add_ledger_arg(p)

@@ -24,7 +24,16 @@ from ..lock import DIGEST_FORMAT, resolve_container_digest
 from ..pilot import PilotInterrupted, PilotOptions, ResumeError, rank_summary, run_pilot
 from ..strategies import UnknownStrategy
 from ..ui.console import ConsoleObserver
-from .common import EXIT_GATE_FAILED, EXIT_OK, UsageError, add_ledger_arg, console_for, out_console, writable_folder
+from .common import (
+    EXIT_GATE_FAILED,
+    EXIT_OK,
+    UsageError,
+    add_ledger_arg,
+    command_parser,
+    console_for,
+    out_console,
+    writable_folder,
+)
 
 HELP = """examples:
   pilotrun run examples/tiny-sft/pilot.yaml
@@ -54,8 +63,7 @@ exit codes: 0 no gate failed, 1 a gate failed, 2 bad spec/file/usage,
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="run the pilot's gates on a spec", description=__doc__, epilog=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "run", __doc__, HELP)
     p.add_argument("spec", help="path to pilot.yaml")
     p.add_argument("--out", type=Path, help="output folder (default runs/<run id>)")
     add_ledger_arg(p)

@@ -16,7 +16,7 @@ from ..estimate.select import sheet_row
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds, money
-from .common import UsageError, add_ledger_arg, err_console, ledger_if_present, out_console
+from .common import UsageError, add_ledger_arg, command_parser, err_console, ledger_if_present, out_console
 from .estimate import add_trace_cache_arg, load_estimated, print_program_job, print_trace_notes, traces_for
 from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
 
@@ -38,10 +38,7 @@ catalog file (price_per_gpu_hour, see docs/catalog.md and examples/catalog/my-gp
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("select", help="the selection sheet: accelerator, strategy, sizes and time",
-                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "select", __doc__, HELP)
     p.add_argument("spec")
     p.add_argument("--accelerator", action="append", default=[])
     p.add_argument("--catalog", type=Path)

@@ -13,7 +13,7 @@ from ..ledger.records import Verdict
 from ..ledger.store import default_ledger_path
 from ..variants.judge import share
 from ..variants.run import run_variants
-from .common import EXIT_GATE_FAILED, EXIT_OK, add_ledger_arg, out_console
+from .common import EXIT_GATE_FAILED, EXIT_OK, add_ledger_arg, command_parser, out_console
 
 HELP = """examples:
   pilotrun variants examples/tiny-sft/pilot.yaml
@@ -34,10 +34,7 @@ exit codes: 0 no variant failed, 1 one failed (or the control did), 2 bad spec o
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    p = sub.add_parser("variants", help="run the memory fixes beside the control and measure them",
-                       description=__doc__, epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser(sub, "variants", __doc__, HELP)
     p.add_argument("spec")
     add_ledger_arg(p)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

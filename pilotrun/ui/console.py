@@ -12,7 +12,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from rich.text import Text
 
-from ..gates.registry import job_memory_gates
 from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SteadyStepDetails
 from ..ledger.records import GateName
@@ -20,10 +19,6 @@ from ..ledger.records import GateName
 STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip": "dim", "running": "cyan",
          "pending": "dim"}
 MARK = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–", "running": "…", "pending": "·"}
-
-
-# Gates whose memory is the job's own (declared by each gate); accum_equivalence and overfit measure private copies.
-JOB_MEMORY_GATES = job_memory_gates()
 
 
 def peak_of(row: dict) -> int:
@@ -98,7 +93,11 @@ def headline(rows: list[dict], status: str) -> Text:
         if counts[v]:
             parts.append(f"{counts[v]} {'warned' if v == 'warn' else v + ('ed' if v == 'fail' else 'ped')}")
     text.append("  " + ", ".join(parts))
-    measured = [r for r in rows if peak_of(r) and r["gate"] in JOB_MEMORY_GATES]
+    # Gates whose memory is the job's own (declared by each gate; accum_equivalence and overfit measure private
+    # copies). Imported here: the gates import torch, which `pilotrun ledger` does without.
+    from ..gates.registry import job_memory_gates
+
+    measured = [r for r in rows if peak_of(r) and r["gate"] in job_memory_gates()]
     if measured:
         top = max(measured, key=peak_of)
         inp = top.get("inputs") or {}
