@@ -16,9 +16,9 @@ EXIT_OK, EXIT_GATE_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_HANGUP = 130, 143, 129
 
 
-# Each subcommand: its module under pilotrun/cli and its one-line help. `pilotrun` imports only the module of the
-# command it runs (cli/__init__.py), so `pilotrun --help`, `ledger` or `note` start without torch and the
-# training stack; adding a command is its module and a line here.
+# Each subcommand: its name (its module is pilotrun/cli/<name>.py) and its one-line help. `pilotrun` imports only
+# the module of the command it runs (cli/__init__.py), so `pilotrun --help`, `ledger` or `note` start without torch
+# and the training stack; adding a command is its module and a line here.
 COMMANDS: dict[str, str] = {
     "run": "run the pilot's gates on a spec",
     "launch": "run the pilot on several processes (torchrun)",
