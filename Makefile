@@ -1,5 +1,5 @@
 # Quick start:  make demo       (creates .venv, installs, runs the demo pilot on CPU)
-#               make test       (the whole suite, a pytest-xdist worker per core: 10.5-17.5 minutes on the 2-core dev VM)
+#               make test       (the whole suite, a pytest-xdist worker per core: 10.5-18 minutes on the 2-core dev VM)
 #               make test-fast  (the tests that start no process: pure logic, in-process; 47-89 s there)
 # CUDA or ROCm users pick their torch build, e.g.
 #   make demo TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
