@@ -14,9 +14,10 @@ import torch
 
 from pilotrun.config import load_spec
 from pilotrun.estimate import layouts
-from pilotrun.estimate.trace import _synthetic_batch, autocast_precision, quiet_transformers, trace_job
+from pilotrun.estimate.trace import _synthetic_batch, autocast_precision, trace_job
 from pilotrun.measure.tensors import CategoryTracker
 from pilotrun.models.loading import ModelError, build_model
+from pilotrun.models.quiet import QuietTransformers
 from pilotrun.train.batches import supervised_count
 from pilotrun.train.loss import decide_loss_policy, window_backward
 from pilotrun.train.optim import build_optimizer
@@ -96,7 +97,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_trace_matches_the_real_job_on_cpu(case):
     spec = tiny_spec(*CASES[case])
-    with quiet_transformers():
+    with QuietTransformers():
         trace = trace_job(spec, target="cpu").to_dict()
         real = measure_real(spec)
     assert trace["trainable_parameters"] == real["trainable"]

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from pilotrun.config import load_spec
-from pilotrun.estimate.trace import quiet_transformers, trace_job
+from pilotrun.estimate.trace import trace_job
+from pilotrun.models.quiet import QuietTransformers
 
 from .conftest import EXAMPLES
 
@@ -33,7 +34,7 @@ def test_hand_arithmetic_matches_the_estimate(name):
     raw["data"]["max_length"] = raw["eval"]["max_length"] = 256
     hand = _hand()(raw)
     spec = load_spec(FOLDER / f"{name}.yaml", [f"{k}={v}" for k, v in SHRINK.items()], check_files=False)
-    with quiet_transformers():
+    with QuietTransformers():
         trace = trace_job(spec, target="cuda").to_dict()
     assert trace["trainable_parameters"] == hand["trainable_parameters"]
     assert trace["adaptation"]["base_parameters"] == hand["parameters"]

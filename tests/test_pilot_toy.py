@@ -219,3 +219,20 @@ def test_json_stdout_stays_clean_when_user_code_prints(tmp_path):
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["gates"]
     assert "loading data ..." in res.stderr
+
+
+@pytest.mark.process
+def test_a_plain_pytorch_pilot_never_imports_transformers(tmp_path):
+    # It once imported transformers only to quiet its logs: ~1.5 s of CPU in every process of a job that never
+    # used it, and an import error from a broken transformers install would have failed a job that has no need of it.
+    spec = copy_fixture("toy", tmp_path)
+    code = ("import sys\nfrom pilotrun.config import load_spec\nfrom pilotrun.pilot import PilotOptions, run_pilot\n"
+            f"r = run_pilot(load_spec({str(spec)!r}), PilotOptions(out_dir={str(tmp_path / 'o')!r}, "
+            f"ledger_path={str(tmp_path / 'l.sqlite')!r}, gates=['load', 'first_step', 'steady_step', 'save']))\n"
+            "print([row['verdict'] for row in r.rows], sorted(m for m in ('transformers', 'lightning') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    verdicts, imported = out.stdout.strip().splitlines()[-1].split("] ")
+    assert "fail" not in verdicts and verdicts.count("'") == 8, out.stdout  # four gates ran, none failed
+    assert imported == "[]", out.stdout

@@ -177,3 +177,39 @@ def test_position_round_trips():
     other.load_state(state)
     assert other.update().sample_ids == expected
     assert state["data_position"]["epoch"] == 0 and state["data_position"]["micro_index"] == 4  # 5 micro batches per epoch
+
+
+def test_transformers_is_quieted_once_imported_and_put_back_after():
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from pilotrun.models.quiet import QuietTransformers
+
+    hf_logging.set_verbosity_warning()
+    hf_logging.enable_progress_bar()
+    with QuietTransformers() as quiet:
+        assert hf_logging.get_verbosity() == logging.ERROR and not hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_info()  # what a model's code may do; settle() quiets only once per pilot
+        quiet.settle()
+        assert hf_logging.get_verbosity() == logging.INFO
+    assert hf_logging.get_verbosity() == logging.WARNING and hf_logging.is_progress_bar_enabled()
+
+
+def test_quieting_transformers_waits_for_its_import(monkeypatch):
+    import logging
+    import sys
+
+    from transformers.utils import logging as hf
+
+    from pilotrun.models.quiet import QuietTransformers
+
+    hf.set_verbosity_warning()
+    monkeypatch.delitem(sys.modules, "transformers.utils.logging")  # a job that has not imported transformers
+    with QuietTransformers() as quiet:
+        assert "transformers.utils.logging" not in sys.modules  # entering imported nothing
+        assert hf.get_verbosity() == logging.WARNING
+        monkeypatch.setitem(sys.modules, "transformers.utils.logging", hf)  # as a load gate's import would
+        quiet.settle()
+        assert hf.get_verbosity() == logging.ERROR
+    assert hf.get_verbosity() == logging.WARNING

@@ -17,7 +17,6 @@ a trace must not take the tool down.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -350,16 +349,3 @@ def _retie(model: torch.nn.Module, shared: list[list[str]]) -> None:
 def _clone(batch: dict) -> dict:
     """The batch as the loop holds it: allocated inside the trace (fake), so its bytes are counted."""
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    import logging
-
-    logger = logging.getLogger("transformers")
-    old = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(old)

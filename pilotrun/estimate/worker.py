@@ -29,14 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int)
     args = ap.parse_args(argv)
     try:
-        from .trace import quiet_transformers, trace_job
+        from ..models.quiet import QuietTransformers
+        from .trace import trace_job
 
         # The trace synthesises built-in inputs: a shape alone is enough (data file and tokenizer may not exist yet).
         spec = read_spec_file(args.spec, check_files=False)
         if args.precision:
             spec.train.precision = args.precision
         ac: bool | str | None = {"spec": None, "on": True, "off": False}.get(args.ac, args.ac)
-        with quiet_transformers():
+        with QuietTransformers():
             result = trace_job(spec, target=args.target, activation_checkpointing=ac,
                                micro_batch_size=args.micro_batch, seq_len=args.seq_len)
         write_result(args.result, result.to_dict())

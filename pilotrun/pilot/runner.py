@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from .. import distributed
 from ..config.spec import Spec
@@ -34,6 +33,7 @@ from ..interrupt import Interrupted, as_interrupted
 from ..ledger.records import GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from ..ledger.store import Ledger, LedgerWriteFailed
 from ..measure.meter import StageMeter
+from ..models.quiet import QuietTransformers
 from ..safefile import WriteFailed, write_atomic
 from .report import FALLBACK_FILE, PilotResult, write_report
 from .resume import ResumePlan, carry_rows, plan_program_resume, plan_resume
@@ -151,8 +151,9 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     progress = _Progress()
     stop: Interrupted | None = None
     try:
-        with _transformers_quiet():
+        with QuietTransformers() as quiet:
             for gate_cls in gates:
+                quiet.settle()  # after a load gate that imported transformers
                 _one_gate(gate_cls, ctx, carried, plan, observer, result, progress)
         result.status = RunStatus.of_pilot(result.rows)
         if env.active:
@@ -316,28 +317,6 @@ def _agreed_verdict(env: distributed.DistEnv, row: dict) -> tuple[str, Verdict]:
     rows = distributed.gather(env, (row["verdict"], row["reason"], env.rank))
     verdict, reason, rank = min(rows, key=lambda v: Verdict(v[0]).severity)
     return (reason if rank == env.rank else f"rank {rank}: {reason}"), Verdict(verdict)
-
-
-@contextlib.contextmanager
-def _transformers_quiet():
-    """transformers logs and draws tqdm bars (e.g. while saving); the pilot draws its own."""
-    logger = logging.getLogger("transformers")
-    old_level = logger.level
-    logger.setLevel(logging.ERROR)
-    hf_logging: Any
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover
-        hf_logging = None
-    bars = hf_logging.is_progress_bar_enabled() if hf_logging else False
-    if hf_logging:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logger.setLevel(old_level)
-        if hf_logging and bars:
-            hf_logging.enable_progress_bar()
 
 
 def _run_gate(gate: Gate, ctx: PilotContext) -> tuple[GateRow, list[dict]]:
