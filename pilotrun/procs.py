@@ -34,6 +34,18 @@ from .keeper import KILL_WAIT_S, MARKER
 KEEPER = str(Path(keeper.__file__).resolve())
 # Seconds the keeper gets to kill its tree and report after SIGTERM before pilotrun kills what it can find itself.
 KEEPER_GRACE_S = KILL_WAIT_S + 5.0
+# torchrun keeps a folder per launch (its ranks' error files; their logs under --redirects), by default a new
+# /tmp/torchelastic_* that nothing removes: one for every distributed pilot phase, launch and campaign run. Every
+# torchrun pilotrun starts gets one inside its run's folder instead. torchrun reads this variable as the default of
+# its --log-dir, so a --log-dir in a program's own command still wins, and a value the user set is kept.
+TORCHRUN_FOLDER_VAR = "PET_LOG_DIR"
+
+
+def with_torchrun_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """``env`` for a command that may start torchrun: torchrun's own files go under ``folder``."""
+    if env.get(TORCHRUN_FOLDER_VAR):
+        return env
+    return {**env, TORCHRUN_FOLDER_VAR: str(folder)}
 
 
 @dataclass

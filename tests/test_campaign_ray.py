@@ -431,9 +431,12 @@ def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per
     _lighter(base)
     base.write_text(base.read_text() + "\ndistributed: {strategy: ddp}\n")
     ledger = tmp_path / "l.sqlite"
+    scratch = Path(ray_env["RAY_TMPDIR"])  # also the processes' temporary folder: torchrun's leftovers show here
     res = pilotrun_cli("campaign", str(spec), "--engine", "ray", "--ledger", str(ledger), "--out",
-                       str(tmp_path / "runs"), "--json", cwd=tmp_path, env=ray_env, timeout=300)
+                       str(tmp_path / "runs"), "--json", cwd=tmp_path, env={**ray_env, "TMPDIR": str(scratch)},
+                       timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert not list(scratch.glob("torchelastic_*"))
     out = json.loads(res.stdout)
     assert out["parallel"]["resources"] == {"num_cpus": 2, "num_gpus": 0}  # a CPU per rank on a CPU-only machine
     for r in _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run'"):
@@ -446,6 +449,7 @@ def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per
                        r["run_id"])
         assert losses[0]["loss"] == losses[1]["loss"]  # the update's loss is reduced over the group
         assert (Path(r["out_dir"]) / "export").is_dir() and (Path(r["out_dir"]) / "spool" / "rank1.jsonl").is_file()
+        assert len(list((Path(r["out_dir"]) / "torchrun").iterdir())) == 1  # torchrun's own folder, in the run's
     # Without Ray the group has nowhere to run: refused before the start, naming the fix.
     res = pilotrun_cli("campaign", str(spec), "--ledger", str(tmp_path / "local.sqlite"), cwd=tmp_path)
     assert res.returncode == 2 and "add --engine ray" in res.stderr, res.stderr

@@ -204,9 +204,12 @@ def _safetensors_header(path: Path) -> dict:
 
 
 @pytest.mark.process
-def test_ddp_pilot_matches_one_process(tmp_path):
+def test_ddp_pilot_matches_one_process(tmp_path, monkeypatch):
     spec = copy_fixture("toylm", tmp_path)  # micro batch 4 per rank, 3 micro steps per update
     ledger, out = tmp_path / "l.sqlite", tmp_path / "ddp"
+    scratch = tmp_path / "tmp"  # the processes' temporary folder: what torchrun leaves behind shows here
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=ddp",
                        "--gates", "steady_step,save,restore", "--out", str(out), "--ledger", str(ledger),
                        cwd=tmp_path, timeout=600)
@@ -226,6 +229,11 @@ def test_ddp_pilot_matches_one_process(tmp_path):
     reference = [x for _, x in _losses(single / "l.sqlite")]
     assert len(reference) == 3  # pilot.updates: the first update and two steady ones, compared one by one
     assert [x for r, x in ddp if r == 0] == pytest.approx(reference, rel=1e-5)
+    # torchrun's own folders (the launch's, and the restore gate's two-rank worker's) are in the run's folder, not
+    # one /tmp/torchelastic_* per torchrun that nothing removes.
+    assert not list(scratch.glob("torchelastic_*")), sorted(p.name for p in scratch.iterdir())
+    # One folder per rendezvous: the launch's, and the restore gate's two-rank worker's (the ranks pass theirs on).
+    assert len(list((out / "torchrun").iterdir())) == 2, sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
 
 def _restore_rows(report: dict) -> dict[int, dict]:

@@ -33,6 +33,7 @@ from ..interrupt import Interrupted, interruptible
 from ..ledger.records import RunStatus, new_run_id
 from ..ledger.store import Ledger
 from ..lock import DIGEST_FORMAT, resolve_container_digest
+from ..procs import with_torchrun_folder
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_GATE_FAILED,
@@ -177,7 +178,8 @@ def main(args) -> int:
         cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
                 f"--rdzv-id={rdzv}"]
     cmd += ["-m", "pilotrun", "run", str(args.spec)]
-    for flag, value in (("--run-id", run_id), ("--out", args.out or (Path("runs") / run_id if run_id else None)),
+    out = args.out or (Path("runs") / run_id if run_id else None)  # None: rank 0 names it (several nodes)
+    for flag, value in (("--run-id", run_id), ("--out", out),
                         ("--ledger", args.ledger), ("--gates", args.gates),
                         ("--container-digest", args.container_digest), ("--task-id", args.task_id),
                         ("--proven-lock", args.proven_lock)):
@@ -194,6 +196,8 @@ def main(args) -> int:
     os.close(fd)
     try:
         env = {**os.environ, "PILOTRUN_LAUNCHED": "1", RUN_ID_FILE_VAR: id_file}
+        if out is not None:
+            env = with_torchrun_folder(env, Path(out).resolve() / "torchrun")
         proc = subprocess.Popen(cmd, env=env)
         try:
             with interruptible():

@@ -27,7 +27,7 @@ from ..config.program import (
     TORCHRUN_WORD,
     ProgramSpec,
 )
-from ..procs import KILL_WAIT_S, Tree, leftover_text
+from ..procs import KILL_WAIT_S, Tree, leftover_text, with_torchrun_folder
 from ..safefile import FileKind, FileProblem, read_bytes
 from . import env as E
 from .env import Event, Role
@@ -305,6 +305,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
             env[var] = str(plan.threads)
     package_root = str(Path(__file__).resolve().parents[2])  # the program imports this pilotrun
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+    env = with_torchrun_folder(env, base / "torchrun")
     env.update({E.PROGRAM: "1", E.ROLE: str(plan.role), E.RUN_ID: run_id, E.LEDGER: str(ledger_path.resolve()),
                 E.EVENTS: str(events_dir), E.CHECKPOINT_DIR: str(checkpoints),
                 E.SAVE_AT: ",".join(map(str, plan.save_at)),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pilotrun
 
-from ..procs import Tree
+from ..procs import Tree, with_torchrun_folder
 
 PACKAGE_ROOT = str(Path(pilotrun.__file__).resolve().parents[1])
 DEFAULT_TIMEOUT_S = 3600
@@ -44,6 +44,10 @@ def command(module: str, args: list[str], result: Path, nproc: int = 1) -> list[
     return [sys.executable, "-m", module, *args, "--result", str(result)]
 
 
+def _env(result: Path) -> dict[str, str]:
+    return with_torchrun_folder(worker_env(), result.parent / "torchrun")
+
+
 def _read_result(result: Path, log: Path, what: str, returncode: int | None) -> dict:
     if not result.exists():
         tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
@@ -61,7 +65,7 @@ def run_worker(module: str, args: list[str], result: Path, log: Path, what: str,
     The worker and all it starts run under a keeper (pilotrun/procs.py): killed on a timeout, an exception or when
     it ends, and with pilotrun if pilotrun is killed."""
     result.unlink(missing_ok=True)
-    with open(log, "w") as fh, Tree(command(module, args, result, nproc), env=worker_env(), label=what,
+    with open(log, "w") as fh, Tree(command(module, args, result, nproc), env=_env(result), label=what,
                                     stdout=fh, stderr=subprocess.STDOUT) as tree:
         try:
             tree.wait(timeout=timeout)
@@ -77,7 +81,7 @@ def run_and_kill(module: str, args: list[str], result: Path, log: Path, what: st
     """Run a worker until it prints SAVED, then SIGKILL it and its ranks (a real kill, not a clean exit)."""
     result.unlink(missing_ok=True)
     with open(log, "w") as fh:
-        proc = Tree(command(module, args, result, nproc), env=worker_env(), label=what, stdout=subprocess.PIPE,
+        proc = Tree(command(module, args, result, nproc), env=_env(result), label=what, stdout=subprocess.PIPE,
                     stderr=fh, text=True)
         deadline = time.monotonic() + timeout
         saved = False

@@ -40,7 +40,7 @@ from ... import backends
 from ...config.load import spec_from_mapping
 from ...ledger.records import RunEnd, RunStatus, Series, StopKind
 from ...ledger.store import Ledger
-from ...procs import Tree
+from ...procs import Tree, with_torchrun_folder
 from ...workers.launch import worker_env
 from ..resources import PerRun
 from ..runner import train_run
@@ -231,7 +231,8 @@ def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: floa
     with open(out / "worker.log", "w") as log:
         # Under a keeper (pilotrun/procs.py): torchrun's ranks (each in a session of its own) end with the run, and
         # with this Ray worker if Ray kills it.
-        proc = Tree(cmd, env={**worker_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        proc = Tree(cmd, env=with_torchrun_folder({**worker_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+                                                  out / "torchrun"),
                     label=f"campaign-{run_id}", stdout=log, stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None:
