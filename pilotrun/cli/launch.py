@@ -146,6 +146,29 @@ def _task_done(args, spec) -> int | None:
     return None
 
 
+def _torchrun_command(args, name: str, nproc: int, run_id: str | None) -> tuple[list[str], Path | None]:
+    """torchrun running ``pilotrun run`` on each rank, and the run's folder when this node knows it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if args.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        rdzv = args.rdzv_id or rendezvous_id(name, args.rdzv_endpoint, args.nnodes, args.run_id)
+        # No --node-rank for torchrun: its c10d rendezvous ignores it (ranks go by arrival) and says so per node.
+        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+                f"--rdzv-id={rdzv}"]
+    cmd += ["-m", "pilotrun", "run", str(args.spec)]
+    out = args.out or (Path("runs") / run_id if run_id else None)  # None: rank 0 names it (several nodes)
+    for flag, value in (("--run-id", run_id), ("--out", out),
+                        ("--ledger", args.ledger), ("--gates", args.gates),
+                        ("--container-digest", args.container_digest), ("--task-id", args.task_id),
+                        ("--proven-lock", args.proven_lock)):
+        if value:
+            cmd += [flag, str(value)]
+    for item in args.overrides:
+        cmd += ["--set", item]
+    return cmd, out
+
+
 def main(args) -> int:
     spec = load_spec(args.spec, args.overrides)
     resolve_container_digest(args.container_digest)  # refused here once, not once per rank
@@ -169,24 +192,7 @@ def main(args) -> int:
     # One node: this launcher names the run. Several: each node's launcher alone cannot (see rendezvous_id), so
     # rank 0 creates the id and the process group carries it to every rank (distributed.agree_run_id).
     run_id = args.run_id or (new_run_id(spec.name) if args.nnodes == 1 else None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if args.nnodes == 1:
-        cmd.append("--standalone")
-    else:
-        rdzv = args.rdzv_id or rendezvous_id(spec.name, args.rdzv_endpoint, args.nnodes, args.run_id)
-        # No --node-rank for torchrun: its c10d rendezvous ignores it (ranks go by arrival) and says so per node.
-        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
-                f"--rdzv-id={rdzv}"]
-    cmd += ["-m", "pilotrun", "run", str(args.spec)]
-    out = args.out or (Path("runs") / run_id if run_id else None)  # None: rank 0 names it (several nodes)
-    for flag, value in (("--run-id", run_id), ("--out", out),
-                        ("--ledger", args.ledger), ("--gates", args.gates),
-                        ("--container-digest", args.container_digest), ("--task-id", args.task_id),
-                        ("--proven-lock", args.proven_lock)):
-        if value:
-            cmd += [flag, str(value)]
-    for item in args.overrides:
-        cmd += ["--set", item]
+    cmd, out = _torchrun_command(args, spec.name, nproc, run_id)
     console = out_console()
     named = f"run {run_id}" if run_id else "run id: created by rank 0 and shared by every node"
     where = f"; node {args.node_rank} of {args.nnodes}" if args.nnodes > 1 else ""
