@@ -202,8 +202,8 @@ def main(args) -> int:
     os.close(fd)
     try:
         env = {**os.environ, "PILOTRUN_LAUNCHED": "1", RUN_ID_FILE_VAR: id_file}
-        if out is not None:
-            env = with_torchrun_folder(env, Path(out).resolve() / "torchrun")
+        # Several nodes without --out: the run's folder is named by rank 0 later; runs/ holds torchrun's meanwhile.
+        env = with_torchrun_folder(env, (Path(out) if out is not None else Path("runs")).resolve() / "torchrun")
         proc = subprocess.Popen(cmd, env=env)
         try:
             with interruptible():
