@@ -1,4 +1,5 @@
-"""Shared fixtures. Every test is checked for leaks: child processes, process groups, files in the repo."""
+"""Shared fixtures. Every test is checked for leaks: child processes, process groups, files in the repo, temporary
+files."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -193,9 +195,14 @@ def _handlers() -> dict:
 
 
 @pytest.fixture(autouse=True)
-def no_leaks(repo_files_before):
-    """Fail a test that leaves processes (children or orphans it started), a process group, repo files, a signal
-    handler or an interval timer."""
+def no_leaks(repo_files_before, tmp_path_factory, monkeypatch):
+    """Fail a test that leaves processes (children or orphans it started), a process group, repo files, temporary
+    files, a signal handler or an interval timer."""
+    # The test's temporary folder, for this process (tempfile caches its choice) and every process it starts
+    # (TMPDIR): whatever pilotrun's code leaves there (a temp file, torchrun's torchelastic_* folder) is a leak.
+    scratch = tmp_path_factory.mktemp("scratch")
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     before_children = {p.pid for p in psutil.Process().children(recursive=True)} | set(_marked())
     handlers, mask = _handlers(), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
@@ -227,9 +234,11 @@ def no_leaks(repo_files_before):
             left.append([f"pid {p.pid}"])
         p.kill()
     new_files = _repo_files() - repo_files_before
+    temporary = sorted(p.name for p in scratch.iterdir())
     assert not leaked_pg, "the test left a torch.distributed process group initialised"
     assert not alive, f"the test left child processes running: {left}"
     assert not new_files, f"the test wrote into the repository: {sorted(new_files)[:10]}"
+    assert not temporary, f"the test left temporary files or folders: {temporary[:10]}"
     assert not changed, f"the test left signal handlers changed (now put back): {changed}"
     assert timer == (0.0, 0.0), f"the test left an interval timer running (now stopped): {timer}"
     assert mask_now == mask, f"the test left signals blocked (now unblocked): {sorted(mask_now - mask)}"

@@ -2,7 +2,8 @@
 
 Checked by running a small suite under our own conftest in a fresh pytest process: an unmarked test that starts a
 subprocess, or calls os.system, fails naming the command; the same test marked passes; the lock gate's git probe
-and a test that starts nothing pass unmarked; a misspelt mark is an error (markers are strict).
+and a test that starts nothing pass unmarked; a misspelt mark is an error (markers are strict). A test that leaves
+a temporary file or folder, in its own process or one it started, fails naming it.
 """
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ def test_unmarked_git_probe():
 
 def test_unmarked_pure():
     assert sum(range(4)) == 6
+
+
+def test_leaves_a_temporary_file():
+    import tempfile
+
+    os.close(tempfile.mkstemp(prefix="forgotten-")[0])
+
+
+@pytest.mark.process
+def test_a_child_leaves_a_temporary_folder():
+    subprocess.run([sys.executable, "-c", "import tempfile; tempfile.mkdtemp(prefix='torchelastic_')"], check=True)
+
+
+def test_cleans_up_its_temporary_file():
+    import tempfile
+
+    with tempfile.NamedTemporaryFile():
+        pass
 '''
 
 MISSPELT = '''
@@ -66,7 +85,8 @@ def _suite(tmp_path: Path, body: str) -> Path:
 
 def _pytest(root: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-rA", "tests"], cwd=root, capture_output=True, text=True, timeout=300)
+                           "-rA", "--basetemp", str(root.parent / "basetemp"), "tests"], cwd=root, capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_an_unmarked_test_that_starts_a_process_fails_naming_it(tmp_path):
@@ -80,8 +100,14 @@ def test_an_unmarked_test_that_starts_a_process_fails_naming_it(tmp_path):
                 outcomes.setdefault(line.split("::")[1].split()[0], set()).add(word)
     assert outcomes["test_unmarked_subprocess"] == {"PASSED", "ERROR"}, out  # the test passed, its teardown fails
     assert outcomes["test_unmarked_system"] == {"PASSED", "ERROR"}, out
-    for name in ("test_marked_subprocess", "test_unmarked_git_probe", "test_unmarked_pure"):
+    for name in ("test_marked_subprocess", "test_unmarked_git_probe", "test_unmarked_pure",
+                 "test_cleans_up_its_temporary_file"):
         assert outcomes[name] == {"PASSED"}, (name, out)
+    # Temporary files left behind, by the test's own process or one it started, fail it too, named.
+    assert outcomes["test_leaves_a_temporary_file"] == {"PASSED", "ERROR"}, out
+    assert outcomes["test_a_child_leaves_a_temporary_folder"] == {"PASSED", "ERROR"}, out
+    assert "the test left temporary files or folders: ['forgotten-" in out, out
+    assert "the test left temporary files or folders: ['torchelastic_" in out, out
     assert "test_unmarked_subprocess started 1 process(es) but is not marked @pytest.mark.process" in out, out
     assert "-c print('hello from a child')" in out, out
     assert "os.system: true" in out, out
