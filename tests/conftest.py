@@ -38,6 +38,14 @@ if _WORKERS > 1:
         os.environ.setdefault(_var, str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Importing torch._dynamo (the first optimizer step does) creates torch's compile cache folder, by default
+# <tmp>/torchinductor_<user>, and sets TORCHINDUCTOR_CACHE_DIR for the process and its children. Settled once here,
+# by torch's own function, before any test gives itself a temporary folder (no_leaks): otherwise that folder would
+# be made inside whichever test first imports dynamo, read as its leak, and handed on to every later test's processes.
+from torch._inductor.runtime.cache_dir_utils import cache_dir as _torch_cache_dir  # noqa: E402
+
+_torch_cache_dir()
+
 
 def _repo_files() -> set[str]:
     out = set()
