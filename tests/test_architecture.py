@@ -382,6 +382,8 @@ def test_every_registered_extension_lives_where_the_doc_says_a_new_one_goes():
     commands = sorted(p.stem for p in (PACKAGE / "cli").glob("*.py") if "add_parser" in _module_names(p))
     assert commands == sorted(COMMANDS), "each cli module with add_parser is a line in cli/common.py's COMMANDS"
     assert "`pilotrun/cli/<name>.py`" in entries["A command"]
+
+
 def _gate_literals(node: ast.AST) -> list[str]:
     """Gate names written as text in ``node``: a string constant, or the constants of a tuple, list or set."""
     from pilotrun.ledger.records import GateName

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -204,12 +205,10 @@ def _safetensors_header(path: Path) -> dict:
 
 
 @pytest.mark.process
-def test_ddp_pilot_matches_one_process(tmp_path, monkeypatch):
+def test_ddp_pilot_matches_one_process(tmp_path):
     spec = copy_fixture("toylm", tmp_path)  # micro batch 4 per rank, 3 micro steps per update
     ledger, out = tmp_path / "l.sqlite", tmp_path / "ddp"
-    scratch = tmp_path / "tmp"  # the processes' temporary folder: what torchrun leaves behind shows here
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))
+    scratch = Path(os.environ["TMPDIR"])  # this test's own, for every process it starts (tests/conftest.py)
     res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=ddp",
                        "--gates", "steady_step,save,restore", "--out", str(out), "--ledger", str(ledger),
                        cwd=tmp_path, timeout=600)

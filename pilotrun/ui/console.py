@@ -97,7 +97,8 @@ def headline(rows: list[dict], status: str) -> Text:
     # copies). Imported here: the gates import torch, which `pilotrun ledger` does without.
     from ..gates.registry import job_memory_gates
 
-    measured = [r for r in rows if peak_of(r) and r["gate"] in job_memory_gates()]
+    job_gates = job_memory_gates()
+    measured = [r for r in rows if peak_of(r) and r["gate"] in job_gates]
     if measured:
         top = max(measured, key=peak_of)
         inp = top.get("inputs") or {}
