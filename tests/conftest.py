@@ -7,6 +7,7 @@ import multiprocessing.util
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -477,6 +478,22 @@ def program_events(job, kind: str) -> list[dict]:
     """The events of one kind a handle wrote."""
     assert job.events_path is not None
     return [x for x in map(json.loads, job.events_path.read_text().splitlines()) if x["kind"] == kind]
+
+
+def polled_rows(ledger: Path, sql: str, *args) -> list[dict]:
+    """The rows of ``sql`` in a ledger another process may still be creating: no file yet, or a file whose tables
+    its creator has not yet written (``Ledger`` makes the file, then its schema), is no rows. Connecting before the
+    file exists would create it, so that is not tried."""
+    if not ledger.exists():
+        return []
+    try:
+        with sqlite3.connect(ledger) as conn:
+            conn.row_factory = sqlite3.Row
+            return [dict(r) for r in conn.execute(sql, args)]
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):
+            raise
+        return []
 
 
 def interrupt_when(cmd: list[str], ready, cwd: Path, env: dict, timeout: float = 120) -> tuple[int, str]:

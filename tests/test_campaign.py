@@ -30,7 +30,7 @@ from pilotrun.checkpoint import LoadPolicy
 from pilotrun.config.schema import SpecError
 from pilotrun.ledger import Ledger
 
-from .conftest import FIXTURES, TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli
+from .conftest import FIXTURES, TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli, polled_rows
 
 LRS = [3.0e-3, 1.0e-3, 1.0]  # control, a plausible variant, one that diverges
 # At lr 1.0 the loss jumps around; whether it passes 3x its first within 12 updates depends on the CPU's arithmetic
@@ -383,16 +383,6 @@ def _ledger(path, sql, *args):
     with sqlite3.connect(path) as conn:
         conn.row_factory = sqlite3.Row
         return [dict(r) for r in conn.execute(sql, args)]
-
-
-def _polled(path, sql) -> list[dict]:
-    """``_ledger`` while a campaign process may still be creating the ledger: no file or no tables yet is no rows."""
-    try:
-        return _ledger(path, sql) if path.exists() else []
-    except sqlite3.OperationalError as exc:  # the file exists, its schema not yet
-        if "no such table" not in str(exc):
-            raise
-        return []
 
 
 @pytest.mark.process
@@ -830,7 +820,7 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, ho
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:  # both runs are training: their first points are in the ledger
             time.sleep(0.5)
-            if len(_polled(ledger, "SELECT DISTINCT run_id FROM metrics")) == 2:
+            if len(polled_rows(ledger, "SELECT DISTINCT run_id FROM metrics")) == 2:
                 break
         else:
             pytest.fail("the runs never wrote a point")
@@ -939,14 +929,14 @@ def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not _polled(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'"):
+        while time.monotonic() < deadline and not polled_rows(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'"):
             time.sleep(0.3)
         cid = _ledger(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'")[0]["run_id"]
         res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), cwd=tmp_path)
         assert res.returncode == 2 and f"is still running (pid {proc.pid})" in res.stderr, res.stderr
         while time.monotonic() < deadline:  # both runs are training
             time.sleep(0.3)
-            if len(_polled(ledger, "SELECT DISTINCT run_id FROM metrics WHERE gate = 'train'")) == 2:
+            if len(polled_rows(ledger, "SELECT DISTINCT run_id FROM metrics WHERE gate = 'train'")) == 2:
                 break
         else:
             pytest.fail("the runs never wrote a point")

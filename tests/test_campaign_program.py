@@ -19,7 +19,7 @@ from pilotrun.campaign.spec import ProgramTemplate, load_campaign, run_spec
 from pilotrun.config.schema import SpecError
 from pilotrun.workers.common import write_spec_file
 
-from .conftest import EXAMPLES, pilotrun_cli, program_events, program_handle
+from .conftest import EXAMPLES, pilotrun_cli, polled_rows, program_events, program_handle
 
 
 def _setup(tmp_path, **campaign):
@@ -207,11 +207,9 @@ def test_an_interrupted_program_campaign_continues_from_the_programs_last_checkp
     env = {**os.environ, "PILOTRUN_CONTAINER_DIGEST": TEST_DIGEST}
 
     def points(run_suffix: str) -> list[tuple]:
-        if not ledger.exists():
-            return []
-        with sqlite3.connect(ledger) as db:
-            return db.execute("SELECT step, loss FROM metrics WHERE gate = 'train' AND run_id LIKE ? ORDER BY step",
-                              (f"%-{run_suffix}",)).fetchall()
+        rows = polled_rows(ledger, "SELECT step, loss FROM metrics WHERE gate = 'train' AND run_id LIKE ? ORDER BY step",
+                           f"%-{run_suffix}")
+        return [(r["step"], r["loss"]) for r in rows]
 
     code, out = interrupt_when([sys.executable, "-m", "pilotrun", "campaign", str(spec), "--ledger", str(ledger),
                                 "--out", str(tmp_path / "runs")], lambda: len(points("r01")) >= 5, tmp_path, env)

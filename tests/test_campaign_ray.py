@@ -34,7 +34,7 @@ from pilotrun.campaign.runner import FLUSH_EVERY_S  # noqa: E402
 from pilotrun.campaign.spool import SpoolReader, SpoolSink  # noqa: E402
 from pilotrun.ledger.records import RunEnd, RunStatus, Series, StopKind  # noqa: E402
 
-from .conftest import FIXTURES, TEST_DIGEST, pilotrun_cli  # noqa: E402
+from .conftest import FIXTURES, TEST_DIGEST, pilotrun_cli, polled_rows  # noqa: E402
 
 LRS = [1.0e-2, 3.0]  # the control, and one that diverges on the toy model: its second update's loss is 100-3000x
 # the first for every seed tried (the 3x rule cannot depend on the machine; on the demo model lr 1.0 ended near 3x)
@@ -370,15 +370,7 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
             deadline = time.monotonic() + 180
             while victim is None and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.3)
-                if not ledger.exists():  # (connecting would create it)
-                    continue
-                try:
-                    runs = _rows(ledger, "SELECT run_id, meta_json FROM runs WHERE kind = 'campaign-run'")
-                except sqlite3.OperationalError as exc:  # the campaign process is still creating its tables
-                    if "no such table" not in str(exc):
-                        raise
-                    continue
-                for r in runs:
+                for r in polled_rows(ledger, "SELECT run_id, meta_json FROM runs WHERE kind = 'campaign-run'"):
                     pid = (json.loads(r["meta_json"]).get("ray") or {}).get("pid")
                     on_worker = pid and any(p.pid == pid for p in _marked(worker_mark))
                     if on_worker and _rows(ledger, "SELECT 1 FROM metrics WHERE run_id = ? AND gate = 'train'",

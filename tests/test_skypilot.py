@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from .conftest import EXAMPLES, FIXTURES, REPO, TEST_DIGEST, pilotrun_cli
+from .conftest import EXAMPLES, FIXTURES, REPO, TEST_DIGEST, pilotrun_cli, polled_rows
 
 pytestmark = pytest.mark.process
 
@@ -161,10 +161,7 @@ def _ledger(path: Path, sql: str, *args) -> list[dict]:
 
 
 def _points(ledger: Path) -> int:
-    try:
-        return len(_ledger(ledger, "SELECT 1 FROM metrics WHERE gate = 'train'")) if ledger.exists() else 0
-    except sqlite3.OperationalError:  # the schema is being made
-        return 0
+    return len(polled_rows(ledger, "SELECT 1 FROM metrics WHERE gate = 'train'"))
 
 
 def test_the_run_script_resumes_a_killed_campaign_without_a_lost_or_duplicated_row(tmp_path):
