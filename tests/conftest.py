@@ -480,16 +480,22 @@ def program_events(job, kind: str) -> list[dict]:
     return [x for x in map(json.loads, job.events_path.read_text().splitlines()) if x["kind"] == kind]
 
 
+def ledger_rows(ledger: Path, sql: str, *args) -> list[dict]:
+    """The rows of ``sql`` in the ledger file, each a dict by column: the tests read what pilotrun wrote with plain
+    SQL, not through the code under test."""
+    with sqlite3.connect(ledger) as conn:
+        conn.row_factory = sqlite3.Row
+        return [dict(r) for r in conn.execute(sql, args)]
+
+
 def polled_rows(ledger: Path, sql: str, *args) -> list[dict]:
-    """The rows of ``sql`` in a ledger another process may still be creating: no file yet, or a file whose tables
+    """:func:`ledger_rows` of a ledger another process may still be creating: no file yet, or a file whose tables
     its creator has not yet written (``Ledger`` makes the file, then its schema), is no rows. Connecting before the
     file exists would create it, so that is not tried."""
     if not ledger.exists():
         return []
     try:
-        with sqlite3.connect(ledger) as conn:
-            conn.row_factory = sqlite3.Row
-            return [dict(r) for r in conn.execute(sql, args)]
+        return ledger_rows(ledger, sql, *args)
     except sqlite3.OperationalError as exc:
         if "no such table" not in str(exc):
             raise

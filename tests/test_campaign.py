@@ -30,7 +30,7 @@ from pilotrun.checkpoint import LoadPolicy
 from pilotrun.config.schema import SpecError
 from pilotrun.ledger import Ledger
 
-from .conftest import FIXTURES, TEST_DIGEST, copy_example, open_in_chromium, pilotrun_cli, polled_rows
+from .conftest import FIXTURES, TEST_DIGEST, copy_example, ledger_rows, open_in_chromium, pilotrun_cli, polled_rows
 
 LRS = [3.0e-3, 1.0e-3, 1.0]  # control, a plausible variant, one that diverges
 # At lr 1.0 the loss jumps around; whether it passes 3x its first within 12 updates depends on the CPU's arithmetic
@@ -379,12 +379,6 @@ def campaign(tmp_path_factory):
     return {"work": work, "ledger": ledger, "id": out["campaign_id"], "out": out, "by_lr": runs}
 
 
-def _ledger(path, sql, *args):
-    with sqlite3.connect(path) as conn:
-        conn.row_factory = sqlite3.Row
-        return [dict(r) for r in conn.execute(sql, args)]
-
-
 @pytest.mark.process
 def test_every_run_is_kept_with_its_reason_and_the_conclusion_is_honest(campaign):
     out, by_lr = campaign["out"], campaign["by_lr"]
@@ -400,7 +394,7 @@ def test_every_run_is_kept_with_its_reason_and_the_conclusion_is_honest(campaign
     control = out["conclusion"]["variants"][0]
     assert control["finished"] == 2 and control["val_loss_std"] is not None
     # Declared before the start and stored: the campaign row holds the whole declaration.
-    camp = _ledger(campaign["ledger"], "SELECT * FROM runs WHERE run_id = ?", campaign["id"])[0]
+    camp = ledger_rows(campaign["ledger"], "SELECT * FROM runs WHERE run_id = ?", campaign["id"])[0]
     declared = json.loads(camp["meta_json"])["campaign"]
     assert declared["stop"] == {"non_finite": True, "divergence": DIVERGENCE, "budget_minutes": 20}
     assert declared["vary"] == {"train.optimizer.lr": LRS} and declared["updates"] == 12
@@ -409,18 +403,18 @@ def test_every_run_is_kept_with_its_reason_and_the_conclusion_is_honest(campaign
 @pytest.mark.process
 def test_parallel_runs_wrote_every_update_once_and_kept_what_was_asked(campaign):
     for r in campaign["out"]["runs"]:
-        rows = _ledger(campaign["ledger"], "SELECT * FROM metrics WHERE run_id = ? AND gate = 'train' ORDER BY step",
-                       r["run_id"])
+        rows = ledger_rows(campaign["ledger"],
+                           "SELECT * FROM metrics WHERE run_id = ? AND gate = 'train' ORDER BY step", r["run_id"])
         last = r["meta"]["stopped_at"] if r["status"] == "diverged" else 12
         assert [m["step"] for m in rows] == list(range(1, last + 1)), r["run_id"]  # no lost, no duplicated rows
         assert all(m["lr"] > 0 and m["grad_norm"] is not None and json.loads(m["extra_json"])["examples_per_second"] > 0
                    for m in rows)
-        val = _ledger(campaign["ledger"], "SELECT step FROM metrics WHERE run_id = ? AND gate = 'val'", r["run_id"])
+        val = ledger_rows(campaign["ledger"], "SELECT step FROM metrics WHERE run_id = ? AND gate = 'val'", r["run_id"])
         folder = campaign["work"] / "runs" / campaign["id"] / r["run_id"]
         preds = json.loads((folder / "predictions.json").read_text())
         assert len(preds) == 4 and all("predicted_tokens" in p for p in preds)
-        meta = json.loads(_ledger(campaign["ledger"], "SELECT meta_json FROM runs WHERE run_id = ?",
-                                  r["run_id"])[0]["meta_json"])
+        meta = json.loads(ledger_rows(campaign["ledger"], "SELECT meta_json FROM runs WHERE run_id = ?",
+                                      r["run_id"])[0]["meta_json"])
         if r["status"] == "finished":
             assert [v["step"] for v in val] == [6, 12]
             assert (folder / "export" / "model.safetensors").is_file()
@@ -481,7 +475,7 @@ def test_a_retry_is_a_new_run_linked_to_its_parent(campaign):
     res = pilotrun_cli("campaign", campaign["id"], "--retry", finished, "--ledger", str(campaign["ledger"]),
                        cwd=campaign["work"])
     assert res.returncode == 2 and "an identical rerun would not count" in res.stderr
-    assert len(_ledger(campaign["ledger"], "SELECT * FROM runs WHERE kind = 'campaign-run'")) == 7
+    assert len(ledger_rows(campaign["ledger"], "SELECT * FROM runs WHERE kind = 'campaign-run'")) == 7
 
 
 @pytest.mark.process
@@ -518,7 +512,7 @@ def test_the_report_renders_in_a_real_browser(campaign):
     page = (work / "r.html").read_text()
     assert f"Campaign run: {bad['run_id']}" in page and html_escape(bad["meta"]["stop_reason"]) in page
     # Its curves: loss and lr, and validation loss when it lived to the first validation (update 6).
-    val = _ledger(campaign["ledger"], "SELECT step FROM metrics WHERE run_id = ? AND gate = 'val'", bad["run_id"])
+    val = ledger_rows(campaign["ledger"], "SELECT step FROM metrics WHERE run_id = ? AND gate = 'val'", bad["run_id"])
     assert "Pilot:" not in page and page.count("data:image/png") == 2 + bool(val)
     res = pilotrun_cli("ledger", "--ledger", str(campaign["ledger"]), cwd=work)
     assert res.returncode == 0 and f"seed {bad['meta']['seed']} · update {bad['meta']['stopped_at']}:" in res.stdout
@@ -559,7 +553,7 @@ def test_archive_reloads_in_a_fresh_process_and_says_why_a_diverged_run_has_no_m
                        str(work / "campaign.tar.gz"), "--json", cwd=work)
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(res.stdout)
-    rows = _ledger(campaign["ledger"], "SELECT status FROM runs WHERE run_id LIKE ?", campaign["id"] + "-r%")
+    rows = ledger_rows(campaign["ledger"], "SELECT status FROM runs WHERE run_id LIKE ?", campaign["id"] + "-r%")
     assert summary["runs"] == len(rows) >= 6  # retries from other tests included
     assert summary["models"] == sum(r["status"] == "finished" for r in rows) >= 4
     with tarfile.open(work / "campaign.tar.gz") as tar:
@@ -724,7 +718,8 @@ def test_ledger_exports_csv_and_mlflow(campaign, tmp_path):
     res = pilotrun_cli("ledger", "--csv", "metrics", "--run", campaign["id"], "--out", str(out),
                        "--ledger", str(campaign["ledger"]), cwd=tmp_path)
     assert res.returncode == 0
-    n = _ledger(campaign["ledger"], "SELECT COUNT(*) AS n FROM metrics WHERE run_id LIKE ?", campaign["id"] + "-r%")[0]["n"]
+    n = ledger_rows(campaign["ledger"], "SELECT COUNT(*) AS n FROM metrics WHERE run_id LIKE ?",
+                    campaign["id"] + "-r%")[0]["n"]
     assert len(list(csv.DictReader(out.open()))) == n
 
     pytest.importorskip("mlflow", reason="MLflow not installed (pip install 'pilotrun[mlflow]'): export not tested")
@@ -838,14 +833,14 @@ def test_ctrl_c_stops_the_runs_where_they_are_and_records_every_one(tmp_path, ho
     cause = f"interrupted ({'Ctrl-C' if how == 'ctrl-c' else 'SIGTERM'})"
     assert cause in err
     assert "every run is recorded" in err and "Traceback" not in err, out + err
-    camp = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
+    camp = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
     assert camp["status"] == "interrupted" and camp["ended_at"]
-    runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
+    runs = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
     assert [r["status"] for r in runs] == ["stopped", "stopped", "not-run", "not-run"], runs
     for r in runs[:2]:  # stopped where it was, every update before that kept once
         meta = json.loads(r["meta_json"])
         assert meta["stop_reason"] == cause and 5 <= meta["stopped_at"] < 20000  # a preemption is not a Ctrl-C
-        steps = [m["step"] for m in _ledger(ledger, "SELECT step FROM metrics WHERE run_id = ? AND gate = 'train' "
+        steps = [m["step"] for m in ledger_rows(ledger, "SELECT step FROM metrics WHERE run_id = ? AND gate = 'train' "
                                                     "ORDER BY step", r["run_id"])]
         assert steps == list(range(1, meta["stopped_at"] + 1))
     for r in runs[2:]:
@@ -879,7 +874,7 @@ def test_an_interrupted_campaign_resumes_its_cut_short_runs_as_new_linked_runs(t
 
     spent = tmp_path / "spent.sqlite"  # the same campaign with its 20-minute budget used up
     shutil.copy(ledger, spent)
-    meta = json.loads(_ledger(spent, "SELECT meta_json FROM runs WHERE run_id = ?", cid)[0]["meta_json"])
+    meta = json.loads(ledger_rows(spent, "SELECT meta_json FROM runs WHERE run_id = ?", cid)[0]["meta_json"])
     con = sqlite3.connect(spent)
     with con:
         con.execute("UPDATE runs SET meta_json = ? WHERE run_id = ?", (json.dumps({**meta, "budget_spent_s": 1300}), cid))
@@ -890,7 +885,7 @@ def test_an_interrupted_campaign_resumes_its_cut_short_runs_as_new_linked_runs(t
     path.write_text(path.read_text().replace("0.003", "0.5"))  # an edit after the start must not leak in
     res = pilotrun_cli("campaign", cid, "--resume", "--parallel", "2", "--ledger", str(ledger), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
+    runs = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
     assert [(r["run_id"][-3:], r["status"], (r["parent_id"] or "")[-3:]) for r in runs] == [
         ("r01", "finished", ""), ("r02", "not-run", ""), ("r03", "not-run", ""), ("r04", "not-run", ""),
         ("r05", "finished", "r02"), ("r06", "finished", "r03"), ("r07", "finished", "r04")]
@@ -899,7 +894,7 @@ def test_an_interrupted_campaign_resumes_its_cut_short_runs_as_new_linked_runs(t
         assert new_meta["continues"] == old["run_id"] and "retry_of" not in new_meta
         assert (new_meta["variant"], new_meta["seed"]) == (old_meta["variant"], old_meta["seed"])
         assert new["config_hash"] == old["config_hash"]  # the stored declaration, not the edited file
-    camp = _ledger(ledger, "SELECT * FROM runs WHERE run_id = ?", cid)[0]
+    camp = ledger_rows(ledger, "SELECT * FROM runs WHERE run_id = ?", cid)[0]
     assert camp["status"] == "finished"
     cmeta = json.loads(camp["meta_json"])
     text = cmeta["conclusion"]["text"]
@@ -907,7 +902,7 @@ def test_an_interrupted_campaign_resumes_its_cut_short_runs_as_new_linked_runs(t
     assert [v["finished"] for v in cmeta["conclusion"]["variants"]] == [2, 2]
     assert cmeta["budget_spent_s"] > 0
     assert any("conclusion after resume (3 run(s) continued)" in n["text"]
-               for n in _ledger(ledger, "SELECT text FROM notes WHERE run_id = ?", cid))
+               for n in ledger_rows(ledger, "SELECT text FROM notes WHERE run_id = ?", cid))
 
     res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), cwd=tmp_path)
     assert res.returncode == 2 and "was not interrupted (it ended finished)" in res.stderr
@@ -931,7 +926,7 @@ def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not polled_rows(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'"):
             time.sleep(0.3)
-        cid = _ledger(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'")[0]["run_id"]
+        cid = ledger_rows(ledger, "SELECT run_id FROM runs WHERE kind = 'campaign'")[0]["run_id"]
         res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), cwd=tmp_path)
         assert res.returncode == 2 and f"is still running (pid {proc.pid})" in res.stderr, res.stderr
         while time.monotonic() < deadline:  # both runs are training
@@ -952,7 +947,7 @@ def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert _ledger(ledger, "SELECT status FROM runs WHERE run_id = ?", cid)[0]["status"] == "running"
+    assert ledger_rows(ledger, "SELECT status FROM runs WHERE run_id = ?", cid)[0]["status"] == "running"
     # An hour-old start: the recovery happens, then the budget check stops the resume before any run starts.
     con = sqlite3.connect(ledger)
     with con:
@@ -960,14 +955,15 @@ def test_a_killed_campaign_is_found_by_resume_and_every_open_run_gets_an_end(tmp
     con.close()
     res = pilotrun_cli("campaign", cid, "--resume", "--ledger", str(ledger), cwd=tmp_path)
     assert res.returncode == 2 and "has spent its budget" in res.stderr, res.stderr
-    runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
+    runs = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
     assert [r["status"] for r in runs] == ["stopped", "stopped", "not-run", "not-run"]
     for r in runs[:2]:
         meta = json.loads(r["meta_json"])
-        last = _ledger(ledger, "SELECT MAX(step) AS s FROM metrics WHERE run_id = ? AND gate = 'train'", r["run_id"])
+        last = ledger_rows(ledger, "SELECT MAX(step) AS s FROM metrics WHERE run_id = ? AND gate = 'train'",
+                           r["run_id"])
         assert meta["stopped_at"] == last[0]["s"] >= 1 and meta["stop_reason"] == (
             f"the campaign's process (pid {proc.pid}) was killed; the last update this run recorded is {last[0]['s']}")
     assert "killed before this run started" in json.loads(runs[2]["meta_json"])["stop_reason"]
-    camp = _ledger(ledger, "SELECT * FROM runs WHERE run_id = ?", cid)[0]
+    camp = ledger_rows(ledger, "SELECT * FROM runs WHERE run_id = ?", cid)[0]
     assert camp["status"] == "interrupted" and camp["ended_at"]
     assert json.loads(camp["meta_json"])["conclusion"]["text"][0].startswith("the campaign was interrupted")

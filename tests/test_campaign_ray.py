@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pilotrun.campaign.runner import FLUSH_EVERY_S  # noqa: E402
 from pilotrun.campaign.spool import SpoolReader, SpoolSink  # noqa: E402
 from pilotrun.ledger.records import RunEnd, RunStatus, Series, StopKind  # noqa: E402
 
-from .conftest import FIXTURES, TEST_DIGEST, pilotrun_cli, polled_rows  # noqa: E402
+from .conftest import FIXTURES, TEST_DIGEST, ledger_rows, pilotrun_cli, polled_rows  # noqa: E402
 
 LRS = [1.0e-2, 3.0]  # the control, and one that diverges on the toy model: its second update's loss is 100-3000x
 # the first for every seed tried (the 3x rule cannot depend on the machine; on the demo model lr 1.0 ended near 3x)
@@ -112,12 +111,6 @@ def _campaign(tmp_path: Path, **over) -> Path:
     return path
 
 
-def _rows(ledger: Path, sql: str, *args) -> list[dict]:
-    with sqlite3.connect(ledger) as conn:
-        conn.row_factory = sqlite3.Row
-        return [dict(r) for r in conn.execute(sql, args)]
-
-
 def _marked(mark: str) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter():
@@ -176,13 +169,13 @@ def ray_env():
 
 
 def _summary(ledger: Path) -> tuple[list, list]:
-    runs = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid")
-    camp = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
+    runs = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid")
+    camp = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
     rows = []
     for r in runs:
         m = json.loads(r["meta_json"])
-        points = _rows(ledger, "SELECT COUNT(*) AS n, MAX(step) AS last FROM metrics WHERE run_id = ? AND gate = 'train'",
-                       r["run_id"])[0]
+        points = ledger_rows(ledger, "SELECT COUNT(*) AS n, MAX(step) AS last FROM metrics "
+                                     "WHERE run_id = ? AND gate = 'train'", r["run_id"])[0]
         rows.append((r["run_id"][len(camp["run_id"]):], m["variant"], m["seed"], r["status"], m["stop_kind"],
                      m["stop_reason"], m["stopped_at"], points["n"], points["last"]))
     return rows, json.loads(camp["meta_json"])["conclusion"]["text"]
@@ -211,10 +204,10 @@ def test_a_local_ray_instance_keeps_exactly_the_rows_the_local_engine_keeps(tmp_
     assert all(r[6] == r[8] >= 1 for r in diverged)  # stopped where its last point is: every update kept once
     assert all(r[3] == "finished" and r[7] == 12 for r in ray_rows if r[1] == LRS[0])
     # Where the files went (--storage) is recorded, and each run says which node and process ran it.
-    camp = _rows(ray_ledger, "SELECT meta_json FROM runs WHERE kind = 'campaign'")[0]
+    camp = ledger_rows(ray_ledger, "SELECT meta_json FROM runs WHERE kind = 'campaign'")[0]
     engine = json.loads(camp["meta_json"])["engine"]
     assert engine["name"] == "ray" and Path(engine["storage"]).parent == (tmp_path / "store").resolve()
-    for r in _rows(ray_ledger, "SELECT * FROM runs WHERE kind = 'campaign-run'"):
+    for r in ledger_rows(ray_ledger, "SELECT * FROM runs WHERE kind = 'campaign-run'"):
         meta = json.loads(r["meta_json"])
         assert Path(r["out_dir"]).parent == Path(engine["storage"]) and meta["ray"]["node_id"]
         assert (Path(r["out_dir"]) / "predictions.json").is_file()
@@ -227,15 +220,15 @@ def test_a_local_ray_instance_keeps_exactly_the_rows_the_local_engine_keeps(tmp_
     rep = pilotrun_cli("report", cid, "--ledger", str(ray_ledger), "--out", str(tmp_path / "report.html"), cwd=tmp_path)
     assert rep.returncode == 0, rep.stderr
     # A retry on Ray is a new run linked to its parent, in the campaign's storage; the parent's row is untouched.
-    before = _rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r03")[0]
+    before = ledger_rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r03")[0]
     res = pilotrun_cli("campaign", cid, "--retry", "r03", "--set", "train.micro_batch_size=2", "--set",
                        "train.grad_accum_steps=4", "--engine", "ray", "--ledger", str(ray_ledger), "--json",
                        cwd=tmp_path, env=ray_env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    new = _rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r05")[0]
+    new = ledger_rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r05")[0]
     assert new["parent_id"] == f"{cid}-r03" and new["status"] in ("finished", "diverged")
     assert Path(new["out_dir"]).parent == Path(engine["storage"]) and json.loads(new["meta_json"])["ray"]["pid"]
-    assert _rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r03")[0] == before
+    assert ledger_rows(ray_ledger, "SELECT * FROM runs WHERE run_id = ?", f"{cid}-r03")[0] == before
     assert not _marked(ray_env[MARK]), "the campaign left Ray processes behind"
     print(f"ray campaign: {ray_s:.1f} s")
 
@@ -295,7 +288,7 @@ def test_a_failing_factory_gives_the_same_row_on_ray_and_each_ray_run_has_a_fres
         ("failed", "error", "building the job raised ValueError: the factory refuses seed 2", 0)] * 2
     assert [r[3] for r in local if r[2] == 1] == ["finished"] * 2
     pids = [json.loads(r["meta_json"])["ray"]["pid"]
-            for r in _rows(ledgers["ray"], "SELECT meta_json FROM runs WHERE kind = 'campaign-run'")]
+            for r in ledger_rows(ledgers["ray"], "SELECT meta_json FROM runs WHERE kind = 'campaign-run'")]
     assert len(set(pids)) == 4, pids
 
 
@@ -373,12 +366,12 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
                 for r in polled_rows(ledger, "SELECT run_id, meta_json FROM runs WHERE kind = 'campaign-run'"):
                     pid = (json.loads(r["meta_json"]).get("ray") or {}).get("pid")
                     on_worker = pid and any(p.pid == pid for p in _marked(worker_mark))
-                    if on_worker and _rows(ledger, "SELECT 1 FROM metrics WHERE run_id = ? AND gate = 'train'",
-                                           r["run_id"]):
+                    if on_worker and ledger_rows(ledger, "SELECT 1 FROM metrics WHERE run_id = ? AND gate = 'train'",
+                                                 r["run_id"]):
                         victim = r["run_id"]
             assert victim, "no run recorded an update on the worker node"
             nodes = {json.loads(r["meta_json"])["ray"]["node_id"] for r in
-                     _rows(ledger, "SELECT meta_json FROM runs WHERE kind = 'campaign-run'")
+                     ledger_rows(ledger, "SELECT meta_json FROM runs WHERE kind = 'campaign-run'")
                      if json.loads(r["meta_json"]).get("ray")}
             assert len(nodes) == 2, "the runs did not land on both nodes"
             _kill(worker_mark)  # the node's raylet and its workers, with no chance to record anything
@@ -388,12 +381,12 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
                 proc.kill()
                 proc.wait()
         assert proc.returncode == 0, out + err
-        rows = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid")
+        rows = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid")
         assert len(rows) == 2
         for r in rows:
             meta = json.loads(r["meta_json"])
-            last = _rows(ledger, "SELECT MAX(step) AS s FROM metrics WHERE run_id = ? AND gate = 'train'",
-                         r["run_id"])[0]["s"]
+            last = ledger_rows(ledger, "SELECT MAX(step) AS s FROM metrics WHERE run_id = ? AND gate = 'train'",
+                               r["run_id"])[0]["s"]
             if r["run_id"] == victim:
                 assert (r["status"], meta["stop_kind"]) == ("stopped", "worker-lost"), meta
                 assert meta["stopped_at"] == last >= 1
@@ -401,14 +394,14 @@ def test_a_killed_worker_node_leaves_a_stopped_row_and_every_other_row(tmp_path,
                 assert meta["stop_reason"].endswith(f"the last update this run recorded is {last}")
             else:
                 assert r["status"] == "finished" and last == UPDATES, (r["status"], meta)
-        camp = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
+        camp = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")[0]
         assert camp["status"] == "finished-with-stops"
         assert json.loads(out)["conclusion"]["text"], out[:3000]
         # --resume runs the lost run again, on what is left of the cluster, as a new run linked to it.
         res = pilotrun_cli("campaign", camp["run_id"], "--resume", "--engine", "ray", "--address", address,
                            "--ledger", str(ledger), cwd=tmp_path, env=ray_env, timeout=240)
         assert res.returncode == 0, res.stdout + res.stderr
-        rows = _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid")
+        rows = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid")
         assert len(rows) == 3 and rows[2]["status"] == "finished", rows[2]
         assert json.loads(rows[2]["meta_json"])["continues"] == victim
     finally:
@@ -431,14 +424,14 @@ def test_a_distributed_run_is_a_two_rank_group_inside_one_ray_task_with_rows_per
     assert not list(scratch.glob("torchelastic_*"))
     out = json.loads(res.stdout)
     assert out["parallel"]["resources"] == {"num_cpus": 2, "num_gpus": 0}  # a CPU per rank on a CPU-only machine
-    for r in _rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run'"):
+    for r in ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run'"):
         assert r["status"] == "finished", r["meta_json"]
-        by_rank = _rows(ledger, "SELECT gate, rank, COUNT(*) AS n FROM metrics WHERE run_id = ? GROUP BY gate, rank "
-                                "ORDER BY gate, rank", r["run_id"])
+        by_rank = ledger_rows(ledger, "SELECT gate, rank, COUNT(*) AS n FROM metrics WHERE run_id = ? "
+                                      "GROUP BY gate, rank ORDER BY gate, rank", r["run_id"])
         # Each rank writes its own update points (as `pilotrun launch` writes a row per rank); validation is rank 0's.
         assert [(m["gate"], m["rank"], m["n"]) for m in by_rank] == [("train", 0, 4), ("train", 1, 4), ("val", 0, 2)]
-        losses = _rows(ledger, "SELECT rank, loss FROM metrics WHERE run_id = ? AND gate = 'train' ORDER BY step, rank",
-                       r["run_id"])
+        losses = ledger_rows(ledger, "SELECT rank, loss FROM metrics WHERE run_id = ? AND gate = 'train' "
+                                     "ORDER BY step, rank", r["run_id"])
         assert losses[0]["loss"] == losses[1]["loss"]  # the update's loss is reduced over the group
         assert (Path(r["out_dir"]) / "export").is_dir() and (Path(r["out_dir"]) / "spool" / "rank1.jsonl").is_file()
         assert len(list((Path(r["out_dir"]) / "torchrun").iterdir())) == 1  # torchrun's own folder, in the run's

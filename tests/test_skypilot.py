@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from .conftest import EXAMPLES, FIXTURES, REPO, TEST_DIGEST, pilotrun_cli, polled_rows
+from .conftest import EXAMPLES, FIXTURES, REPO, TEST_DIGEST, ledger_rows, pilotrun_cli, polled_rows
 
 pytestmark = pytest.mark.process
 
@@ -154,12 +153,6 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     assert '-m pilotrun launch --nproc-per-node 4' in t["run"] and "--engine ray" in t["run"]
 
 
-def _ledger(path: Path, sql: str, *args) -> list[dict]:
-    with sqlite3.connect(path) as conn:
-        conn.row_factory = sqlite3.Row
-        return [dict(r) for r in conn.execute(sql, args)]
-
-
 def _points(ledger: Path) -> int:
     return len(polled_rows(ledger, "SELECT 1 FROM metrics WHERE gate = 'train'"))
 
@@ -202,7 +195,7 @@ def test_the_run_script_resumes_a_killed_campaign_without_a_lost_or_duplicated_r
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
-    camp = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")
+    camp = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign'")
     assert [c["status"] for c in camp] == ["running"]  # as a preemption leaves it
 
     second = script()  # the restarted node, at full speed
@@ -210,25 +203,25 @@ def test_the_run_script_resumes_a_killed_campaign_without_a_lost_or_duplicated_r
     assert second.returncode == 0, out
     assert "not run again" in out and "was cut short: continued its 2 stopped or not-run run(s)" in out, out
 
-    pilots = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'pilot'")
+    pilots = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'pilot'")
     assert [p["status"] for p in pilots] == ["pass"], pilots  # piloted once, on the first start
-    gate = _ledger(ledger, "SELECT reason FROM gate_rows WHERE run_id = ? AND gate = 'lock'", pilots[0]["run_id"])
+    gate = ledger_rows(ledger, "SELECT reason FROM gate_rows WHERE run_id = ? AND gate = 'lock'", pilots[0]["run_id"])
     assert "the proven lock" in gate[0]["reason"], gate
-    runs = _ledger(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
+    runs = ledger_rows(ledger, "SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY run_id")
     cid = camp[0]["run_id"]
     assert [(r["run_id"][len(cid):], r["status"], (r["parent_id"] or "")[len(cid):]) for r in runs] == [
         ("-r01", "stopped", ""), ("-r02", "not-run", ""), ("-r03", "finished", "-r01"), ("-r04", "finished", "-r02")]
     stopped = json.loads(runs[0]["meta_json"])
-    steps = [m["step"] for m in _ledger(ledger, "SELECT step FROM metrics WHERE run_id = ? AND gate = 'train' "
-                                                "ORDER BY step", runs[0]["run_id"])]
+    steps = [m["step"] for m in ledger_rows(ledger, "SELECT step FROM metrics WHERE run_id = ? AND gate = 'train' "
+                                                    "ORDER BY step", runs[0]["run_id"])]
     assert steps == list(range(1, stopped["stopped_at"] + 1)) and 1 <= stopped["stopped_at"] < 40  # kept, once each
     assert "restarted on another machine" in stopped["stop_reason"] or "was killed" in stopped["stop_reason"]
     pairs = [(json.loads(r["meta_json"])["variant"], json.loads(r["meta_json"])["seed"]) for r in runs
              if r["status"] == "finished"]
     assert sorted(pairs) == [(1.0e-3, 1), (3.0e-3, 1)]  # every declared run has its one result
-    assert _ledger(ledger, "SELECT status FROM runs WHERE run_id = ?", cid)[0]["status"] == "finished"
+    assert ledger_rows(ledger, "SELECT status FROM runs WHERE run_id = ?", cid)[0]["status"] == "finished"
 
     third = script()  # a third start (a recovery after the end): nothing runs, nothing is added
     out, _ = third.communicate(timeout=300)
     assert third.returncode == 0 and "has ended (finished): nothing to run" in out, out
-    assert len(_ledger(ledger, "SELECT run_id FROM runs")) == 1 + 1 + 4
+    assert len(ledger_rows(ledger, "SELECT run_id FROM runs")) == 1 + 1 + 4
