@@ -112,7 +112,7 @@ def test_trace_matches_measured_cpu_peaks_within_5_percent(tmp_path, monkeypatch
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("policy", ["full", "selective", "every-2"])
+@pytest.mark.parametrize("policy", ["full", "selective", "selective-2", "every-2"])
 def test_each_checkpointing_policy_is_traced_within_5_percent_of_the_measured_peaks(tmp_path, monkeypatch, policy):
     """Issue 21: full, one block in 2, and the per-op policy that keeps the matmul outputs, on the demo with 4
     blocks (so that one in 2 is not all of them): the pilot's measured peaks vs the trace, stage by stage; and
@@ -184,23 +184,28 @@ def test_advice_lists_combinations_in_order_of_cost_up_to_the_cheapest_that_fits
     assert not out["fits"][0]["fits"]
     advice = out["advice"]["Card-16GB"]
     # micro batch 1 and bf16 leave checkpointing and sharding: checkpointing alone, in each policy from the cheapest
-    # recompute (the matmul outputs kept; one block in 2; every block: 21.9 GiB) and two shards alone (18.3 GiB) do
+    # recompute (the matmul outputs kept; one matmul in 2; one block in 2; every block: 21.9 GiB) and two shards alone (18.3 GiB) do
     # not fit a 16 GB card; two shards with the selective policy (15.9 GiB) do, and cost less than two shards with
     # full checkpointing or four shards, which one knob at a time would have offered next.
     assert [(v["variant"], v["fits"]) for v in advice] == [
         ("activation checkpointing (selective: matmul outputs kept)", False),
+        ("activation checkpointing (per op: attention outputs and 1 matmul in 2 kept)", False),
         ("activation checkpointing (1 block in 2)", False), ("activation checkpointing", False),
         ("FSDP2 over 2 GPUs", False),
         ("FSDP2 over 2 GPUs + activation checkpointing (selective: matmul outputs kept)", True)]
-    assert [v["cheapest_that_fits"] for v in advice] == [False, False, False, False, True]
+    assert [v["cheapest_that_fits"] for v in advice] == [False, False, False, False, False, True]
     both = advice[-1]
     assert both["changes"] == {"distributed.strategy": "fsdp", "gpus": 2,
                                "train.activation_checkpointing": "selective"}
     assert both["device_used_bytes"] <= both["capacity_bytes"]
-    selective, every2, full = advice[:3]
+    selective, selective2, every2, full = advice[:4]
     assert full["changes"] == {"train.activation_checkpointing": True}
-    # Each policy keeps less than none; the full one the least, at the most recompute.
+    # Each policy keeps less than none; the full one the least, at the most recompute; one matmul in 2 kept is
+    # between keeping them all and full, and recomputes the other matmuls (more FLOPs than selective's none).
     assert full["device_used_bytes"] < min(selective["device_used_bytes"], every2["device_used_bytes"])
+    assert full["device_used_bytes"] < selective2["device_used_bytes"] < selective["device_used_bytes"]
+    assert selective2["changes"] == {"train.activation_checkpointing": "selective-2"}
+    assert full["time_factor"] > selective2["time_factor"] > selective["time_factor"]
     assert max(selective["device_used_bytes"], every2["device_used_bytes"]) < out["fits"][0]["device_used_bytes"]
     assert full["time_factor"] > every2["time_factor"] > 1
     # The selective policy recomputes no matmul (1.00x FLOPs), yet its recomputed element-wise ops cost memory
@@ -219,8 +224,11 @@ def test_combinations_are_ordered_by_their_dearest_fix():
     names = [c.name() for c in combinations(spec, cat["H100-80GB"], "single", 1, cat)]
     mb, ac, bf16 = "smaller micro batch, more accumulation", "activation checkpointing", "mixed precision (bf16)"
     sel, every2 = f"{ac} (selective: matmul outputs kept)", f"{ac} (1 block in 2)"
-    # Checkpointing's policies from the cheapest recompute: the matmul outputs kept, one block in 2, every block.
-    assert names[:8] == [mb, sel, f"{sel} + {mb}", every2, f"{every2} + {mb}", ac, f"{ac} + {mb}", bf16]
+    sel2 = f"{ac} (per op: attention outputs and 1 matmul in 2 kept)"
+    # Checkpointing's policies from the cheapest recompute: the matmul outputs kept, one matmul in 2 kept (torchtitan's
+    # op policy), one block in 2, every block.
+    assert names[:10] == [mb, sel, f"{sel} + {mb}", sel2, f"{sel2} + {mb}", every2, f"{every2} + {mb}", ac,
+                          f"{ac} + {mb}", bf16]
     assert names.index(f"{bf16} + {ac} + {mb}") < names.index("FSDP2 over 2 GPUs")
     assert names.index(f"FSDP2 over 2 GPUs + {ac}") < names.index("FSDP2 over 4 GPUs")
     assert names.index(f"FSDP2 over 16 GPUs + {bf16} + {ac} + {mb}") < names.index("a larger accelerator (H200-141GB)")

@@ -28,17 +28,19 @@ def demo(tmp_path):
 
 def test_the_builtin_variants_follow_the_fix_order_and_skip_what_the_control_already_does(demo):
     planned = plan_variants(load_spec(demo))
-    assert [v.name for v in planned.run] == ["micro-batch-half", "checkpointing-selective", "checkpointing-every-2",
-                                             "checkpointing", "bf16", "fp16", "bf16-true"]
+    assert [v.name for v in planned.run] == ["micro-batch-half", "checkpointing-selective", "checkpointing-selective-2",
+                                             "checkpointing-every-2", "checkpointing", "bf16", "fp16", "bf16-true"]
     assert planned.run[1].settings == {"train.activation_checkpointing": "selective"}
-    assert planned.run[3].settings == {"train.activation_checkpointing": True}
+    assert planned.run[2].settings == {"train.activation_checkpointing": "selective-2"}
+    assert planned.run[4].settings == {"train.activation_checkpointing": True}
     half = planned.run[0]
     assert half.settings == {"train.micro_batch_size": 4, "train.grad_accum_steps": 4} and half.kind == Kind.MEMORY_FIX
     assert half.overrides == ["train.micro_batch_size=4", "train.grad_accum_steps=4"]
 
     already = plan_variants(load_spec(demo, ["train.precision=bf16", "train.micro_batch_size=3",
                                              "train.activation_checkpointing=true"]))
-    assert [v.name for v in already.run] == ["checkpointing-selective", "checkpointing-every-2", "fp16", "bf16-true"]
+    assert [v.name for v in already.run] == ["checkpointing-selective", "checkpointing-selective-2",
+                                             "checkpointing-every-2", "fp16", "bf16-true"]
     why = {s.name: s.why for s in already.skipped}
     assert why == {"micro-batch-half": "the micro batch is 3: it cannot be halved exactly",
                    "checkpointing": "the control already uses it (train.activation_checkpointing: True)",
@@ -125,31 +127,34 @@ def test_the_verdict_says_what_was_measured_and_fails_outside_the_declared_toler
 def test_the_demo_variants_are_measured_linked_to_the_control_and_judged(demo, tmp_path):
     ledger_path = tmp_path / "l.sqlite"
     result = run_variants(demo, ["pilot.variants.updates=5",
-                                 "pilot.variants.run=[micro-batch-half, checkpointing-selective, checkpointing, "
-                                 "bf16, fp16]",
+                                 "pilot.variants.run=[micro-batch-half, checkpointing-selective, "
+                                 "checkpointing-selective-2, checkpointing, bf16, fp16]",
                                  "pilot.variants.custom={shorter: {data.max_length: 48}}"], ledger_path)
-    assert [a.name for a in result.arms] == ["control", "micro-batch-half", "checkpointing-selective", "checkpointing",
-                                             "bf16", "fp16", "shorter"]
+    assert [a.name for a in result.arms] == ["control", "micro-batch-half", "checkpointing-selective",
+                                             "checkpointing-selective-2", "checkpointing", "bf16", "fp16", "shorter"]
     with Ledger(ledger_path) as ledger:
         run = ledger.run(result.run_id)
         rows = ledger.gate_rows(result.run_id)
         points = ledger.metrics(result.run_id)
     assert run["kind"] == RunKind.VARIANTS and run["config_hash"] == load_spec(demo).config_hash()
-    assert [r["gate"] for r in rows] == [VARIANT_ROW] * 7
+    assert [r["gate"] for r in rows] == [VARIANT_ROW] * 8
     control_id = rows[0]["id"]
     d = {r["details"]["variant"]: VariantDetails.of(r["details"]) for r in rows}
     by_name = {r["details"]["variant"]: r for r in rows}
     assert by_name["control"]["verdict"] == "pass" and d["control"].control_row is None
-    for name in ("micro-batch-half", "checkpointing-selective", "checkpointing", "bf16", "fp16", "shorter"):
+    for name in ("micro-batch-half", "checkpointing-selective", "checkpointing-selective-2", "checkpointing", "bf16",
+                 "fp16", "shorter"):
         assert d[name].control_row == control_id, name
         assert d[name].updates == 5 and d[name].same_initial_weights is True, name
         assert d[name].time_ratio is not None and d[name].time_ratio > 0, name
         assert d[name].val_loss is not None and math.isfinite(d[name].val_loss), name
     # Checkpointing keeps fewer activations alive: its measured peak is below the control's; the selective policy,
-    # which keeps the matmul outputs, sits between the two.
-    assert d["checkpointing"].peak_live_bytes < d["checkpointing-selective"].peak_live_bytes < d[
-        "control"].peak_live_bytes
-    assert d["checkpointing-selective"].numerics["loss_rel_diff_max"] < 1e-5  # recomputation, same values
+    # which keeps the matmul outputs, sits between the two, and keeping one matmul in 2 (torchtitan's op policy)
+    # between full checkpointing and keeping them all.
+    assert d["checkpointing"].peak_live_bytes < d["checkpointing-selective-2"].peak_live_bytes < d[
+        "checkpointing-selective"].peak_live_bytes < d["control"].peak_live_bytes
+    for policy in ("checkpointing-selective", "checkpointing-selective-2"):   # recomputation, same values
+        assert d[policy].numerics["loss_rel_diff_max"] < 1e-5, policy
     assert "time x" in by_name["checkpointing"]["reason"]
     # Micro batch /2 x accumulation x2: the same examples in every update, the same examples per update.
     assert d["micro-batch-half"].numerics["same_examples"] is True

@@ -110,6 +110,10 @@ class ModelSpec(FactorySection):
     adapter: AdapterSpec | None = doc("train a LoRA adapter on the frozen model instead of every weight", None)
     quantization: QuantizationSpec | None = doc(
         "load the frozen base quantised to 4 or 8 bits with bitsandbytes (needs model.hf or model.config)", None)
+    attn_implementation: Literal["sdpa", "flash_attention_2", "flash_attention_3", "eager"] | None = doc(
+        "the attention kernel the long run uses (transformers models): sdpa, flash_attention_2/3 (the flash-attn "
+        "package, on the GPU only) or eager; the estimate models what that kernel keeps whatever the CPU trace would "
+        "have run (default: the model config's own choice, transformers' sdpa)", None)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
     written: dict[str, Any] = field(default_factory=dict, metadata=_WRITTEN)
 
@@ -134,6 +138,10 @@ class ModelSpec(FactorySection):
             yield "config", "needs a model_type (e.g. llama, bert) so transformers knows which architecture to build"
         if self.revision is not None and self.hf is None:
             yield "revision", "only applies to model.hf"
+        if self.attn_implementation is not None and self.factory is not None:
+            yield "attn_implementation", ("applies to transformers models (model.hf or model.config); a factory "
+                                          "model's own calls to scaled_dot_product_attention are estimated as sdpa, "
+                                          "its own matmul and softmax as they are")
         if self.quantization is not None:
             if self.factory is not None:
                 yield "quantization", ("applies to transformers models (model.hf or model.config); quantise inside "
@@ -230,21 +238,38 @@ class SchedulerSpec:
 
 
 # train.activation_checkpointing's policies, cheapest recompute first: the advisor tries them in this order.
-AC_POLICIES = ("selective", "every-2", "full")
+# selective-2 recomputes half the matmuls of every block, about the FLOPs every-2 recomputes, but keeps the attention
+# outputs every-2 recomputes in one block in 2: it comes first.
+AC_POLICIES = ("selective", "selective-2", "every-2", "full")
 
 
 def ac_policy(value: bool | str | None) -> str | None:
     """The activation checkpointing policy a ``train.activation_checkpointing`` value names: None (off), ``full``
-    (``true`` too), ``selective`` or ``every-N``; ValueError naming the values otherwise."""
+    (``true`` too), ``selective`` (``selective-1`` too), ``selective-N`` or ``every-N``; ValueError naming the
+    values otherwise."""
     if value is None or value is False:
         return None
     if value is True or value == "full":
         return "full"
     if value == "selective":
         return value
-    if isinstance(value, str) and (m := re.fullmatch(r"every-(\d+)", value)) and int(m.group(1)) >= 2:
-        return f"every-{int(m.group(1))}"
-    raise ValueError(f"expected false, true, full, selective or every-N (N >= 2), got {value!r}")
+    if isinstance(value, str) and (m := re.fullmatch(r"(every|selective)-(\d+)", value)):
+        kind, n = m.group(1), int(m.group(2))
+        if kind == "selective" and n >= 1:
+            return "selective" if n == 1 else f"selective-{n}"
+        if n >= 2:
+            return f"every-{n}"
+    raise ValueError(f"expected false, true, full, selective, selective-N (N >= 1: one matmul in N kept) or every-N "
+                     f"(N >= 2), got {value!r}")
+
+
+def matmul_stride(policy: str | None) -> int | None:
+    """For a per-op policy (``selective``, ``selective-N``), one matmul output in how many is kept; None otherwise."""
+    if policy == "selective":
+        return 1
+    if policy is not None and policy.startswith("selective-"):
+        return int(policy.removeprefix("selective-"))
+    return None
 
 
 def ac_spec_value(policy: str | None) -> bool | str:
@@ -268,6 +293,8 @@ def ac_words(policy: str | None) -> str:
         return "activation checkpointing"
     if policy == "selective":
         return "activation checkpointing (selective: matmul outputs kept)"
+    if (stride := matmul_stride(policy)) is not None:
+        return f"activation checkpointing (per op: attention outputs and 1 matmul in {stride} kept)"
     return f"activation checkpointing (1 block in {policy.removeprefix('every-')})"
 
 
@@ -285,9 +312,10 @@ class TrainSpec:
     max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
     activation_checkpointing: bool | str = doc(
         "recompute activations in backward (Hugging Face models): false; true or full: every block's activations "
-        "recomputed; selective: per op, every matmul and attention output kept and the rest recomputed (a per-op "
-        "policy, as torchtitan's, which keeps every second matmul); every-N: one block in N (N >= 2) recomputed, "
-        "the others kept", False)
+        "recomputed; selective: per op, every matmul and attention output kept and the rest recomputed; "
+        "selective-N: per op, the attention outputs and one matmul output in N kept in each block (the first, then "
+        "every Nth), the rest recomputed: selective-2 is torchtitan's op policy; every-N: one block in N (N >= 2) "
+        "recomputed, the others kept", False)
     device: str = doc("auto (first accelerator, else CPU), cpu, cuda, cuda:N or mps", "auto")
     shuffle: bool = doc("shuffle the training set each epoch (seeded)", True)
     loss_normalization: Literal["auto", "per_micro_batch"] = doc(
@@ -396,8 +424,8 @@ class ResumeSpec:
 
 # The fixes `pilotrun variants` runs beside the control unless pilot.variants.run names others (SPEC §4's order:
 # micro batch, checkpointing, precision). The definitions (what each sets) are pilotrun.variants.define's.
-BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing-selective", "checkpointing-every-2", "checkpointing", "bf16",
-                    "fp16", "bf16-true")
+BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing-selective", "checkpointing-selective-2", "checkpointing-every-2",
+                    "checkpointing", "bf16", "fp16", "bf16-true")
 
 
 @dataclass
