@@ -35,8 +35,9 @@ from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 5  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
-#             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step)
+FORMAT = 6  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
+#             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step,
+#             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride)
 
 
 def default_dir() -> Path:

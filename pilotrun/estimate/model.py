@@ -46,13 +46,35 @@ def _kernel_notes(trace: dict) -> list[dict]:
     return [
         correction("optimizer foreach path", step.get("optimizer_step_extra_bytes", 0) if foreach else 0, "allocated",
                    how),
-        correction("attention kernels", 0, "allocated",
-           "the CPU trace runs SDPA's flash kernel, which keeps the same tensors for backward as CUDA's "
-           "flash/efficient kernels (output + logsumexp); an eager-attention model keeps L×L on both"),
+        correction("attention kernels", 0, "allocated", attention_note(trace.get("attention") or {})),
         correction("autocast op lists", 0, "allocated",
            "CPU and CUDA autocast run matmul, linear, bmm and attention in the lower precision and keep "
            "softmax/norm in fp32 alike; the weight-cast cache exists on both"),
     ]
+
+
+def attention_note(att: dict) -> str:
+    """Which attention kernel the trace modelled and why, for the "attention kernels" row (models/attention.py)."""
+    if not att:
+        return ("not recorded: a trace written before pilotrun modelled the target's attention kernel (trace again "
+                "with --no-trace-cache)")
+    impl, kernel, calls = att.get("implementation", "?"), att.get("kernel", "?"), att.get("calls", 0)
+    if impl == "eager":
+        return ("eager attention (model.attn_implementation or the model's config): traced as the model computes it, "
+                "its L×L scores and probabilities kept on the target as on this CPU")
+    if not calls:
+        return (f"{impl}: no attention call was seen in the trace, so nothing was modelled (a model that computes "
+                "attention with its own ops is traced as it runs)")
+    cpu = att.get("cpu_kernels") or {}
+    if impl.startswith("flash_attention"):
+        return (f"{impl}: modelled as the target runs it, {kernel}, for the {calls} attention calls of a micro "
+                "batch's forward (the flash-attn package runs on CUDA GPUs only: the trace ran this model of it)")
+    other = {k: n for k, n in cpu.items() if k != "flash"}
+    instead = (f"; on this CPU dispatch would have run {', '.join(f'{k} ({n} calls)' for k, n in other.items())}"
+               + (" -- L×L scores kept for backward, which the target does not keep" if "math" in other else "")
+               if other else "; CPU dispatch would have run its flash kernel, which keeps the same tensors")
+    return (f"{impl}: modelled as the target runs it, {kernel}, for the {calls} attention calls of a micro batch's "
+            f"forward{instead}")
 
 
 def _moments(st: dict) -> list[tuple[str, dict]]:
@@ -121,7 +143,8 @@ def micro_batches_per_gpu(trace: dict, replicas: int, micro_scale: float = 1.0) 
 def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str,
                        utilisation: float | None = None, micro_scale: float = 1.0,
                        micro_batches: int | None = None) -> dict:
-    """Seconds of one update on ``gpus`` of ``acc``: compute plus communication (not overlapped).
+    """Seconds of one update on ``gpus`` of ``acc``: compute plus the communication it does not hide (the strategy's
+    overlap model: FSDP2's prefetch hides most of it, the others none; ``communication_model`` says which).
 
     Compute is each traced op's larger of FLOPs and bytes (ops.roofline_seconds) at the accelerator's compute and
     bandwidth efficiencies: the micro batch's ops x the accumulation over the devices that split the update, plus
@@ -144,15 +167,16 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     # The FLOPs one device runs: the traced micro batch's (the update's / the accumulation) x its share.
     device_flops = flops / max(1, trace.get("grad_accum_steps", 1)) * share
     if utilisation is None and step.get("ops"):
-        return {**_roofline(step, acc, chosen, gpus, peak, comm, per_device, share, device_flops),
+        return {**_roofline(step, acc, chosen, gpus, peak, (trace, precision, bw), per_device, share, device_flops),
                 "communication": link}
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
     compute = device_flops / (peak * util)
-    return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
-            "communication": link, "micro_batches_per_gpu": per_device,
-            "communication_model": "not overlapped with compute (an upper bound)", "model": "flops",
+    exposed, how = chosen.exposed_communication(trace, gpus, precision, bw, per_device, compute)
+    return {"seconds": compute + exposed, "compute_seconds": compute, "communication_seconds": comm,
+            "exposed_communication_seconds": exposed, "communication": link, "micro_batches_per_gpu": per_device,
+            "communication_model": how, "model": "flops",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
             "bound": "compute" if compute >= comm else "communication"}
 
@@ -175,8 +199,10 @@ def collective_bandwidth(acc: Accelerator, gpus: int) -> tuple[float, dict]:
                            "--catalog file, e.g. 50 for 400 Gb/s per GPU)", "lower_bound": True}
 
 
-def _roofline(step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None, comm: float, per_device: int,
+def _roofline(step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None, wire: tuple, per_device: int,
               share: float, device_flops: float) -> dict:
+    """The per-op time model; ``wire`` is (trace, precision, collective bytes per second) for the communication."""
+    trace, precision, bw = wire
     eff = acc.efficiencies()
     micro = roofline_seconds(step["ops"], acc, eff.compute, eff.bandwidth)
     opt = roofline_seconds(step.get("optimizer_ops") or [], acc, eff.compute, eff.bandwidth)
@@ -184,13 +210,15 @@ def _roofline(step: dict, acc: Accelerator, chosen, gpus: int, peak: float | Non
         return {"seconds": None, "reason": micro.get("reason") or opt.get("reason")}
     step_replicas = chosen.optimizer_replicas(gpus)
     opt_s = opt["seconds"] / step_replicas
+    comm = chosen.communication_seconds(trace, gpus, precision, bw, per_device)
+    exposed, how = chosen.exposed_communication(trace, gpus, precision, bw, per_device, micro["seconds"] * share)
     compute = micro["seconds"] * share + opt_s
     memory_bound = micro["memory_bound_seconds"] * share + opt["memory_bound_seconds"] / step_replicas
     flops = step["flops"]
     compute_bound = compute - memory_bound
-    bound = ("communication" if comm >= compute else "memory" if memory_bound >= compute_bound else "compute")
-    return {"seconds": compute + comm, "compute_seconds": compute, "communication_seconds": comm,
-            "communication_model": "not overlapped with compute (an upper bound)", "model": "roofline",
+    bound = ("communication" if exposed >= compute else "memory" if memory_bound >= compute_bound else "compute")
+    return {"seconds": compute + exposed, "compute_seconds": compute, "communication_seconds": comm,
+            "exposed_communication_seconds": exposed, "communication_model": how, "model": "roofline",
             "memory_bound_seconds": memory_bound, "optimizer_seconds": opt_s, "micro_batches_per_gpu": per_device,
             "bytes_per_update": micro["bytes"] * share + opt["bytes"] / step_replicas,
             "flops_per_update": flops, "peak_flops": peak,

@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..config.spec import Spec
 from ..ledger.records import GateName
 from ..measure.tensors import CategoryTracker
+from ..models.attention import IMPLEMENTATIONS, AttentionRecord, model_target_attention
 from ..models.loading import build_model
 from ..models.structure import largest_block
 from ..train.batches import autocast_for, item_length, seq_len, supervised_count
@@ -105,6 +106,9 @@ class TraceResult:
     optimizer: str = ""                  # the spec's optimizer name and the path traced
     # Adapter / quantised base / bf16-true: trainable share, adapter and quantised bytes (adapted.Adaptation).
     adaptation: dict = field(default_factory=dict)
+    # The attention kernel modelled (models.attention.AttentionRecord.to_dict): the implementation, the target's
+    # kernel, its calls in one micro batch (recomputes included), and what CPU dispatch would have run instead.
+    attention: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,6 +195,7 @@ class _Job:
     micro_batch: int
     notes: list[str]
     adaptation: Adaptation
+    attention: str           # the attention implementation the target runs (models.attention.IMPLEMENTATIONS)
 
 
 def _prepare(spec: Spec, ac: bool | str, mb: int, seq: int | None) -> _Job:
@@ -209,7 +214,15 @@ def _prepare(spec: Spec, ac: bool | str, mb: int, seq: int | None) -> _Job:
     else:
         train_batch = _synthetic_batch(spec, loaded.config, mb, length, loaded.head)
         eval_batch = _synthetic_batch(spec, loaded.config, spec.eval_batch_size, eval_len, loaded.head)
-    return _Job(model, loaded.config, policy, train_batch, eval_batch, mb, notes, adaptation)
+    return _Job(model, loaded.config, policy, train_batch, eval_batch, mb, notes, adaptation,
+                attention_implementation(spec, loaded.config))
+
+
+def attention_implementation(spec: Spec, config) -> str:
+    """What the long run's attention is: the spec's ``model.attn_implementation``, else the built config's own
+    (transformers picks sdpa where the model supports it, else eager), else sdpa (a factory model's SDPA calls)."""
+    chosen = spec.model.attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    return chosen if chosen in IMPLEMENTATIONS else "sdpa"
 
 
 def autocast_precision(precision: str) -> str:
@@ -217,7 +230,8 @@ def autocast_precision(precision: str) -> str:
     return "fp32" if precision == "bf16-true" else precision
 
 
-def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: int) -> dict[str, StageTrace]:
+def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: int,
+                    attention: AttentionRecord) -> dict[str, StageTrace]:
     """first_step and steady_step: two micro batches per update, two updates (the second with optimizer state)."""
     t = spec.train
     precision = autocast_precision(t.precision)
@@ -247,7 +261,7 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
     # FLOPs and bytes in a separate pass: FlopCounterMode keeps tensors alive (the recomputed ones under
     # activation checkpointing), which would inflate a peak measured at the same time.
     counter = OpCosts()
-    with counter:
+    with counter, attention.counting():   # and the attention calls of one micro batch, as the row says them
         window_backward(model, [(ids, _clone(job.train_batch))], job.policy, device, precision,
                         num_items=num_items, stats=False)
     step = OpCosts()
@@ -315,19 +329,20 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     layer_name, layer_bytes, layers = largest_block(job.model)
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), model_target_attention(job.attention, job.model) as attention:
         model = job.model.to_empty(device="cpu")
         _retie(model, shared)
         opt, opt_path = trace_optimizer(model, spec, target)
         foreach = any(g.get("foreach") for g in opt.param_groups)
-        stages = _trace_training(job, model, opt, spec, target, num_items)
+        stages = _trace_training(job, model, opt, spec, target, num_items, attention)
         stages[GateName.EVAL] = _trace_eval(job, model, opt, spec)
         totals = _state_bytes(model, opt, job.adaptation)
     max_pos = getattr(job.config, "max_position_embeddings", None) if job.config is not None else None
     return TraceResult(stages=stages, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos,
                        largest_layer_bytes=layer_bytes, largest_layer=layer_name, layers=layers, foreach=foreach,
                        precision=t.precision, activation_checkpointing=ac, seconds=time.perf_counter() - t0,
-                       notes=job.notes, optimizer=opt_path, adaptation=asdict(job.adaptation), **totals)
+                       notes=job.notes, optimizer=opt_path, adaptation=asdict(job.adaptation),
+                       attention=attention.to_dict(), **totals)
 
 
 def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:

@@ -15,7 +15,7 @@ import torch
 from ..config.factories import factory_guard, import_factory
 from ..config.hub_cache import TokenizerNotFound
 from ..config.paths import resolve_path
-from ..config.sections import ModelSpec, Precision, QuantizationSpec, ac_policy, ac_words
+from ..config.sections import ModelSpec, Precision, QuantizationSpec, ac_policy, ac_words, matmul_stride
 from ..config.spec import BuildContext
 
 
@@ -276,8 +276,10 @@ def _build_hf(spec: ModelSpec, job: BuildContext, label_names: list[str] | None,
         config = _hf_config(spec, job.folder, head, label_names, tokenizer)
         try:
             with torch.device("meta") if meta else contextlib.nullcontext():
-                model = cls.from_config(config)
-        except ValueError as exc:
+                model = cls.from_config(config, **_attention_kwargs(spec, meta))
+        except (ValueError, ImportError) as exc:
+            if _about_attention(spec, exc):
+                raise _attention_error(spec, exc) from None
             raise ModelError(f"model.config: {exc}") from None
         if spec.config is not None:
             source = f"config ({spec.config['model_type']}, random init, seed {job.seed})"
@@ -291,11 +293,13 @@ def _build_hf(spec: ModelSpec, job: BuildContext, label_names: list[str] | None,
     local = local_path(target, job.folder)
     src = str(local) if local is not None else target
     kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code,
-              **_label_kwargs(head, label_names)}
+              **_label_kwargs(head, label_names), **_attention_kwargs(spec, meta)}
     try:
         model = (quantized_from_pretrained(cls, src, quant, device, **kwargs) if quant is not None
                  else cls.from_pretrained(src, **kwargs))
     except Exception as exc:
+        if _about_attention(spec, exc):
+            raise _attention_error(spec, exc) from None
         raise ModelError(_hub_hint(exc, target)) from None
     source = target if local is None else f"{target} ({src})" if target != src else src
     if tokenizer is not None and getattr(model.config, "pad_token_id", None) is None:
@@ -303,24 +307,75 @@ def _build_hf(spec: ModelSpec, job: BuildContext, label_names: list[str] | None,
     return LoadedModel(model, "hf", head, source, notes, config=model.config)
 
 
-# What the selective policy keeps from the forward: every matmul's and attention's output, whose recompute costs the
-# most (torchtitan's op-level policy keeps every second matmul's); every other op's output is recomputed in backward.
-_KEPT_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+def _attention_kwargs(spec: ModelSpec, meta: bool) -> dict[str, Any]:
+    """transformers' ``attn_implementation`` for ``model.attn_implementation``. A meta build (the estimator's) of a
+    flash model is built with sdpa: the flash-attn package runs on the GPU only, and the trace swaps in its own model
+    of the kernel (models/attention.py)."""
+    impl = spec.attn_implementation
+    if impl is None:
+        return {}
+    return {"attn_implementation": "sdpa" if meta and impl.startswith("flash_attention") else impl}
 
 
-def _selective_context():
-    """``context_fn`` for torch.utils.checkpoint: the selective policy as torch's selective checkpoint contexts."""
-    import functools
+def _about_attention(spec: ModelSpec, exc: Exception) -> bool:
+    text = str(exc).lower()
+    return spec.attn_implementation is not None and ("attention" in text or "attn" in text)
 
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    kept = {getattr(torch.ops.aten, n).default for n in _KEPT_OPS if hasattr(torch.ops.aten, n)}
+def _attention_error(spec: ModelSpec, exc: Exception) -> ModelError:
+    return ModelError(f"model.attn_implementation: transformers cannot run {spec.attn_implementation!r} here: "
+                      f"{type(exc).__name__}: {exc}. flash_attention_2/3 need the flash-attn package and a CUDA GPU; "
+                      "pilot on such a machine, or set sdpa for a CPU pilot (the estimate still models the flash "
+                      "kernel when the spec says it)", field="model.attn_implementation")
+
+
+# What the per-op policies keep from the forward: matmul and attention outputs, whose recompute costs the most; every
+# other op's output is recomputed in backward. selective keeps every matmul's; selective-N one matmul's in N within each
+# checkpointed block (torchtitan's op policy is N = 2: its save list of mm and the attention kernels, "except every
+# second mm"). The attention kernels are always kept.
+_MATMUL_OPS = ("mm", "addmm", "bmm")
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+
+
+def _aten_ops(names: tuple[str, ...]) -> set:
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+
+def per_op_policy(stride: int, attention_ops: frozenset = frozenset()):
+    """A fresh policy function for one checkpointed call: keep the attention kernels' outputs (aten's, and
+    ``attention_ops``, e.g. the estimator's model of the target's kernel) and the 1st, (1+N)th, (1+2N)th... matmul's
+    of the block, recompute the rest. The forward and its recompute count their matmuls apart, so both make the same
+    choice; the count starts again at every call, so every block keeps the same matmuls (torchtitan's counter runs on
+    across steps, so a block of an odd number of matmuls alternates between the two halves: this is the half that
+    keeps the first, the larger for a Llama block: q, v, gate and down of its seven)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    matmuls = _aten_ops(_MATMUL_OPS)
+    kept = _aten_ops(_ATTENTION_OPS) | set(attention_ops)
+    counts = {False: 0, True: 0}   # matmuls seen by the forward (False) and by the recompute (True)
 
     def policy(ctx, op, *args, **kwargs):
+        if op in matmuls:
+            n = counts[ctx.is_recompute]
+            counts[ctx.is_recompute] = n + 1
+            return CheckpointPolicy.MUST_SAVE if n % stride == 0 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return functools.partial(create_selective_checkpoint_contexts, policy)
+    return policy
+
+
+def _per_op_context(stride: int):
+    """``context_fn`` for torch.utils.checkpoint: a per-op policy as torch's selective checkpoint contexts, each
+    checkpointed call with its own matmul count."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from .attention import modelled_attention_ops
+
+    def context():
+        return create_selective_checkpoint_contexts(per_op_policy(stride, modelled_attention_ops()))
+
+    return context
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -334,8 +389,8 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def enable_activation_checkpointing(model: torch.nn.Module, policy: str = "full") -> bool:
     """Non-reentrant activation checkpointing through the model's own switch (transformers 4 or 5), with the
-    ``train.activation_checkpointing`` policy: ``full``, ``selective`` (the matmul outputs kept) or ``every-N`` (one
-    block in N recomputed). False when the model has no switch; ModelError when it cannot take the policy."""
+    ``train.activation_checkpointing`` policy: ``full``, ``selective`` (the matmul outputs kept), ``selective-N`` (one
+    matmul output in N kept) or ``every-N`` (one block in N recomputed). False when the model has no switch; ModelError when it cannot take the policy."""
     new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
     old = getattr(model, "gradient_checkpointing_enable", None)
     blocks = _blocks(model) if policy.startswith("every-") else []
@@ -344,8 +399,8 @@ def enable_activation_checkpointing(model: torch.nn.Module, policy: str = "full"
                          f"{policy.removeprefix('every-')}, and this model has none (GradientCheckpointingLayer); "
                          "use true (full)", field="train.activation_checkpointing")
     kwargs: dict = {"use_reentrant": False}
-    if policy == "selective":
-        kwargs["context_fn"] = _selective_context()
+    if (stride := matmul_stride(policy)) is not None:
+        kwargs["context_fn"] = _per_op_context(stride)
     if new is not None:
         new(activation_checkpointing_kwargs=kwargs)
     elif old is not None:
