@@ -187,9 +187,16 @@ class Strategy(ABC):
 
     def communication_seconds(self, trace: dict, gpus: int, precision: str, bytes_per_second: float,
                               micro_batches: int = 1) -> float:
-        """Seconds per update spent communicating (not overlapped with compute: an upper bound), each GPU running
+        """Seconds per update spent communicating, all of it (overlapped with compute or not), each GPU running
         ``micro_batches`` micro batches in the update."""
         return 0.0
+
+    def exposed_communication(self, trace: dict, gpus: int, precision: str, bytes_per_second: float,
+                              micro_batches: int, compute_seconds: float) -> tuple[float, str]:
+        """Of :meth:`communication_seconds`, the seconds the update waits for (not hidden behind its
+        ``compute_seconds`` of forward and backward), and the overlap model that says so. The default hides none."""
+        return (self.communication_seconds(trace, gpus, precision, bytes_per_second, micro_batches),
+                "not overlapped with compute (an upper bound)")
 
 
 class DistributedCheckpoint(Strategy):

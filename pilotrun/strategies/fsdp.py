@@ -72,3 +72,30 @@ class FSDP(DistributedCheckpoint):
         micro_steps = max(1, micro_batches)
         compute_bytes = trace["parameter_bytes"] * (0.5 if precision in ("bf16", "fp16") else 1.0)
         return micro_steps * (2 * compute_bytes + trace["gradient_bytes"]) * (gpus - 1) / gpus / bytes_per_second
+
+    def exposed_communication(self, trace, gpus, precision, bytes_per_second, micro_batches, compute_seconds):
+        """FSDP2 prefetches: the next block's all-gather runs while this block computes, and a block's reduce-scatter
+        while the block before it runs its backward. Per micro batch the update waits for the root's and the first
+        block's all-gather in forward, the first block's in backward and the last reduce-scatters (nothing computes
+        beside them), and for each other block only what its communication takes beyond its compute. The compute
+        of a micro batch is split 1 : 2 between forward and backward (a matmul's backward is two matmuls) and evenly
+        over the blocks."""
+        total = self.communication_seconds(trace, gpus, precision, bytes_per_second, micro_batches)
+        if not total:
+            return 0.0, "no communication"
+        blocks = max(int(trace.get("layers", 0) or 0), 1)
+        wire = (gpus - 1) / gpus / bytes_per_second
+        low = 0.5 if precision in ("bf16", "fp16") else 1.0
+        layer, params = trace["largest_layer_bytes"], max(trace["parameter_bytes"], 1)
+        root = max(0, params - layer * blocks)
+        grad_share = trace["gradient_bytes"] / params   # trainable share: frozen weights send no gradient
+        gather, scatter = layer * low * wire, layer * grad_share * wire
+        root_gather, root_scatter = root * low * wire, root * grad_share * wire
+        micro = max(1, micro_batches)
+        per_block = compute_seconds / micro / blocks
+        forward = root_gather + gather + (blocks - 1) * max(0.0, gather - per_block / 3)
+        backward = gather + (blocks - 1) * max(0.0, gather + scatter - 2 * per_block / 3) + scatter + root_scatter
+        exposed = min(total, micro * (forward + backward))
+        return exposed, (f"overlapped as FSDP2 prefetches: {exposed / total:.0%} of the communication exposed (the "
+                         "root's and the first block's gathers, the last reduce-scatters, and what any block's "
+                         "communication takes beyond its compute)")
