@@ -116,6 +116,32 @@ def test_fsdp_gathers_once_per_micro_batch_each_gpu_runs():
     assert comm[1] == pytest.approx(2 * comm[0]) and comm[2] == pytest.approx(4 * comm[0])
 
 
+def test_fsdp_hides_its_gathers_behind_the_blocks_compute_and_adds_only_what_shows():
+    """Issue 42: FSDP2 prefetches the next block's all-gather while a block computes. With ample compute per block
+    the update waits only for the first gathers and the last reduce-scatters; with none, for all of it; DDP's
+    all-reduce is added whole (not modelled as overlapped), and every row says its model."""
+    from pilotrun import strategies
+
+    fsdp, ddp = strategies.get("fsdp"), strategies.get("ddp")
+    trace = synthetic_trace()   # 32 blocks of 128 MiB, a 4 GiB model, bf16
+    bw = 100e9
+    total = fsdp.communication_seconds(trace, 8, "bf16", bw, 1)
+    hidden, how = fsdp.exposed_communication(trace, 8, "bf16", bw, 1, compute_seconds=10.0)
+    bare, _ = fsdp.exposed_communication(trace, 8, "bf16", bw, 1, compute_seconds=0.0)
+    assert bare == pytest.approx(total)   # nothing to hide behind
+    wire = 7 / 8 / bw
+    layer = trace["largest_layer_bytes"]   # 32 of them hold every parameter: the root gathers nothing
+    edges = (2 * layer * 0.5 + layer) * wire   # the first bf16 gathers (forward, backward) and the last fp32 scatter
+    assert hidden == pytest.approx(edges) and hidden < total / 10
+    assert "overlapped as FSDP2 prefetches" in how and f"{hidden / total:.0%}" in how
+    assert ddp.exposed_communication(trace, 8, "bf16", bw, 1, 10.0)[1] == "not overlapped with compute (an upper bound)"
+    acc = load_catalog()["H100-80GB"]
+    busy = _with_ops(trace, micro=[["bf16", int(1e15), 0, 1]], step=[], accum=8)
+    t = seconds_per_update(busy, acc, "fsdp", 8, "bf16")
+    assert t["seconds"] == pytest.approx(t["compute_seconds"] + t["exposed_communication_seconds"])
+    assert t["exposed_communication_seconds"] < t["communication_seconds"]
+
+
 def test_the_bound_is_communication_only_when_it_outlasts_the_compute():
     acc = load_catalog()["H100-80GB"]
     eff = acc.efficiencies()
