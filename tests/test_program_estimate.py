@@ -312,3 +312,20 @@ def test_the_plan_reads_a_program_pilots_rows_and_claims_only_what_they_measured
     assert "measured by pilot p" in items["validation"]["from"]
     assert items["checkpoints"]["from"].endswith("(assumed: pilot p's save row has no bytes written (the program's "
                                                  "own checkpoint))")
+
+
+def test_the_programs_attention_implementation_is_what_the_trace_models():
+    """Issue 42: the kernel the program's model runs (its config's _attn_implementation) goes into the estimate's
+    spec; one the estimator does not model is traced as sdpa's kernel, and the provenance says so."""
+    for impl, expected, source in (("eager", "eager", Source.PROGRAM), ("sdpa", "sdpa", Source.PROGRAM),
+                                   ("flex_attention", "sdpa", Source.ASSUMED)):
+        model = _gpt2()
+        model.config._attn_implementation = impl
+        facts = describe_objects(model, None, micro_batch_size=2, max_length=16)
+        assert facts.attn_implementation == impl
+        spec, provenance = job_spec({"name": "p", "program": {"command": "python x.py"}}, "x/pilot.yaml", [], facts)
+        by_key = {f.key: f for f in provenance}
+        assert spec.model.attn_implementation == expected
+        assert by_key["model.attn_implementation"].source is source, impl
+        if source is Source.ASSUMED:
+            assert "flex_attention" in by_key["model.attn_implementation"].why

@@ -130,6 +130,7 @@ def _program_sections(facts: JobFacts) -> tuple[dict, list[Fact], list[tuple[str
         else:
             missing.append(("model.quantization", f"the base is quantised with {facts.quantization['unsupported']}; "
                                                   "the estimator traces bitsandbytes 4 and 8 bits"))
+    _attention(facts, put)
     if facts.head in ("causal-lm", "seq-classification"):
         put("data.task", facts.head, f"{facts.model_class.rsplit('.', 1)[-1]}'s head")
         id2label = (facts.config or {}).get("id2label") or {}
@@ -168,6 +169,20 @@ def _program_sections(facts: JobFacts) -> tuple[dict, list[Fact], list[tuple[str
         put("train.max_grad_norm", facts.max_grad_norm, f"{fw}: gradient clipping")
     _optimizer(facts, put)
     return out, facts_out, missing
+
+
+def _attention(facts: JobFacts, put: Callable[..., None]) -> None:
+    """The attention kernel of the program's transformers model, which the trace models as the target runs it."""
+    if not facts.attn_implementation:
+        return
+    from ..models.attention import IMPLEMENTATIONS
+
+    if facts.attn_implementation in IMPLEMENTATIONS:
+        put("model.attn_implementation", facts.attn_implementation, "the model config's _attn_implementation")
+    else:   # flex_attention, a kernel hub's: not one the estimator models, said
+        put("model.attn_implementation", "sdpa", f"the program's attention is {facts.attn_implementation!r}, which "
+            f"the estimator does not model ({', '.join(IMPLEMENTATIONS)}): traced as sdpa's kernel (output + "
+            "logsumexp kept); --set model.attn_implementation to choose", Source.ASSUMED)
 
 
 def _optimizer(facts: JobFacts, put: Callable[..., None]) -> None:
@@ -216,6 +231,8 @@ def _merge(program: dict, written: dict) -> dict:
                 out.get(section, {}).pop(k, None)
             if section == "data":
                 out[section].pop("labels", None)
+            if section == "model" and "factory" in chosen:   # the program's transformers attention is not the factory's
+                out[section].pop("attn_implementation", None)
 
     def deep(into: dict, over: dict) -> None:
         for k, v in over.items():

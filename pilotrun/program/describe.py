@@ -68,6 +68,7 @@ class JobFacts:
     precision: str | None = None                # as train.precision names it
     precision_source: str = ""
     activation_checkpointing: bool | None = None
+    attn_implementation: str | None = None      # the transformers model's attention (sdpa, flash_attention_2, ...)
     micro_batch_size: int | None = None
     grad_accum_steps: int | None = None
     world_size: int = 1
@@ -285,6 +286,8 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
         facts.quantization = _quantization(hf.config)
         if activation_checkpointing is None:
             activation_checkpointing = _checkpointing(hf)
+        impl = getattr(hf.config, "_attn_implementation", None)
+        facts.attn_implementation = impl if isinstance(impl, str) else None
     facts.activation_checkpointing = activation_checkpointing
     if dtype == "bfloat16" and precision in (None, "bf16"):
         # bf16 weights train as bf16-true whether or not autocast runs over them: no fp32 master copy, bf16 gradients
