@@ -77,11 +77,13 @@ def attention_note(att: dict) -> str:
             f"forward{instead}")
 
 
-def _moments(st: dict) -> list[tuple[str, dict]]:
-    """(phase, breakdown) of every moment the trace kept (trace.SCALES). A trace written by hand without
-    ``phases`` is one compute moment at its overall peak."""
+def _moments(st: dict, micro_batches: int) -> list[tuple[str, dict]]:
+    """(phase, breakdown) of every moment the trace kept (trace.SCALES) that a device running ``micro_batches`` micro
+    batches per update reaches: with one, never a later micro batch's (the earlier ones' gradients held). A trace
+    written by hand without ``phases`` is one compute moment at its overall peak."""
     phases = st.get("phases") or {"compute": [{"bytes": st["peak_bytes"], "breakdown": st["breakdown"]}]}
-    return [(name, m["breakdown"]) for name, moments in phases.items() for m in moments]
+    return [(name, m["breakdown"]) for name, moments in phases.items() for m in moments
+            if micro_batches > 1 or name != "accumulating"]
 
 
 def _parts(b: dict, activation_scale: float) -> StageBytes:
@@ -106,7 +108,9 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     chosen = strategies.get(strategy)
     # The train micro batch scales training activations only: evaluation keeps eval.batch_size.
     scale = micro_scale if training else 1.0
-    placed = [(name, chosen.estimate_memory(_parts(b, scale), trace, gpus, training)) for name, b in _moments(st)]
+    per_device = micro_batches_per_gpu(trace, chosen.compute_replicas(gpus), micro_scale)
+    placed = [(name, chosen.estimate_memory(_parts(b, scale), trace, gpus, training))
+              for name, b in _moments(st, per_device)]
     phase, (base, by_strategy) = max(placed, key=lambda p: p[1][0])
     corrections = [correction("allocator rounding (512 B blocks)", st["peak_bytes_rounded"] - st["peak_bytes"],
                               "allocated", f"{st.get('tensors', 0)} storages in the stage, each rounded up as the "

@@ -77,7 +77,8 @@ class StageTrace:
     # one optimizer step, as [dtype, flops, bytes moved, count]. Empty in traces written before them.
     ops: list[list] = field(default_factory=list)
     optimizer_ops: list[list] = field(default_factory=list)
-    # Per phase ("compute": forward and backward, "optimizer": the step), the moments that bound the peak at
+    # Per phase ("compute": the first micro batch's forward and backward, "accumulating": the later micro batches
+    # with the earlier ones' gradients held, "optimizer": the step), the moments that bound the peak at
     # other micro batches: [{"bytes", "breakdown"}]. Under activation checkpointing the stage's overall peak
     # is the optimizer step, whose breakdown has no activations at all: scaling that breakdown's activations
     # said any micro batch fits (issue 13, "largest micro batch 1023").
@@ -128,9 +129,12 @@ class PhaseTracker(CategoryTracker):
     at other micro batches (see SCALES)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        # Set before the base class registers the existing state (its _add calls ours).
-        self.best: dict[str, list[tuple[float, dict]]] = {"compute": [(-1.0, {})] * len(SCALES),
-                                                           "optimizer": [(-1.0, {})] * len(SCALES)}
+        # Set before the base class registers the existing state (its _add calls ours). "compute" is an update's
+        # first micro batch, "accumulating" the later ones (the earlier micro batches' gradients held): a device
+        # that runs one micro batch per update (the accumulation split over the GPUs) never reaches the latter.
+        self.best: dict[str, list[tuple[float, dict]]] = {name: [(-1.0, {})] * len(SCALES)
+                                                           for name in ("compute", "accumulating", "optimizer")}
+        self.window = "compute"
         super().__init__(*args, **kwargs)
 
     def _add(self, st, category: str) -> None:
@@ -138,7 +142,7 @@ class PhaseTracker(CategoryTracker):
         # Live bytes only grow in _add, so every line's maximum is reached here.
         acts = self.live["activations"]
         others = self.live_bytes - acts
-        best = self.best["optimizer" if self._phase == "optimizer" else "compute"]
+        best = self.best["optimizer" if self._phase == "optimizer" else self.window]
         snapshot = None
         for i, s in enumerate(SCALES):
             value = others + s * acts
@@ -249,8 +253,10 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
             inputs = [_clone(job.train_batch) for _ in range(held)]
             model.train()
             for k in range(traced):
+                tracker.window = "compute" if k == 0 else "accumulating"
                 window_backward(model, [(ids, inputs[min(k, held - 1)])], job.policy, device, precision,
                                 num_items=num_items, stats=False)
+            tracker.window = "compute"
             before = tracker.live_bytes
             opt.step()
             opt.zero_grad(set_to_none=True)
