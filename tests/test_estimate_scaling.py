@@ -42,6 +42,25 @@ def test_activations_scale_from_the_backward_moment_not_the_optimizer_step():
     assert 20 < scale < 40  # about (0.95 x 79 GiB - 16 GiB - overheads) / 2 GiB, not the 1024 ceiling
 
 
+def test_a_gpu_that_runs_one_micro_batch_per_update_never_holds_an_earlier_ones_gradients():
+    """The trace runs two micro batches per update; the second's moments hold the first's gradients. Split over as
+    many GPUs as micro batches (torchtitan's local batch), each GPU runs one: those moments are not its peak."""
+    trace = synthetic_trace(params=4 * GiB, acts=0, opt=8 * GiB)
+    first = {"parameters": 4 * GiB, "gradients": 0, "optimizer": 8 * GiB, "activations": 10 * GiB}
+    later = {"parameters": 4 * GiB, "gradients": 4 * GiB, "optimizer": 8 * GiB, "activations": 10 * GiB}
+    for name in ("first_step", "steady_step"):
+        trace["stages"][name]["phases"] = {"compute": [{"bytes": 22 * GiB, "breakdown": first}],
+                                           "accumulating": [{"bytes": 26 * GiB, "breakdown": later}]}
+    h100 = load_catalog()["H100-80GB"]
+    one = estimate_fit(dict(trace, grad_accum_steps=8), h100, "fsdp", 8)      # one micro batch on each GPU
+    two = estimate_fit(dict(trace, grad_accum_steps=16), h100, "fsdp", 8)     # two on each: the gradients held
+    assert one["stages"]["steady_step"]["limiting_phase"] == "compute"
+    assert two["stages"]["steady_step"]["limiting_phase"] == "accumulating"
+    assert two["peak_allocated_bytes"] - one["peak_allocated_bytes"] == pytest.approx(4 * GiB / 8, rel=0.01)
+    single = estimate_fit(dict(trace, grad_accum_steps=2), h100, "single", 1)
+    assert single["stages"]["steady_step"]["limiting_phase"] == "accumulating"
+
+
 @pytest.mark.process
 def test_largest_micro_batch_is_confirmed_by_a_trace_at_that_batch(tmp_path):
     res = pilotrun_cli("select", str(SPEC), "--set", SHALLOW[0], "--set", AC, "--accelerator", "H100-80GB",
