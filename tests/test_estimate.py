@@ -56,6 +56,18 @@ def test_target_model_names_every_correction():
             < estimate_fit(window, h100, "single", 1)["seconds_per_update"])
 
 
+def test_a_rocm_row_says_which_figures_are_unknown_for_its_stack():
+    """Issue 42: the trace serves MI300X and H100 alike; where ROCm's allocator, context or RCCL buffers are not
+    measured anywhere, the row says the CUDA figure stands in, never silently."""
+    cat = load_catalog()
+    mi300 = estimate_fit(synthetic_trace(), cat["MI300X-192GB"], "fsdp", 8)
+    assert mi300["unknown_for_stack"] == ["reserved-over-allocated margin", "runtime context", "collective buffers"]
+    reasons = {c["name"]: c["reason"] for c in mi300["stages"]["steady_step"]["corrections"]}
+    assert "unknown for this stack (ROCm)" in reasons["collective buffers"] and "RCCL" in reasons["collective buffers"]
+    assert "hipBLASLt" in reasons["library workspaces"] and "unknown" not in reasons["library workspaces"]
+    assert estimate_fit(synthetic_trace(), cat["H100-80GB"], "fsdp", 8)["unknown_for_stack"] == []
+
+
 def test_time_from_flops_and_the_datasheet_peak():
     h100 = load_catalog()["H100-80GB"]
     fit = estimate_fit(synthetic_trace(), h100, "single", 1, utilisation=0.5)

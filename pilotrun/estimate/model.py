@@ -123,19 +123,25 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     allocated = base + corrections[0]["bytes"] + workspaces
     margin = float(acc.defaults.get("reserved_margin", 0.10))
     reserved = allocated * (1 + margin)
+    rocm = acc.stack == "rocm"
+    # Sourced for CUDA (docs/catalog.md); on ROCm no measurement of these is known: the CUDA figures are used and the
+    # row says so rather than reuse them silently (issue 42).
+    unknown = " -- unknown for this stack (ROCm): no measurement is known, CUDA's figure is used" if rocm else ""
     corrections.append(correction("reserved-over-allocated margin", reserved - allocated, "reserved",
                                   f"{margin:.0%} for caching-allocator fragmentation (a GPU pilot measures the real "
-                                  "ratio)"))
+                                  f"ratio){unknown}"))
     comm = acc.nccl_buffer_bytes if chosen.uses_collectives(gpus) else 0
     device_used = reserved + acc.context_bytes + comm
     corrections.append(correction("runtime context", acc.context_bytes, "device",
-                                  f"{acc.stack.upper()} context with lazy module loading, outside the allocator"))
+                                  f"{acc.stack.upper()} context with lazy module loading, outside the allocator"
+                                  f"{unknown}"))
     if comm:
         corrections.append(correction("collective buffers", comm, "device",
-                                      f"{'RCCL' if acc.stack == 'rocm' else 'NCCL'} buffers for one communicator"))
+                                      f"{'RCCL' if rocm else 'NCCL'} buffers for one communicator{unknown}"))
     return {"peak_allocated_bytes": int(allocated), "peak_reserved_bytes": int(reserved),
             "device_used_bytes": int(device_used), "corrections": corrections, "limiting_phase": phase,
-            "workspace_bytes": workspaces}
+            "workspace_bytes": workspaces,
+            "unknown_for_stack": [c["name"] for c in corrections if unknown and c["reason"].endswith(unknown)]}
 
 
 def micro_batches_per_gpu(trace: dict, replicas: int, micro_scale: float = 1.0) -> int:
@@ -270,6 +276,8 @@ def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precis
         "time": t,
         "stages": stages,
         "notes": _kernel_notes(trace),
+        # Corrections whose figure is CUDA's because none is known for this accelerator's stack (ROCm)
+        "unknown_for_stack": stages[worst]["unknown_for_stack"],
     }
 
 
