@@ -118,9 +118,10 @@ def main(args) -> int:
               "fits": [{k: f[k] for k in ("accelerator", "strategy", "gpus", "precision", "peak_allocated_bytes",
                                           "peak_reserved_bytes", "device_used_bytes", "capacity_bytes", "fits",
                                           "limiting_stage", "seconds_per_update", "cost_per_update", "cost_note",
-                                          "utilisation_source")}
+                                          "utilisation_source", "unknown_for_stack")}
                        | {"corrections": f["stages"][f["limiting_stage"]]["corrections"] + f["notes"],
                           "time": f["time"]} for f in fits],
+              "attention": trace.get("attention") or {},
               "advice": advice, "program": job.to_dict() if job is not None else None}
     if args.json:
         print(json.dumps(report, indent=1, default=str))
@@ -236,7 +237,13 @@ def _print(console, spec, trace, report) -> None:
                            style="bold"))
         for c in first["corrections"]:
             console.print(f"  {c['name']:<44} {human_bytes(c['bytes']):>10}  {c['reason']}", highlight=False)
-        console.print(Text(f"time: {first['utilisation_source']}; communication is not overlapped", style="dim"))
+        comm = first["time"].get("communication_model")
+        console.print(Text(f"time: {first['utilisation_source']}" + (f"; communication {comm}" if comm and first[
+            "time"].get("communication_seconds") else ""), style="dim"))
+    for acc in dict.fromkeys(r["accelerator"] for r in report["fits"] if r.get("unknown_for_stack")):
+        row = next(r for r in report["fits"] if r["accelerator"] == acc)
+        console.print(Text(f"{acc}: {', '.join(row['unknown_for_stack'])} unknown for its stack (no measurement "
+                           "known): CUDA's figures used", style="yellow"))
     for acc, variants in report["advice"].items():
         console.print(Text(f"\ndoes not fit on {acc}: combinations of fixes in order of cost, up to the cheapest "
                            "that fits (the maximum length is never cut)", style="bold yellow"))
