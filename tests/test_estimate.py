@@ -56,6 +56,20 @@ def test_target_model_names_every_correction():
             < estimate_fit(window, h100, "single", 1)["seconds_per_update"])
 
 
+def test_fsdp_on_one_gpu_is_fsdp_not_a_single_device():
+    """Issue 42: one rank shards nothing, but FSDP2 still gathers each block into its own buffer in the compute
+    dtype and makes no autocast copies of the weights; there is no communicator."""
+    h100 = load_catalog()["H100-80GB"]
+    trace = synthetic_trace(casts=2 * GiB)
+    single, fsdp = estimate_fit(trace, h100, "single", 1), estimate_fit(trace, h100, "fsdp", 1)
+    names = {c["name"]: c for c in fsdp["stages"]["steady_step"]["corrections"]}
+    assert names["FSDP2 sharding"]["bytes"] == 0 and names["FSDP2 sharding"]["reason"] == "one rank: nothing split"
+    assert names["FSDP2 mixed precision instead of autocast copies"]["bytes"] == -2 * GiB
+    assert "collective buffers" not in names and fsdp["time"]["communication_seconds"] == 0
+    inflight = names["FSDP2 unsharded layer in flight"]["bytes"]
+    assert fsdp["peak_allocated_bytes"] - single["peak_allocated_bytes"] == pytest.approx(inflight - 2 * GiB, abs=1)
+
+
 def test_a_rocm_row_says_which_figures_are_unknown_for_its_stack():
     """Issue 42: the trace serves MI300X and H100 alike; where ROCm's allocator, context or RCCL buffers are not
     measured anywhere, the row says the CUDA figure stands in, never silently."""

@@ -39,8 +39,8 @@ class FSDP(DistributedCheckpoint):
         return probe_reduction(holder, probe, device)
 
     def estimate_memory(self, stage: StageBytes, trace: dict, gpus: int, training: bool):
-        if gpus < 2:
-            return stage.total, []
+        # FSDP on one GPU is still FSDP: nothing is split, but the blocks are gathered into their own buffers (in the
+        # compute dtype) and the autocast copies are not made.
         sharded = stage.state / gpus
         # FSDP2's MixedPrecisionPolicy(param_dtype=bf16/fp16) gathers parameters in the compute dtype:
         # no separate autocast copies, and the gathered layer is half the size of fp32.
@@ -51,7 +51,8 @@ class FSDP(DistributedCheckpoint):
         inflight = (root + 2 * layer) * scale + (layer if training else 0)
         corrections = [
             correction("FSDP2 sharding", sharded - stage.state, "allocated",
-                       f"parameters, gradients and optimizer state split over {gpus} ranks"),
+                       f"parameters, gradients and optimizer state split over {gpus} ranks" if gpus > 1 else
+                       "one rank: nothing split"),
             correction("FSDP2 unsharded layer in flight", inflight, "allocated",
                        f"the root's own parameters stay gathered; {trace['largest_layer']} gathered for compute and "
                        f"the next one prefetched{' in ' + trace['precision'] if low else ''}"
