@@ -220,6 +220,9 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
             with autocast_for(device, precision):
                 out = model(**batch, **kwargs)
             loss = loss_of(out)
+            # The outputs (a causal LM's logits: 2 x 8192 x 128256 bf16 is 3.9 GiB) are not needed by backward: freed
+            # before it, as the Trainer's training_step and torchtitan's loop do, not held through it.
+            del out
             if loss.dtype in (torch.float16, torch.bfloat16):
                 loss = loss.float()
             if not policy.pass_num_items:
