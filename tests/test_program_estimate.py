@@ -329,3 +329,42 @@ def test_the_programs_attention_implementation_is_what_the_trace_models():
         assert by_key["model.attn_implementation"].source is source, impl
         if source is Source.ASSUMED:
             assert "flex_attention" in by_key["model.attn_implementation"].why
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "selective-2", "every-2"])
+def test_the_programs_checkpointing_policy_is_read_from_its_model(policy):
+    """Issue 42: the policy a transformers model checkpoints with -- one block in N, or a selective policy function
+    asked what it keeps of a run of matmuls -- is the policy the estimate traces."""
+    from pilotrun.models.loading import enable_activation_checkpointing
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=4, n_head=2))
+    assert enable_activation_checkpointing(model, policy)
+    facts = describe_objects(model, None, micro_batch_size=2, max_length=16)
+    assert facts.activation_checkpointing is True and facts.checkpointing_policy == policy, facts.checkpointing_source
+    spec, provenance = job_spec({"name": "p", "program": {"command": "python x.py"}}, "x/pilot.yaml", [], facts)
+    assert spec.train.activation_checkpointing == (True if policy == "full" else policy)
+
+
+def test_a_torchtitan_style_policy_function_is_named_and_an_unknown_one_is_said():
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from pilotrun.program.describe import checkpointing_policy
+
+    def titan(meta):   # torchtitan's shape: a count that runs on, every second mm recomputed
+        def policy(ctx, func, *args, **kwargs):
+            if func == torch.ops.aten.mm.default:
+                meta["mm"] += 1
+                return CheckpointPolicy.PREFER_RECOMPUTE if meta["mm"] % 2 == 0 else CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return policy
+
+    for fn, expected in ((titan({"mm": 0}), "selective-2"),
+                         (lambda ctx, func, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE, "full")):
+        model = _gpt2()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, fn)})
+        name, why = checkpointing_policy(model)
+        assert name == expected, why
+    assert "not one pilotrun names" in why

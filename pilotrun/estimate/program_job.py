@@ -33,6 +33,7 @@ from typing import Any
 
 from ..config.load import apply_overrides, read_raw, set_dotted, spec_from_mapping
 from ..config.schema import SpecError
+from ..config.sections import ac_spec_value
 from ..config.spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
 from ..ledger.records import TextEnum
 from ..lock import installed_distributions, program_lock
@@ -163,8 +164,10 @@ def _program_sections(facts: JobFacts) -> tuple[dict, list[Fact], list[tuple[str
     else:
         put("train.precision", "fp32", "the program did not say (precision= to job.describe)", Source.ASSUMED)
     if facts.activation_checkpointing is not None:
-        put("train.activation_checkpointing", bool(facts.activation_checkpointing),
-            f"{fw}: gradient checkpointing {'on' if facts.activation_checkpointing else 'off'}")
+        policy = facts.checkpointing_policy if facts.activation_checkpointing else None
+        put("train.activation_checkpointing", ac_spec_value(policy) if policy else bool(facts.activation_checkpointing),
+            f"{fw}: gradient checkpointing {'on' if facts.activation_checkpointing else 'off'}"
+            + (f" ({facts.checkpointing_source})" if policy else ""))
     if facts.max_grad_norm is not None:
         put("train.max_grad_norm", facts.max_grad_norm, f"{fw}: gradient clipping")
     _optimizer(facts, put)

@@ -68,6 +68,8 @@ class JobFacts:
     precision: str | None = None                # as train.precision names it
     precision_source: str = ""
     activation_checkpointing: bool | None = None
+    checkpointing_policy: str | None = None     # full, selective, selective-N, every-N (checkpointing_policy())
+    checkpointing_source: str = ""
     attn_implementation: str | None = None      # the transformers model's attention (sdpa, flash_attention_2, ...)
     micro_batch_size: int | None = None
     grad_accum_steps: int | None = None
@@ -187,6 +189,43 @@ def _quantization(config: Any) -> dict | None:
     return {"unsupported": str(get("quant_method") or type(q).__name__)}
 
 
+def checkpointing_policy(model: torch.nn.Module) -> tuple[str | None, str]:
+    """The policy a transformers model's activation checkpointing runs, as ``train.activation_checkpointing`` names
+    it, and how it was read: ``every-N`` from which blocks checkpoint, ``selective``/``selective-N`` by asking the
+    selective policy function (a ``context_fn`` in the checkpoint arguments) what it keeps of a run of matmuls, else
+    ``full``. None when no block checkpoints."""
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    except ImportError:   # transformers 4 before the class: every module with the switch
+        layers = []
+    blocks = layers or [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m is not model]
+    on = [bool(getattr(m, "gradient_checkpointing", False)) for m in blocks]
+    if not any(on):
+        return None, "no block checkpoints"
+    if not all(on):
+        every = len(on) // max(sum(on), 1)
+        if every >= 2 and on == [i % every == 0 for i in range(len(on))]:
+            return f"every-{every}", f"{sum(on)} of {len(on)} blocks checkpoint"
+    func = next((getattr(m, "_gradient_checkpointing_func", None) for m in blocks), None)
+    context_fn = getattr(func, "keywords", {}).get("context_fn")
+    if context_fn is None:
+        return "full", "checkpoint without a selective policy"
+    try:
+        mode = context_fn()[0]
+        policy = mode.policy_fn
+        saved = [policy(SelectiveCheckpointContext(is_recompute=False), torch.ops.aten.mm.default) in
+                 (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True) for _ in range(8)]
+    except Exception as exc:   # a policy that needs real arguments: said, and traced as full
+        return "full", f"a selective policy that could not be asked ({type(exc).__name__}): traced as full"
+    stride = next((n for n in range(1, 9) if saved == [i % n == 0 for i in range(8)]), None)
+    if stride is None:
+        return "full", f"a selective policy that keeps matmuls {saved}: not one pilotrun names, traced as full"
+    return ("selective" if stride == 1 else f"selective-{stride}"), f"its selective policy keeps 1 matmul in {stride}"
+
+
 def _checkpointing(model: torch.nn.Module) -> bool | None:
     for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         with warnings.catch_warnings():
@@ -286,6 +325,8 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
         facts.quantization = _quantization(hf.config)
         if activation_checkpointing is None:
             activation_checkpointing = _checkpointing(hf)
+        if activation_checkpointing:
+            facts.checkpointing_policy, facts.checkpointing_source = checkpointing_policy(hf)
         impl = getattr(hf.config, "_attn_implementation", None)
         facts.attn_implementation = impl if isinstance(impl, str) else None
     facts.activation_checkpointing = activation_checkpointing
