@@ -37,6 +37,8 @@ GOAL = 0.25
 def estimate(spec: Path, job: dict) -> dict:
     cmd = [sys.executable, "-m", "pilotrun", "estimate", str(spec), "--accelerator", job["accelerator"],
            "--strategy", job["strategy"], "--gpus", str(job["gpus"]), "--no-advice", "--json"]
+    if job.get("catalog"):
+        cmd += ["--catalog", str(spec.parent / job["catalog"])]
     for item in job.get("set", []):
         cmd += ["--set", item]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
@@ -71,6 +73,9 @@ def main() -> None:
         raise SystemExit(f"--jobs {args.jobs}: no job" + (f" whose name contains {args.only!r}" if args.only else "")
                          + f"; each is an entry under jobs: as in {JOBS.relative_to(REPO)}")
     catalog = load_catalog()
+    extra = {j["catalog"] for j in jobs if j.get("catalog")}
+    for path in extra:   # the jobs' own accelerators, for their default utilisation
+        catalog = {**catalog, **load_catalog(args.jobs.parent / path)}
     rows = []
     print(f"{'job':52} {'published':>9} {'estimate':>9} {'ratio':>6} {'memory-bound':>12} {'flops-only':>10} "
           f"{'ratio':>6}  efficiency from")

@@ -23,9 +23,21 @@ def _bench():
 
 def test_the_published_jobs_specs_load_and_say_what_was_measured():
     bench = _bench()
-    assert {r[1] for r in bench.RUNS} == {"mistral-7b-lora.yaml", "mistral-7b-qlora.yaml", "mistral-7b-full.yaml"}
-    for _, name, batch, _, peak, allocated in bench.RUNS:
-        spec = load_spec(bench.SPECS / name, [f"train.micro_batch_size={batch}"], check_files=False)
+    assert {r["spec"] for r in bench.RUNS} == {"mistral-7b-lora.yaml", "mistral-7b-qlora.yaml", "mistral-7b-full.yaml",
+                                               "llama3-8b.yaml"}
+    for run in bench.RUNS:
+        assert run["counter"] in ("allocated", "reserved") and run["source"].startswith("https://"), run["job"]
+        catalog = load_catalog(bench.SPECS / run["catalog"]) if run.get("catalog") else load_catalog()
+        find(catalog, run["accelerator"])
+        assert (run["gpus"] > 1) == strategies.get(run["strategy"]).multi_process
+    for run in (r for r in bench.RUNS if r["spec"] == "llama3-8b.yaml"):   # torchtitan: op SAC, 2 x 8192 per GPU
+        spec = load_spec(bench.SPECS / run["spec"], run["set"], check_files=False)
+        assert spec.train.activation_checkpointing == "selective-2" and spec.data.max_length == 8192
+        assert spec.train.micro_batch_size * spec.train.grad_accum_steps == 2 * run["gpus"]
+    for run in (r for r in bench.RUNS if r["spec"] != "llama3-8b.yaml"):
+        name, peak, allocated = run["spec"], run["published_bytes"], run["published_state_bytes"]
+        spec = load_spec(bench.SPECS / name, run["set"], check_files=False)
+        batch = spec.train.micro_batch_size
         adapter = spec.model.adapter
         if "full" in name:
             assert adapter is None and spec.train.optimizer.lr == 2e-5
@@ -44,11 +56,11 @@ def test_the_published_jobs_specs_load_and_say_what_was_measured():
 
 def test_every_published_step_time_names_a_loadable_job_its_source_and_a_positive_time():
     jobs = yaml.safe_load((REPO / "bench" / "published" / "times.yaml").read_text())["jobs"]
-    catalog = load_catalog()
     assert len(jobs) >= 17 and len({j["name"] for j in jobs}) == len(jobs)
     for job in jobs:
         spec = load_spec(REPO / "bench" / "published" / job["spec"], job.get("set", []), check_files=False)
         assert job["source"] and job["published_seconds_per_update"] > 0, job["name"]
+        catalog = load_catalog(REPO / "bench" / "published" / job["catalog"]) if job.get("catalog") else load_catalog()
         find(catalog, job["accelerator"])
         strategy = strategies.get(job["strategy"])
         assert (job["gpus"] > 1) == strategy.multi_process, job["name"]

@@ -5,7 +5,8 @@ The fixes, cheapest first (the fix order of docs/architecture.md, "Contracts"):
 
 1. smaller micro batch, more accumulation (examples per update held: the same experiment);
 2. activation checkpointing, its cheapest policy first (selective: the matmul outputs kept; selective-2: one matmul
-   in 2 kept; one block in 2; every block), memory saved vs time added, both predicted (the time measured, where ``pilotrun variants`` ran it there);
+   in 2 kept; one block in 2; every block), memory saved vs time added, both predicted (the time measured, where
+   ``pilotrun variants`` ran it there);
 3. mixed precision (bf16, or fp16 with a grad scaler stepped on the real update boundary);
 4. sharding with FSDP2 across 2, 4, 8... GPUs (each count dearer than the last);
 5. a larger accelerator (each larger one dearer than the last).
@@ -100,8 +101,8 @@ def combinations(spec, acc: Accelerator, strategy: str, gpus: int,
 RECOMPUTES = {"full": "the forward is recomputed in backward",
               "selective": "every op but the matmuls is recomputed in backward (the time counts their bytes; "
                            "pilotrun variants measures them)",
-              "selective-2": "every op but the attention and one matmul in 2 is recomputed in backward (the time counts "
-                             "the other matmuls' FLOPs again; pilotrun variants measures them)",
+              "selective-2": "every op but the attention and one matmul in 2 is recomputed in backward (the time "
+                             "counts the other matmuls' FLOPs again; pilotrun variants measures them)",
               "every-2": "one block in 2 is recomputed in backward"}
 
 

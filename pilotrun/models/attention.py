@@ -34,6 +34,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -209,7 +210,7 @@ _CHOICES: dict[tuple, str] = {}
 
 
 def _autocast(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """SDPA is on autocast's lower-precision list (CUDA and CPU alike): its inputs are cast as the aten op's would be."""
+    """SDPA is on autocast's lower-precision list (CUDA and CPU alike): its inputs are cast as the aten op's are."""
     if not torch.is_autocast_enabled("cpu"):
         return list(tensors)
     dtype = torch.get_autocast_dtype("cpu")
@@ -254,9 +255,9 @@ def _flash_forward(record: AttentionRecord):
     return forward
 
 
-def _set_transformers_attention(model: torch.nn.Module, name: str) -> list[tuple[object, str]]:
+def _set_transformers_attention(model: torch.nn.Module, name: str) -> list[tuple[Any, str]]:
     """Point every transformers config in ``model`` at attention function ``name``; the old values to put back."""
-    changed = []
+    changed: list[tuple[Any, str]] = []
     for m in model.modules():
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation") and all(c is not config for c, _ in changed):

@@ -390,7 +390,8 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def enable_activation_checkpointing(model: torch.nn.Module, policy: str = "full") -> bool:
     """Non-reentrant activation checkpointing through the model's own switch (transformers 4 or 5), with the
     ``train.activation_checkpointing`` policy: ``full``, ``selective`` (the matmul outputs kept), ``selective-N`` (one
-    matmul output in N kept) or ``every-N`` (one block in N recomputed). False when the model has no switch; ModelError when it cannot take the policy."""
+    matmul output in N kept) or ``every-N`` (one block in N recomputed). False when the model has no switch; ModelError
+    when it cannot take the policy."""
     new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
     old = getattr(model, "gradient_checkpointing_enable", None)
     blocks = _blocks(model) if policy.startswith("every-") else []

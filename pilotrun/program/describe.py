@@ -198,7 +198,7 @@ def checkpointing_policy(model: torch.nn.Module) -> tuple[str | None, str]:
 
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
-        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        layers: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     except ImportError:   # transformers 4 before the class: every module with the switch
         layers = []
     blocks = layers or [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m is not model]
