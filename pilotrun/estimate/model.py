@@ -23,6 +23,7 @@ import math
 from .. import strategies
 from ..ledger.records import GateName
 from ..strategies import StageBytes, correction
+from ..models.attention import AS_TRACED_ON_CPU
 from .catalog import Accelerator
 from .ops import roofline_seconds
 
@@ -59,6 +60,8 @@ def attention_note(att: dict) -> str:
         return ("not recorded: a trace written before pilotrun modelled the target's attention kernel (trace again "
                 "with --no-trace-cache)")
     impl, kernel, calls = att.get("implementation", "?"), att.get("kernel", "?"), att.get("calls", 0)
+    if kernel == AS_TRACED_ON_CPU:
+        return f"{impl}: traced {kernel} (the target is this CPU: its own dispatch is what runs)"
     if impl == "eager":
         return ("eager attention (model.attn_implementation or the model's config): traced as the model computes it, "
                 "its L×L scores and probabilities kept on the target as on this CPU")

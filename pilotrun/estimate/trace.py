@@ -335,7 +335,8 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     layer_name, layer_bytes, layers = largest_block(job.model)
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
-    with FakeTensorMode(allow_non_fake_inputs=True), model_target_attention(job.attention, job.model) as attention:
+    with FakeTensorMode(allow_non_fake_inputs=True), model_target_attention(job.attention, job.model,
+                                                                                    target) as attention:
         model = job.model.to_empty(device="cpu")
         _retie(model, shared)
         opt, opt_path = trace_optimizer(model, spec, target)

@@ -266,11 +266,19 @@ def _set_transformers_attention(model: torch.nn.Module, name: str) -> list[tuple
     return changed
 
 
+AS_TRACED_ON_CPU = "as this CPU runs it"
+
+
 @contextlib.contextmanager
-def model_target_attention(implementation: str, model: torch.nn.Module | None = None) -> Iterator[AttentionRecord]:
+def model_target_attention(implementation: str, model: torch.nn.Module | None = None,
+                           target: str = "cuda") -> Iterator[AttentionRecord]:
     """Inside: attention runs as ``implementation`` runs on the target (see the module's table). ``eager`` changes
-    nothing (the model's own ops are what the target runs). A flash implementation needs the transformers ``model``
-    whose attention function is swapped for the modelled kernel's; sdpa catches every SDPA call, whoever makes it."""
+    nothing (the model's own ops are what the target runs), nor does a CPU ``target`` (what the trace runs is what
+    the CPU runs). A flash implementation needs the transformers ``model`` whose attention function is swapped for
+    the modelled kernel's; sdpa catches every SDPA call, whoever makes it."""
+    if target == "cpu":
+        yield AttentionRecord(implementation, AS_TRACED_ON_CPU)
+        return
     if implementation == "eager":
         yield AttentionRecord(implementation, "as traced (the model's own matmul and softmax)")
         return
