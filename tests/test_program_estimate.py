@@ -368,3 +368,22 @@ def test_a_torchtitan_style_policy_function_is_named_and_an_unknown_one_is_said(
         name, why = checkpointing_policy(model)
         assert name == expected, why
     assert "not one pilotrun names" in why
+
+
+def test_a_described_classification_program_builds_for_the_trace():
+    """Issue 44: a BERT classification program's described config carries id2label, and the labels it gives the
+    data section were passed again: 'AutoConfig.for_model() got multiple values for keyword argument id2label'
+    (exit 2 blaming model.config, which the user never wrote)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from pilotrun.models.loading import build_model
+
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1}))
+    facts = describe_objects(model, torch.optim.AdamW(model.parameters(), lr=1e-4), micro_batch_size=4,
+                             max_length=16)
+    spec, _ = job_spec({"name": "p", "program": {"command": "python x.py"}}, "x/pilot.yaml", [], facts)
+    assert spec.data.task == "seq-classification" and spec.data.labels == ["neg", "pos"]
+    built = build_model(spec.model, spec.build_context(), spec.data.labels, meta=True)
+    assert built.model.config.id2label == {0: "neg", 1: "pos"} and built.model.config.num_labels == 2

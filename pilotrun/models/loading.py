@@ -247,7 +247,9 @@ def _hf_config(spec: ModelSpec, folder: Path, head: str, label_names: list[str] 
         cfg_map = dict(spec.config)
         model_type = cfg_map.pop("model_type")
         try:
-            config = transformers.AutoConfig.for_model(model_type, **cfg_map, **extra)
+            # The labels the data names win over a config's own (a described program's config carries them too:
+            # passing both was "got multiple values for keyword argument 'id2label'", issue 44).
+            config = transformers.AutoConfig.for_model(model_type, **(cfg_map | extra))
         except (ValueError, TypeError) as exc:
             raise ModelError(f"model.config: transformers cannot build a {model_type!r} config: {exc}") from None
         if tokenizer is not None and getattr(config, "pad_token_id", None) is None and head == "seq-classification":
