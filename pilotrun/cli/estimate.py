@@ -29,6 +29,8 @@ HELP = """examples:
   pilotrun estimate examples/llama-7b-estimate/pilot.yaml
   pilotrun estimate examples/hf-trainer/pilot.yaml --set model.config.n_layer=24 --set data.max_length=2048
   pilotrun estimate pilot.yaml --accelerator H100-80GB --gpus 4 --strategy fsdp
+  pilotrun estimate pilot.yaml --gpus 8 --strategy fsdp --activation-checkpointing selective-2
+  pilotrun estimate pilot.yaml --set model.attn_implementation=flash_attention_2
   pilotrun estimate pilot.yaml --accelerator a100 --json
   pilotrun estimate pilot.yaml --catalog my-gpus.yaml      # add or override accelerators (prices too)
 
@@ -36,7 +38,9 @@ Nothing is allocated and no weights or data files are read: the model is built o
 traced with fake tensors in a separate process. A program spec (program: without all of model, data and train)
 is described by its program: run once (so it builds its model and reads its data as it always does) until it
 describes its job (the transformers/Lightning callback at train begin, or job.describe), before
-its first update; the spec's model/data/train and --set override what it said. Without --gpus, DDP and FSDP are
+its first update; the spec's model/data/train and --set override what it said. Attention is traced as the
+accelerator runs it (model.attn_implementation, else the model's own: sdpa keeps output + logsumexp, not L x L),
+and FSDP2's communication overlaps its compute as it prefetches. Without --gpus, DDP and FSDP are
 shown over 2, 4 and 8 GPUs. Traces (and a program's description) are cached as JSON under $PILOTRUN_CACHE
 (default ~/.cache/pilotrun), shared with select and plan; --no-trace-cache traces (and describes) again and
 replaces the cached entry."""
@@ -53,7 +57,8 @@ def add_parser(sub) -> None:
     add_ledger_arg(p, "for utilisation measured by earlier pilots")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--activation-checkpointing", metavar="on|off|POLICY",
-                   help="trace with activation checkpointing on (full) or off, or a policy: full, selective, every-N "
+                   help="trace with activation checkpointing on (full) or off, or a policy: full, selective, "
+                        "selective-N (one matmul in N kept; selective-2 is torchtitan's op policy), every-N "
                         "(default: the spec's)")
     p.add_argument("--no-advice", action="store_true", help="skip the variants for rows that do not fit")
     add_trace_cache_arg(p)
