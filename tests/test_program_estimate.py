@@ -263,7 +263,10 @@ def test_select_on_the_trainer_example_matches_the_equivalent_spec(tmp_path):
     hand = write_spec(tmp_path / "equivalent.yaml", {
         "name": "hf-trainer-by-hand",
         "model": {"config": {"model_type": "gpt2", "vocab_size": len(chat.WORDS), "n_positions": 64, "n_embd": 32,
-                             "n_layer": 2, "n_head": 2, "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 0}},
+                             "n_layer": 2, "n_head": 2, "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 0,
+                             # as the program's config says: no KV cache built in a training forward (its copies
+                             # were 2% of this toy's time)
+                             "use_cache": False}},
         "data": {"task": "causal-lm", "max_length": max(len(d["input_ids"]) for d in chat.dialogues(96, seed=0))},
         "train": {"micro_batch_size": 4, "grad_accum_steps": 2, "updates": 12,
                   "optimizer": {"name": "adamw", "lr": 1e-3, "fused": True}}})

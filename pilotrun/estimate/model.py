@@ -22,8 +22,8 @@ import math
 
 from .. import strategies
 from ..ledger.records import GateName
-from ..strategies import StageBytes, correction
 from ..models.attention import AS_TRACED_ON_CPU
+from ..strategies import StageBytes, correction
 from .catalog import Accelerator
 from .ops import roofline_seconds
 
@@ -97,7 +97,7 @@ def _parts(b: dict, activation_scale: float) -> StageBytes:
 
 
 def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus: int,
-                 micro_scale: float = 1.0) -> dict:
+                 micro_scale: float = 1.0, accumulating: bool | None = None) -> dict:
     """Per-rank peak of one stage. ``micro_scale`` rescales activations (another micro batch).
 
     Every moment the trace kept (forward/backward and optimizer step, see trace.SCALES) is placed on the
@@ -111,7 +111,9 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     chosen = strategies.get(strategy)
     # The train micro batch scales training activations only: evaluation keeps eval.batch_size.
     scale = micro_scale if training else 1.0
-    per_device = micro_batches_per_gpu(trace, chosen.compute_replicas(gpus), micro_scale)
+    # ``accumulating`` True: place the later micro batches' moments whatever the count (a hypothetical micro batch
+    # that may still accumulate); None: as many micro batches as each device runs at this scale.
+    per_device = 2 if accumulating else micro_batches_per_gpu(trace, chosen.compute_replicas(gpus), micro_scale)
     placed = [(name, chosen.estimate_memory(_parts(b, scale), trace, gpus, training))
               for name, b in _moments(st, per_device)]
     phase, (base, by_strategy) = max(placed, key=lambda p: p[1][0])
@@ -259,12 +261,13 @@ def time_source(t: dict, measured: str | None = None) -> str:
 
 
 def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str | None = None,
-                 utilisation: float | None = None, micro_scale: float = 1.0, micro_batches: int | None = None) -> dict:
+                 utilisation: float | None = None, micro_scale: float = 1.0, micro_batches: int | None = None,
+                 accumulating: bool | None = None) -> dict:
     """One row of the ``fits`` table: the largest stage's per-rank peaks against capacity, and time."""
     if not strategies.get(strategy).multi_process and gpus != 1:
         raise ValueError(f"strategy {strategy} uses one GPU")
     precision = precision or trace["precision"]
-    stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale) for s in STAGES}
+    stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale, accumulating) for s in STAGES}
     worst = max(STAGES, key=lambda s: stages[s]["device_used_bytes"])
     t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale, micro_batches)
     return {
@@ -285,16 +288,22 @@ def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precis
 
 
 def largest_scale_that_fits(trace: dict, acc: Accelerator, strategy: str, gpus: int, headroom: float) -> float:
-    """How far activations may grow (micro batch or length, at linear scaling) while the worst stage fits."""
+    """How far activations may grow (micro batch or length, at linear scaling) while the worst stage fits. The
+    micro batch found may still be accumulated: an earlier micro batch's gradients stay in its moments."""
     budget = acc.memory_bytes * (1 - headroom)
+
+    def fits(scale: float) -> bool:
+        return estimate_fit(trace, acc, strategy, gpus, micro_scale=scale, accumulating=True)[
+            "device_used_bytes"] <= budget
+
     lo, hi = 0.0, 1.0
-    while estimate_fit(trace, acc, strategy, gpus, micro_scale=hi)["device_used_bytes"] <= budget and hi < 1024:
+    while fits(hi) and hi < 1024:
         lo, hi = hi, hi * 2
-    if hi == 1.0 and estimate_fit(trace, acc, strategy, gpus, micro_scale=1e-6)["device_used_bytes"] > budget:
+    if hi == 1.0 and not fits(1e-6):
         return 0.0
     for _ in range(30):
         mid = (lo + hi) / 2
-        if estimate_fit(trace, acc, strategy, gpus, micro_scale=mid)["device_used_bytes"] <= budget:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
