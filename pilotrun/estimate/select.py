@@ -45,7 +45,7 @@ def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict,
     options = [(one, 1, False)] + ([(one, 1, True)] if not spec_ac else [])
     options += [(shard, n, ac) for n in (2, 4, 8) for ac in ((False, True) if not spec_ac else (True,))]
     for strategy, gpus, ac in options:
-        # A spec that checkpoints keeps its own policy (selective, selective-N, every-N): the sheet never swaps it for full.
+        # A spec that checkpoints keeps its own policy (selective-N, every-N...): the sheet never swaps it for full.
         trace = traces.get(ac=True) if ac and not spec_ac else traces.get()
         fit = estimate_fit(trace, acc, strategy, gpus)
         label = f"{strategy}{'' if gpus == 1 else f' x{gpus}'}{' + activation checkpointing' if ac else ''}"

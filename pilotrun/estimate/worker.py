@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--ac", default="spec", help="on (full), off, spec, or a policy: full, selective, selective-N, every-N")
+    ap.add_argument("--ac", default="spec",
+                    help="on (full), off, spec, or a policy: full, selective, selective-N, every-N")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16", "bf16-true"])
     ap.add_argument("--micro-batch", type=int)
     ap.add_argument("--seq-len", type=int)
