@@ -108,7 +108,7 @@ class TraceResult:
     # Adapter / quantised base / bf16-true: trainable share, adapter and quantised bytes (adapted.Adaptation).
     adaptation: dict = field(default_factory=dict)
     # The attention kernel modelled (models.attention.AttentionRecord.to_dict): the implementation, the target's
-    # kernel, its calls in one micro batch (recomputes included), and what CPU dispatch would have run instead.
+    # kernel, its calls in one micro batch's forward, and what CPU dispatch would have run instead.
     attention: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:

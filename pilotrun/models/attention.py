@@ -23,9 +23,9 @@ FLOPs are SDPA's, and records which kernel CPU dispatch would have run instead.
 
 Example::
 
-    with model_target_attention("sdpa") as record:
+    with model_target_attention("sdpa") as record, record.counting():
         loss = model(**batch).loss; loss.backward()
-    record.calls, record.cpu_kernels            # {"math": 48}: what the CPU would have run
+    record.calls, record.cpu_kernels            # 24, {"math": 24}: what the CPU would have run instead
 """
 from __future__ import annotations
 
