@@ -190,10 +190,29 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
                          0.0, "bitwise")
     assert row.failure == Failure.ERROR and "exited with 1" in row.reason and "KeyError" in row.reason
     assert "job.saved only once the write is complete" not in row.reason  # it got past the load: update 3
-    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
-                          Role.RESUMED: _outcome(Role.RESUMED, [], returncode=1, tmp=tmp_path)}, 2, 2, True, 0.0,
-                         "bitwise")
+    # Before its first update, on a checkpoint that is not there: the advice about job.saved's timing applies ...
+    never = _outcome(Role.RESUMED, [], returncode=1, tmp=tmp_path)
+    (tmp_path / "resumed.log").write_text(
+        "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n    torch.load(path)\n"
+        "FileNotFoundError: [Errno 2] No such file or directory: 'ck/state.pt'\n")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: never}, 2, 2, True,
+                         0.0, "bitwise")
     assert "before its first update" in row.reason and "job.saved only once the write is complete" in row.reason
+    assert "FileNotFoundError: [Errno 2] No such file or directory: 'ck/state.pt'" in row.reason
+    # ... on one it cannot unpickle, it does not (issue 44: a ReduceLROnPlateau refused by weights_only), and the
+    # exception is quoted whole, from its type, not from mid-word.
+    (tmp_path / "resumed.log").write_text(
+        "step 2 saved\nTraceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
+        "    torch.load(path)\n_pickle.UnpicklingError: Weights only load failed. This file can still be loaded, to "
+        "do so you have two options.\n\n(1) In PyTorch 2.6, we changed the default value of the `weights_only`"
+        " argument.\n(2) Alternatively, to load with `weights_only=True` please check the recommended steps in the "
+        "following error message.\nWeightsUnpickler error: Unsupported global: GLOBAL torch.optim.lr_scheduler."
+        "ReduceLROnPlateau was not an allowed global by default. Please use `torch.serialization.add_safe_globals("
+        "[torch.optim.lr_scheduler.ReduceLROnPlateau])` to allowlist this global.\n")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: never}, 2, 2, True,
+                         0.0, "bitwise")
+    assert "exited with 1: _pickle.UnpicklingError: Weights only load failed." in row.reason, row.reason
+    assert "job.saved only once the write is complete" not in row.reason and "ReduceLROnPlateau" in row.reason
     short = _outcome(Role.RESUMED, [3])
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: short}, 2, 2, True,
                          0.0, "bitwise")
@@ -462,6 +481,12 @@ def test_a_failed_torchrun_rank_is_quoted_from_what_the_rank_printed_not_torchru
     assert "terminate called without an active exception" in said and "failed (exitcode: -6) local_rank: 1" in said
     assert "*****" not in said and "SIGTERM" not in said
     assert failure_lines("step 1\nTraceback:\nKeyError: 'scheduler'\n") == "step 1 | Traceback: | KeyError: 'scheduler'"
+    # A rank's Python exception before torchrun's report is quoted whole, its rank prefix dropped.
+    raised = log.replace("terminate called without an active exception\n",
+                         "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"t.py\", line 3\n"
+                         "[rank1]: ValueError: the batch is empty\n")
+    said = failure_lines(raised)
+    assert said.startswith("ValueError: the batch is empty | ") and "failed (exitcode: -6) local_rank: 1" in said
 
 
 @pytest.mark.process

@@ -137,6 +137,12 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
     return refused if refused is not None else _compared(runs, before, after, exact, rtol, mode, details)
 
 
+# The exceptions of a load that found no file, or a file cut short: what a save reported before its write completed
+# leaves behind (torch.load's zip reader raises RuntimeError "PytorchStreamReader failed reading zip archive").
+INCOMPLETE_CHECKPOINT = frozenset({"FileNotFoundError", "EOFError", "NotADirectoryError", "BadZipFile",
+                                   "UnexpectedEOFError"})
+
+
 def _not_comparable(runs: dict[Role, RunOutcome], before: int, after: int, details: dict,
                     asked: bool = True) -> list[GateRow] | None:
     """The row when the runs cannot be compared (invalid values, a control run that failed or ended early, an
@@ -209,9 +215,11 @@ def _compared(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool
         elif rank not in after_resume:
             how = resumed.how_it_ended() if resumed is not None else "was not started"
             hint = ""
-            if resumed is not None and not resumed.timed_out and not any(resumed.updates(r) for r in resumed.ranks):
+            if (resumed is not None and not resumed.timed_out and not any(resumed.updates(r) for r in resumed.ranks)
+                    and resumed.raised() in INCOMPLETE_CHECKPOINT):
                 # Found piloting a loop that called job.saved before writing the file: the resumed run's
-                # FileNotFoundError was quoted without saying what it means for the program.
+                # FileNotFoundError was quoted without saying what it means for the program. Said only where the
+                # failure is a missing or short file (a checkpoint the program cannot unpickle is another fault).
                 hint = ("; it failed before its first update, so it could not load the checkpoint the interrupted "
                         "run reported: call job.saved only once the write is complete (the process is killed "
                         "there), and load what the save wrote")

@@ -156,6 +156,13 @@ class RunOutcome:
         """The processes the program left running when it ended (each killed since), for a row's reason."""
         return leftover_text(self.leftovers)
 
+    def raised(self) -> str | None:
+        """The class name of the last exception the run's log shows, None without one (or without a log)."""
+        try:
+            return exception_type(self.log.read_text(errors="replace"))
+        except OSError:
+            return None
+
     def log_tail(self, lines: int = 3) -> str:
         try:
             text = self.log.read_text(errors="replace")
@@ -169,18 +176,64 @@ TORCHRUN_FAILED = "torch/distributed/elastic/multiprocessing/api.py"
 
 
 def failure_lines(text: str, lines: int = 3) -> str:
-    """The lines of a program's log that say why it failed: its last lines; under torchrun, what the ranks printed
-    last before torchrun reported the failure, and torchrun's line naming the failed rank and exit code."""
+    """The lines of a program's log that say why it failed: its last exception whole (type and message) when it
+    raised one; else its last lines; under torchrun, what the ranks printed before torchrun reported the failure
+    (their last exception, or last lines) and torchrun's line naming the failed rank and exit code."""
     all_lines = [line for line in text.strip().splitlines() if line.strip().strip("*")]  # not torchrun's banner
     first = next((i for i, line in enumerate(all_lines) if TORCHRUN_FAILED in line), None)
     if first is None:
-        return " | ".join(all_lines[-lines:])[-400:] or "(empty log)"
+        return last_exception(all_lines) or _tail(" | ".join(all_lines[-lines:])) or "(empty log)"
     # Found piloting a 2-rank loop whose rank 1 aborted: the row quoted torchrun's summary ("error_file: <N/A> |
     # traceback : Signal 6 ...") instead of the rank's "terminate called without an active exception".
     failed = next((line for line in all_lines[first:] if "failed (exitcode" in line), "")
-    rank_said = all_lines[max(0, first - (lines - 1)):first]
+    raised = last_exception(all_lines[:first])
+    rank_said = [raised] if raised else all_lines[max(0, first - (lines - 1)):first]
     shown = [*rank_said, failed.split("] ", 1)[-1]] if failed else rank_said
-    return " | ".join(shown)[-400:] or "(empty log)"
+    return _tail(" | ".join(shown)) or "(empty log)"
+
+
+TRACEBACK = "Traceback (most recent call last):"
+_RANK_PREFIX = re.compile(r"^\[(default)?rank\d+\]:\s?")   # torchrun's --tee / LOGLEVEL prefixes
+_LOG_LINE = re.compile(r"^([WEIF]\d{4} |\[[WEI] |\d{4}-\d\d-\d\d[ T]|Exception ignored)")   # a new log record
+EXCEPTION_CHARS = 800
+
+
+def last_exception(lines: list[str]) -> str | None:
+    """The last exception a Python traceback in ``lines`` ended with, whole: its type and its message, every line
+    of it (a multi-line message joined), never cut mid-word. None when no traceback is there.
+
+    Found piloting a program whose resume failed in torch.load: the row showed the last 400 characters of the log,
+    starting mid-word ("ialization.add_safe_globals(..."), without the exception's type."""
+    plain = [_RANK_PREFIX.sub("", line) for line in lines]
+    starts = [i for i, line in enumerate(plain) if line.strip().endswith(TRACEBACK)]
+    if not starts:
+        return None
+    said: list[str] = []
+    for line in plain[starts[-1] + 1:]:
+        if not said:
+            if line[:1] in (" ", "\t") or not line.strip():   # the frames and their source lines
+                continue
+        elif _LOG_LINE.match(line) or line.strip().endswith(TRACEBACK):
+            break
+        if line.strip():
+            said.append(line.strip())
+    return _tail(" ".join(said), EXCEPTION_CHARS, keep="head") if said else None
+
+
+def _tail(text: str, limit: int = 400, keep: str = "tail") -> str:
+    """``text`` within ``limit`` characters, cut at a word boundary and marked with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    if keep == "head":
+        return text[:limit].rsplit(" ", 1)[0] + " …"
+    return "… " + text[-limit:].split(" ", 1)[-1]
+
+
+def exception_type(text: str) -> str | None:
+    """The class name of the last exception in a log (``FileNotFoundError``), None without one."""
+    raised = last_exception(text.splitlines())
+    head = raised.split(":", 1)[0].strip() if raised else ""
+    return head.rsplit(".", 1)[-1] if head and " " not in head else None
 
 
 # How each run ended, beside its events: what `pilotrun run --resume` reads to reuse the runs an interrupted pilot
