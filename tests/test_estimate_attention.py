@@ -104,22 +104,20 @@ def test_attn_implementation_is_for_transformers_models(tmp_path):
 @pytest.mark.process
 def test_the_estimate_of_a_gpt_bigcode_job_models_flash_and_grows_linearly_with_length(tmp_path):
     """The estimate says which kernel it modelled and why; with the target's kernel, activations grow with L, not
-    L x L (eager, the model's own softmax, grows faster)."""
+    L x L (eager, the model's own softmax, keeps far more)."""
     acts = {}
-    for impl in ("sdpa", "eager"):
-        for L in (256, 512):
-            res = pilotrun_cli(
-                "estimate", str(EXAMPLES / "tiny-sft" / "pilot.yaml"), "--set", f"model.config={json.dumps(BIGCODE)}",
-                "--set", f"model.attn_implementation={impl}", "--set", f"data.max_length={L}", "--set",
-                f"eval.max_length={L}", "--set", "train.precision=bf16", "--accelerator", "A100-80GB",
-                "--strategy", "single", "--no-advice", "--json", cwd=tmp_path, env={"PILOTRUN_CACHE": str(tmp_path)})
-            assert res.returncode == 0, res.stderr
-            out = json.loads(res.stdout)
-            acts[impl, L] = out["stages"]["steady_step"]["breakdown"]["activations"]
-            note = next(c["reason"] for c in out["fits"][0]["corrections"] if c["name"] == "attention kernels")
-            if impl == "sdpa":
-                assert note.startswith("sdpa: modelled as the target runs it, flash or memory-efficient SDPA") and (
-                    "math" in note), note
-    assert acts["sdpa", 512] / acts["sdpa", 256] == pytest.approx(2.0, rel=0.1)
-    assert acts["eager", 512] / acts["eager", 256] > 2.3
-    assert acts["sdpa", 512] < acts["eager", 512]
+    for impl, L in (("sdpa", 128), ("sdpa", 256), ("eager", 256)):
+        res = pilotrun_cli(
+            "estimate", str(EXAMPLES / "tiny-sft" / "pilot.yaml"), "--set", f"model.config={json.dumps(BIGCODE)}",
+            "--set", f"model.attn_implementation={impl}", "--set", f"data.max_length={L}", "--set",
+            f"eval.max_length={L}", "--set", "train.precision=bf16", "--accelerator", "A100-80GB",
+            "--strategy", "single", "--no-advice", "--json", cwd=tmp_path, env={"PILOTRUN_CACHE": str(tmp_path)})
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        acts[impl, L] = out["stages"]["steady_step"]["breakdown"]["activations"]
+        note = next(c["reason"] for c in out["fits"][0]["corrections"] if c["name"] == "attention kernels")
+        if impl == "sdpa":
+            assert note.startswith("sdpa: modelled as the target runs it, flash or memory-efficient SDPA") and (
+                "math" in note), note
+    assert acts["sdpa", 256] / acts["sdpa", 128] == pytest.approx(2.0, rel=0.1)
+    assert acts["sdpa", 256] < acts["eager", 256] / 1.5   # eager keeps 2 x 4 heads x L x L per layer besides
