@@ -11,7 +11,7 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .hub_cache import TokenizerSource, locate_tokenizer
 from .paths import looks_local, resolve_path
@@ -25,6 +25,9 @@ from .strategy_names import StrategyName
 BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
 
 Precision = Literal["fp32", "bf16", "fp16", "bf16-true"]
+# model.attn_implementation's values (models/attention.py says what each keeps on the target).
+AttnImplementation = Literal["sdpa", "flash_attention_2", "flash_attention_3", "eager"]
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
 
 # pilot.factory_timeout's default: a factory that tokenizes a large dataset or reads a 70B checkpoint from a network
 # disk takes many minutes; half an hour is above that and still ends a factory that loops (found by the fuzzer: an
@@ -110,7 +113,7 @@ class ModelSpec(FactorySection):
     adapter: AdapterSpec | None = doc("train a LoRA adapter on the frozen model instead of every weight", None)
     quantization: QuantizationSpec | None = doc(
         "load the frozen base quantised to 4 or 8 bits with bitsandbytes (needs model.hf or model.config)", None)
-    attn_implementation: Literal["sdpa", "flash_attention_2", "flash_attention_3", "eager"] | None = doc(
+    attn_implementation: AttnImplementation | None = doc(
         "the attention kernel the long run uses (transformers models): sdpa, flash_attention_2/3 (the flash-attn "
         "package, on the GPU only) or eager; the estimate models what that kernel keeps whatever the CPU trace would "
         "have run (default: the model config's own choice, transformers' sdpa)", None)

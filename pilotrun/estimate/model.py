@@ -182,18 +182,21 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     # The FLOPs one device runs: the traced micro batch's (the update's / the accumulation) x its share.
     device_flops = flops / max(1, trace.get("grad_accum_steps", 1)) * share
     if utilisation is None and step.get("ops"):
-        return {**_roofline(step, acc, chosen, gpus, peak, (trace, precision, bw), per_device, share, device_flops),
+        def expose(compute_seconds: float) -> tuple[float, str]:
+            return chosen.exposed_communication(comm, trace, gpus, precision, bw, per_device, compute_seconds)
+
+        return {**_roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops),
                 "communication": link}
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
     compute = device_flops / (peak * util)
-    exposed, how = chosen.exposed_communication(trace, gpus, precision, bw, per_device, compute)
+    exposed, how = chosen.exposed_communication(comm, trace, gpus, precision, bw, per_device, compute)
     return {"seconds": compute + exposed, "compute_seconds": compute, "communication_seconds": comm,
             "exposed_communication_seconds": exposed, "communication": link, "micro_batches_per_gpu": per_device,
             "communication_model": how, "model": "flops",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
-            "bound": "compute" if compute >= comm else "communication"}
+            "bound": "compute" if compute >= exposed else "communication"}
 
 
 def collective_bandwidth(acc: Accelerator, gpus: int) -> tuple[float, dict]:
@@ -216,8 +219,9 @@ def collective_bandwidth(acc: Accelerator, gpus: int) -> tuple[float, dict]:
 
 def _roofline(step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None, wire: tuple, per_device: int,
               share: float, device_flops: float) -> dict:
-    """The per-op time model; ``wire`` is (trace, precision, collective bytes per second) for the communication."""
-    trace, precision, bw = wire
+    """The per-op time model; ``wire`` is (the update's communication seconds, the function that says how much of
+    them a given compute hides)."""
+    comm, expose = wire
     eff = acc.efficiencies()
     micro = roofline_seconds(step["ops"], acc, eff.compute, eff.bandwidth)
     opt = roofline_seconds(step.get("optimizer_ops") or [], acc, eff.compute, eff.bandwidth)
@@ -225,8 +229,7 @@ def _roofline(step: dict, acc: Accelerator, chosen, gpus: int, peak: float | Non
         return {"seconds": None, "reason": micro.get("reason") or opt.get("reason")}
     step_replicas = chosen.optimizer_replicas(gpus)
     opt_s = opt["seconds"] / step_replicas
-    comm = chosen.communication_seconds(trace, gpus, precision, bw, per_device)
-    exposed, how = chosen.exposed_communication(trace, gpus, precision, bw, per_device, micro["seconds"] * share)
+    exposed, how = expose(micro["seconds"] * share)
     compute = micro["seconds"] * share + opt_s
     memory_bound = micro["memory_bound_seconds"] * share + opt["memory_bound_seconds"] / step_replicas
     flops = step["flops"]

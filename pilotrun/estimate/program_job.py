@@ -33,6 +33,7 @@ from typing import Any
 
 from ..config.load import apply_overrides, read_raw, set_dotted, spec_from_mapping
 from ..config.schema import SpecError
+from ..config.sections import ATTN_IMPLEMENTATIONS as IMPLEMENTATIONS
 from ..config.sections import ac_spec_value
 from ..config.spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
 from ..ledger.records import TextEnum
@@ -178,8 +179,6 @@ def _attention(facts: JobFacts, put: Callable[..., None]) -> None:
     """The attention kernel of the program's transformers model, which the trace models as the target runs it."""
     if not facts.attn_implementation:
         return
-    from ..models.attention import IMPLEMENTATIONS
-
     if facts.attn_implementation in IMPLEMENTATIONS:
         put("model.attn_implementation", facts.attn_implementation, "the model config's _attn_implementation")
     else:   # flex_attention, a kernel hub's: not one the estimator models, said

@@ -38,16 +38,13 @@ from typing import Any
 
 import torch
 
-IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager")
-FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+from ..config.sections import ATTN_IMPLEMENTATIONS as IMPLEMENTATIONS
+
+FLASH_IMPLEMENTATIONS = tuple(i for i in IMPLEMENTATIONS if i.startswith("flash_attention"))
 TRACE_FLASH = "pilotrun_trace_flash"   # the transformers attention function the trace registers for flash models
 
 # torch.nn.attention.SDPBackend's values, as aten._fused_sdp_choice returns them.
 _SDP_BACKENDS = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cudnn", 4: "overrideable"}
-
-
-def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
-    return (*q.shape[:-1],)
 
 
 def _repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -97,7 +94,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
 @flash_attention.register_fake
 def _(q, k, v, is_causal, scale):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    return out, q.new_empty(_lse_shape(q), dtype=torch.float32)
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)   # one logsumexp per query and head
 
 
 @torch.library.custom_op("pilotrun_trace::flash_attention_backward", mutates_args=())

@@ -380,7 +380,7 @@ def _per_op_context(stride: int):
     return context
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+def checkpoint_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's checkpointable blocks in order (transformers' GradientCheckpointingLayer: its decoder layers)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
@@ -396,7 +396,7 @@ def enable_activation_checkpointing(model: torch.nn.Module, policy: str = "full"
     when it cannot take the policy."""
     new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
     old = getattr(model, "gradient_checkpointing_enable", None)
-    blocks = _blocks(model) if policy.startswith("every-") else []
+    blocks = checkpoint_blocks(model) if policy.startswith("every-") else []
     if policy.startswith("every-") and (new is not None or old is not None) and not blocks:
         raise ModelError(f"train.activation_checkpointing: {policy} recomputes one transformers block in "
                          f"{policy.removeprefix('every-')}, and this model has none (GradientCheckpointingLayer); "

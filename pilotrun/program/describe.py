@@ -196,12 +196,11 @@ def checkpointing_policy(model: torch.nn.Module) -> tuple[str | None, str]:
     ``full``. None when no block checkpoints."""
     from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-        layers: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    except ImportError:   # transformers 4 before the class: every module with the switch
-        layers = []
-    blocks = layers or [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m is not model]
+    from ..models.loading import checkpoint_blocks
+
+    # transformers 4 before GradientCheckpointingLayer: every module with the switch
+    blocks = checkpoint_blocks(model) or [m for m in model.modules()
+                                          if hasattr(m, "gradient_checkpointing") and m is not model]
     on = [bool(getattr(m, "gradient_checkpointing", False)) for m in blocks]
     if not any(on):
         return None, "no block checkpoints"

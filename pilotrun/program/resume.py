@@ -139,8 +139,7 @@ def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bo
 
 # The exceptions of a load that found no file, or a file cut short: what a save reported before its write completed
 # leaves behind (torch.load's zip reader raises RuntimeError "PytorchStreamReader failed reading zip archive").
-INCOMPLETE_CHECKPOINT = frozenset({"FileNotFoundError", "EOFError", "NotADirectoryError", "BadZipFile",
-                                   "UnexpectedEOFError"})
+INCOMPLETE_CHECKPOINT = frozenset({"FileNotFoundError", "EOFError", "NotADirectoryError", "BadZipFile"})
 
 
 def _not_comparable(runs: dict[Role, RunOutcome], before: int, after: int, details: dict,

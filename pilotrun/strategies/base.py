@@ -191,12 +191,11 @@ class Strategy(ABC):
         ``micro_batches`` micro batches in the update."""
         return 0.0
 
-    def exposed_communication(self, trace: dict, gpus: int, precision: str, bytes_per_second: float,
+    def exposed_communication(self, total: float, trace: dict, gpus: int, precision: str, bytes_per_second: float,
                               micro_batches: int, compute_seconds: float) -> tuple[float, str]:
-        """Of :meth:`communication_seconds`, the seconds the update waits for (not hidden behind its
+        """Of ``total`` (:meth:`communication_seconds`), the seconds the update waits for (not hidden behind its
         ``compute_seconds`` of forward and backward), and the overlap model that says so. The default hides none."""
-        return (self.communication_seconds(trace, gpus, precision, bytes_per_second, micro_batches),
-                "not overlapped with compute (an upper bound)")
+        return total, "not overlapped with compute (an upper bound)"
 
 
 class DistributedCheckpoint(Strategy):

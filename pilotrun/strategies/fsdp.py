@@ -74,14 +74,13 @@ class FSDP(DistributedCheckpoint):
         compute_bytes = trace["parameter_bytes"] * (0.5 if precision in ("bf16", "fp16") else 1.0)
         return micro_steps * (2 * compute_bytes + trace["gradient_bytes"]) * (gpus - 1) / gpus / bytes_per_second
 
-    def exposed_communication(self, trace, gpus, precision, bytes_per_second, micro_batches, compute_seconds):
+    def exposed_communication(self, total, trace, gpus, precision, bytes_per_second, micro_batches, compute_seconds):
         """FSDP2 prefetches: the next block's all-gather runs while this block computes, and a block's reduce-scatter
         while the block before it runs its backward. Per micro batch the update waits for the root's and the first
         block's all-gather in forward, the first block's in backward and the last reduce-scatters (nothing computes
         beside them), and for each other block only what its communication takes beyond its compute. The compute
         of a micro batch is split 1 : 2 between forward and backward (a matmul's backward is two matmuls) and evenly
         over the blocks."""
-        total = self.communication_seconds(trace, gpus, precision, bytes_per_second, micro_batches)
         if not total:
             return 0.0, "no communication"
         blocks = max(int(trace.get("layers", 0) or 0), 1)
