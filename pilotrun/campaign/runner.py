@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint.trust import manifest_sha256
 from ..distributed import all_sum, env_from_os
 from ..drivers import LoopDriver, NonFiniteError, build_job
 from ..ledger.records import MANIFESTS, Kept, RunEnd, RunStatus, Series, StopKind
@@ -150,10 +149,12 @@ def _keep(driver: LoopDriver, spec, plan: dict, out_dir: Path, finished: bool) -
     # rows record theirs: what archive, convert and --resume admit, and nothing rewritten after the run.
     manifests: dict[str, str] = {}
     if plan["keep"]["checkpoint"] and finished:
-        driver.save(out_dir / "checkpoints" / "final")  # every rank: the strategy's layout (DCP shards for FSDP)
+        # Every rank: the strategy's layout (DCP shards for FSDP); the record carries the digest of the manifest bytes
+        # written, never a re-read of the folder (a manifest swapped in after the rename is not kept as known).
+        saved = driver.save(out_dir / "checkpoints" / "final")
         kept["checkpoint"] = str(out_dir / "checkpoints" / "final")
-        if main:  # the save's last barrier is behind us: rank 0 renamed the folder into place
-            manifests[Kept.CHECKPOINT] = manifest_sha256(out_dir / "checkpoints" / "final")
+        if main:
+            manifests[Kept.CHECKPOINT] = saved["manifest_sha256"]
     if plan["keep"].get("export", True) and finished:
         # Every rank takes part in gathering the full weights; rank 0 writes them (as the export gate does).
         weights = driver.export_weights() if driver.env.active else None

@@ -11,28 +11,33 @@ The DCP folder can be read without the original processes:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ..devices import query_devices
-from .digest import CHECKPOINT_DIGEST, IDENTITY
-from .io import MANIFEST, CheckpointError, fsync_dir, hash_and_sync, read_manifest
+from .digest import CHECKPOINT_DIGEST
+from .io import MANIFEST, CheckpointError, fsync_dir, private_mkdir, publish_mode, read_manifest
+from .pinned import pinned, require_known
 from .saving import PendingSave
-from .state import capture_rng, load_state_json, load_torch_file, restore_rng, save_to
+from .state import capture_rng, load_state_json, load_torch_file, restore_rng
 from .statefiles import check_config, check_trainer_state, job_hash
-from .trust import LoadPolicy, require_known
+from .trust import LoadPolicy, sha256_hex
+from .writer import HashingWriter
 
 
 def _dcp_call(folder: Path, fn, *args, **kwargs):
-    """A ``torch.distributed.checkpoint`` read of an admitted, known folder (:func:`require_known` first: it
-    unpickles ``dcp/.metadata``). torch's ``CheckpointException`` derives from ``BaseException`` and would escape
-    every ``except Exception``: it becomes a :class:`CheckpointError` naming the folder."""
+    """A ``torch.distributed.checkpoint`` read of a pinned view of an admitted, known folder (:func:`require_known`
+    first: it unpickles ``dcp/.metadata``). torch's ``CheckpointException`` derives from ``BaseException`` and would
+    escape every ``except Exception``: it becomes a :class:`CheckpointError` naming the folder."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     require_known(folder)
@@ -71,7 +76,9 @@ def _begin(folder: Path, trainer, env, buffers_from: int | None) -> tuple[Path, 
     if env.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
-        (tmp / "dcp").mkdir(parents=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(tmp)  # only this user enters it until the manifest vouches for what DCP wrote there
+        (tmp / "dcp").mkdir()
     distributed.barrier(env)
     msd, osd = _state_dicts(trainer)
     if buffers_from is not None:
@@ -79,22 +86,91 @@ def _begin(folder: Path, trainer, env, buffers_from: int | None) -> tuple[Path, 
     return tmp, {"model": msd, "optimizer": osd}
 
 
-def _write_small(tmp: Path, trainer, config: dict, env) -> None:
-    """This rank's RNG streams and data position, and (rank 0) the shared state files: kilobytes, written now."""
+@functools.cache
+def hashing_file_system() -> type:
+    """DCP's file system, every file it writes hashed on its way to the disk (:class:`~.writer.HashingWriter`): the
+    manifest vouches for the bytes DCP wrote, never for a re-read in which a swapped shard (whose non-tensor items
+    DCP unpickles) would be hashed as if it were ours. An instance's ``entries``: file -> manifest entry, by path.
+    (A class made on first use: importing DCP's file system costs 0.8 s that a command which saves nothing should
+    not pay.)"""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entries: dict[str, dict] = {}
+            self._lock = threading.Lock()
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            w = HashingWriter(Path(path), CHECKPOINT_DIGEST)
+            try:
+                yield w
+            finally:
+                if not w.fh.closed:
+                    w.fh.close()
+            with self._lock:
+                self.entries[str(path)] = w.entry()
+
+        def rename(self, path, new_path) -> None:
+            super().rename(path, new_path)
+            with self._lock:  # DCP writes .metadata.tmp, then renames it
+                self.entries[str(new_path)] = self.entries.pop(str(path))
+
+    return HashingFileSystem
+
+
+def _writer(tmp: Path):
+    """DCP's writer into ``tmp/dcp``, through :func:`hashing_file_system` (``writer.fs.entries`` once written)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(tmp / "dcp"))
+    writer.fs = hashing_file_system()()
+    return writer
+
+
+def _dcp_entries(tmp: Path, writer) -> dict:
+    return {str(Path(path).relative_to(tmp)): info for path, info in writer.fs.entries.items()}
+
+
+def _hashed(tmp: Path, name: str, write, entries: dict) -> None:
+    w = HashingWriter(tmp / name, CHECKPOINT_DIGEST)
+    try:
+        write(w)
+    except BaseException:
+        w.fh.close()
+        raise
+    w.close()
+    entries[name] = w.entry()
+
+
+def _write_small(tmp: Path, trainer, config: dict, env) -> dict:
+    """This rank's RNG streams and data position, and (rank 0) the shared state files: kilobytes, written now, each
+    hashed as it is written; returns their manifest entries."""
+    def text(obj, **kw):
+        return lambda fh: fh.write(json.dumps(obj, **kw).encode())
+
+    entries: dict = {}
     rng_json, rng_tensors = capture_rng()
-    save_to(rng_tensors, tmp / f"rng-rank{env.rank}.pt")
-    (tmp / f"rng-rank{env.rank}.json").write_text(json.dumps(rng_json))
-    (tmp / f"trainer_state-rank{env.rank}.json").write_text(json.dumps(trainer.state(), sort_keys=True))
+    _hashed(tmp, f"rng-rank{env.rank}.pt", lambda fh: torch.save(rng_tensors, fh), entries)
+    _hashed(tmp, f"rng-rank{env.rank}.json", text(rng_json), entries)
+    _hashed(tmp, f"trainer_state-rank{env.rank}.json", text(trainer.state(), sort_keys=True), entries)
     if env.is_main:
-        (tmp / "scheduler.json").write_text(json.dumps(trainer.scheduler.state_dict(), sort_keys=True))
+        _hashed(tmp, "scheduler.json", text(trainer.scheduler.state_dict(), sort_keys=True), entries)
         if trainer.scaler is not None:
-            (tmp / "scaler.json").write_text(json.dumps(trainer.scaler.state_dict(), sort_keys=True))
-        (tmp / "config.json").write_text(json.dumps(config, sort_keys=True))
+            _hashed(tmp, "scaler.json", text(trainer.scaler.state_dict(), sort_keys=True), entries)
+        _hashed(tmp, "config.json", text(config, sort_keys=True), entries)
+    return entries
 
 
-def _finish(tmp: Path, folder: Path, env, step: int, config_hash: str | None, group=None) -> dict:
-    """Once every rank's files are written: rank 0 hashes them into the manifest and renames the folder into place;
-    every rank gets the record. ``group``: the process group to agree over (None: the job's own)."""
+def _finish(tmp: Path, folder: Path, env, step: int, config_hash: str | None, written: dict, group=None) -> dict:
+    """Once every rank's files are written: rank 0 gathers every rank's entries (each hashed as it was written) into
+    the manifest and renames the folder into place; every rank gets the record. ``written``: this rank's entries, by
+    path relative to ``tmp``; ``group``: the process group to agree over (None: the job's own)."""
     import torch.distributed as dist
 
     def barrier() -> None:
@@ -102,20 +178,28 @@ def _finish(tmp: Path, folder: Path, env, step: int, config_hash: str | None, gr
             dist.barrier(group=group)
 
     barrier()
+    every: list = [written]
+    if env.active:
+        every = [None] * env.world_size
+        dist.all_gather_object(every, written, group=group)
     record: dict = {}
     if env.is_main:
-        files = {str(p.relative_to(tmp)): hash_and_sync(p, CHECKPOINT_DIGEST) for p in sorted(tmp.rglob("*"))
-                 if p.is_file()}
+        files = {name: info for part in every for name, info in sorted((part or {}).items())}
         manifest = {"format": "pilotrun-checkpoint/1", "layout": "dcp", "world_size": env.world_size,
                     "strategy": env.strategy, "step": step, "config_hash": config_hash, "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        hash_and_sync(tmp / MANIFEST, IDENTITY)
+        raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        with open(tmp / MANIFEST, "wb") as fh:
+            fh.write(raw)
+            fh.flush()
+            os.fsync(fh.fileno())
+        publish_mode(tmp)
         fsync_dir(tmp)
         if folder.exists():
             shutil.rmtree(folder)
         os.rename(tmp, folder)
         fsync_dir(folder.parent)
-        record = {"files": files, "bytes": sum(f["bytes"] for f in files.values())}
+        # The digest of the bytes written here, never of a re-read: what the ledger will call "known".
+        record = {"files": files, "bytes": sum(f["bytes"] for f in files.values()), "manifest_sha256": sha256_hex(raw)}
     barrier()
     if not env.active:
         return record
@@ -126,7 +210,7 @@ def _finish(tmp: Path, folder: Path, env, step: int, config_hash: str | None, gr
 
 def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None,
                      buffers_from: int | None = None) -> dict:
-    """Every rank calls this; returns ``{"files": {...}, "bytes": n}`` (complete on rank 0).
+    """Every rank calls this; returns ``{"files": {...}, "bytes": n, "manifest_sha256": hex}`` on every rank.
 
     ``buffers_from``: the rank whose buffers are the training state (DDP: rank 0, which it broadcasts at
     each forward). DCP writes one copy of a tensor all ranks hold, from whichever rank balances the write
@@ -135,9 +219,10 @@ def save_distributed(folder: Path, trainer, config: dict, env, config_hash: str 
 
     folder = Path(folder)
     tmp, state = _begin(folder, trainer, env, buffers_from)
-    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
-    _write_small(tmp, trainer, config, env)
-    return _finish(tmp, folder, env, trainer.step, config_hash)
+    writer = _writer(tmp)
+    dcp.save(state, storage_writer=writer)
+    written = _write_small(tmp, trainer, config, env) | _dcp_entries(tmp, writer)
+    return _finish(tmp, folder, env, trainer.step, config_hash, written)
 
 
 def start_distributed(folder: Path, trainer, config: dict, env, config_hash: str | None = None,
@@ -159,11 +244,12 @@ def start_distributed(folder: Path, trainer, config: dict, env, config_hash: str
     stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                                           use_non_blocking_copy=pinned))
     group = dist.new_group(backend="gloo") if env.active else None
-    upload = dcp.async_save(state, checkpoint_id=str(tmp / "dcp"), process_group=group, async_stager=stager)
+    writer = _writer(tmp)
+    upload = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
     if not isinstance(upload, Future):  # torch answers an AsyncSaveResponse only to staging that runs behind
         raise TypeError(f"torch.distributed.checkpoint.async_save returned {type(upload).__name__} to staging done "
                         "before it returns: this torch's async_save is not the one pilotrun was written against")
-    _write_small(tmp, trainer, config, env)
+    small = _write_small(tmp, trainer, config, env)
     step = trainer.step
     blocking = time.perf_counter() - t0
 
@@ -173,7 +259,8 @@ def start_distributed(folder: Path, trainer, config: dict, env, config_hash: str
         finally:
             stager.close()
         try:
-            return _finish(tmp, folder, env, step, config_hash, group), time.perf_counter()
+            written = small | _dcp_entries(tmp, writer)
+            return _finish(tmp, folder, env, step, config_hash, written, group), time.perf_counter()
         finally:
             if group is not None:
                 dist.destroy_process_group(group)
@@ -218,12 +305,17 @@ def full_model_state_dict(model) -> dict:
 
 
 def restore_distributed(trainer, folder: Path, env) -> dict:
-    """Load a DCP checkpoint into a freshly built (and wrapped) trainer on every rank."""
+    """Load a DCP checkpoint into a freshly built (and wrapped) trainer on every rank, from a pinned view of it (the
+    files checked are the files DCP reads and unpickles)."""
+    with pinned(folder) as view:
+        return _restore_from(trainer, view.folder, env)
+
+
+def _restore_from(trainer, folder: Path, env) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    folder = Path(folder)
-    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest = read_manifest(folder)
     if manifest.get("world_size") != env.world_size:
         raise CheckpointError(f"{folder} was written by {manifest.get('world_size')} processes, this job has "
                               f"{env.world_size}: convert it (pilotrun convert) and load the single file instead")
@@ -252,13 +344,13 @@ def convert(folder: Path, out: Path, policy: LoadPolicy) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder, out = Path(folder), Path(out)
-    manifest = read_manifest(folder)
-    if manifest.get("layout") != "dcp":
+    if read_manifest(folder).get("layout") != "dcp":
         raise CheckpointError(f"{folder} is a single-process checkpoint already (model-*.pt shards load directly)")
     policy.admit(folder)
     tmp_pt = out.with_suffix(".pt.tmp")
     try:
-        _dcp_call(folder, dcp_to_torch_save, str(folder / "dcp"), str(tmp_pt))
+        with pinned(folder) as view:
+            _dcp_call(view.folder, dcp_to_torch_save, str(view.folder / "dcp"), str(tmp_pt))
         state = torch.load(tmp_pt, map_location="cpu", weights_only=True)
         if out.suffix == ".safetensors":
             from safetensors.torch import save_file
@@ -274,7 +366,7 @@ def convert(folder: Path, out: Path, policy: LoadPolicy) -> dict:
 
 def is_distributed_checkpoint(folder: Path) -> bool:
     try:
-        return json.loads((Path(folder) / MANIFEST).read_text()).get("layout") == "dcp"
-    except (OSError, ValueError):
+        return read_manifest(folder).get("layout") == "dcp"
+    except CheckpointError:
         return False
 

@@ -18,10 +18,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..safefile import FileKind, FileProblem, read_bytes
 from .digest import IDENTITY, Digest, entry, entry_digest, file_digest
 from .writer import Flusher, HashingWriter, Writers, sync_and_close, write_through
 
 MANIFEST = "manifest.json"
+# A manifest lists a few thousand files at most (kilobytes to a megabyte); /dev/zero behind its name never ends.
+MANIFEST_CAP = 64 << 20
 # ".step-000008.tmp-4242": the folder AtomicFolder writes before its rename (the PID is the writer's).
 TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 # Errors that mean the filesystem is full (errno(3)): ENOSPC, and EDQUOT for a user's quota.
@@ -30,6 +33,31 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class CheckpointError(Exception):
     """A checkpoint or artifact is missing, incomplete or does not match its manifest."""
+
+
+def _default_dir_mode() -> int:
+    """The mode ``mkdir`` gives a folder in this process (0o777 less the umask), read once at import: ``umask`` can
+    only be read by setting it, which would race a thread creating a file."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
+DIR_MODE = _default_dir_mode()
+
+
+def private_mkdir(path: Path) -> None:
+    """A folder only this user may enter while it is written (0o700, whatever the umask or a setgid parent): files a
+    library writes there (``save_pretrained``, DCP's shards) are hashed after the library closes them, and in a
+    group-writable output folder someone else could otherwise replace one first. :func:`publish_mode` once done."""
+    Path(path).mkdir(mode=0o700)
+    os.chmod(path, 0o700)
+
+
+def publish_mode(path: Path) -> None:
+    """The mode a plain ``mkdir`` would have given ``path``, once its manifest is written and before it is renamed
+    into place (readers that are not this user, a shared team folder, read it as before)."""
+    os.chmod(path, DIR_MODE)
 
 
 def fsync_dir(path: Path) -> None:
@@ -79,7 +107,7 @@ class AtomicFolder:
         self.final.parent.mkdir(parents=True, exist_ok=True)
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
+        private_mkdir(self.tmp)
         return self
 
     def write_with(self, name: str, writer: Callable[[Any, Any], Any], obj: Any) -> None:
@@ -137,6 +165,7 @@ class AtomicFolder:
             self._abandon()
             raise
         self.manifest_sha256 = w.hexdigest()  # of the bytes written, not re-read: what the ledger records
+        publish_mode(self.tmp)
         fsync_dir(self.tmp)
         old = None
         if self.final.exists():
@@ -155,26 +184,57 @@ class AtomicFolder:
 def read_manifest(folder: Path) -> dict:
     """The manifest as a mapping whose ``files`` entries each carry ``bytes`` and one digest (:mod:`.digest`);
     anything else is named as damage (a missing, garbage or hand-edited manifest)."""
+    return load_manifest(folder)[0]
+
+
+def load_manifest(folder: Path) -> tuple[dict, bytes]:
+    """The manifest (as :func:`read_manifest`) and the very bytes it was parsed from, read once: their sha256 is the
+    folder's identity, so a manifest swapped between a hash and a parse is never one and the other."""
     path = Path(folder) / MANIFEST
-    if not path.is_file() or path.is_symlink():
-        what = "is not a plain file" if path.exists() or path.is_symlink() else "is missing"
-        raise CheckpointError(f"{path} {what}: not a complete pilotrun checkpoint (an interrupted save, or damaged)")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        raw = read_bytes(path, MANIFEST_CAP)
+    except FileProblem as exc:
+        what = ("is missing" if exc.kind is FileKind.MISSING else
+                "is not a plain file" if exc.kind is FileKind.NOT_REGULAR else exc.what)
+        raise CheckpointError(f"{path} {what}: not a complete pilotrun checkpoint (an interrupted save, or "
+                              "damaged)") from None
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} is unreadable ({exc}); the checkpoint is damaged") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(entry_digest(v) is not None for v in files.values()):
         raise CheckpointError(f"{path}: field 'files' is not a mapping of file -> {{bytes, and one of sha256 or "
                               "blake3}; the manifest is damaged or was not written by pilotrun")
-    return manifest
+    return manifest, raw
+
+
+# A listed name pilotrun writes is a few dozen characters ("dcp/__0_0.distcp"); beyond these lstat() raises.
+ENTRY_NAME_MAX, ENTRY_PART_MAX_BYTES = 1024, 255
+
+
+def entry_name_problem(name: str) -> str | None:
+    """Why a manifest's file name cannot be a file pilotrun wrote in the folder (None: it can): outside the folder,
+    a NUL byte, too long, not encodable as a file name (lstat would raise ValueError, OSError or UnicodeError)."""
+    shown = repr(name) if len(name) <= 60 else f"{name[:60]!r}… ({len(name)} characters)"
+    if "\0" in name:
+        return f"the manifest lists {shown}, a name with a NUL byte"
+    try:
+        parts = os.fsencode(name).split(b"/")
+    except UnicodeError:
+        return f"the manifest lists {shown}, not encodable as a file name"
+    if len(name) > ENTRY_NAME_MAX or any(len(part) > ENTRY_PART_MAX_BYTES for part in parts):
+        return f"the manifest lists {shown}, a name longer than a file name may be"
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return f"the manifest lists {name!r}, a path outside the folder"
+    return None
 
 
 def _problem(folder: Path, name: str, info: dict) -> str | None:
     """What is wrong with one listed file, or None. Never reads a link or a device: /dev/zero would never end."""
     p = folder / name
-    if Path(name).is_absolute() or ".." in Path(name).parts:
-        return f"the manifest lists {name!r}, a path outside the folder"
+    if (bad_name := entry_name_problem(name)) is not None:
+        return bad_name
     try:
         st = p.lstat()
     except FileNotFoundError:
@@ -210,17 +270,19 @@ def unlisted_files(folder: Path, manifest: dict) -> list[Path]:
     return out
 
 
-def folder_problems(folder: Path) -> list[str]:
-    """Every way ``folder`` differs from its manifest, file by file (empty: intact).
+def folder_problems(folder: Path, manifest: dict | None = None) -> list[str]:
+    """Every way ``folder`` differs from its manifest (``manifest``: the one already read), file by file (empty:
+    intact).
 
     Files present but not listed count too: a renamed shard or a planted file is not what was saved, and
     loaders that look for a name pattern would pick it up.
     """
     folder = Path(folder)
-    try:
-        manifest = read_manifest(folder)
-    except CheckpointError as exc:
-        return [str(exc)]
+    if manifest is None:
+        try:
+            manifest = read_manifest(folder)
+        except CheckpointError as exc:
+            return [str(exc)]
     return listed_problems(folder, manifest) + [
         f"{p} is not in the manifest (renamed, planted or left over): not what was saved"
         for p in unlisted_files(folder, manifest)]
@@ -228,10 +290,11 @@ def folder_problems(folder: Path) -> list[str]:
 
 def verify_folder(folder: Path) -> dict:
     """Check every file against the manifest; return the manifest or raise naming every bad file."""
-    problems = folder_problems(folder)
+    manifest = read_manifest(folder)
+    problems = folder_problems(folder, manifest)
     if problems:
         raise CheckpointError("; ".join(problems))
-    return read_manifest(folder)
+    return manifest
 
 
 def recover_interrupted_swap(root: Path) -> list[str]:

@@ -211,8 +211,9 @@ def saves_behind(device: torch.device) -> bool:
 
 class PendingSave:
     """A checkpoint being written: ``blocking_seconds`` is what the job waited (the copy), :meth:`wait` returns the
-    strategy's record (``{"files", "bytes"}``) once the folder is complete, or raises the writer's failure;
-    ``total_seconds`` is then the time from the start until the folder was in place."""
+    strategy's record (``{"files", "bytes", "manifest_sha256"}``, the last the digest of the manifest bytes written)
+    once the folder is complete, or raises the writer's failure; ``total_seconds`` is then the time from the start
+    until the folder was in place."""
 
     def __init__(self, folder: Path, blocking_seconds: float, future: Future, started: float,
                  behind: bool = True) -> None:
@@ -253,7 +254,8 @@ def start_checkpoint(folder: Path, trainer, config: dict, lock_hash: str | None 
 
     def write() -> tuple[dict, float]:
         written = write_captured(folder, snapshot, digest)
-        return {"files": written.files, "bytes": written.total_bytes}, time.perf_counter()
+        return ({"files": written.files, "bytes": written.total_bytes, "manifest_sha256": written.manifest_sha256},
+                time.perf_counter())
 
     # A non-daemon thread: an interpreter that exits normally finishes the checkpoint first.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pilotrun-background-save")

@@ -17,6 +17,7 @@ import torch
 from ..devices import query_devices
 from ..safefile import FileKind, FileProblem, parse_json, read_bytes
 from .io import CheckpointError, read_manifest
+from .pinned import pinned
 from .statefiles import STATE_JSON_CAP, check_config, check_trainer_state, job_hash
 
 
@@ -189,9 +190,14 @@ PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_b
 
 def restore_training_state(trainer, folder: Path) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` into a freshly built trainer (admitted by the policy
-    first). Every file is checked against the live objects' own state before it is applied, so a wrong file is
+    first), every file read from a :func:`~pilotrun.checkpoint.pinned.pinned` view of it: the files checked are the
+    files loaded. Every file is checked against the live objects' own state before it is applied, so a wrong file is
     named with its field instead of failing inside torch."""
-    folder = Path(folder)
+    with pinned(folder) as view:
+        return _restore_from(trainer, view.folder)
+
+
+def _restore_from(trainer, folder: Path) -> dict:
     base = getattr(trainer, "base_identity", None)
     saved_base = read_manifest(folder).get("base_identity")
     if base != saved_base:

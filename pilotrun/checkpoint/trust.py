@@ -1,11 +1,15 @@
 """The one loading policy: what pilotrun may read from a checkpoint, an export or a DCP folder.
 
 Every path that reads such a folder — ``run --resume``, the ``restore``/``resume``/``reload_eval``
-workers, ``convert``, ``archive`` — admits it here first (:meth:`LoadPolicy.admit`), and the code
-that would unpickle (``torch.distributed.checkpoint`` reads ``dcp/.metadata`` with ``pickle``)
-asks :func:`require_known` right before it does. *Known* means the sha256 of the folder's
-``manifest.json`` is recorded in the ledger (the save and export rows write it), so pilotrun
-itself wrote exactly these bytes.
+workers, ``convert``, ``archive`` — admits it here first (:meth:`LoadPolicy.admit`), then reads it
+through :func:`pilotrun.checkpoint.pinned.pinned`: a private view in which every file is the one whose
+digest was checked, so a file swapped after the check is never used. The code that would unpickle
+(``torch.distributed.checkpoint`` reads ``dcp/.metadata`` with ``pickle``) asks
+:func:`~pilotrun.checkpoint.pinned.require_known` right before it does: a view of a known folder
+only. *Known* means the sha256 of the folder's ``manifest.json`` is recorded in the ledger (the save
+and export rows write the digest of the bytes they wrote, never of a re-read), so pilotrun itself
+wrote exactly these bytes. Small files a decision rests on (``export.json``'s factory) are read once
+and checked against the manifest (:func:`verified_bytes`): the bytes parsed are the bytes hashed.
 
 | what | known | unknown, ``--trust`` | unknown |
 | --- | --- | --- | --- |
@@ -34,13 +38,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..ledger.records import kept_manifests
-from .digest import matches
-from .io import MANIFEST, CheckpointError, folder_problems, read_manifest
+from ..safefile import FileProblem, read_bytes
+from .digest import Digest, entry_digest, hasher
+from .io import MANIFEST, CheckpointError, folder_problems, load_manifest
 
 if TYPE_CHECKING:
     from ..ledger.store import Ledger
 
 DCP_METADATA = "dcp/.metadata"
+SMALL_FILE_CAP = 16 << 20  # export.json, base.json: kilobytes
 
 
 class Refusal(str, enum.Enum):
@@ -66,7 +72,14 @@ class LoadRefused(CheckpointError):
 
 
 def manifest_sha256(folder: Path) -> str:
+    """The sha256 of ``folder``'s manifest as it is now. Never what a row records: a writer records the digest of
+    the bytes it wrote (``AtomicFolder.manifest_sha256``), a reader that of the bytes it parsed (:class:`Admission`)."""
     return hashlib.sha256((Path(folder) / MANIFEST).read_bytes()).hexdigest()
+
+
+def sha256_hex(raw: bytes) -> str:
+    """A manifest's identity: the sha256 of its bytes (:mod:`.digest`, ``IDENTITY``)."""
+    return hashlib.sha256(raw).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,7 @@ class Admission:
 
 STEP_FOLDER = re.compile(r"step-(\d+)")
 
-# Folders admitted in this process, by resolved path: what require_known() consults right before unpickling.
+# Folders admitted in this process, by resolved path: what pinned() holds a view to.
 _ADMITTED: dict[str, Admission] = {}
 
 
@@ -113,17 +126,20 @@ class LoadPolicy:
 
     def admit(self, folder: Path) -> Admission:
         """Check every file against the manifest, then the ledger; raise :class:`LoadRefused` or return the
-        admission (registered for :func:`require_known`)."""
+        admission (registered for :func:`admitted`)."""
         folder = Path(folder)
         if folder.is_symlink():
             raise LoadRefused(Refusal.LINK, (
                 f"{folder} is a symbolic link (to {os.readlink(folder)}): pilotrun loads only the folder it wrote, "
                 "never one a link points to; copy the folder itself there"))
-        problems = folder_problems(folder)
+        try:
+            manifest, raw = load_manifest(folder)  # read once: the digest is of the bytes parsed
+        except CheckpointError as exc:
+            raise LoadRefused(Refusal.DAMAGED, f"{folder} is damaged: {exc}", [str(exc)]) from None
+        problems = folder_problems(folder, manifest)
         if problems:
             raise LoadRefused(Refusal.DAMAGED, f"{folder} is damaged: " + "; ".join(problems), problems)
-        manifest = read_manifest(folder)
-        digest = manifest_sha256(folder)
+        digest = sha256_hex(raw)
         adm = Admission(folder, manifest, digest, digest in self.known)
         if adm.layout == "dcp" and not adm.known:
             raise LoadRefused(Refusal.PICKLE, (
@@ -150,9 +166,9 @@ class LoadPolicy:
                 return self.factory
             return None
         try:
-            info = json.loads(meta.read_text())
+            info = json.loads(verified_bytes(adm, "export.json"))  # the bytes checked are the bytes parsed
             named = info["factory"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise LoadRefused(Refusal.DAMAGED, f"{meta}: field 'factory' is unreadable ({type(exc).__name__}: "
                                                f"{exc})") from None
         if not isinstance(named, str):
@@ -212,22 +228,31 @@ def _check_step_name(folder: Path, manifest: dict) -> None:
         f"after its save is not loaded; {fix}"))
 
 
-def require_known(folder: Path) -> Admission:
-    """Right before anything is unpickled from ``folder``: it was admitted as known in this process, and neither
-    its manifest nor the DCP metadata changed since."""
-    folder = Path(folder)
-    adm = _ADMITTED.get(str(folder.resolve()))
-    if adm is None or not adm.known:
-        raise LoadRefused(Refusal.PICKLE, (
-            f"{folder / DCP_METADATA} is a pickle and {folder} was not admitted as known (its manifest recorded in the "
-            "ledger): pilotrun does not unpickle it"))
-    if manifest_sha256(folder) != adm.manifest_sha256:
-        raise LoadRefused(Refusal.DAMAGED, f"{folder / MANIFEST} changed after it was checked: not loaded")
-    info = adm.manifest["files"].get(DCP_METADATA)
-    meta = folder / DCP_METADATA
-    if info is None or meta.is_symlink() or not meta.is_file() or not matches(meta, info):
-        raise LoadRefused(Refusal.DAMAGED, f"{meta} is not the file its manifest lists: not loaded")
-    return adm
+def verified_bytes(adm: Admission, name: str, cap: int = SMALL_FILE_CAP) -> bytes:
+    """The bytes of a small listed file (``export.json``, ``base.json``), read once and checked against ``adm``'s
+    manifest: what the caller parses is what was hashed (a file swapped after the admission is refused, never
+    used)."""
+    info = adm.manifest["files"].get(name)
+    path = adm.folder / name
+    if info is None:
+        raise LoadRefused(Refusal.DAMAGED, f"{path} is not listed in its manifest", [f"{path} is not listed"])
+    try:
+        data = read_bytes(path, cap)
+    except FileProblem as exc:
+        raise LoadRefused(Refusal.DAMAGED, f"{exc}: not the file that was saved", [str(exc)]) from None
+    found = entry_digest(info)
+    algo, want = found if found is not None else (Digest.SHA256, "")
+    h = hasher(algo)
+    h.update(data)
+    if len(data) != info.get("bytes") or h.hexdigest() != want:
+        msg = f"{path} is not the file its manifest lists (changed after it was checked): not used"
+        raise LoadRefused(Refusal.DAMAGED, msg, [msg])
+    return data
+
+
+def admitted(folder: Path) -> Admission | None:
+    """The admission of ``folder`` in this process (None: it was never admitted here)."""
+    return _ADMITTED.get(str(Path(folder).resolve()))
 
 
 def known_manifests(ledger: Ledger, run_id: str | None = None) -> set[str]:

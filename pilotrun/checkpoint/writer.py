@@ -48,6 +48,13 @@ class HashingWriter:
     def flush(self) -> None:
         self.fh.flush()
 
+    def tell(self) -> int:
+        """Bytes written so far (the file is written front to back: DCP records each item's offset this way)."""
+        return self.bytes
+
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
     def hexdigest(self) -> str:
         return self.hash.hexdigest()
 

@@ -210,7 +210,8 @@ class Driver(ABC):
         raise Unsupported(f"the {self.name} driver cannot evaluate in this process")
 
     def save(self, folder: Path) -> dict:
-        """The full training state to ``folder`` (atomically, with a manifest): ``{"files", "bytes"}``."""
+        """The full training state to ``folder`` (atomically, with a manifest): ``{"files", "bytes",
+        "manifest_sha256"}`` (the last: the digest of the manifest bytes written)."""
         raise Unsupported(f"the {self.name} driver cannot {Capability.FULL_STATE.missing}")
 
     def start_save(self, folder: Path) -> PendingSave:

@@ -14,7 +14,6 @@ import torch
 
 from .. import strategies
 from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
-from ..checkpoint.trust import manifest_sha256
 from ..drivers import ModelDriver, NonFiniteError
 from ..train.batches import IGNORE, autocast_for, loss_of, to_device
 from ..train.evaluation import accuracy_counts, outputs_of, shift_convention
@@ -275,7 +274,8 @@ class LoopView:
                        "merge_note": base.get("merge_note"), "merge_requested": self.spec.export.merge,
                        "adapter_bytes": files["adapter_model.safetensors"]["bytes"], "merged_folder": MERGED,
                        "merged_bytes": sum(v["bytes"] for k, v in files.items() if k.startswith(f"{MERGED}/"))}
-        return Exported(folder, files, written.total_bytes, written.manifest_sha256 or manifest_sha256(folder),
+        assert written.manifest_sha256 is not None  # set once the folder is in place: of the bytes written
+        return Exported(folder, files, written.total_bytes, written.manifest_sha256,
                         weights=[k for k in files if k.endswith(".safetensors")],
                         tensors=safetensors_tensor_count(folder), adapter=adapter,
                         state=f"after {trained} update(s)" if trained else "as loaded (no update succeeded)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-from ..checkpoint.trust import manifest_sha256
 from ..drivers import Capability
 from ..ledger.records import GateName
 from ..workers.launch import run_and_kill, run_worker
@@ -90,7 +89,7 @@ class ResumeGate(Gate):
                                            "--checkpoints", str(ckpts)],
                            work / "interrupted.json", work / "interrupted.log", "interrupted", nproc=n)
         ctx.progress(2, 3, "processes")
-        sha = manifest_sha256(cut["checkpoint"])
+        sha = cut["manifest_sha256"]  # as the interrupted process wrote it, never a re-read of its folder
         resumed = run_worker(module, base + ["--phase", "resumed", "--updates", str(r.after), "--checkpoints",
                                              str(ckpts), "--known-manifest", sha],
                              work / "resumed.json", work / "resumed.log", "resumed", nproc=n)

@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import distributed
 from ..checkpoint.io import disk_full_error, remove_stale_temps
 from ..checkpoint.saving import release_staging
-from ..checkpoint.trust import manifest_sha256
+from ..checkpoint.trust import admitted
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SaveDetails
@@ -48,7 +48,10 @@ class SaveGate(Gate):
         folder = ctx.restore_from
         if folder is None or not expect_path(folder).exists():
             return False  # without the fingerprints the restore gate needs a fresh save
-        saved, manifest = SaveDetails.of(row.get("details")), manifest_sha256(folder)
+        adm = admitted(folder)  # --resume admitted it: the digest of the manifest bytes it checked
+        if adm is None:
+            return False
+        saved, manifest = SaveDetails.of(row.get("details")), adm.manifest_sha256
         # The parent's save row vouches for the expect file of the checkpoint it wrote only (its manifest's digest;
         # a later checkpoint may be the one resumed, and the row's path may be relative to another folder).
         recorded = saved.expect_sha256 if saved.manifest_sha256 == manifest else None
@@ -83,8 +86,10 @@ class SaveGate(Gate):
         mine.write_text(text)
         # Every rank's digest, so the restore (started by rank 0 for all ranks) reads only the bytes written here.
         digests = tuple(distributed.gather(env, hashlib.sha256(text.encode()).hexdigest()))
+        # The digest of the manifest bytes the save wrote, never a re-read of the folder: a manifest swapped in after
+        # the rename is not the one that becomes "known".
         ctx.checkpoint = SavedCheckpoint(folder, expect_path(folder, "{rank}" if env.active else None),
-                                         manifest_sha256(folder), digests)
+                                         written["manifest_sha256"], digests)
         if env.is_main:
             (ctx.out_dir / "checkpoints" / "LATEST").write_text(folder.name + "\n")
         out = Outcome(inputs=ctx.base_inputs())

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint.pinned import pinned
 from ..checkpoint.trust import LoadPolicy
 from ..program import env as E
 from ..workers.common import write_error, write_result
@@ -46,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .lightning import CHECKPOINT, step_loss
 
-        adm = LoadPolicy.of([args.known_manifest]).admit(Path(args.export))
+        LoadPolicy.of([args.known_manifest]).admit(Path(args.export))
         cls = _class(args.module_class, args.module_folder)
-        model = cls.load_from_checkpoint(str(adm.folder / CHECKPOINT), map_location="cpu", weights_only=True)
+        with pinned(Path(args.export)) as view:  # the checkpoint loaded is the file whose digest was checked
+            model = cls.load_from_checkpoint(str(view.folder / CHECKPOINT), map_location="cpu", weights_only=True)
         tensors = load_file(args.inputs)
         batch = tensors if args.batch_kind == "dict" else tuple(tensors[k] for k in sorted(tensors, key=int))
         model.eval()

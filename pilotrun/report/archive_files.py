@@ -17,8 +17,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.io import MANIFEST, CheckpointError, listed_problems, read_manifest, unlisted_files
-from ..checkpoint.trust import manifest_sha256
+from ..checkpoint.io import MANIFEST, CheckpointError, unlisted_files
+from ..checkpoint.pinned import pinned
 
 
 class UnsafeFile(Exception):
@@ -58,21 +58,17 @@ def pack_manifest_files(model_dir: Path, dest: Path, run_folder: Path, recorded_
     """
     if model_dir.is_symlink() or not inside(model_dir, run_folder):
         raise CheckpointError(f"{model_dir} is a link or lies outside the run folder {run_folder}")
-    manifest = read_manifest(model_dir)
-    problems = listed_problems(model_dir, manifest)
-    if problems:
-        raise CheckpointError("; ".join(problems))
-    if recorded_sha is not None and manifest_sha256(model_dir) != recorded_sha:
-        raise CheckpointError(f"{model_dir / MANIFEST} is not the manifest the ledger recorded for this export "
-                              f"(sha256 {recorded_sha[:12]}…): the export was rewritten after the run")
-    packed = []
-    for name in sorted(manifest["files"]):
-        try:
-            copy_plain(model_dir / name, dest / name, run_folder)
-        except UnsafeFile as exc:
-            raise CheckpointError(str(exc)) from None
-        packed.append(name)
-    copy_plain(model_dir / MANIFEST, dest / MANIFEST, run_folder)
+    # Copied from a pinned view: each file packed is the one whose digest was checked, the manifest the very bytes
+    # whose sha256 the ledger recorded (a file swapped in between is refused, never packed).
+    with pinned(model_dir, recorded_sha, "the ledger recorded for this export (the export was rewritten after the "
+                "run)") as view:
+        manifest = view.manifest
+        packed = []
+        for name in sorted(manifest["files"]):
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(view.folder / name, dest / name)
+            packed.append(name)
+        shutil.copyfile(view.folder / MANIFEST, dest / MANIFEST)
     left_out = [str(p.relative_to(model_dir)) for p in unlisted_files(model_dir, manifest)]
     return {"packed": packed, "left_out": left_out}
 

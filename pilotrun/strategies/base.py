@@ -150,7 +150,8 @@ class Strategy(ABC):
     # -- state on disk ------------------------------------------------------------------------
     @abstractmethod
     def save(self, folder: Path, driver: Any, config: dict, config_hash: str | None, env: DistEnv) -> dict:
-        """Write the driver's full training state; every rank calls it. ``{"files": {...}, "bytes": n}``."""
+        """Write the driver's full training state; every rank calls it. ``{"files": {...}, "bytes": n,
+        "manifest_sha256": hex}`` (the digest of the manifest bytes written: what the ledger records as known)."""
 
     def start_save(self, folder: Path, driver: Any, config: dict, config_hash: str | None,
                    env: DistEnv) -> PendingSave:

@@ -27,7 +27,7 @@ class Single(Strategy):
 
     def save(self, folder, driver, config, config_hash, env):
         record = save_checkpoint(folder, driver, config, config_hash)
-        return {"files": record.files, "bytes": record.total_bytes}
+        return {"files": record.files, "bytes": record.total_bytes, "manifest_sha256": record.manifest_sha256}
 
     def start_save(self, folder, driver, config, config_hash, env):
         if saves_behind(driver.device):

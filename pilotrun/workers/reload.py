@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.export import BASE_JSON, MERGED
-from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal
+from ..checkpoint.pinned import pinned
+from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal, verified_bytes
 from ..train.evaluation import outputs_of
 from .common import write_error, write_result
 
@@ -32,9 +33,9 @@ def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module
 
     folder = adm.folder
     try:
-        base = json.loads((folder / BASE_JSON).read_text())
+        base = json.loads(verified_bytes(adm, BASE_JSON))
         spec = spec_from_mapping(base["spec"]["written"], base["spec"]["source"], check_files=False)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise LoadRefused(Refusal.DAMAGED, f"{folder / BASE_JSON}: field 'spec' is unreadable "
                                            f"({type(exc).__name__}: {exc})") from None
     policy.admit_base(adm, spec.model.factory, spec.model.trust_remote_code)
@@ -56,10 +57,23 @@ def load_adapter_artifact(adm: Admission, policy: LoadPolicy) -> torch.nn.Module
 
 
 def load_artifact(folder: Path, policy: LoadPolicy, spec_folder: Path | None = None) -> torch.nn.Module:
-    """The exported model, admitted by the loading policy first: a factory is imported only when the export is
-    known or it is the one named on the command line (then from ``spec_folder``, not from the artifact). An adapter
-    export (``base.json``) is loaded onto its rebuilt base."""
-    adm = policy.admit(folder)
+    """The exported model (see :func:`load_artifacts`)."""
+    return load_artifacts(folder, policy, spec_folder)[0]
+
+
+def load_artifacts(folder: Path, policy: LoadPolicy, spec_folder: Path | None = None,
+                   merged: bool = False) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The exported model (and with ``merged`` the merged copy inside an adapter export), admitted by the loading
+    policy first and read from a pinned view of it: every file used is the one whose digest was checked. A factory
+    is imported only when the export is known or it is the one named on the command line (then from
+    ``spec_folder``, not from the artifact). An adapter export (``base.json``) is loaded onto its rebuilt base."""
+    policy.admit(folder)
+    with pinned(folder) as view:
+        model = _load_admitted(view, policy, spec_folder)
+        return model, (load_hf_folder(view.folder / MERGED) if merged else None)
+
+
+def _load_admitted(adm: Admission, policy: LoadPolicy, spec_folder: Path | None) -> torch.nn.Module:
     if BASE_JSON in adm.manifest["files"]:
         return load_adapter_artifact(adm, policy)
     factory = policy.export_factory(adm)
@@ -68,13 +82,13 @@ def load_artifact(folder: Path, policy: LoadPolicy, spec_folder: Path | None = N
 
         from ..config.factories import import_factory
 
-        info = json.loads((folder / "export.json").read_text())
+        info = json.loads(verified_bytes(adm, "export.json"))  # the bytes export_factory checked
         where = spec_folder if spec_folder is not None and factory == policy.factory else Path(info["spec_folder"])
         torch.manual_seed(0)
         model = import_factory(factory, where)(info["model"])
-        load_model(model, str(folder / "model.safetensors"))
+        load_model(model, str(adm.folder / "model.safetensors"))
         return model
-    return load_hf_folder(folder)
+    return load_hf_folder(adm.folder)
 
 
 def load_hf_folder(folder: Path) -> torch.nn.Module:
@@ -105,13 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         policy = LoadPolicy.of(args.known_manifest, trust=False, factory=args.factory, remote_code=args.remote_code)
-        model = load_artifact(args.export, policy, args.spec_folder)
+        # merged/ is inside the admitted folder (its files are in the manifest just checked): a plain HF folder.
+        model, merged = load_artifacts(args.export, policy, args.spec_folder, merged=args.merged_outputs is not None)
         batch = load_file(str(args.inputs))
         save_file({"outputs": outputs_of(model, batch).contiguous()}, str(args.outputs))
         result = {"model_class": type(model).__name__}
-        if args.merged_outputs is not None:
-            # merged/ is inside the admitted folder (its files are in the manifest just checked): a plain HF folder.
-            merged = load_hf_folder(args.export / MERGED)
+        if merged is not None:
             save_file({"outputs": outputs_of(merged, batch).contiguous()}, str(args.merged_outputs))
             result["merged_class"] = type(merged).__name__
         write_result(args.result, result)

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.phase == "interrupted":
             payload["records"] = run_updates(driver, args.updates)
             folder = args.checkpoints / f"step-{driver.step:06d}"
-            driver.save(folder)
+            payload["manifest_sha256"] = driver.save(folder)["manifest_sha256"]  # of the bytes written
             payload["checkpoint"] = str(folder)
         elif args.phase == "resumed":
             folder = latest_checkpoint(args.checkpoints)
