@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..config.ids import id_problem
 from ..humanize import human_bytes
 from ..ledger.store import Ledger, LedgerError
 from ..report.archive import ArchiveError, archive_run
@@ -32,6 +33,10 @@ def main(args) -> int:
     path = existing_ledger(args)
     with Ledger(path) as led:
         try:
+            found = led.run(args.run) if args.out is None else None
+            if found is not None and (why := id_problem(found["run_id"])) is not None:
+                # A ledger written before ids were checked (`--run-id ../../x`): its id would name a file elsewhere.
+                raise UsageError(f"the run id {found['run_id']!r} cannot name the archive ({why}); pass --out FILE")
             out, summary = archive_run(led, args.run, args.out)
         except (ArchiveError, LedgerError) as exc:
             raise UsageError(str(exc)) from None

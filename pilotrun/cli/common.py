@@ -5,9 +5,12 @@ import argparse
 import functools
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+
+from ..config.ids import ID_MAX, id_problem
 
 EXIT_OK, EXIT_GATE_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 # Stopped by a signal: 128 + its number, the shell's convention (pilotrun.interrupt.Interrupted.exit_code).
@@ -46,6 +49,16 @@ def command_parser(sub, name: str, doc: str | None, epilog: str) -> argparse.Arg
 
 class UsageError(Exception):
     """Bad input that is not a spec problem (missing file, unknown run id, bad flag value): exit 2."""
+
+
+def id_arg(limit: int = ID_MAX) -> Callable[[str], str]:
+    """The argparse ``type`` of a flag that takes an identifier (``--run-id``, ``--task-id``, ``--name``): the one rule
+    (``config.ids``), so a run id never becomes ``runs/../../x``; argparse's error names the flag, exit 2."""
+    def identifier(value: str) -> str:
+        if (why := id_problem(value, limit)) is not None:
+            raise argparse.ArgumentTypeError(why)
+        return value
+    return identifier
 
 
 # Logs and pipes are not 80 columns wide; without a terminal, do not squeeze tables.

@@ -41,6 +41,7 @@ from .common import (
     UsageError,
     add_ledger_arg,
     command_parser,
+    id_arg,
     out_console,
 )
 
@@ -69,9 +70,10 @@ def add_parser(sub) -> None:
     p.add_argument("--gates")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--container-digest", help=f"image digest of the container, {DIGEST_FORMAT}")
-    p.add_argument("--run-id", help="the run's id; on several nodes give every node the same one or none (default: "
-                                    "rank 0 creates it and every node takes it)")
-    p.add_argument("--task-id", metavar="ID",
+    p.add_argument("--run-id", type=id_arg(),
+                   help="the run's id; on several nodes give every node the same one or none (default: rank 0 creates "
+                        "it and every node takes it)")
+    p.add_argument("--task-id", metavar="ID", type=id_arg(),
                    help="the task running this command, the same across its restarts ($SKYPILOT_TASK_ID): a passed "
                         "pilot of this task is not launched again (exit 0), a failed one stops it again (exit 1), "
                         "one cut short is launched again (a distributed pilot is not resumed)")

@@ -8,10 +8,19 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from ..config.ids import NAME_MAX
 from ..ledger.store import Ledger, LedgerError
 from ..ledger.tables import TABLES, selected_runs, table, write_csv
 from ..ui.console import STYLE, gate_table
-from .common import UsageError, add_ledger_arg, command_parser, err_console, existing_ledger, out_console
+from .common import (
+    UsageError,
+    add_ledger_arg,
+    command_parser,
+    err_console,
+    existing_ledger,
+    id_arg,
+    out_console,
+)
 
 HELP = """examples:
   pilotrun ledger                      # recent runs, newest first
@@ -30,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--run", help="show one run's gate rows (an id, or a prefix: the newest run it matches; the "
                    "others are listed)")
     p.add_argument("--full", action="store_true", help="with --run: print every reason whole, wrapped")
-    p.add_argument("--name", help="only runs with this spec name")
+    p.add_argument("--name", type=id_arg(NAME_MAX), help="only runs with this spec name")
     p.add_argument("--limit", type=int, default=30)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--csv", nargs="?", const="runs", choices=TABLES, metavar="TABLE",

@@ -13,7 +13,6 @@ Example::
 """
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shlex
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from .paths import GlobRefused, path_value_problem, spec_glob
 from .schema import doc
 
 # The first words that name pilotrun's own interpreter (so the program runs with the packages pilotrun sees).
@@ -63,15 +63,54 @@ class ProgramSpec:
             return
         if not words or not all(isinstance(w, str) and w for w in words):
             yield "command", "give the program's command line, e.g. 'python train.py' or a list of words"
+        else:
+            yield from _command_problems(words)
         if self.timeout <= 0:
             yield "timeout", f"must be positive, got {self.timeout}"
-        for name, value in (self.env or {}).items():
-            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                yield "env", f"{name!r} is not an environment variable name"
-            elif name.startswith("PILOTRUN_"):
-                yield f"env.{name}", "is pilotrun's own (pilotrun/program/env.py sets it for each run); remove it"
-            if not isinstance(value, str):
-                yield f"env.{name}", f"must be a string (quote it in YAML), got {type(value).__name__}"
+        yield from _env_problems(self.env or {})
+        for i, pattern in enumerate(self.files or []):
+            if isinstance(pattern, str) and (why := path_value_problem(pattern)) is not None:
+                yield f"files[{i}]", why
+
+
+# What one exec() takes: Linux refuses a single argument or NAME=value over 128 KiB (MAX_ARG_STRLEN) and all of them
+# over ARG_MAX (E2BIG, an OSError from Popen); a NUL ends a C string (ValueError). Bounds far above any real command.
+WORD_MAX = 32 << 10
+COMMAND_MAX = 128 << 10
+ENV_NAME_MAX = 255
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else f"{text[:40]!r}… ({len(text)} characters)"
+
+
+def _command_problems(words: list[str]):
+    """A word exec() cannot pass: a NUL byte, too long; or a command too long altogether."""
+    for i, word in enumerate(words):
+        if "\0" in word:
+            yield "command", f"word {i + 1} contains a NUL byte, which no program argument may hold: {_shown(word)}"
+        elif len(word) > WORD_MAX:
+            yield "command", f"word {i + 1} is {len(word)} characters; an argument may be at most {WORD_MAX}"
+    if sum(len(w) + 1 for w in words) > COMMAND_MAX:
+        yield "command", (f"is {sum(len(w) + 1 for w in words)} characters; a command may be at most {COMMAND_MAX} "
+                          "(put long settings in a file the program reads)")
+
+
+def _env_problems(env: dict):
+    """Names that are not variable names, pilotrun's own names, values exec() cannot pass."""
+    for name, value in env.items():
+        if not isinstance(name, str) or len(name) > ENV_NAME_MAX or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            shown = _shown(name) if isinstance(name, str) else repr(name)
+            yield "env", f"{shown} is not an environment variable name (letters, digits, '_', at most {ENV_NAME_MAX})"
+            continue
+        if name.startswith("PILOTRUN_"):
+            yield f"env.{name}", "is pilotrun's own (pilotrun/program/env.py sets it for each run); remove it"
+        if not isinstance(value, str):
+            yield f"env.{name}", f"must be a string (quote it in YAML), got {type(value).__name__}"
+        elif "\0" in value:
+            yield f"env.{name}", f"contains a NUL byte, which no environment variable may hold: {_shown(value)}"
+        elif len(value) > WORD_MAX:
+            yield f"env.{name}", f"is {len(value)} characters; a value may be at most {WORD_MAX}"
 
 
 # Modules a `python -m` command launches ranks with, and the launcher whose arguments they take.
@@ -157,8 +196,13 @@ def program_files(spec: ProgramSpec, folder: Path) -> tuple[list[Path], str]:
                     f"({', '.join(os.path.relpath(p, folder) for p in imported)})")
         return scripts + imported, why
     out: list[Path] = []
+    passed: list[str] = []
     for pattern in spec.files:
-        out += sorted(Path(p) for p in glob.glob(str(folder / pattern), recursive=True) if Path(p).is_file())
+        globbed = spec_glob(folder, pattern)
+        out += globbed.files
+        passed += [os.path.relpath(p, folder) for p in globbed.links_out if os.path.relpath(p, folder) not in passed]
+    if passed:  # said in the lock: files under them are not the program's and are not hashed
+        return out, f"program.files (links out of the spec's folder, not followed: {', '.join(passed)})"
     return out, "program.files"
 
 
@@ -286,16 +330,23 @@ def _files_problems(files: list[str] | None, folder: Path) -> list[tuple[str, st
     problems = []
     root = folder.resolve()
     for i, pattern in enumerate(files):
-        matches = [Path(p) for p in glob.glob(str(folder / pattern), recursive=True) if Path(p).is_file()]
-        outside = [p for p in matches if not p.resolve().is_relative_to(root)]
-        if os.path.isabs(pattern) or ".." in Path(pattern).parts or outside:
+        field = f"program.files[{i}]"
+        try:
+            found = spec_glob(folder, pattern)
+        except GlobRefused as exc:  # absolute, '..', or a walk past its bounds: refused before any file is hashed
+            problems.append((field, f"{exc}; the program's files are the ones beside its spec"))
+            continue
+        outside = [p for p in found.files if not p.resolve().is_relative_to(root)]
+        if outside or found.named_out:  # a link to a file, or one the pattern's words lead through (lib/*.py)
             # Found by the fuzzer: ['/etc/passwd'] was hashed into the lock as one of the program's files.
-            problems.append((f"program.files[{i}]", f"{pattern!r} names a file outside the spec's folder {root}"
-                             + (f" ({outside[0]}, links followed)" if outside else "") + ": the program's files are "
-                             "the ones beside its spec; give a pattern relative to that folder"))
-        elif not matches:
-            problems.append((f"program.files[{i}]", f"{pattern!r} matches no file in {folder} (patterns are relative "
-                             "to the spec's folder)"))
+            where = (f"{outside[0]}, a link" if outside else
+                     f"{found.named_out[0]} links to {found.named_out[0].resolve()}, not followed")
+            problems.append((field, f"{pattern!r} names a file outside the spec's folder {root} ({where}): the "
+                             "program's files are the ones beside its spec; give a pattern relative to that folder"))
+        elif not found.files:
+            passed = f"; links out of the folder are not followed ({found.links_out[0]})" if found.links_out else ""
+            problems.append((field, f"{pattern!r} matches no file in {folder} (patterns are relative to the spec's "
+                             f"folder){passed}"))
     return problems
 
 

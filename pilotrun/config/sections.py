@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from .hub_cache import TokenizerSource, locate_tokenizer
-from .paths import looks_local, resolve_path
+from .ids import name_problem
+from .paths import looks_local, path_value_problem, resolve_path
 from .schema import doc
 from .strategy_names import ALIASES as STRATEGY_ALIASES
 from .strategy_names import DEFAULT as DEFAULT_STRATEGY
@@ -141,6 +142,10 @@ class ModelSpec(FactorySection):
             yield "config", "needs a model_type (e.g. llama, bert) so transformers knows which architecture to build"
         if self.revision is not None and self.hf is None:
             yield "revision", "only applies to model.hf"
+        for key in ("hf", "tokenizer"):
+            value = getattr(self, key)
+            if isinstance(value, str) and (why := path_value_problem(value)) is not None:
+                yield key, why
         if self.attn_implementation is not None and self.factory is not None:
             yield "attn_implementation", ("applies to transformers models (model.hf or model.config); a factory "
                                           "model's own calls to scaled_dot_product_attention are estimated as sdpa, "
@@ -182,6 +187,10 @@ class DataSpec(FactorySection):
             # data.path is required only where data is read (config/load.py): estimate/select/plan need a shape only.
             if self.max_length is None:
                 yield "max_length", "missing; built-in tasks truncate to data.max_length"
+        paths = self.path.items() if isinstance(self.path, dict) else [("", self.path)]
+        for split, value in paths:
+            if isinstance(value, str) and (why := path_value_problem(value)) is not None:
+                yield f"path.{split}" if split else "path", why
         if isinstance(self.path, dict):
             unknown = set(self.path) - {"train", "val", "test"}
             if unknown:
@@ -457,6 +466,8 @@ class VariantsSpec:
         for name, keys in self.custom.items():
             if name == "control" or name in BUILTIN_VARIANTS:
                 yield "custom", f"{name!r} is a built-in name; give your variant another name"
+            elif (why := name_problem(name)) is not None:  # a variant's name is a ledger key and a report's label
+                yield "custom", f"variant name: {why}"
             if not isinstance(keys, dict) or not keys:
                 yield "custom", f"{name!r}: give a mapping of the keys it changes, e.g. {{train.optimizer.lr: 1e-3}}"
 

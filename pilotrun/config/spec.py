@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .hub_cache import TokenizerSource
+from .ids import name_problem
 from .paths import resolve_path
 from .program import ProgramSpec
 from .schema import doc
@@ -34,10 +34,6 @@ from .sections import (
     Precision,
     TrainSpec,
 )
-
-# A name becomes a folder under --out and the start of run ids: one path component, never a way out of --out.
-NAME_MAX = 81
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
 
 
 def dotted(config: dict, prefix: str = "") -> dict:
@@ -56,20 +52,6 @@ def canonical_sha256(config: object) -> str:
     """The config hash: sha256 of the JSON with sorted keys and no spaces (what a checkpoint's config.json, written
     from ``canonical()``, must hash back to)."""
     return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def name_problem(name: object) -> str | None:
-    """Why ``name`` cannot name a pilot, a campaign or a run (None: it can). The one check every name passes."""
-    if not isinstance(name, str) or not name:
-        return f"give a name: 1 to {NAME_MAX} letters, digits, '.', '_' or '-' (got {name!r})"
-    if len(name) > NAME_MAX:
-        return f"use at most {NAME_MAX} characters (got {len(name)}: {name[:40]!r}…)"
-    if "/" in name or "\\" in name or ".." in name:
-        return (f"a name is one folder under --out: no path separator and no '..' (got {name!r}); use letters, "
-                "digits, '.', '_' or '-'")
-    if not NAME_RE.match(name):
-        return f"use letters, digits, '.', '_' or '-', starting with a letter or digit (got {name!r})"
-    return None
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import types
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -85,14 +87,68 @@ class JobFacts:
 
     @classmethod
     def from_dict(cls, data: dict) -> JobFacts:
-        """From an event's mapping; ValueError naming the field when it is not one."""
+        """From an event's mapping or a cache entry; ValueError naming the field when it is not one, or when a value
+        is not what :func:`describe_objects` writes there (a hand-edited or damaged cache entry must be described
+        again, never reach the estimate as a string where a count belongs)."""
         if not isinstance(data, dict):
             raise ValueError("the description is not a mapping")
         known = set(cls.__dataclass_fields__)
+        kept = {k: v for k, v in data.items() if k in known}
+        hints = get_type_hints(cls)
+        for key, value in kept.items():
+            if not _is_a(value, hints[key]):
+                raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:40]!r}, not {hints[key]}")
+        if (why := _values_problem(kept)) is not None:
+            raise ValueError(why)
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            return cls(**kept)
         except TypeError as exc:
             raise ValueError(f"the description lacks a field: {exc}") from None
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of a JobFacts field's type (an int is no bool; a float may be written as an int)."""
+    if isinstance(hint, types.UnionType):
+        return any(_is_a(value, h) for h in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if get_origin(hint) is list:
+        return isinstance(value, list) and all(_is_a(v, get_args(hint)[0]) for v in value)
+    if get_origin(hint) is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _values_problem(facts: dict) -> str | None:
+    """What the estimate reads inside the mappings and counts, when it is not as describe_objects writes it."""
+    for key in ("micro_batch_size", "grad_accum_steps", "world_size", "parameters", "trainable_parameters",
+                "updates", "max_length"):
+        least = 0 if key in ("parameters", "trainable_parameters", "updates", "max_length") else 1
+        if isinstance(facts.get(key), int) and facts[key] < least:
+            return f"field {key!r} is {facts[key]}, below {least}"
+    opt = facts.get("optimizer")
+    if opt is not None:
+        if not isinstance(opt.get("class"), str) or not isinstance(opt.get("name"), (str, type(None))):
+            return "field 'optimizer' has no 'class' string or a 'name' that is not a string"
+        if any(k in opt and not _number(opt[k]) for k in ("lr", "weight_decay", "eps", "momentum")) or (
+                "betas" in opt and not (isinstance(opt["betas"], list) and len(opt["betas"]) == 2
+                                        and all(_number(b) for b in opt["betas"]))):
+            return "field 'optimizer' holds a hyper-parameter that is not a number"
+    quant = facts.get("quantization")
+    if quant is not None and not (isinstance(quant.get("bits"), int) or isinstance(quant.get("unsupported"), str)):
+        return "field 'quantization' has neither 'bits' nor 'unsupported'"
+    labels = (facts.get("config") or {}).get("id2label")
+    if labels is not None and not (isinstance(labels, dict) and all(str(k).isdigit() for k in labels)):
+        return "field 'config' has an id2label whose keys are not class indices"
+    return None
 
 
 def _qualname(obj: Any) -> str:
