@@ -17,6 +17,9 @@ program's ``Popen``, a double-forked daemon) running with nothing enforcing thei
 - forwards SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the command (the campaign's stop request, a user's Ctrl-C);
 - when the command ends by itself, SIGKILLs whatever it left (a daemon) and names each one in its report.
 
+A keeper killed by the command it runs writes no report; pilotrun, a child subreaper itself, then finds what the
+dead keeper kept and kills it (``procs.Tree.finish``).
+
 It reports on the file descriptor ``--report`` (a pipe pilotrun reads), one JSON object, and exits as the command
 did (a command killed by signal N makes the keeper end by signal N, so ``returncode`` reads as before).
 
@@ -41,7 +44,9 @@ PARENT_GONE = getattr(signal, "SIGRTMIN", signal.SIGTERM)
 MAX_NAMED = 50  # processes named in the report (a pipe holds 64 KiB; a fork bomb is not listed one by one)
 
 
-def _prctl(option: int, value: int) -> bool:
+def prctl(option: int, value: int) -> bool:
+    """Linux's prctl on this process (procs.py makes pilotrun a subreaper with it too); False where it failed or
+    there is none."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -169,12 +174,12 @@ def _start(command: list[str]) -> int:
 def main(argv: list[str]) -> None:
     token, parent, report_fd, command = _args(argv)
     os.set_inheritable(report_fd, False)  # the command never sees the report pipe
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     stop = {"asked": False}
     signal.signal(signal.SIGTERM, lambda s, f: stop.update(asked=True))
     if PARENT_GONE != signal.SIGTERM:
         signal.signal(PARENT_GONE, lambda s, f: None)  # only wakes the sleep: _wait compares getppid()
-    _prctl(PR_SET_PDEATHSIG, PARENT_GONE)
+    prctl(PR_SET_PDEATHSIG, PARENT_GONE)
     if os.getppid() != parent:  # the parent died before prctl took effect
         stop["asked"] = True
     child = _start(command)

@@ -8,6 +8,13 @@ what the command left running by itself (``leftovers``: a daemon, its pid and co
 keeper is a child subreaper, so a double-forked or ``setsid`` daemon stays in its tree, and every descendant
 carries the keeper's token in ``PILOTRUN_RUN_MARKER``, so one that escaped is still found (``/proc/*/environ``).
 
+A keeper can be killed by the command it runs (the same user may signal it). pilotrun is then the tree's last
+guard: the first ``Tree`` makes this process a child subreaper as well, so what the dead keeper kept (the command,
+a daemon it had adopted) is re-parented here, not to init; once the keeper is gone without its report, ``finish``
+kills the orphans it adopted (children of this process in a session that is not its own, started after the keeper,
+no live keeper), every process carrying the token, and every descendant of either, an environment cleared with
+``env -i`` included.
+
 A campaign or a worker also records its mark (host, pid and start time: a pid alone may have been reused), so
 ``--resume`` can ask whether the marked process is still alive before it treats a run as cut short::
 
@@ -23,6 +30,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +49,20 @@ KEEPER_GRACE_S = KILL_WAIT_S + 5.0
 # torchrun pilotrun starts gets one inside its run's folder instead. torchrun reads this variable as the default of
 # its --log-dir, so a --log-dir in a program's own command still wins, and a value the user set is kept.
 TORCHRUN_FOLDER_VAR = "PET_LOG_DIR"
+POLL_S = 0.05
+
+# Held while a keeper starts and while orphans are looked for: a keeper just started (in a session of its own, not
+# yet in _KEEPERS) is never taken for an orphan of another tree.
+_LOCK = threading.Lock()
+_KEEPERS: set[int] = set()  # the pids of this process's keepers not yet waited for
+_SUBREAPER: list[bool] = []  # whether this process was made a child subreaper (once, by its first Tree)
+
+
+def _become_subreaper() -> None:
+    """Orphans of a killed keeper come to this process instead of init, where ``finish`` finds them (Linux only;
+    elsewhere the token and the descendants of what carries it are all there is)."""
+    if not _SUBREAPER:
+        _SUBREAPER.append(keeper.prctl(keeper.PR_SET_CHILD_SUBREAPER, 1))
 
 
 def with_torchrun_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
@@ -72,17 +96,23 @@ class Tree:
         self.token = f"{label}-{os.getpid()}-{secrets.token_hex(6)}"
         env = dict(env)
         env[MARKER] = ",".join(filter(None, [env.get(MARKER), self.token]))  # nested trees keep every token
+        _become_subreaper()
         read_fd, write_fd = os.pipe()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", KEEPER, "--marker", self.token, "--parent", str(os.getpid()),
-                 "--report", str(write_fd), "--", *cmd],
-                env=env, start_new_session=True, pass_fds=(write_fd,), **popen)
+            with _LOCK:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-I", KEEPER, "--marker", self.token, "--parent", str(os.getpid()),
+                     "--report", str(write_fd), "--", *cmd],
+                    env=env, start_new_session=True, pass_fds=(write_fd,), **popen)
+                _KEEPERS.add(self.proc.pid)
         except BaseException:
             os.close(read_fd)
             raise
         finally:
             os.close(write_fd)
+        # What the tree starts starts after this, on the same clock (psutil's start times count from the boot time,
+        # which /proc gives to the second: time.time() is not comparable with them).
+        self.started = _started(self.proc.pid) or 0.0
         self._report_fd: int | None = read_fd
         self.ending: Ending | None = None
 
@@ -125,17 +155,23 @@ class Tree:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        ending = self._read_report()
-        swept, stuck = sweep(self.token)  # the keeper was SIGKILLed, or a process cleared itself from its tree
+        with _LOCK:
+            _KEEPERS.discard(self.proc.pid)
+        report = self._read_report()
+        # Without its report the keeper was killed (by pilotrun past the grace, or by the command it ran): what it
+        # kept is this process's now. With it, a process that cleared itself from the tree is still marked.
+        swept, stuck = sweep(self.token, orphans_since=self.started if report is None else None)
+        ending = report or Ending()
         ending.killed += [p for p in swept if p not in ending.killed]
         ending.survivors = sorted(set(ending.survivors) | set(stuck))
         self.ending = ending
         return ending
 
-    def _read_report(self) -> Ending:
+    def _read_report(self) -> Ending | None:
+        """What the keeper reported; None when it wrote nothing (it did not end as a keeper ends)."""
         fd, self._report_fd = self._report_fd, None
         if fd is None:
-            return Ending()
+            return None
         try:
             os.set_blocking(fd, False)
             data = os.read(fd, 1 << 16)
@@ -143,8 +179,10 @@ class Tree:
             data = b""
         finally:
             os.close(fd)
+        if not data:
+            return None
         try:
-            report = json.loads(data) if data else {}
+            report = json.loads(data)
         except ValueError:
             report = {}
         if not isinstance(report, dict):
@@ -159,28 +197,94 @@ class Tree:
         self.kill()
 
 
-def marked(token: str) -> list[psutil.Process]:
-    """The live processes carrying ``token`` in their marker, whatever their parent."""
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if token in (p.environ().get(MARKER) or "").split(",") and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return out
+def _carries(p: psutil.Process, token: str) -> bool:
+    return token in (p.environ().get(MARKER) or "").split(",")
 
 
-def sweep(token: str) -> tuple[list[int], list[int]]:
-    """SIGKILL every process carrying ``token``; the pids killed and those alive ``KILL_WAIT_S`` later."""
-    found = [p for p in marked(token) if p.pid != os.getpid()]
-    for p in found:
+def _orphan(p: psutil.Process, info: dict, since: float, me: int, session: int) -> bool:
+    """A child of this process that a killed keeper left: not a keeper of ours, in a session that is not this
+    process's (a keeper's session, or one of the tree's own), started after that keeper."""
+    if info.get("ppid") != me or p.pid in _KEEPERS or (info.get("create_time") or 0.0) < since:
+        return False
+    try:
+        return os.getsid(p.pid) != session
+    except OSError:
+        return False
+
+
+def strays(token: str, orphans_since: float | None = None,
+           killed: Mapping[int, float | None] | None = None) -> tuple[set[int], set[int]]:
+    """(live, dead) processes of a tree whose keeper is gone: those carrying ``token``, with ``orphans_since`` the
+    orphans a killed keeper left this process (:func:`_orphan`), those ``killed`` already (pid -> start time: a pid
+    reused since is another process), and every descendant of these; ``dead`` are the zombies among them that are
+    this process's children, to reap."""
+    me, session = os.getpid(), os.getsid(0)
+    parent_of: dict[int, int] = {}
+    zombies, roots = set(), set()
+    with _LOCK:
+        for p in psutil.process_iter(["ppid", "status", "create_time"]):
+            info = p.info
+            if p.pid == me or info.get("ppid") is None:
+                continue
+            parent_of[p.pid] = info["ppid"]
+            if killed and p.pid in killed and killed[p.pid] == info.get("create_time"):
+                roots.add(p.pid)
+            try:
+                if info.get("status") == psutil.STATUS_ZOMBIE:
+                    zombies.add(p.pid)
+                    if orphans_since is not None and _orphan(p, info, orphans_since, me, session):
+                        roots.add(p.pid)
+                elif _carries(p, token) or (orphans_since is not None
+                                            and _orphan(p, info, orphans_since, me, session)):
+                    roots.add(p.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent_of.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(roots), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found - zombies, {p for p in found & zombies if parent_of.get(p) == me}
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect the zombies among ``pids`` that are this process's children (an adopted orphan once killed)."""
+    for pid in pids:
         try:
-            p.kill()
-        except psutil.NoSuchProcess:
+            os.waitpid(pid, os.WNOHANG)
+        except OSError:  # not a child of this process (or gone)
             pass
-    _, alive = psutil.wait_procs(found, timeout=KILL_WAIT_S)
-    return [p.pid for p in found], [p.pid for p in alive]
+
+
+def sweep(token: str, orphans_since: float | None = None) -> tuple[list[int], list[int]]:
+    """SIGKILL every process of a tree whose keeper is gone (:func:`strays`) until none is left; the pids killed and
+    those alive ``KILL_WAIT_S`` later."""
+    killed: dict[int, float | None] = {}  # pid -> its start time, in the order killed
+    deadline = time.monotonic() + KILL_WAIT_S
+    while True:
+        alive, dead = strays(token, orphans_since, killed)
+        _reap(dead)
+        if not alive or time.monotonic() > deadline:
+            return list(killed), sorted(alive)
+        for pid in sorted(alive):
+            if pid not in killed:
+                killed[pid] = _started(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(POLL_S)
+
+
+def _started(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def process_mark(pid: int | None = None) -> dict:

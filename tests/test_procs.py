@@ -162,3 +162,69 @@ def test_a_killed_tree_reads_as_killed_by_sigkill_and_a_signal_reaches_the_comma
             time.sleep(0.05)
         tree.send_signal(signal.SIGUSR1)  # the campaign's stop request
         assert tree.wait(timeout=30) == 7
+
+
+# Kills its own keeper (its parent) once it has started two processes that carry no marker: a child in a session of
+# its own with an empty environment, and a grandchild that did the same and whose parent exited (so the keeper, a
+# subreaper, had adopted it). Then it sleeps on. Their pids are written to ``PIDS`` first.
+KILLS_ITS_KEEPER = """\
+import os, signal, subprocess, sys, time
+child = subprocess.Popen(["sleep", "300"], env={}, start_new_session=True)
+orphan = subprocess.run([sys.executable, "-c", "import subprocess\\n"
+                         "print(subprocess.Popen(['sleep', '301'], env={}, start_new_session=True,\\n"
+                         "                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
+                        env={}, check=True, capture_output=True, text=True)
+open(PIDS, "w").write(f"{child.pid} {orphan.stdout.strip()}")
+os.kill(os.getppid(), signal.SIGKILL)
+time.sleep(300)
+"""
+
+
+def _unmarked(pids: list[int]) -> None:
+    """The processes KILLS_ITS_KEEPER started carry no marker: once the keeper is dead, nothing but this process's
+    own subreaping finds them."""
+    for pid in pids:
+        assert "PILOTRUN_RUN_MARKER" not in psutil.Process(pid).environ()
+
+
+@pytest.mark.process
+def test_a_command_that_sigkills_its_keeper_leaves_nothing_running(tmp_path):
+    """Found by the adversary: a program that SIGKILLed its keeper left its child running (no marker, no keeper
+    above it). pilotrun, a subreaper itself, takes the orphans and kills them with the command."""
+    from pilotrun.procs import Tree
+
+    pids = tmp_path / "pids"
+    (tmp_path / "kills.py").write_text(f"PIDS = {str(pids)!r}\n" + KILLS_ITS_KEEPER)
+    tree = Tree([sys.executable, str(tmp_path / "kills.py")], env=dict(os.environ), label="t")
+    try:
+        assert tree.wait(timeout=60) == -signal.SIGKILL  # the keeper's own death
+        left = _pids(pids)
+        _unmarked(left)
+        ending = tree.kill()
+        assert _gone(left, 5) == [], "a process of the command that killed its keeper is still running"
+        assert set(left) <= set(ending.killed) and not ending.survivors
+    finally:
+        tree.kill()
+        _kill(_pids(pids, 1) if pids.exists() else [])
+
+
+@pytest.mark.process
+def test_a_program_run_whose_program_sigkills_its_keeper_is_reaped_whole_by_pilotrun(tmp_path):
+    """The same through a program run, as `pilotrun run` starts one: the run ends when the keeper dies, and every
+    process the program started is killed and named, none left for the leak check."""
+    from pilotrun.config.program import ProgramSpec
+    from pilotrun.program.env import Role
+    from pilotrun.program.runner import RunPlan, run_program
+
+    pids = tmp_path / "pids"
+    (tmp_path / "train.py").write_text(f"PIDS = {str(pids)!r}\nimport pilotrun\njob = pilotrun.program()\n"
+                                       + KILLS_ITS_KEEPER)
+    try:
+        outcome = run_program(ProgramSpec(command=["python", "train.py"], timeout=120.0), tmp_path,
+                              RunPlan(Role.STAGES, stop_at=4), tmp_path / "out", "r1", tmp_path / "l.sqlite")
+        left = _pids(pids, 1)
+        assert _gone(left, 5) == [], "a process of the program that killed its keeper is still running"
+        assert set(left) <= set(outcome.killed_pids) and not outcome.survivors
+        assert not outcome.timed_out and outcome.returncode == -signal.SIGKILL
+    finally:
+        _kill(_pids(pids, 1) if pids.exists() else [])

@@ -9,7 +9,7 @@ import pytest
 from pilotrun.config.load import load_spec
 from pilotrun.drivers import DRIVERS, OnProgram, ProgramDriver, RunSite, build_driver, driver_class, join_job
 from pilotrun.gates.registry import BY_NAME, GATE_NAMES, GATES
-from pilotrun.ledger.records import Verdict
+from pilotrun.ledger.records import GateRow, Verdict
 from pilotrun.program.env import Role
 from pilotrun.program.runner import RunOutcome
 
@@ -114,3 +114,82 @@ def test_a_campaign_runs_share_of_the_cores_reaches_the_program_unless_its_env_s
     run_program(program, tmp_path, RunPlan(Role.CAMPAIGN, threads=3, timeout=60), tmp_path / "out", "r1",
                 tmp_path / "l.sqlite")
     assert "threads 3 7" in (tmp_path / "out" / "program" / f"{Role.CAMPAIGN}.log").read_text()
+
+
+# -- rows only from checks: an export's manifest digest is pilotrun's own ---------------------------------------------
+
+def _row(gate: str, verdict: str = "pass", **details) -> dict:
+    return {"kind": "gate", "rank": 0, "row": {"gate": gate, "verdict": verdict, "reason": f"{gate} as recorded",
+                                               "rank": 0, "world_size": 1, "inputs": {}, "details": details,
+                                               "memory": {}, "started_at": "t0", "ended_at": "t1"}}
+
+
+def _export(folder: Path) -> str:
+    from pilotrun.checkpoint.io import AtomicFolder
+
+    with AtomicFolder(folder, "export") as written:
+        written.write_bytes("model.safetensors", b"weights" * 100)
+        written.write_json("config.json", {"hidden": 4})
+    assert written.manifest_sha256 is not None
+    return written.manifest_sha256
+
+
+def _export_rows(tmp_path: Path, path: Path, reported: str, stage_sha: str | None = None) -> dict[str, GateRow]:
+    """The export, reload_eval and first_step rows a driver makes of a recording run whose export row names ``path``
+    with the manifest sha256 ``reported``; written to a real ledger, as the pilot writes them."""
+    from pilotrun.ledger.records import RunKind
+    from pilotrun.ledger.store import Ledger
+
+    driver = _driver(tmp_path, ["first_step", "export", "reload_eval"])
+    recording = _recording(Role.STAGES, tmp_path, [_row("export", path=str(path), manifest_sha256=reported),
+                                                   _row("reload_eval", max_abs_difference=0.0)])
+    recording.log = tmp_path / "out" / "program" / "stages.log"  # where run_program puts it: beside checkpoints/
+    if stage_sha is not None:
+        recording.events[0][0]["row"]["details"] = {"manifest_sha256": stage_sha}
+    driver.runs[Role.STAGES] = recording
+    rows = {g: driver.proven_rows(BY_NAME[g])[0] for g in ("export", "reload_eval", "first_step")}
+    with Ledger(tmp_path / "l.sqlite") as led:
+        led.start_run("r1", "prog", RunKind.PILOT)
+        for row in rows.values():
+            led.add_gate_row("r1", row)
+    return rows
+
+
+def _known(tmp_path: Path) -> set[str]:
+    from pilotrun.checkpoint.trust import known_manifests
+    from pilotrun.ledger.store import Ledger
+
+    with Ledger(tmp_path / "l.sqlite") as led:
+        return known_manifests(led)
+
+
+def test_an_export_the_program_recorded_is_known_by_the_digest_pilotrun_computed_itself(tmp_path):
+    folder = tmp_path / "out" / "program" / "checkpoints" / "stages" / "pilotrun-export"
+    digest = _export(folder)
+    rows = _export_rows(tmp_path, folder, digest, stage_sha="cd" * 32)
+    assert rows["export"].verdict == Verdict.PASS and rows["export"].details["manifest_sha256"] == digest
+    assert rows["reload_eval"].verdict == Verdict.PASS
+    # A stage row's own manifest_sha256 is the program's word: kept as what it reported, never known.
+    stage = rows["first_step"].details
+    assert stage["reported_manifest_sha256"] == "cd" * 32 and "manifest_sha256" not in stage
+    assert _known(tmp_path) == {digest}
+
+
+@pytest.mark.parametrize("case", ["forged digest", "outside", "edited file", "no folder"])
+def test_an_export_row_pilotrun_cannot_check_fails_and_makes_nothing_known(tmp_path, case):
+    """Found by the adversary: a passing export row appended to the events made its manifest digest trusted. The row
+    is pilotrun's only where pilotrun admitted the folder itself; otherwise it fails, and reload_eval with it."""
+    inside = tmp_path / "out" / "program" / "checkpoints" / "stages" / "pilotrun-export"
+    folder = tmp_path / "elsewhere" / "export" if case == "outside" else inside
+    digest = _export(folder) if case != "no folder" else "ab" * 32
+    if case == "edited file":
+        (folder / "model.safetensors").write_bytes(b"WEIGHTS" * 100)  # the same size, other bytes
+    rows = _export_rows(tmp_path, folder, "ab" * 32 if case == "forged digest" else digest)
+    export, reload = rows["export"], rows["reload_eval"]
+    assert export.verdict == Verdict.FAIL and export.reason.startswith("pilotrun's own check of the export")
+    assert "manifest_sha256" not in export.details and export.details["reported_manifest_sha256"]
+    said = {"forged digest": "the row reported abababababab", "outside": "outside the run's checkpoint folder",
+            "edited file": "model.safetensors does not match", "no folder": "manifest.json is missing"}[case]
+    assert said in export.reason, export.reason
+    assert reload.verdict == Verdict.FAIL and reload.reason.startswith("the export it reloaded did not pass")
+    assert _known(tmp_path) == set()

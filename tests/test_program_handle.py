@@ -96,3 +96,87 @@ def test_a_hand_set_environment_that_pilotrun_would_not_set_is_named(tmp_path):
         _active(tmp_path, **{E.ROLE: "boss"})
     with pytest.raises(RuntimeError, match="PILOTRUN_PROGRAM"):
         _active(tmp_path, **{E.STOP_AT: "four"})
+
+
+KEY = bytes(range(E.KEY_BYTES))
+
+
+def _signed(tmp_path, **more):
+    return _active(tmp_path, **{E.EVENTS_KEY: KEY.hex(), **more})
+
+
+def _forged_export(rank: int = 1) -> dict:
+    """What an attacker appends: a passing export row whose manifest would become known."""
+    row = {"gate": "export", "verdict": "pass", "reason": "forged", "rank": rank, "world_size": 2, "inputs": {},
+           "memory": {}, "details": {"path": "/tmp/evil", "manifest_sha256": "ab" * 32},
+           "started_at": "t0", "ended_at": "t1"}
+    return {"kind": "gate", "rank": rank, "writer": "w", "seq": 99, "row": row}
+
+
+def test_every_line_is_signed_and_a_line_without_the_runs_key_is_left_out_and_named(tmp_path):
+    """Found by the adversary: one line appended to a program's events file made export and reload_eval pass rows
+    that no check produced. Every line now carries an HMAC under the run's key; a line without it, with another key's,
+    or edited after it was signed is left out, and each is named."""
+    from pilotrun.program.runner import read_events
+
+    job = _signed(tmp_path)
+    job.update(1, loss=0.5, lr=1e-3, ids=[1, 2])
+    job.record_gate("export", "fail", "the export wrote no weights")
+    path = job.events_path
+    lines = path.read_text().splitlines()
+    assert all(E.signed_body(KEY, line) for line in lines) and len(lines) == 3  # start, update, gate
+    assert [json.loads(line)["seq"] for line in lines] == [0, 1, 2]
+    edited = lines[2].replace('"fail"', '"pass"')  # the same line, its verdict changed after signing
+    other_key = E.sign(b"x" * E.KEY_BYTES, json.dumps(_forged_export()))
+    with open(path, "a") as fh:
+        fh.write("\n".join([json.dumps(_forged_export()), other_key, edited]) + "\n")
+    problems: list[str] = []
+    events = read_events(path, KEY, problems, rank=1)
+    assert [e["kind"] for e in events] == ["start", "update", "gate"]
+    assert [e["row"]["verdict"] for e in events if e["kind"] == "gate"] == ["fail"]
+    assert [p.split(" line ")[1].split(" ")[0] for p in problems] == ["4", "5", "6"], problems
+    assert all("is not signed with this run's key" in p for p in problems)
+    assert read_events(path, None, [], rank=1) == []  # without the key (it was lost), no line is believed
+    assert "mac" not in events[0]  # the event is the text that was signed
+
+
+def test_a_signed_line_copied_repeated_or_removed_is_named(tmp_path):
+    """Lines of this very run, moved: another rank's line in this rank's file and a line written twice are left out;
+    a line removed leaves a gap in its writer's numbers, which is named."""
+    from pilotrun.program.runner import read_events
+
+    job = _signed(tmp_path)
+    for update in (1, 2, 3):
+        job.update(update, loss=0.5, lr=1e-3)
+    other = _signed(tmp_path, RANK="0")
+    other.update(1, loss=0.5, lr=1e-3)
+    start, one, _removed, three = job.events_path.read_text().splitlines()
+    foreign = other.events_path.read_text().splitlines()[1]
+    job.events_path.write_text("\n".join([start, one, one, three, foreign]) + "\n")
+    problems: list[str] = []
+    events = read_events(job.events_path, KEY, problems, rank=1)
+    assert [e.get("update") for e in events] == [None, 1, 3]
+    assert any("line 3 repeats number 1 of its writer" in p for p in problems), problems
+    assert any("1 line(s) of writer" in p and "before number 3 are missing" in p for p in problems), problems
+    assert any("line 5 is rank 0's event, in rank 1's file" in p for p in problems), problems
+
+
+def test_a_key_that_is_not_hex_is_named(tmp_path):
+    with pytest.raises(RuntimeError, match="PILOTRUN_EVENTS_KEY hex digits"):
+        _active(tmp_path, **{E.EVENTS_KEY: "not-hex"})
+
+
+def test_the_live_tail_a_campaign_reads_keeps_only_signed_whole_lines(tmp_path):
+    from pilotrun.program.runner import EventTail
+
+    job = _signed(tmp_path)
+    tail = EventTail(job.events_path, KEY, rank=1)
+    job.update(1, loss=0.5, lr=1e-3)
+    line = E.sign(KEY, json.dumps({"kind": "update", "rank": 1, "writer": "w", "seq": 0, "update": 2}))
+    with open(job.events_path, "a") as fh:
+        fh.write(json.dumps({"kind": "update", "rank": 1, "update": 9, "loss": 0.0}) + "\n" + line[:20])
+    assert [e.get("update") for e in tail.poll()] == [None, 1]  # start, update 1; the unsigned line left out
+    with open(job.events_path, "a") as fh:
+        fh.write(line[20:] + "\n")  # the rest of a line that was mid-write at the last poll
+    assert [e["update"] for e in tail.poll()] == [2]
+    assert len(tail.problems) == 1 and "line 3 is not signed with this run's key" in tail.problems[0]

@@ -57,16 +57,20 @@ def test_the_reports_attachments_of_the_wrong_shape_a_fifo_or_a_device_are_said_
 
 def test_event_files_of_no_rank_and_lines_that_are_not_events_are_named_and_left_out(tmp_path):
     """Found trying a program's events as an attacker: `<role>-rankfoo.jsonl` or a non-object line exited 3."""
-    good = {"kind": "update", "update": 1, "loss": 1.0}
+    from pilotrun.program import env as E
+
+    key = b"k" * E.KEY_BYTES
+    good = {"kind": "update", "rank": 0, "writer": "w", "seq": 0, "update": 1, "loss": 1.0}
+    second = {**good, "seq": 1, "update": 2}
     (tmp_path / "control-rank0.jsonl").write_text("\n".join([
-        json.dumps(good), "[1]", '"text"', json.dumps({"kind": "stage", "row": "not a row"}),
-        json.dumps({"kind": "update", "update": True}), "{not json", json.dumps({**good, "update": 2}), '{"cut'])
+        E.sign(key, json.dumps(good)), "[1]", '"text"', json.dumps({"kind": "stage", "row": "not a row"}),
+        json.dumps({"kind": "update", "update": True}), "{not json", E.sign(key, json.dumps(second)), '{"cut'])
         + "\n")
-    (tmp_path / "control-rankfoo.jsonl").write_text(json.dumps(good) + "\n")
-    (tmp_path / f"control-rank{'9' * 200}.jsonl").write_text(json.dumps(good) + "\n")
+    (tmp_path / "control-rankfoo.jsonl").write_text(E.sign(key, json.dumps(good)) + "\n")
+    (tmp_path / f"control-rank{'9' * 200}.jsonl").write_text(E.sign(key, json.dumps(good)) + "\n")
     problems: list[str] = []
-    events = read_rank_events(tmp_path, Role.CONTROL, problems)
-    assert events == {0: [good, {**good, "update": 2}]}
+    events = read_rank_events(tmp_path, Role.CONTROL, problems, key)
+    assert events == {0: [good, second]}
     assert sum("control-rankfoo.jsonl is not named" in p for p in problems) == 1
     assert sum("is not named <role>-rank<N>.jsonl" in p for p in problems) == 2
     for line in (2, 3, 4, 5, 6):

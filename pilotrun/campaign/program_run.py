@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
 from ..program.env import Event, Role, StopRules
-from ..program.runner import EventTail, RunOutcome, RunPlan, read_events, run_program
+from ..program.runner import EventTail, RunOutcome, RunPlan, kept_events, run_program
 
 if TYPE_CHECKING:
     from .runner import RunSink
@@ -148,7 +148,7 @@ CONTINUE_FILE = "continue.json"
 def _events(run: dict) -> list[dict]:
     if not run.get("out_dir"):
         return []
-    return read_events(Path(run["out_dir"]) / "program" / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
+    return kept_events(Path(run["out_dir"]), Role.CAMPAIGN)  # only the lines signed with that run's key
 
 
 def last_checkpoint(run: dict) -> dict | None:
@@ -208,14 +208,13 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     rules = StopRules(bool(plan["stop"].get("non_finite", True)), plan["stop"].get("divergence"),
                       float(first) if isinstance(first, (int, float)) else None)
     watch = _Watch(led, run_id, plan, rules, deadline, stop_requested, how, stop_file)
-    tail = EventTail(base / "events" / f"{Role.CAMPAIGN}-rank0.jsonl")
+    run_plan = RunPlan(Role.CAMPAIGN, stop_at=plan["updates"], stop_file=str(stop_file), stop_rules=rules,
+                       timeout=math.inf, resume_from=cont.get("resume_from"), threads=plan.get("threads"))
+    tail = EventTail(base / "events" / f"{Role.CAMPAIGN}-rank0.jsonl", run_plan.key, rank=0)
     if isinstance(cont.get("after_update"), int):  # the updates before its checkpoint are the continued run's
         watch.last_update = cont["after_update"]
-    outcome = run_program(spec.program, spec.folder, RunPlan(Role.CAMPAIGN, stop_at=plan["updates"],
-                                                             stop_file=str(stop_file), stop_rules=rules,
-                                                             timeout=math.inf, resume_from=cont.get("resume_from"),
-                                                             threads=plan.get("threads")),
-                          out_dir, run_id, base / "ledger-of-the-program.sqlite", on_poll=lambda: watch.poll(tail))
+    outcome = run_program(spec.program, spec.folder, run_plan, out_dir, run_id, base / "ledger-of-the-program.sqlite",
+                          on_poll=lambda: watch.poll(tail))
     for event in tail.poll():  # what it wrote after the last poll
         watch.take(event)
     watch.flush()

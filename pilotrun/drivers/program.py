@@ -6,7 +6,10 @@ pilot's rows, as each gate declares (``Gate.on_program``):
 - ``PILOT`` gates (lock) run in the pilot's own process as for any job (:meth:`ProgramDriver.proven_rows` is None);
 - ``RUNS`` (resume): control, interrupted (SIGKILL after its save) and resumed runs, compared update by update;
 - ``STAGE`` gates: the stages the recording run reported, one row per rank (several of one name combined);
-- ``INTEGRATION`` gates: the rows an integration recorded inside the program (``job.record_gate``);
+- ``INTEGRATION`` gates: the rows an integration recorded inside the program (``job.record_gate``); an export's
+  manifest digest on its row (what makes a folder *known* to the loading policy) is never the program's word: pilotrun
+  admits the folder itself (every file against the manifest it read once, inside the run's checkpoint folder) and
+  records the digest of those bytes, and a reload_eval row stands only on an export that passed that check;
 - ``NEVER``: a skip row with the reason and what would enable it — never a silent pass.
 
 One recording run serves every gate: it starts when the first gate needs it. With the resume gate selected it is the
@@ -24,15 +27,19 @@ Example::
 """
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..api import peaks_phrase
+from ..checkpoint.io import CheckpointError
+from ..checkpoint.trust import LoadPolicy
 from ..config.load import LOOP_RESUME_BEFORE
 from ..devices import query_devices
 from ..humanize import human_seconds
-from ..ledger.records import Failure, GateRow, Verdict
+from ..ledger.records import Failure, GateName, GateRow, Verdict
 from ..program.env import Event, Role
 from ..program.resume import (
     fresh_runs_agree,
@@ -79,6 +86,8 @@ class ProgramDriver(Driver):
         self.problems_gate: str | None = None  # the gate whose rows carry the program's invalid values
         self.known: list[str] = []       # every gate's name, in order (a recorded row for another is named in a note)
         self.leftovers_told: set[Role] = set()  # runs whose leftovers (processes, bad event lines) a row named
+        # (folder, reported digest) -> (the digest pilotrun computed, or None and why not): each folder hashed once
+        self.checked: dict[tuple[Any, Any], tuple[str | None, str]] = {}
 
     @classmethod
     def build(cls, spec, inputs, process: JobProcess, on_model=None, site: RunSite | None = None) -> ProgramDriver:
@@ -154,12 +163,35 @@ class ProgramDriver(Driver):
         how = gate.on_program
         recording = self.recording()
         if how == OnProgram.STAGE:
-            rows = stage_rows(gate.name, recording, gate.program_note, gate.program_combines)
+            rows = [unvouched(row) for row in stage_rows(gate.name, recording, gate.program_note,
+                                                         gate.program_combines)]
             if gate.name == self.problems_gate:
                 mark_problems(rows, recording)
             return rows
-        recorded = [e["row"] for e in recording.of(Event.GATE) if e["row"].get("gate") == gate.name]
-        return [GateRow.from_mapping(m) for m in recorded] if recorded else [_not_on_program(gate)]
+        recorded = [unvouched(GateRow.from_mapping(e["row"])) for e in recording.of(Event.GATE)
+                    if e["row"].get("gate") == gate.name]
+        if not recorded:
+            return [_not_on_program(gate)]
+        if gate.name == GateName.EXPORT:
+            for row in recorded:
+                admitted(row, self._export_check(recording, row.details))
+        elif gate.name == GateName.RELOAD_EVAL:
+            exports = [GateRow.from_mapping(e["row"]) for e in recording.of(Event.GATE)
+                       if e["row"].get("gate") == GateName.EXPORT]
+            for row in recorded:
+                reload_stands(row, [self._export_check(recording, unvouched(x).details) for x in exports
+                                    if x.rank == row.rank and x.verdict in (Verdict.PASS, Verdict.WARN)])
+        return recorded
+
+    def _export_check(self, run: RunOutcome, details: dict) -> tuple[str | None, str]:
+        """pilotrun's own check of the export folder a row of ``run`` names (:func:`export_check`), once per folder.
+        The folder must be in the checkpoint folder pilotrun gave that run (beside its log: a run a resumed pilot
+        kept ran in the folder of the pilot before it)."""
+        key = (details.get("path"), details.get(REPORTED))
+        if key not in self.checked:
+            root = Path(os.path.abspath(run.log.parent)) / "checkpoints" / str(run.role)
+            self.checked[key] = export_check(*key, root)
+        return self.checked[key]
 
     def _resume_rows(self) -> list[GateRow]:
         """Control, then (when it can be compared) interrupted and resumed runs; one row per rank."""
@@ -218,6 +250,66 @@ def _leftovers_said(runs: list[RunOutcome]) -> str:
              + (f" (+{len(run.event_problems) - 3} more)" if len(run.event_problems) > 3 else "")
              for run in runs if run.event_problems]
     return "; ".join(said)
+
+
+# The detail the loading policy reads a known manifest from (checkpoint/trust.py: known_manifests); a program's own
+# value of it is kept under REPORTED, never where it would make a folder known.
+MANIFEST_DETAIL = "manifest_sha256"
+REPORTED = "reported_manifest_sha256"
+
+
+def unvouched(row: GateRow) -> GateRow:
+    """A row the program reported, without a manifest digest of its own saying: the program's value stays on the row
+    as what it reported, where no loader reads it (only :func:`admitted` puts a digest pilotrun computed back)."""
+    if MANIFEST_DETAIL in row.details:
+        details = dict(row.details)
+        details[REPORTED] = details.pop(MANIFEST_DETAIL)
+        row.details = details
+    return row
+
+
+def export_check(path: Any, reported: Any, root: Path) -> tuple[str | None, str]:
+    """(the sha256 of the manifest pilotrun read once and checked every file of the folder against, "") or (None,
+    why the export a row names is not one pilotrun vouches for): it must lie inside the run's checkpoint folder
+    ``root`` and its manifest must be the one the row reported."""
+    if not isinstance(path, str) or not path or not isinstance(reported, str):
+        return None, "the row names no folder and manifest sha256"
+    folder = Path(os.path.abspath(path))
+    if not folder.is_relative_to(root) or folder == root:
+        return None, f"it names {folder}, outside the run's checkpoint folder {root}"
+    try:  # every file against the manifest, read once; its digest is that of those very bytes
+        adm = LoadPolicy.of((), trust=True).admit(folder)
+    except CheckpointError as exc:
+        return None, str(exc)
+    if adm.manifest_sha256 != reported:
+        return None, (f"its manifest's sha256 is {adm.manifest_sha256[:12]}…, the row reported {reported[:12]}… "
+                      "(the folder changed after the export)")
+    return adm.manifest_sha256, ""
+
+
+def admitted(row: GateRow, check: tuple[str | None, str]) -> None:
+    """An export row as pilotrun's own check of its folder (:func:`export_check`) left it: the digest pilotrun
+    computed, or a fail naming why there is none (a skip or fail the program reported is kept as it is)."""
+    if row.verdict not in (Verdict.PASS, Verdict.WARN):
+        return
+    digest, problem = check
+    if digest is not None:
+        row.details = {**row.details, MANIFEST_DETAIL: digest}
+        return
+    row.verdict, row.failure = Verdict.FAIL, Failure.CHECK
+    row.reason = f"pilotrun's own check of the export the program recorded failed: {problem} ({row.reason})"
+
+
+def reload_stands(row: GateRow, checks: list[tuple[str | None, str]]) -> None:
+    """A passing reload_eval row holds only where its rank's passing export rows passed pilotrun's own check too."""
+    if row.verdict not in (Verdict.PASS, Verdict.WARN):
+        return
+    failed = [problem for digest, problem in checks if digest is None]
+    if checks and not failed:
+        return
+    row.verdict, row.failure = Verdict.FAIL, Failure.CHECK
+    why = failed[0] if failed else "the program recorded no passing export on this rank"
+    row.reason = f"the export it reloaded did not pass pilotrun's own check: {why} ({row.reason})"
 
 
 def _not_on_program(gate: GateDeclaration) -> GateRow:

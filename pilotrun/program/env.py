@@ -9,6 +9,7 @@ Set by the parent for every process it starts (torchrun passes them to each rank
 ``PILOTRUN_RUN_ID``           the pilot's run id in the ledger
 ``PILOTRUN_LEDGER``           the ledger file (also read by ``pilotrun.stage()`` outside a pilot)
 ``PILOTRUN_EVENTS``           folder for the event files: ``<role>-rank<rank>.jsonl``
+``PILOTRUN_EVENTS_KEY``       this run's secret key (hex, a fresh one per run): the handle signs every event line
 ``PILOTRUN_CHECKPOINT_DIR``   where pilotrun wants this run's checkpoints written (a fresh folder per run)
 ``PILOTRUN_RESUME_FROM``      the checkpoint to resume from (the resumed run only)
 ``PILOTRUN_SAVE_AT``          comma-separated updates after which to save (``should_save``)
@@ -25,14 +26,23 @@ Set by the parent for every process it starts (torchrun passes them to each rank
 
 Rank and world size come from torchrun's own ``RANK`` and ``WORLD_SIZE`` (0 and 1 without torchrun).
 
+Every event line is bound to the run that asked for it: the handle ends it with ``"mac"``, the HMAC-SHA256 under
+``PILOTRUN_EVENTS_KEY`` of the line's text before that field (:func:`sign`), and numbers it (``writer``: the handle
+and its process; ``seq``: from 0 per writer). The parent keeps only lines whose MAC is right (:func:`signed_body`), so
+a line appended by anything that does not hold the key (another process writing into the run's folder) becomes no
+row; it names each line it left out, a repeated one and a gap in a writer's numbers.
+
 An update's ``ids`` are the examples' own ids unless its ``extra`` says otherwise under :data:`IDS_ARE` (an
 :class:`IdKind`): the Trainer and Lightning integrations report the examples' positions in the training dataset where
 the items carry no ``id``, and the resume row then says it compared dataset positions.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 
 from ..ledger.records import StopKind, TextEnum
@@ -42,6 +52,7 @@ ROLE = "PILOTRUN_ROLE"
 RUN_ID = "PILOTRUN_RUN_ID"
 LEDGER = "PILOTRUN_LEDGER"
 EVENTS = "PILOTRUN_EVENTS"
+EVENTS_KEY = "PILOTRUN_EVENTS_KEY"
 CHECKPOINT_DIR = "PILOTRUN_CHECKPOINT_DIR"
 RESUME_FROM = "PILOTRUN_RESUME_FROM"
 SAVE_AT = "PILOTRUN_SAVE_AT"
@@ -52,8 +63,32 @@ KILL_AT = "PILOTRUN_KILL_AT"
 STOP_FILE = "PILOTRUN_STOP_FILE"
 STOP_RULES = "PILOTRUN_STOP_RULES"
 
-ALL = (PROGRAM, ROLE, RUN_ID, LEDGER, EVENTS, CHECKPOINT_DIR, RESUME_FROM, SAVE_AT, STOP_AT, KILL_WAIT, SAVE_AUTO,
-       KILL_AT, STOP_FILE, STOP_RULES)
+ALL = (PROGRAM, ROLE, RUN_ID, LEDGER, EVENTS, EVENTS_KEY, CHECKPOINT_DIR, RESUME_FROM, SAVE_AT, STOP_AT, KILL_WAIT,
+       SAVE_AUTO, KILL_AT, STOP_FILE, STOP_RULES)
+
+
+KEY_BYTES = 32
+MAC = "mac"
+# The MAC is the line's last field, as :func:`sign` writes it (json.dumps' own separators).
+_MAC_TAIL = re.compile(r', "mac": "([0-9a-f]{64})"\}$')
+
+
+def sign(key: bytes, body: str) -> str:
+    """One event line: ``body`` (a JSON object's text, without a ``mac`` field) with the HMAC-SHA256 of its bytes
+    under ``key`` added as its last field."""
+    mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    return f'{body[:-1]}, "{MAC}": "{mac}"}}'
+
+
+def signed_body(key: bytes, line: str) -> str | None:
+    """The text :func:`sign` signed in ``line`` (a JSON object), when its MAC is right under ``key``; None when the
+    line carries none or a wrong one."""
+    tail = _MAC_TAIL.search(line)
+    if tail is None:
+        return None
+    body = line[:tail.start()] + "}"
+    want = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    return body if hmac.compare_digest(want, tail.group(1)) else None
 
 
 # The update field (in ``extra``) naming what its ids are, when they are not the items' own (an IdKind value).

@@ -65,9 +65,10 @@ precision=None, activation_checkpointing=None, updates=None, max_grad_norm=None)
     An in-process gate's row (inspect, batch, accum_equivalence, overfit, export, reload_eval from an integration):
     ``verdict`` a :class:`~pilotrun.ledger.records.Verdict` or its text; measurements must be JSON values.
 
-Where things go: every call appends one line to this role and rank's event file (``pilotrun.program.env``); the
-parent reads them to compare the runs and writes the ledger rows of the pilot's run (one per gate and rank, from
-the recording role: ``Role.records``), so a gate never gets a row per run.
+Where things go: every call appends one line to this role and rank's event file (``pilotrun.program.env``), signed
+with the run's key (``$PILOTRUN_EVENTS_KEY``: a line the parent cannot verify is left out and named); the parent reads
+them to compare the runs and writes the ledger rows of the pilot's run (one per gate and rank, from the recording
+role: ``Role.records``), so a gate never gets a row per run.
 """
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ import contextlib
 import json
 import math
 import os
+import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -142,18 +145,24 @@ class ProgramHandle:
             self._rules: E.StopRules | None = E.StopRules.from_json(rules) if rules else None
             auto = env.get(E.SAVE_AUTO) if self.active else None
             self._auto = tuple(int(x) for x in auto.split(",")) if auto else None
+            key = env.get(E.EVENTS_KEY) if self.active else None
+            # Without a key (a hand-set environment) the lines go unsigned: the parent leaves each out and says so.
+            self._key = bytes.fromhex(key) if key else None
         except ValueError as exc:
             # Only a hand-set environment gets here (pilotrun sets these): say which variables, and how to train
             # without pilotrun.
             raise RuntimeError(f"pilotrun.program(): {exc}; ${E.ROLE} must be one of {', '.join(r.value for r in Role)}"
                                f", ${E.SAVE_AT} comma-separated integers, ${E.STOP_AT} an integer, ${E.SAVE_AUTO} two "
-                               f"integers W,K (pilotrun run sets "
+                               f"integers W,K, ${E.EVENTS_KEY} hex digits (pilotrun run sets "
                                f"them; unset ${E.PROGRAM} to train without pilotrun)") from None
         self.run_id = env.get(E.RUN_ID) if self.active else None
         self.resume_from = (env.get(E.RESUME_FROM) or None) if self.active else None
         self.checkpoint_dir = (env.get(E.CHECKPOINT_DIR) or None) if self.active else None
         self._events_dir = env.get(E.EVENTS) if self.active else None
         self._file: TextIO | None = None
+        self._nonce = secrets.token_hex(4)  # with the pid, this handle's lines apart from a forked copy's
+        self._seq = 0
+        self._lock = threading.Lock()  # one line at a time, numbered in the order written
         self._last_update: int | None = None
         self._asked: set[int] = set()      # updates should_save said True for
         self._first_save: int | None = None
@@ -389,13 +398,16 @@ class ProgramHandle:
         path = self.events_path
         if path is None:
             return
-        if self._file is None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")
-        # One line per event, flushed: the parent reads it while this process runs (and SIGKILLs it after SAVED).
-        self._file.write(json.dumps({"kind": str(kind), "t": time.time(), "rank": self.rank, **fields},
-                                    default=str) + "\n")
-        self._file.flush()
+        with self._lock:
+            if self._file is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(path, "a", encoding="utf-8")
+            body = json.dumps({"kind": str(kind), "t": time.time(), "rank": self.rank,
+                               "writer": f"{self._nonce}-{os.getpid()}", "seq": self._seq, **fields}, default=str)
+            self._seq += 1
+            # One line per event, flushed: the parent reads it while this process runs (and SIGKILLs it after SAVED).
+            self._file.write((E.sign(self._key, body) if self._key is not None else body) + "\n")
+            self._file.flush()
 
     def _at_exit(self) -> None:
         with contextlib.suppress(Exception):

@@ -3,15 +3,19 @@
 The command runs from the spec's folder; a first word ``python``/``python3`` becomes this interpreter and
 ``torchrun`` becomes ``python -m torch.distributed.run`` (so the program sees the packages pilotrun sees, pilotrun
 itself included). Its output goes to ``<out>/program/<role>.log``. The interrupted run is killed with SIGKILL once
-rank 0 reports ``saved(N)``. Every run is under a keeper (``pilotrun/procs.py``): whatever it started, torchrun's
-ranks in their own sessions and a daemon that double-forks included, is killed when the run ends, however it ends;
-what a run that ended by itself left running is named (``RunOutcome.leftovers``), so its row can warn.
+rank 0 reports ``saved(N)``. Every run gets a fresh secret key (``RunPlan.key``, passed as ``$PILOTRUN_EVENTS_KEY``
+and kept in ``<out>/program/runs/<role>.key`` for ``--resume`` and a campaign's continuation): only event lines signed
+with it are read back (:class:`EventCheck`). Every run is under a keeper (``pilotrun/procs.py``): whatever it
+started, torchrun's ranks in their own sessions and a daemon that double-forks included, is killed when the run ends,
+however it ends; what a run that ended by itself left running is named (``RunOutcome.leftovers``), so its row can
+warn.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -56,30 +60,76 @@ EVENT_FIELDS: dict[str, tuple[str, type]] = {Event.UPDATE: ("update", int), Even
                                              Event.STAGE: ("row", dict), Event.GATE: ("row", dict)}
 
 
-def read_events(path: Path, problems: list[str] | None = None) -> list[dict]:
-    """The events of one file; a last line cut by SIGKILL is dropped (every other line is whole). A line that is not
-    an event (not JSON, not an object of a known shape) is left out and named in ``problems``."""
+class EventCheck:
+    """Which lines of one event file are events of this run: JSON objects of a known shape (:data:`EVENT_FIELDS`),
+    signed with the run's key (``key``; None: none is, the key was lost), of the file's rank, and not a repeat of a
+    line their writer already wrote. Every line left out, and a gap in a writer's numbers, is named in ``problems``."""
+
+    def __init__(self, path: Path, key: bytes | None, rank: int | None = None,
+                 problems: list[str] | None = None) -> None:
+        self.path, self.key, self.rank = path, key, rank
+        self.problems: list[str] = [] if problems is None else problems
+        self.last: dict[str, int] = {}  # writer -> the last number read from it
+
+    def take(self, line: str, number: int, last: bool = False) -> dict | None:
+        """The event on line ``number``, or None (named in ``problems``, except a ``last`` line that is not JSON:
+        cut by SIGKILL mid-write)."""
+        body, why = self._signed(line, last)
+        if body is not None:
+            event = json.loads(body)  # the signed text itself, not the line around it
+            turn = self._out_of_turn(event)
+            if turn is None:
+                return event
+            why = turn
+        if why:
+            self.problems.append(f"{self.path} line {number} {why}: left out")
+        return None
+
+    def _signed(self, line: str, last: bool) -> tuple[str | None, str]:
+        """(the signed text of a well-formed event line, "") or (None, why not; "" for a last line cut mid-write)."""
+        try:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
+            return None, "" if last else "is not JSON"
+        why = _not_an_event(event)
+        if why:
+            return None, why
+        body = E.signed_body(self.key, line) if self.key is not None else None
+        if body is None:
+            return None, ("is not signed with this run's key (the program's pilotrun.program() handle signs every "
+                          "line: something else wrote it into the event file)")
+        return body, ""
+
+    def _out_of_turn(self, event: dict) -> str | None:
+        """Why a signed line is still not this file's next event from its writer (a line copied from another rank's
+        file or repeated); a gap before it is named, and the line kept."""
+        if self.rank is not None and event.get("rank") != self.rank:
+            return f"is rank {event.get('rank')!r}'s event, in rank {self.rank}'s file"
+        writer, seq = event.get("writer"), event.get("seq")
+        if not isinstance(writer, str) or isinstance(seq, bool) or not isinstance(seq, int):
+            return "carries no writer and number"
+        before = self.last.get(writer)
+        if before is not None and seq <= before:
+            return f"repeats number {seq} of its writer (already read up to {before})"
+        if before is not None and seq > before + 1:
+            self.problems.append(f"{self.path}: {seq - before - 1} line(s) of writer {writer} before number {seq} "
+                                 "are missing (removed from the event file?)")
+        self.last[writer] = seq
+        return None
+
+
+def read_events(path: Path, key: bytes | None, problems: list[str] | None = None,
+                rank: int | None = None) -> list[dict]:
+    """The events of one file that this run's handle signed with ``key`` (:class:`EventCheck`); a last line cut by
+    SIGKILL is dropped (every other line is whole). A line left out is named in ``problems``."""
     try:
         text = read_bytes(path, EVENTS_CAP).decode("utf-8", errors="replace")
     except FileProblem as exc:
         if problems is not None and exc.kind != FileKind.MISSING:
             problems.append(f"the event file {exc}: not read")
         return []
-    out, lines = [], text.splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            event = json.loads(line)
-        except (ValueError, RecursionError):
-            if number < len(lines) and problems is not None:
-                problems.append(f"{path} line {number} is not JSON: left out")
-            continue
-        why = _not_an_event(event)
-        if why:
-            if problems is not None:
-                problems.append(f"{path} line {number} {why}: left out")
-            continue
-        out.append(event)
-    return out
+    check, lines = EventCheck(path, key, rank, problems), text.splitlines()
+    return [e for number, line in enumerate(lines, 1) if (e := check.take(line, number, number == len(lines)))]
 
 
 def _not_an_event(event: object) -> str | None:
@@ -92,8 +142,9 @@ def _not_an_event(event: object) -> str | None:
     return None
 
 
-def read_rank_events(events_dir: Path, role: Role, problems: list[str]) -> dict[int, list[dict]]:
-    """rank -> its events, from ``<role>-rank<N>.jsonl``; a file of another name is named in ``problems``."""
+def read_rank_events(events_dir: Path, role: Role, problems: list[str], key: bytes | None) -> dict[int, list[dict]]:
+    """rank -> its events, from ``<role>-rank<N>.jsonl``, signed with ``key``; a file of another name is named in
+    ``problems``."""
     pattern = re.compile(rf"^{re.escape(str(role))}-rank(\d{{1,6}})\.jsonl$")
     out = {}
     for path in sorted(events_dir.glob(f"{role}-rank*.jsonl")):
@@ -101,8 +152,38 @@ def read_rank_events(events_dir: Path, role: Role, problems: list[str]) -> dict[
         if match is None:
             problems.append(f"{path} is not named <role>-rank<N>.jsonl: left out")
             continue
-        out[int(match.group(1))] = read_events(path, problems)
+        out[int(match.group(1))] = read_events(path, key, problems, rank=int(match.group(1)))
     return out
+
+
+# The key file of a run: only its owner may read it (a run's folder may be shared).
+KEY_MODE = 0o600
+
+
+def _keep_key(base: Path, role: Role, key: bytes) -> None:
+    folder = base / "runs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{role}.key"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, KEY_MODE)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key.hex())
+
+
+def kept_key(out_dir: Path, role: Role) -> bytes | None:
+    """The key the last run of ``role`` in ``out_dir`` signed its events with; None when it was not kept (a run
+    before keys, or the file is not one)."""
+    try:
+        return bytes.fromhex(read_bytes(out_dir.resolve() / "program" / "runs" / f"{role}.key", 256).decode())
+    except (FileProblem, ValueError):
+        return None
+
+
+def kept_events(out_dir: Path, role: Role, rank: int = 0, problems: list[str] | None = None) -> list[dict]:
+    """The events of rank ``rank`` of the last run of ``role`` in ``out_dir``, checked against its kept key (after
+    the process that ran it is gone: a campaign continuing a run its killed campaign left)."""
+    path = out_dir.resolve() / "program" / "events" / f"{role}-rank{rank}.jsonl"
+    return read_events(path, kept_key(out_dir, role), problems, rank=rank)
 
 
 @dataclass
@@ -257,7 +338,8 @@ def _record(base: Path, outcome: RunOutcome, run_id: str) -> None:
 
 def finished_run(out_dir: Path, role: Role, run_id: str) -> RunOutcome | None:
     """The run ``role`` of pilot ``run_id`` in ``out_dir`` as it ended (its record and its events); None when it has
-    no record (it was still running when that pilot stopped), or the record is another pilot's or not one."""
+    no record (it was still running when that pilot stopped), the record is another pilot's or not one, or the run's
+    key was not kept (nothing could tell its own event lines from others: it is run again)."""
     from ..safefile import read_json
 
     base = out_dir.resolve() / "program"
@@ -265,13 +347,14 @@ def finished_run(out_dir: Path, role: Role, run_id: str) -> RunOutcome | None:
         record = read_json(base / "runs" / f"{role}.json", 1 << 20, {"role": str, "log": str})
     except FileProblem:
         return None
-    if record.get("role") != str(role) or record.get("run_id") != run_id:
+    key = kept_key(out_dir, role)
+    if record.get("role") != str(role) or record.get("run_id") != run_id or key is None:
         return None
     outcome = RunOutcome(role, None, 0.0, Path(record["log"]))
-    for key in OUTCOME_FIELDS:
-        if key in record and key != "event_problems":  # found again below, reading the same files
-            setattr(outcome, key, record[key])
-    outcome.events = read_rank_events(base / "events", role, outcome.event_problems)
+    for name in OUTCOME_FIELDS:
+        if name in record and name != "event_problems":  # found again below, reading the same files
+            setattr(outcome, name, record[name])
+    outcome.events = read_rank_events(base / "events", role, outcome.event_problems, key)
     return outcome
 
 
@@ -289,15 +372,21 @@ class RunPlan:
     stop_rules: E.StopRules | None = None  # a campaign's stop rules, applied by the handle too
     timeout: float | None = None  # seconds before the run is killed (None: program.timeout; inf: never)
     threads: int | None = None  # CPU threads per process (a campaign run's share of the cores; program.env's wins)
+    # The run's own secret: its handle signs every event line with it (a fresh one for every run).
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(E.KEY_BYTES), repr=False)
 
 
 class EventTail:
-    """The events appended to one event file since the last poll (whole lines only: the program may be mid-write)."""
+    """The events appended to one event file since the last poll (whole lines only: the program may be mid-write),
+    signed with the run's ``key`` by rank ``rank`` (:class:`EventCheck`; what was left out is in ``problems``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, key: bytes, rank: int | None = None) -> None:
         self.path = path
         self.offset = 0
         self.partial = b""
+        self.lines = 0
+        self.check = EventCheck(path, key, rank)
+        self.problems = self.check.problems
 
     def poll(self) -> list[dict]:
         try:
@@ -311,11 +400,9 @@ class EventTail:
         self.partial = lines.pop()
         out = []
         for line in lines:
-            try:
-                event = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if _not_an_event(event) is None:
+            self.lines += 1
+            event = self.check.take(line.decode("utf-8", errors="replace"), self.lines)
+            if event is not None:
                 out.append(event)
         return out
 
@@ -333,7 +420,8 @@ def _watch(tree: Tree, program: ProgramSpec, plan: RunPlan, rank0: Path, started
             outcome.killed = True
             return
         if plan.kill_after_save is not None and any(
-                e.get("kind") == Event.SAVED and e.get("update") == plan.kill_after_save for e in read_events(rank0)):
+                e.get("kind") == Event.SAVED and e.get("update") == plan.kill_after_save
+                for e in read_events(rank0, plan.key, rank=0)):
             outcome.killed = True
             return
         time.sleep(POLL_S)
@@ -352,6 +440,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
     for old in [*events_dir.glob(f"{plan.role}-rank*.jsonl"), *events_dir.glob(f"{plan.role}.first-save"),
                 base / "runs" / f"{plan.role}.json"]:
         old.unlink(missing_ok=True)
+    _keep_key(base, plan.role, plan.key)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in E.ALL} | (program.env or {})
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if plan.threads else ():  # torchrun keeps a value it is given
         if var not in (program.env or {}):
@@ -360,7 +449,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     env = with_torchrun_folder(env, base / "torchrun")
     env.update({E.PROGRAM: "1", E.ROLE: str(plan.role), E.RUN_ID: run_id, E.LEDGER: str(ledger_path.resolve()),
-                E.EVENTS: str(events_dir), E.CHECKPOINT_DIR: str(checkpoints),
+                E.EVENTS: str(events_dir), E.EVENTS_KEY: plan.key.hex(), E.CHECKPOINT_DIR: str(checkpoints),
                 E.SAVE_AT: ",".join(map(str, plan.save_at)),
                 E.STOP_AT: "" if plan.stop_at is None else str(plan.stop_at)})
     if plan.resume_from:
@@ -388,7 +477,7 @@ def run_program(program: ProgramSpec, folder: Path, plan: RunPlan, out_dir: Path
             outcome.killed_pids, outcome.survivors = ending.killed, ending.survivors
             outcome.leftovers = ending.leftovers
     outcome.seconds = time.monotonic() - started
-    outcome.events = read_rank_events(events_dir, plan.role, outcome.event_problems)
+    outcome.events = read_rank_events(events_dir, plan.role, outcome.event_problems, plan.key)
     _record(base, outcome, run_id)
     if progress is not None:
         progress(f"{plan.role} run {outcome.how_it_ended()} after {outcome.seconds:.1f} s")
