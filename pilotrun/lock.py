@@ -123,13 +123,39 @@ def installed_distributions() -> dict[str, str]:
     return _distributions()
 
 
-def _distributions() -> dict:
-    out = {}
+def read_distributions() -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """:func:`installed_distributions`, and ``(file, why)`` for each distribution whose metadata could not be read
+    (not UTF-8, no permission): its name and version are unknown, so the file is what can be named."""
+    out, unreadable = {}, []
     for dist in importlib.metadata.distributions(path=_installed_paths()):
-        name = dist.metadata["Name"]
+        try:
+            name, version = dist.metadata["Name"], dist.version
+        except UnicodeDecodeError as exc:
+            unreadable.append((_metadata_file(dist), f"not UTF-8 text (byte {exc.start}: {exc.reason})"))
+            continue
+        except OSError as exc:
+            unreadable.append((_metadata_file(dist), f"cannot be read ({exc.strerror or exc})"))
+            continue
         if name:
-            out[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
-    return dict(sorted(out.items()))
+            out[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return dict(sorted(out.items())), unreadable
+
+
+def _metadata_file(dist: importlib.metadata.Distribution) -> str:
+    # PathDistribution keeps its .dist-info (or .egg-info) folder in _path, with no public accessor for it.
+    folder = getattr(dist, "_path", None)
+    if folder is None:
+        return str(dist)
+    for name in ("METADATA", "PKG-INFO"):
+        if (Path(str(folder)) / name).exists():
+            return str(Path(str(folder)) / name)
+    return str(folder)
+
+
+def _distributions() -> dict:
+    # A distribution whose metadata cannot be read is left out of the lock (a crash would end the run for a file
+    # of another package); `pilotrun lock check` names it.
+    return read_distributions()[0]
 
 
 def _git(folder: Path) -> dict:

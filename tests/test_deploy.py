@@ -6,14 +6,26 @@ tests/test_skypilot.py (they start processes)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
 
-from pilotrun.deploy.requirements import NoTorchIndex, Target, check, parse, python_of, requirements
+from pilotrun.deploy.requirements import (
+    Difference,
+    NoTorchIndex,
+    Requirements,
+    Target,
+    Unpinnable,
+    check,
+    parse,
+    python_of,
+    requirements,
+)
 from pilotrun.deploy.skypilot import (
     Bucket,
     CampaignPart,
+    Mount,
     PilotrunSource,
     Size,
     TaskInputs,
@@ -72,7 +84,71 @@ def test_check_names_each_pin_the_environment_does_not_hold_and_the_python():
     problems = check(req.pins, installed, python_of(req.text), "3.12.1")
     assert [str(p) for p in problems] == ["python: pinned 3.11.7, installed 3.12.1",
                                           "transformers: pinned 5.1.0, installed 5.2.0"]
+    assert [p.kind for p in problems] == [Difference.PYTHON, Difference.PIN]  # python is no pin: counted apart
     assert [str(p) for p in check({"peft": "0.18.0"}, {})] == ["peft: pinned 0.18.0, not installed"]
+
+
+# -- no value of a lock becomes a pip option, a shell command or the end of a heredoc ---------------------------------
+
+def _with(path: str, value) -> dict:
+    out = lock()
+    *parents, key = path.split(".")
+    node = out
+    for part in parents:
+        node = node[part]
+    node[key] = value
+    return out
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("distributions.numpy", "--index-url http://evil", "distributions.numpy is '--index-url http://evil', not a PEP 440"),
+    ("distributions.numpy", "2.4.6\n--index-url http://evil", "distributions.numpy is '2.4.6\\n--index-url"),
+    ("distributions.--index-url http://evil", "1.0", "a name '--index-url http://evil', not a distribution name"),
+    ("versions.python", "3.11; rm -rf ~", "versions.python is '3.11; rm -rf ~', not a python version"),
+    ("versions.python", "3.11.7\nPILOTRUN_REQUIREMENTS\ntouch x", "versions.python is '3.11.7\\nPILOTRUN_REQUIREMENTS"),
+    ("versions.torch", "2.13.0 --trusted-host evil", "versions.torch is '2.13.0 --trusted-host evil', not a PEP 440"),
+])
+def test_a_lock_value_outside_its_grammar_is_refused_naming_the_field(field, value, said):
+    with pytest.raises(Unpinnable, match=re.escape(said)):
+        requirements(_with(field, value), Target.CUDA, "evil.json")
+
+
+def test_a_torch_index_that_would_carry_another_option_is_refused_naming_the_flag():
+    with pytest.raises(Unpinnable, match=r"--torch-index 'https://x/whl/cu128 --trusted-host evil' is not an index"):
+        requirements(lock(), Target.CUDA, "p", index="https://x/whl/cu128 --trusted-host evil")
+    ok = requirements(lock(), Target.ROCM, "p", index="https://download.pytorch.org/whl/rocm6.4")
+    assert "--extra-index-url https://download.pytorch.org/whl/rocm6.4" in ok.text.splitlines()
+
+
+def test_the_requirements_file_is_comments_pins_and_its_index_whatever_the_source_says():
+    source = "run x\n--index-url http://evil\rPILOTRUN_REQUIREMENTS\u2028-e git+http://evil\x85y"
+    req = requirements(lock("2.13.0+cu128", cuda="12.8"), Target.CUDA, source)
+    lines = req.text.splitlines()  # Python's line breaks include \r, \x85 and \u2028: none is left in a line
+    assert len(lines) == req.text.count("\n") and "PILOTRUN_REQUIREMENTS" not in lines
+    options = [line for line in lines if line.startswith("-")]
+    assert options == ["--extra-index-url https://download.pytorch.org/whl/cu128"]
+    assert all(line.startswith("#") or line in options or re.fullmatch(r"[a-z0-9-]+==[0-9a-z.+]+", line)
+               for line in lines), lines
+    assert lines[0] == ("# pilotrun lock export of run x\\n--index-url http://evil\\rPILOTRUN_REQUIREMENTS\\u2028-e "
+                        "git+http://evil\\x85y: every distribution at its exact version.")
+
+
+def test_a_task_refuses_what_yaml_or_skypilots_upload_would_not_keep_as_written():
+    hand_made = Requirements("torch==2.13.0\n", "3.11; touch x", "torch==2.13.0", None, "PyPI")
+    with pytest.raises(TaskRefused, match=re.escape("versions.python is '3.11; touch x', not a python version")):
+        task_text(inputs(requirements=hand_made))
+    with pytest.raises(TaskRefused, match=re.escape("the file 'pilot\\r.yaml' (in the workdir) has '\\r' in its name")):
+        task_text(inputs(spec_rel="pilot\r.yaml"))
+    with pytest.raises(TaskRefused, match=re.escape("the workdir /src/it's$(x) (the spec's folder) holds")):
+        task_text(inputs(workdir="/src/it's$(x)"))
+    mount = Mount("~/data/d`x`.jsonl", "/src/data/d`x`.jsonl", "data.path: ../data/d`x`.jsonl")
+    with pytest.raises(TaskRefused, match=re.escape("data.path: /src/data/d`x`.jsonl holds '`'")):
+        task_text(inputs(mounts=[mount]))
+    assert bucket_problem("s3://team/$(touch x)") and bucket_problem("s3://team/runs; x") and \
+        bucket_problem("s3://team/runs-1/a_b.c") is None
+    # a comment keeps a value's line breaks inside it: the YAML still has the keys it had, the note one line
+    text = task_text(inputs(notes=["a\u2028name: evil\x85b\rc"], name="job"))
+    assert yaml.safe_load(text)["name"] == "pilotrun-job" and "# a\\u2028name: evil\\x85b\\rc" in text
 
 
 # -- the node's build is not drift -----------------------------------------------------------------------------------
@@ -241,6 +317,8 @@ def test_every_built_in_accelerator_has_its_skypilot_name_and_a_bad_one_is_refus
     (["--accelerator", "H100-80GB", "--skypilot", "t.yaml", "--bucket", "My_Bucket"], "--bucket: 'My_Bucket' is neither"),
     (["--bucket", "my-runs"], "--bucket go(es) with --skypilot TASK.yaml"),
     (["--accelerator", "H100-80GB", "--skypilot", "t.yaml", "--campaign", "nope.yaml"], "--campaign: nope.yaml is not a"),
+    (["--accelerator", "H100-80GB", "--skypilot", "t.yaml", "--long-run", "train.py\r$(touch x)"],
+     "--long-run holds '\\r', a control character"),
 ])
 def test_bad_task_flags_are_exit_2_naming_the_flag(tmp_path, extra, said):
     res = pilotrun_cli("plan", str(EXAMPLES / "llama-7b-estimate" / "pilot.yaml"), *extra, cwd=tmp_path)
@@ -262,6 +340,40 @@ def test_lock_check_says_each_difference_and_exits_1(tmp_path):
     assert res.returncode == 2 and "pins no distribution" in res.stderr
     res = pilotrun_cli("lock", "check", "missing.txt", cwd=tmp_path)
     assert res.returncode == 2 and "missing.txt is missing" in res.stderr
+
+
+def test_lock_check_counts_only_pins_as_pins_and_names_every_file_it_could_not_read(tmp_path, monkeypatch):
+    from pilotrun.lock import installed_distributions
+
+    held = "".join(f"{k}=={v}\n" for k, v in list(installed_distributions().items())[:4] if k != "numpy")
+    n = held.count("\n")
+    (tmp_path / "req.txt").write_text("# python: 0.0.1\n" + held)
+    res = pilotrun_cli("lock", "check", "req.txt", cwd=tmp_path)
+    assert res.returncode == 1 and f"every one of the {n} pinned distribution(s) of req.txt is installed" in res.stdout
+    assert "python differs: the file's header names 0.0.1, this environment runs" in res.stdout, res.stdout
+    (tmp_path / "req.txt").write_text("# python: 0.0.1\nnumpy==0.0.1\n" + held)
+    res = pilotrun_cli("lock", "check", "req.txt", cwd=tmp_path)
+    assert res.returncode == 1 and f"1 of {n + 1} pinned distribution(s) differ" in res.stdout, res.stdout
+    (tmp_path / "latin1.txt").write_bytes(b"numpy==2.4.6\n# caf\xe9\n")
+    res = pilotrun_cli("lock", "check", "latin1.txt", cwd=tmp_path)
+    assert res.returncode == 2 and "latin1.txt is not UTF-8 text (byte 18: invalid continuation byte)" in res.stderr, (
+        res.stderr)
+    info = tmp_path / "site" / "bad_dist-1.0.dist-info"  # an installed distribution whose METADATA is not UTF-8
+    info.mkdir(parents=True)
+    (info / "METADATA").write_bytes(b"Metadata-Version: 2.1\nName: bad\xff\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    (tmp_path / "req.txt").write_text(held)
+    res = pilotrun_cli("lock", "check", "req.txt", cwd=tmp_path)
+    assert res.returncode == 1 and "1 installed distribution(s) could not be read" in res.stdout, res.stdout
+    assert f"{info / 'METADATA'}: not UTF-8 text (byte 31: invalid start byte)" in res.stdout
+
+
+def test_lock_export_refuses_a_lock_whose_version_would_be_a_pip_option(tmp_path):
+    (tmp_path / "evil.json").write_text(json.dumps(_with("distributions.numpy", "--index-url http://evil")))
+    res = pilotrun_cli("lock", "export", str(EXAMPLES / "tiny-sft" / "pilot.yaml"), "--run", "evil.json", "-o",
+                       "req.txt", cwd=tmp_path)
+    assert res.returncode == 2 and "distributions.numpy is '--index-url http://evil', not a PEP 440" in res.stderr
+    assert "(the lock of evil.json)" in res.stderr and not (tmp_path / "req.txt").exists()
 
 
 def test_the_help_of_each_new_command_shows_an_example(tmp_path):

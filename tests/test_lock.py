@@ -244,3 +244,14 @@ def test_an_edit_of_the_programs_own_file_is_a_code_change_not_environment_drift
     assert "code changed from" in row["reason"] and "train.py edited" in row["reason"], row["reason"]
     assert "drifted" not in row["reason"] and "config changed" not in row["reason"], row["reason"]
     assert {d["kind"] for d in row["details"]["drift"]} == {"code"}
+
+
+def test_a_distribution_whose_metadata_cannot_be_read_is_named_not_a_crash(tmp_path, monkeypatch):
+    info = tmp_path / "bad_dist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_bytes(b"Metadata-Version: 2.1\nName: bad\xff\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dists, unreadable = lock_mod.read_distributions()
+    assert unreadable == [(str(info / "METADATA"), "not UTF-8 text (byte 31: invalid start byte)")]
+    assert "torch" in dists and not any(name.startswith("bad") for name in dists)
+    assert lock_mod.installed_distributions() == dists  # the lock leaves it out; `lock check` names it

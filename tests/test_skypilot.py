@@ -83,7 +83,8 @@ def parse_with_skypilot(tmp_path: Path, *tasks: Path) -> dict:
 
 
 def _toy_job(tmp_path: Path, updates: int = 2) -> tuple[Path, Path]:
-    """The toy job (its workers start without transformers) with a short pilot, and a two-run campaign on it."""
+    """The toy job (its workers start without transformers) with a short pilot, and a two-run campaign on it, in the
+    spec's folder (the task's workdir)."""
     root = tmp_path / "job"
     shutil.copytree(FIXTURES / "toy", root / "toy", ignore=shutil.ignore_patterns("__pycache__"))
     spec = root / "toy" / "pilot.yaml"
@@ -92,9 +93,9 @@ def _toy_job(tmp_path: Path, updates: int = 2) -> tuple[Path, Path]:
     body = yaml.safe_load(spec.read_text())
     body["pilot"] = {**body.get("pilot", {}), "gates": ["lock", "load", "first_step"]}
     spec.write_text(yaml.safe_dump(body, sort_keys=False))
-    campaign = root / "sweep.yaml"
+    campaign = root / "toy" / "sweep.yaml"
     campaign.write_text(yaml.safe_dump({
-        "name": "sweep", "base": "toy/pilot.yaml", "vary": {"train.optimizer.lr": [3.0e-3, 1.0e-3]}, "seeds": [1],
+        "name": "sweep", "base": "pilot.yaml", "vary": {"train.optimizer.lr": [3.0e-3, 1.0e-3]}, "seeds": [1],
         "updates": updates, "eval": {"every": max(1, updates // 4)},
         "stop": {"non_finite": True, "divergence": 50.0, "budget_minutes": 20},
         "keep": {"checkpoint": False, "export": False, "control_set": 0}}, sort_keys=False))
@@ -126,7 +127,11 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     t = tasks["7b.yaml"]
     assert t["accelerators"] == {"H100": 1} and t["use_spot"] is True and t["num_nodes"] == 1
     assert t["storage"] == {"/pilotrun-bucket": [None, "s3://team-runs/llama", "MOUNT_CACHED"]}
-    assert t["workdir"] == str(EXAMPLES) and t["envs"]["PILOTRUN_LEDGER"] == "/pilotrun-bucket/ledger.sqlite"
+    assert t["workdir"] == str(EXAMPLES / "llama-7b-estimate")  # the spec's folder, never the parent of its files
+    assert t["envs"]["PILOTRUN_LEDGER"] == "/pilotrun-bucket/ledger.sqlite"
+    # its ../tiny-sft files, each mounted alone where ~/sky_workdir/../tiny-sft reaches on the node
+    assert t["file_mounts"]["~/tiny-sft/data.jsonl"] == str(EXAMPLES / "tiny-sft" / "data.jsonl")
+    assert t["file_mounts"]["~/tiny-sft/tokenizer"] == str(EXAMPLES / "tiny-sft" / "tokenizer")
     lock = json.loads((tmp_path / "7b.lock.json").read_text())
     assert t["file_mounts"]["/pilotrun/proven-lock.json"] == str(tmp_path / "7b.lock.json")
     for name in ("transformers", "numpy", "safetensors", "peft"):  # every distribution at the lock's version
@@ -134,7 +139,7 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     torch_base = lock["versions"]["torch"].split("+")[0]
     assert f"\ntorch=={torch_base}\n" in t["setup"] and "-m pilotrun lock check" in t["setup"]
     run = t["run"]
-    pilot = run.index('-m pilotrun run "$WORKDIR/llama-7b-estimate/pilot.yaml" --task-id "$TASK"')
+    pilot = run.index('-m pilotrun run "$WORKDIR/pilot.yaml" --task-id "$TASK"')
     assert pilot < run.index("torchrun --nproc-per-node 1 train.py"), run
     text = seven_b.read_text()
     assert "(spot: " in text and "cost unknown: no price for H100-80GB" in text and "image_id: unknown" in text
@@ -173,7 +178,7 @@ def test_the_run_script_resumes_a_killed_campaign_without_a_lost_or_duplicated_r
            "COLUMNS": "200"}
 
     def script(seconds_per_forward: float = 0.0) -> subprocess.Popen:
-        return subprocess.Popen(["bash", "-c", run], cwd=tmp_path / "job", text=True, start_new_session=True,
+        return subprocess.Popen(["bash", "-c", run], cwd=tmp_path / "job" / "toy", text=True, start_new_session=True,
                                 env={**env, "TOY_SECONDS_PER_FORWARD": str(seconds_per_forward)},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -225,3 +230,142 @@ def test_the_run_script_resumes_a_killed_campaign_without_a_lost_or_duplicated_r
     out, _ = third.communicate(timeout=300)
     assert third.returncode == 0 and "has ended (finished): nothing to run" in out, out
     assert len(ledger_rows(ledger, "SELECT run_id FROM runs")) == 1 + 1 + 4
+
+
+# -- no shell from data: hostile names and values reach the node as data, or are refused naming the field ----------
+
+# A spec file name that is a shell program in every quoting context: $(...), backticks, quotes, ;, #, a newline.
+HOSTILE_SPEC = "toy $(touch pwned-dollar)`touch pwned-tick`'\"; touch pwned-semi #\n$(touch pwned-newline).yaml"
+HOSTILE_CAMPAIGN = "sweep `touch pwned-campaign`'$(touch pwned-campaign2)'.yaml"
+STUB = """#!{python}
+import json, os, sys
+name = os.path.basename(sys.argv[0])
+with open(os.environ["STUB_LOG"], "a") as fh:
+    fh.write(json.dumps([name, *sys.argv[1:]]) + "\\n")
+if name == "uv":  # `uv venv ... VENV`: the venv's python is this stub too
+    os.makedirs(os.path.join(sys.argv[-1], "bin"), exist_ok=True)
+    os.symlink(os.path.realpath(sys.argv[0]), os.path.join(sys.argv[-1], "bin", "python"))
+"""
+
+
+def _stubs(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder of commands (python3, uv) that only record their arguments, one JSON list a line, in the log."""
+    bin_dir, log = tmp_path / "stub-bin", tmp_path / "stub.log"
+    bin_dir.mkdir()
+    stub = tmp_path / "stub.py"
+    stub.write_text(STUB.format(python=sys.executable))
+    stub.chmod(0o755)
+    for name in ("python3", "uv"):
+        (bin_dir / name).symlink_to(stub)
+    return bin_dir, log
+
+
+def _calls(log: Path) -> list[list[str]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _hostile_setup_task(tmp_path: Path) -> tuple[Path, str]:
+    """A task whose lock source, pilotrun source and requirement carry a heredoc end, shell and a pip option."""
+    from pilotrun.deploy.requirements import Target, requirements
+    from pilotrun.deploy.skypilot import PilotrunSource, task_text
+
+    from .test_deploy import inputs, lock
+
+    evil = ("pilot p1\nPILOTRUN_REQUIREMENTS\ntouch pwned-heredoc\n--index-url http://evil\u2028touch pwned-u2028\r"
+            "touch pwned-cr")
+    req = requirements(lock(), Target.CUDA, evil)
+    source = PilotrunSource(None, "pilotrun @ git+https://example.com/p.git@abc; touch pwned-req",
+                            "from $(touch pwned-why)\ntouch pwned-why2")
+    task = tmp_path / "setup-task.yaml"
+    task.write_text(task_text(inputs(lock_from=evil, requirements=req, source=source, campaign=None, overrides=[])))
+    return task, req.text
+
+
+def test_no_name_or_value_runs_as_shell_on_the_node(tmp_path):
+    """The spec and campaign files named as shell programs, a data file outside the spec's folder, and hostile
+    values in the setup: the task SkyPilot reads runs each name as a name and writes the lock as pins only."""
+    spec, _ = _toy_job(tmp_path)
+    body = yaml.safe_load(spec.read_text())
+    body["data"]["path"] = "../../data/d.jsonl"  # beside the job: mounted alone, not a reason to upload job/..
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.jsonl").write_text("{}\n")
+    workdir = spec.parent
+    (workdir / HOSTILE_SPEC).write_text(yaml.safe_dump(body, sort_keys=False))
+    spec.unlink()
+    campaign = workdir / HOSTILE_CAMPAIGN
+    (workdir / "sweep.yaml").rename(campaign)
+    campaign.write_text(campaign.read_text().replace("base: pilot.yaml", f"base: {json.dumps(HOSTILE_SPEC)}"))
+    task = tmp_path / "task.yaml"
+    res = pilotrun_cli("plan", HOSTILE_SPEC, "--accelerator", "L4-24GB", "--skypilot", str(task), "--campaign",
+                       HOSTILE_CAMPAIGN, cwd=workdir)
+    assert res.returncode == 2 and "data.path: ../../data/d.jsonl is outside the spec's folder" in res.stderr, (
+        res.stdout + res.stderr)  # ../.. from ~/sky_workdir is above the node's home folder: refused, not guessed
+    body["data"]["path"] = "../data/d.jsonl"
+    (workdir / HOSTILE_SPEC).write_text(yaml.safe_dump(body, sort_keys=False))
+    (workdir.parent / "data").mkdir()
+    (workdir.parent / "data" / "d.jsonl").write_text("{}\n")
+    res = pilotrun_cli("plan", HOSTILE_SPEC, "--accelerator", "L4-24GB", "--skypilot", str(task), "--campaign",
+                       HOSTILE_CAMPAIGN, cwd=workdir)
+    assert res.returncode == 0, res.stdout + res.stderr
+    setup_task, requirements_text = _hostile_setup_task(tmp_path)
+    tasks = parse_with_skypilot(tmp_path, task, setup_task)
+
+    t = tasks["task.yaml"]
+    assert t["workdir"] == str(workdir)
+    assert t["file_mounts"]["~/data/d.jsonl"] == str(workdir.parent / "data" / "d.jsonl")
+    bin_dir, log = _stubs(tmp_path)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path / "node-home"), "STUB_LOG": str(log),
+           "PILOTRUN_PYTHON": str(bin_dir / "python3"), "PILOTRUN_BUCKET": str(tmp_path / "bucket"),
+           "PILOTRUN_PROVEN_LOCK": "/x/lock.json", "SKYPILOT_TASK_ID": "t-1"}
+    res = subprocess.run(["bash", "-c", t["run"]], cwd=workdir, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    pilot, camp = _calls(log)
+    assert pilot[1:5] == ["-m", "pilotrun", "run", str(workdir / HOSTILE_SPEC)], pilot
+    assert camp[1:5] == ["-m", "pilotrun", "campaign", str(workdir / HOSTILE_CAMPAIGN)], camp
+
+    log.unlink()
+    home = tmp_path / "node-home"
+    res = subprocess.run(["bash", "-c", tasks["setup-task.yaml"]["setup"]], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    written = (home / ".pilotrun" / "requirements.lock.txt").read_text()
+    assert written == requirements_text  # the heredoc holds the file whole, ended by its own line only
+    assert not [line for line in written.splitlines() if line and not line.startswith("#") and "==" not in line]
+    venv = str(home / "pilotrun-venv")
+    assert _calls(log)[1:] == [
+        ["uv", "venv", "--allow-existing", "--seed", "--python", "3.11.7", venv],
+        ["python", "-m", "pip", "install", "--quiet", "-r", str(home / ".pilotrun" / "requirements.lock.txt")],
+        ["python", "-m", "pip", "install", "--quiet", "--no-deps",
+         "pilotrun @ git+https://example.com/p.git@abc; touch pwned-req"],
+        ["python", "-m", "pilotrun", "lock", "check", str(home / ".pilotrun" / "requirements.lock.txt")]]
+    assert not list(tmp_path.rglob("pwned*")), "a name or a value ran as a command"
+
+
+def test_hostile_lock_values_and_paths_out_of_the_workdir_are_refused_naming_them(tmp_path):
+    from .test_deploy import lock
+
+    spec, campaign = _toy_job(tmp_path)
+    evil = lock()
+    evil["versions"]["python"] = "3.11.7\nPILOTRUN_REQUIREMENTS\ntouch pwned"  # would close the setup's heredoc
+    (tmp_path / "evil.lock.json").write_text(json.dumps(evil))
+    task = tmp_path / "t.yaml"
+    res = pilotrun_cli("plan", str(spec), "--accelerator", "L4-24GB", "--skypilot", str(task), "--lock",
+                       str(tmp_path / "evil.lock.json"), cwd=tmp_path)
+    assert res.returncode == 2 and "the lock's versions.python is '3.11.7\\nPILOTRUN_REQUIREMENTS" in res.stderr, (
+        res.stderr)
+    evil["versions"]["python"] = "3.11; rm -rf ~"
+    (tmp_path / "evil.lock.json").write_text(json.dumps(evil))
+    res = pilotrun_cli("plan", str(spec), "--accelerator", "L4-24GB", "--skypilot", str(task), "--lock",
+                       str(tmp_path / "evil.lock.json"), cwd=tmp_path)
+    assert res.returncode == 2 and "versions.python is '3.11; rm -rf ~', not a python version" in res.stderr
+    outside = tmp_path / "job" / "sweep.yaml"  # a campaign beside the spec's folder: its base is not in the workdir
+    outside.write_text(campaign.read_text().replace("base: pilot.yaml", "base: toy/pilot.yaml"))
+    res = pilotrun_cli("plan", str(spec), "--accelerator", "L4-24GB", "--skypilot", str(task), "--campaign",
+                       str(outside), cwd=tmp_path)
+    assert res.returncode == 2 and f"--campaign {outside} is outside the spec's folder" in res.stderr, res.stderr
+    body = yaml.safe_load(spec.read_text())
+    body["data"]["path"] = "../da~ta/d.jsonl"  # SkyPilot would read the ~ of its destination as the home folder
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    res = pilotrun_cli("plan", str(spec), "--accelerator", "L4-24GB", "--skypilot", str(task), cwd=tmp_path)
+    assert res.returncode == 2 and "data.path: ../da~ta/d.jsonl is outside the spec's folder" in res.stderr
+    assert "its path holds a ~" in res.stderr and not task.exists() and not list(tmp_path.rglob("pwned*"))

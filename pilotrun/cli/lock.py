@@ -11,9 +11,20 @@ from pathlib import Path
 from rich.markup import escape
 
 from ..config.load import load_spec
-from ..deploy.requirements import NoTorchIndex, Target, check, parse, python_of, requirements
+from ..deploy.requirements import (
+    Difference,
+    Mismatch,
+    NoTorchIndex,
+    Target,
+    Unpinnable,
+    check,
+    one_line,
+    parse,
+    python_of,
+    requirements,
+)
 from ..ledger.records import RunKind, RunStatus
-from ..lock import collect_lock, installed_distributions
+from ..lock import collect_lock, read_distributions
 from ..safefile import FileProblem, read_bytes, read_json
 from .common import (
     EXIT_GATE_FAILED,
@@ -37,7 +48,8 @@ index of the target's runtime (--target: cpu, cuda or rocm; default the lock's o
 (pilotrun itself, installed from its source; a torch build's own runtime wheels). The lock is --run RUN's, else the
 newest pilot of this spec's config that passed in the ledger, else this machine's environment (said so).
 check: exit 0 when every pinned distribution (and the python in the file's header) is installed at its version,
-1 when any differs (each named), 2 for a file that is not readable."""
+1 when any differs or an installed distribution's metadata cannot be read (each named; the python is said apart,
+not counted as a pin), 2 for a file that is not readable or not UTF-8 text."""
 
 
 def add_parser(sub) -> None:
@@ -108,6 +120,8 @@ def export_main(args) -> int:
         req = requirements(lock, target, source, args.torch_index)
     except NoTorchIndex as exc:
         raise UsageError(str(exc)) from None
+    except Unpinnable as exc:
+        raise UsageError(f"{exc} (the lock of {one_line(source)})") from None
     if args.out is None:
         sys.stdout.write(req.text)
     else:
@@ -125,20 +139,46 @@ def export_main(args) -> int:
 def check_main(args) -> int:
     try:
         text = read_bytes(args.requirements, 4 << 20).decode()
-    except (FileProblem, UnicodeDecodeError) as exc:
+    except FileProblem as exc:
         raise UsageError(f"{exc}; give the file `pilotrun lock export` wrote") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{args.requirements} is not UTF-8 text (byte {exc.start}: {exc.reason}); give the file "
+                         "`pilotrun lock export` wrote") from None
     pins = parse(text)
     if not pins:
         raise UsageError(f"{args.requirements} pins no distribution (NAME==VERSION lines); give the file "
                          "`pilotrun lock export` wrote")
-    problems = check(pins, installed_distributions(), python_of(text), platform.python_version())
+    installed, unreadable = read_distributions()
+    problems = check(pins, installed, python_of(text), platform.python_version())
+    return _say_check(args.requirements, len(pins), problems, unreadable)
+
+
+def _say_check(path: Path, n_pins: int, problems: list[Mismatch], unreadable: list[tuple[str, str]]) -> int:
+    """Print what differs, each kind apart (pins counted as pins; the python and unreadable metadata said on their
+    own); exit 0 when nothing does, else 1."""
     console = out_console()
-    if not problems:
-        console.print(f"lock check: this environment holds every one of the {len(pins)} pinned distribution(s) of "
-                      f"{escape(str(args.requirements))}", highlight=False)
+    where = escape(one_line(path))
+    pins = [p for p in problems if p.kind is Difference.PIN]
+    python = [p for p in problems if p.kind is Difference.PYTHON]
+    if not problems and not unreadable:
+        console.print(f"lock check: this environment holds every one of the {n_pins} pinned distribution(s) of "
+                      f"{where}", highlight=False)
         return EXIT_OK
-    console.print(f"[bold red]lock check: {len(problems)} of {len(pins)} pin(s) differ from this environment[/] "
-                  f"({escape(str(args.requirements))}):", highlight=False)
-    for p in problems:
-        console.print(f"  {escape(str(p))}", highlight=False)
+    if pins:
+        console.print(f"[bold red]lock check: {len(pins)} of {n_pins} pinned distribution(s) differ from this "
+                      f"environment[/] ({where}):", highlight=False)
+        for p in pins:
+            console.print(f"  {escape(str(p))}", highlight=False)
+    else:
+        console.print(f"lock check: every one of the {n_pins} pinned distribution(s) of {where} is installed at its "
+                      "version", highlight=False)
+    for p in python:
+        console.print(f"[bold red]lock check: python differs[/]: the file's header names {escape(p.pinned)}, this "
+                      f"environment runs {escape(str(p.installed))} (not a pin: pip cannot install python; make the "
+                      "venv with that python)", highlight=False)
+    if unreadable:
+        console.print(f"[bold red]lock check: {len(unreadable)} installed distribution(s) could not be read[/], so "
+                      "whether they are what the file pins is unknown:", highlight=False)
+        for file, why in unreadable:
+            console.print(f"  {escape(one_line(file))}: {escape(why)}", highlight=False)
     return EXIT_GATE_FAILED

@@ -5,14 +5,16 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import posixpath
 import re
+import shlex
 from pathlib import Path
 
 from .. import __file__ as _pilotrun_init
 from .. import __version__
 from ..campaign.spec import load_campaign
 from ..config.paths import looks_local
-from ..deploy.requirements import NoTorchIndex, Target, requirements
+from ..deploy.requirements import NOT_ONE_LINE, NoTorchIndex, Target, Unpinnable, one_line, requirements
 from ..deploy.skypilot import (
     BUCKET_MOUNT,
     Bucket,
@@ -36,7 +38,10 @@ SKYPILOT_HELP = """SkyPilot task (--skypilot TASK.yaml, with one --accelerator):
 spot with --spot, disk from the checkpoint and export sizes, the lock reproduced and verified in setup, and a run
 that pilots first, then the campaign (--campaign) or your long run (--long-run), each step safe to run again after
 a preemption. The ledger and run folders live on --bucket. TASK.lock.json is written beside it (the lock the node
-compares with). Launch it with `sky jobs launch TASK.yaml`."""
+compares with). The task's workdir is the spec's folder; a file the spec names outside it is a file mount (the
+campaign file must be in it). Launch it with `sky jobs launch TASK.yaml`."""
+# SkyPilot syncs the workdir to ~/sky_workdir: a relative path out of the spec's folder lands there under ~.
+NODE_WORKDIR = "sky_workdir"
 
 
 def add_skypilot_args(p, spot_flag: bool = True) -> None:
@@ -82,6 +87,9 @@ def check_args(args) -> None:
         raise UsageError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if args.long_run is not None and not args.long_run.strip():
         raise UsageError("--long-run is empty: give the command the task runs after the pilot")
+    if args.long_run is not None and (bad := NOT_ONE_LINE.search(args.long_run.replace("\n", ""))):
+        raise UsageError(f"--long-run holds {one_line(repr(bad.group()))}, a control character or a line break other "
+                         "than \\n, which the task's YAML or the shell would read as another line: remove it")
 
 
 def _overrides(spec, row: dict) -> list[tuple[str, object, object]]:
@@ -117,26 +125,40 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
-def _workdir(spec, extra: list[Path]) -> tuple[Path, str, list[Mount], list[str], int]:
-    """The folder synced as the workdir (the spec's, and every relative file it names under one root), the mounts
-    of files it names by absolute path, the notes of what travels with the workdir, and the local data's bytes."""
-    rel, mounts, notes, data_bytes = [], [], [], 0
+def _workdir(spec) -> tuple[Path, str, list[Mount], list[str], int]:
+    """The workdir (the spec's folder, never a parent: SkyPilot uploads all of it), a file mount for each file the
+    spec names outside it (by absolute path: the same path on the node; by relative path: where that path reaches
+    from ~/sky_workdir), the notes of what travels with the workdir, and the local data's bytes. TaskRefused naming
+    a relative path that climbs above the node's home folder, or a spec in the home folder itself."""
+    root, mounts, notes, data_bytes = spec.folder, [], [], 0
+    home = Path.home().resolve()
+    if root == home or root in home.parents:
+        raise TaskRefused(f"the spec {spec.source} is in {root}, your home folder or above it: the task's workdir is "
+                          "the spec's folder, and SkyPilot would upload all of it (.ssh included); move the spec and "
+                          "its files into a project folder")
     for key, written, path in _local_files(spec):
-        path = path.resolve()
         if key.startswith("data.") and path.exists():
-            data_bytes += _size(path)
+            data_bytes += _size(path.resolve())
         if Path(written).expanduser().is_absolute():
-            mounts.append(Mount(str(path), str(path), f"{key}: {written} (as written in the spec: the same path on "
-                                                      "the node)"))
+            mounts.append(Mount(str(path.resolve()), str(path.resolve()), f"{key}: {written} (as written in the spec: "
+                                                                          "the same path on the node)"))
+            continue
+        node = posixpath.normpath(posixpath.join(NODE_WORKDIR, written))
+        if node == NODE_WORKDIR or node.startswith(NODE_WORKDIR + "/"):
+            notes.append(f"{key} {written}")
+        elif node.startswith("..") or "~" in node:  # SkyPilot reads every ~ of a destination as the home folder
+            raise TaskRefused(f"{key}: {written} is outside the spec's folder {root}, and "
+                              + ("above the node's home folder once the spec is in ~/sky_workdir there" if "~" not in
+                                 node else "its path holds a ~, which SkyPilot reads as the node's home folder")
+                              + f": move it into {root} or a folder beside it, or name it by absolute path (mounted "
+                              "at the same path on the node)")
         else:
-            rel.append((key, written, path))
-    roots = [spec.folder.resolve(), *(p.resolve().parent for p in extra), *(p.parent for _, _, p in rel)]
-    root = Path(os.path.commonpath([str(r) for r in roots]))
-    for key, written, path in rel:
-        notes.append(f"{key} {written} ({path.relative_to(root)})")
-    why = ("the deepest folder holding the spec" + (", the campaign" if extra else "") +
-           (" and the files the spec names by relative path" if rel else "") +
-           ", so its relative paths hold on the node (~/sky_workdir there; .gitignore and .skyignore apply)")
+            mounts.append(Mount(f"~/{node}", str(path.resolve()), f"{key}: {written}, outside the spec's folder: only "
+                                                                  f"it is uploaded, to where the path reaches on the "
+                                                                  f"node from ~/{NODE_WORKDIR}"))
+    why = ("the spec's folder, uploaded whole (~/sky_workdir on the node; .gitignore and .skyignore apply), so its "
+           "relative paths hold there; a file the spec names outside it is a file mount, never a reason to upload a "
+           "parent folder")
     return root, why, mounts, notes, data_bytes
 
 
@@ -173,13 +195,12 @@ def _campaign(args, spec, row: dict, overrides) -> CampaignPart | None:
     if row["gpus"] > 1 and c.processes != row["gpus"]:
         raise TaskRefused(f"--campaign {args.campaign}: the plan runs each run on {row['gpus']} GPUs "
                           f"({row['strategy']} x{row['gpus']}): set processes: {row['gpus']} in the campaign file")
-    return CampaignPart(os.path.relpath(Path(args.campaign).resolve(), start=_root_of(args, spec)),
-                        len(c.values) * len(c.seeds), c.processes, c.keep.checkpoint, c.keep.export)
-
-
-def _root_of(args, spec) -> Path:
-    extra = [Path(args.campaign).resolve()] if args.campaign else []
-    return _workdir(spec, extra)[0]
+    rel = os.path.relpath(Path(args.campaign).resolve(), start=spec.folder)
+    if rel.startswith(".."):
+        raise TaskRefused(f"--campaign {args.campaign} is outside the spec's folder {spec.folder}, the task's workdir "
+                          "(what SkyPilot uploads; its base must reach the spec there): move the campaign file into "
+                          f"{spec.folder} and set its base to {Path(spec.source).name}")
+    return CampaignPart(rel, len(c.values) * len(c.seeds), c.processes, c.keep.checkpoint, c.keep.export)
 
 
 def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs: int = 1,
@@ -200,10 +221,9 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
         lock, lock_from = proven_lock(spec, args.ledger, args.lock)
         try:
             req = requirements(lock, Target(row["stack"]), lock_from, args.torch_index)
-        except NoTorchIndex as exc:
-            raise UsageError(f"{exc}") from None
-        extra = [Path(args.campaign).resolve()] if args.campaign else []
-        root, why, mounts, notes, data_bytes = _workdir(spec, extra)
+        except (NoTorchIndex, Unpinnable) as exc:
+            raise UsageError(f"{exc} (the lock of {one_line(lock_from)})") from None
+        root, why, mounts, notes, data_bytes = _workdir(spec)
         sizes = per_run["sizes"]
         download = sizes["data_download"]
         data_why = [f"the spec's local data files, {human_bytes(data_bytes)}"] if data_bytes else []
@@ -215,7 +235,7 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
             _bucket_name(spec.name), "no --bucket: SkyPilot creates a bucket of this name (pilotrun-<spec name>); "
             "pass --bucket to name yours")
         inputs = TaskInputs(
-            name=spec.name, spec_rel=os.path.relpath(Path(spec.source).resolve(), root), workdir=str(root),
+            name=spec.name, spec_rel=Path(spec.source).name, workdir=str(root),
             workdir_why=why, row=row, per_run=per_run, runs=runs, overrides=overrides, lock=lock, lock_from=lock_from,
             lock_file=str(lock_file.resolve()), requirements=req, bucket=bucket, spot=args.spot,
             checkpoint=Size(sizes["per_checkpoint"]["bytes"], sizes["per_checkpoint"]["from"]),
@@ -231,7 +251,7 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
     write_atomic(lock_file, json.dumps(lock, indent=1, sort_keys=True))  # WriteFailed names the path: exit 2
     write_atomic(task_file, text)
     return (f"wrote {task_file} ({row['skypilot'] or row['accelerator']}:{row['gpus']}, the lock of {lock_from}) and "
-            f"{lock_file}; launch it with `sky jobs launch {task_file}`")
+            f"{lock_file}; launch it with `sky jobs launch {shlex.quote(str(task_file))}`")
 
 
 def _bucket_name(name: str) -> str:

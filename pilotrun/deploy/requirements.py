@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from packaging.version import VERSION_PATTERN
+
 from ..ledger.records import TextEnum
 
 TORCH_INDEX = "https://download.pytorch.org/whl/"
@@ -27,6 +29,16 @@ FROM_SOURCE = ("pilotrun",)
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*$")
 PYTHON_LINE = re.compile(r"^# python: (\S+)\s*$")
 TAG = re.compile(r"^(cpu|cu\d+|rocm\d+(\.\d+)*)$")
+# The grammars a value from a lock must meet before it is written into a requirements file (which pip reads, options
+# included) or a shell script: a lock.json is a file anyone can edit, so a version could be `--index-url URL`.
+NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")            # PEP 508's distribution name
+VERSION = re.compile(VERSION_PATTERN, re.VERBOSE | re.IGNORECASE)              # PEP 440 (fullmatch: no whitespace)
+PYTHON = re.compile(r"^\d+\.\d+(\.\d+)?((a|b|rc)\d+)?\+?$")                    # platform.python_version()
+# An index URL pip reads as one option argument: no whitespace or quotes (pip splits option lines as a shell does),
+# no $ (pip expands ${VAR}), printable ASCII only.
+INDEX_URL = re.compile(r"^(https?|file)://[A-Za-z0-9._~:/?#\[\]@!&()*+,;=%-]+$")
+# What Python's str.splitlines and YAML take for a line break, and the other control characters.
+NOT_ONE_LINE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class Target(TextEnum):
@@ -39,6 +51,41 @@ class Target(TextEnum):
 
 class NoTorchIndex(ValueError):
     """The lock does not say which torch build the target needs and no index was given: the message says which flag."""
+
+
+class Unpinnable(ValueError):
+    """A value of the lock (or --torch-index) that does not meet its grammar, so it cannot be written as a
+    requirements line: the message names the field and the value (escaped)."""
+
+
+def one_line(text: object) -> str:
+    """``text`` with every line break and control character written as its escape (``\\n``): a value quoted in a
+    comment line of a requirements file or a script, which it can then not end."""
+    return NOT_ONE_LINE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+def checked_lock(lock: dict, index: str | None = None) -> None:
+    """Raise :class:`Unpinnable` naming the first value of ``lock`` (or ``index``) outside its grammar: versions.python
+    and versions.torch, and each distribution's name (PEP 508) and version (PEP 440)."""
+    if index is not None and not INDEX_URL.match(index):
+        raise Unpinnable(f"--torch-index {one_line(repr(index))} is not an index URL (http://, https:// or file://, no "
+                         "spaces or quotes): give the index's URL, e.g. https://download.pytorch.org/whl/rocm6.4")
+    versions = lock.get("versions") or {}
+    python = versions.get("python")
+    if python is not None and not (isinstance(python, str) and PYTHON.match(python)):
+        raise Unpinnable(f"the lock's versions.python is {one_line(repr(python))}, not a python version (3.11.7): "
+                         "give the lock.json a pilot wrote")
+    torch = versions.get("torch")
+    if torch and not (isinstance(torch, str) and VERSION.fullmatch(torch)):
+        raise Unpinnable(f"the lock's versions.torch is {one_line(repr(torch))}, not a PEP 440 version: give the "
+                         "lock.json a pilot wrote")
+    for name, version in (lock.get("distributions") or {}).items():
+        if not (isinstance(name, str) and NAME.match(name)):
+            raise Unpinnable(f"the lock's distributions has a name {one_line(repr(name))}, not a distribution name "
+                             "(PEP 508: letters, digits, '.', '_', '-'): give the lock.json a pilot wrote")
+        if not (isinstance(version, str) and VERSION.fullmatch(version)):
+            raise Unpinnable(f"the lock's distributions.{name} is {one_line(repr(version))}, not a PEP 440 version: "
+                             "a requirements line pins NAME==VERSION; give the lock.json a pilot wrote")
 
 
 @dataclass
@@ -88,7 +135,9 @@ def _torch_build(lock: dict, target: Target, index: str | None) -> tuple[str | N
 def requirements(lock: dict, target: Target, source: str, index: str | None = None) -> Requirements:
     """The lock's distributions pinned exactly, torch (and the builds tagged like it: torchvision, torchaudio) from
     the target's index; pilotrun (installed from its source) and the torch build's runtime libraries named, not
-    pinned. ``source`` says whose lock it is, for the file's header."""
+    pinned. ``source`` says whose lock it is, for the file's header. Raises :class:`Unpinnable` for a value outside
+    its grammar (:func:`checked_lock`), :class:`NoTorchIndex` when the target's torch build is unknown."""
+    checked_lock(lock, index)
     dists = dict(lock.get("distributions") or {})
     versions = lock.get("versions") or {}
     torch_version = str(versions.get("torch") or dists.get("torch") or "")
@@ -97,10 +146,10 @@ def requirements(lock: dict, target: Target, source: str, index: str | None = No
     url, tag, why = _torch_build(lock, target, index)
     _, proven_label = _split(torch_version)
     python = versions.get("python")
-    lines = [f"# pilotrun lock export of {source}: every distribution at its exact version.",
+    lines = [f"# pilotrun lock export of {one_line(source)}: every distribution at its exact version.",
              "# pip install -r THIS_FILE, then `pilotrun lock check THIS_FILE` says whether the environment holds it.",
              f"# python: {python}" if python else "# python: unknown (the lock records no versions.python)",
-             f"# torch for {target}: {why}"]
+             f"# torch for {target}: {one_line(why)}"]
     if url:
         lines.append(f"--extra-index-url {url}")
     pins, left_out, torch_pin = [], [], None
@@ -124,7 +173,20 @@ def requirements(lock: dict, target: Target, source: str, index: str | None = No
     lines += pins
     if left_out:
         lines += ["# not pinned here:"] + [f"#   {x}" for x in left_out]
-    return Requirements("\n".join(lines) + "\n", python, torch_pin, url, why, left_out)
+    return Requirements(_only_pins("\n".join(lines) + "\n"), python, torch_pin, url, why, left_out)
+
+
+def _only_pins(text: str) -> str:
+    """``text``, once every line is shown to be a comment, a pin or the one index option written above: a value that
+    got past :func:`checked_lock` is a fault in this module (exit 3), never a pip option."""
+    for line in text.split("\n"):
+        name, pinned, version = line.partition("==")
+        ok = (not line or (line.startswith("#") and not NOT_ONE_LINE.search(line))
+              or (bool(pinned) and bool(NAME.match(name)) and bool(VERSION.fullmatch(version)))
+              or (line.startswith("--extra-index-url ") and bool(INDEX_URL.match(line.split(" ", 1)[1]))))
+        if not ok:
+            raise AssertionError(f"requirements: a line that is not a comment, a pin or the index: {line!r}")
+    return text
 
 
 def parse(text: str) -> dict[str, str]:
@@ -150,11 +212,20 @@ def normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+class Difference(TextEnum):
+    """What a :class:`Mismatch` is: a pinned distribution, or the python the file's header names (pip cannot
+    install python, so it is no pin and is not counted among them)."""
+
+    PIN = "pin"
+    PYTHON = "python"
+
+
 @dataclass(frozen=True)
 class Mismatch:
     name: str
     pinned: str
     installed: str | None  # None: not installed
+    kind: Difference = Difference.PIN
 
     def __str__(self) -> str:
         return f"{self.name}: pinned {self.pinned}, " + (f"installed {self.installed}" if self.installed
@@ -163,11 +234,12 @@ class Mismatch:
 
 def check(pins: dict[str, str], installed: dict[str, str], python: str | None = None,
           python_now: str | None = None) -> list[Mismatch]:
-    """Every pin the environment does not hold (and python, when both are given). Distributions installed beyond
-    the pins are not mismatches: the target's torch brings its own runtime (the lock gate names them)."""
+    """Every pin the environment does not hold (and python, when both are given, as a :attr:`Difference.PYTHON`).
+    Distributions installed beyond the pins are not mismatches: the target's torch brings its own runtime (the lock
+    gate names them)."""
     out = []
     if python and python_now and python != python_now:
-        out.append(Mismatch("python", python, python_now))
+        out.append(Mismatch("python", python, python_now, Difference.PYTHON))
     for name, version in sorted(pins.items()):
         have = installed.get(name)
         if have != version:

@@ -25,7 +25,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from ..humanize import human_bytes, money
-from .requirements import Requirements
+from .requirements import NOT_ONE_LINE, PYTHON, Requirements, one_line
 
 # Where things are on the node. The bucket is mounted with SkyPilot's MOUNT_CACHED mode (rclone's full VFS cache):
 # random writes (SQLite's) go to local disk and are uploaded behind, so a preemption loses only the last seconds.
@@ -39,7 +39,14 @@ UV = "uv==0.13.9"  # only makes the venv of the lock's python (pip cannot pin py
 # ~8 GB; images ship CUDA, drivers and conda). An assumption, said in the task.
 BASE_DISK_GB = 60
 BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-BUCKET_URI = re.compile(r"^(s3|gs|r2|cos|oci|https)://[^\s]+$")
+BUCKET_URI = re.compile(r"^(s3|gs|r2|cos|oci|https)://[A-Za-z0-9._~/:@+=%-]+$")
+HEREDOC_END = "PILOTRUN_REQUIREMENTS"
+# Characters a local path must not hold to be a workdir or a file mount: SkyPilot hands those paths to rsync quoted
+# with Python's repr(), which a shell reads as double quotes when the path holds a ' ($(...) and `...` then run), and
+# YAML and the scripts take the control characters as line breaks. The scripts quote every path themselves.
+UNSAFE_PATH = re.compile(r"[$`'\"\\\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# A path the run script may write inside "$WORKDIR/...": nothing a shell expands in double quotes.
+PLAIN_PATH = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
 class TaskRefused(ValueError):
@@ -57,12 +64,21 @@ class Bucket:
         return bool(BUCKET_URI.match(self.value))
 
 
+def path_problem(path: str) -> str | None:
+    """Why a local path cannot be a workdir or a file mount, or None."""
+    bad = sorted(set(UNSAFE_PATH.findall(path)))
+    if not bad:
+        return None
+    return (f"holds {', '.join(one_line(repr(c)) for c in bad)}, which SkyPilot's upload (rsync, the path quoted with "
+            "Python's repr) does not pass to a shell safely; rename it")
+
+
 def bucket_problem(value: str) -> str | None:
     """Why ``--bucket`` is not a bucket SkyPilot can mount, or None."""
     if BUCKET_URI.match(value) or BUCKET_NAME.match(value):
         return None
-    return (f"{value!r} is neither a bucket name (3-63 lowercase letters, digits, '.' or '-') nor a bucket URI "
-            "(s3://, gs://, r2://, cos://, oci://, https://)")
+    return (f"{one_line(repr(value))} is neither a bucket name (3-63 lowercase letters, digits, '.' or '-') nor a "
+            "bucket URI (s3://, gs://, r2://, cos://, oci://, https://; letters, digits and ._~/:@+=%- after it)")
 
 
 @dataclass(frozen=True)
@@ -129,9 +145,16 @@ class TaskInputs:
 
 @dataclass
 class Block:
-    """A multi-line string written as a literal block (``|``): a shell script."""
+    """A multi-line string written as a literal block (``|``): a shell script. Its only line break is \\n: any other
+    (\\r, \\x85, \\u2028, a control character) YAML or the writer would take for one, so a value could end a
+    comment line or a quoted word of the script; every value is quoted or :func:`one_line`-d before it gets here."""
 
     text: str
+
+    def __post_init__(self) -> None:
+        bad = NOT_ONE_LINE.search(self.text.replace("\n", ""))
+        if bad:
+            raise ValueError(f"a script holds {bad.group()!r}, which is not its line break: a value was not quoted")
 
 
 Entry = tuple  # (key, value, comment): value a scalar, a Block, or a list of entries (a mapping)
@@ -147,7 +170,9 @@ def _scalar(value) -> str:
 
 
 def _comment(text: str, pad: str) -> list[str]:
-    return [f"{pad}# {line}" if line else f"{pad}#" for line in text.splitlines()] if text else []
+    # split on \n alone and one_line each: a value's other line breaks stay inside its comment line
+    lines = text.removesuffix("\n").split("\n") if text else []
+    return [f"{pad}# {one_line(line)}" if line else f"{pad}#" for line in lines]
 
 
 def render(entries: list, indent: int = 0) -> list[str]:
@@ -162,7 +187,7 @@ def render(entries: list, indent: int = 0) -> list[str]:
             lines += render(value, indent + 2)
         elif isinstance(value, Block):
             lines.append(f"{pad}{_scalar(key)}: |")
-            lines += [f"{pad}  {line}" if line else "" for line in value.text.rstrip("\n").splitlines()]
+            lines += [f"{pad}  {line}" if line else "" for line in value.text.rstrip("\n").split("\n")]
         else:
             lines.append(f"{pad}{_scalar(key)}: {_scalar(value)}")
     return lines
@@ -249,31 +274,37 @@ def _cost_line(inp: TaskInputs) -> str:
 def _setup(inp: TaskInputs) -> Block:
     req = inp.requirements
     py = req.python
-    lines = [f"# Reproduce the lock of {inp.lock_from}; stop (exit 1) when the installed versions differ from it.",
+    if py is not None and not PYTHON.match(py):  # requirements() refuses one; a TaskInputs made by hand must too
+        raise TaskRefused(f"the lock's versions.python is {one_line(repr(py))}, not a python version (3.11.7)")
+    lines = [f"# Reproduce the lock of {one_line(inp.lock_from)}; stop (exit 1) when the installed versions differ "
+             "from it.",
              "set -euo pipefail"]
     if py:
         lines += [f"# python {py}: the lock's versions.python (pip cannot pin python; {UV} fetches it)",
                   f"python3 -m pip install --user --quiet {UV} || "
                   f"python3 -m pip install --user --quiet --break-system-packages {UV}",
                   'export PATH="$HOME/.local/bin:$PATH"',
-                  f'uv venv --allow-existing --seed --python {py} "{VENV}"']
+                  f'uv venv --allow-existing --seed --python {shlex.quote(py)} "{VENV}"']
     else:
         lines += ["# python: unknown (the lock records no versions.python): the image's python3",
                   f'python3 -m venv "{VENV}"']
+    body = req.text.rstrip("\n").split("\n")
+    if HEREDOC_END in body:  # requirements() writes comments and pins only; a line that would end the file early
+        raise TaskRefused(f"the requirements hold a line {HEREDOC_END}, which would end them early in the setup")
     lines += ["mkdir -p \"$HOME/.pilotrun\"",
-              f"# every distribution at the lock's exact version (`pilotrun lock export`); {req.torch}: "
-              f"{req.torch_from}",
-              f"cat > \"{REQUIREMENTS}\" <<'PILOTRUN_REQUIREMENTS'",
-              *req.text.rstrip("\n").splitlines(),
-              "PILOTRUN_REQUIREMENTS",
+              f"# every distribution at the lock's exact version (`pilotrun lock export`); {one_line(req.torch)}: "
+              f"{one_line(req.torch_from)}",
+              f"cat > \"{REQUIREMENTS}\" <<'{HEREDOC_END}'",
+              *body,
+              HEREDOC_END,
               f'"{VENV}/bin/python" -m pip install --quiet -r "{REQUIREMENTS}"']
     src = inp.source
     if src.folder:
-        lines += [f"# pilotrun itself, from its source ({src.why}; file_mounts {SOURCE_MOUNT}), without dependencies: "
-                  "the lock pins them",
+        lines += [f"# pilotrun itself, from its source ({one_line(src.why)}; file_mounts {SOURCE_MOUNT}), without "
+                  "dependencies: the lock pins them",
                   f'"{VENV}/bin/python" -m pip install --quiet --no-deps {SOURCE_MOUNT}']
     else:
-        lines += [f"# pilotrun itself ({src.why}), without dependencies: the lock pins them",
+        lines += [f"# pilotrun itself ({one_line(src.why)}), without dependencies: the lock pins them",
                   f'"{VENV}/bin/python" -m pip install --quiet --no-deps {shlex.quote(src.requirement or "pilotrun")}']
     lines += ["# the environment must be the lock's: each distribution that differs is named, and the setup stops",
               f'"{VENV}/bin/python" -m pilotrun lock check "{REQUIREMENTS}"']
@@ -288,6 +319,16 @@ def _set_value(v) -> str:
     return json.dumps(v) if isinstance(v, bool) else str(v)
 
 
+def in_workdir(rel: str) -> str:
+    """A path relative to the workdir as one shell word: ``"$WORKDIR/rel"`` when nothing in it is special to a shell,
+    else ``"$WORKDIR"/'rel'`` (a name such as ``toy$(touch x).yaml`` stays a name). TaskRefused for a control
+    character or a line break other than \\n, which YAML would change on the way to the node."""
+    if bad := NOT_ONE_LINE.search(rel.replace("\n", "")):
+        raise TaskRefused(f"the file {one_line(repr(rel))} (in the workdir) has {one_line(repr(bad.group()))} in its "
+                          "name, which the task's YAML would not keep as written: rename it")
+    return f'"$WORKDIR/{rel}"' if PLAIN_PATH.match(rel) else '"$WORKDIR"/' + shlex.quote(rel)
+
+
 def _run(inp: TaskInputs) -> Block:
     row = inp.row
     lines = ["# Every step is safe to run again: SkyPilot's managed-job recovery runs this script from the top on a",
@@ -299,9 +340,9 @@ def _run(inp: TaskInputs) -> Block:
              f'PY="${{PILOTRUN_PYTHON:-{VENV}/bin/python}}"   # the venv the setup made',
              'TASK="${SKYPILOT_TASK_ID:?is not set: SkyPilot sets it, the same across recoveries}"',
              'mkdir -p "$PILOTRUN_BUCKET" && cd "$PILOTRUN_BUCKET"   # runs/ goes to the bucket']
-    spec = f'"$WORKDIR/{inp.spec_rel}"'
+    spec = in_workdir(inp.spec_rel)
     sets = _sets(inp)
-    changed = ", ".join(f"{k} {_set_value(a)} -> {_set_value(b)}" for k, a, b in inp.overrides)
+    changed = one_line(", ".join(f"{k} {_set_value(a)} -> {_set_value(b)}" for k, a, b in inp.overrides))
     lines += ["# 1. the pilot on this node's accelerator: the same spec" +
               (f", at the plan's configuration ({changed})" if changed else " as written") +
               "; a failed gate ends the task (exit 1).",
@@ -323,7 +364,7 @@ def _run(inp: TaskInputs) -> Block:
                   "#    every run kept once, a run the preemption cut short continues as a new run linked to it; a",
                   "#    run that failed (its job raised, or ended without a result) ends the task (exit 1) after every",
                   "#    row is written, before any later step.",
-                  f'"$PY" -m pilotrun campaign "$WORKDIR/{c.path_rel}" --task-id "$TASK" {how}']
+                  f'"$PY" -m pilotrun campaign {in_workdir(c.path_rel)} --task-id "$TASK" {how}']
     if inp.long_run is not None:
         step = 3 if inp.campaign is not None else 2
         lines += [f"# {step}. the long run (--long-run), once the pilot passed: your command, run again from here on "
@@ -336,8 +377,24 @@ def _run(inp: TaskInputs) -> Block:
     return Block("\n".join(lines) + "\n")
 
 
+def _check_paths(inp: TaskInputs) -> None:
+    """TaskRefused naming the first local path (the workdir, a mount's source or destination) SkyPilot cannot upload
+    safely (:func:`path_problem`)."""
+    named = [(f"the workdir {inp.workdir} (the spec's folder)", inp.workdir),
+             (f"the lock file {inp.lock_file}", inp.lock_file)]
+    if inp.source.folder:
+        named.append((f"pilotrun's source {inp.source.folder}", inp.source.folder))
+    for m in inp.mounts:
+        named += [(f"{m.why.split(':')[0]}: {m.src}", m.src), (f"{m.why.split(':')[0]}: its place on the node {m.dst}",
+                                                                m.dst)]
+    for what, path in named:
+        if problem := path_problem(path):
+            raise TaskRefused(f"{one_line(what)} {problem}")
+
+
 def task_entries(inp: TaskInputs) -> list:
     row = inp.row
+    _check_paths(inp)
     n, per_node = nodes(row)
     if n > 1:
         raise TaskRefused(f"the plan runs {row['gpus']} GPUs of {row['accelerator']}, more than one node holds "
