@@ -11,15 +11,17 @@ import pytest
 from pilotrun.estimate.catalog import load_catalog
 from pilotrun.ledger.records import RunEnd, RunKind, RunStatus, Series, StopKind
 from pilotrun.ledger.store import Ledger
+from pilotrun.report.html import script_hash
 from pilotrun.report.plots import MAX_INNER_GAP, MAX_UNLABELLED, RETRY_DASH, campaign_figure, log_ticks
 
 from .conftest import copy_example, gate_rows, open_in_chromium, pilotrun_cli
 
-# Run in the page after load: the browser's own boxes of the capacity labels, left on <html> for --dump-dom.
-MEASURE_JS = ("<script>addEventListener('load',()=>{const b=[...document.querySelectorAll('[id^=\"capacity-label-\"]')]"
+# Run in the page after load: the browser's own boxes of the capacity labels, left on <html> for --dump-dom. The
+# report's Content-Security-Policy runs only the scripts it names by hash: the test adds this one's to its copy.
+MEASURE_JS = ("addEventListener('load',()=>{const b=[...document.querySelectorAll('[id^=\"capacity-label-\"]')]"
               ".map(g=>{const t=g.querySelector('text'),r=t.getBoundingClientRect();return {id:g.id,text:t.textContent,"
               "left:r.left,right:r.right,top:r.top,bottom:r.bottom}});"
-              "document.documentElement.dataset.labelBoxes=JSON.stringify(b);})</script>")
+              "document.documentElement.dataset.labelBoxes=JSON.stringify(b);})")
 
 
 @pytest.mark.process
@@ -32,7 +34,10 @@ def test_capacity_labels_do_not_overlap_in_a_real_browser(tmp_path, monkeypatch)
     res = pilotrun_cli("report", run_id, "--ledger", str(tmp_path / "l.sqlite"), "--out", str(html), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     measured = tmp_path / "measured.html"
-    measured.write_text(html.read_text().replace("</body>", MEASURE_JS + "</body>"))
+    page = html.read_text()
+    assert page.count("script-src ") == 1
+    measured.write_text(page.replace("script-src ", f"script-src {script_hash(MEASURE_JS)} ")
+                        .replace("</body>", f"<script>{MEASURE_JS}</script></body>"))
     dom, console, shot = open_in_chromium(measured, tmp_path)
     assert not [c for c in console if "Uncaught" in c], console
     boxes = json.loads(dom.split('data-label-boxes="')[1].split('"')[0].replace("&quot;", '"'))

@@ -285,11 +285,10 @@ class Continuation(TextEnum):
 
 
 def task_campaign(led: Ledger, name: str, task_id: str) -> dict | None:
-    """The newest campaign of this name that ``task_id`` started (``meta.task_id``), or None."""
-    for r in led.runs(name, limit=500):
-        if r["kind"] == RunKind.CAMPAIGN and json.loads(r["meta_json"] or "{}").get("task_id") == task_id:
-            return r
-    return None
+    """The newest campaign of this name that ``task_id`` started (``meta.task_id``), or None: found by an indexed
+    query, not among the newest rows of the name (the campaign's own runs carry its base's name and outnumber it)."""
+    found = led.task_runs(name, RunKind.CAMPAIGN, task_id)
+    return found[0] if found else None
 
 
 def recover(path: Path, task_id: str, ledger_path: Path, out_root: Path, parallel: int | None = 1,

@@ -25,6 +25,7 @@ from pathlib import Path
 from .. import strategies
 from ..config.load import load_spec
 from ..config.schema import SpecError
+from ..config.spec import canonical_sha256
 from ..devices import query_devices, query_host
 from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind, new_run_id
@@ -39,12 +40,14 @@ from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .resources import PerRun, pilot_memory, plan_parallel
 from .spec import (
     CampaignSpec,
+    base_spec,
     check_only_varied,
     examples_per_update,
     load_campaign,
     run_device,
     run_processes,
     run_spec,
+    with_seed,
 )
 from .stops import STOP_REASON_FILE, STOP_SIGNAL, interrupted
 
@@ -169,36 +172,63 @@ def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pat
                 running.procs.pop(run_id, None)
 
 
-def prepare(c: CampaignSpec) -> tuple[list[dict], list[str]]:
-    """Every planned run's spec, in order (control first); refuses variants that change another key."""
-    runs, problems = [], []
-    controls = {}
+def prepare(c: CampaignSpec, base_written: dict | None = None) -> tuple[list[dict], list[str]]:
+    """Every planned run's spec, in order (control first); refuses variants that change another key.
+
+    Linear in the runs, the base read once (``base_written``, else read here): each value's spec is built and
+    checked once (the control's with its data and tokenizer files, which no variant may change); each further seed
+    of pilotrun's own loop is that spec with the seed set (``with_seed``); a program's run is built per seed, as its
+    templates put the seed in its command."""
+    written = base_written if base_written is not None else base_spec(c).written
+    runs: list[dict] = []
+    problems: list[str] = []
+    controls: dict = {}
     for i, value in enumerate(c.values):
+        built, canonical = None, {}
         for seed in c.seeds:
-            try:
-                spec = run_spec(c, value, seed)
-            except SpecError as exc:
-                msgs = "; ".join(f"{f}: {m}" if f else m for f, m in exc.problems)
-                if any(f == c.key for f, _ in exc.problems):
-                    raise CampaignError(f"vary: {c.key} is not a valid key of the base spec ({msgs})") from None
-                raise CampaignError(f"{c.key} = {value!r} does not give a valid spec: {msgs}") from None
-            if i == 0:
-                controls[seed] = spec
+            if built is not None and c.program is None:
+                spec = with_seed(built, seed)  # only the seed differs from the spec checked for this value
+                config_hash = canonical_sha256({**canonical, "seed": seed})  # what spec.config_hash() computes
             else:
-                # A program's runs differ in the words and variables the templates filled in, by construction.
-                moved = check_only_varied(controls[seed], spec, (c.key,) if c.program is None else
-                                          ("program.command", "program.env"))
-                if moved:
-                    problems.append(f"{c.key} = {value!r} would also change {', '.join(moved)}")
-                if examples_per_update(spec) != examples_per_update(controls[seed]):
-                    problems.append(f"{c.key} = {value!r} changes the examples per update "
-                                    f"({examples_per_update(controls[seed])} -> {examples_per_update(spec)})")
-            if c.processes > 1 and c.program is None and not strategies.get(spec.distributed.strategy).multi_process:
-                raise CampaignError(f"processes: {c.processes} runs each run as a group of {c.processes} processes, "
-                                    f"but the base's distributed.strategy is {spec.distributed.strategy}: set it to "
-                                    f"{' or '.join(strategies.multi_process_names())}")
-            runs.append({"variant": value, "variant_index": i, "seed": seed, "control": i == 0, "spec": spec})
+                spec = built = _checked_spec(c, value, seed, written, check_files=not runs)
+                canonical = spec.canonical()
+                config_hash = canonical_sha256(canonical)
+                if i == 0:
+                    controls[seed] = spec
+                else:
+                    problems += _variant_problems(c, value, controls.get(seed) or controls[c.seeds[0]], spec)
+            runs.append({"variant": value, "variant_index": i, "seed": seed, "control": i == 0, "spec": spec,
+                         "config_hash": config_hash})
     return runs, list(dict.fromkeys(problems))  # once per value, not once per seed
+
+
+def _checked_spec(c: CampaignSpec, value, seed: int, written: dict, check_files: bool):
+    """One run's spec; a CampaignError naming the value (or the key) when it is not a valid spec."""
+    try:
+        spec = run_spec(c, value, seed, base_written=written, check_files=check_files)
+    except SpecError as exc:
+        msgs = "; ".join(f"{f}: {m}" if f else m for f, m in exc.problems)
+        if any(f == c.key for f, _ in exc.problems):
+            raise CampaignError(f"vary: {c.key} is not a valid key of the base spec ({msgs})") from None
+        raise CampaignError(f"{c.key} = {value!r} does not give a valid spec: {msgs}") from None
+    if c.processes > 1 and c.program is None and not strategies.get(spec.distributed.strategy).multi_process:
+        raise CampaignError(f"processes: {c.processes} runs each run as a group of {c.processes} processes, "
+                            f"but the base's distributed.strategy is {spec.distributed.strategy}: set it to "
+                            f"{' or '.join(strategies.multi_process_names())}")
+    return spec
+
+
+def _variant_problems(c: CampaignSpec, value, control, spec) -> list[str]:
+    """What a variant's spec changes besides the varied key: another key, or the examples per update."""
+    problems = []
+    # A program's runs differ in the words and variables the templates filled in, by construction.
+    moved = check_only_varied(control, spec, (c.key,) if c.program is None else ("program.command", "program.env"))
+    if moved:
+        problems.append(f"{c.key} = {value!r} would also change {', '.join(moved)}")
+    if examples_per_update(spec) != examples_per_update(control):
+        problems.append(f"{c.key} = {value!r} changes the examples per update "
+                        f"({examples_per_update(control)} -> {examples_per_update(spec)})")
+    return problems
 
 
 def _accelerator(spec) -> tuple[str, int] | None:
@@ -244,16 +274,23 @@ def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def run_row(campaign_id: str, key: str, run_id: str, spec, out: Path, of: dict, parent_id: str | None = None,
+            **extra) -> dict:
+    """A campaign run's planned row (``Ledger.plan_runs``); ``out``: its folder, resolved. Variant, seed and control
+    come from ``of``: the planned run (with its ``config_hash`` when prepare knew it), or the run that a retry or a
+    resume follows."""
+    return {"run_id": run_id, "name": spec.name, "kind": RunKind.CAMPAIGN_RUN, "spec_path": spec.source,
+            "out_dir": str(out), "config_hash": of.get("config_hash") or spec.config_hash(), "parent_id": parent_id,
+            "meta": {"campaign_id": campaign_id, "key": key,
+                     **{k: of[k] for k in ("variant", "variant_index", "seed", "control")}, **extra}}
+
+
 def plan_run_row(led: Ledger, campaign_id: str, key: str, run_id: str, spec, out: Path, of: dict,
                  parent_id: str | None = None, **extra) -> None:
-    """A campaign run's folder and its ledger row, planned. Variant, seed and control come from ``of``:
-    the planned run, or the run that a retry or a resume follows."""
+    """A campaign run's folder and its ledger row, planned (a retry or a resume: one run)."""
     out.mkdir()
-    led.start_run(run_id, spec.name, RunKind.CAMPAIGN_RUN, spec_path=spec.source, out_dir=str(out.resolve()),
-                  config_hash=spec.config_hash(), parent_id=parent_id,
-                  meta={"campaign_id": campaign_id, "key": key,
-                        **{k: of[k] for k in ("variant", "variant_index", "seed", "control")}, **extra})
-    led.set_status(run_id, RunStatus.PLANNED)
+    led.plan_runs([run_row(campaign_id, key, run_id, spec, out.resolve(), {**of, "config_hash": None}, parent_id,
+                           **extra)])
 
 
 def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | None = 1, allow_drift: bool = False,
@@ -266,7 +303,8 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
     (``followup.recover``)."""
     c = load_campaign(path)
     name = c.name or Path(path).stem
-    runs, problems = prepare(c)
+    base = base_spec(c)  # read once: every run's spec, the pilot lookup and the campaign's row use this reading
+    runs, problems = prepare(c, base.written)
     if problems:
         raise CampaignError("refused before the start: " + "; ".join(problems) + " (a campaign varies one key only)")
     with engine_for(engine, ledger_path, c.processes) as eng:
@@ -278,9 +316,10 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
         (folder / "campaign.json").write_text(json.dumps(c.canonical(), indent=1))
         (folder / "lock.json").write_text(json.dumps(control_lock, indent=1, sort_keys=True))
         if eng is None:
-            at_once = parallel_plan(c, runs[0]["spec"], parallel or 1, ledger_path)
+            at_once = parallel_plan(c, runs[0]["spec"], parallel or 1, ledger_path, base.config_hash())
         else:
-            at_once = cluster_plan(eng, parallel, len(runs), runs[0]["spec"], base_pilot(c, ledger_path), c.processes)
+            at_once = cluster_plan(eng, parallel, len(runs), runs[0]["spec"],
+                                   base_pilot(c, ledger_path, base.config_hash()), c.processes)
         at_once["warnings"] = warnings_for(c, runs)
         plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
         (folder / "plan.json").write_text(json.dumps(plan, indent=1))
@@ -291,12 +330,14 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
                           meta={"campaign": c.canonical(), "key": c.key, "values": c.values, "seeds": c.seeds,
                                 "base": str((c.folder / c.base).resolve()), "parallel": at_once,
                                 "orchestrator": process_mark(), "engine": engine_meta(engine, run_root),
-                                "base_written": load_spec(c.folder / c.base, allow_program=True).written,
-                                **({"task_id": task_id} if task_id else {})})
+                                "base_written": base.written, **({"task_id": task_id} if task_id else {})})
+            root = run_root.resolve()
             for i, r in enumerate(runs):
                 r["run_id"] = f"{campaign_id}-r{i + 1:02d}"
-                r["out"] = run_root / r["run_id"]
-                plan_run_row(led, campaign_id, c.key, r["run_id"], r["spec"], r["out"], r)
+                r["out"] = root / r["run_id"]
+                r["out"].mkdir()
+            # One transaction for every declared run: the plan is in the ledger whole, or not at all.
+            led.plan_runs([run_row(campaign_id, c.key, r["run_id"], r["spec"], r["out"], r) for r in runs])
         if on_start:
             on_start(campaign_id, at_once)
         execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, at_once["parallel"], allow_drift,

@@ -283,17 +283,24 @@ RETRY_KEYS = ("train.micro_batch_size", "train.grad_accum_steps", "train.activat
 
 
 
+def base_spec(campaign: CampaignSpec) -> Spec:
+    """The campaign's base spec, read and checked: once per campaign; each run's spec starts from its ``written``."""
+    from ..config.load import load_spec
+
+    return load_spec(campaign.folder / campaign.base, allow_program=True)
+
+
 def run_spec(campaign: CampaignSpec, value, seed: int, extra: Sequence[tuple[str, Any]] = (),
-             base_written: dict | None = None) -> Spec:
+             base_written: dict | None = None, check_files: bool = True) -> Spec:
     """The base spec with the varied key, the seed and the campaign's update budget set.
 
     ``base_written``: the base as written when the campaign started (a retry uses it, so an
-    edit to the file since cannot slip into the retry).
+    edit to the file since cannot slip into the retry), or as :func:`base_spec` read it once for every run.
+    ``check_files=False``: leave out the data and tokenizer files, the same for every run (a campaign holds the
+    model and the data fixed) and checked with the base or the control's spec.
     """
-    from ..config.load import load_spec
-
     base_path = campaign.folder / campaign.base
-    raw = copy.deepcopy(base_written if base_written is not None else load_spec(base_path, allow_program=True).written)
+    raw = copy.deepcopy(base_written if base_written is not None else base_spec(campaign).written)
     if campaign.program is not None:  # the value and seed go to the program through its command and environment
         if extra:
             raise SpecError([("", f"{', '.join(k for k, _ in extra)}: a program's run takes its sizes from its own "
@@ -310,7 +317,19 @@ def run_spec(campaign: CampaignSpec, value, seed: int, extra: Sequence[tuple[str
     set_dotted(raw, "train.updates", campaign.updates)  # the schedule spans the campaign's budget
     for key, v in extra:
         set_dotted(raw, key, v)
-    return spec_from_mapping(raw, base_path)
+    return spec_from_mapping(raw, base_path, check_files=check_files)
+
+
+def with_seed(spec: Spec, seed: int) -> Spec:
+    """A run spec of pilotrun's own loop with another seed, without building it again: the seed is one number no
+    other key depends on (its range is checked with the campaign's ``seeds``), so the run of the same value with
+    another seed is this one with ``seed`` set. The sections are shared, not copied: a planned run's spec is read
+    (its written mapping, hash, lock), never changed. A program's run is built per seed: its templates fill it in."""
+    assert spec.program is None, "a program's seed is in its command and environment: build it with run_spec"
+    out = copy.copy(spec)
+    out.seed = seed
+    out.written = {**spec.written, "seed": seed}
+    return out
 
 
 def check_only_varied(control: Spec, variant: Spec, allowed: tuple[str, ...]) -> list[str]:

@@ -15,7 +15,16 @@ from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campa
 from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
 from ..lock import resolve_container_digest
-from .common import EXIT_GATE_FAILED, EXIT_OK, UsageError, add_ledger_arg, command_parser, err_console, out_console
+from .common import (
+    EXIT_GATE_FAILED,
+    EXIT_OK,
+    UsageError,
+    add_ledger_arg,
+    command_parser,
+    err_console,
+    id_arg,
+    out_console,
+)
 
 HELP = """examples:
   pilotrun campaign examples/campaign/lr-sweep.yaml
@@ -68,7 +77,7 @@ def add_parser(sub) -> None:
     p.add_argument("--retry", metavar="RUN", help="retry this run of the campaign as a new, linked run")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted campaign: its stopped and not-run runs, as new linked runs")
-    p.add_argument("--task-id", metavar="ID",
+    p.add_argument("--task-id", metavar="ID", type=id_arg(),
                    help="the id of the task running this command, the same across its restarts ($SKYPILOT_TASK_ID): "
                         "start the campaign, or continue the one this task started (see below)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -31,6 +31,7 @@ from .common import (
     add_ledger_arg,
     command_parser,
     console_for,
+    id_arg,
     out_console,
     writable_folder,
 )
@@ -79,14 +80,14 @@ def add_parser(sub) -> None:
                    help="load a checkpoint whose manifest the ledger did not record: every file is still checked "
                         "against its manifest, .pt files load with weights_only=True, and a DCP checkpoint (its "
                         "metadata is a pickle) stays refused")
-    p.add_argument("--task-id", metavar="ID",
+    p.add_argument("--task-id", metavar="ID", type=id_arg(),
                    help="the id of the task running this command, the same across its restarts ($SKYPILOT_TASK_ID): "
                         "a passed pilot of this task is not run again, one cut short is resumed")
     p.add_argument("--proven-lock", type=Path, metavar="LOCK_JSON",
                    help="a lock.json the lock gate compares this environment with (instead of the last run of this "
                         "name), e.g. the laptop pilot's, carried to a rented node")
     p.add_argument("--json", action="store_true", help="print report.json to stdout (the table goes to stderr)")
-    p.add_argument("--run-id", help=argparse.SUPPRESS)  # set by `pilotrun launch`: one id for every rank
+    p.add_argument("--run-id", type=id_arg(), help=argparse.SUPPRESS)  # set by `pilotrun launch`: one id for every rank
     p.set_defaults(func=main)
 
 
@@ -172,6 +173,7 @@ def _proven_lock(path: Path | None) -> tuple[str, dict] | None:
 def task_recovery(task_id: str, ledger: Path | None, spec, console):
     """What the task ``task_id`` does with this spec's pilot now (``pilot.recovery``), said on ``console``; exit 2
     for an empty id."""
+    from ..ledger.records import RunKind
     from ..ledger.store import Ledger, default_ledger_path
     from ..pilot.recovery import Recovery, RecoveryPlan, pilot_recovery
 
@@ -183,7 +185,7 @@ def task_recovery(task_id: str, ledger: Path | None, spec, console):
         plan = RecoveryPlan(Recovery.START, None, f"task {task_id}: no ledger at {path} yet")
     else:
         with Ledger(path) as led:
-            plan = pilot_recovery(led.runs(spec.name, limit=500), task_id, spec.config_hash())
+            plan = pilot_recovery(led.task_runs(spec.name, RunKind.PILOT, task_id), task_id, spec.config_hash())
     console.print(f"pilot: {escape(plan.reason)}", highlight=False)
     return plan
 

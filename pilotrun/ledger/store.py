@@ -29,6 +29,21 @@ from .records import GateRow, RunEnd, RunKind, RunStatus, Series, now
 
 SCHEMA_VERSION = 1
 
+
+def _meta_field(name: str) -> str:
+    """A field of ``meta_json`` as an SQL expression: indexed below, and the lookups use the same text so SQLite uses
+    the index. ``json_valid`` first: a row whose meta is not JSON (a hand-edited ledger) indexes as NULL, where
+    ``json_extract`` alone would fail the index's creation and every later write."""
+    return f"(CASE WHEN json_valid(meta_json) THEN json_extract(meta_json, '$.{name}') END)"
+
+
+# The lookups a restart makes (``--task-id``: the runs a task started; a campaign's runs; a spec's pilots by config
+# hash) are indexed: a ledger of many thousand rows answers them without reading every row. Expression indexes on
+# meta_json, not new columns: an existing ledger gets them on its next open (CREATE INDEX IF NOT EXISTS, no
+# migration), and rows another pilotrun version writes are indexed by SQLite itself.
+TASK_ID = _meta_field("task_id")
+CAMPAIGN_ID = _meta_field("campaign_id")
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
@@ -90,6 +105,11 @@ CREATE TABLE IF NOT EXISTS notes (
 CREATE INDEX IF NOT EXISTS gate_rows_run ON gate_rows(run_id);
 CREATE INDEX IF NOT EXISTS metrics_run ON metrics(run_id, gate, step);
 CREATE INDEX IF NOT EXISTS runs_name ON runs(name, started_at);
+CREATE INDEX IF NOT EXISTS runs_name_kind ON runs(name, kind, started_at);
+CREATE INDEX IF NOT EXISTS runs_task ON runs(name, kind, """ + TASK_ID + """, started_at);
+CREATE INDEX IF NOT EXISTS runs_campaign ON runs(kind, """ + CAMPAIGN_ID + """);
+CREATE INDEX IF NOT EXISTS runs_config ON runs(kind, config_hash);
+CREATE INDEX IF NOT EXISTS runs_parent ON runs(parent_id);
 """
 
 DEFAULT_LEDGER = Path("runs") / "ledger.sqlite"
@@ -282,12 +302,25 @@ class Ledger:
         with self.transaction() as cur:
             _merge_meta(cur, run_id, fields)
 
+    def plan_runs(self, runs: Iterable[dict]) -> None:
+        """Many planned runs (``start_run``'s keywords each, ``run_id``, ``name`` and ``kind`` among them; no lock:
+        a run's lock is taken when it starts, ``set_lock``) in one transaction, each with status ``planned``: a
+        campaign of thousands of runs writes its plan at once, and a reader sees all of it or none."""
+        with self.transaction() as cur:
+            cur.executemany(
+                "INSERT INTO runs (run_id, name, kind, spec_path, out_dir, config_hash, status, started_at, parent_id,"
+                " meta_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r["run_id"], r["name"], str(RunKind(r["kind"])), r.get("spec_path"), r.get("out_dir"),
+                  r.get("config_hash"), str(RunStatus.PLANNED), now(), r.get("parent_id"), _json(r.get("meta") or {}))
+                 for r in runs])
+
     def campaign_runs(self, campaign_id: str) -> list[dict]:
-        """The runs of a campaign (retries included), in the order they were planned."""
+        """The runs of a campaign (retries included), in the order they were planned (an indexed lookup)."""
         rows = []
-        for r in self.conn.execute("SELECT * FROM runs WHERE kind = 'campaign-run' ORDER BY rowid"):
+        for r in self.conn.execute(f"SELECT * FROM runs WHERE kind = ? AND {CAMPAIGN_ID} = ? ORDER BY rowid",
+                                   (str(RunKind.CAMPAIGN_RUN), campaign_id)):
             meta = json.loads(r["meta_json"] or "{}")
-            if meta.get("campaign_id") == campaign_id:
+            if meta.get("campaign_id") == campaign_id:  # what the index said, read back from the row
                 rows.append({**dict(r), "meta": meta})
         return rows
 
@@ -300,10 +333,19 @@ class Ledger:
             cur.execute("INSERT INTO notes (run_id, at, text) VALUES (?, ?, ?)", (run_id, now(), text))
 
     # -- reads ----------------------------------------------------------------
-    def runs(self, name: str | None = None, limit: int = 50) -> list[dict]:
-        q = "SELECT * FROM runs" + (" WHERE name = ?" if name else "") + " ORDER BY started_at DESC, rowid DESC LIMIT ?"
-        args = (name, limit) if name else (limit,)
-        return [dict(r) for r in self.conn.execute(q, args)]
+    def runs(self, name: str | None = None, limit: int = 50, kind: RunKind | str | None = None) -> list[dict]:
+        """The newest ``limit`` runs (of this name, of this kind), newest first."""
+        where = [(c, v) for c, v in (("name", name), ("kind", str(RunKind(kind)) if kind else None)) if v]
+        q = ("SELECT * FROM runs" + (" WHERE " + " AND ".join(f"{c} = ?" for c, _ in where) if where else "")
+             + " ORDER BY started_at DESC, rowid DESC LIMIT ?")
+        return [dict(r) for r in self.conn.execute(q, (*(v for _, v in where), limit))]
+
+    def task_runs(self, name: str, kind: RunKind | str, task_id: str) -> list[dict]:
+        """The runs of this name and kind that the task ``task_id`` started (``meta.task_id``), newest first: an
+        indexed lookup, however many other runs the name has (a campaign's runs carry its base spec's name)."""
+        return [dict(r) for r in self.conn.execute(
+            f"SELECT * FROM runs WHERE name = ? AND kind = ? AND {TASK_ID} = ? ORDER BY started_at DESC, rowid DESC",
+            (name, str(RunKind(kind)), task_id))]
 
     def has_run(self, run_id: str) -> bool:
         """Whether a run with exactly this id is in the ledger (no prefix matching: a node registering a run)."""

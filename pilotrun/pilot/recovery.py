@@ -7,7 +7,8 @@ a restart finds its own pilot and a new launch pilots again.
 
 Example::
 
-    plan = pilot_recovery(ledger.runs(spec.name, limit=200), "sky-2026-12-01-...-0", spec.config_hash())
+    task = "sky-2026-12-01-...-0"
+    plan = pilot_recovery(ledger.task_runs(spec.name, RunKind.PILOT, task), task, spec.config_hash())
     if plan.action == Recovery.PROVEN: ...   # not run again
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ def task_of(run: dict) -> str | None:
 
 
 def pilot_recovery(runs: list[dict], task_id: str, config_hash: str) -> RecoveryPlan:
-    """From ``runs`` (newest first, as ``Ledger.runs`` lists them), what the task ``task_id`` does now."""
+    """From ``runs`` (newest first, as ``Ledger.task_runs`` lists them), what the task ``task_id`` does now."""
     mine = [r for r in runs if r["kind"] == RunKind.PILOT and task_of(r) == task_id]
     if not mine:
         return RecoveryPlan(Recovery.START, None, f"task {task_id} has no pilot of this spec in the ledger yet")

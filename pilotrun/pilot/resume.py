@@ -49,7 +49,7 @@ def _parent(ledger: Ledger, name: str, target: str | None) -> dict:
         if parent["name"] != name:
             raise ResumeError(f"run {parent['run_id']} is of spec {parent['name']!r}, not {name!r}")
         return parent
-    parent = next((r for r in ledger.runs(name, limit=200) if r["kind"] == RunKind.PILOT and r["status"] in RESUMABLE
+    parent = next((r for r in ledger.runs(name, limit=200, kind=RunKind.PILOT) if r["status"] in RESUMABLE
                    and not ledger.children(r["run_id"])), None)
     if parent is None:
         raise ResumeError(f"no interrupted pilot named {name!r} in {ledger.path} (statuses "

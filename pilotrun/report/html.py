@@ -7,6 +7,8 @@ Example::
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
 from pathlib import Path
@@ -37,19 +39,55 @@ font-size:.8rem;max-height:30rem}.conclusion li{margin:.3rem 0;font-weight:600}d
 """
 
 
-def _e(x) -> str:
-    return html.escape(str(x)) if x is not None else ""
+class Html(str):
+    """Markup the report wrote itself: the one kind of text the page takes as it is.
+
+    Every value from the ledger, a spec, a lock or a file (names, ids, values, reasons, notes, paths) is text and
+    reaches the page only through :func:`_e`; :func:`_h` fills a literal template with escaped values, and
+    :func:`_table` and :func:`_page` escape whatever they are handed that is not ``Html``. A value forgotten on the
+    way shows as visible markup, never as markup the browser runs."""
+    __slots__ = ()
+
+    def __add__(self, other: str) -> Html:
+        return Html(str.__add__(self, _e(other)))
 
 
-def _table(head: list[str], rows: list[list], raw_cols: tuple[int, ...] = ()) -> str:
-    out = ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
+def _e(x) -> Html:
+    """The one escaping path (quotes included, so a value is safe in an attribute too)."""
+    if isinstance(x, Html):
+        return x
+    return Html(html.escape(str(x), quote=True) if x is not None else "")
+
+
+def _h(template: str, *values) -> Html:
+    """A literal ``template`` whose ``{}`` are filled with ``values``, each escaped unless it is ``Html``."""
+    return Html(template.format(*(_e(v) for v in values)))
+
+
+def _join(parts) -> Html:
+    return Html("".join(_e(p) for p in parts))
+
+
+def _plot(markup: str) -> Html:
+    """A plot from plots.py: a PNG as base64 in a data: URI, or matplotlib's SVG (its writer escapes every text and
+    attribute it draws, and plots.inline_svg escapes the label it adds). Trusted as markup for that reason only."""
+    return Html(markup)
+
+
+def _table(head: list[str], rows: list[list], cls: str = "") -> Html:
+    out = [_h("<table{}><tr>", _h(' class="{}"', cls) if cls else ""), *(_h("<th>{}</th>", h) for h in head),
+           Html("</tr>")]
     for r in rows:
-        out.append("<tr>" + "".join(f"<td>{c if i in raw_cols else _e(c)}</td>" for i, c in enumerate(r)) + "</tr>")
-    return "".join(out) + "</table>"
+        out.append(_h("<tr>{}</tr>", _join(_h("<td>{}</td>", c) for c in r)))
+    return _join(out + [Html("</table>")])
 
 
-def _verdict(v: str) -> str:
-    return f'<span class="verdict {_e(v)}">{_e(v)}</span>'
+def _verdict(v: str) -> Html:
+    return _h('<span class="verdict {}">{}</span>', v, v)
+
+
+def _status(status: str) -> Html:
+    return _h('<span class="{}">{}</span>', status, status)
 
 
 # Says so on the page if a plot fails to decode, and leaves the count on <html> for tests that open it.
@@ -60,12 +98,26 @@ CHECK_JS = ("addEventListener('load',()=>{const i=[...document.images],ok=i.filt
             "document.body.prepend(p);}})")
 
 
-def _page(title: str, subtitle: str, body: list[str]) -> str:
-    return (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
-            f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><style>{CSS}</style></head>"
-            f"<body><h1>{_e(title)}</h1><div class=\"sub\">{_e(subtitle)}</div>{''.join(body)}"
-            "<p class=\"sub\">Written by pilotrun. Everything above comes from the ledger; nothing was left out.</p>"
-            f"<script>{CHECK_JS}</script></body></html>")
+def script_hash(js: str) -> str:
+    """A CSP source that allows exactly this inline script's text."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(js.encode()).digest()).decode() + "'"
+
+
+# The page runs CHECK_JS and nothing else: no other inline script, no event handler attribute, nothing fetched (the
+# plots are data: images and inline SVG). A value that got past the escaping would still run nothing. Styles stay
+# inline (the stylesheet and matplotlib's SVG attributes): with nothing fetched they cannot send anything anywhere.
+CSP = ("default-src 'none'; script-src " + script_hash(CHECK_JS) + "; style-src 'unsafe-inline'; img-src data:; "
+       "base-uri 'none'; form-action 'none'")
+
+
+def _page(title: str, subtitle: str, body: list[Html]) -> str:
+    # The policy comes first in <head>: it holds only for what the parser meets after it.
+    return _h("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+              "<meta http-equiv=\"Content-Security-Policy\" content=\"{}\"><title>{}</title>"
+              "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><style>{}</style></head>"
+              "<body><h1>{}</h1><div class=\"sub\">{}</div>{}"
+              "<p class=\"sub\">Written by pilotrun. Everything above comes from the ledger; nothing was left out.</p>"
+              "<script>{}</script></body></html>", CSP, title, Html(CSS), title, subtitle, _join(body), Html(CHECK_JS))
 
 
 # -- pilot --------------------------------------------------------------------------------------
@@ -73,15 +125,16 @@ def _page(title: str, subtitle: str, body: list[str]) -> str:
 JOB_STAGES = job_memory_gates()  # their rows measure the job's own memory (declared by each gate)
 
 
-def _memory_plot(rows: list[dict], capacities: dict[str, int]) -> str:
+def _memory_plot(rows: list[dict], capacities: dict[str, int]) -> Html:
     stages = [r for r in rows if r["gate"] in JOB_STAGES and (r.get("memory") or {}).get("peak_allocated_bytes")]
     if not stages:
-        return "<p class=\"sub\">No stage measured tensor memory.</p>"
-    return inline_svg(memory_figure(stages, capacities), "peak memory per stage against each accelerator's capacity")
+        return Html("<p class=\"sub\">No stage measured tensor memory.</p>")
+    return _plot(inline_svg(memory_figure(stages, capacities),
+                            "peak memory per stage against each accelerator's capacity"))
 
 
-def _curve(points: list[tuple[int, float]], title: str, ylabel: str) -> str:
-    return png(curve_figure(points, title, ylabel))
+def _curve(points: list[tuple[int, float]], title: str, ylabel: str) -> Html:
+    return _plot(png(curve_figure(points, title, ylabel)))
 
 
 def _short(d: dict) -> str:
@@ -111,9 +164,9 @@ def _code(c: dict) -> str:
     return c["commit"][:12] + (" with uncommitted changes" if c.get("dirty") else " (clean)")
 
 
-def _lock_section(lock: dict | None, what: str = "") -> str:
+def _lock_section(lock: dict | None, what: str = "") -> Html:
     if not lock:
-        return "<h2>Lock</h2><p class=\"sub\">No lock recorded.</p>"
+        return Html("<h2>Lock</h2><p class=\"sub\">No lock recorded.</p>")
     summary = [["config hash", lock.get("config_hash", "")[:16]],
                ["python / torch", f"{lock['versions'].get('python')} / {lock['versions'].get('torch')}"],
                ["CUDA / HIP / cuDNN / NCCL", " / ".join(str(lock["versions"].get(k) or "-")
@@ -123,17 +176,17 @@ def _lock_section(lock: dict | None, what: str = "") -> str:
                         f"({lock.get('data', {}).get('source')})"],
                ["container", _container(lock.get("container") or {})],
                ["code", _code(lock.get("code") or {})]]
-    return ("<h2>Lock</h2>" + (f'<p class="sub">{_e(what)}</p>' if what else "")
-            + _table(["", ""], summary).replace("<table>", '<table class="kv">')
-            + f"<details><summary>the whole lock.json</summary><pre>{_e(json.dumps(lock, indent=1, sort_keys=True))}"
-            "</pre></details>")
+    return _h("<h2>Lock</h2>{}{}<details><summary>the whole lock.json</summary><pre>{}</pre></details>",
+              _h('<p class="sub">{}</p>', what) if what else "", _table(["", ""], summary, cls="kv"),
+              json.dumps(lock, indent=1, sort_keys=True))
 
 
-def _notes(led: Ledger, run_id: str) -> str:
+def _notes(led: Ledger, run_id: str) -> Html:
     notes = led.notes(run_id)
     if not notes:
-        return ""
-    return "<h2>Notes</h2>" + _table(["when", "note"], [[n["at"][:19].replace("T", " "), n["text"]] for n in notes])
+        return Html("")
+    return Html("<h2>Notes</h2>") + _table(["when", "note"],
+                                           [[n["at"][:19].replace("T", " "), n["text"]] for n in notes])
 
 
 _NUMBER = NonNegative()
@@ -155,7 +208,7 @@ ATTACHMENTS = {
 ATTACHMENT_CAP = 16 << 20
 
 
-def _attachments(folder: Path) -> str:
+def _attachments(folder: Path) -> Html:
     """The selection sheet and the plan, when they were saved beside the run (select/plan --json > file)."""
     out = []
     for name, (title, schema) in ATTACHMENTS.items():
@@ -163,8 +216,8 @@ def _attachments(folder: Path) -> str:
             data = read_json(folder / name, ATTACHMENT_CAP, schema, links=True)
         except FileProblem as exc:
             if exc.kind != FileKind.MISSING:
-                out.append(f"<h2>{title}</h2><p>{_e(str(exc))}: left out of the report (save `pilotrun "
-                           f"{'select' if name == 'selection.json' else 'plan'} ... --json` output there)</p>")
+                out.append(_h("<h2>{}</h2><p>{}: left out of the report (save `pilotrun {} ... --json` output there)"
+                              "</p>", title, str(exc), "select" if name == "selection.json" else "plan"))
             continue
         if name == "selection.json":
             out.append(_selection(title, data))
@@ -174,20 +227,20 @@ def _attachments(folder: Path) -> str:
                 for p_ in a.get("plans") or []:
                     rows.append([a["accelerator"], p_["days"], p_["gpus"], "yes" if p_["fits_with_margin"] else "no",
                                  p_["runs_that_fit"], money(p_.get("cost")), "; ".join(p_["advice"])])
-            out.append(f"<h2>{title}</h2>" + _table(["accelerator", "days", "GPUs", "fits", "runs", "rental cost",
-                                                     "advice"], rows))
-    return "".join(out)
+            out.append(_h("<h2>{}</h2>{}", title, _table(["accelerator", "days", "GPUs", "fits", "runs",
+                                                          "rental cost", "advice"], rows)))
+    return _join(out)
 
 
-def _selection(title: str, data: dict) -> str:
+def _selection(title: str, data: dict) -> Html:
     rows = [[r.get("experiment") or "", r["accelerator"], "yes" if r["fits"] else "no", f"{r['strategy']} x{r['gpus']}",
              f"{r['micro_batch_size']} x {r['grad_accum_steps']}", human_bytes(r["device_used_bytes"]),
              human_seconds(r.get("seconds_per_update")), money(r.get("cost_per_update")),
              money(r.get("cost_for_planned_updates")), r["software_stack"]["text"]] for r in data["rows"]]
-    out = [f"<h2>{title}</h2>" + _table(["experiment", "accelerator", "fits", "strategy", "mb x accum", "used",
-                                         "time/update", "cost/update", "cost for the updates", "stack"], rows)]
+    out = [_h("<h2>{}</h2>{}", title, _table(["experiment", "accelerator", "fits", "strategy", "mb x accum", "used",
+                                              "time/update", "cost/update", "cost for the updates", "stack"], rows))]
     adapters = dict.fromkeys(_adapter_line(r["adapter"]) for r in data["rows"] if r.get("adapter"))
-    return "".join(out + [f"<p>{_e(line)}</p>" for line in adapters if line])
+    return _join(out + [_h("<p>{}</p>", line) for line in adapters if line])
 
 
 def _adapter_line(view: dict) -> str:
@@ -197,14 +250,14 @@ def _adapter_line(view: dict) -> str:
         return "the adapter's line is left out: selection.json's 'adapter' is not select --json's"
 
 
-def _adapter_section(rows: list[dict]) -> str:
+def _adapter_section(rows: list[dict]) -> Html:
     """Trainable vs frozen parameters as the load gate measured them, and the export's artifacts, when only part
     of the model trains (an adapter): the share trained, its size, and the merged export's size and time."""
     load = next((r for r in rows if r["gate"] == GateName.LOAD and r.get("details")), None)
     d = LoadDetails.of((load or {}).get("details"))
     total, trainable = d.parameters, d.trainable_parameters
     if not total or trainable is None or trainable >= total:
-        return ""
+        return Html("")
     items = [["trainable parameters", f"{trainable:,} of {total:,} ({trainable / total:.2%})"]]
     for size, name in ((d.trainable_bytes, "adapter size"), (d.frozen_bytes, "frozen base")):
         if size is not None:
@@ -215,14 +268,14 @@ def _adapter_section(rows: list[dict]) -> str:
     if export is not None:
         items.append(["export", f"{export['verdict']}: {export['reason']}"
                       + (f" ({human_seconds(export['seconds'])})" if export.get("seconds") else "")])
-    return "<h2>Adapter</h2>" + _table(["", ""], items)
+    return Html("<h2>Adapter</h2>") + _table(["", ""], items)
 
 
 def render_pilot(led: Ledger, run: dict) -> str:
     from ..estimate.catalog import load_catalog
 
     rows = led.gate_rows(run["run_id"])
-    body = ["<h2>Gates</h2>"]
+    body = [Html("<h2>Gates</h2>")]
     table_rows = []
     for r in rows:
         mem = r.get("memory") or {}
@@ -231,12 +284,11 @@ def render_pilot(led: Ledger, run: dict) -> str:
                            human_bytes(mem.get("peak_allocated_bytes")) if mem.get("peak_allocated_bytes") else "",
                            human_bytes(mem.get("peak_reserved_bytes")) if mem.get("peak_reserved_bytes") else "",
                            human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") else "",
-                           _e(r["reason"])])
-    body.append(_table(["gate", "verdict", "time", "peak alloc", "peak reserved", "host RSS", "reason"], table_rows,
-                       raw_cols=(1, 6)))
+                           r["reason"]])
+    body.append(_table(["gate", "verdict", "time", "peak alloc", "peak reserved", "host RSS", "reason"], table_rows))
     body.append(_adapter_section(rows))
     caps = {a.name: a.memory_bytes for a in load_catalog().values()}
-    body.append("<h2>Memory per stage against each accelerator</h2>" + _memory_plot(rows, caps))
+    body.append(Html("<h2>Memory per stage against each accelerator</h2>") + _memory_plot(rows, caps))
     share = []
     for r in rows:
         peak = (r.get("memory") or {}).get("peak_allocated_bytes")
@@ -248,7 +300,7 @@ def render_pilot(led: Ledger, run: dict) -> str:
     # A pilot's per-update points are its updates (first_step, steady_step): rank 0's curve.
     train = [(m["step"], m["loss"]) for m in metrics if m["rank"] == 0 and m["loss"] is not None]
     if train:
-        body.append("<h2>Updates</h2>" + _curve(train, "training loss per update (the pilot's updates)", "loss"))
+        body.append(Html("<h2>Updates</h2>") + _curve(train, "training loss per update (the pilot's updates)", "loss"))
     overfit = next((losses for r in rows
                     if r["gate"] == GateName.OVERFIT and (losses := OverfitDetails.of(r["details"]).losses)), None)
     if overfit:
@@ -264,22 +316,22 @@ def render_pilot(led: Ledger, run: dict) -> str:
 
 # -- campaign -----------------------------------------------------------------------------------
 
-def _campaign_curves(led: Ledger, runs: list[dict], key: str, series: Series, title: str) -> str:
+def _campaign_curves(led: Ledger, runs: list[dict], key: str, series: Series, title: str) -> Html:
     fig = campaign_figure(led, runs, key, series, title)
     if fig is None:
-        return "<p class=\"sub\">No points recorded.</p>"
+        return Html("<p class=\"sub\">No points recorded.</p>")
     retried = [r for r in runs if is_retry(r)]
-    caption = ("<p class=\"sub\">Dashed, darker: a retry; its legend entry names the run it retried.</p>"
-               if retried else "")
-    return png(fig) + caption
+    caption = Html("<p class=\"sub\">Dashed, darker: a retry; its legend entry names the run it retried.</p>"
+                   if retried else "")
+    return _plot(png(fig)) + caption
 
 
-def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> str:
+def _campaign_dynamics(led: Ledger, runs: list[dict], key: str) -> Html:
     """Learning rate, gradient norm and throughput per update: what was kept besides the loss."""
     fig = dynamics_figure(led, runs, key)
     if fig is None:
-        return "<p class=\"sub\">No learning rate, gradient norm or throughput recorded.</p>"
-    return png(fig)
+        return Html("<p class=\"sub\">No learning rate, gradient norm or throughput recorded.</p>")
+    return _plot(png(fig))
 
 
 def render_campaign(led: Ledger, camp: dict) -> str:
@@ -291,26 +343,25 @@ def render_campaign(led: Ledger, camp: dict) -> str:
     key = meta.get("key", "")
     conclusion = conclude(key, meta.get("values", []), runs, interrupted=camp["status"] == "interrupted",
                           caveats=(meta.get("parallel") or {}).get("warnings", []))
-    body = ["<h2>Conclusion</h2><ul class=\"conclusion\">" + "".join(f"<li>{_e(t)}</li>" for t in conclusion["text"])
-            + "</ul>", _table([key, "final val loss, mean ± spread", "accuracy", "finished", "diverged",
-                               "beats control"], table(conclusion)),
-            f"<p class=\"sub\">{_e(conclusion['metric'])}; a variant beats the control only by more than the larger "
-            "seed spread. Declared before the start: " + _e(json.dumps(meta.get("campaign", {}).get("stop"))) + "</p>"]
+    body = [_h("<h2>Conclusion</h2><ul class=\"conclusion\">{}</ul>", _join(_h("<li>{}</li>", t)
+                                                                        for t in conclusion["text"])),
+            _table([key, "final val loss, mean ± spread", "accuracy", "finished", "diverged", "beats control"],
+                   table(conclusion)),
+            _h("<p class=\"sub\">{}; a variant beats the control only by more than the larger seed spread. Declared "
+               "before the start: {}</p>", conclusion["metric"], json.dumps(meta.get("campaign", {}).get("stop")))]
     rows = []
     for r in runs:
         m = r["meta"]
         final = final_val_loss(r["status"], m)
-        rows.append([r["run_id"], m.get("variant"), m.get("seed"),
-                     f'<span class="{_e(r["status"])}">{_e(r["status"])}</span>',
-                     stop_text(m),
+        rows.append([r["run_id"], m.get("variant"), m.get("seed"), _status(r["status"]), stop_text(m),
                      f"{final:.4g}" if final is not None else "",
                      link_text(m), json.dumps(m.get("changes")) if m.get("changes") else ""])
-    body.append("<h2>Every run</h2>" + _table(["run", key, "seed", "status", "stopped", "final val loss", "follows",
-                                               "changed"], rows, raw_cols=(3,)))
-    body.append("<h2>Training loss</h2>" + _campaign_curves(led, runs, key, Series.TRAIN,
-                                                           "training loss per update (x: where a run diverged)"))
-    body.append("<h2>Validation</h2>" + _campaign_curves(led, runs, key, Series.VAL, "validation loss"))
-    body.append("<h2>Learning rate, gradient norm, throughput</h2>" + _campaign_dynamics(led, runs, key))
+    body.append(Html("<h2>Every run</h2>") + _table(["run", key, "seed", "status", "stopped", "final val loss",
+                                                     "follows", "changed"], rows))
+    body.append(Html("<h2>Training loss</h2>") + _campaign_curves(
+        led, runs, key, Series.TRAIN, "training loss per update (x: where a run diverged)"))
+    body.append(Html("<h2>Validation</h2>") + _campaign_curves(led, runs, key, Series.VAL, "validation loss"))
+    body.append(Html("<h2>Learning rate, gradient norm, throughput</h2>") + _campaign_dynamics(led, runs, key))
     body.append(_attachments(Path(camp["out_dir"] or ".")))
     body.append(_lock_section(json.loads(camp["lock_json"]) if camp.get("lock_json") else None,
                               "taken from the control's first run at the start; each run's own lock is "
@@ -331,21 +382,19 @@ def render_campaign_run(led: Ledger, run: dict) -> str:
     r = {**run, "meta": meta}
     key = meta.get("key", "")
     final = final_val_loss(run["status"], meta)
-    facts = [["campaign", meta.get("campaign_id")], [key, json.dumps(meta.get("variant"))
-                                                     + (" (control)" if meta.get("control") else "")],
-             ["seed", meta.get("seed")], ["status", f'<span class="{_e(run["status"])}">{_e(run["status"])}</span>'],
-             ["stopped", _e(stop_text(meta))],
+    facts = [["campaign", meta.get("campaign_id")],
+             [key, json.dumps(meta.get("variant")) + (" (control)" if meta.get("control") else "")],
+             ["seed", meta.get("seed")], ["status", _status(run["status"])], ["stopped", stop_text(meta)],
              ["final validation loss", f"{final:.4g}" if final is not None else ""],
-             ["follows", _e(link_text(meta))], ["changed", _e(json.dumps(meta.get("changes") or {}))]]
+             ["follows", link_text(meta)], ["changed", json.dumps(meta.get("changes") or {})]]
     if meta.get("lock_drift"):
-        facts.append(["lock drift", _e(", ".join(meta["lock_drift"]))])
-    body = ["<h2>Run</h2>" + _table(["", ""], [[_e(a), b] for a, b in facts], raw_cols=(0, 1))
-            .replace("<table>", '<table class="kv">'),
-            f"<p class=\"sub\">Compared with the other runs in <code>pilotrun report {_e(meta.get('campaign_id'))}"
-            "</code>.</p>",
-            "<h2>Training loss</h2>" + _campaign_curves(led, [r], key, Series.TRAIN, "training loss per update"),
-            "<h2>Validation</h2>" + _campaign_curves(led, [r], key, Series.VAL, "validation loss"),
-            "<h2>Learning rate, gradient norm, throughput</h2>" + _campaign_dynamics(led, [r], key),
+        facts.append(["lock drift", ", ".join(map(str, meta["lock_drift"]))])
+    body = [Html("<h2>Run</h2>") + _table(["", ""], facts, cls="kv"),
+            _h("<p class=\"sub\">Compared with the other runs in <code>pilotrun report {}</code>.</p>",
+               meta.get("campaign_id")),
+            Html("<h2>Training loss</h2>") + _campaign_curves(led, [r], key, Series.TRAIN, "training loss per update"),
+            Html("<h2>Validation</h2>") + _campaign_curves(led, [r], key, Series.VAL, "validation loss"),
+            Html("<h2>Learning rate, gradient norm, throughput</h2>") + _campaign_dynamics(led, [r], key),
             _lock_section(json.loads(run["lock_json"]) if run.get("lock_json") else None), _notes(led, run["run_id"])]
     return _page(f"Campaign run: {run['run_id']}", f"{key} = {json.dumps(meta.get('variant'))} · seed "
                  f"{meta.get('seed')} · {run['status']}", body)
