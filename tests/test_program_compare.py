@@ -1,9 +1,24 @@
 """The resume comparison on a program's updates (pure logic): the first update and field that differ, and why."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from pilotrun.drivers import OnProgram
 from pilotrun.gates.registry import BY_NAME, GATES
-from pilotrun.program.compare import Cause, compare_updates, reproducibility, values_equal
+from pilotrun.ledger.records import Verdict
+from pilotrun.program.compare import (
+    CAUSE_TEXT,
+    Basis,
+    Cause,
+    Comparison,
+    Difference,
+    compare_updates,
+    reproducibility,
+    values_equal,
+)
+from pilotrun.program.env import Role
+from pilotrun.program.resume import SavePoint, misnumbered, no_room_row, resume_rows, save_point, with_save_point
+from pilotrun.program.runner import RunOutcome
 
 
 def _run(n, lr=lambda u: 0.1 / u, loss=lambda u: 1.0 / u, ids=lambda u: [2 * u, 2 * u + 1], start=1, **extra):
@@ -36,19 +51,138 @@ def test_loss_with_same_ids_is_state_saved_at_the_wrong_point_even_when_lr_moved
     assert (d.update, d.field, d.cause) == (3, "loss", Cause.STATE_SAVED_AT_WRONG_POINT)
 
 
-def test_a_loss_difference_without_ids_names_both_causes_not_the_same_examples():
+def test_without_ids_the_first_differing_update_and_field_name_the_likely_cause():
     # Found piloting nanoGPT with the minimal handle: its resumed update re-trained update 1's batch, and the reason
-    # said "same examples, different loss", a comparison that was never made (no ids reported).
+    # said "same examples, different loss", a comparison that was never made (no ids reported). Then every cause was
+    # listed even where the pattern points to one: update N+1 equal and N+2 different is the optimizer state.
     no_ids = lambda u: None  # noqa: E731
-    resumed = _run(4, start=3, ids=no_ids, loss=lambda u: 7.0)
-    d = compare_updates(_run(4, ids=no_ids), resumed, 3, 4, exact=True).difference
-    assert (d.update, d.field, d.cause) == (3, "loss", Cause.DATA_OR_STATE)
-    assert "same examples" not in d.sentence() and "data order" in d.sentence() and "model or optimizer" in d.sentence()
-    later = _run(4, start=3, ids=no_ids, loss=lambda u: 1.0 / u if u == 3 else 7.0)  # first resumed update equal
-    assert compare_updates(_run(4, ids=no_ids), later, 3, 4, exact=True).difference.cause == Cause.DATA_OR_STATE
-    # With ids reported on both sides, the same loss difference is the state's.
-    with_ids = compare_updates(_run(4), _run(4, start=3, loss=lambda u: 7.0), 3, 4, exact=True).difference
-    assert with_ids.cause == Cause.STATE_SAVED_AT_WRONG_POINT
+    control = _run(5, ids=no_ids)
+    first = _first(compare_updates(control, _run(5, start=3, ids=no_ids, loss=lambda u: 7.0), 3, 5, exact=True))
+    assert (first.update, first.field, first.cause, first.basis) == (3, "loss", Cause.DATA_ORDER_OR_RNG, Basis.PATTERN)
+    text = first.sentence()
+    assert "— likely: the first resumed update already differs: the data order was not restored" in text, text
+    assert "RNG that dropout" in text and "same examples" not in text and "pass ids=[...]" in text
+    later = _run(5, start=3, ids=no_ids, loss=lambda u: 1.0 / u if u == 3 else 7.0)  # N+1 equal, N+2 different
+    d = _first(compare_updates(control, later, 3, 5, exact=True))
+    assert (d.update, d.field, d.cause) == (4, "loss", Cause.OPTIMIZER_STATE_NOT_RESTORED) and d.likely
+    assert "likely: the first resumed update matched and a later one differs" in d.sentence()
+    assert "data order" not in d.sentence()
+    lr = _first(compare_updates(control, _run(5, start=3, ids=no_ids, lr=lambda u: 0.5), 3, 5, exact=True))
+    assert (lr.update, lr.cause) == (3, Cause.SCHEDULER_NOT_RESTORED) and "likely: the learning-rate" in lr.sentence()
+    grad = _run(5, start=3, ids=no_ids)
+    grad[0]["grad_norm"] = 9.0
+    g = _first(compare_updates(control, grad, 3, 5, exact=True))
+    assert (g.update, g.cause) == (3, Cause.GRADIENT_STATE) and "likely: same loss" in g.sentence()
+    # The update counter needs no ids: said as it is, not as "likely".
+    step = _first(compare_updates(control, _run(2, ids=no_ids), 3, 5, exact=True))
+    assert step.cause == Cause.STEP_NOT_RESTORED and "likely" not in step.sentence()
+    # A program unseeded stays that, whatever the pattern.
+    fresh = _first(reproducibility(control, _run(2, ids=no_ids, loss=lambda u: 7.0), 2, exact=True, rtol=0))
+    assert fresh.cause == Cause.NOT_REPRODUCIBLE and "likely" not in fresh.sentence()
+
+
+def test_with_ids_the_reasons_are_the_fields_own_not_likely():
+    with_ids = _first(compare_updates(_run(4), _run(4, start=3, loss=lambda u: 7.0), 3, 4, exact=True))
+    assert (with_ids.cause, with_ids.basis) == (Cause.STATE_SAVED_AT_WRONG_POINT, Basis.FIELDS)
+    assert "likely" not in with_ids.sentence() and with_ids.sentence().endswith(CAUSE_TEXT[with_ids.cause])
+    lr = _first(compare_updates(_run(4), _run(4, start=3, lr=lambda u: 0.5), 3, 4, exact=True))
+    assert lr.cause == Cause.SCHEDULER_NOT_RESTORED and not lr.likely and "likely" not in lr.sentence()
+    # Ids on one side only are not a comparison of the examples: the pattern's likely cause.
+    one_side = compare_updates(_run(4), _run(4, start=3, ids=lambda u: None, loss=lambda u: 7.0), 3, 4, exact=True)
+    assert one_side.cause == Cause.DATA_ORDER_OR_RNG and _first(one_side).likely
+
+
+def _events(role, script, ids=True, tmp=Path("/nonexistent")):
+    """A run's outcome on rank 0 from a script of ("u", n) updates and ("s", n) saves, in the order reported."""
+    events = [{"kind": "start", "rank": 0, "world_size": 1}]
+    for kind, n in script:
+        if kind == "u":
+            events.append({"kind": "update", "rank": 0, "update": n, "loss": 1.0 / n, "lr": 0.1, "grad_norm": 0.5,
+                           "ids": [n] if ids else None, "extra": {}})
+        else:
+            events.append({"kind": "saved", "rank": 0, "update": n, "path": str(tmp / f"ck{n}.pt"), "asked": False})
+    killed = role == Role.INTERRUPTED
+    return RunOutcome(role, -9 if killed else 0, 0.1, tmp / f"{role}.log", events={0: events}, killed=killed,
+                      killed_pids=[1] if killed else [])
+
+
+def _first(diff: Comparison) -> Difference:
+    assert diff.difference is not None, diff
+    return diff.difference
+
+
+def _auto_point(control: RunOutcome) -> SavePoint:
+    point = save_point(control, "auto", 50)
+    assert point is not None
+    return point
+
+
+def _updates(*numbers):
+    return [("u", n) for n in numbers]
+
+
+def test_the_resume_row_records_the_basis_and_the_fix_it_gives():
+    control = _events(Role.CONTROL, [*_updates(1, 2), ("s", 2), *_updates(3, 4, 5)], ids=False)
+    interrupted = _events(Role.INTERRUPTED, [*_updates(1, 2), ("s", 2)], ids=False)
+    resumed = _events(Role.RESUMED, _updates(3, 4, 5), ids=False)
+    resumed.events[0][-1]["loss"] = 7.0  # update 5 differs after an equal update 3 and 4
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: resumed}, 2, 3, True,
+                         0.0, "bitwise")
+    assert row.verdict == Verdict.FAIL and "update 5: loss" in row.reason
+    assert "likely: the first resumed update matched" in row.reason
+    detail = row.details["difference"]
+    assert (detail["cause"], detail["basis"]) == ("optimizer-state-not-restored", "pattern")
+    assert detail["fix"].startswith("likely: ") and detail["fix"] in row.reason
+
+
+def test_a_save_numbered_unlike_the_update_before_it_is_found_on_its_rank():
+    run = _events(Role.CONTROL, [("s", 0), *_updates(1, 2), ("s", 2), ("u", 3), ("s", 5), ("u", 4), ("s", 3)])
+    assert [(m.rank, m.saved, m.after) for m in misnumbered(run)] == [(0, 5, 3), (0, 3, 4)]
+    ahead, behind = misnumbered(run)
+    assert "job.saved(5) was reported after job.update(3) on rank 0" in ahead.said()
+    assert "job.saved(3, path)" in ahead.said() and "call job.update(5, ...) before job.saved(5)" in ahead.said()
+    assert "job.saved(4, path)" in behind.said() and "before job.saved(3)" not in behind.said()
+    assert misnumbered(_events(Role.CONTROL, [*_updates(1, 2), ("s", 2), ("u", 3)])) == []
+
+
+def test_a_misnumbered_first_save_is_named_not_blamed_on_a_checkpoint_at_the_end_of_training():
+    # Found: job.saved(8) after job.update(7) in a control that ended after update 9, and the row said "a checkpoint
+    # at the end of training is not one a long run resumes from".
+    control = _events(Role.CONTROL, [*_updates(*range(1, 8)), ("s", 8), *_updates(8, 9)])
+    point = _auto_point(control)
+    assert point.update == 8
+    row = no_room_row(control, point, 2)
+    assert row.verdict == Verdict.FAIL and "end of training" not in row.reason
+    assert "job.saved(8) was reported after job.update(7) on rank 0: saved(N) must follow update(N)" in row.reason
+    assert "after update 9" in row.reason and "the resume was not proven" in row.reason
+    assert row.details["misnumbered_saves"] == [{"rank": 0, "saved": 8, "after_update": 7}]
+    # A save numbered right keeps the schedule's reason.
+    right = _events(Role.CONTROL, [*_updates(*range(1, 9)), ("s", 8), ("u", 9)])
+    assert "A checkpoint at the end of training" in no_room_row(right, _auto_point(right), 2).reason
+
+
+def test_a_resume_that_passes_warns_naming_both_numbers_of_a_misnumbered_save():
+    control = _events(Role.CONTROL, [*_updates(1, 2), ("s", 2), *_updates(3, 4), ("s", 5), ("u", 5)])
+    interrupted = _events(Role.INTERRUPTED, [*_updates(1, 2), ("s", 2)])
+    resumed = _events(Role.RESUMED, _updates(3, 4))
+    runs = {Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: resumed}
+    point = _auto_point(control)
+    (row,) = with_save_point(resume_rows(runs, 2, 2, True, 0.0, "bitwise", asked=False), point, control)
+    assert row.verdict == Verdict.WARN and "updates 3–4 equal the control's" in row.reason
+    assert "job.saved(5) was reported after job.update(4) on rank 0" in row.reason
+    assert row.details["misnumbered_saves"] == [{"rank": 0, "saved": 5, "after_update": 4}]
+    # The same runs numbered right pass.
+    control.events[0][-2]["update"] = 4
+    (row,) = with_save_point(resume_rows(runs, 2, 2, True, 0.0, "bitwise", asked=False), point, control)
+    assert row.verdict == Verdict.PASS and "misnumbered_saves" not in row.details
+    # A failing row stays a failure, and says the numbering too: saved(3) after update(2) kills the interrupted run
+    # before it reports update 3.
+    control = _events(Role.CONTROL, [*_updates(1, 2), ("s", 3), *_updates(3, 4, 5)])
+    runs = {Role.CONTROL: control, Role.INTERRUPTED: _events(Role.INTERRUPTED, [*_updates(1, 2), ("s", 3)])}
+    (row,) = with_save_point(resume_rows(runs, 3, 2, True, 0.0, "bitwise", asked=False),
+                             _auto_point(control), control)
+    assert row.verdict == Verdict.FAIL and "update 3: update (missing in interrupted)" in row.reason
+    assert "job.saved(3) was reported after job.update(2) on rank 0" in row.reason
 
 
 def test_differing_id_lists_are_shown_from_their_first_difference_with_the_count():

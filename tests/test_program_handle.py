@@ -180,3 +180,24 @@ def test_the_live_tail_a_campaign_reads_keeps_only_signed_whole_lines(tmp_path):
         fh.write(line[20:] + "\n")  # the rest of a line that was mid-write at the last poll
     assert [e["update"] for e in tail.poll()] == [2]
     assert len(tail.problems) == 1 and "line 3 is not signed with this run's key" in tail.problems[0]
+
+
+def test_a_save_numbered_unlike_the_last_update_is_said_once_on_stderr_and_still_reported(tmp_path, capsys):
+    job = _active(tmp_path, **{E.SAVE_AT: ""})
+    ck = tmp_path / "ck" / "u.pt"
+    ck.parent.mkdir(parents=True)
+    ck.write_bytes(b"x")
+    job.saved(0, ck)  # the initial state, before any update: nothing to check it against
+    job.update(1, loss=0.5, lr=0.1)
+    job.saved(1, ck)
+    assert capsys.readouterr().err == ""
+    job.update(2, loss=0.4, lr=0.1)
+    job.saved(3, ck)
+    err = capsys.readouterr().err
+    assert "pilotrun: job.saved(3) after job.update(2): saved(N) must follow update(N)" in err
+    job.update(3, loss=0.3, lr=0.1)
+    job.saved(5, ck)
+    assert capsys.readouterr().err == ""  # said once: the pilot's row lists them all
+    # The save stays an event as reported: the parent reads the order and names both numbers in the resume row.
+    assert [(e["kind"], e["update"]) for e in _events(job.events_path) if e["kind"] in ("update", "saved")] == [
+        ("saved", 0), ("update", 1), ("saved", 1), ("update", 2), ("saved", 3), ("update", 3), ("saved", 5)]

@@ -8,7 +8,9 @@ differing field, so a consequence is never reported before its cause: a loss mov
 the first resumed update is computed from the restored model alone (the lr reported for it acts only on the
 next one), so a loss difference there is the model state (or the dropout RNG), an lr difference with equal losses is
 the scheduler, and a loss that differs only from the second resumed update on is the optimizer's state (the first
-resumed optimizer.step() used it).
+resumed optimizer.step() used it). Without ids the examples are not compared, so the same pattern names the
+likely cause and the sentence says so (:class:`Basis`): the first resumed update's loss -> the data order or the RNG,
+an equal first update and a later difference -> the optimizer state.
 
 Example::
 
@@ -41,7 +43,21 @@ class Cause(TextEnum):
     STEP_NOT_RESTORED = "step-not-restored"              # the resumed run numbered its updates from the start again
     UPDATE_AFTER_SAVED = "update-after-saved"            # job.update(N) after job.saved(N): killed before reporting
     OTHER_RANK = "other-rank"                            # grad_norm alone here, after another rank's ids/loss moved
-    DATA_OR_STATE = "data-or-state"                      # loss, with no ids reported to tell the data from the state
+    DATA_ORDER_OR_RNG = "data-order-or-rng"              # no ids: the first resumed update's loss already differs
+
+
+class Basis(TextEnum):
+    """What a difference's cause rests on: the fields compared, or (no ids) the pattern of which update differs."""
+
+    FIELDS = "fields"    # the examples were compared (ids on both sides), or the cause needs no ids
+    PATTERN = "pattern"  # no ids reported: the cause is read from the first update and field that differ — likely
+
+
+# The causes a pattern names without ids: the sentence says "likely" (the examples were not compared).
+LIKELY = frozenset({Cause.DATA_ORDER_OR_RNG, Cause.OPTIMIZER_STATE_NOT_RESTORED, Cause.SCHEDULER_NOT_RESTORED,
+                    Cause.GRADIENT_STATE})
+NO_IDS = ("; the program reported no ids, so the examples were not compared: pass ids=[...] of the update's "
+          "examples to job.update to tell")
 
 
 CAUSE_TEXT = {
@@ -71,11 +87,11 @@ CAUSE_TEXT = {
                               "update N: call job.update(N, ...) before job.saved(N)",
     Cause.OTHER_RANK: "same examples and loss on this rank, different gradient norm: the gradients are averaged "
                       "across ranks (DDP/FSDP), so this follows another rank's difference, not this rank's state",
-    Cause.DATA_OR_STATE: "different loss, and the program reported no ids, so which examples the update trained on "
-                         "was not compared: either the data order was not restored (the sampler/shuffle RNG, the "
-                         "position in the epoch) or the state was not (the model or optimizer state in the "
-                         "checkpoint, the RNG dropout draws from); pass ids=[...] of the update's examples to "
-                         "job.update to tell which",
+    Cause.DATA_ORDER_OR_RNG: "the first resumed update already differs: the data order was not restored (the "
+                             "sampler/shuffle RNG, the position in the epoch) or the RNG that dropout/augmentation "
+                             "draws from was not (torch.get_rng_state()/set_rng_state(), set after anything on "
+                             "resume that draws from it, such as iter(DataLoader)); less often the model state "
+                             "in the checkpoint is not the state after the update it names",
 }
 # The order fields are compared in within one update (cause before consequence).
 FIELDS = ("ids", "loss", "lr", "grad_norm")
@@ -93,6 +109,16 @@ class Difference:
     other_name: str = "resumed"
     origin: str = ""  # the other rank this difference follows from (attribute_across_ranks), else empty
     ids_are: IdKind = IdKind.ITEM  # what the control's ids at this update are (an integration's dataset positions)
+    basis: Basis = Basis.FIELDS
+
+    @property
+    def likely(self) -> bool:
+        """Whether the cause is the pattern's likely one (no ids compared), said as such."""
+        return self.basis == Basis.PATTERN and self.cause in LIKELY
+
+    def fix(self) -> str:
+        """The cause's text, as the row's details and sentence give it."""
+        return f"likely: {CAUSE_TEXT[self.cause]}{NO_IDS}" if self.likely else CAUSE_TEXT[self.cause]
 
     def sentence(self) -> str:
         where = f"update {self.update}" if self.update is not None else "updates"
@@ -102,7 +128,7 @@ class Difference:
         else:
             what, control, other = self.field, _show(self.control), _show(self.other)
         return (f"{where}: {what} {control} (control) vs {other} ({self.other_name}) — "
-                f"{CAUSE_TEXT[self.cause]}{origin}")
+                f"{self.fix()}{origin}")
 
 
 @dataclass
@@ -180,15 +206,9 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
                 continue  # the program did not report ids: nothing to compare (the row says so)
             ok, rel = values_equal(va, vb, exact, rtol)
             if not ok:
-                cause = FIELD_CAUSE[name]
-                if name in ("loss", "grad_norm") and out.compared:
-                    # Every field of the first resumed update matched, so the restored weights, data and lr were
-                    # right; what moved the weights differently since is the optimizer's own state.
-                    cause = Cause.OPTIMIZER_STATE_NOT_RESTORED
-                if name == "loss" and not ids_compared:
-                    # "Same examples" would claim a comparison that was not made: another batch moves the loss too.
-                    cause = Cause.DATA_OR_STATE
-                out.difference = Difference(n, name, va, vb, cause, other_name, ids_are=IdKind.of(ra))
+                out.difference = Difference(n, name, va, vb, _cause(name, bool(out.compared), ids_compared),
+                                            other_name, ids_are=IdKind.of(ra),
+                                            basis=Basis.FIELDS if ids_compared else Basis.PATTERN)
                 return out
             if math.isfinite(rel):
                 out.largest_rel = max(out.largest_rel, rel)
@@ -201,6 +221,19 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
                 return out
         out.compared.append(n)
     return out
+
+
+def _cause(name: str, after_equal: bool, ids_compared: bool) -> Cause:
+    """The cause of a difference in ``name`` (one of FIELDS); ``after_equal``: an earlier resumed update matched."""
+    if name in ("loss", "grad_norm") and after_equal:
+        # Every field of the first resumed update matched, so the restored weights, data and lr were right; what
+        # moved the weights differently since is the optimizer's own state. Without ids only likely so (a later
+        # batch was not compared), but a data order not restored shows from the first resumed update already.
+        return Cause.OPTIMIZER_STATE_NOT_RESTORED
+    if name == "loss" and not ids_compared:
+        # "Same examples" would claim a comparison that was not made: another batch moves the loss too.
+        return Cause.DATA_ORDER_OR_RNG
+    return FIELD_CAUSE[name]
 
 
 def reproducibility(control: list[dict], interrupted: list[dict], until: int, exact: bool,

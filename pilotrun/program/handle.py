@@ -50,7 +50,9 @@ Contract (stable: the transformers and Lightning integrations are built on it)::
 ``job.saved(update, path)``
     A checkpoint holding the state *after* update ``update`` is complete at ``path`` (call it on the rank that
     writes it, after the write; with per-rank files after a barrier). In the interrupted run this call does not
-    return: pilotrun kills the whole process group with SIGKILL there.
+    return: pilotrun kills the whole process group with SIGKILL there. ``update`` is the update this rank reported
+    last (``saved(N)`` follows ``update(N)``): a save numbered otherwise is said on stderr and the resume row warns,
+    naming both numbers.
 ``with job.stage(name, inputs=None, track=()) as st:``
     :func:`pilotrun.stage`'s measurement (time, peaks kept apart, a ``fail`` row on an exception). Names the pilot
     reads: ``first_step``, ``steady_step``, ``eval``, ``save`` (also ``load``).
@@ -78,6 +80,7 @@ import json
 import math
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -166,6 +169,7 @@ class ProgramHandle:
         self._last_update: int | None = None
         self._asked: set[int] = set()      # updates should_save said True for
         self._first_save: int | None = None
+        self._misnumbered = False  # a save numbered unlike the update before it was said on stderr
         self._session: Session | None = None
         self._rule_broken = False   # a campaign's stop rule broken by a reported loss
         if self.active:
@@ -276,6 +280,7 @@ class ProgramHandle:
             self._problem(update, "saved", f"job.saved({update}, {str(path)!r}): nothing exists at {where}; call "
                           "it after the checkpoint is written")
             return
+        self._check_numbering(update)
         self._emit(Event.SAVED, update=update, path=str(where), asked=update in self._asked)
         if self._first_save is None:
             self._first_save = update
@@ -287,6 +292,17 @@ class ProgramHandle:
             while time.monotonic() < deadline:
                 time.sleep(0.05)
             os._exit(3)
+
+    def _check_numbering(self, update: int) -> None:
+        """Say on stderr, once, a save numbered unlike the update reported last (the pilot's resume row names it
+        too: the parent reads the same order of events). In the interrupted run the process is killed right after."""
+        last = self._last_update
+        if last is None or update == last or self._misnumbered:
+            return
+        self._misnumbered = True
+        sys.stderr.write(f"pilotrun: job.saved({update}) after job.update({last}): saved(N) must follow update(N), "
+                         "the checkpoint holding the state after the update it names\n")
+        sys.stderr.flush()
 
     def describe(self, model: Any = None, optimizer: Any = None, *, facts: Any = None, **settings: Any) -> None:
         if not self.active:

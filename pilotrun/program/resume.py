@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ledger.records import Failure, GateRow, TextEnum, Verdict
-from .compare import CAUSE_TEXT, FIELDS, Comparison, attribute_across_ranks, compare_updates, reproducibility
+from .compare import FIELDS, Comparison, attribute_across_ranks, compare_updates, reproducibility
 from .env import IDS_ARE, Event, IdKind, Role
 from .runner import RunOutcome
 
@@ -78,6 +78,42 @@ def save_point(control: RunOutcome, before: int | str, within: int) -> SavePoint
     return SavePoint(before, SaveKind.OWN if before in own else SaveKind.ASKED, own, False, within)
 
 
+@dataclass(frozen=True)
+class Misnumbered:
+    """A save reported under another number than the update before it on its rank: ``saved(N)`` must follow
+    ``update(N)``, the checkpoint holding the state after the update it names."""
+
+    rank: int
+    saved: int
+    after: int  # the update the rank reported last before the save
+
+    def said(self) -> str:
+        # saved(N+1) after update(N) is either a save numbered one ahead or one made before its update was
+        # reported: the events cannot tell which, so both fixes are named.
+        ahead = (f", or, if it holds update {self.saved}'s state, call job.update({self.saved}, ...) before "
+                 f"job.saved({self.saved})") if self.saved > self.after else ""
+        return (f"job.saved({self.saved}) was reported after job.update({self.after}) on rank {self.rank}: saved(N) "
+                f"must follow update(N) (the checkpoint holds the state after the update it names); number the save "
+                f"by the last update reported, job.saved({self.after}, path){ahead}")
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "saved": self.saved, "after_update": self.after}
+
+
+def misnumbered(run: RunOutcome) -> list[Misnumbered]:
+    """Each save of ``run`` whose number is not the update its rank reported just before (a save before any update,
+    such as the initial state, is not checked)."""
+    out = []
+    for rank in run.ranks:
+        last: int | None = None
+        for event in run.events.get(rank, []):
+            if event.get("kind") == Event.UPDATE:
+                last = int(event["update"])
+            elif event.get("kind") == Event.SAVED and last is not None and int(event["update"]) != last:
+                out.append(Misnumbered(rank, int(event["update"]), last))
+    return out
+
+
 def _last_update(control: RunOutcome) -> int:
     return max((int(u["update"]) for r in control.ranks for u in control.updates(r)), default=0)
 
@@ -102,6 +138,15 @@ def no_own_save_row(control: RunOutcome, within: int) -> GateRow:
 def no_room_row(control: RunOutcome, point: SavePoint, after: int) -> GateRow:
     """``before: auto`` and the program's first checkpoint leaves fewer than ``after`` updates to compare."""
     last = _last_update(control)
+    wrong = next((m for m in misnumbered(control) if m.saved == point.update), None)
+    if wrong is not None:
+        # Counted from a save whose number is not its update's, "no room" and "a checkpoint at the end of training"
+        # would blame the schedule for what the numbering did (found: job.saved(8) after job.update(7)).
+        return _fail(f"the program's first checkpoint of its own: {wrong.said()}. Counted from update {point.update}, "
+                     f"the control run, which {control.how_it_ended()} after update {last}, leaves fewer than the "
+                     f"{after} updates the resume gate compares after it (pilot.resume.after), so the resume was not "
+                     "proven", {"before": "auto", "save_point": point.to_dict(), "misnumbered_saves": [wrong.to_dict()],
+                                "logs": {str(control.role): str(control.log)}})
     return _fail(f"the program's first checkpoint of its own is after update {point.update} and the control run "
                  f"{control.how_it_ended()} after update {last}: fewer than the {after} updates after it that the "
                  "resume gate compares (pilot.resume.after). A checkpoint at the end of training is not one a long run "
@@ -111,14 +156,22 @@ def no_room_row(control: RunOutcome, point: SavePoint, after: int) -> GateRow:
 
 
 def with_save_point(rows: list[GateRow], point: SavePoint, control: RunOutcome) -> list[GateRow]:
-    """Every row says which checkpoint the proof ran at; a passing one warns when it was not the program's own."""
+    """Every row says which checkpoint the proof ran at; a passing one warns when it was not the program's own, and
+    every row warns (a failing one says why too) when the control numbered a save unlike its update."""
     updates = max((len(control.updates(r)) for r in control.ranks), default=0)
     text, warns = point.said(updates)
+    wrong = misnumbered(control)
     for row in rows:
         row.details = {**row.details, "save_point": point.to_dict()}
         if row.verdict in (Verdict.PASS, Verdict.WARN):
             row.reason = f"{row.reason}; {text}"
             if warns:
+                row.verdict = Verdict.WARN
+        if wrong:
+            more = f" (and {len(wrong) - 1} more save(s) so numbered; see details)" if len(wrong) > 1 else ""
+            row.reason = f"{row.reason}; {wrong[0].said()}{more}"
+            row.details["misnumbered_saves"] = [m.to_dict() for m in wrong]
+            if row.verdict == Verdict.PASS:
                 row.verdict = Verdict.WARN
     return rows
 
@@ -273,7 +326,7 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
     if diff.difference is not None:
         d = diff.difference
         details["difference"] = {"update": d.update, "field": d.field, "control": d.control, "other": d.other,
-                                 "run": d.other_name, "cause": str(d.cause), "fix": CAUSE_TEXT[d.cause],
+                                 "run": d.other_name, "cause": str(d.cause), "fix": d.fix(), "basis": str(d.basis),
                                  **({"origin": d.origin} if d.origin else {}),
                                  **({"ids_are": str(d.ids_are)} if d.field == "ids" else {})}
         stage = "before the save (fresh runs)" if not reproducible else "after the resume"
