@@ -434,8 +434,9 @@ class ResumeSpec:
             yield "rtol", "must be 0 or more"
 
 
-# The fixes `pilotrun variants` runs beside the control unless pilot.variants.run names others (SPEC §4's order:
-# micro batch, checkpointing, precision). The definitions (what each sets) are pilotrun.variants.define's.
+# The fixes `pilotrun variants` runs beside the control unless pilot.variants.run names others (their order is that
+# of docs/guides/fix-memory.md, "What runs": micro batch, checkpointing, precision). The definitions (what each
+# sets) are pilotrun.variants.define's.
 BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing-selective", "checkpointing-selective-2", "checkpointing-every-2",
                     "checkpointing", "bf16", "fp16", "bf16-true")
 

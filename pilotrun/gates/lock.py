@@ -22,7 +22,8 @@ from ..lock import (
 )
 from .base import Gate, OnProgram, Outcome, Product
 
-# Cutting a length changes the expected outputs (SPEC §4): a different experiment, said as a warning.
+# Cutting a length changes the expected outputs (docs/guides/fix-memory.md, "Same or different experiment"): a
+# different experiment, said as a warning.
 LENGTH_KEYS = ("data.max_length", "eval.max_length")
 
 

@@ -1,4 +1,4 @@
-"""Pilot the training program a user already has (SPEC §10): ``pilotrun.program()`` returns its handle.
+"""Pilot the training program a user already has (docs/guides/program.md): ``pilotrun.program()`` returns its handle.
 
 ``handle`` (the program's side, stable API), ``env`` (the one place the parent→program variables and event kinds
 are named), the spec section ``program:`` (``config/program.py``), the runner, the run comparison and the resume rows

@@ -1,9 +1,10 @@
 """Which variants run beside the control, what each sets, and what it holds and changes (pure: spec in, data out).
 
-A variant is the control's spec with a few keys set (as ``--set`` takes them). SPEC §4's fixes keep the question:
-micro batch ÷2 with accumulation ×2 (examples per update held), activation checkpointing, a precision. A variant
-that changes what is learned — fewer examples per update, a shorter maximum length, other data, other trainable
-parameters (an adapter) — is a different experiment, and is labelled so whatever it saves.
+A variant is the control's spec with a few keys set (as ``--set`` takes them). The fixes of
+docs/guides/fix-memory.md keep the question: micro batch ÷2 with accumulation ×2 (examples per update held),
+activation checkpointing, a precision. A variant that changes what is learned — fewer examples per update, a
+shorter maximum length, other data, other trainable parameters (an adapter) — is a different experiment, and is
+labelled so whatever it saves.
 
 Example::
 
@@ -26,12 +27,12 @@ class Kind(TextEnum):
     """What a variant is, for the advisor and the rows."""
 
     CONTROL = "control"          # the spec as written
-    MEMORY_FIX = "memory-fix"    # SPEC §4's fixes: the same question, other memory and time
+    MEMORY_FIX = "memory-fix"    # docs/guides/fix-memory.md's fixes: the same question, other memory and time
     OWN = "own"                  # pilot.variants.custom: the user's; a memory fix only if it holds the question
 
 
-# The keys whose change makes a variant a different experiment (what is learned, from which examples): SPEC §4 and
-# §9 (an adapter is another experiment, never a memory fix).
+# The keys whose change makes a variant a different experiment (what is learned, from which examples):
+# docs/guides/fix-memory.md, "Same or different experiment" (an adapter is another experiment, never a memory fix).
 QUESTION_KEYS = ("data", "model.adapter", "model.quantization", "model.config", "model.name", "model.factory",
                  "eval.max_length", "train.updates", "train.optimizer", "train.scheduler", "seed")
 
@@ -62,7 +63,7 @@ class Planned:
 
 
 def builtin(name: str, spec) -> Variant | Skipped:
-    """One of SPEC §4's fixes for this control, or why it does not apply to it."""
+    """One of the fixes (docs/guides/fix-memory.md) for this control, or why it does not apply to it."""
     t = spec.train
     if name == "micro-batch-half":
         if t.micro_batch_size < 2 or t.micro_batch_size % 2:
@@ -89,8 +90,8 @@ def builtin(name: str, spec) -> Variant | Skipped:
 
 
 def plan_variants(spec) -> Planned:
-    """The variants ``pilotrun variants`` runs for this spec (``pilot.variants``), in SPEC §4's order, and those it
-    does not, with why."""
+    """The variants ``pilotrun variants`` runs for this spec (``pilot.variants``), in the order of
+    docs/guides/fix-memory.md, and those it does not, with why."""
     cfg = spec.pilot.variants
     out = Planned()
     for name in cfg.run if cfg.run is not None else BUILTIN_VARIANTS:
