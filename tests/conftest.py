@@ -292,7 +292,7 @@ def write_spec(path: Path, spec: dict) -> Path:
     return path
 
 
-# The gates in the order of SPEC §2, written out independently of the code under test.
+# The gates in the order of docs/reference/gates.md, written out independently of the code under test.
 SPEC_ORDER = ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step", "accum_equivalence", "eval",
               "save", "export", "restore", "resume", "overfit", "reload_eval"]
 
