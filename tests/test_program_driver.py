@@ -85,7 +85,7 @@ def test_each_declaration_becomes_its_rows(tmp_path):
     (load,) = driver.proven_rows(BY_NAME["load"])  # no stage of its name reported: the line to add
     assert load.verdict == Verdict.SKIP and load.reason.startswith("not measured: the program reported no 'load' stage")
     (batch,) = driver.proven_rows(BY_NAME["batch"])
-    assert batch.verdict == Verdict.SKIP and "transformers or Lightning integration" in batch.reason
+    assert batch.verdict == Verdict.SKIP and "the transformers or Lightning Trainer callback" in batch.reason
 
 
 def test_the_notes_name_what_went_on_no_row(tmp_path):

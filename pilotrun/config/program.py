@@ -31,14 +31,17 @@ TORCHRUN_WORD = "torchrun"
 # `accelerate launch ...` runs as python -m accelerate.commands.launch with pilotrun's interpreter, as torchrun does.
 ACCELERATE_WORDS = ("accelerate", "launch")
 TORCHRUN_MODULE, ACCELERATE_MODULE = "torch.distributed.run", "accelerate.commands.launch"
+# `fabric run ...` (Lightning Fabric's CLI) as python -m lightning.fabric.cli, whose module runs the `run` command.
+FABRIC_WORDS, FABRIC_MODULE = ("fabric", "run"), "lightning.fabric.cli"
 
 
 @dataclass
 class ProgramSpec:
     command: list[str] | str = doc(
         "the command line, a list or a string (split like a shell); run from the spec's folder; a first word "
-        "python/python3, torchrun or `accelerate launch` runs with pilotrun's own interpreter (torchrun as python -m "
-        "torch.distributed.run, accelerate launch as python -m accelerate.commands.launch)")
+        "python/python3, torchrun, `accelerate launch` or `fabric run` runs with pilotrun's own interpreter (torchrun "
+        "as python -m torch.distributed.run, accelerate launch as python -m accelerate.commands.launch, fabric run as "
+        "python -m lightning.fabric.cli)")
     files: list[str] | None = doc(
         "files (glob patterns, relative to the spec's folder) the lock hashes; default: the command's words that "
         "name existing files, the file of a module run with -m (python -m train: train.py), and the modules under "
@@ -292,7 +295,7 @@ def program_file_problems(spec: ProgramSpec, folder: Path) -> list[tuple[str, st
         problems.append(("program.command", f"no module {module!r} for `python -m` in {folder} nor on this "
                          "interpreter's sys.path (the program runs with pilotrun's own interpreter, from the spec's "
                          "folder); check the name, or install the package"))
-    launcher = words[0] == TORCHRUN_WORD or tuple(words[:2]) == ACCELERATE_WORDS
+    launcher = words[0] == TORCHRUN_WORD or tuple(words[:2]) in (ACCELERATE_WORDS, FABRIC_WORDS)
     if words[0] in PYTHON_WORDS or launcher:
         # python's script is its first plain word; a launcher's options take values, so its first word ending in .py
         if launcher:

@@ -1,4 +1,4 @@
-"""The user's own training program as a driver (``program:`` in the spec; SPEC §10).
+"""The user's own training program as a driver (``program:`` in the spec; docs/guides/program.md).
 
 The program runs in child processes (:mod:`pilotrun.program.runner`); this driver turns what it reported into the
 pilot's rows, as each gate declares (``Gate.on_program``):
@@ -37,9 +37,12 @@ from ..api import peaks_phrase
 from ..checkpoint.io import CheckpointError
 from ..checkpoint.trust import LoadPolicy
 from ..config.load import LOOP_RESUME_BEFORE
+from ..config.paths import GlobRefused
+from ..config.program import program_files
 from ..devices import query_devices
 from ..humanize import human_seconds
 from ..ledger.records import Failure, GateName, GateRow, Verdict
+from ..program.describe import integration_needed
 from ..program.env import Event, Role
 from ..program.resume import (
     fresh_runs_agree,
@@ -88,6 +91,7 @@ class ProgramDriver(Driver):
         self.leftovers_told: set[Role] = set()  # runs whose leftovers (processes, bad event lines) a row named
         # (folder, reported digest) -> (the digest pilotrun computed, or None and why not): each folder hashed once
         self.checked: dict[tuple[Any, Any], tuple[str | None, str]] = {}
+        self.integration_note: str | None = None  # read from the program's files when a row first needs it
 
     @classmethod
     def build(cls, spec, inputs, process: JobProcess, on_model=None, site: RunSite | None = None) -> ProgramDriver:
@@ -171,7 +175,7 @@ class ProgramDriver(Driver):
         recorded = [unvouched(GateRow.from_mapping(e["row"])) for e in recording.of(Event.GATE)
                     if e["row"].get("gate") == gate.name]
         if not recorded:
-            return [_not_on_program(gate)]
+            return [_not_on_program(gate, self._integration_needed())]
         if gate.name == GateName.EXPORT:
             for row in recorded:
                 admitted(row, self._export_check(recording, row.details))
@@ -182,6 +186,17 @@ class ProgramDriver(Driver):
                 reload_stands(row, [self._export_check(recording, unvouched(x).details) for x in exports
                                     if x.rank == row.rank and x.verdict in (Verdict.PASS, Verdict.WARN)])
         return recorded
+
+    def _integration_needed(self) -> str | None:
+        """The integration that fits the framework the program's files use (read once, never run), for the rows of
+        the gates an integration records; None: the gate's own note says what would enable it."""
+        if self.integration_note is None:
+            try:
+                files = program_files(self.program, self.spec.folder)[0]
+            except (GlobRefused, OSError):  # refused when the spec was read; the gate's own note then
+                files = []
+            self.integration_note = integration_needed(files) or ""
+        return self.integration_note or None
 
     def _export_check(self, run: RunOutcome, details: dict) -> tuple[str | None, str]:
         """pilotrun's own check of the export folder a row of ``run`` names (:func:`export_check`), once per folder.
@@ -312,8 +327,8 @@ def reload_stands(row: GateRow, checks: list[tuple[str | None, str]]) -> None:
     row.reason = f"the export it reloaded did not pass pilotrun's own check: {why} ({row.reason})"
 
 
-def _not_on_program(gate: GateDeclaration) -> GateRow:
-    return GateRow.now(gate.name, Verdict.SKIP, f"not measured on a program: {gate.program_note}",
+def _not_on_program(gate: GateDeclaration, note: str | None = None) -> GateRow:
+    return GateRow.now(gate.name, Verdict.SKIP, f"not measured on a program: {note or gate.program_note}",
                        details={"on_program": str(gate.on_program)})
 
 

@@ -39,8 +39,10 @@ if TYPE_CHECKING:
 
 
 # The skip reason of a model-level gate on a bare program: what it needs and what would give it.
-NEEDS_INTEGRATION = ("needs the model and batches inside the program: the transformers or Lightning integration "
-                     "(pilotrun.integrations) records it; a bare script cannot")
+# A program whose files use a framework gets the integration that fits it named instead (drivers/program.py).
+NEEDS_INTEGRATION = ("needs the model and batches inside the program: an integration records it "
+                     "(pilotrun.integrations: the transformers or Lightning Trainer callback, begin() in an accelerate "
+                     "or Lightning Fabric loop); a bare script cannot")
 
 
 @dataclass

@@ -25,17 +25,13 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.export import safetensors_tensor_count
-from ..checkpoint.io import AtomicFolder
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
-from ..gates.view import Artifact, Batching, Exported, NotMeasured, Reloaded, UpdateIds, Window, tensors_of
+from ..gates.view import Batching, Exported, NotMeasured, UpdateIds, Window
 from ..program.describe import JobFacts, describe_objects, longest_collated
-from ..train.batches import to_device
-from ..train.evaluation import outputs_of
 from ..train.loss import rng_untouched
 from . import common as C
-from .copying import own_copy
+from .loops import HandLoopView
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16"}  # accelerate's mixed_precision -> train.precision ("no": weights)
 
@@ -96,7 +92,7 @@ def describe_loop(accelerator, model, optimizer, loader, updates: int | None = N
     return facts
 
 
-class AccelerateView(C.FrameworkView):
+class AccelerateView(HandLoopView):
     """A prepared accelerate loop as the gates' checks read it (:class:`pilotrun.gates.view.TrainingView`): the
     loader's dataset and (a private copy of) its collate, the loop's loss, ``accelerator.backward``'s scaling,
     ``save_pretrained`` (or ``accelerator.save_model``) and ``from_pretrained``."""
@@ -134,19 +130,6 @@ class AccelerateView(C.FrameworkView):
     def accum_windows(self) -> list[Window]:
         return first_examples_window(self.data, self.size, int(self.accelerator.gradient_accumulation_steps), True)
 
-    def accumulate(self, model, micro: list, device) -> float:
-        total = 0.0
-        for _, batch in micro:
-            loss = self.loss_fn(model, to_device(batch, device)) / len(micro)  # accelerator.backward's scaling
-            loss.backward()
-            total += float(loss.detach())
-        return total
-
-    def one_batch(self, model, batch, device) -> float:
-        loss = self.loss_fn(model, to_device(batch, device))
-        loss.backward()
-        return float(loss.detach())
-
     def normalisation_cause(self, counts: list[int], sizes: list[int]) -> str | None:
         return ACCELERATE_FIX if len(set(counts)) > 1 else None
 
@@ -155,42 +138,8 @@ class AccelerateView(C.FrameworkView):
         if self.accelerator.num_processes > 1:
             raise NotMeasured("with several processes the export gathers weights with a collective every process "
                               "must join, and the probe runs on rank 0 alone; pilot the export with one process")
-        model = self.model
-        how = "save_pretrained" if hasattr(model, "save_pretrained") else "accelerator.save_model"
-        with AtomicFolder(folder, "export", {"written_by": f"accelerate {how}"}) as out:
-            if how == "save_pretrained":
-                model.save_pretrained(str(out.tmp), safe_serialization=True)  # type: ignore[operator]
-            else:
-                self.accelerator.save_model(self.prepared, str(out.tmp), safe_serialization=True)
-            out.adopt_existing()
-        weights = sorted(f for f in out.files if f.endswith(".safetensors"))
-        return Exported(folder, out.files, out.total_bytes, str(out.manifest_sha256), weights,
-                        tensors=safetensors_tensor_count(folder) if weights else None, written_by=how)
-
-    def outputs(self, batch) -> torch.Tensor:
-        model = self.model
-        if next(model.parameters()).device.type != "cpu":
-            model = own_copy(model).to("cpu")  # the reload runs on the CPU
-        was = model.training
-        try:
-            with rng_untouched():
-                return outputs_of(model, tensors_of(batch))
-        finally:
-            model.train(was)  # the live model (on the CPU): the run goes on training with dropout
-
-    def export_state(self) -> dict[str, torch.Tensor] | None:
-        from ..gates.reload_eval import export_state_of
-
-        return export_state_of(self.model)
-
-    def reload_problem(self, artifact: Artifact) -> str | None:
-        if (artifact.folder / "config.json").is_file():
-            return None
-        return (f"not measured: the export has no config.json ({type(self.model).__name__} is not a transformers "
-                "PreTrainedModel), so from_pretrained cannot rebuild it in a fresh process")
-
-    def reload(self, artifact: Artifact, batch, work: Path) -> Reloaded:
-        return C.reload_pretrained(artifact, batch, work)
+        return self.export_with(folder, "accelerate", lambda tmp: self.accelerator.save_model(
+            self.prepared, str(tmp), safe_serialization=True), "accelerator.save_model")
 
 
 def begin(job, accelerator, model, optimizer, train_dataloader, *, updates: int | None = None,

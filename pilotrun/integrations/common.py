@@ -1,4 +1,5 @@
-"""What the Trainer and Lightning callbacks share: the update window, the stage spans, and the probe gates' runner.
+"""What the integrations share (the callbacks, accelerate's and Fabric's ``begin``): the update window, the stage
+spans, and the probe gates' runner.
 
 The probe gates run in the program's own process (the run whose rows the pilot records), on copies of the
 framework's model and on batches from its own dataset and collate, so what they prove is the user's actual setup.

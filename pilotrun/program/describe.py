@@ -20,11 +20,13 @@ import math
 import types
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 
 from ..config.sections import Precision
+from ..ledger.records import TextEnum
 
 # Examples read to find the longest the collate produces: enough for a fine-tuning set's long tail, bounded for a
 # streamed one (the describe run stops right after, so reading them changes nothing the run does).
@@ -47,7 +49,8 @@ OPTIMIZERS = {
     "transformers.optimization.Adafactor": "adafactor",
 }
 
-# Lightning's Trainer.precision -> train.precision ("16-true" has no pilotrun equivalent: pure fp16 weights).
+# Lightning's Trainer.precision and Fabric's precision setting -> train.precision ("16-true" has no pilotrun
+# equivalent: pure fp16 weights).
 LIGHTNING_PRECISION: dict[str, Precision] = {
     "32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16-true"}
 
@@ -402,3 +405,116 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
     facts.max_length = max_length
     facts.length_source = length_source or ("declared" if max_length is not None else "")
     return facts
+
+
+# ------------------------------------------------------------------------------ the framework a program's loop uses
+
+
+class Framework(TextEnum):
+    """A framework with a pilotrun integration, as a program's own files use it."""
+
+    TRANSFORMERS = "transformers Trainer"
+    LIGHTNING = "Lightning Trainer"
+    FABRIC = "Lightning Fabric"
+    ACCELERATE = "accelerate"
+
+
+# What a program of each framework adds for the gates that need its model and batches (README, "The Trainer and
+# Lightning callbacks"), and the integration module that does it.
+INTEGRATIONS: dict[Framework, tuple[str, str]] = {
+    Framework.TRANSFORMERS: ("transformers", "callbacks=[PilotrunCallback()] on the Trainer (from "
+                                             "pilotrun.integrations.transformers)"),
+    Framework.LIGHTNING: ("lightning", "callbacks=[PilotrunCallback()] on the Trainer (from "
+                                       "pilotrun.integrations.lightning)"),
+    Framework.FABRIC: ("fabric", "pilotrun.integrations.fabric.begin(job, fabric, model, optimizer, loader, "
+                                 "loss=...) after fabric.setup and fabric.setup_dataloaders"),
+    Framework.ACCELERATE: ("accelerate", "pilotrun.integrations.accelerate.begin(job, accelerator, model, optimizer, "
+                                         "loader, loss=...) after accelerator.prepare"),
+}
+SOURCE_CAP = 4 << 20  # bytes of one program file read for its imports: far above any training script
+
+
+def _imports_and_names(tree: Any) -> tuple[set[str], dict[str, set[str]], set[str]]:
+    """(every dotted module imported and its parents, the names imported from each top package, every name and
+    attribute the code uses)."""
+    import ast
+
+    modules: set[str] = set()
+    imported: dict[str, set[str]] = {}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                modules.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            parts = node.module.split(".")
+            modules.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            modules.update(f"{node.module}.{a.name}" for a in node.names)
+            imported.setdefault(parts[0], set()).update(a.name for a in node.names)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+    return modules, imported, names
+
+
+def _read_program(files: list[Path]) -> tuple[set[str], dict[str, set[str]], set[str]]:
+    """:func:`_imports_and_names` over the program's ``.py`` files; a file that cannot be read or parsed adds none."""
+    import ast
+
+    from ..safefile import FileProblem, read_bytes
+
+    modules: set[str] = set()
+    imported: dict[str, set[str]] = {}
+    names: set[str] = set()
+    for path in files:
+        if path.suffix != ".py":
+            continue
+        try:
+            found = _imports_and_names(ast.parse(read_bytes(path, SOURCE_CAP)))
+        except (FileProblem, SyntaxError, ValueError):
+            continue
+        modules |= found[0]
+        for top, got in found[1].items():
+            imported.setdefault(top, set()).update(got)
+        names |= found[2]
+    return modules, imported, names
+
+
+def program_frameworks(files: list[Path]) -> list[Framework]:
+    """The frameworks whose loop the program's own ``.py`` files use, read with ``ast`` (never run): Fabric (imports
+    ``lightning.fabric``, or ``lightning`` and uses ``Fabric``), the Lightning Trainer (``lightning.pytorch``,
+    ``pytorch_lightning``, or ``lightning`` and its ``Trainer``), a transformers/TRL ``*Trainer``, accelerate's
+    ``Accelerator``."""
+    modules, imported, names = _read_program(files)
+    lightning = "lightning" in modules
+    hf_trainers = {n for top in ("transformers", "trl") for n in imported.get(top, ()) if n.endswith("Trainer")}
+    uses = {
+        Framework.FABRIC: "lightning.fabric" in modules or "lightning_fabric" in modules
+        or (lightning and "Fabric" in names),
+        Framework.LIGHTNING: "lightning.pytorch" in modules or "pytorch_lightning" in modules
+        or (lightning and bool({"Trainer", "LightningModule"} & names - hf_trainers)),
+        Framework.TRANSFORMERS: bool(hf_trainers),
+        Framework.ACCELERATE: "accelerate" in modules and "Accelerator" in names,
+    }
+    return [f for f in Framework if uses[f]]
+
+
+def integration_needed(files: list[Path]) -> str | None:
+    """What a gate that needs the model and batches inside the program says on a program that recorded none of its
+    rows, naming the integration that fits the framework its files use; None when they use none of them."""
+    frameworks = program_frameworks(files)
+    if not frameworks:
+        return None
+    modules = _read_program(files)[0]
+    said = []
+    for framework in frameworks:
+        module, lines = INTEGRATIONS[framework]
+        if f"pilotrun.integrations.{module}" in modules:  # the program has it: it did not reach the probes
+            said.append(f"the program imports pilotrun.integrations.{module} ({framework}) but recorded no row of "
+                        f"this gate: {lines}, reached on rank 0 before the first update, records it")
+        else:
+            said.append(f"the program uses {framework}: add {lines}")
+    return ("needs the model and batches inside the program, which only an integration records; "
+            + "; ".join(said))

@@ -26,6 +26,8 @@ from pathlib import Path
 from ..config.program import (
     ACCELERATE_MODULE,
     ACCELERATE_WORDS,
+    FABRIC_MODULE,
+    FABRIC_WORDS,
     PYTHON_WORDS,
     TORCHRUN_MODULE,
     TORCHRUN_WORD,
@@ -43,13 +45,16 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 
 def command_words(words: list[str]) -> list[str]:
-    """The command with python/torchrun resolved to this interpreter."""
+    """The command with python and its launchers (torchrun, accelerate launch, fabric run) resolved to this
+    interpreter."""
     if words and words[0] in PYTHON_WORDS:
         return [sys.executable, *words[1:]]
     if words and words[0] == TORCHRUN_WORD:
         return [sys.executable, "-m", TORCHRUN_MODULE, *words[1:]]
     if tuple(words[:2]) == ACCELERATE_WORDS:
         return [sys.executable, "-m", ACCELERATE_MODULE, *words[2:]]
+    if tuple(words[:2]) == FABRIC_WORDS:
+        return [sys.executable, "-m", FABRIC_MODULE, *words[2:]]
     return list(words)
 
 
