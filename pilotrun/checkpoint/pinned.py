@@ -15,8 +15,8 @@ view instead, so what is used is still exactly what was hashed. JSON documents (
 :mod:`pilotrun.safefile`, which never follows a link) are always copied. Files not in the manifest are not in the
 view at all: a planted shard is invisible to a loader that globs.
 
-The cost is one more read of the files (the admission's report reads them once to name every damaged file); on the
-2-core dev VM that is BLAKE3 at 3.85 GB/s from the page cache, under what the load itself spends.
+The cost is one more read of the files (the admission's report reads them once to name every damaged file), hashed
+one file per core: ``bench/restore_overhead.py`` measures it against a plain ``torch.load``.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -33,6 +34,7 @@ from typing import BinaryIO
 from .digest import READ_CHUNK, entry_digest, hasher
 from .io import MANIFEST, CheckpointError, entry_name_problem, load_manifest
 from .trust import DCP_METADATA, Admission, LoadRefused, Refusal, admitted, sha256_hex
+from .writer import writer_threads
 
 # Views alive in this process, by resolved path: what require_known() accepts before DCP unpickles.
 _PINNED: dict[str, Admission] = {}
@@ -128,13 +130,17 @@ def pinned(folder: Path, expect_sha256: str | None = None,
     try:
         view.mkdir()
         (view / MANIFEST).write_bytes(raw)
-        problems = []
+        problems, listed = [], []
         for name, info in sorted(manifest["files"].items()):
             bad = entry_name_problem(name) or (f"the manifest lists {MANIFEST} itself" if name == MANIFEST else None)
             if bad is not None:
                 problems.append(bad)
-                continue
-            fh, problem = _pin_one(folder / name, view / name, info)
+            else:
+                listed.append((name, info))
+        # Files hashed side by side (BLAKE3 and the reads release the GIL), one thread per core as the save writes.
+        with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
+            pinned_files = list(pool.map(lambda item: _pin_one(folder / item[0], view / item[0], item[1]), listed))
+        for fh, problem in pinned_files:
             if fh is not None:
                 kept.append(fh)
             if problem is not None:
