@@ -23,6 +23,7 @@ from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
 from ..humanize import at_length, human_bytes, human_count, human_seconds, money
 from ..ledger.records import GateName
+from ..ui.tables import Column, fit_table, print_table
 from .common import UsageError, add_ledger_arg, command_parser, err_console, ledger_if_present, out_console
 
 HELP = """examples:
@@ -196,6 +197,38 @@ def print_trace_notes(traces: Traces) -> None:
         err_console().print(Text(note, style="dim"))
 
 
+_STAGE_COLUMNS = (Column("stage"), Column("peak", "right"), Column("parameters", "right"),
+                  Column("gradients", "right"), Column("optimizer", "right"), Column("activations", "right"),
+                  Column("weight casts", "right", 1))
+# Left out first on a narrow console: the cost (often "—" without prices), the capacity (in the catalog), the
+# allocated share of what is used, the stage that limits it.
+_FIT_COLUMNS = (Column("accelerator"), Column("strategy"), Column("GPUs", "right"), Column("allocated", "right", 2),
+                Column("device used", "right"), Column("capacity", "right", 3), Column("fits"),
+                Column("worst stage", "left", 1), Column("time/update", "right"), Column("cost/update", "right", 4))
+
+
+def stage_table(st: dict, width: int) -> tuple[Table, list[str]]:
+    """The traced per-stage peaks on one device, one line per stage within ``width``."""
+    rows: list[list] = []
+    for name in (GateName.FIRST_STEP, GateName.STEADY_STEP, GateName.EVAL):
+        b = st[name]["breakdown"]
+        rows.append([name, human_bytes(st[name]["peak_bytes"]), human_bytes(b.get("parameters")),
+                     human_bytes(b.get("gradients")), human_bytes(b.get("optimizer")),
+                     human_bytes(b.get("activations")), human_bytes(b.get("weight_casts"))])
+    rows.append(["save", human_bytes(st[GateName.SAVE]["peak_bytes"]), "", "", "", "", ""])
+    return fit_table(_STAGE_COLUMNS, rows, width,
+                     title="per-stage peaks on one device (traced, before target corrections)")
+
+
+def fit_table_of(fits: list[dict], width: int) -> tuple[Table, list[str]]:
+    """The fit per accelerator, one line per accelerator within ``width``."""
+    rows = [[r["accelerator"], r["strategy"], str(r["gpus"]), human_bytes(r["peak_allocated_bytes"]),
+             human_bytes(r["device_used_bytes"]), human_bytes(r["capacity_bytes"]),
+             Text("yes" if r["fits"] else "no", style="green" if r["fits"] else "red"), r["limiting_stage"],
+             human_seconds(r["seconds_per_update"]), money(r["cost_per_update"])] for r in fits]
+    return fit_table(_FIT_COLUMNS, rows, width, title="fit per accelerator")
+
+
 def _print(console, spec, trace, report) -> None:
     st = report["stages"]
     console.print(Text.assemble(("estimate ", "bold"), (spec.name, "bold cyan"),
@@ -212,28 +245,10 @@ def _print(console, spec, trace, report) -> None:
     if trace.get("optimizer"):
         console.print(Text(f"optimizer: {trace['optimizer']}; state {human_bytes(trace['optimizer_state_bytes'])}",
                            style="dim"))
-    t = Table(box=None, header_style="bold", title="per-stage peaks on one device (traced, before target corrections)",
-              title_justify="left")
-    for col in ("stage", "peak", "parameters", "gradients", "optimizer", "activations", "weight casts"):
-        t.add_column(col, justify="right" if col != "stage" else "left")
-    for name in (GateName.FIRST_STEP, GateName.STEADY_STEP, GateName.EVAL):
-        b = st[name]["breakdown"]
-        t.add_row(name, human_bytes(st[name]["peak_bytes"]), human_bytes(b.get("parameters")),
-                  human_bytes(b.get("gradients")), human_bytes(b.get("optimizer")), human_bytes(b.get("activations")),
-                  human_bytes(b.get("weight_casts")))
-    t.add_row("save", human_bytes(st[GateName.SAVE]["peak_bytes"]), "", "", "", "", "")
-    console.print(t)
-    f = Table(box=None, header_style="bold", title="fit per accelerator (per-rank device memory incl. context, "
-              "workspaces, collective buffers, allocator margin)", title_justify="left")
-    for col in ("accelerator", "strategy", "GPUs", "allocated", "device used", "capacity", "fits", "worst stage",
-                "time/update", "cost/update"):
-        f.add_column(col, justify="left" if col in ("accelerator", "strategy", "fits", "worst stage") else "right")
-    for r in report["fits"]:
-        f.add_row(r["accelerator"], r["strategy"], str(r["gpus"]), human_bytes(r["peak_allocated_bytes"]),
-                  human_bytes(r["device_used_bytes"]), human_bytes(r["capacity_bytes"]),
-                  Text("yes" if r["fits"] else "no", style="green" if r["fits"] else "red"), r["limiting_stage"],
-                  human_seconds(r["seconds_per_update"]), money(r["cost_per_update"]))
-    console.print(f)
+    for table, dropped in (stage_table(st, console.width), fit_table_of(report["fits"], console.width)):
+        print_table(console, table, dropped)
+    console.print(Text("fit: per-rank device memory incl. context, workspaces, collective buffers, allocator margin",
+                       style="dim"))
     for note in dict.fromkeys(r["cost_note"] for r in report["fits"] if r["cost_note"]):
         console.print(Text(note, style="dim"))
     if report["fits"]:

@@ -12,6 +12,7 @@ from ..config.ids import NAME_MAX
 from ..ledger.store import Ledger, LedgerError
 from ..ledger.tables import TABLES, selected_runs, table, write_csv
 from ..ui.console import STYLE, gate_table
+from ..ui.tables import Column, Footnotes, fit_noted, print_table
 from .common import (
     UsageError,
     add_ledger_arg,
@@ -71,7 +72,7 @@ def main(args) -> int:
             if run["kind"] == "campaign":  # a campaign has runs, not gates
                 runs = led.campaign_runs(run["run_id"])
                 summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
-                console.print(_run_table(runs, summaries, {}))
+                print_table(console, *run_table(runs, summaries, {}, console.width))
             elif run["kind"] == "campaign-run":
                 console.print(_result(run, rows), highlight=False)
             else:
@@ -85,7 +86,10 @@ def main(args) -> int:
                           {"verdicts": {g["gate"]: g["verdict"] for g in summaries[r["run_id"]]}} for r in runs],
                          indent=1, default=str))
         return 0
-    console.print(_run_table(runs, summaries, children) if runs else "no runs yet")
+    if runs:
+        print_table(console, *run_table(runs, summaries, children, console.width))
+    else:
+        console.print("no runs yet")
     return 0
 
 
@@ -138,18 +142,21 @@ def _result(r: dict, gate_rows: list[dict]) -> str:
     return " · ".join(f"{n} {v}" for v, n in sorted(counts.items()))
 
 
-def _run_table(runs: list[dict], summaries: dict[str, list[dict]], children: dict[str, list[str]]) -> Table:
-    table = Table(box=None, header_style="bold")
-    id_w = max([len(r["run_id"]) for r in runs] + [3])
-    table.add_column("run", no_wrap=True, min_width=id_w)
-    for col in ("name", "kind", "status", "started", "gates / result"):
-        table.add_column(col, no_wrap=col != "gates / result")
-    for r in runs:
-        status = r["status"]
-        shown = status_text(r, children.get(r["run_id"], []))
-        table.add_row(r["run_id"], Text(r["name"]), r["kind"], Text(shown, style=STYLE.get(status, "")),
-                      r["started_at"][:16].replace("T", " "), Text(_result(r, summaries[r["run_id"]])))
-    return table
+# Left out first on a narrow console: when a run started, its kind, its name (the id, whole, says it); the id and
+# status stay.
+_RUN_COLUMNS = (Column("run", whole=True), Column("name", "left", 1), Column("kind", "left", 2), Column("status"),
+                Column("started", "left", 3), Column("gates / result"))
+
+
+def run_table(runs: list[dict], summaries: dict[str, list[dict]], children: dict[str, list[str]],
+              width: int) -> tuple[Table, list[str], Footnotes]:
+    """One line per run within ``width``; a long status (who continued it) or result is a numbered footnote."""
+    def rows(notes: Footnotes) -> list[list]:
+        return [[r["run_id"], r["name"], r["kind"],
+                 Text(notes.cell(status_text(r, children.get(r["run_id"], []))), style=STYLE.get(r["status"], "")),
+                 r["started_at"][:16].replace("T", " "), notes.cell(_result(r, summaries[r["run_id"]]))] for r in runs]
+
+    return fit_noted(_RUN_COLUMNS, rows, width)
 
 
 def _export(args, path: Path, console) -> int:

@@ -12,6 +12,7 @@ from ..estimate.experiments import adapter_line
 from ..estimate.plan import Assumptions, more_gpus_advice, pipeline_hours, rental_plans
 from ..estimate.source import model_download
 from ..humanize import money
+from ..ui.tables import Column, Footnotes, fit_noted, print_table
 from .common import UsageError, add_ledger_arg, command_parser, err_console, ledger_if_present, out_console
 from .estimate import add_trace_cache_arg, load_estimated, print_program_job, print_trace_notes
 from .select import build_sheet
@@ -114,6 +115,23 @@ def main(args) -> int:
     return 0
 
 
+_PER_RUN_COLUMNS = (Column("item"), Column("hours", "right"), Column("cost", "right", 1), Column("from"))
+
+
+def per_run_table(per_run: dict, runs: int, width: int) -> tuple[Table, list[str], Footnotes]:
+    """One run's items, one line each within ``width``: each "from" (an assumption and its flag) in its cell where
+    the table fits whole, else a long one cut, whole in a numbered footnote."""
+    def rows(notes: Footnotes) -> list[list]:
+        out: list[list] = [[i["item"], f"{i['hours']:.2f}" if i["hours"] is not None else "?", money(i["cost"]),
+                            notes.cell(i["from"])] for i in per_run["items"]]
+        runs_cost = per_run["cost"] * runs if per_run["cost"] is not None else None
+        return out + [[Text("one run", style="bold"), Text(f"{per_run['hours']:.1f}", style="bold"),
+                       Text(money(per_run["cost"]), style="bold"),
+                       notes.cell(f"x {runs} run(s) = {per_run['hours'] * runs:.1f} h, {money(runs_cost)}")]]
+
+    return fit_noted(_PER_RUN_COLUMNS, rows, width, limits=(40,))  # words over costs (often "—") at 80
+
+
 def _print_item(console, item: dict, runs: int) -> None:
     """One accelerator's plan: its configuration, the per-run items, the rental plans."""
     row, per_run = item["configuration"], item["per_run"]
@@ -129,18 +147,8 @@ def _print_item(console, item: dict, runs: int) -> None:
                                 f" · {'fits' if row['fits'] else 'DOES NOT FIT'}"))
     if row.get("adapter"):
         console.print(Text("  " + adapter_line(row["adapter"]), style="dim"))
-    t = Table(box=None, header_style="bold")
-    t.add_column("item")
-    t.add_column("hours", justify="right")
-    t.add_column("cost", justify="right")
-    t.add_column("from")
-    for i in per_run["items"]:
-        t.add_row(i["item"], f"{i['hours']:.2f}" if i["hours"] is not None else "?", money(i["cost"]), i["from"])
-    runs_cost = per_run["cost"] * runs if per_run["cost"] is not None else None
-    t.add_row(Text("one run", style="bold"), Text(f"{per_run['hours']:.1f}", style="bold"),
-              Text(money(per_run["cost"]), style="bold"),
-              f"x {runs} run(s) = {per_run['hours'] * runs:.1f} h, {money(runs_cost)}")
-    console.print(t)
+    table, dropped, notes = per_run_table(per_run, runs, console.width)
+    print_table(console, table, dropped, notes)
     if per_run["cost_note"]:
         console.print(Text("  " + per_run["cost_note"], style="dim"))
     for p in item["plans"]:

@@ -16,6 +16,7 @@ from ..estimate.select import sheet_row
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds, money
+from ..ui.tables import Column, Footnotes, fit_table, print_table
 from .common import UsageError, add_ledger_arg, command_parser, err_console, ledger_if_present, out_console
 from .estimate import add_trace_cache_arg, load_estimated, print_program_job, print_trace_notes, traces_for
 from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
@@ -143,6 +144,38 @@ def markdown(spec, rows: list[dict], job=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Left out first when the console is too narrow: the costs (often "—" without prices), then sizes the rest
+# of the row implies; the accelerator, whether it fits, how, and the time always stay.
+_SHEET_COLUMNS = (Column("accelerator"), Column("memory", "right", 3), Column("fits"), Column("strategy"),
+                  Column("GPUs", "right"), Column("mb x accum"), Column("max mb", "right", 4),
+                  Column("max length", "left", 2), Column("used", "right", 5), Column("time/update", "right"),
+                  Column("cost/update", "right", 7))
+
+
+def sheet_table(spec, rows: list[dict], width: int) -> tuple[Table, list[str], Footnotes]:
+    """The selection sheet as one line per row within ``width``: each software stack (a sentence) is a numbered
+    footnote; the headers left out to fit; the footnotes."""
+    notes = Footnotes(limit=0)  # every stack is a sentence: a mark always, so the column stays narrow
+    several = len({r["experiment"] for r in rows}) > 1
+    columns = (((Column("experiment"),) if several else ()) + _SHEET_COLUMNS
+               + (Column(f"{spec.train.updates} updates", "right"), Column("cost", "right", 6), Column("stack")))
+    cells = []
+    for r in rows:
+        ok = r["fits"]
+        cells.append([*((r["experiment"],) if several else ()), r["accelerator"],
+                      human_bytes(r["memory_per_device_bytes"]),
+                      Text("yes" if ok else "no", style="green" if ok else "red"),
+                      (r["strategy"] + (" + AC" if r["activation_checkpointing"] else "")) if ok else "—",
+                      str(r["gpus"]) if ok else "—",
+                      f"{r['micro_batch_size']} x {r['grad_accum_steps']}" if ok else "—",
+                      str(r["largest_micro_batch"]) if ok else "—", _length(spec, r) if ok else "—",
+                      human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
+                      money(r["cost_per_update"]), _hours(r["hours_for_planned_updates"]),
+                      money(r["cost_for_planned_updates"]), notes.cell(r["software_stack"]["text"])])
+    table, dropped = fit_table(columns, cells, width, title=f"selection sheet · {spec.name}")
+    return table, dropped, notes
+
+
 def main(args) -> int:
     check_args(args)
     spec, job = load_estimated(args, quiet=args.json or args.markdown)
@@ -160,34 +193,14 @@ def main(args) -> int:
     console = out_console()
     if job is not None:
         print_program_job(console, job)
-    t = Table(box=None, header_style="bold", title=f"selection sheet · {spec.name}", title_justify="left")
-    several = len({r["experiment"] for r in rows}) > 1
-    columns = ("accelerator", "memory", "fits", "strategy", "GPUs", "mb x accum per rank", "largest mb",
-               "largest length", "used", "time/update", "cost/update", f"{spec.train.updates} updates", "cost",
-               "software stack")
-    for col in (("experiment",) if several else ()) + columns:
-        t.add_column(col)
-    for r in rows:
-        ok = r["fits"]
-        t.add_row(*((r["experiment"],) if several else ()), r["accelerator"],
-                  human_bytes(r["memory_per_device_bytes"]),
-                  Text("yes" if ok else "no", style="green" if ok else "red"),
-                  (r["strategy"] + (" + AC" if r["activation_checkpointing"] else "")) if ok else "—",
-                  str(r["gpus"]) if ok else "—",
-                  f"{r['micro_batch_size']} x {r['grad_accum_steps']}" if ok else "—",
-                  str(r["largest_micro_batch"]) if ok else "—", _length(spec, r) if ok else "—",
-                  human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
-                  money(r["cost_per_update"]),
-                  _hours(r["hours_for_planned_updates"]),
-                  money(r["cost_for_planned_updates"]),
-                  r["software_stack"]["text"])
-    console.print(t)
+    table, dropped, notes = sheet_table(spec, rows, console.width)
+    print_table(console, table, dropped, notes, more="--markdown or --json")
     console.print(Text(f"{spec.train.precision}; examples per update held at "
                        f"{spec.train.micro_batch_size * spec.train.grad_accum_steps}; largest sizes assume activations "
                        "scale linearly (flash attention); time: " + rows[0]["utilisation_source"], style="dim"))
     for line in dict.fromkeys(adapter_line(r["adapter"]) for r in rows if r.get("adapter")):
         console.print(Text(line, style="dim"))
-    if several:
+    if len({r["experiment"] for r in rows}) > 1:
         console.print(Text(OTHER_EXPERIMENT_NOTE, style="dim"))
     for note in price_notes(rows) + time_notes(rows):
         console.print(Text(note, style="dim"))

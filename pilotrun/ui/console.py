@@ -15,6 +15,7 @@ from rich.text import Text
 from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SteadyStepDetails
 from ..ledger.records import GateName
+from .tables import Column, Footnotes, fit_noted, print_table
 
 STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip": "dim", "running": "cyan",
          "pending": "dim"}
@@ -24,6 +25,10 @@ MARK = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–", "running": "�
 def peak_of(row: dict) -> int:
     """A row's peak allocated bytes (0 when not measured)."""
     return (row.get("memory") or {}).get("peak_allocated_bytes") or 0
+
+
+# The narrowest reason worth a column: "out of memo…".
+MIN_REASON = 12
 
 
 def _clip(text: str, width: int | None) -> str:
@@ -47,39 +52,43 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
 
     Each reason is cut to one line of the width left by the other columns, unless ``full``: then it is
     whole, wrapped within that width (``pilotrun ledger --run ID --full``)."""
-    show_reserved = any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows)
+    counters = [("peak alloc", "peak_allocated_bytes"), ("peak resv", "peak_reserved_bytes"),
+                ("host RSS", "host_rss_peak_bytes")]
+    if not any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows):
+        del counters[1]
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
     # Fixed columns keep their width; only the reason gives way on a narrow terminal.
     gate_w = max([len(gate_label(r, rows)) for r in rows] + [len(p) for p in pending] + [4])
+
+    def fixed() -> int:  # the mark, gate, verdict, time, the counters, and two spaces between columns
+        return 1 + gate_w + 7 + 7 + 10 * len(counters) + 2 * (4 + len(counters))
+
+    # Too narrow for a useful reason (80 columns, ranks in the labels): host RSS, then reserved, are left out
+    # rather than every row cut by rich.
+    while width and width - fixed() < MIN_REASON and len(counters) > 1:
+        counters.pop()
     table.add_column("", width=1, no_wrap=True)
     table.add_column("gate", no_wrap=True, min_width=gate_w)
     table.add_column("verdict", no_wrap=True, min_width=7)
     table.add_column("time", justify="right", no_wrap=True, min_width=7)
-    table.add_column("peak alloc", justify="right", no_wrap=True, min_width=10)
-    if show_reserved:
-        table.add_column("peak resv", justify="right", no_wrap=True, min_width=10)
-    table.add_column("host RSS", justify="right", no_wrap=True, min_width=10)
+    for header, _key in counters:
+        table.add_column(header, justify="right", no_wrap=True, min_width=10)
     table.add_column("reason", no_wrap=not full, overflow="fold")
     # Rich collapses fixed columns when one cell is too wide; clip the reason ourselves instead.
-    fixed = 1 + gate_w + 7 + 7 + 10 + (10 if show_reserved else 0) + 10 + 2 * (7 if show_reserved else 6)
-    reason_w = max(20, width - fixed) if width else None
+    reason_w = max(MIN_REASON, width - fixed()) if width else None
     for r in rows:
         v = r["verdict"]
         mem = r.get("memory") or {}
         cells: list[Text | str] = [Text(MARK[v], style=STYLE[v]), Text(gate_label(r, rows)), Text(v, style=STYLE[v]),
-                 human_seconds(r.get("seconds")) if r.get("seconds") is not None else "",
-                 human_bytes(mem.get("peak_allocated_bytes")) if mem.get("peak_allocated_bytes") is not None else ""]
-        if show_reserved:
-            cells.append(human_bytes(mem.get("peak_reserved_bytes"))
-                         if mem.get("peak_reserved_bytes") is not None else "")
-        cells += [human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") is not None else "",
-                  # Text, not markup: a reason may quote "[...]" from an error.
-                  Text(r.get("reason", "") if full else _clip(r.get("reason", ""), reason_w))]
+                                   human_seconds(r.get("seconds")) if r.get("seconds") is not None else ""]
+        cells += [human_bytes(mem.get(key)) if mem.get(key) is not None else "" for _header, key in counters]
+        # Text, not markup: a reason may quote "[...]" from an error.
+        cells.append(Text(r.get("reason", "") if full else _clip(r.get("reason", ""), reason_w)))
         table.add_row(*cells)
     for name in pending:
         state = "running" if name == running else "pending"
         table.add_row(Text(MARK[state], style=STYLE[state]), name, Text(state, style=STYLE[state]),
-                      *([""] * (5 if show_reserved else 4)))
+                      *([""] * (len(counters) + 2)))
     return table
 
 
@@ -114,6 +123,21 @@ def headline(rows: list[dict], status: str) -> Text:
     if per_update is not None:
         text.append(f" · {human_seconds(per_update)}/update")
     return text
+
+
+_RANK_COLUMNS = (Column("gate", whole=True), Column("worst"), Column("max peak alloc", "right"),
+                 Column("max time", "right"), Column("imbalance"))
+
+
+def rank_table(ranks: list[dict], width: int) -> tuple[Table, list[str], Footnotes]:
+    """The gates over several ranks, one line each within ``width``; a long imbalance is a numbered footnote."""
+    def rows(notes: Footnotes) -> list[list]:
+        return [[r["gate"], Text(r["verdict"], style=STYLE[r["verdict"]]),
+                 human_bytes(r["max_peak_allocated_bytes"]) if r["max_peak_allocated_bytes"] else "",
+                 human_seconds(r["max_seconds"]) if r["max_seconds"] else "",
+                 Text(notes.cell("; ".join(r["imbalance"])), style="yellow") if r["imbalance"] else ""] for r in ranks]
+
+    return fit_noted(_RANK_COLUMNS, rows, width, title=f"over {ranks[0]['ranks']} ranks")
 
 
 class ConsoleObserver:
@@ -188,15 +212,7 @@ class ConsoleObserver:
         self.console.print(gate_table(self.rows, width=self.console.width))
         if ranks:
             self.console.print()
-            t = Table(box=None, header_style="bold", title=f"over {ranks[0]['ranks']} ranks", title_justify="left")
-            for col in ("gate", "worst", "max peak alloc", "max time", "imbalance"):
-                t.add_column(col)
-            for r in ranks:
-                t.add_row(r["gate"], Text(r["verdict"], style=STYLE[r["verdict"]]),
-                          human_bytes(r["max_peak_allocated_bytes"]) if r["max_peak_allocated_bytes"] else "",
-                          human_seconds(r["max_seconds"]) if r["max_seconds"] else "",
-                          Text("; ".join(r["imbalance"]), style="yellow") if r["imbalance"] else "")
-            self.console.print(t)
+            print_table(self.console, *rank_table(ranks, self.console.width))
         self.console.print()
         self.console.print(headline(self.rows, status))
         for r in self.rows:
