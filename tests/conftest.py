@@ -35,9 +35,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # gate: 1 s alone, 19 s beside other busy processes); a campaign still gives each run its own thread count.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pilotrun.procs import THREAD_VARS, WAIT_POLICY_VAR, thread_share  # no torch: before its import
+
+    for _var in THREAD_VARS:
+        os.environ.setdefault(_var, str(thread_share(len(os.sched_getaffinity(0)), _WORKERS)))
+    os.environ.setdefault(WAIT_POLICY_VAR, "PASSIVE")
 
 # Importing torch._dynamo (the first optimizer step does) creates torch's compile cache folder, by default
 # <tmp>/torchinductor_<user>, and sets TORCHINDUCTOR_CACHE_DIR for the process and its children. Settled once here,

@@ -31,7 +31,7 @@ from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind, new_run_id
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
-from ..procs import Tree, process_mark
+from ..procs import THREAD_VARS, Tree, process_mark
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
@@ -148,8 +148,8 @@ def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pat
         with running.lock:
             if running.stopping.is_set():  # the interrupt came while this run was being prepared
                 return None
-            env = {**worker_env(),
-                   **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+            # The run's share of the cores; a thread count the user set wins (procs.thread_env).
+            env = worker_env() | {var: str(threads) for var in THREAD_VARS if threads and not os.environ.get(var)}
             if running.devices is not None and slot is not None:
                 env = worker_device_env(running.devices, env, slot)
             # Under a keeper (pilotrun/procs.py): the run and all it starts end with it, and with this process.

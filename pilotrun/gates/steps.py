@@ -8,12 +8,16 @@ natural batches, so time per update is what the long run will see.
 """
 from __future__ import annotations
 
+import os
 import statistics
+
+import torch
 
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SteadyStepDetails
 from ..ledger.records import Failure, GateName
+from ..procs import HostLoad, explicit_threads, host_load, thread_share
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 # Warn when the loop waits on data for more than this share of each update, and
@@ -27,6 +31,37 @@ def worst_case_length(ctx) -> int | None:
     if ctx.data is not None and ctx.data.pad_batch is not None:
         return ctx.spec.data.max_length
     return None
+
+
+def fit_threads() -> int:
+    """This process's torch threads, from here on: its share of the cores the others' load leaves it (spinning
+    OpenMP threads beside a busy process made the demo's update 10-30 times slower). A count the environment sets
+    (the user's, a campaign run's, a gate worker's) wins: torch read it at start."""
+    if explicit_threads(os.environ) is None:
+        torch.set_num_threads(thread_share(host_load().spare_cpus()))
+    return torch.get_num_threads()
+
+
+def oversubscribed_text(host: HostLoad) -> str | None:
+    """The note a timing row carries when the machine had more work than cores while it was timed, else None."""
+    if not host.oversubscribed():
+        return None
+    return (f"timed on an oversubscribed machine (load {host.load_1min:.1f} on the {host.cpus} core(s) this process "
+            "may use): the time is partly other processes', not the job's")
+
+
+def _timing(out: Outcome, threads: int) -> None:
+    """The threads the updates ran with and how busy the machine was, in the row; a note (not a verdict) when the
+    machine was oversubscribed."""
+    host = host_load()
+    out.inputs["cpu_threads"] = threads
+    out.details["cpu_threads"] = threads
+    out.details["host_load_1min"] = host.load_1min
+    out.details["host_cpus"] = host.cpus
+    note = oversubscribed_text(host)
+    out.details["oversubscribed"] = note is not None
+    if note:
+        out.reason = f"{out.reason}; {note}"
 
 
 def _inputs(ctx, rec, padded: int | None) -> dict:
@@ -80,6 +115,7 @@ class FirstStepGate(Gate):
     def run(self, ctx, meter) -> Outcome:
         driver = ctx.model_driver()
         pad = worst_case_length(ctx)
+        threads = fit_threads()
         rec = driver.update(pad_to=pad, strict=True)  # a window that teaches nothing is refused before the step
         _check_params(ctx, rec.step)
         ctx.first_update = rec.step
@@ -97,6 +133,7 @@ class FirstStepGate(Gate):
         if rec.scaler_skipped:
             out.warn("the fp16 grad scaler skipped update 1 (inf/NaN gradients at the initial scale): optimizer state "
                      "was not allocated yet, so steady_step holds the first real peak")
+        _timing(out, threads)
         return out
 
 
@@ -117,6 +154,7 @@ class SteadyStepGate(Gate):
 
     def run(self, ctx, meter) -> Outcome:
         trainer = ctx.model_driver()
+        threads = fit_threads()
         n = ctx.spec.pilot.updates - 1
         pad = worst_case_length(ctx)
         records = []
@@ -165,4 +203,5 @@ class SteadyStepGate(Gate):
         if skipped and len(skipped) == len(records):
             out.warn(f"the fp16 grad scaler skipped every update ({skipped}): gradients overflow; "
                      "use bf16 or check the loss")
+        _timing(out, threads)
         return out
