@@ -317,3 +317,16 @@ def test_a_file_others_may_write_in_place_is_copied_into_the_view_not_linked(tmp
         assert (view.folder / shared.name).read_bytes() == shared.read_bytes()
         assert (view.folder / private.name).is_symlink()  # this user's own file: the inode itself, no copy
         assert not (view.folder / "trainer_state.json").is_symlink()  # JSON: read by a reader that refuses links
+
+
+def test_a_listed_file_replaced_by_a_link_is_named_as_a_link(tmp_path):
+    ours, theirs, _ = _two_checkpoints(tmp_path)
+    shard = _shard(ours)
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(shard.read_bytes())  # the same bytes, outside the folder
+    shard.unlink()
+    shard.symlink_to(copy)
+    with pytest.raises(LoadRefused) as info:
+        with pinned(ours):
+            pass
+    assert info.value.kind is Refusal.DAMAGED and f"{shard.name} is a symbolic link" in str(info.value)

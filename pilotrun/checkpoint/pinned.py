@@ -59,7 +59,9 @@ def _pin_one(src: Path, dest: Path, info: dict) -> tuple[BinaryIO | None, str | 
         fh = _open_listed(src)
     except FileNotFoundError:
         return None, f"{src} is listed in the manifest but missing"
-    except OSError as exc:  # ELOOP: a link where the file was
+    except OSError as exc:
+        if src.is_symlink():  # ELOOP from O_NOFOLLOW: a link where the file was
+            return None, f"{src} is a symbolic link (to {os.readlink(src)}), not the file that was saved"
         return None, f"{src} cannot be opened as the plain file that was saved ({exc.strerror})"
     keep = False
     try:
