@@ -64,6 +64,11 @@ def model_config_problems(model: ModelSpec) -> Problems:
     except Exception:  # some configs need arguments to build a default
         pass
     known |= set(getattr(cls, "attribute_map", {}) or {})
+    # Generation settings a model config still carries and its forward reads (T5's decoder_start_token_id, in every
+    # t5 config.json and so in a described T5 program's config): not typos, though newer configs no longer list them.
+    from transformers import GenerationConfig
+
+    known |= set(GenerationConfig().to_dict())
     problems = []
     for key in cfg:
         if key not in known:

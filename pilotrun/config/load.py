@@ -17,6 +17,7 @@ from .checks import spec_problems
 from .limits import bound_problems
 from .program import program_file_problems
 from .schema import Problem, ProblemKind, SpecError, build
+from .sections import SHAPE_ONLY_TASKS
 from .spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
 from .yamlsafe import parse_bounded, parse_override_value, read_spec_text
 
@@ -113,7 +114,11 @@ def spec_from_mapping(raw: dict, source: str | Path, overridden: Sequence[str] =
     # mapping so that it is reported together with the schema's problems.
     data = raw.get("data")
     unread: list[tuple[str, str]] = []
-    if check_files and isinstance(data, dict) and data.get("task") is not None and data.get("path") is None:
+    if check_files and isinstance(data, dict) and data.get("task") in SHAPE_ONLY_TASKS:
+        unread = [("data.task", f"{data['task']} is a shape for estimate, select and plan only (a described "
+                                "program's head): built-in JSONL data is causal-lm or seq-classification; give "
+                                "data.factory to pilot it")]
+    elif check_files and isinstance(data, dict) and data.get("task") is not None and data.get("path") is None:
         unread = [("data.path", "missing; built-in tasks read JSONL from data.path")]
     program_only = "program" in raw and not any(k in raw for k in PROGRAM_OPTIONAL)
     try:

@@ -159,12 +159,19 @@ class ModelSpec(FactorySection):
                                        "model.adapter (LoRA on a 4-bit base is QLoRA) or remove model.quantization")
 
 
+# data.task values the estimator synthesises batches for but no built-in JSONL reader reads (a described program's
+# token-classification or encoder-decoder model: the program reads its own data).
+SHAPE_ONLY_TASKS = ("token-classification", "seq2seq-lm")
+
+
 @dataclass
 class DataSpec(FactorySection):
     factory: str | None = doc(
         '"module:function" called with this mapping; returns {"train", "val", "collate", ...} '
         '(README, "Your own model and data")', None)
-    task: Literal["causal-lm", "seq-classification"] | None = doc("built-in task on JSONL data", None)
+    task: Literal["causal-lm", "seq-classification", "token-classification", "seq2seq-lm"] | None = doc(
+        "built-in task on JSONL data (causal-lm, seq-classification); token-classification and seq2seq-lm are shapes "
+        "for estimate, select and plan (a described program's head)", None)
     path: str | dict[str, str] | None = doc(
         "JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
     max_length: int | None = doc("tokens per training example after truncation (the length the long run uses)", None)

@@ -38,6 +38,7 @@ from ..config.sections import ac_spec_value
 from ..config.spec import PROGRAM_OPTIONAL, ProgramOnlySpec, Spec
 from ..ledger.records import TextEnum
 from ..lock import installed_distributions, program_lock
+from ..models.loading import HF_HEADS, LABELLED_HEADS
 from ..program.describe import JobFacts
 from ..program.env import Event, Role
 from ..safefile import FileKind, FileProblem, WriteFailed, read_json, write_atomic
@@ -133,11 +134,11 @@ def _program_sections(facts: JobFacts) -> tuple[dict, list[Fact], list[tuple[str
             missing.append(("model.quantization", f"the base is quantised with {facts.quantization['unsupported']}; "
                                                   "the estimator traces bitsandbytes 4 and 8 bits"))
     _attention(facts, put)
-    if facts.head in ("causal-lm", "seq-classification"):
+    if facts.head in HF_HEADS:
         put("data.task", facts.head, f"{facts.model_class.rsplit('.', 1)[-1]}'s head")
-        id2label = (facts.config or {}).get("id2label") or {}
-        if facts.head == "seq-classification" and id2label:
-            put("data.labels", [str(id2label[k]) for k in sorted(id2label, key=int)], "the config's id2label")
+        labels = _config_labels(facts.config or {})
+        if facts.head in LABELLED_HEADS and labels:
+            put("data.labels", labels, "the config's id2label")
         if facts.max_length:
             put("data.max_length", facts.max_length, facts.length_source)
         else:
@@ -145,8 +146,9 @@ def _program_sections(facts: JobFacts) -> tuple[dict, list[Fact], list[tuple[str
             missing.append(("data.max_length", f"the program's length is unknown ({said}): pass max_length= or batch= "
                                                "to job.describe, or --set data.max_length=N"))
     else:
-        missing.append(("data", f"the estimator synthesises causal-lm and seq-classification batches; the program's "
-                                f"model {facts.model_class} has another head: give data.factory in the spec"))
+        missing.append(("data", f"the estimator synthesises batches for {', '.join(HF_HEADS)} models; the "
+                                f"program's model {facts.model_class} has another head: give data.factory in the "
+                                "spec"))
     for key, value, why in (("micro_batch_size", facts.micro_batch_size, f"{fw}: examples per device"),
                             ("grad_accum_steps", facts.grad_accum_steps, f"{fw}: micro batches per update"),
                             ("updates", facts.updates, f"{fw}: the updates it will run")):
@@ -173,6 +175,19 @@ def _program_sections(facts: JobFacts) -> tuple[dict, list[Fact], list[tuple[str
         put("train.max_grad_norm", facts.max_grad_norm, f"{fw}: gradient clipping")
     _optimizer(facts, put)
     return out, facts_out, missing
+
+
+def _config_labels(config: dict) -> list[str] | None:
+    """The class names of a described config's id2label in index order; None when it has none or they are not
+    indices 0..n-1 (a config as JSON has string keys; one written by hand may have anything)."""
+    id2label = config.get("id2label")
+    if not isinstance(id2label, dict) or not id2label:
+        return None
+    try:
+        by_index = {int(k): str(v) for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        return None
+    return [by_index[i] for i in range(len(by_index))] if set(by_index) == set(range(len(by_index))) else None
 
 
 def _attention(facts: JobFacts, put: Callable[..., None]) -> None:

@@ -168,10 +168,12 @@ def _synthetic_batch(spec: Spec, config, batch: int, length: int, head: str) -> 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, length), generator=g)
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    n = int(getattr(config, "num_labels", 2) or 2)
     if head == "seq-classification":
-        n = int(getattr(config, "num_labels", 2) or 2)
         out["labels"] = torch.randint(0, n, (batch,), generator=g)
-    else:
+    elif head == "token-classification":
+        out["labels"] = torch.randint(0, n, (batch, length), generator=g)
+    else:  # causal-lm, and seq2seq-lm: its decoder reads the labels shifted right, as long as the input
         out["labels"] = ids.clone()
     return out
 

@@ -6,8 +6,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..config.spec import Spec
@@ -15,7 +19,29 @@ from ..workers.common import read_spec_file, write_error, write_result, write_sp
 
 
 class TraceError(RuntimeError):
-    """The trace process failed or crashed; the message says how and where its log is."""
+    """The trace process failed or crashed on the job it was given; the message says how and where its log is."""
+
+
+class TraceCrash(RuntimeError):
+    """pilotrun's own code failed in the trace process (a bug, not the job's fault): not a TraceError, so a command
+    ends with exit 3 and its traceback saved instead of blaming the spec; the message names the kept log."""
+
+
+# Exception types that say the code itself is wrong (a call with the wrong arguments, a missing key or attribute),
+# not its input: raised by pilotrun's own frame, they are pilotrun's bug.
+PROGRAMMING_ERRORS = (TypeError, AttributeError, KeyError, IndexError, NameError, AssertionError, UnboundLocalError)
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def is_internal(exc: BaseException) -> bool:
+    """Whether ``exc`` is pilotrun's own bug: a programming error raised in a frame of pilotrun's package (the
+    innermost; transformers or torch raising on a config the user wrote is the user's to fix)."""
+    if not isinstance(exc, PROGRAMMING_ERRORS):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.result, result.to_dict())
         return 0
     except Exception as exc:
-        write_error(args.result, exc)
+        write_error(args.result, exc, internal=is_internal(exc))
         return 1
 
 
@@ -68,8 +94,40 @@ def trace_in_subprocess(spec: Spec, target: str = "cuda", ac: bool | str | None 
             return run_worker("pilotrun.estimate.worker", args, folder / "result.json", folder / "trace.log",
                               "trace", timeout=timeout)
         except WorkerError as exc:
-            log = (folder / "trace.log").read_text(errors="replace")[-800:] if (folder / "trace.log").exists() else ""
-            raise TraceError(f"{exc}{(': ' + log.strip().splitlines()[-1]) if log.strip() else ''}") from None
+            raise _failure(exc, folder) from None
+
+
+def _failure(exc: Exception, folder: Path) -> TraceError | TraceCrash:
+    """The trace's failure, its log (with the worker's traceback) kept where it outlives the temporary folder and
+    named instead of it: TraceCrash for pilotrun's own bug, TraceError for the job's."""
+    log = folder / "trace.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    payload: dict = {}
+    with contextlib.suppress(OSError, ValueError):
+        loaded = json.loads((folder / "result.json").read_text())
+        payload = loaded if isinstance(loaded, dict) else {}
+    kept = _keep_log(text + (f"\n{payload['traceback']}" if payload.get("traceback") else ""))
+    said = str(exc).replace(str(log), kept)
+    if payload.get("internal"):
+        return TraceCrash(f"{said}: pilotrun's own code failed while tracing (a bug in pilotrun, not in the spec)")
+    tail = text[-800:].strip()
+    return TraceError(f"{said}{(': ' + tail.splitlines()[-1]) if tail else ''}")
+
+
+def _keep_log(text: str) -> str:
+    """Write a failed trace's log beside the trace cache (the message is read after the temporary folder is gone);
+    its path, or why it could not be kept."""
+    from .cache import default_dir
+
+    folder = default_dir().parent / "logs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, dest = tempfile.mkstemp(prefix=f"trace-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log", dir=folder)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+    except OSError as exc:
+        return f"not kept: {folder}: {exc.strerror or exc}"
+    return dest
 
 
 if __name__ == "__main__":

@@ -403,6 +403,26 @@ class TrainerView(C.FrameworkView):
         return ("the loss is averaged per micro batch, so tokens of micro batches with fewer supervised labels weigh "
                 f"more than in one big batch (transformers#37766): {fix}")
 
+    def scale_cause(self, scale: float, micro_batches: int) -> str | None:
+        """An exact factor between the Trainer's window and one batch: the loss ignores the ``num_items_in_batch`` the
+        Trainer gives it (issue 44: BERT classification, exactly 2.0x at accumulation 2)."""
+        trainer = self.trainer
+        if not _loss_scaled(trainer, 1) or abs(scale - micro_batches) > 1e-3 * micro_batches:
+            return None
+        if type(trainer).compute_loss is not Trainer.compute_loss:
+            fix = OVERRIDE_FIX.format(cls=type(trainer).__name__)
+        elif trainer.compute_loss_func is not None:
+            fix = ("the Trainer's compute_loss_func is given num_items_in_batch: sum the token losses and divide by it "
+                   "instead of averaging the micro batch")
+        else:
+            fix = (f"set {type(self.model).__name__}.accepts_loss_kwargs = False (the Trainer then divides each micro "
+                   "batch's loss by gradient_accumulation_steps), or give the Trainer a compute_loss_func that sums "
+                   "the losses and divides by num_items_in_batch")
+        return (f"the accumulated gradient is exactly {scale:.4g}x the one-batch gradient: the loss normalisation. "
+                "The Trainer passes the window's num_items_in_batch and leaves the division to the loss (the model "
+                f"takes loss kwargs), but the loss ignores it and averages its own micro batch, so the {micro_batches} "
+                f"micro-batch means are added up: {fix}")
+
     def export(self, folder: Path) -> Exported:
         """``trainer.save_model`` (the framework's own save) into an atomic folder whose manifest pilotrun records."""
         if self.trainer.is_fsdp_enabled or self.trainer.is_deepspeed_enabled:

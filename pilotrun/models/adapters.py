@@ -20,7 +20,8 @@ from ..config.spec import BuildContext
 
 # peft's task types by pilotrun's model head: the task type picks the PeftModel subclass, whose forward passes
 # labels through, and for classification keeps the new head trainable (modules_to_save).
-TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-classification": "SEQ_CLS"}
+TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-classification": "SEQ_CLS", "token-classification": "TOKEN_CLS",
+              "seq2seq-lm": "SEQ_2_SEQ_LM"}
 
 
 class AdapterError(ValueError):

@@ -95,12 +95,18 @@ def load_tokenizer(model: ModelSpec, folder: Path):
     return tok
 
 
+# The transformers Auto class of each head data.task names (a described program's head among them): the trace
+# builds the program's own kind of model, not a causal LM with its config.
+HF_HEADS = {"causal-lm": "AutoModelForCausalLM", "seq-classification": "AutoModelForSequenceClassification",
+            "token-classification": "AutoModelForTokenClassification", "seq2seq-lm": "AutoModelForSeq2SeqLM"}
+# Heads whose config carries class names (num_labels, id2label): the data's labels size the head.
+LABELLED_HEADS = ("seq-classification", "token-classification")
+
+
 def _hf_classes(head: str):
     import transformers
 
-    if head == "seq-classification":
-        return transformers.AutoModelForSequenceClassification
-    return transformers.AutoModelForCausalLM
+    return getattr(transformers, HF_HEADS.get(head, HF_HEADS["causal-lm"]))
 
 
 def head_for(task: str | None, label_names: list[str] | None) -> tuple[str, str]:
@@ -232,7 +238,7 @@ def _build_factory(spec: ModelSpec, job: BuildContext, meta: bool) -> LoadedMode
 
 def _label_kwargs(head: str, label_names: list[str] | None) -> dict[str, Any]:
     """A classification head's size and class names, as transformers configs take them."""
-    if head != "seq-classification" or not label_names:
+    if head not in LABELLED_HEADS or not label_names:
         return {}
     return {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
             "label2id": {n: i for i, n in enumerate(label_names)}}
@@ -251,6 +257,10 @@ def _hf_config(spec: ModelSpec, folder: Path, head: str, label_names: list[str] 
             # passing both was "got multiple values for keyword argument 'id2label'", issue 44).
             config = transformers.AutoConfig.for_model(model_type, **(cfg_map | extra))
         except (ValueError, TypeError) as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
+                # Raised by this very call (its arguments, not the config's values): pilotrun's own bug, not the
+                # user's model.config (issue 44 blamed model.config for a keyword passed twice).
+                raise
             raise ModelError(f"model.config: transformers cannot build a {model_type!r} config: {exc}") from None
         if tokenizer is not None and getattr(config, "pad_token_id", None) is None and head == "seq-classification":
             config.pad_token_id = tokenizer.pad_token_id

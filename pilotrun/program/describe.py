@@ -66,7 +66,7 @@ class JobFacts:
     trainable_parameters: int
     parameter_dtype: str                        # the most common dtype of the parameters (float32, bfloat16, ...)
     config: dict | None = None                  # the transformers config mapping (model_kind transformers)
-    head: str | None = None                     # causal-lm | seq-classification | None (another head)
+    head: str | None = None                     # models.loading.HF_HEADS' keys | None (another head)
     adapter: dict | None = None                 # {type, r, alpha, dropout, target_modules} of a PEFT LoRA
     quantization: dict | None = None            # {bits, type, double_quant, compute_dtype} of a bitsandbytes base
     optimizer: dict | None = None               # {class, name (None: not one the estimator traces), lr, ...}
@@ -207,6 +207,13 @@ def _head(model: torch.nn.Module) -> str | None:
         return "causal-lm"
     if name.endswith("ForSequenceClassification"):
         return "seq-classification"
+    if name.endswith("ForTokenClassification"):
+        return "token-classification"
+    # An encoder-decoder's generation head (T5, BART); a decoder-only "ForConditionalGeneration" (a vision-language
+    # model) is not one.
+    if name.endswith(("ForConditionalGeneration", "ForSeq2SeqLM")) and getattr(model.config, "is_encoder_decoder",
+                                                                                   False):
+        return "seq2seq-lm"
     return None
 
 
