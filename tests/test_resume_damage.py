@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pilotrun.checkpoint import LoadPolicy
+
 from .conftest import killed_after_export, pilotrun_cli
 from .test_loading_policy import GATES, _rehash, _resume, flat, killed_parent, parent  # noqa: F401  (fixtures)
 
@@ -213,6 +215,8 @@ def test_state_files_out_of_range_or_not_the_jobs_are_named_before_they_are_appl
             shutil.rmtree(ckpt)
             shutil.copytree(pristine, ckpt)
             _opt_in(ckpt, name, edit)
+            # As run --resume --trust does: admitted (unknown, allowed), then restored from a view of what was admitted.
+            LoadPolicy.of((), trust=True).admit(ckpt)
             with pytest.raises(CheckpointError) as info:
                 restore_training_state(driver, ckpt)
             assert words in str(info.value), (name, str(info.value))

@@ -108,7 +108,7 @@ def _room_for(n: int) -> None:
 
 @contextmanager
 def pinned(folder: Path, expect_sha256: str | None = None,
-           expected_as: str = "the one checked before") -> Iterator[Admission]:
+           expected_as: str = "checked before") -> Iterator[Admission]:
     """``with pinned(folder) as view: load(view.folder / name)``: the admission of a private view whose every file is
     the one whose digest was checked here (see the module). The manifest must hash to ``expect_sha256`` (what
     ``expected_as`` says it is), or to the digest ``folder`` was admitted with in this process; :class:`LoadRefused`

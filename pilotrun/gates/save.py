@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import distributed
 from ..checkpoint.io import disk_full_error, remove_stale_temps
 from ..checkpoint.saving import release_staging
-from ..checkpoint.trust import admitted
+from ..checkpoint.trust import admitted, manifest_sha256
 from ..drivers import Capability
 from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SaveDetails
@@ -48,10 +48,12 @@ class SaveGate(Gate):
         folder = ctx.restore_from
         if folder is None or not expect_path(folder).exists():
             return False  # without the fingerprints the restore gate needs a fresh save
-        adm = admitted(folder)  # --resume admitted it: the digest of the manifest bytes it checked
-        if adm is None:
-            return False
-        saved, manifest = SaveDetails.of(row.get("details")), adm.manifest_sha256
+        # --resume admitted it (pilot.resume.plan_resume, in this process): the digest of the manifest bytes it
+        # checked, which the restore's pinned view must find again. A caller that admitted nothing gets the folder's
+        # digest as it is now; the restore worker then admits the folder against it.
+        adm = admitted(folder)
+        saved = SaveDetails.of(row.get("details"))
+        manifest = adm.manifest_sha256 if adm is not None else manifest_sha256(folder)
         # The parent's save row vouches for the expect file of the checkpoint it wrote only (its manifest's digest;
         # a later checkpoint may be the one resumed, and the row's path may be relative to another folder).
         recorded = saved.expect_sha256 if saved.manifest_sha256 == manifest else None
