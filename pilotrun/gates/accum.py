@@ -224,7 +224,8 @@ def check_accum(view: TrainingView, out: Outcome | None = None) -> Outcome:
     out = out or Outcome()
     windows = view.accum_windows()
     b = view.batching()
-    if len(windows) == 1 and len(windows[0].micro) == 1 and len(windows[0].micro[0]) == b.micro_batch_size:
+    if (len(windows) == 1 and len(windows[0].micro) == 1 and len(windows[0].micro[0]) == b.micro_batch_size
+            and windows[0].kind != WindowKind.OBSERVED):  # an observed lone micro batch may still be mis-scaled
         out.reason = "grad_accum_steps is 1 and every micro batch is full: an update is one batch, nothing to compare"
         return out
     random = random_collate_reason(view, windows[0].micro[0])

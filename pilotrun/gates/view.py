@@ -53,6 +53,7 @@ class WindowKind(TextEnum):
     FIRST = "first"            # the job's first update window, in its data order
     LAST_SHORT = "last-short"  # an epoch's last window, shorter than the others
     SAMPLE = "sample"          # micro batches of the first examples (the framework's sampler order is its own)
+    OBSERVED = "observed"      # the micro batches a hand-written loop really ran before its first optimizer step
 
 
 @dataclass

@@ -29,9 +29,9 @@ from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
 from ..gates.view import Batching, Exported, NotMeasured, UpdateIds, Window
 from ..program.describe import JobFacts, describe_objects, longest_collated
-from ..train.loss import rng_untouched
 from . import common as C
 from .loops import HandLoopView
+from .observe import probe_and_watch
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16"}  # accelerate's mixed_precision -> train.precision ("no": weights)
 
@@ -157,5 +157,6 @@ def begin(job, accelerator, model, optimizer, train_dataloader, *, updates: int 
         return {}
     view = AccelerateView(accelerator, model, train_dataloader, loss, updates, eval_dataset,
                           UpdateIds(False, "the loop reports its own ids with job.update(ids=...)"))
-    with rng_untouched():  # the control run then draws what the runs without probes draw
-        return C.run_probes(job, view, Path(job.checkpoint_dir or ".") / "pilotrun-export")
+    scaler = getattr(accelerator, "scaler", None)
+    return probe_and_watch(job, view, train_dataloader, optimizer,
+                           lambda: float(scaler.get_scale()) if scaler is not None else None)

@@ -459,11 +459,14 @@ def record(job, gate: str, outcome: Outcome) -> Outcome:
     return outcome
 
 
-def run_probes(job, view: TrainingView, export_folder: Path) -> dict[str, Outcome]:
-    """Every in-process gate, in the pilot's order, each recorded as it finishes."""
+def run_probes(job, view: TrainingView, export_folder: Path, observed: bool = False) -> dict[str, Outcome]:
+    """Every in-process gate, in the pilot's order, each recorded as it finishes; ``observed``: batch and
+    accum_equivalence are left to the loop's watcher (:mod:`.observe`), which records them from its real steps."""
     out: dict[str, Outcome] = {}
     for gate, check in ((GateName.INSPECT, check_inspect), (GateName.BATCH, check_batch),
                         (GateName.ACCUM_EQUIVALENCE, check_accum), (GateName.OVERFIT, check_overfit)):
+        if observed and gate in (GateName.BATCH, GateName.ACCUM_EQUIVALENCE):
+            continue
         out[gate] = record(job, gate, run_check(gate, lambda check=check: check(view)))  # type: ignore[misc]
     export = record(job, GateName.EXPORT, run_check(GateName.EXPORT, lambda: check_export(view, export_folder)))
     work = export_folder.parent / "pilotrun-reload"

@@ -35,9 +35,9 @@ from ..gates.base import Outcome
 from ..gates.view import Batching, Exported, NotMeasured, UpdateIds, Window
 from ..program.describe import LIGHTNING_PRECISION, JobFacts, describe_objects, longest_collated
 from ..train.batches import to_device
-from ..train.loss import rng_untouched
 from . import common as C
 from .loops import HandLoopView
+from .observe import probe_and_watch
 
 try:
     from lightning.fabric.wrappers import is_wrapped
@@ -179,5 +179,6 @@ def begin(job, fabric, model, optimizer, train_dataloader, *, loss: Callable | N
         return {}
     view = FabricView(fabric, model, train_dataloader, loss, accumulate, updates, eval_dataset,
                       UpdateIds(False, "the loop reports its own ids with job.update(ids=...)"))
-    with rng_untouched():  # the control run then draws what the runs without probes draw
-        return C.run_probes(job, view, Path(job.checkpoint_dir or ".") / "pilotrun-export")
+    scaler = getattr(getattr(fabric, "_precision", None), "scaler", None)
+    return probe_and_watch(job, view, train_dataloader, optimizer,
+                           lambda: float(scaler.get_scale()) if scaler is not None else None)
