@@ -185,7 +185,8 @@ def test_the_spec_and_the_registry_share_one_strategy_vocabulary():
     grown = {**strategies.STRATEGIES, "tensor": strategies.get("ddp")}
     assert strategies.vocabulary_problems(grown) == [
         "the spec's choices ['single', 'ddp', 'fsdp'] are not the registry's ['single', 'ddp', 'fsdp', 'tensor']"]
-    stale = types.SimpleNamespace(NAMES=strategy_names.NAMES, DEFAULT="ddp", ALIASES={"none": "solo"})
+    stale = types.SimpleNamespace(NAMES=strategy_names.NAMES, DEFAULT="ddp", ALIASES={"none": "solo"},
+                                  OFFLOADING=strategy_names.OFFLOADING)
     assert strategies.vocabulary_problems(strategies.STRATEGIES, stale) == [
         "the spec's default 'ddp' is not the one-process strategy ['single']",
         "the alias 'none' names 'solo', which is not registered"]

@@ -50,10 +50,12 @@ def test_facts_come_from_the_objects():
     # bf16 weights without autocast declared: bf16-true, and the reason says so.
     half = describe_objects(_gpt2().to(torch.bfloat16), None, micro_batch_size=1)
     assert half.precision == "bf16-true" and "bfloat16" in half.precision_source
-    # bf16 weights under bf16 autocast (TrainingArguments.bf16 on a model loaded in bf16) still train as bf16-true.
+    # bf16 weights under bf16 autocast (TrainingArguments.bf16 on a model loaded in bf16): bf16-true-autocast, the
+    # same weights as bf16-true with autocast's fp32 ops over them.
     autocast = describe_objects(_gpt2().to(torch.bfloat16), None, micro_batch_size=1, precision="bf16",
                                 precision_source="TrainingArguments.bf16")
-    assert autocast.precision == "bf16-true" and "TrainingArguments.bf16 autocasts" in autocast.precision_source
+    assert autocast.precision == "bf16-true-autocast"
+    assert autocast.precision_source == "the parameters are bfloat16 and TrainingArguments.bf16 autocasts over them"
     # A batch gives the micro batch and the length when they are not given.
     batch = {"input_ids": torch.zeros(3, 17, dtype=torch.long)}
     from_batch = describe_objects(model, opt, batch=batch)
@@ -226,6 +228,22 @@ def test_a_bare_script_is_estimated_from_one_describe_call(tmp_path):
     assert "before job.describe" in proc.stderr and "Traceback" not in proc.stderr
     log = proc.stderr.split("(log: ")[-1].split(")")[0].replace("\n", "").strip()
     assert log.endswith(".log") and "trained update" not in open(log).read()  # ended at its first report
+
+
+@pytest.mark.process
+def test_pilotruns_own_fault_inside_the_describe_run_is_exit_3_with_its_traceback_kept(tmp_path):
+    """Issue 44, item 3: an integration's describer that fails in pilotrun's own frame (planted: describe_objects
+    given no model) is pilotrun's bug — exit 3 naming a log with the traceback, never exit 2 blaming the program."""
+    folder = tmp_path / "buggy"
+    folder.mkdir()
+    (folder / "train.py").write_text("import pilotrun\nfrom pilotrun.program.describe import describe_objects\n"
+                                     "job = pilotrun.program()\njob.describe(facts=lambda: describe_objects(None, None))\n")
+    spec = write_spec(folder / "pilot.yaml", {"name": "buggy", "program": {"command": "python train.py"}})
+    proc = pilotrun_cli("estimate", str(spec), "--accelerator", "H100-80GB", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "a bug in pilotrun, not in the program or the spec" in proc.stderr, proc.stderr
+    log = proc.stderr.split("traceback and log: ")[-1].split(")")[0].replace("\n", "").strip()
+    assert "AttributeError" in open(log).read() and "describe_objects" in open(log).read()
 
 
 def test_the_description_is_cached_per_environment_and_program_files(tmp_path, monkeypatch):

@@ -35,15 +35,18 @@ HELP = """examples:
   pilotrun estimate pilot.yaml --accelerator a100 --json
   pilotrun estimate pilot.yaml --catalog my-gpus.yaml      # add or override accelerators (prices too)
 
-Nothing is allocated and no weights or data files are read: the model is built on the meta device and
-traced with fake tensors in a separate process. A program spec (program: without all of model, data and train)
-is described by its program: run once (so it builds its model and reads its data as it always does) until it
-describes its job (the transformers/Lightning callback at train begin, or job.describe), before
-its first update; the spec's model/data/train and --set override what it said. Attention is traced as the
-accelerator runs it (model.attn_implementation, else the model's own: sdpa keeps output + logsumexp, not L x L),
-and FSDP2's communication overlaps its compute as it prefetches. Without --gpus, DDP and FSDP are
-shown over 2, 4 and 8 GPUs. Traces (and a program's description) are cached as JSON under $PILOTRUN_CACHE
-(default ~/.cache/pilotrun), shared with select and plan; --no-trace-cache traces (and describes) again and
+Nothing is allocated and no weights are read: the model is built on the meta device and traced with
+fake tensors in a separate process. Memory is at the longest batch; time is at the lengths the data gives
+the micro batches (a built-in task's data.path, a sample of 2000 examples tokenized, each micro batch padded
+to its longest) where they are known, else at the longest, and each row says which (time_lengths).
+A program spec (program: without all of model, data and train) is described by its program: run once
+(so it builds its model and reads its data as it always does) until it describes its job (the
+transformers/Lightning callback at train begin, or job.describe), before its first update; the spec's
+model/data/train and --set override what it said. Attention is traced as the accelerator runs it
+(model.attn_implementation, else the model's own: sdpa keeps output + logsumexp, not L x L), and FSDP2's
+communication overlaps its compute as it prefetches. Without --gpus, DDP and FSDP are shown over 2, 4 and
+8 GPUs. Traces (and a program's description) are cached as JSON under $PILOTRUN_CACHE (default
+~/.cache/pilotrun), shared with select and plan; --no-trace-cache traces (and describes) again and
 replaces the cached entry."""
 
 
@@ -99,7 +102,7 @@ def main(args) -> int:
             for n in (gpu_counts if strategy.multi_process else [1]):
                 if strategy.multi_process and n == 1:
                     continue
-                fit = estimate_fit(trace, acc, strategy.name, n, utilisation=util)
+                fit = estimate_fit(trace, acc, strategy.name, n, utilisation=util, lengths=traces.lengths())
                 fit["utilisation_source"] = time_source(fit["time"], source if util else None)
                 s = fit["seconds_per_update"]
                 fit["cost_per_update"] = acc.cost(s / 3600 if s else None, n)
@@ -124,7 +127,8 @@ def main(args) -> int:
               "fits": [{k: f[k] for k in ("accelerator", "strategy", "gpus", "precision", "peak_allocated_bytes",
                                           "peak_reserved_bytes", "device_used_bytes", "capacity_bytes", "fits",
                                           "limiting_stage", "seconds_per_update", "cost_per_update", "cost_note",
-                                          "utilisation_source", "unknown_for_stack")}
+                                          "utilisation_source", "unknown_for_stack", "time_lengths", "offload",
+                                          "host_bytes_per_node")}
                        | {"corrections": f["stages"][f["limiting_stage"]]["corrections"] + f["notes"],
                           "time": f["time"]} for f in fits],
               "attention": trace.get("attention") or {},

@@ -15,7 +15,7 @@ from .exitguard import ExitCalled
 from .factories import FactoryInterrupt, FactoryTimeout, ShadowedModule, factory_guard, import_factory
 from .hub_cache import TokenizerNotFound
 from .paths import looks_local
-from .sections import ModelSpec
+from .sections import AUTOCAST_DTYPE, ModelSpec
 from .spec import Spec
 from .yamlsafe import regular_file_problem
 
@@ -164,7 +164,7 @@ def factory_problem(target: str, folder: Path, timeout: float | None = None) -> 
 def cross_section_problems(spec: Spec) -> Problems:
     """Keys of different sections that contradict each other where the section checks cannot see both."""
     problems = []
-    if spec.train.precision == "bf16" and spec.train.device == "mps":
+    if AUTOCAST_DTYPE.get(spec.train.precision) == "bf16" and spec.train.device == "mps":
         problems.append(("train.precision", "bf16 autocast is not supported on mps; use fp16 or fp32"))
     ml, eml = spec.data.max_length, spec.eval.max_length
     if ml is not None and eml is not None and eml < ml:

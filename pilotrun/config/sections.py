@@ -19,13 +19,21 @@ from .paths import looks_local, path_value_problem, resolve_path
 from .schema import doc
 from .strategy_names import ALIASES as STRATEGY_ALIASES
 from .strategy_names import DEFAULT as DEFAULT_STRATEGY
+from .strategy_names import OFFLOADING as OFFLOADING_STRATEGIES
 from .strategy_names import StrategyName
 
 # Optimizers whose state lives in bitsandbytes' 8-bit blockwise format (2 bytes per trainable parameter
 # plus block statistics); `paged_` pages that state to host memory under pressure (CUDA only).
 BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
 
-Precision = Literal["fp32", "bf16", "fp16", "bf16-true"]
+Precision = Literal["fp32", "bf16", "fp16", "bf16-true", "bf16-true-autocast"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+# The precisions that hold the model's floating-point weights in bf16 (so its gradients and optimizer state too: no
+# fp32 master copy). bf16-true-autocast is the Trainer's bf16=True (accelerate's mixed_precision="bf16", Lightning's
+# "bf16-mixed") over a model loaded with torch_dtype=bfloat16: the same weights as bf16-true, with autocast over them.
+BF16_WEIGHTS: tuple[str, ...] = ("bf16-true", "bf16-true-autocast")
+# The dtype torch.autocast runs under each precision (absent: no autocast).
+AUTOCAST_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "bf16-true-autocast": "bf16"}
 # model.attn_implementation's values (models/attention.py says what each keeps on the target).
 AttnImplementation = Literal["sdpa", "flash_attention_2", "flash_attention_3", "eager"]
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
@@ -76,6 +84,11 @@ class QuantizationSpec:
     double_quant: bool = doc("quantise the 4-bit blocks' scales too (about 0.37 bits per weight saved)", True)
     compute_dtype: Literal["bf16", "fp16", "fp32"] = doc("dtype the 4-bit weights are dequantised to for matmuls",
                                                           "bf16")
+    prepare: Literal["peft", "none"] = doc(
+        "the QLoRA preparation the job runs on the quantised base: peft, peft.prepare_model_for_kbit_training (the "
+        "base's non-quantised weights - embeddings, norms, output head, biases - upcast to fp32); none, not called "
+        "(the base loaded with torch_dtype = compute_dtype: those weights stay in it). Under bf16-true and "
+        "bf16-true-autocast they are bf16 either way (the upcast would contradict the precision)", "peft")
 
 
 @dataclass
@@ -326,7 +339,10 @@ class TrainSpec:
     grad_accum_steps: int = doc("micro batches accumulated per optimizer update", 1)
     precision: Precision = doc(
         "fp32; bf16 autocast over fp32 weights; fp16 autocast with a grad scaler; bf16-true: weights, gradients and "
-        "optimizer state held in bf16, no autocast (torch_dtype=bfloat16 fine-tuning)", "fp32")
+        "optimizer state held in bf16, no autocast (torch_dtype=bfloat16 fine-tuning); bf16-true-autocast: the same "
+        "bf16 weights with bf16 autocast over them (torch_dtype=bfloat16 with the Trainer's bf16=True, accelerate's "
+        "mixed_precision='bf16' or Lightning's 'bf16-mixed'): the ops on autocast's fp32 list (losses; on CUDA also "
+        "softmax, log_softmax and norms) run in fp32", "fp32")
     scheduler: SchedulerSpec = doc("learning-rate schedule (a name or a mapping)", SchedulerSpec)
     max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
     activation_checkpointing: bool | str = doc(
@@ -446,6 +462,9 @@ class ResumeSpec:
 # sets) are pilotrun.variants.define's.
 BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing-selective", "checkpointing-selective-2", "checkpointing-every-2",
                     "checkpointing", "bf16", "fp16", "bf16-true")
+# Built-in variants that run only where pilot.variants.run names them: bf16-true-autocast holds the same bf16 weights
+# as bf16-true and saves no memory beside it; it is run to measure autocast's numerics and time over those weights.
+NAMED_ONLY_VARIANTS = ("bf16-true-autocast",)
 
 
 @dataclass
@@ -458,7 +477,7 @@ class VariantsSpec:
         "of the control's (|v - c| / |c|), else it fails; beyond half of it the variant warns", 0.02)
     run: list[str] | None = doc(
         f"the built-in variants to run (default: every one that differs from the control: "
-        f"{', '.join(BUILTIN_VARIANTS)})", None)
+        f"{', '.join(BUILTIN_VARIANTS)}; {', '.join(NAMED_ONLY_VARIANTS)} runs only when named here)", None)
     custom: dict[str, dict[str, Any]] = doc(
         "variants of your own: a name -> the keys they change, as --set takes them "
         "(e.g. {lr-half: {train.optimizer.lr: 1.5e-3}})", {})
@@ -469,10 +488,11 @@ class VariantsSpec:
         if not 0 < self.val_loss_rtol < 1:
             yield "val_loss_rtol", f"must be between 0 and 1 (a relative difference), got {self.val_loss_rtol}"
         for name in self.run or []:
-            if name not in BUILTIN_VARIANTS:
-                yield "run", f"unknown variant {name!r}; the built-in ones are {', '.join(BUILTIN_VARIANTS)}"
+            if name not in BUILTIN_VARIANTS + NAMED_ONLY_VARIANTS:
+                yield "run", (f"unknown variant {name!r}; the built-in ones are "
+                              f"{', '.join(BUILTIN_VARIANTS + NAMED_ONLY_VARIANTS)}")
         for name, keys in self.custom.items():
-            if name == "control" or name in BUILTIN_VARIANTS:
+            if name == "control" or name in BUILTIN_VARIANTS + NAMED_ONLY_VARIANTS:
                 yield "custom", f"{name!r} is a built-in name; give your variant another name"
             elif (why := name_problem(name)) is not None:  # a variant's name is a ledger key and a report's label
                 yield "custom", f"variant name: {why}"
@@ -508,6 +528,18 @@ class DistributedSpec:
         "single: one process; ddp: a full replica per process, gradients all-reduced; fsdp: FSDP2 fully_shard of "
         "each repeated block and the root (launch with `pilotrun launch --nproc-per-node N` or torchrun)",
         DEFAULT_STRATEGY)
+    offload: Literal["none", "cpu"] = doc(
+        "none: parameters, gradients and optimizer state stay on the GPUs; cpu: FSDP2's CPUOffloadPolicy(pin_memory="
+        "True) keeps each rank's shard of them in host memory (parameters and gradients pinned), copies a layer's "
+        "parameter shard to the GPU before its all-gather and each gradient shard back after its reduce-scatter, and "
+        "runs the optimizer step on the CPU: far less GPU memory, a slower update (fsdp only; the estimate adds the "
+        "PCIe copies, the CPU step and the host memory per node)", "none")
+
+    def check(self):
+        if self.offload != "none" and self.strategy not in OFFLOADING_STRATEGIES:
+            yield "offload", (f"{self.offload} needs distributed.strategy {' or '.join(OFFLOADING_STRATEGIES)} "
+                              f"(FSDP2's CPUOffloadPolicy), not {self.strategy!r}: set distributed.strategy: "
+                              f"{OFFLOADING_STRATEGIES[0]}, or distributed.offload: none")
 
     @staticmethod
     def normalize(data: Any) -> Any:

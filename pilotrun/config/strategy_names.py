@@ -21,6 +21,9 @@ NAMES: tuple[str, ...] = ("single", "ddp", "fsdp")
 DEFAULT = "single"
 # Accepted in specs written before the vocabulary was one: `none` meant one process.
 ALIASES: dict[str, str] = {"none": "single"}
+# The strategies that can keep their sharded state on the host (``distributed.offload: cpu``; the registry's
+# ``Strategy.offloads``): FSDP2's CPUOffloadPolicy.
+OFFLOADING: tuple[str, ...] = ("fsdp",)
 
 if TYPE_CHECKING:
     StrategyName = str

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from .. import backends, distributed, strategies
+from ..config.sections import BF16_WEIGHTS
 from ..data.bundle import build_data
 from ..devices import device_name, pick_device
 from ..models.loading import load_tokenizer
@@ -51,7 +52,7 @@ def join_job(spec) -> JobProcess:
                           strategy)
     device, reason = pick_device(spec.train.device)
     _, _, world = distributed.env_from_os()
-    strategy = strategies.for_processes(spec.distributed.strategy, world)
+    strategy = strategies.for_processes(spec.distributed.strategy, world, spec.distributed.offload)
     env = distributed.init(strategy.name, device.type)
     runtime = backends.for_device(device)
     if env.active and runtime.indexed:  # one device per process
@@ -83,7 +84,7 @@ def check_job(spec, device: torch.device) -> None:
             problems.append((builder, f"building the model on the meta device (to check model.adapter.target_modules "
                              f"against its Linear layers) raised {type(exc).__name__}: {first}; fix the factory "
                              "or the keys it reads"))
-    dtype = torch.bfloat16 if spec.train.precision == "bf16-true" else torch.float32
+    dtype = torch.bfloat16 if spec.train.precision in BF16_WEIGHTS else torch.float32
     try:
         choose_fused(spec.train.optimizer, device, {dtype})
     except OptimizerError as exc:

@@ -1,4 +1,4 @@
-"""The estimator's model and optimizer for adapter, quantised and bf16-true jobs, on the meta device.
+"""The estimator's model and optimizer for adapter, quantised and bf16-weight jobs, on the meta device.
 
 The trace runs on fake tensors, where bitsandbytes' kernels cannot run. So a quantised Linear is replaced by a
 stand-in holding exactly bitsandbytes' storage (``layouts.quantized_linear``: packed weight and quantisation
@@ -8,9 +8,11 @@ allocates ``layouts.optimizer_state`` and updates in place (the CUDA kernels are
 LoRA itself is the real ``peft`` model (on meta), so frozen parameters have no gradient and no optimizer state.
 
 Dtypes, as the pilot builds the job (``models.loading.build_model``, which also builds the estimator's meta model):
-bf16-true holds every floating tensor in bf16, LoRA matrices included; otherwise LoRA matrices are fp32 (peft's
-``autocast_adapter_dtype``) and a quantised base's unquantised tensors (embeddings, norms, output head) fp32 (peft's
-``prepare_model_for_kbit_training``).
+bf16-true holds every floating tensor in bf16, LoRA matrices included; bf16-true-autocast holds the base in bf16 and
+the LoRA matrices in fp32 (peft's ``autocast_adapter_dtype``, as a program that loads its model in bf16 and calls
+``get_peft_model`` has them); otherwise LoRA matrices are fp32 and a quantised base's unquantised tensors (embeddings,
+norms, output head) are fp32 after peft's ``prepare_model_for_kbit_training`` (``model.quantization.prepare: peft``)
+or in the compute dtype without it (``prepare: none``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config.sections import BF16_WEIGHTS
 from ..config.spec import Spec
 from . import layouts
 
@@ -39,6 +42,7 @@ class Adaptation:
     quantized_bytes: int = 0          # packed weights + quantisation state of every quantised Linear
     dequantized_peak_bytes: int = 0   # the largest layer's dequantised weight (one layer in flight)
     merged_bytes: int = 0             # export.merge: the merged model's size
+    preparation: str = ""             # a quantised base: the QLoRA preparation modelled (peft, none, or not applied)
     notes: list[str] = field(default_factory=list)
 
 
@@ -113,11 +117,36 @@ def _quantize(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: 
                                          * torch.empty((), dtype=temp_dtype).element_size())
 
 
+def _prepared(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: Adaptation) -> torch.dtype:
+    """The dtype of a quantised base's unquantised tensors under its QLoRA preparation (``model.quantization.prepare``),
+    the base's floating parameters cast to it (the meta build holds them in fp32, as peft's upcast leaves them), and
+    the note that says which preparation was modelled."""
+    from ..models.adapters import is_adapter_parameter
+
+    q = spec.model.quantization
+    assert q is not None
+    if spec.train.precision in BF16_WEIGHTS:
+        out.preparation = f"not applied ({spec.train.precision}: the base's unquantised tensors in bf16)"
+    elif q.prepare == "none":
+        base_dtype = DTYPES[q.compute_dtype]
+        out.preparation = (f"none (model.quantization.prepare: none): the base's unquantised tensors (embeddings, "
+                           f"norms, output head) held in the compute dtype, {q.compute_dtype}")
+    else:
+        out.preparation = ("peft (model.quantization.prepare: peft): prepare_model_for_kbit_training upcasts the "
+                           "base's unquantised tensors (embeddings, norms, output head) to fp32")
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != base_dtype and not is_adapter_parameter(name):
+            p.data = p.data.to(base_dtype)
+    out.notes.append(f"QLoRA preparation modelled: {out.preparation}")
+    return base_dtype
+
+
 def adapt(model: torch.nn.Module, spec: Spec) -> tuple[torch.nn.Module, Adaptation]:
     """The meta model as the pilot trains it. ``models.loading.build_model(meta=True)`` already applied the adapter
-    (peft) and bf16-true; bitsandbytes cannot quantise meta weights, so the quantised Linears are swapped for
-    stand-ins here. Their unquantised neighbours keep the dtype the pilot gives them: fp32 (peft's
-    prepare_model_for_kbit_training upcasts them), bf16 under bf16-true."""
+    (peft) and the bf16 weights of bf16-true(-autocast); bitsandbytes cannot quantise meta weights, so the quantised
+    Linears are swapped for stand-ins here. Their unquantised neighbours keep the dtype the pilot gives them
+    (``models.loading._prepare_quantized``): fp32 (peft's prepare_model_for_kbit_training upcasts them), the
+    compute dtype under ``prepare: none``, bf16 under bf16-true(-autocast)."""
     from ..models.adapters import is_adapter_parameter
 
     out = Adaptation()
@@ -125,7 +154,9 @@ def adapt(model: torch.nn.Module, spec: Spec) -> tuple[torch.nn.Module, Adaptati
     adapter = [p for n, p in named if is_adapter_parameter(n)]
     out.base_parameters = sum(p.numel() for n, p in named if not is_adapter_parameter(n))
     quant = spec.model.quantization
-    base_dtype = torch.bfloat16 if spec.train.precision == "bf16-true" else torch.float32
+    base_dtype = torch.bfloat16 if spec.train.precision in BF16_WEIGHTS else torch.float32
+    if quant is not None:
+        base_dtype = _prepared(model, spec, base_dtype, out)
     if spec.model.adapter is not None:
         out.adapter_parameters = sum(p.numel() for p in adapter)
         out.adapter_bytes = sum(p.numel() * p.element_size() for p in adapter)

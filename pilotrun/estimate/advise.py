@@ -9,7 +9,8 @@ The fixes, cheapest first (the fix order of docs/architecture.md, "Contracts"):
    ``pilotrun variants`` ran it there);
 3. mixed precision (bf16, or fp16 with a grad scaler stepped on the real update boundary);
 4. sharding with FSDP2 across 2, 4, 8... GPUs (each count dearer than the last);
-5. a larger accelerator (each larger one dearer than the last).
+5. CPU offload of the sharded state (FSDP2's CPUOffloadPolicy), once nothing over the GPUs of one node fits;
+6. sharding across nodes, then a larger accelerator (each larger one dearer than the last).
 
 A combination costs what its dearest fix costs, then what the next dearest costs, and so on: FSDP2 over 2 GPUs
 with checkpointing is tried after FSDP2 over 2 alone and before FSDP2 over 4, because two GPUs with a recompute
@@ -52,11 +53,17 @@ class Combination:
     precision: bool = False        # bf16 instead of fp32
     checkpointing: str | None = None  # a policy (AC_POLICIES, cheapest recompute first), None: off
     smaller_micro_batch: bool = False
+    offload: bool = False          # FSDP2's CPUOffloadPolicy (distributed.offload: cpu)
 
     @property
     def cost(self) -> tuple:
         ac = 0 if self.checkpointing is None else 1 + AC_POLICIES.index(self.checkpointing)
-        return (self.accelerator_level, self.shard_level, self.precision, ac, self.smaller_micro_batch)
+        # CPU offload keeps the GPUs the job has but slows every update (each shard over PCIe in and out, the optimizer
+        # step on the CPU): it is the last resort on one node, after checkpointing, precision and sharding over that
+        # node's GPUs, and before sharding across nodes or a larger accelerator, which cost rented hardware instead.
+        beyond_node = self.shard_level > 0 and self.gpus > int(self.accelerator.interconnect.get("gpus_per_node") or 8)
+        return (self.accelerator_level, beyond_node, self.offload, self.shard_level, self.precision, ac,
+                self.smaller_micro_batch)
 
     def name(self) -> str:
         parts = []
@@ -70,6 +77,8 @@ class Combination:
             parts.append(ac_words(self.checkpointing))
         if self.smaller_micro_batch:
             parts.append("smaller micro batch, more accumulation")
+        if self.offload:
+            parts.append("CPU offload (FSDP2 CPUOffloadPolicy)")
         return " + ".join(parts)
 
 
@@ -84,14 +93,20 @@ def combinations(spec, acc: Accelerator, strategy: str, gpus: int,
     # Meaningfully larger (10% or more), not a rounding of the same class.
     larger = sorted((a for a in catalog.values() if a.memory_bytes >= acc.memory_bytes * 1.10),
                     key=lambda a: a.memory_bytes)
+    # Offload where the spec does not already: on a strategy that can (the sharding fix's, or the one asked about)
+    # over 2+ GPUs (one process runs the one-process strategy, which keeps its state on the device).
+    offloads = (False, True) if spec.distributed.offload == "none" else (False,)
     out = []
     for level, accel in enumerate([acc, *larger]):
         for shard_level, n in enumerate(shards):
-            for prec, ac, mb in itertools.product(
+            can_offload = (strategies.sharding() if shard_level else strategies.get(strategy)).offloads
+            for prec, ac, mb, off in itertools.product(
                     (False, True) if t.precision == "fp32" else (False,),
                     (None, *AC_POLICIES) if not ac_policy(t.activation_checkpointing) else (None,),
-                    (False, True) if t.micro_batch_size > 1 else (False,)):
-                c = Combination(accel, level, n if shard_level else gpus, shard_level, prec, ac, mb)
+                    (False, True) if t.micro_batch_size > 1 else (False,), offloads):
+                c = Combination(accel, level, n if shard_level else gpus, shard_level, prec, ac, mb, off)
+                if off and not (can_offload and c.gpus > 1):
+                    continue
                 if any(c.cost):
                     out.append(c)
     return sorted(out, key=lambda c: c.cost)
@@ -107,7 +122,7 @@ RECOMPUTES = {"full": "the forward is recomputed in backward",
 
 
 # The only keys a fix may change (docs/architecture.md "fix order"); model.* (adapter, quantization) never.
-FIX_KEYS = frozenset({"accelerator", "distributed.strategy", "gpus", "train.precision",
+FIX_KEYS = frozenset({"accelerator", "distributed.strategy", "distributed.offload", "gpus", "train.precision",
                       "train.activation_checkpointing", "train.micro_batch_size", "train.grad_accum_steps"})
 
 
@@ -170,14 +185,21 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
             why.append(f"{what} ({flops}" + (f"; {said}" if said else "") + ")")
         if measured and (mem := measured.memory_text(name)):
             why.append(mem)
-    fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util)
+    offload = "cpu" if c.offload else None   # None: the spec's own
+    if c.offload:
+        changes["distributed.offload"] = "cpu"
+    fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util, offload=offload)
+    if c.offload:
+        host = (fit["host_memory"] or {}).get("note")
+        why.append(f"parameters, gradients and optimizer state kept in host memory ({host}); every update copies "
+                   "each shard over PCIe and runs the optimizer step on the CPU")
     scale = 1.0
     if c.smaller_micro_batch:
         # The largest smaller micro batch that fits; the smallest when none does (to show how far it is).
         sizes = _micro_batches(spec)
         for mb in sizes:
             fit = estimate_fit(trace, c.accelerator, strat, c.gpus, utilisation=util,
-                               micro_scale=mb / t.micro_batch_size)
+                               micro_scale=mb / t.micro_batch_size, offload=offload)
             if fit["fits"]:
                 break
         scale = mb / t.micro_batch_size
@@ -185,8 +207,9 @@ def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
         changes |= {"train.micro_batch_size": mb, "train.grad_accum_steps": accum}
         why.append(f"{mb} x {accum} = {mb * accum} examples per update, as before; activations scale with the "
                    "micro batch")
-    if recompute is not None and (s := seconds_with_recompute(traces, c.accelerator, strat, c.gpus, util, scale,
-                                                               recompute, "bf16" if c.precision else None)):
+    # The measured recompute ratio times the configuration without offload: kept to rows that do not offload.
+    if recompute is not None and not c.offload and (s := seconds_with_recompute(
+            traces, c.accelerator, strat, c.gpus, util, scale, recompute, "bf16" if c.precision else None)):
         fit = {**fit, "seconds_per_update": s}
     fit = _measured_memory(traces, c, strat, util, fit, measured, why)
     return _row(c, fit, base_s, changes, experiment, "; ".join(why))
@@ -198,7 +221,7 @@ def _measured_memory(traces, c: Combination, strategy: str, utilisation: float |
     the configuration without it x the measured peak ratio. Combined with another fix, or sharded, the ratio of
     one device alone does not hold, and the trace stands."""
     fixes = ([ac_variant(c.checkpointing)] if c.checkpointing else []) + (["bf16"] if c.precision else [])
-    others = c.shard_level or c.smaller_micro_batch or c.accelerator_level
+    others = c.shard_level or c.smaller_micro_batch or c.accelerator_level or c.offload
     if measured is None or others or len(fixes) != 1 or strategies.get(strategy).compute_replicas(c.gpus) != 1:
         return fit
     ratio = measured.memory_factor(fixes[0], c.accelerator)

@@ -35,9 +35,10 @@ from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 6  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
+FORMAT = 7  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
 #             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step,
-#             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride)
+#             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride,
+#             7: the attention kernels' op rows apart, for the time at the data's lengths)
 
 
 def default_dir() -> Path:
@@ -177,7 +178,7 @@ _BYTES = NonNegative(integer=True)
 _STAGE = {"peak_bytes": _BYTES, "peak_bytes_rounded": _BYTES, "breakdown": MapOf(_BYTES), "tensors": _BYTES,
           "flops": NonNegative(), "seq_len": _BYTES, "batch_size": _BYTES, "optimizer_step_extra_bytes": _BYTES,
           "phases": MapOf([{"bytes": _BYTES, "breakdown": MapOf(_BYTES)}]),
-          "ops": Optional([list]), "optimizer_ops": Optional([list])}
+          "ops": Optional([list]), "optimizer_ops": Optional([list]), "attention_ops": Optional([list])}
 # What the estimate reads of a trace, each number finite and >= 0 (a negative peak printed "-9.1e17 TiB").
 ENTRY_SCHEMA = {"key": dict, "trace": {
     "stages": MapOf(_STAGE), "parameters": _BYTES, "trainable_parameters": _BYTES, "parameter_bytes": _BYTES,
@@ -201,7 +202,7 @@ def _check(entry: object, key: dict) -> str | None:
         if field not in entry["trace"]:
             return f"{field} missing"
     for name, stage in stages.items():
-        for part in ("ops", "optimizer_ops"):
+        for part in ("ops", "optimizer_ops", "attention_ops"):
             bad = next((r for r in stage.get(part) or [] if not _op_row(r)), None)
             if bad is not None:
                 return f"stages.{name}.{part} holds {bad!r}, expected [dtype, flops, bytes, count] (each >= 0)"

@@ -47,6 +47,14 @@ class Accelerator:
     # {compute, bandwidth, source}: the shares of the dense peak and of the datasheet bandwidth this accelerator's
     # kernels reach in a training step, where a published measurement gives them; else the catalog defaults.
     efficiency: dict = field(default_factory=dict)
+    # {link_gb_s, memory_gb, memory_bandwidth_gb_s}: the host side, for CPU offload. link_gb_s is the GPU's host link
+    # per direction (its datasheet); the node's memory and memory bandwidth depend on the rental, so null built in.
+    host: dict = field(default_factory=dict)
+
+    def host_figure(self, key: str) -> float | None:
+        """One of ``host``'s figures as a number (GB/s or GB), None where the catalog does not know it."""
+        value = self.host.get(key)
+        return None if value is None else float(value)
 
     def cost(self, hours: float | None, gpus: int) -> float | None:
         """What ``hours`` on ``gpus`` of these cost at the catalog's price; None without a price or a time."""
@@ -75,17 +83,18 @@ class Accelerator:
         return None if tf is None else float(tf) * 1e12
 
 
-# A train.precision whose matmuls run in another precision's peak: bf16-true holds bf16 weights and multiplies
-# in bf16 (the catalog has no "bf16-true" peak, so every bf16-true row showed no time).
-PEAK_OF_PRECISION = {"bf16-true": "bf16"}
+# A train.precision whose matmuls run in another precision's peak: bf16-true (and bf16-true-autocast) hold bf16
+# weights and multiply in bf16 (the catalog has no "bf16-true" peak, so every bf16-true row showed no time).
+PEAK_OF_PRECISION = {"bf16-true": "bf16", "bf16-true-autocast": "bf16"}
 
 REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", "interconnect", "context_bytes",
             "blas_workspace_bytes", "nccl_buffer_bytes")
 # Every key an entry may have (docs/catalog.md describes each); a misspelt key is an error, not ignored: a
 # silently dropped "price_per_hour" would leave every cost blank with no reason given.
 OPTIONAL = ("aliases", "compute_capability", "memory_spec_gb", "notes", "price_per_gpu_hour", "spot_price_per_gpu_hour",
-            "skypilot", "efficiency")
+            "skypilot", "efficiency", "host")
 PRICE_KEYS = ("price_per_gpu_hour", "spot_price_per_gpu_hour")
+HOST_KEYS = ("link_gb_s", "memory_gb", "memory_bandwidth_gb_s")
 DEFAULT_KEYS = ("reserved_margin", "utilisation", "headroom", "compute_efficiency", "bandwidth_efficiency")
 # Used when the catalog's defaults lack them (a user catalog written before the time model); catalog.yaml says why.
 DEFAULT_COMPUTE_EFFICIENCY = 0.7
@@ -153,6 +162,9 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
             raise CatalogError(f"catalog entry {name!r}: efficiency takes compute and bandwidth, each a share in "
                                "(0, 1], and its source, e.g. {compute: 0.7, bandwidth: 0.8, source: ...}; "
                                f"got {eff!r}")
+        bad_host = _host_problem(f.get("host"))
+        if bad_host:
+            raise CatalogError(f"catalog entry {name!r}: {bad_host}")
         sky_name = f.get("skypilot", "")
         if not isinstance(sky_name, str) or (sky_name and not re.fullmatch(r"[A-Za-z0-9][\w.-]*", sky_name)):
             raise CatalogError(f"catalog entry {name!r}: skypilot is SkyPilot's accelerator name as `sky show-gpus` "
@@ -167,8 +179,24 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
             spot_price_per_gpu_hour=None if spot is None else float(spot), skypilot=sky_name,
             compute_capability=str(f.get("compute_capability", "")),
             aliases=tuple(f.get("aliases", [])), defaults=defaults, efficiency=dict(eff),
+            host=dict(f.get("host") or {}),
         )
     return out
+
+
+def _host_problem(host) -> str | None:
+    """What is wrong with an entry's ``host`` mapping, or None (absent is fine: every figure unknown)."""
+    if host is None:
+        return None
+    if not isinstance(host, dict):
+        return f"host must be a mapping of {', '.join(HOST_KEYS)}, e.g. {{link_gb_s: 64}}; got {host!r}"
+    unknown = sorted(set(host) - set(HOST_KEYS))
+    if unknown:
+        return f"host has unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(HOST_KEYS)}"
+    for key, value in host.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            return f"host.{key} must be a positive number (GB/s or GB) or null for unknown; got {value!r}"
+    return None
 
 
 def find(catalog: dict[str, Accelerator], name: str) -> Accelerator:

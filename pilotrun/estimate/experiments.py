@@ -53,6 +53,7 @@ def adapter_view(trace: dict, spec: Spec, disk_mb_s: float = DISK_MB_S) -> dict 
         "quantized_bytes": a["quantized_bytes"],
         "quantized_layers": a["quantized_layers"],
         "dequantized_peak_bytes": a["dequantized_peak_bytes"],
+        "preparation": a.get("preparation", ""),   # a quantised base's QLoRA preparation, as modelled
         # save holds the adapter, the optimizer and the rest of the training state, never the frozen base
         "checkpoint_bytes": a["adapter_bytes"] + trace["optimizer_state_bytes"],
         "label": label(spec),
@@ -110,6 +111,8 @@ def adapter_line(view: dict) -> str:
     if view["quantized_layers"]:
         text += (f" ({view['quantized_layers']} quantised layers: {human_bytes(view['quantized_bytes'])}, "
                  f"dequantised in flight up to {human_bytes(view['dequantized_peak_bytes'])})")
+        if view.get("preparation"):
+            text += f"; QLoRA preparation {view['preparation']}"
     text += f"; checkpoint {human_bytes(view['checkpoint_bytes'])} (adapter + optimizer state)"
     merged = view.get("merged_export")
     if merged:

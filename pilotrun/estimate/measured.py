@@ -20,6 +20,7 @@ from ..ledger.details import VariantDetails
 from ..ledger.records import RunKind, Verdict
 from ..ledger.store import Ledger
 from .catalog import Accelerator, matches
+from .lengths import DataLengths
 from .model import TRAINING, estimate_fit
 
 
@@ -76,13 +77,13 @@ def with_measured_peak(plain: dict, fixed: dict, ratio: float, acc: Accelerator)
 
 def seconds_with_recompute(traces, acc: Accelerator, strategy: str, gpus: int, utilisation: float | None,
                            micro_scale: float, ratio: float, precision: str | None = None,
-                           micro_batches: int | None = None) -> float | None:
+                           micro_batches: int | None = None, lengths: DataLengths | None = None) -> float | None:
     """A configuration's time per update with checkpointing as measured: the same configuration traced without
     checkpointing (at ``precision``, None: the spec's), timed as the estimate does, x the measured recompute
     ``ratio``. None where that time is unknown (no peak for the precision)."""
     plain = traces.get(ac=False, precision=precision)
     s = estimate_fit(plain, acc, strategy, gpus, utilisation=utilisation, micro_scale=micro_scale,
-                     micro_batches=micro_batches)["seconds_per_update"]
+                     micro_batches=micro_batches, lengths=lengths)["seconds_per_update"]
     return s * ratio if s else None
 
 

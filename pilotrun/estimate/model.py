@@ -8,7 +8,8 @@ correction with its size, so a person can see what the estimate assumed:
 * reserved-over-allocated margin — fragmentation of the caching allocator (catalog default);
 * runtime context — the CUDA/HIP context outside the allocator (catalog);
 * collective buffers — NCCL/RCCL per communicator, only with more than one GPU (catalog);
-* strategy — DDP's gradient buckets; FSDP2's shards and the unsharded layer in flight;
+* strategy — DDP's gradient buckets; FSDP2's shards and the unsharded layer in flight; with CPU offload the
+  shards on the host, the host memory per node and the host's time (``offload.py``);
 * attention kernels, autocast op lists and the optimizer's foreach path — see ``_kernel_notes``.
 
 Example::
@@ -25,6 +26,8 @@ from ..ledger.records import GateName
 from ..models.attention import AS_TRACED_ON_CPU
 from ..strategies import StageBytes, correction
 from .catalog import Accelerator
+from .lengths import AtLengths, DataLengths, expected_micro
+from .offload import host_memory, offload_notes, offload_time, placed_strategy
 from .ops import roofline_seconds
 
 # The traced stages are the estimates of these gates' rows (bench/estimate_accuracy.py compares them by name).
@@ -49,8 +52,9 @@ def _kernel_notes(trace: dict) -> list[dict]:
                    how),
         correction("attention kernels", 0, "allocated", attention_note(trace.get("attention") or {})),
         correction("autocast op lists", 0, "allocated",
-           "CPU and CUDA autocast run matmul, linear, bmm and attention in the lower precision and keep "
-           "softmax/norm in fp32 alike; the weight-cast cache exists on both"),
+           "CPU and CUDA autocast run matmul, linear, bmm and attention in the lower precision; CUDA's fp32 list "
+           "(softmax, log_softmax, norms, pow, sum, the losses) is applied to the CPU trace for a GPU target "
+           "(estimate/autocast_lists.py); the weight-cast cache exists on both"),
     ]
 
 
@@ -108,7 +112,7 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     """
     st = trace["stages"][stage]
     training = stage in TRAINING
-    chosen = strategies.get(strategy)
+    chosen = placed_strategy(strategy, trace)   # with the job's distributed.offload where the strategy can
     # The train micro batch scales training activations only: evaluation keeps eval.batch_size.
     scale = micro_scale if training else 1.0
     # ``accumulating`` True: place the later micro batches' moments whatever the count (a hypothetical micro batch
@@ -157,7 +161,7 @@ def micro_batches_per_gpu(trace: dict, replicas: int, micro_scale: float = 1.0) 
 
 def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str,
                        utilisation: float | None = None, micro_scale: float = 1.0,
-                       micro_batches: int | None = None) -> dict:
+                       micro_batches: int | None = None, lengths: DataLengths | None = None) -> dict:
     """Seconds of one update on ``gpus`` of ``acc``: compute plus the communication it does not hide (the strategy's
     overlap model: FSDP2's prefetch hides most of it, the others none; ``communication_model`` says which).
 
@@ -170,6 +174,10 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     by a pilot on this accelerator replaces the per-op model: each device's FLOPs over the dense peak x that share,
     scaled by FLOPs from the pilot's configuration to this one. A trace without per-op costs (written before them)
     takes the FLOPs at the catalog's default utilisation, and says so.
+
+    ``lengths`` (lengths.data_lengths): each micro batch at the lengths the data gives it rather than at the traced
+    (longest) one -- the roofline's ops re-timed at them, a measured utilisation scaled by the same ratio (the pilot
+    timed its updates padded to the longest) -- and ``lengths`` in the answer says which; None: at the longest.
     """
     chosen = strategies.get(strategy)
     step = trace["stages"][GateName.STEADY_STEP]
@@ -179,24 +187,39 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     share = per_device * micro_scale   # traced micro batches' worth of work on each device
     bw, link = collective_bandwidth(acc, gpus)
     comm = chosen.communication_seconds(trace, gpus, precision, bw, per_device)
-    # The FLOPs one device runs: the traced micro batch's (the update's / the accumulation) x its share.
-    device_flops = flops / max(1, trace.get("grad_accum_steps", 1)) * share
+    at = _at_lengths(trace, step, acc, chosen, gpus, micro_scale, lengths)
+    # The FLOPs one device runs: the traced micro batch's (the update's / the accumulation) x its share, at the
+    # data's lengths.
+    device_flops = flops / max(1, trace.get("grad_accum_steps", 1)) * share * at.flops_factor
     if utilisation is None and step.get("ops"):
         def expose(compute_seconds: float) -> tuple[float, str]:
             return chosen.exposed_communication(comm, trace, gpus, precision, bw, per_device, compute_seconds)
 
-        return {**_roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops),
-                "communication": link}
+        return {**_roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops, at),
+                "communication": link, "lengths": at.view}
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
-        return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog"}
-    compute = device_flops / (peak * util)
+        return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog", "lengths": at.view}
+    # A measured utilisation is the pilot's update at the longest length, scaled as the per-op model scales it.
+    compute = device_flops / at.flops_factor * at.time_factor / (peak * util)
     exposed, how = chosen.exposed_communication(comm, trace, gpus, precision, bw, per_device, compute)
     return {"seconds": compute + exposed, "compute_seconds": compute, "communication_seconds": comm,
             "exposed_communication_seconds": exposed, "communication": link, "micro_batches_per_gpu": per_device,
             "communication_model": how, "model": "flops",
             "flops_per_update": flops, "peak_flops": peak, "utilisation": util,
-            "bound": "compute" if compute >= exposed else "communication"}
+            "bound": "compute" if compute >= exposed else "communication", "lengths": at.view}
+
+
+def _at_lengths(trace: dict, step: dict, acc: Accelerator, chosen, gpus: int, micro_scale: float,
+                lengths: DataLengths | None) -> AtLengths:
+    """A micro batch at ``lengths`` (lengths.expected_micro): each rank's micro batch of the traced examples x
+    ``micro_scale``, the ranks that run it in step (those whose collectives meet every micro batch) waiting for the
+    longest. At the longest when ``lengths`` is None."""
+    if lengths is None:
+        return AtLengths({})   # not asked (the advisor's ratios, the benches): at the longest, no row to say it
+    ranks = chosen.compute_replicas(gpus) if chosen.uses_collectives(gpus) else 1
+    return expected_micro(trace, step, acc, acc.efficiencies(), lengths,
+                          max(1.0, (step.get("batch_size") or 1) * micro_scale), (ranks, bool(chosen.shards)))
 
 
 def collective_bandwidth(acc: Accelerator, gpus: int) -> tuple[float, dict]:
@@ -218,15 +241,17 @@ def collective_bandwidth(acc: Accelerator, gpus: int) -> tuple[float, dict]:
 
 
 def _roofline(step: dict, acc: Accelerator, chosen, gpus: int, peak: float | None, wire: tuple, per_device: int,
-              share: float, device_flops: float) -> dict:
+              share: float, device_flops: float, at: AtLengths) -> dict:
     """The per-op time model; ``wire`` is (the update's communication seconds, the function that says how much of
-    them a given compute hides)."""
+    them a given compute hides); ``at`` the micro batch at the data's lengths (its seconds None: as traced)."""
     comm, expose = wire
     eff = acc.efficiencies()
     micro = roofline_seconds(step["ops"], acc, eff.compute, eff.bandwidth)
     opt = roofline_seconds(step.get("optimizer_ops") or [], acc, eff.compute, eff.bandwidth)
     if micro["seconds"] is None or opt["seconds"] is None:
         return {"seconds": None, "reason": micro.get("reason") or opt.get("reason")}
+    if at.seconds is not None:
+        micro = {**micro, "seconds": at.seconds, "memory_bound_seconds": at.memory_bound_seconds}
     step_replicas = chosen.optimizer_replicas(gpus)
     opt_s = opt["seconds"] / step_replicas
     exposed, how = expose(micro["seconds"] * share)
@@ -251,6 +276,8 @@ def time_source(t: dict, measured: str | None = None) -> str:
     """How a row's time was reached, for a person: the pilot that measured it, or the model and its figures."""
     link = t.get("communication") or {}
     lower = f"; communication {link['link']}" if link.get("lower_bound") else ""
+    lower += f"; {t['offload']['model']}" if t.get("offload") else ""
+    lower += f"; {t['lengths']['note']}" if (t.get("lengths") or {}).get("note") else ""
     if measured:
         return f"{measured}; scaled by FLOPs from the pilot's configuration to this one{lower}"
     if t.get("model") == "roofline":
@@ -265,26 +292,39 @@ def time_source(t: dict, measured: str | None = None) -> str:
 
 def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precision: str | None = None,
                  utilisation: float | None = None, micro_scale: float = 1.0, micro_batches: int | None = None,
-                 accumulating: bool | None = None) -> dict:
-    """One row of the ``fits`` table: the largest stage's per-rank peaks against capacity, and time."""
+                 accumulating: bool | None = None, lengths: DataLengths | None = None,
+                 offload: str | None = None) -> dict:
+    """One row of the ``fits`` table: the largest stage's per-rank peaks against capacity (at the longest batch,
+    always), and time (at the data's ``lengths`` when given, see seconds_per_update; ``time_lengths`` says which).
+    ``offload`` (distributed.offload; None: the trace's, the spec's): the state kept on the host where the strategy
+    can (offload.py: the device's bytes drop, ``host_memory`` and the host's time are added)."""
     if not strategies.get(strategy).multi_process and gpus != 1:
         raise ValueError(f"strategy {strategy} uses one GPU")
+    if offload is not None:
+        trace = {**trace, "offload": offload}
     precision = precision or trace["precision"]
     stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale, accumulating) for s in STAGES}
     worst = max(STAGES, key=lambda s: stages[s]["device_used_bytes"])
-    t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale, micro_batches)
+    t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale, micro_batches, lengths)
+    placed = placed_strategy(strategy, trace)
+    t = offload_time(t, trace, acc, placed, gpus, precision, collective_bandwidth(acc, gpus)[0])
+    host = host_memory(trace, acc, placed, gpus)
     return {
         "accelerator": acc.name, "strategy": strategy, "gpus": gpus, "precision": precision,
         "peak_allocated_bytes": stages[worst]["peak_allocated_bytes"],
         "peak_reserved_bytes": stages[worst]["peak_reserved_bytes"],
         "device_used_bytes": stages[worst]["device_used_bytes"],
         "capacity_bytes": acc.memory_bytes,
-        "fits": stages[worst]["device_used_bytes"] <= acc.memory_bytes,
+        # With offload the node's host memory must hold the state too, where the catalog knows it.
+        "fits": stages[worst]["device_used_bytes"] <= acc.memory_bytes and (host is None or host["fits"] is not False),
         "limiting_stage": worst,
+        "offload": placed.offload, "host_memory": host, "host_bytes_per_node": host["bytes_per_node"] if host else 0,
         "seconds_per_update": t.get("seconds"),
         "time": t,
+        "time_lengths": t.get("lengths") or None,
         "stages": stages,
-        "notes": _kernel_notes(trace),
+        "notes": _kernel_notes(trace) + offload_notes(trace, placed) + (
+            [correction("host memory (CPU offload)", host["bytes_per_node"], "host", host["note"])] if host else []),
         # Corrections whose figure is CUDA's because none is known for this accelerator's stack (ROCm)
         "unknown_for_stack": stages[worst]["unknown_for_stack"],
     }

@@ -97,12 +97,26 @@ def _kept_whole() -> dict:
     return kept
 
 
+# The fused attention kernels, forward and backward (aten's SDPA kernels and the trace's model of the target's,
+# models/attention.py): their FLOPs grow with the square of the sequence length, every other op's with its tokens.
+# The time at shorter lengths (estimate/lengths.py) scales the two apart. The math fallback and eager attention are
+# ordinary matmuls and softmax, not told apart.
+_ATTENTION_KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+def _attention_kernel(func_packet) -> bool:
+    name = str(func_packet)
+    return "math" not in name and any(k in name for k in _ATTENTION_KERNELS)
+
+
 class OpCosts(FlopCounterMode):
-    """``FlopCounterMode`` that also keeps every op's (dtype, FLOPs, bytes moved), counted by signature."""
+    """``FlopCounterMode`` that also keeps every op's (dtype, FLOPs, bytes moved), counted by signature, and the
+    attention kernels' rows apart (also in ``rows``)."""
 
     def __init__(self) -> None:
         super().__init__(display=False, custom_mapping=_kept_whole())
         self.counts: Counter[tuple[str, int, int]] = Counter()
+        self.attention: Counter[tuple[str, int, int]] = Counter()
 
     def _count_flops(self, func_packet, out, args, kwargs):
         formula = self.flop_registry.get(func_packet)
@@ -132,12 +146,19 @@ class OpCosts(FlopCounterMode):
         else:
             written = _nbytes(outputs)
         dtype = inputs[0].dtype if inputs else torch.float32
-        self.counts[(_PEAK_OF_DTYPE.get(dtype) or "fp32", flops, _nbytes(inputs) + written)] += 1
+        key = (_PEAK_OF_DTYPE.get(dtype) or "fp32", flops, _nbytes(inputs) + written)
+        self.counts[key] += 1
+        if _attention_kernel(func_packet):
+            self.attention[key] += 1
         return out
 
     def rows(self) -> list[list]:
         """[[dtype, flops, bytes, count], ...], largest bytes x count first (what a person reads first)."""
         return [[d, f, b, n] for (d, f, b), n in sorted(self.counts.items(), key=lambda kv: -kv[0][2] * kv[1])]
+
+    def attention_rows(self) -> list[list]:
+        """The attention kernels' rows of :meth:`rows`, as [[dtype, flops, bytes, count], ...]."""
+        return [[d, f, b, n] for (d, f, b), n in sorted(self.attention.items(), key=lambda kv: -kv[0][2] * kv[1])]
 
 
 def roofline_seconds(rows: list[list], acc: Accelerator, compute_efficiency: float,

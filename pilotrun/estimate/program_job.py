@@ -96,6 +96,11 @@ class ProgramJob:
                 "notes": self.facts.notes, "values": [f.to_dict() for f in self.provenance]}
 
 
+class DescribeCrash(RuntimeError):
+    """pilotrun's own code failed inside the program's describe run (a bug in pilotrun): not a DescribeError, so the
+    command ends with exit 3 and its traceback saved, never blaming the program or the spec."""
+
+
 class DescribeError(SpecError):
     """The program could not be described (exit 2, naming the fix)."""
 
@@ -404,6 +409,12 @@ def run_describe(program: ProgramOnlySpec, key: dict) -> tuple[JobFacts, str]:
             except ValueError as exc:
                 raise DescribeError([("program", f"the program's description is unusable: {exc}")],
                                     program.source) from None
+        crashed = next((p for p in problems if p.get("internal")), None)
+        if crashed is not None:
+            kept = _keep_log(outcome.log, key, str(crashed.get("traceback") or ""))
+            raise DescribeCrash(f"pilotrun's own code failed while describing the job inside the program (a bug in "
+                                f"pilotrun, not in the program or the spec): {crashed.get('problem')} (traceback and "
+                                f"log: {kept})")
         if problems:
             why = "; ".join(str(p.get("problem")) for p in problems[:3])
         elif not events:
@@ -419,12 +430,16 @@ def run_describe(program: ProgramOnlySpec, key: dict) -> tuple[JobFacts, str]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _keep_log(log: Path, key: dict) -> str:
-    """The describe run's log, kept beside the cache entry it would have been: the run's folder is removed."""
+def _keep_log(log: Path, key: dict, traceback: str = "") -> str:
+    """The describe run's log (and a traceback pilotrun's code raised in it), kept beside the cache entry it would
+    have been: the run's folder is removed."""
     try:
         dest = _cache_path(key).with_suffix(".log")
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(log, dest)
+        if traceback:
+            with open(dest, "a", encoding="utf-8") as fh:
+                fh.write(f"\n--- pilotrun's traceback in the program ---\n{traceback}\n")
         return str(dest)
     except OSError:
         return "not kept"

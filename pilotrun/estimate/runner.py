@@ -21,6 +21,7 @@ from ..ledger.records import GateName
 from ..ledger.store import Ledger
 from .cache import CacheStatus, TraceCache, trace_key
 from .catalog import Accelerator, matches
+from .lengths import DataLengths, data_lengths
 from .worker import trace_in_subprocess
 
 
@@ -36,6 +37,7 @@ class Traces:
         self.refresh = refresh
         self.notes: list[str] = []
         self._cache: dict[tuple, dict] = {}
+        self._lengths: DataLengths | None = None
 
     def get(self, ac: bool | str | None = None, precision: str | None = None) -> dict:
         """The trace with activation checkpointing ``ac`` (a train.activation_checkpointing value; None: the
@@ -44,7 +46,16 @@ class Traces:
                precision or self.spec.train.precision)
         if key not in self._cache:
             self._cache[key] = self._load(*key)
-        return self._cache[key]
+        # distributed.offload changes no traced tensor (it is not in the cache key): the job's choice travels with
+        # the trace to the estimate (estimate/offload.py), stamped on each answer, never on the cached trace.
+        return {**self._cache[key], "offload": self.spec.distributed.offload}
+
+    def lengths(self) -> DataLengths:
+        """The lengths the spec's data gives its micro batches, for the time (lengths.data_lengths): read once, and
+        kept beside the cached traces."""
+        if self._lengths is None:
+            self._lengths = data_lengths(self.spec, self.disk.folder.parent / "lengths" if self.disk else None)
+        return self._lengths
 
     def _load(self, ac: bool | str, precision: str) -> dict:
         policy = ac_policy(ac)

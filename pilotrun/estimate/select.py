@@ -76,7 +76,8 @@ def _measured_recompute(spec, traces, trace: dict, acc: Accelerator, strategy: s
     if policy is None or measured is None:
         return None
     ratio, said = measured.time_factor(ac_variant(policy), acc)
-    s = (seconds_with_recompute(traces, acc, strategy, gpus, util, scale, ratio, micro_batches=micro_batches)
+    s = (seconds_with_recompute(traces, acc, strategy, gpus, util, scale, ratio, micro_batches=micro_batches,
+                                lengths=traces.lengths())
          if ratio is not None else None)
     return (s, f"{ac_words(policy)}: {said}, instead of the FLOPs ratio") if s else None
 
@@ -103,7 +104,7 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
     util, util_source = calibrated_utilisation(ledger, spec.pilot_hash(), acc,
                                                trace["stages"][GateName.STEADY_STEP]["flops"], t.precision)
     fit = estimate_fit(trace, acc, strategy, gpus, utilisation=util, micro_scale=mb / t.micro_batch_size,
-                       micro_batches=accum)  # the row's own micro batches per GPU, timed as the row says
+                       micro_batches=accum, lengths=traces.lengths())  # the row's own micro batches per GPU
     s = fit["seconds_per_update"] if fit["fits"] else None
     recompute = None
     if s is not None and (said := _measured_recompute(spec, traces, trace, acc, strategy, gpus, util,
@@ -146,6 +147,8 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "utilisation": fit["time"].get("utilisation"),
         "utilisation_source": time_source(fit["time"], util_source if util else None),
         "utilisation_measured": util is not None,
+        # Which lengths the time is at: the data's (a sample of its file, padded per micro batch) or the longest.
+        "time_lengths": fit["time_lengths"],
         # The checkpointing recompute `pilotrun variants` measured on this accelerator, when the time uses it.
         "measured_recompute": recompute,
         "bound": fit["time"].get("bound"),

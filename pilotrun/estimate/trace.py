@@ -33,6 +33,7 @@ from ..models.structure import largest_block
 from ..train.batches import autocast_for, item_length, seq_len, supervised_count
 from ..train.loss import LossPolicy, decide_loss_policy, window_backward
 from .adapted import Adaptation, adapt, trace_optimizer
+from .autocast_lists import cuda_autocast_lists
 from .ops import OpCosts
 
 ROUND = 512  # bytes: the CUDA caching allocator's block granularity
@@ -77,6 +78,9 @@ class StageTrace:
     # one optimizer step, as [dtype, flops, bytes moved, count]. Empty in traces written before them.
     ops: list[list] = field(default_factory=list)
     optimizer_ops: list[list] = field(default_factory=list)
+    # The attention kernels' rows of ``ops`` (FLOPs quadratic in the length): the time at the data's shorter lengths
+    # scales them apart from the rest (estimate/lengths.py). Empty in traces written before them.
+    attention_ops: list[list] = field(default_factory=list)
     # Per phase ("compute": the first micro batch's forward and backward, "accumulating": the later micro batches
     # with the earlier ones' gradients held, "optimizer": the step), the moments that bound the peak at
     # other micro batches: [{"bytes", "breakdown"}]. Under activation checkpointing the stage's overall peak
@@ -232,7 +236,8 @@ def attention_implementation(spec: Spec, config) -> str:
 
 
 def autocast_precision(precision: str) -> str:
-    """The precision the loop's autocast sees: bf16-true holds bf16 weights and runs without autocast."""
+    """The precision the loop's autocast sees: bf16-true holds bf16 weights and runs without autocast (as fp32 does);
+    bf16-true-autocast runs bf16 autocast over the same weights (``train.batches.autocast_for``)."""
     return "fp32" if precision == "bf16-true" else precision
 
 
@@ -282,6 +287,7 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
     for traced_stage in stages.values():
         traced_stage.flops = counter.get_total_flops() * t.grad_accum_steps
         traced_stage.ops = counter.rows()
+        traced_stage.attention_ops = counter.attention_rows()
         traced_stage.optimizer_ops = step.rows()
     return stages
 
@@ -337,8 +343,9 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     layer_name, layer_bytes, layers = largest_block(job.model)
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
-    with FakeTensorMode(allow_non_fake_inputs=True), model_target_attention(job.attention, job.model,
-                                                                                    target) as attention:
+    # The target's autocast lists too (estimate/autocast_lists.py): CUDA runs softmax, norms and losses in fp32.
+    with FakeTensorMode(allow_non_fake_inputs=True), cuda_autocast_lists(target), \
+            model_target_attention(job.attention, job.model, target) as attention:
         model = job.model.to_empty(device="cpu")
         _retie(model, shared)
         opt, opt_path = trace_optimizer(model, spec, target)

@@ -14,7 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..config.sections import PRECISIONS
 from ..config.spec import Spec
+from ..errors import is_internal
 from ..workers.common import read_spec_file, write_error, write_result, write_spec_file
 
 
@@ -27,23 +29,6 @@ class TraceCrash(RuntimeError):
     ends with exit 3 and its traceback saved instead of blaming the spec; the message names the kept log."""
 
 
-# Exception types that say the code itself is wrong (a call with the wrong arguments, a missing key or attribute),
-# not its input: raised by pilotrun's own frame, they are pilotrun's bug.
-PROGRAMMING_ERRORS = (TypeError, AttributeError, KeyError, IndexError, NameError, AssertionError, UnboundLocalError)
-PACKAGE = Path(__file__).resolve().parents[1]
-
-
-def is_internal(exc: BaseException) -> bool:
-    """Whether ``exc`` is pilotrun's own bug: a programming error raised in a frame of pilotrun's package (the
-    innermost; transformers or torch raising on a config the user wrote is the user's to fix)."""
-    if not isinstance(exc, PROGRAMMING_ERRORS):
-        return False
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pilotrun.estimate.worker")
     ap.add_argument("--spec", required=True)
@@ -51,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--ac", default="spec",
                     help="on (full), off, spec, or a policy: full, selective, selective-N, every-N")
-    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16", "bf16-true"])
+    ap.add_argument("--precision", choices=PRECISIONS)
     ap.add_argument("--micro-batch", type=int)
     ap.add_argument("--seq-len", type=int)
     args = ap.parse_args(argv)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..config.sections import AdapterSpec, ModelSpec
+from ..config.sections import BF16_WEIGHTS, AdapterSpec, ModelSpec
 from ..config.spec import BuildContext
 
 # peft's task types by pilotrun's model head: the task type picks the PeftModel subclass, whose forward passes
@@ -165,7 +165,7 @@ def base_reference(m: ModelSpec, job: BuildContext, loaded, label_names: list[st
     quant = m.quantization
     how = (f"load {where}"
            + (f", quantised {quant.bits}-bit with bitsandbytes as in base.json's spec" if quant is not None else "")
-           + (", its floating-point weights cast to bf16" if job.precision == "bf16-true" else "")
+           + (", its floating-point weights cast to bf16" if job.precision in BF16_WEIGHTS else "")
            + "; then peft.PeftModel.from_pretrained(base, this_folder)")
     return {"source": loaded.source, "hf": m.hf, "revision": m.revision, "seed": job.seed, "head": loaded.head,
             "label_names": label_names, "precision": job.precision,

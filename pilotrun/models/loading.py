@@ -15,7 +15,7 @@ import torch
 from ..config.factories import factory_guard, import_factory
 from ..config.hub_cache import TokenizerNotFound
 from ..config.paths import resolve_path
-from ..config.sections import ModelSpec, Precision, QuantizationSpec, ac_policy, ac_words, matmul_stride
+from ..config.sections import BF16_WEIGHTS, ModelSpec, Precision, QuantizationSpec, ac_policy, ac_words, matmul_stride
 from ..config.spec import BuildContext
 
 
@@ -127,8 +127,9 @@ def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | No
 
     In order: the base (a factory, a config or a Hub/local folder), quantised through bitsandbytes when
     ``model.quantization`` says so (placed on ``device`` as it loads: a quantised model is not moved afterwards),
-    cast to bf16 for ``train.precision: bf16-true``, activation checkpointing, then the LoRA adapter of
-    ``model.adapter`` (peft; the base frozen). ``meta=True`` builds shapes only on the meta device — no weights
+    prepared as ``model.quantization.prepare`` says, cast to bf16 for ``train.precision: bf16-true`` and
+    ``bf16-true-autocast``, activation checkpointing, then the LoRA adapter of ``model.adapter`` (peft; the base
+    frozen). ``meta=True`` builds shapes only on the meta device — no weights
     read, no memory (the estimator's trace); a Hub or local model then needs only its config, and a quantised base
     is left unquantised (bitsandbytes quantises real weights only; a note says so). ``activation_checkpointing``
     overrides the spec's setting (the estimator traces both); a model without the switch fails the build when
@@ -154,9 +155,10 @@ def build_model(model: ModelSpec, job: BuildContext, label_names: list[str] | No
             loaded.notes.append("bitsandbytes' CPU eval-time repacking of 4-bit weights turned off: after it, training "
                                 "forwards run gemv_4bit, which has no autograd kernel (wrong gradients)")
         _prepare_quantized(loaded, quant, job.precision)
-    if job.precision == "bf16-true":
+    if job.precision in BF16_WEIGHTS:
         _cast_bf16(loaded.model)
-        loaded.notes.append("bf16-true: floating-point parameters held in bf16, no autocast")
+        loaded.notes.append(f"{job.precision}: floating-point parameters held in bf16, "
+                            + ("no autocast" if job.precision == "bf16-true" else "bf16 autocast over them"))
     ac = job.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     if policy := ac_policy(ac):
         try:
@@ -203,14 +205,27 @@ def _cast_bf16(model: torch.nn.Module) -> None:
 
 
 def _prepare_quantized(loaded: LoadedModel, q: QuantizationSpec, precision: Precision) -> None:
-    """peft's QLoRA preparation (the base frozen, its fp16/bf16 non-quantised weights upcast to fp32 for stable
-    norms), except under bf16-true, which holds everything in bf16 by definition."""
+    """The QLoRA preparation ``model.quantization.prepare`` names: peft's (the base frozen, its fp16/bf16
+    non-quantised weights upcast to fp32 for stable norms) or none (those weights held in the compute dtype, as a
+    program that loads the base with ``torch_dtype=compute_dtype`` and skips peft's call has them). Under bf16-true
+    and bf16-true-autocast neither: they hold everything floating in bf16 by definition."""
+    from .quantize import DTYPES
+
     loaded.quantized = True
     what = f"{q.bits}-bit" + (f" {q.type}{' + double quant' if q.double_quant else ''}, compute {q.compute_dtype}"
                               if q.bits == 4 else " LLM.int8")
-    if precision == "bf16-true":
+    if precision in BF16_WEIGHTS:
         loaded.notes.append(f"base quantised ({what}, bitsandbytes); prepare_model_for_kbit_training not applied: "
-                            "its fp32 upcast contradicts bf16-true")
+                            f"its fp32 upcast contradicts {precision}")
+        return
+    if q.prepare == "none":
+        dtype = DTYPES[q.compute_dtype]
+        for p in loaded.model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:  # packed 4-bit (uint8) and int8 weights are not
+                p.data = p.data.to(dtype)
+        loaded.notes.append(f"base quantised ({what}, bitsandbytes); model.quantization.prepare: none: "
+                            f"prepare_model_for_kbit_training not called, the non-quantised weights held in "
+                            f"{q.compute_dtype}")
         return
     from peft import prepare_model_for_kbit_training
 

@@ -50,7 +50,7 @@ OPTIMIZERS = {
 }
 
 # Lightning's Trainer.precision and Fabric's precision setting -> train.precision ("16-true" has no pilotrun
-# equivalent: pure fp16 weights).
+# equivalent: pure fp16 weights). "bf16-mixed" over bf16 parameters is bf16-true-autocast (describe_objects).
 LIGHTNING_PRECISION: dict[str, Precision] = {
     "32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16-true"}
 
@@ -68,7 +68,7 @@ class JobFacts:
     config: dict | None = None                  # the transformers config mapping (model_kind transformers)
     head: str | None = None                     # models.loading.HF_HEADS' keys | None (another head)
     adapter: dict | None = None                 # {type, r, alpha, dropout, target_modules} of a PEFT LoRA
-    quantization: dict | None = None            # {bits, type, double_quant, compute_dtype} of a bitsandbytes base
+    quantization: dict | None = None            # {bits, type, double_quant, compute_dtype, prepare} of a bnb base
     optimizer: dict | None = None               # {class, name (None: not one the estimator traces), lr, ...}
     precision: str | None = None                # as train.precision names it
     precision_source: str = ""
@@ -255,6 +255,42 @@ def _quantization(config: Any) -> dict | None:
     return {"unsupported": str(get("quant_method") or type(q).__name__)}
 
 
+def _weights_precision(dtype: str, precision: str | None, source: str) -> tuple[str | None, str]:
+    """train.precision for bf16 parameters: no fp32 master copy, bf16 gradients and optimizer state (train.precision:
+    bf16 would trace fp32 weights and overstate memory). With the framework's bf16 autocast over them (the Trainer's
+    bf16=True, accelerate's mixed_precision='bf16', Lightning's 'bf16-mixed') bf16-true-autocast, else bf16-true."""
+    if dtype != "bfloat16" or precision not in (None, "bf16"):
+        return precision, source
+    if precision == "bf16":
+        return "bf16-true-autocast", f"the parameters are bfloat16 and {source or 'precision=bf16'} autocasts over them"
+    return "bf16-true", "the parameters are bfloat16 and no autocast was declared"
+
+
+def kbit_preparation(model: torch.nn.Module, quantization: dict) -> tuple[str, str]:
+    """Whether peft's ``prepare_model_for_kbit_training`` ran on a quantised model, as ``model.quantization.prepare``
+    says it, and how that was read: it upcasts every fp16/bf16 parameter bitsandbytes did not quantise (embeddings,
+    norms, output head) to fp32, so one left in fp16/bf16 means it did not run. With all of them in fp32 the
+    preparation's memory is what the program holds (whether peft or an fp32 load put them there). An 8-bit base has
+    no compute dtype of its own: one not prepared gets the dtype its parameters hold as ``compute_dtype`` (what
+    ``prepare: none`` holds them in)."""
+    from ..models.adapters import is_adapter_parameter
+
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for n, p in model.named_parameters()
+                     if p.is_floating_point() and not is_adapter_parameter(n)})
+    low = [d for d in dtypes if d in ("bfloat16", "float16")]
+    if not low:
+        if not dtypes:
+            return "peft", "the base has no unquantised floating parameter: nothing to prepare (peft assumed)"
+        return "peft", (f"the base's unquantised parameters (norms, embeddings, head) are {', '.join(dtypes)}, as "
+                        "prepare_model_for_kbit_training leaves them")
+    names = {"bfloat16": "bf16", "float16": "fp16"}
+    if quantization.get("bits") == 8:
+        quantization["compute_dtype"] = names[low[0]]
+    held = quantization.get("compute_dtype", "bf16")
+    return "none", (f"the base's unquantised parameters are {', '.join(dtypes)}: prepare_model_for_kbit_training "
+                    f"did not run (it upcasts them to float32); traced in {held}")
+
+
 def checkpointing_policy(model: torch.nn.Module) -> tuple[str | None, str]:
     """The policy a transformers model's activation checkpointing runs, as ``train.activation_checkpointing`` names
     it, and how it was read: ``every-N`` from which blocks checkpoint, ``selective``/``selective-N`` by asking the
@@ -388,6 +424,9 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
         facts.config = _architecture(hf.config)
         facts.head = _head(hf)
         facts.quantization = _quantization(hf.config)
+        if facts.quantization is not None and "bits" in facts.quantization:
+            facts.quantization["prepare"], how = kbit_preparation(hf, facts.quantization)
+            notes.append(f"model.quantization.prepare: {facts.quantization['prepare']}, {how}")
         if activation_checkpointing is None:
             activation_checkpointing = _checkpointing(hf)
         if activation_checkpointing:
@@ -395,11 +434,7 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
         impl = getattr(hf.config, "_attn_implementation", None)
         facts.attn_implementation = impl if isinstance(impl, str) else None
     facts.activation_checkpointing = activation_checkpointing
-    if dtype == "bfloat16" and precision in (None, "bf16"):
-        # bf16 weights train as bf16-true whether or not autocast runs over them: no fp32 master copy, bf16 gradients
-        # and optimizer state (train.precision: bf16 would trace fp32 weights and overstate memory).
-        said = f"; {precision_source} autocasts over them" if precision else " and no autocast was declared"
-        precision, precision_source = "bf16-true", f"the parameters are bfloat16{said}"
+    precision, precision_source = _weights_precision(dtype, precision, precision_source)
     facts.precision, facts.precision_source = precision, precision_source if precision else ""
     if batch is not None:
         ids = batch.get("input_ids") if hasattr(batch, "get") else None

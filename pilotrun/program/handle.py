@@ -61,8 +61,8 @@ precision=None, activation_checkpointing=None, updates=None, max_grad_norm=None)
     The job's shape for ``pilotrun estimate|select|plan`` on the program spec: call it once the model and optimizer
     exist, before the first update (the transformers and Lightning callbacks call it for you). ``batch`` a collated
     micro batch (gives the micro batch size and length when they are not given); ``precision`` as
-    ``train.precision`` names it (fp32, bf16, fp16, bf16-true). In the ``describe`` run the process ends here
-    (exit 0, on every rank): the estimate needs no update.
+    ``train.precision`` names it (fp32, bf16, fp16, bf16-true, bf16-true-autocast). In the ``describe`` run the
+    process ends here (exit 0, on every rank): the estimate needs no update.
 ``job.record_gate(gate, verdict, reason, **measurements)``
     An in-process gate's row (inspect, batch, accum_equivalence, overfit, export, reload_eval from an integration):
     ``verdict`` a :class:`~pilotrun.ledger.records.Verdict` or its text; measurements must be JSON values.
@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -83,6 +84,7 @@ import secrets
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -314,12 +316,23 @@ class ProgramHandle:
                 facts = facts()
             if facts is None:
                 if model is None:
-                    raise TypeError("give the model: job.describe(model, optimizer, batch=..., max_length=...)")
+                    raise ValueError("give the model: job.describe(model, optimizer, batch=..., max_length=...)")
+                try:  # the program's keywords checked apart: a wrong one is its mistake, not pilotrun's bug
+                    inspect.signature(describe_objects).bind(model, optimizer, world_size=self.world_size, **settings)
+                except TypeError as exc:
+                    raise ValueError(f"{exc} (the keywords job.describe takes: batch, max_length, micro_batch_size, "
+                                     "grad_accum_steps, precision, updates, ...)") from None
                 facts = describe_objects(model, optimizer, world_size=self.world_size, **settings)
             data = facts.to_dict()
             _check_description(data)
         except Exception as exc:  # noqa: BLE001 - the program's objects: said as the description's problem
-            self._problem(None, "describe", f"job.describe(): {type(exc).__name__}: {exc}")
+            from ..errors import is_internal
+
+            # pilotrun's own bug (a programming error raised in its frame) is told apart, with its traceback: the
+            # command then ends with exit 3, never blaming the program or a field the user did not write.
+            internal = {"internal": True, "traceback": traceback.format_exc()[-6000:]} if is_internal(exc) else {}
+            self._emit(Event.PROBLEM, update=None, field="describe", non_finite=False,
+                       problem=f"job.describe(): {type(exc).__name__}: {exc}", **internal)
             data = None
         if data is not None:
             self._emit(Event.DESCRIBE, facts=data)
@@ -450,11 +463,10 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
-
-
 def _check_description(data: dict) -> None:
     """ValueError naming the keyword whose value the estimate could not use."""
+    from ..config.sections import PRECISIONS  # here: a program imports the handle before it has a spec to read
+
     if data.get("precision") not in (None, *PRECISIONS):
         raise ValueError(f"precision={data['precision']!r}; give one of {', '.join(PRECISIONS)} (as train.precision "
                          "names them)")

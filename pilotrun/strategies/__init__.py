@@ -65,6 +65,10 @@ def vocabulary_problems(registry: dict[str, Strategy], mirror: Any = strategy_na
         problems.append(f"the spec's default {mirror.DEFAULT!r} is not the one-process strategy {single}")
     problems += [f"the alias {old!r} names {new!r}, which is not registered"
                  for old, new in mirror.ALIASES.items() if new not in registry]
+    offloading = [n for n, s in registry.items() if s.offloads]
+    if list(mirror.OFFLOADING) != offloading:
+        problems.append(f"the spec's offloading strategies {list(mirror.OFFLOADING)} are not the registry's "
+                        f"{offloading}")
     return problems
 
 
@@ -80,13 +84,22 @@ def get(name: str) -> Strategy:
     return STRATEGIES[key]
 
 
-def for_processes(name: str, world_size: int) -> Strategy:
-    """The strategy that runs ``world_size`` processes of a spec asking for ``name``: one process is always single."""
+def for_processes(name: str, world_size: int, offload: str = "none") -> Strategy:
+    """The strategy that runs ``world_size`` processes of a spec asking for ``name`` (and ``distributed.offload``):
+    one process is always single, which cannot offload, so a spec asking for offload there is refused rather than
+    run without it."""
     declared = get(name)
     if world_size > 1 and not declared.multi_process:
         raise ProcessMismatch(f"{world_size} processes were launched but distributed.strategy is {declared.name!r}: "
                               f"set it to {' or '.join(multi_process_names())}")
-    return declared if world_size > 1 else one_process()
+    chosen = declared if world_size > 1 else one_process()
+    if offload != "none" and not chosen.offloads:
+        which = f"{world_size} process{'es' if world_size > 1 else ''}"
+        raise ProcessMismatch(f"distributed.offload is {offload!r} but {which} run {chosen.name!r}, which keeps its "
+                              f"state on the device: launch 2 or more processes (pilotrun launch --nproc-per-node N) "
+                              f"of distributed.strategy {' or '.join(n for n, s in STRATEGIES.items() if s.offloads)}, "
+                              "or set distributed.offload: none")
+    return chosen.configured(offload)
 
 
 _problems = vocabulary_problems(STRATEGIES)

@@ -14,6 +14,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -81,6 +82,22 @@ class Strategy(ABC):
     # Parameters, gradients and optimizer state split over the ranks. False: every process keeps a full
     # replica of them. The advisor's sharding fix is the registry's strategy that shards (strategies.sharding()).
     shards: ClassVar[bool] = False
+    # Can keep its sharded state (parameters, gradients, optimizer state) in host memory: the spec's
+    # distributed.offload (mirrored in config/strategy_names.OFFLOADING). ``offload`` is what this object does:
+    # the registry's objects never offload, :meth:`configured` returns one that does.
+    offloads: ClassVar[bool] = False
+    offload: str = "none"
+
+    def configured(self, offload: str = "none") -> Strategy:
+        """This strategy with ``distributed.offload`` applied: itself for ``none``, else a copy that offloads.
+        ValueError where the strategy cannot (the spec refuses that combination before anything runs)."""
+        if offload == "none":
+            return self
+        if not self.offloads:
+            raise ValueError(f"strategy {self.name!r} cannot offload its state to the host (offload {offload!r})")
+        clone = copy.copy(self)
+        clone.offload = offload
+        return clone
 
     # -- data --------------------------------------------------------------------------------
     def data_replicas(self, world_size: int) -> int:
@@ -197,6 +214,16 @@ class Strategy(ABC):
         """Of ``total`` (:meth:`communication_seconds`), the seconds the update waits for (not hidden behind its
         ``compute_seconds`` of forward and backward), and the overlap model that says so. The default hides none."""
         return total, "not overlapped with compute (an upper bound)"
+
+    def host_bytes(self, trace: dict, gpus: int) -> float:
+        """Bytes one rank keeps in host memory for the training state (:attr:`offload`); 0 when it keeps none."""
+        return 0.0
+
+    def offload_seconds(self, trace: dict, gpus: int, precision: str, wire: tuple[float, float], micro_batches: int,
+                        compute_seconds: float) -> dict:
+        """What keeping the state on the host adds to an update on the GPU side: the copies over the host link, all
+        and exposed, with the overlap model (``wire``: (collective, host link) bytes per second). Nothing here."""
+        return {"pcie_seconds": 0.0, "exposed_pcie_seconds": 0.0, "model": "no offload"}
 
 
 class DistributedCheckpoint(Strategy):

@@ -1,9 +1,11 @@
-"""FSDP2: ``fully_shard`` on every repeated block and the root; parameters, gradients and optimizer state sharded."""
+"""FSDP2: ``fully_shard`` on every repeated block and the root; parameters, gradients and optimizer state sharded,
+and with ``distributed.offload: cpu`` kept in host memory (FSDP2's ``CPUOffloadPolicy``)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ..humanize import human_bytes
 from ..models.structure import repeated_blocks
 from .base import BufferSync, DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
 
@@ -12,16 +14,33 @@ class FSDP(DistributedCheckpoint):
     name = "fsdp"
     description = "FSDP2 fully_shard of each repeated block and the root"
     shards = True
+    offloads = True
 
     def wrap(self, model, env, device):
         from torch.distributed.fsdp import fully_shard
 
+        policy, mesh, said = self._offload_policy(device)
         _, blocks = repeated_blocks(model)
         for block in blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
         return model, (f"FSDP2 over {env.world_size} processes ({dist.get_backend()}): {len(blocks)} blocks and the "
-                       "root sharded")
+                       f"root sharded{said}")
+
+    def _offload_policy(self, device: torch.device):
+        """(FSDP2's offload policy, the mesh to shard over (None: the default one), what the wrap sentence adds)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if self.offload == "none":
+            return OffloadPolicy(), None, ""
+        if device.type == "cpu":
+            # pin_memory() needs an accelerator (a CPU-only torch raises "Cannot access accelerator device"); on a CPU
+            # device the shards are host memory already and FSDP2's copies to and from the device change nothing.
+            return CPUOffloadPolicy(pin_memory=False), None, (
+                "; CPU offload (on a CPU device the state is in host memory already: nothing moves, nothing pinned)")
+        return CPUOffloadPolicy(pin_memory=True), _host_collective_mesh(device), (
+            "; CPU offload: parameters, gradients and optimizer state in host memory (parameters and gradients "
+            "pinned), the optimizer step on the CPU")
 
     def buffer_sync(self, model):
         # fully_shard shards parameters only: buffers stay plain per-rank tensors that nothing synchronises.
@@ -63,7 +82,26 @@ class FSDP(DistributedCheckpoint):
                                           "allocated", "MixedPrecisionPolicy gathers parameters in the compute "
                                           "dtype, so the autocast copies of every weight kept for backward are not "
                                           "made"))
-        return sharded + stage.buffers + stage.activations + inflight, corrections
+        resident = sharded
+        if self.offload != "none":
+            # CPUOffloadPolicy: the shards live on the host. On the device: the shard of the layer being gathered,
+            # copied in (in its stored dtype) before its all-gather, and in training one gradient shard out of the
+            # reduce-scatter before its copy to the host (FSDP2 _fsdp_param.all_gather_inputs, foreach_reduce).
+            resident = layer / gpus * (2 if training else 1)
+            corrections.append(correction(
+                "FSDP2 CPU offload", resident - sharded, "allocated",
+                f"parameters, gradients and optimizer state ({human_bytes(sharded)} per rank) kept in host memory "
+                f"(distributed.offload: cpu); on the device only {trace['largest_layer']}'s parameter shard copied in "
+                f"before its all-gather{' and one gradient shard before its copy to the host' if training else ''}"))
+        return resident + stage.buffers + stage.activations + inflight, corrections
+
+    def host_bytes(self, trace, gpus):
+        """With offload: each rank's shard of the parameters and gradients (pinned) and of the optimizer state (the
+        optimizer's own host tensors), as stored; the CPU step's temporaries are not counted (the fused kernel has
+        none, the per-parameter path one tensor's at a time)."""
+        if self.offload == "none":
+            return 0.0
+        return (trace["parameter_bytes"] + trace["gradient_bytes"] + trace["optimizer_state_bytes"]) / gpus
 
     def communication_seconds(self, trace, gpus, precision, bytes_per_second, micro_batches=1):
         if gpus < 2 or not bytes_per_second:
@@ -83,19 +121,91 @@ class FSDP(DistributedCheckpoint):
         over the blocks."""
         if not total:
             return 0.0, "no communication"
+        micro = max(1, micro_batches)
+        chain = _Chain.of(trace, gpus, precision, bytes_per_second, 0.0)
+        exposed = min(total, micro * chain.exposed(compute_seconds / micro))
+        return exposed, (f"overlapped as FSDP2 prefetches: {exposed / total:.0%} of the communication exposed (the "
+                         "root's and the first block's gathers, the last reduce-scatters, and what any block's "
+                         "communication takes beyond its compute)")
+
+    def offload_seconds(self, trace, gpus, precision, wire, micro_batches, compute_seconds):
+        """With offload, per micro batch: each block's parameter shard copied host to device before its all-gather in
+        forward and again in backward (resharded after forward), the root's once (it stays gathered), and every
+        gradient shard device to host after its reduce-scatter, at the host link's bytes per second per direction.
+        FSDP2 issues the copy-in on its all-gather copy-in stream (non-blocking, from pinned memory), so a block's
+        copy runs before its gather and overlaps compute as the gather does; the gradient copy is non-blocking on the
+        first micro batch of an update and synchronous on later ones (FSDP2 adds into the host gradient), so those
+        are exposed in full. The exposed part is what the chain with the copies exposes beyond the chain without."""
+        if self.offload == "none":
+            return super().offload_seconds(trace, gpus, precision, wire, micro_batches, compute_seconds)
+        collective, host = wire
+        micro = max(1, micro_batches)
+        plain = _Chain.of(trace, gpus, precision, collective, 0.0)
+        copied = _Chain.of(trace, gpus, precision, collective, host)
+        per_micro = compute_seconds / micro
+        blocks = plain.blocks
+        total = micro * (2 * blocks * copied.h2d + copied.root_h2d + blocks * copied.d2h + copied.root_d2h)
+        first = copied.exposed(per_micro) - plain.exposed(per_micro)
+        synchronous = blocks * copied.d2h + copied.root_d2h
+        later = copied.without_d2h().exposed(per_micro) - plain.exposed(per_micro) + synchronous
+        exposed = min(total, max(0.0, first + (micro - 1) * later))
+        return {"pcie_seconds": total, "exposed_pcie_seconds": exposed,
+                "model": (f"host link {host / 1e9:g} GB/s per direction per GPU: parameter shards copied in before "
+                          "each all-gather (FSDP2's copy-in stream: overlapped with compute as the gathers are), "
+                          "gradient shards copied out after each reduce-scatter (overlapped on an update's first "
+                          f"micro batch, synchronous on later ones); {exposed / total:.0%} of {total:.3g} s exposed"
+                          if total else "nothing to copy")}
+
+
+class _Chain:
+    """One micro batch's FSDP2 communication per block as seconds: all-gather and reduce-scatter over the
+    collective link, plus (with offload) the host copies serialised before each gather and after each scatter."""
+
+    def __init__(self, blocks: int, gather: float, scatter: float, root_gather: float, root_scatter: float,
+                 h2d: float = 0.0, d2h: float = 0.0, root_h2d: float = 0.0, root_d2h: float = 0.0) -> None:
+        self.blocks, self.gather, self.scatter = blocks, gather, scatter
+        self.root_gather, self.root_scatter = root_gather, root_scatter
+        self.h2d, self.d2h, self.root_h2d, self.root_d2h = h2d, d2h, root_h2d, root_d2h
+
+    @classmethod
+    def of(cls, trace: dict, gpus: int, precision: str, collective: float, host: float) -> _Chain:
+        """``collective``, ``host``: bytes per second (0: that link is not used)."""
         blocks = max(int(trace.get("layers", 0) or 0), 1)
-        wire = (gpus - 1) / gpus / bytes_per_second
+        wire = (gpus - 1) / gpus / collective if gpus > 1 and collective else 0.0
         low = 0.5 if precision in ("bf16", "fp16") else 1.0
         layer, params = trace["largest_layer_bytes"], max(trace["parameter_bytes"], 1)
         root = max(0, params - layer * blocks)
         grad_share = trace["gradient_bytes"] / params   # trainable share: frozen weights send no gradient
-        gather, scatter = layer * low * wire, layer * grad_share * wire
-        root_gather, root_scatter = root * low * wire, root * grad_share * wire
-        micro = max(1, micro_batches)
-        per_block = compute_seconds / micro / blocks
-        forward = root_gather + gather + (blocks - 1) * max(0.0, gather - per_block / 3)
-        backward = gather + (blocks - 1) * max(0.0, gather + scatter - 2 * per_block / 3) + scatter + root_scatter
-        exposed = min(total, micro * (forward + backward))
-        return exposed, (f"overlapped as FSDP2 prefetches: {exposed / total:.0%} of the communication exposed (the "
-                         "root's and the first block's gathers, the last reduce-scatters, and what any block's "
-                         "communication takes beyond its compute)")
+        # A shard crosses the host link in its stored dtype: FSDP2 casts to the compute dtype on the device.
+        copy = 1 / gpus / host if host else 0.0
+        return cls(blocks, layer * low * wire, layer * grad_share * wire, root * low * wire, root * grad_share * wire,
+                   layer * copy, layer * grad_share * copy, root * copy, root * grad_share * copy)
+
+    def without_d2h(self) -> _Chain:
+        return _Chain(self.blocks, self.gather, self.scatter, self.root_gather, self.root_scatter, self.h2d, 0.0,
+                      self.root_h2d, 0.0)
+
+    def exposed(self, compute_seconds: float) -> float:
+        """Seconds one micro batch waits: the root's and the first block's gathers in forward, the first block's in
+        backward and the last reduce-scatters (nothing computes beside them), and for each other block what its
+        communication takes beyond its compute; a micro batch's compute split 1 : 2 between forward and backward (a
+        matmul's backward is two matmuls) and evenly over the blocks."""
+        per_block = compute_seconds / self.blocks
+        gather, scatter = self.gather + self.h2d, self.scatter + self.d2h
+        forward = self.root_gather + self.root_h2d + gather + (self.blocks - 1) * max(0.0, gather - per_block / 3)
+        backward = (gather + (self.blocks - 1) * max(0.0, gather + scatter - 2 * per_block / 3) + scatter
+                    + self.root_scatter + self.root_d2h)
+        return forward + backward
+
+
+def _host_collective_mesh(device: torch.device):
+    """A mesh over every rank whose process group also runs collectives on host tensors, or None when the default
+    group already does. With offload the gradients and the state are host tensors: clipping's global norm
+    (``DTensor.full_tensor``) and the gathered state dict reduce them on the host, which NCCL/RCCL alone cannot;
+    torchtitan initialises ``cuda:nccl,cpu:gloo`` when it offloads (distributed/utils.py init_distributed)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if "cpu:" in str(dist.get_backend_config()):
+        return None
+    group = dist.new_group(backend=f"{device.type}:{dist.get_backend()},cpu:gloo")
+    return DeviceMesh.from_group(group, device.type)

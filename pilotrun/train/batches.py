@@ -9,6 +9,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ..config.sections import AUTOCAST_DTYPE
+
 IGNORE = -100  # the label of a position that is not supervised (Hugging Face's and PyTorch's convention)
 
 
@@ -32,12 +34,13 @@ def to_device(batch, device: torch.device):
 
 
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """fp32 and bf16-true (the weights themselves are bf16): nothing; bf16 / fp16: autocast to that dtype on the
-    device's type."""
-    if precision in ("fp32", "bf16-true"):
+    """Autocast on the device's type in the dtype ``train.precision`` autocasts to (``config.sections.AUTOCAST_DTYPE``:
+    bf16, fp16, and bf16 over bf16 weights for bf16-true-autocast); nothing for fp32 and bf16-true (the weights
+    themselves are bf16)."""
+    name = AUTOCAST_DTYPE.get(precision)
+    if name is None:
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if name == "bf16" else torch.float16)
 
 
 def seq_len(batch) -> int:

@@ -79,12 +79,14 @@ def builtin(name: str, spec) -> Variant | Skipped:
                                  f"{t.activation_checkpointing})")
         return Variant(name, Kind.MEMORY_FIX, {"train.activation_checkpointing": ac_spec_value(policy)},
                        f"{ac_words(policy)}: recompute activations in backward")
-    if name in ("bf16", "fp16", "bf16-true"):
+    if name in ("bf16", "fp16", "bf16-true", "bf16-true-autocast"):
         if t.precision == name:
             return Skipped(name, f"the control already trains in {name}")
         what = {"bf16": "bf16 autocast over fp32 weights",
                 "fp16": "fp16 autocast with a grad scaler stepped per update",
-                "bf16-true": "weights, gradients and optimizer state in bf16"}[name]
+                "bf16-true": "weights, gradients and optimizer state in bf16",
+                "bf16-true-autocast": "weights, gradients and optimizer state in bf16, with bf16 autocast over "
+                                      "them"}[name]
         return Variant(name, Kind.MEMORY_FIX, {"train.precision": name}, what)
     raise ValueError(f"unknown built-in variant {name!r}")
 
