@@ -432,9 +432,14 @@ class StepObserver:
             with contextlib.suppress(Exception):
                 step()
         self.pending.clear()
-        if self.windows:
-            self._record(GateName.ACCUM_EQUIVALENCE, self._accum)
+        self._record(GateName.ACCUM_EQUIVALENCE, self._accum if self.windows else self._accum_unwatched)
         self._record(GateName.BATCH, self._batch)
+
+    def _accum_unwatched(self) -> Outcome:
+        """No real optimizer step was seen (the run ended first): the setting's check, saying so."""
+        out = check_accum(self.view)
+        out.reason = f"observed: the loop took no optimizer step while watched; as the setting says: {out.reason}"
+        return out
 
 
 def _warn(out: Outcome, text: str) -> None:
