@@ -2,6 +2,7 @@
 files."""
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing.util
 import os
@@ -414,15 +415,37 @@ def pilotrun_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None =
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
+def chromium() -> str | None:
+    return next((shutil.which(n) for n in CHROMIUM_NAMES if shutil.which(n)), None)
+
+
+NO_CHROMIUM = ("no Chromium on PATH: the page was NOT opened in a browser (install Debian's `chromium` package: "
+               "apt-get install chromium; .ci/run installs it when it can)")
+
+
+def pytest_runtest_setup(item) -> None:
+    """A test marked ``browser`` is skipped, saying so, where no Chromium is on PATH: the skip is declared on the
+    test, never raised from inside one that checks other things too."""
+    if item.get_closest_marker("browser") is not None and chromium() is None:
+        pytest.skip(NO_CHROMIUM)
+
+
+def require(module: str, distribution: str):
+    """Import an optional dependency the dev extra installs; its absence fails the collection (a broken optional
+    install is a red run, never a green one with tests skipped)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(f"{distribution} is not importable ({exc}), though the dev extra installs it: "
+                    "pip install -e '.[dev]'", pytrace=False)
+
+
 def open_in_chromium(html: Path, work: Path) -> tuple[str, list[str], Path]:
     """Open a file in real headless Chromium: the DOM after scripts ran, the page's console errors, a screenshot.
-
-    Skips the test, saying how to install it, when no Chromium is on PATH (Debian: apt-get install chromium;
-    .ci/run installs it when it can)."""
-    exe = next((shutil.which(n) for n in CHROMIUM_NAMES if shutil.which(n)), None)
+    Only for tests marked ``@pytest.mark.browser`` (they are skipped beforehand where no Chromium is on PATH)."""
+    exe = chromium()
     if exe is None:
-        pytest.skip("no Chromium on PATH: the HTML report was NOT opened in a browser "
-                    "(install Debian's `chromium` package: apt-get install chromium)")
+        pytest.fail("open_in_chromium in a test not marked @pytest.mark.browser: " + NO_CHROMIUM, pytrace=False)
     flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", f"--user-data-dir={work / 'chromium-profile'}",
              "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000"]

@@ -22,7 +22,9 @@ from pilotrun.gates.base import GateFailure, Outcome, run_check
 from pilotrun.gates.view import WindowKind
 from pilotrun.ledger.records import Verdict
 
-transformers = pytest.importorskip("transformers")
+from .conftest import require
+
+transformers = require("transformers", "transformers")
 
 
 def _result(scale: float | None, counts=(3, 3), rel: float = 0.5) -> WindowResult:

@@ -30,7 +30,16 @@ from pilotrun.checkpoint import LoadPolicy
 from pilotrun.config.schema import SpecError
 from pilotrun.ledger import Ledger
 
-from .conftest import FIXTURES, TEST_DIGEST, copy_example, ledger_rows, open_in_chromium, pilotrun_cli, polled_rows
+from .conftest import (
+    FIXTURES,
+    TEST_DIGEST,
+    copy_example,
+    ledger_rows,
+    open_in_chromium,
+    pilotrun_cli,
+    polled_rows,
+    require,
+)
 
 LRS = [3.0e-3, 1.0e-3, 1.0]  # control, a plausible variant, one that diverges
 # At lr 1.0 the loss jumps around; whether it passes 3x its first within 12 updates depends on the CPU's arithmetic
@@ -479,7 +488,7 @@ def test_a_retry_is_a_new_run_linked_to_its_parent(campaign):
 
 
 @pytest.mark.process
-def test_the_report_renders_in_a_real_browser(campaign):
+def test_the_report_is_self_contained_with_every_run_the_note_and_each_runs_own_page(campaign):
     work = campaign["work"]
     res = pilotrun_cli("note", "kept the control: 1e-3 is slower, 1.0 diverges", "--run", campaign["id"],
                        "--ledger", str(campaign["ledger"]), cwd=work)
@@ -492,18 +501,6 @@ def test_the_report_renders_in_a_real_browser(campaign):
     for run in campaign["out"]["runs"]:
         assert run["run_id"] in page
     assert "kept the control: 1e-3 is slower, 1.0 diverges" in page
-    dom, console, shot = open_in_chromium(html, work)
-    assert 'data-images-decoded="' in dom, dom[:500]
-    images = int(dom.split('data-images="')[1].split('"')[0])
-    decoded = int(dom.split('data-images-decoded="')[1].split('"')[0])
-    assert images >= 2 and decoded == images  # train and validation curves, each decoded by the browser
-    assert "diverged" in dom and "beyond seed spread" in dom
-    assert not [c for c in console if "Uncaught" in c or "rror" in c], console
-    from PIL import Image
-
-    with Image.open(shot) as img:  # the page painted: not one flat colour
-        colours = img.convert("RGB").resize((120, 240)).getcolors(maxcolors=1 << 16)
-    assert colours is None or len(colours) > 50
     # One run of it: its own page (what it varied, where it stopped, its curves), not a pilot's gate table.
     bad = campaign["by_lr"][1.0][0]
     res = pilotrun_cli("report", bad["run_id"], "--ledger", str(campaign["ledger"]), "--out", str(work / "r.html"),
@@ -516,6 +513,27 @@ def test_the_report_renders_in_a_real_browser(campaign):
     assert "Pilot:" not in page and page.count("data:image/png") == 2 + bool(val)
     res = pilotrun_cli("ledger", "--ledger", str(campaign["ledger"]), cwd=work)
     assert res.returncode == 0 and f"seed {bad['meta']['seed']} · update {bad['meta']['stopped_at']}:" in res.stdout
+
+
+@pytest.mark.process
+@pytest.mark.browser
+def test_the_report_renders_in_a_real_browser(campaign):
+    work = campaign["work"]
+    html = work / "campaign-browser.html"
+    res = pilotrun_cli("report", campaign["id"], "--ledger", str(campaign["ledger"]), "--out", str(html), cwd=work)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dom, console, shot = open_in_chromium(html, work)
+    assert 'data-images-decoded="' in dom, dom[:500]
+    images = int(dom.split('data-images="')[1].split('"')[0])
+    decoded = int(dom.split('data-images-decoded="')[1].split('"')[0])
+    assert images >= 2 and decoded == images  # train and validation curves, each decoded by the browser
+    assert "diverged" in dom and "beyond seed spread" in dom
+    assert not [c for c in console if "Uncaught" in c or "rror" in c], console
+    from PIL import Image
+
+    with Image.open(shot) as img:  # the page painted: not one flat colour
+        colours = img.convert("RGB").resize((120, 240)).getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 50
 
 
 @pytest.mark.process
@@ -722,7 +740,7 @@ def test_ledger_exports_csv_and_mlflow(campaign, tmp_path):
                     campaign["id"] + "-r%")[0]["n"]
     assert len(list(csv.DictReader(out.open()))) == n
 
-    pytest.importorskip("mlflow", reason="MLflow not installed (pip install 'pilotrun[mlflow]'): export not tested")
+    require("mlflow", "mlflow-skinny")
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

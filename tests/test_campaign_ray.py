@@ -25,15 +25,15 @@ import psutil
 import pytest
 import yaml
 
-ray = pytest.importorskip("ray", reason="Ray is the optional extra: pip install -e '.[ray]'")
+from .conftest import FIXTURES, TEST_DIGEST, ledger_rows, pilotrun_cli, polled_rows, require
+
+ray = require("ray", "ray[default]")
 
 from pilotrun.campaign.engines.ray import Outcome, classify, lost_end, plan_ray  # noqa: E402
 from pilotrun.campaign.resources import PerRun  # noqa: E402
 from pilotrun.campaign.runner import FLUSH_EVERY_S  # noqa: E402
 from pilotrun.campaign.spool import SpoolReader, SpoolSink  # noqa: E402
 from pilotrun.ledger.records import RunEnd, RunStatus, Series, StopKind  # noqa: E402
-
-from .conftest import FIXTURES, TEST_DIGEST, ledger_rows, pilotrun_cli, polled_rows  # noqa: E402
 
 LRS = [1.0e-2, 3.0]  # the control, and one that diverges on the toy model: its second update's loss is 100-3000x
 # the first for every seed tried (the 3x rule cannot depend on the machine; on the demo model lr 1.0 ended near 3x)

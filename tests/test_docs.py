@@ -200,14 +200,20 @@ def _mkdocs_available() -> bool:
     return importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("material") is not None
 
 
-@pytest.mark.process
-def test_the_site_builds_strictly_and_opens_in_a_browser(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The documentation site built once with ``mkdocs build --strict`` (broken links and anchors fail it)."""
     assert _mkdocs_available(), "mkdocs and mkdocs-material are in the dev extra: pip install -e '.[dev]'"
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=ROOT,
                            capture_output=True, text=True, timeout=300, env=env)
     assert built.returncode == 0, built.stdout + built.stderr
+    return site
+
+
+@pytest.mark.process
+def test_the_site_builds_strictly_with_every_page_and_its_search(site):
     for page in ("index.html", "guides/program/index.html", "reference/gates/index.html", "spec/index.html",
                  "reference/cli/index.html", "reference/exit-codes/index.html"):
         assert (site / page).is_file(), page
@@ -215,6 +221,11 @@ def test_the_site_builds_strictly_and_opens_in_a_browser(tmp_path):
     assert "accum_equivalence" in search and "should_save" in search
     gates = (site / "reference" / "gates" / "index.html").read_text()
     assert "On a program" in gates and "reload_eval" in gates
+
+
+@pytest.mark.process
+@pytest.mark.browser
+def test_the_site_opens_in_a_real_browser(site, tmp_path):
     dom, console, _ = open_in_chromium(site / "index.html", tmp_path)
     assert "Read the rows" in dom and "md-search" in dom, dom[:2000]
     assert 'href="guides/program/"' in dom

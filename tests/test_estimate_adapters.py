@@ -22,9 +22,9 @@ from pilotrun.train.batches import supervised_count
 from pilotrun.train.loss import decide_loss_policy, window_backward
 from pilotrun.train.optim import build_optimizer
 
-from .conftest import EXAMPLES
+from .conftest import EXAMPLES, require
 
-bnb = pytest.importorskip("bitsandbytes")
+bnb = require("bitsandbytes", "bitsandbytes")
 
 TINY = EXAMPLES / "tiny-sft" / "pilot.yaml"
 

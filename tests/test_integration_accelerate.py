@@ -12,9 +12,9 @@ from pilotrun.config.load import load_spec
 from pilotrun.pilot import PilotOptions, run_pilot
 from pilotrun.program.runner import command_words
 
-from .conftest import TEST_DIGEST, pilotrun_cli, planted_example, write_spec
+from .conftest import TEST_DIGEST, pilotrun_cli, planted_example, require, write_spec
 
-pytest.importorskip("accelerate")
+require("accelerate", "accelerate")
 
 
 def _copy(tmp_path: Path, patches: dict[str, str] | None = None) -> Path:

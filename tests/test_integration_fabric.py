@@ -21,9 +21,9 @@ from pilotrun.program.describe import Framework, program_frameworks
 from pilotrun.program.env import Role
 from pilotrun.program.runner import RunOutcome, command_words
 
-from .conftest import EXAMPLES, TEST_DIGEST, pilotrun_cli, planted_example, write_spec
+from .conftest import EXAMPLES, TEST_DIGEST, pilotrun_cli, planted_example, require, write_spec
 
-pytest.importorskip("lightning.fabric")
+require("lightning.fabric", "lightning")
 from lightning.fabric import Fabric  # noqa: E402
 
 from pilotrun.integrations.fabric import FabricView, begin, describe_loop  # noqa: E402

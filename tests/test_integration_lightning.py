@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-L = pytest.importorskip("lightning.pytorch")
+from .conftest import EXAMPLES, REPO, program_events, program_handle, require
+
+L = require("lightning.pytorch", "lightning")
 
 from pilotrun.gates.accum import check_accum  # noqa: E402
 from pilotrun.gates.base import run_check  # noqa: E402
@@ -20,8 +22,6 @@ from pilotrun.gates.inspect import check_inspect  # noqa: E402
 from pilotrun.gates.overfit import check_overfit  # noqa: E402
 from pilotrun.integrations import lightning as PL  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
-
-from .conftest import EXAMPLES, REPO, program_events, program_handle  # noqa: E402
 
 sys.path.insert(0, str(EXAMPLES / "lightning"))
 import points  # noqa: E402

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from .conftest import EXAMPLES, program_events, program_handle, require
+
+transformers = require("transformers", "transformers")
 
 from pilotrun.gates.accum import check_accum  # noqa: E402
 from pilotrun.gates.base import run_check  # noqa: E402
@@ -20,8 +22,6 @@ from pilotrun.integrations import common as C  # noqa: E402
 from pilotrun.integrations import transformers as T  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
 from pilotrun.program.handle import ProgramHandle  # noqa: E402
-
-from .conftest import EXAMPLES, program_events, program_handle  # noqa: E402
 
 sys.path.insert(0, str(EXAMPLES / "hf-trainer"))
 import chat  # noqa: E402

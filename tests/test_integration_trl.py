@@ -10,15 +10,15 @@ import sys
 import pytest
 import torch
 
-trl = pytest.importorskip("trl")
+from .conftest import EXAMPLES, program_events, program_handle, require
+
+trl = require("trl", "trl")
 
 from accelerate.utils.operations import convert_outputs_to_fp32  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from pilotrun.integrations import transformers as T  # noqa: E402
 from pilotrun.integrations.copying import class_forward, own_copy, patched_forwards  # noqa: E402
-
-from .conftest import EXAMPLES, program_events, program_handle  # noqa: E402
 
 sys.path.insert(0, str(EXAMPLES / "hf-trainer"))
 import chat  # noqa: E402

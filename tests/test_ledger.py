@@ -16,7 +16,7 @@ from pilotrun.ledger import Ledger, LedgerError
 from pilotrun.ledger.details import ExportDetails, LoadDetails, OverfitDetails, SaveDetails, SteadyStepDetails
 from pilotrun.ledger.records import RunKind
 
-from .conftest import pilotrun_cli
+from .conftest import pilotrun_cli, require
 
 WRITER = textwrap.dedent("""
     import sys
@@ -192,7 +192,7 @@ def test_sigkill_mid_write_leaves_complete_rows_only(tmp_path):
 
 
 def test_an_mlflow_export_taken_mid_run_is_brought_up_to_date_not_duplicated(tmp_path):
-    pytest.importorskip("mlflow", reason="MLflow not installed (pip install 'pilotrun[mlflow]'): export not tested")
+    require("mlflow", "mlflow-skinny")
     from mlflow.tracking import MlflowClient
 
     from pilotrun.ledger.mlflow_export import export_runs

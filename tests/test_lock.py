@@ -19,7 +19,7 @@ from pilotrun.lock import (
     summarize_drift,
 )
 
-from .conftest import EXAMPLES, TEST_DIGEST, copy_example, copy_fixture, gate_rows, pilotrun_cli
+from .conftest import EXAMPLES, TEST_DIGEST, copy_example, copy_fixture, gate_rows, pilotrun_cli, require
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -166,7 +166,7 @@ def test_the_installed_distributions_do_not_depend_on_what_the_process_imported(
     import subprocess
     import sys
 
-    pytest.importorskip("ray")
+    require("ray", "ray[default]")
     code = ("import json, sys; {imp}; from pilotrun.lock import _distributions; "
             "print(json.dumps([_distributions(), [p for p in sys.path if 'thirdparty' in p]]))")
     plain, with_ray = (json.loads(subprocess.run([sys.executable, "-c", code.format(imp=imp)], capture_output=True,

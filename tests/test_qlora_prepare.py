@@ -16,9 +16,9 @@ from pilotrun.models.loading import build_model
 from pilotrun.models.quiet import QuietTransformers
 from pilotrun.program.describe import describe_objects, kbit_preparation
 
-from .conftest import EXAMPLES
+from .conftest import EXAMPLES, require
 
-bnb = pytest.importorskip("bitsandbytes")
+bnb = require("bitsandbytes", "bitsandbytes")
 
 TINY = EXAMPLES / "tiny-sft" / "pilot.yaml"
 

@@ -123,6 +123,7 @@ def _pwned(dom: str) -> str | None:
 
 
 @pytest.mark.process
+@pytest.mark.browser
 def test_hostile_values_run_no_script_in_a_real_browser(tmp_path):
     ledger = _hostile_ledger(tmp_path)
     # The detector works: the same payloads written raw into a page do run in this browser ...

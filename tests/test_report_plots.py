@@ -25,6 +25,7 @@ MEASURE_JS = ("addEventListener('load',()=>{const b=[...document.querySelectorAl
 
 
 @pytest.mark.process
+@pytest.mark.browser
 def test_capacity_labels_do_not_overlap_in_a_real_browser(tmp_path, monkeypatch):
     monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", "sha256:" + "5e" * 32)
     gate_rows(copy_example("tiny-sft", tmp_path), tmp_path, gates=["first_step"])  # real rows with real memory
