@@ -133,7 +133,7 @@ def test_describe_event_and_refused_values(tmp_path):
     job = program_handle(tmp_path, "control")
     model = _gpt2()
     job.describe(model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_batch_size=2, max_length=8)
-    job.describe(model, None, precision="fp8")
+    job.describe(model, None, precision="fp4")
     [event] = program_events(job, "describe")
     assert event["facts"]["micro_batch_size"] == 2 and event["facts"]["config"]["n_embd"] == 32
     [problem] = program_events(job, "problem")

@@ -114,7 +114,7 @@ def test_bad_fields_are_named(toy_dir, change, field, words):
 
 def test_all_problems_reported_at_once(toy_dir):
     spec = with_change("train.micro_batch_size", "x")
-    spec["train"]["precision"] = "fp8"
+    spec["train"]["precision"] = "fp4"
     spec["bogus"] = 1
     problems = problems_for(toy_dir, spec)
     assert {"train.micro_batch_size", "train.precision", "bogus"} <= set(problems)
@@ -250,7 +250,7 @@ def test_a_second_spec_folder_gets_its_own_modules_not_the_siblings_the_first_im
 def test_override_errors_say_they_came_from_set(toy_dir):
     path = write_spec(toy_dir / "s.yaml", VALID)
     with pytest.raises(SpecError) as info:
-        load_spec(path, ["train.precision=fp8"])
+        load_spec(path, ["train.precision=fp4"])
     assert "(value from --set)" in dict(info.value.problems)["train.precision"]
 
 

@@ -47,8 +47,16 @@ def table_rows(out: str, header: str, firsts: list[str], width: int) -> list[str
 
 
 def left_out(out: str, width: int) -> list[str]:
-    line = next((x for x in out.splitlines() if x.startswith(f"left out at {width} columns: ")), None)
-    return [] if line is None else line.split(": ", 1)[1].split(" (")[0].split(", ")
+    lines = out.splitlines()
+    at = next((i for i, x in enumerate(lines) if x.startswith(f"left out at {width} columns: ")), None)
+    if at is None:
+        return []
+    line = lines[at].rstrip()
+    for more in lines[at + 1:]:  # a long list wraps at the console's width before its "(...)"
+        if " (" in line:
+            break
+        line += " " + more.strip()
+    return line.split(": ", 1)[1].split(" (")[0].split(", ")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import adapter_line, adapter_view
 from ..estimate.measured import measured_fixes
 from ..estimate.model import estimate_fit, time_source
+from ..estimate.moe import row as moe_row
 from ..estimate.program_job import ProgramJob, Source, is_program_spec, load_job
 from ..estimate.runner import Traces, calibrated_utilisation, stage_summary
 from ..estimate.worker import TraceError
@@ -132,6 +133,7 @@ def main(args) -> int:
                        | {"corrections": f["stages"][f["limiting_stage"]]["corrections"] + f["notes"],
                           "time": f["time"]} for f in fits],
               "attention": trace.get("attention") or {},
+              "moe": moe_row(trace.get("moe") or {}),
               "advice": advice, "program": job.to_dict() if job is not None else None}
     if args.json:
         print(json.dumps(report, indent=1, default=str))
@@ -241,6 +243,12 @@ def _print(console, spec, trace, report) -> None:
                                 f"{at_length(spec.data.max_length)} · traced in {trace['seconds']:.1f} s"))
     if report.get("adapter"):
         console.print(Text(adapter_line(report["adapter"]), style="cyan"))
+    if report.get("moe"):
+        m = report["moe"]
+        console.print(Text(f"mixture of experts: {m['experts']} experts x {m['moe_layers']} layers, "
+                           f"{m['active_experts_per_token']} active per token; routing {m['routing']['assumption']}; "
+                           "expert parallelism not modelled (the 'mixture of experts' correction says what was "
+                           "counted)", style="cyan"))
     limit = trace.get("max_positions")
     if limit and spec.data.max_length and spec.data.max_length > limit:
         console.print(Text(f"length {spec.data.max_length} is beyond the model's {limit} positions "

@@ -12,7 +12,7 @@ from rich.text import Text
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import OTHER_EXPERIMENT_NOTE, adapter_line, other_experiments
 from ..estimate.runner import Traces
-from ..estimate.select import sheet_row
+from ..estimate.select import path_cell, path_notes, sheet_row
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds, money
@@ -113,7 +113,7 @@ def _hours(hours: float | None) -> str:
 
 def markdown(spec, rows: list[dict], job=None) -> str:
     cols = ["accelerator", "memory/device", "fits", "strategy", "GPUs", "precision", "micro batch x accum",
-            "largest micro batch", "largest length", "device used", "time/update", "cost/update",
+            "largest micro batch", "largest length", "device used", "time/update", "faster path", "cost/update",
             "time for updates", "cost for updates", "stack", "experiment"]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
     lines = [f"# Selection sheet: {spec.name}", "", f"{spec.train.updates} updates, "
@@ -131,7 +131,7 @@ def markdown(spec, rows: list[dict], job=None) -> str:
             f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {r['gpus']} | {r['precision']} | "
             f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {_length(spec, r)} | "
             f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if ok else '—'} | "
-            f"{money(r['cost_per_update'])} | "
+            f"{path_cell(r)} | {money(r['cost_per_update'])} | "
             f"{_hours(r['hours_for_planned_updates'])} | "
             f"{money(r['cost_for_planned_updates'])} | {r['software_stack']['text']} | {r['experiment']} |")
     lines += ["", *dict.fromkeys(f"- {adapter_line(r['adapter'])}" for r in rows if r.get("adapter"))]
@@ -140,7 +140,7 @@ def markdown(spec, rows: list[dict], job=None) -> str:
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
               "Times: each row's utilisation_source (the model, or the pilot that measured it). "
               "Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
-    lines += [f"- {n}" for n in price_notes(rows) + time_notes(rows)]
+    lines += [f"- {n}" for n in price_notes(rows) + time_notes(rows) + path_notes(rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +149,7 @@ def markdown(spec, rows: list[dict], job=None) -> str:
 _SHEET_COLUMNS = (Column("accelerator"), Column("memory", "right", 3), Column("fits"), Column("strategy"),
                   Column("GPUs", "right"), Column("mb x accum"), Column("max mb", "right", 4),
                   Column("max length", "left", 2), Column("used", "right", 5), Column("time/update", "right"),
-                  Column("cost/update", "right", 7))
+                  Column("faster path", "left", 1), Column("cost/update", "right", 7))
 
 
 def sheet_table(spec, rows: list[dict], width: int) -> tuple[Table, list[str], Footnotes]:
@@ -170,7 +170,7 @@ def sheet_table(spec, rows: list[dict], width: int) -> tuple[Table, list[str], F
                       f"{r['micro_batch_size']} x {r['grad_accum_steps']}" if ok else "—",
                       str(r["largest_micro_batch"]) if ok else "—", _length(spec, r) if ok else "—",
                       human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
-                      money(r["cost_per_update"]), _hours(r["hours_for_planned_updates"]),
+                      path_cell(r), money(r["cost_per_update"]), _hours(r["hours_for_planned_updates"]),
                       money(r["cost_for_planned_updates"]), notes.cell(r["software_stack"]["text"])])
     table, dropped = fit_table(columns, cells, width, title=f"selection sheet · {spec.name}")
     return table, dropped, notes
@@ -202,6 +202,6 @@ def main(args) -> int:
         console.print(Text(line, style="dim"))
     if len({r["experiment"] for r in rows}) > 1:
         console.print(Text(OTHER_EXPERIMENT_NOTE, style="dim"))
-    for note in price_notes(rows) + time_notes(rows):
+    for note in price_notes(rows) + time_notes(rows) + path_notes(rows):
         console.print(Text(note, style="dim"))
     return 0

@@ -8,6 +8,7 @@ several of them share beyond their section travels in :class:`pilotrun.config.sp
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +27,17 @@ from .strategy_names import StrategyName
 # plus block statistics); `paged_` pages that state to host memory under pressure (CUDA only).
 BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
 
-Precision = Literal["fp32", "bf16", "fp16", "bf16-true", "bf16-true-autocast"]
+Precision = Literal["fp32", "bf16", "fp16", "bf16-true", "bf16-true-autocast", "fp8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 # The precisions that hold the model's floating-point weights in bf16 (so its gradients and optimizer state too: no
 # fp32 master copy). bf16-true-autocast is the Trainer's bf16=True (accelerate's mixed_precision="bf16", Lightning's
 # "bf16-mixed") over a model loaded with torch_dtype=bfloat16: the same weights as bf16-true, with autocast over them.
 BF16_WEIGHTS: tuple[str, ...] = ("bf16-true", "bf16-true-autocast")
-# The dtype torch.autocast runs under each precision (absent: no autocast).
-AUTOCAST_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "bf16-true-autocast": "bf16"}
+# The dtype torch.autocast runs under each precision (absent: no autocast). fp8 is bf16's setup (fp32 master weights,
+# bf16 autocast) with the Linears' matmuls in float8 (torchao's float8 training, train/fp8.py): torchtitan's recipe.
+AUTOCAST_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "bf16-true-autocast": "bf16", "fp8": "bf16"}
+# train.fp8_recipe's values: torchao's Float8LinearConfig.from_recipe_name names (train/fp8.py says what each does).
+Fp8Recipe = Literal["tensorwise", "rowwise"]
 # model.attn_implementation's values (models/attention.py says what each keeps on the target).
 AttnImplementation = Literal["sdpa", "flash_attention_2", "flash_attention_3", "eager"]
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = get_args(AttnImplementation)
@@ -97,6 +101,22 @@ class ExportSpec:
                       False)
 
 
+@dataclass
+class MoeSpec:
+    """What a mixture of experts' estimate assumes about routing (a model's experts are found in the model itself)."""
+
+    routing_imbalance: float = doc(
+        "the busiest expert's tokens over the balanced share (tokens x experts per token / experts): 1.0 is balanced "
+        "routing. Said in the estimate's rows; pilotrun's strategies run every expert on every GPU over that GPU's "
+        "tokens, so FLOPs, memory and time there do not depend on it (it is the figure an expert-parallel plan, "
+        "not modelled, would be paced by)", 1.0)
+
+    def check(self):
+        if not (math.isfinite(self.routing_imbalance) and self.routing_imbalance >= 1.0):
+            yield "routing_imbalance", (f"must be a finite number >= 1.0 (1.0: balanced routing; 2.0: the busiest "
+                                        f"expert gets twice its share), got {self.routing_imbalance}")
+
+
 class FactorySection:
     """A section a user factory may be called with (model, data): with ``factory`` set its own keys are legitimate,
     and the factory receives the mapping as the user wrote it (no defaults added)."""
@@ -131,6 +151,7 @@ class ModelSpec(FactorySection):
         "the attention kernel the long run uses (transformers models): sdpa, flash_attention_2/3 (the flash-attn "
         "package, on the GPU only) or eager; the estimate models what that kernel keeps whatever the CPU trace would "
         "have run (default: the model config's own choice, transformers' sdpa)", None)
+    moe: MoeSpec | None = doc("a mixture of experts' routing assumption for the estimate (absent: balanced)", None)
     extra: dict[str, Any] = field(default_factory=dict)  # factory arguments
     written: dict[str, Any] = field(default_factory=dict, metadata=_WRITTEN)
 
@@ -342,7 +363,15 @@ class TrainSpec:
         "optimizer state held in bf16, no autocast (torch_dtype=bfloat16 fine-tuning); bf16-true-autocast: the same "
         "bf16 weights with bf16 autocast over them (torch_dtype=bfloat16 with the Trainer's bf16=True, accelerate's "
         "mixed_precision='bf16' or Lightning's 'bf16-mixed'): the ops on autocast's fp32 list (losses; on CUDA also "
-        "softmax, log_softmax and norms) run in fp32", "fp32")
+        "softmax, log_softmax and norms) run in fp32; fp8: bf16's setup (fp32 weights, bf16 autocast) with every "
+        "Linear but the output head whose dimensions are multiples of 16 trained through torchao's float8 (its three "
+        "matmuls on float8 operands, train.fp8_recipe): needs torchao and an accelerator with FP8 matmuls (Ada, "
+        "Hopper, MI300X) or the CPU", "fp32")
+    fp8_recipe: Fp8Recipe = doc(
+        "with precision fp8, how torchao scales the float8 operands: tensorwise, one scale per tensor (input and "
+        "weight e4m3, output gradient e5m2: torchao's default and fastest); rowwise, one scale per row, all e4m3, "
+        "scales rounded to powers of 2 (more accurate with outliers, slower). Under another precision it is the recipe "
+        "the fp8 variant of `pilotrun variants` runs", "tensorwise")
     scheduler: SchedulerSpec = doc("learning-rate schedule (a name or a mapping)", SchedulerSpec)
     max_grad_norm: float | None = doc("clip the global gradient norm to this (null: measure, do not clip)", 1.0)
     activation_checkpointing: bool | str = doc(
@@ -464,7 +493,9 @@ BUILTIN_VARIANTS = ("micro-batch-half", "checkpointing-selective", "checkpointin
                     "checkpointing", "bf16", "fp16", "bf16-true")
 # Built-in variants that run only where pilot.variants.run names them: bf16-true-autocast holds the same bf16 weights
 # as bf16-true and saves no memory beside it; it is run to measure autocast's numerics and time over those weights.
-NAMED_ONLY_VARIANTS = ("bf16-true-autocast",)
+# fp8 saves no memory either (its float8 copies are temporaries) and needs torchao: it is run to measure float8's
+# numerics against bf16 (and its time where the device has FP8 matmuls).
+NAMED_ONLY_VARIANTS = ("bf16-true-autocast", "fp8")
 
 
 @dataclass
@@ -477,7 +508,7 @@ class VariantsSpec:
         "of the control's (|v - c| / |c|), else it fails; beyond half of it the variant warns", 0.02)
     run: list[str] | None = doc(
         f"the built-in variants to run (default: every one that differs from the control: "
-        f"{', '.join(BUILTIN_VARIANTS)}; {', '.join(NAMED_ONLY_VARIANTS)} runs only when named here)", None)
+        f"{', '.join(BUILTIN_VARIANTS)}; {', '.join(NAMED_ONLY_VARIANTS)}: each runs only when named here)", None)
     custom: dict[str, dict[str, Any]] = doc(
         "variants of your own: a name -> the keys they change, as --set takes them "
         "(e.g. {lr-half: {train.optimizer.lr: 1.5e-3}})", {})

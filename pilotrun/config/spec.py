@@ -149,6 +149,10 @@ class Spec:
                 out["program"].pop("env", None)  # no environment of its own: the hash it always had
         out["pilot"].pop("factory_timeout", None)  # how long pilotrun waits, not what runs: the hash stays as it was
         out["pilot"].pop("variants", None)  # what `pilotrun variants` compares, not the job: the hash stays too
+        if isinstance(out.get("train"), dict) and out["train"].get("precision") != "fp8":
+            out["train"].pop("fp8_recipe", None)  # read only under fp8: every other spec keeps the hash it had
+        if out["model"].get("moe") is None:
+            out["model"].pop("moe", None)  # absent, not null: specs without it keep the hash they always had
         for section in ("model", "data"):
             out[section].pop("written", None)  # the loader's copy of the mapping, not a key (an extra may be one)
             extra = out[section].pop("extra", {}) or {}

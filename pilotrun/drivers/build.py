@@ -67,6 +67,7 @@ def check_job(spec, device: torch.device) -> None:
     no memory) to read its Linear layers' names."""
     from ..config.schema import SpecError
     from ..models.loading import ModelError, build_model
+    from ..train.fp8 import fp8_problems
     from ..train.optim import OptimizerError, choose_fused
 
     if not driver_class(spec).in_process:
@@ -84,6 +85,7 @@ def check_job(spec, device: torch.device) -> None:
             problems.append((builder, f"building the model on the meta device (to check model.adapter.target_modules "
                              f"against its Linear layers) raised {type(exc).__name__}: {first}; fix the factory "
                              "or the keys it reads"))
+    problems += fp8_problems(spec.train.precision, device, spec.model.adapter, spec.model.quantization)
     dtype = torch.bfloat16 if spec.train.precision in BF16_WEIGHTS else torch.float32
     try:
         choose_fused(spec.train.optimizer, device, {dtype})

@@ -25,6 +25,7 @@ from ..models.loading import build_model
 from ..models.quantize import kernels_needed, require_kernels
 from ..train.batches import labelled_batch, seq_len, supervised_count
 from ..train.evaluation import val_metrics
+from ..train.fp8 import Fp8Record, convert_linears
 from ..train.loss import LossPolicy, decide_loss_policy, probe_loss_policy, window_backward
 from ..train.optim import build_optimizer_choice, build_scheduler
 from ..train.rng import derived_seed, seed_everything
@@ -98,6 +99,7 @@ class LoopDriver(ModelDriver):
         self._iter: Any = None  # the DataLoader's iterator, from the current position
         self.last_window: dict = {}
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.fp8: Fp8Record | None = None  # train.precision fp8: what build converted (train/fp8.py)
 
     @classmethod
     def build(cls, spec, inputs: JobInputs | None, process: JobProcess, on_model=None, site=None) -> LoopDriver:
@@ -111,12 +113,16 @@ class LoopDriver(ModelDriver):
                                  device=process.device)
         if not loaded.quantized:  # a bitsandbytes model was placed on the device as it loaded
             loaded.model = loaded.model.to(process.device)
+        # fp8: the Linears swapped for torchao's Float8Linear on the device, before the strategy wraps them (torchao's
+        # order for FSDP2); check_job refused a device without float8 matmuls and a missing torchao (exit 2).
+        fp8 = convert_linears(loaded.model, spec.train.fp8_recipe) if spec.train.precision == "fp8" else None
         if on_model is not None:
             on_model(loaded.model)
         ratio = process.strategy.reduction_ratio(process.env, process.device)
         wrapped, how = process.strategy.wrap(loaded.model, process.env, process.device)
         driver = cls(wrapped, loaded, inputs.data, inputs.tokenizer, spec, process.device, process.env,
                      process.strategy, reduction_ratio=ratio, how_wrapped=how)
+        driver.fp8 = fp8
         driver.probe_policy()  # the same decision, by the same probe, in every process
         return driver
 
@@ -202,6 +208,10 @@ class LoopDriver(ModelDriver):
             hint = (" (the window has no supervised labels: every label is -100, so its mean is 0/0)"
                     if supervised == 0 else "")
             raise NonFiniteError("loss", step, loss_value, ids_all, hint)
+        extra = {}
+        if stats.get("aux_loss") is not None:   # a mixture of experts' load-balancing loss, next to the loss
+            aux = float(stats["aux_loss"])
+            extra["aux_loss"] = all_sum(self.env, aux, self.device) if self.env.active else aux
         grad_norm = self._clip()
         if strict:
             self._refuse_if_empty(step, supervised, stats["examples"], grad_norm)
@@ -211,7 +221,7 @@ class LoopDriver(ModelDriver):
         return UpdateRecord(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, sample_ids=ids_all,
                             examples=stats["examples"], tokens=stats["tokens"], supervised=supervised,
                             micro_batches=len(window), seconds=time.perf_counter() - t0, data_wait_s=data_wait,
-                            epoch=epoch, seq_len=stats["seq_len"], scaler_skipped=skipped)
+                            epoch=epoch, seq_len=stats["seq_len"], scaler_skipped=skipped, extra=extra)
 
     def _backward(self, window: list, epoch: int, micro_start: int) -> dict:
         self.model.train()

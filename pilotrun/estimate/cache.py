@@ -35,10 +35,11 @@ from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 7  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
+FORMAT = 8  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
 #             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step,
 #             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride,
-#             7: the attention kernels' op rows apart, for the time at the data's lengths)
+#             7: the attention kernels' op rows apart, for the time at the data's lengths,
+#             8: the experts' grouped matmuls counted (estimate/moe.py): an older MoE trace counted them zero)
 
 
 def default_dir() -> Path:

@@ -26,7 +26,9 @@ from ..ledger.records import GateName
 from ..models.attention import AS_TRACED_ON_CPU
 from ..strategies import StageBytes, correction
 from .catalog import Accelerator
+from .fp8 import MEMORY_NOTE, fp8_trace, why_none
 from .lengths import AtLengths, DataLengths, expected_micro
+from .moe import note as moe_note
 from .offload import host_memory, offload_notes, offload_time, placed_strategy
 from .ops import roofline_seconds
 
@@ -55,7 +57,9 @@ def _kernel_notes(trace: dict) -> list[dict]:
            "CPU and CUDA autocast run matmul, linear, bmm and attention in the lower precision; CUDA's fp32 list "
            "(softmax, log_softmax, norms, pow, sum, the losses) is applied to the CPU trace for a GPU target "
            "(estimate/autocast_lists.py); the weight-cast cache exists on both"),
-    ]
+    ] + ([correction("FP8 casts (torchao float8)", 0, "allocated", MEMORY_NOTE)] if trace.get("precision") == "fp8"
+         else []) + ([correction("mixture of experts", 0, "allocated",
+                                 moe_note(trace["moe"], trace.get("precision", "")))] if trace.get("moe") else [])
 
 
 def attention_note(att: dict) -> str:
@@ -178,7 +182,16 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     ``lengths`` (lengths.data_lengths): each micro batch at the lengths the data gives it rather than at the traced
     (longest) one -- the roofline's ops re-timed at them, a measured utilisation scaled by the same ratio (the pilot
     timed its updates padded to the longest) -- and ``lengths`` in the answer says which; None: at the longest.
+
+    ``fp8``: the converted Linears' matmuls at the FP8 peak with their casts as pilotrun's loop runs them, eagerly
+    (estimate/fp8.py; a trace fp8.fp8_trace already converted is taken as it is); its collectives carry bf16.
     """
+    if precision == "fp8" and not trace.get("fp8_casts"):
+        converted = fp8_trace(trace, "eager")
+        if converted is None:
+            return {"seconds": None, "reason": why_none(trace)}
+        trace = converted
+    wire = "bf16" if precision == "fp8" else precision   # what FSDP gathers and reduces: bf16's bytes
     chosen = strategies.get(strategy)
     step = trace["stages"][GateName.STEADY_STEP]
     flops = step["flops"]
@@ -186,14 +199,14 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     per_device = micro_batches or micro_batches_per_gpu(trace, chosen.compute_replicas(gpus), micro_scale)
     share = per_device * micro_scale   # traced micro batches' worth of work on each device
     bw, link = collective_bandwidth(acc, gpus)
-    comm = chosen.communication_seconds(trace, gpus, precision, bw, per_device)
+    comm = chosen.communication_seconds(trace, gpus, wire, bw, per_device)
     at = _at_lengths(trace, step, acc, chosen, gpus, micro_scale, lengths)
     # The FLOPs one device runs: the traced micro batch's (the update's / the accumulation) x its share, at the
     # data's lengths.
     device_flops = flops / max(1, trace.get("grad_accum_steps", 1)) * share * at.flops_factor
     if utilisation is None and step.get("ops"):
         def expose(compute_seconds: float) -> tuple[float, str]:
-            return chosen.exposed_communication(comm, trace, gpus, precision, bw, per_device, compute_seconds)
+            return chosen.exposed_communication(comm, trace, gpus, wire, bw, per_device, compute_seconds)
 
         return {**_roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops, at),
                 "communication": link, "lengths": at.view}
@@ -202,7 +215,7 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog", "lengths": at.view}
     # A measured utilisation is the pilot's update at the longest length, scaled as the per-op model scales it.
     compute = device_flops / at.flops_factor * at.time_factor / (peak * util)
-    exposed, how = chosen.exposed_communication(comm, trace, gpus, precision, bw, per_device, compute)
+    exposed, how = chosen.exposed_communication(comm, trace, gpus, wire, bw, per_device, compute)
     return {"seconds": compute + exposed, "compute_seconds": compute, "communication_seconds": comm,
             "exposed_communication_seconds": exposed, "communication": link, "micro_batches_per_gpu": per_device,
             "communication_model": how, "model": "flops",

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .catalog import Accelerator
+from .moe import expert_ops
 
 # The peak an op's inputs run at: fp32 matmuls run at the fp32 peak (torch leaves TF32 off for matmuls by
 # default: torch.backends.cuda.matmul.allow_tf32 is False), 8-bit floats at fp8.
@@ -111,12 +112,18 @@ def _attention_kernel(func_packet) -> bool:
 
 class OpCosts(FlopCounterMode):
     """``FlopCounterMode`` that also keeps every op's (dtype, FLOPs, bytes moved), counted by signature, and the
-    attention kernels' rows apart (also in ``rows``)."""
+    attention kernels' and the experts' grouped matmuls' rows apart (also in ``rows``). ``fp8_modules``: the module
+    names (as its module tracker names them: the root's class name, then the path) whose matmuls FP8 training would
+    run in float8; their FLOP-counted ops are also kept apart with their bytes read and written (``fp8_rows``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fp8_modules: frozenset[str] = frozenset()) -> None:
         super().__init__(display=False, custom_mapping=_kept_whole())
+        self.fp8_modules = fp8_modules
+        self.fp8: Counter[tuple[str, int, int, int]] = Counter()
         self.counts: Counter[tuple[str, int, int]] = Counter()
         self.attention: Counter[tuple[str, int, int]] = Counter()
+        self.experts: Counter[tuple[str, int, int]] = Counter()
+        self._expert_ops = frozenset(expert_ops())
 
     def _count_flops(self, func_packet, out, args, kwargs):
         formula = self.flop_registry.get(func_packet)
@@ -150,6 +157,10 @@ class OpCosts(FlopCounterMode):
         self.counts[key] += 1
         if _attention_kernel(func_packet):
             self.attention[key] += 1
+        if func_packet in self._expert_ops:
+            self.experts[key] += 1
+        if flops and self.fp8_modules and not self.fp8_modules.isdisjoint(self.mod_tracker.parents):
+            self.fp8[(key[0], flops, _nbytes(inputs), written)] += 1
         return out
 
     def rows(self) -> list[list]:
@@ -159,6 +170,15 @@ class OpCosts(FlopCounterMode):
     def attention_rows(self) -> list[list]:
         """The attention kernels' rows of :meth:`rows`, as [[dtype, flops, bytes, count], ...]."""
         return [[d, f, b, n] for (d, f, b), n in sorted(self.attention.items(), key=lambda kv: -kv[0][2] * kv[1])]
+
+    def fp8_rows(self) -> list[list]:
+        """The matmuls of ``fp8_modules`` (a subset of :meth:`rows`), as [[dtype, flops, bytes read, bytes written,
+        count], ...]: what estimate/fp8.py re-times at the FP8 peak."""
+        return [[d, f, r, w, n] for (d, f, r, w), n in sorted(self.fp8.items(), key=lambda kv: -kv[0][1] * kv[1])]
+
+    def expert_rows(self) -> list[list]:
+        """The experts' grouped matmuls' rows of :meth:`rows` (estimate/moe.py): [[dtype, flops, bytes, count], ...]."""
+        return [[d, f, b, n] for (d, f, b), n in sorted(self.experts.items(), key=lambda kv: -kv[0][2] * kv[1])]
 
 
 def roofline_seconds(rows: list[list], acc: Accelerator, compute_efficiency: float,

@@ -11,8 +11,9 @@ from ..config.sections import ac_policy, ac_variant, ac_words
 from ..ledger.records import GateName
 from .catalog import Accelerator, matches
 from .experiments import adapter_view, label
+from .fp8 import CASTS, fp8_trace, why_none
 from .measured import measured_fixes, seconds_with_recompute
-from .model import estimate_fit, largest_scale_that_fits, time_source
+from .model import estimate_fit, largest_scale_that_fits, seconds_per_update, time_source
 from .runner import calibrated_utilisation
 
 
@@ -82,6 +83,69 @@ def _measured_recompute(spec, traces, trace: dict, acc: Accelerator, strategy: s
     return (s, f"{ac_words(policy)}: {said}, instead of the FLOPs ratio") if s else None
 
 
+# The precisions FP8 training is read against: its matmuls replace bf16 ones (a job in fp32 or fp16 would compare
+# two changes at once: bf16 comes first, as in docs/guides/fix-memory.md's order).
+FP8_BASES = ("bf16", "bf16-true", "bf16-true-autocast")
+# FlashAttention-3 (Hopper only): the estimate times attention by its FLOPs and bytes, the same for FA2 and FA3.
+FA3_NOTE = ("FlashAttention-3 (Hopper): not modelled: the estimate times flash_attention_2 and flash_attention_3 "
+            "alike (the same FLOPs and bytes at the same efficiency); measure it with pilotrun variants (custom: "
+            "{fa3: {model.attn_implementation: flash_attention_3}}) on the H100")
+
+
+def fp8_path(spec, traces, trace: dict, acc: Accelerator, config: tuple[str, int, float, int],
+             ledger) -> dict | None:
+    """Whether FP8 training (torchao float8, estimate/fp8.py) would make this row's update faster on ``acc``, by how
+    much, and whether measured (``pilotrun variants`` ran fp8 on this accelerator) or predicted. None where ``acc``
+    has no FP8 (no fp8 peak in the catalog): such a row gets no FP8 path. ``config``: (strategy, GPUs, micro scale,
+    micro batches per GPU) of the row."""
+    if not acc.peak_flops("fp8"):
+        return None
+    p = spec.train.precision
+    row: dict = {"path": "fp8", "recipe": spec.train.fp8_recipe, "factor": None, "eager_factor": None,
+                 "source": None, "faster": None}
+    if p == "fp8":
+        return {**row, "note": "the job trains in fp8: the row's time is FP8's"}
+    if p not in FP8_BASES:
+        return {**row, "note": f"FP8 is read against bf16 and the job trains in {p}: estimate it with "
+                               "train.precision: bf16 to see the FP8 path"}
+    measured = measured_fixes(ledger, spec.pilot_hash())
+    ratio, said = measured.time_factor("fp8", acc) if measured is not None else (None, "")
+    if ratio is not None:
+        return {**row, "factor": ratio, "source": "measured", "faster": ratio < 1,
+                "note": f"fp8: {said} (pilotrun variants: eager casts, pilotrun's loop)"}
+    strategy, gpus, micro_scale, accum = config
+    timed: dict[str, float] = {}
+    for casts in ("base", *CASTS):
+        converted = trace if casts == "base" else fp8_trace(trace, casts)
+        if converted is None:
+            return {**row, "note": f"fp8: {why_none(trace)}"}
+        seconds = seconds_per_update(converted, acc, strategy, gpus, "fp8" if casts != "base" else p,
+                                     micro_scale=micro_scale, micro_batches=accum,
+                                     lengths=traces.lengths()).get("seconds")
+        if not seconds:
+            return {**row, "note": f"fp8: no time on {acc.name} (the catalog lacks a figure the time model needs)"}
+        timed[casts] = seconds
+    fused, eager = timed["fused"] / timed["base"], timed["eager"] / timed["base"]
+    linears = (trace.get("fp8") or {}).get("linears")
+    return {**row, "factor": fused, "eager_factor": eager, "source": "predicted", "faster": fused < 1,
+            "note": f"x{fused:.2f} (x{eager:.2f} eager)",
+            "about": f"the time per update x the factor: {linears} Linears' matmuls at the FP8 peak ("
+                     f"{spec.train.fp8_recipe}), their float8 casts fused as torch.compile runs them (in brackets: "
+                     "eager casts, as pilotrun's own loop runs them; estimate/fp8.py). Its numerics: pilotrun "
+                     "variants with pilot.variants.run: [fp8]"}
+
+
+def faster_paths(spec, traces, trace: dict, acc: Accelerator, config: tuple[str, int, float, int],
+                 ledger) -> list[dict]:
+    """The accelerator's paths that may make this job faster (docs/guides/choose-accelerator.md, "Faster paths"):
+    FP8 where the catalog gives an fp8 peak, FlashAttention-3 on Hopper (compute capability 9.0)."""
+    paths = [p for p in [fp8_path(spec, traces, trace, acc, config, ledger)] if p is not None]
+    if acc.compute_capability.startswith("9."):
+        paths.append({"path": "flash_attention_3", "factor": None, "eager_factor": None, "source": None,
+                      "faster": None, "note": FA3_NOTE})
+    return paths
+
+
 def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: float | None = None) -> dict:
     from .stack import stack_status
 
@@ -112,6 +176,8 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         s, recompute = said
         steps.append(recompute)
     verified = _verified_by(ledger, acc)
+    paths = faster_paths(spec, traces, trace, acc, (strategy, gpus, mb / t.micro_batch_size, accum), ledger) \
+        if fit["fits"] else []
     return {
         "accelerator": acc.name,
         "memory_per_device_bytes": acc.memory_bytes,
@@ -157,4 +223,32 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "notes": acc.notes,
         "experiment": label(spec),
         "adapter": adapter_view(trace, spec),
+        # What may make the update faster here (fp8, FlashAttention-3), each measured, predicted or not modelled.
+        "faster_paths": paths,
     }
+
+
+def path_cell(row: dict) -> str:
+    """The sheet's "faster path" cell: the FP8 path's time factor and whether measured or predicted ("fp8 x0.91
+    predicted"); "fp8 n/a" where FP8 has no figure; "—" where the accelerator has no FP8."""
+    fp8 = next((p for p in row.get("faster_paths") or [] if p["path"] == "fp8"), None)
+    if fp8 is None:
+        return "—"
+    if fp8["factor"] is None:
+        return "fp8 n/a"
+    return f"fp8 x{fp8['factor']:.2f} {fp8['source']}"
+
+
+def path_notes(rows: list[dict]) -> list[str]:
+    """The faster paths' notes: the predicted FP8 factors on one line (what they count, then each accelerator's),
+    every other note once, after the accelerators it is said of ("H100-80GB, H200-141GB: FlashAttention-3 ...")."""
+    predicted: dict[str, list[str]] = {}
+    by_note: dict[str, list[str]] = {}
+    for r in rows:
+        for p in r.get("faster_paths") or []:
+            if p.get("about"):
+                predicted.setdefault(p["about"], []).append(f"{r['accelerator']} {p['note']}")
+            else:
+                by_note.setdefault(p["note"], []).append(r["accelerator"])
+    return ([f"fp8 path, predicted: {', '.join(said)}; {about}" for about, said in predicted.items()]
+            + [f"{', '.join(dict.fromkeys(accs))}: {note}" for note, accs in by_note.items()])

@@ -34,6 +34,8 @@ from ..train.batches import autocast_for, item_length, seq_len, supervised_count
 from ..train.loss import LossPolicy, decide_loss_policy, window_backward
 from .adapted import Adaptation, adapt, trace_optimizer
 from .autocast_lists import cuda_autocast_lists
+from .fp8 import fp8_facts, fp8_modules
+from .moe import allow_fallback_dtypes, describe, register_expert_flops, with_costs
 from .ops import OpCosts
 
 ROUND = 512  # bytes: the CUDA caching allocator's block granularity
@@ -81,6 +83,11 @@ class StageTrace:
     # The attention kernels' rows of ``ops`` (FLOPs quadratic in the length): the time at the data's shorter lengths
     # scales them apart from the rest (estimate/lengths.py). Empty in traces written before them.
     attention_ops: list[list] = field(default_factory=list)
+    # The matmuls FP8 training would run in float8 (estimate/fp8.py), a subset of ``ops``, as [dtype, flops, bytes
+    # read, bytes written, count]. Empty in traces written before them.
+    fp8_ops: list[list] = field(default_factory=list)
+    # The experts' grouped matmuls' rows of ``ops`` (estimate/moe.py): their FLOPs and dtype, said in the row.
+    expert_ops: list[list] = field(default_factory=list)
     # Per phase ("compute": the first micro batch's forward and backward, "accumulating": the later micro batches
     # with the earlier ones' gradients held, "optimizer": the step), the moments that bound the peak at
     # other micro batches: [{"bytes", "breakdown"}]. Under activation checkpointing the stage's overall peak
@@ -114,6 +121,11 @@ class TraceResult:
     # The attention kernel modelled (models.attention.AttentionRecord.to_dict): the implementation, the target's
     # kernel, its calls in one micro batch's forward, and what CPU dispatch would have run instead.
     attention: dict = field(default_factory=dict)
+    # FP8 training (estimate/fp8.fp8_facts): the Linears it would convert and those skipped, or why not modelled.
+    fp8: dict = field(default_factory=dict)
+    # A mixture of experts (estimate/moe.py): experts, active per token, their FLOPs and dtype, the routing assumed.
+    # Empty for a model without experts.
+    moe: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -273,7 +285,7 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
                                    phases=tracker.phases())
     # FLOPs and bytes in a separate pass: FlopCounterMode keeps tensors alive (the recomputed ones under
     # activation checkpointing), which would inflate a peak measured at the same time.
-    counter = OpCosts()
+    counter = OpCosts(fp8_modules(model, spec))
     with counter, attention.counting():   # and the attention calls of one micro batch, as the row says them
         window_backward(model, [(ids, _clone(job.train_batch))], job.policy, device, precision,
                         num_items=num_items, stats=False)
@@ -288,6 +300,8 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
         traced_stage.flops = counter.get_total_flops() * t.grad_accum_steps
         traced_stage.ops = counter.rows()
         traced_stage.attention_ops = counter.attention_rows()
+        traced_stage.fp8_ops = counter.fp8_rows()
+        traced_stage.expert_ops = counter.expert_rows()
         traced_stage.optimizer_ops = step.rows()
     return stages
 
@@ -340,6 +354,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     ac = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     torch.manual_seed(spec.seed)
     job = _prepare(spec, ac, micro_batch_size or t.micro_batch_size, seq_len)
+    moe = _moe_facts(spec, job)
     layer_name, layer_bytes, layers = largest_block(job.model)
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
@@ -358,7 +373,21 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
                        largest_layer_bytes=layer_bytes, largest_layer=layer_name, layers=layers, foreach=foreach,
                        precision=t.precision, activation_checkpointing=ac, seconds=time.perf_counter() - t0,
                        notes=job.notes, optimizer=opt_path, adaptation=asdict(job.adaptation),
-                       attention=attention.to_dict(), **totals)
+                       attention=attention.to_dict(), fp8=fp8_facts(job.model, spec), moe=with_costs(
+                           moe, stages[GateName.STEADY_STEP].expert_ops,
+                           job.micro_batch * stages[GateName.STEADY_STEP].seq_len, t.grad_accum_steps), **totals)
+
+
+def _moe_facts(spec: Spec, job: _Job) -> dict:
+    """The model's experts (estimate/moe.py), with their kernels' FLOP formulas and meta dtypes in place (after the
+    model is built: transformers registers its own expert ops on import)."""
+    register_expert_flops()
+    allow_fallback_dtypes()
+    imbalance = spec.model.moe.routing_imbalance if spec.model.moe is not None else 1.0
+    facts = describe(job.model, job.config, imbalance)
+    if not facts and spec.model.moe is not None:
+        job.notes.append("model.moe is set but the model has no experts (no stacked expert parameters): ignored")
+    return facts
 
 
 def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:

@@ -109,6 +109,34 @@ def random_collate_reason(view: TrainingView, items: list) -> str | None:
             "to have the accumulation checked")
 
 
+# A mixture of experts' load-balancing loss (transformers' output_router_logits) is a statistic of each micro batch's
+# routing, added to that micro batch's loss: no accumulation equals one batch for it. The check compares the rest.
+ROUTER_AUX_WARNING = (
+    "the router's load-balancing loss (output_router_logits) was left out of the comparison: the model adds "
+    "router_aux_loss_coef x it to every micro batch's loss, computed on that micro batch's routing, so it never equals "
+    "one batch's, and where the micro batches' losses are summed (num_items_in_batch) it weighs grad_accum_steps x "
+    "router_aux_loss_coef per update")
+
+
+def _without_router_aux_loss(model: torch.nn.Module) -> bool:
+    """Turn the copy's router aux loss off (its own config: a deep copy or a rebuild); True when it was on."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        return False
+    config.output_router_logits = False
+    return True
+
+
+def _experts_in_float64(model: torch.nn.Module) -> None:
+    """transformers' mixtures of experts run their experts as torch._grouped_mm, which has no float64 kernel: the
+    float64 copy (a deep copy, its own config) runs the same experts as their per-expert loop, transformers' "eager"
+    implementation (the same matmuls, one expert at a time)."""
+    implementation = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    setter = getattr(model, "set_experts_implementation", None)
+    if implementation not in (None, "eager") and callable(setter):
+        setter("eager")
+
+
 def checking_copy(view: TrainingView) -> tuple[torch.nn.Module, torch.device, torch.dtype, float, str | None]:
     """(model, device, dtype, tolerance, why not float64): a float64 CPU copy when it exists and fits in half the
     free host memory, else a float32 copy on the job's device."""
@@ -118,6 +146,7 @@ def checking_copy(view: TrainingView) -> tuple[torch.nn.Module, torch.device, to
     if why is None:
         try:
             model, device = view.model_copy(torch.float64)
+            _experts_in_float64(model)
             return model, device, torch.float64, TOL_FLOAT64, None
         except (RuntimeError, TypeError, ValueError):
             why = "the model could not be copied to float64: float32 copy on the job's device"
@@ -232,6 +261,7 @@ def check_accum(view: TrainingView, out: Outcome | None = None) -> Outcome:
     if random is not None:
         raise NotMeasured(random)
     model, device, dtype, tol, why = checking_copy(view)
+    aux_left_out = _without_router_aux_loss(model)
     model.eval()
     results: list[WindowResult] = []
     diagnosis: dict = {}
@@ -258,8 +288,12 @@ def check_accum(view: TrainingView, out: Outcome | None = None) -> Outcome:
                    "dtype": str(dtype).replace("torch.", ""), "device": str(device), "mode": "eval (dropout off)",
                    **({"dtype_reason": why} if why else {}), "loss_normalization": b.normalisation,
                    "computed_by": view.framework}
-    return judge(out, results, diagnosis, tol, device, view.declared_per_micro_batch(),
-                 as_if=f"{b.accum_setting} 1" if as_if else None)
+    judged = judge(out, results, diagnosis, tol, device, view.declared_per_micro_batch(),
+                   as_if=f"{b.accum_setting} 1" if as_if else None)
+    if aux_left_out:
+        judged.details["router_aux_loss"] = "left out of the comparison"
+        judged.warn(ROUTER_AUX_WARNING)
+    return judged
 
 
 def judge(out: Outcome, results: list[WindowResult], diagnosis: dict, tol: float, device, declared: bool,

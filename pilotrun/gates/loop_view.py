@@ -17,6 +17,7 @@ from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
 from ..drivers import ModelDriver, NonFiniteError
 from ..train.batches import IGNORE, autocast_for, loss_of, to_device
 from ..train.evaluation import accuracy_counts, outputs_of, shift_convention
+from ..train.fp8 import high_precision_linears, linears_in_high_precision
 from ..train.loss import PolicySource, window_backward
 from ..train.optim import build_optimizer
 from ..train.rng import derived_seed
@@ -180,7 +181,9 @@ class LoopView:
     def model_copy(self, dtype: torch.dtype | None) -> tuple[torch.nn.Module, torch.device]:
         if dtype is None:
             return self.driver.plain_model_copy(), self.ctx.device
-        return self.driver.plain_model_copy().to("cpu").to(dtype), torch.device("cpu")
+        # fp8: the exact check's copy in high precision (its dynamic float8 scales depend on which examples share a
+        # micro batch: float8's rounding, not the loss normalisation the check is about).
+        return high_precision_linears(self.driver.plain_model_copy()).to("cpu").to(dtype), torch.device("cpu")
 
     def accum_windows(self) -> list[Window]:
         data = self.data
@@ -285,11 +288,16 @@ class LoopView:
         return [val[i] for i in range(min(self.spec.eval_batch_size, len(val)))]
 
     def outputs(self, batch) -> torch.Tensor:
-        # The model as training runs it (FSDP: every rank takes part in these forwards).
+        # The model as training runs it (FSDP: every rank takes part in these forwards); under fp8 its Linears in
+        # high precision, as the export holds them for inference (train/fp8.py).
         model = self.driver.model
         was_training = model.training
         try:
-            return outputs_of(model, to_device(tensors_of(batch), self.ctx.device))
+            with linears_in_high_precision(model) as swapped:
+                if swapped:
+                    self.reference_note = (f"fp8: the model's {swapped} float8 Linears run in high precision, as the "
+                                           "export holds them for inference")
+                return outputs_of(model, to_device(tensors_of(batch), self.ctx.device))
         finally:
             model.train(was_training)
 

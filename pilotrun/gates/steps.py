@@ -124,11 +124,15 @@ class FirstStepGate(Gate):
         out.details = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "optimizer_state_bytes": opt_bytes,
                        "loss_normalization": driver.policy.reason, "sample_ids": rec.sample_ids,
                        "supervised_labels": rec.supervised, "tokens": rec.tokens}
+        aux = rec.extra.get("aux_loss")
+        if aux is not None:   # a mixture of experts' load-balancing loss (already inside the loss, x its coefficient)
+            out.details["aux_loss"] = aux
         gn = f"{rec.grad_norm:.3g}" if rec.grad_norm is not None else "n/a"
         at = f"at length {rec.seq_len}, " if rec.seq_len else ""
         n = (f"{rec.examples} examples" if ctx.replicas == 1 else
              f"{rec.examples} examples on this rank, {rec.examples * ctx.replicas} per update")
-        out.reason = (f"update 1 {at}{n}: loss {rec.loss:.4g}, grad norm {gn}, "
+        with_aux = f" (incl. the router's load-balancing loss {aux:.4g} x its coefficient)" if aux is not None else ""
+        out.reason = (f"update 1 {at}{n}: loss {rec.loss:.4g}{with_aux}, grad norm {gn}, "
                       f"lr {rec.lr:.3g}; optimizer state {human_bytes(opt_bytes)} allocated")
         if rec.scaler_skipped:
             out.warn("the fp16 grad scaler skipped update 1 (inf/NaN gradients at the initial scale): optimizer state "

@@ -15,8 +15,14 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import sys
 from types import TracebackType
+
+# Loggers that transformers' import wakes where torchao is installed (pilotrun's fp8 extra): transformers imports
+# torchao for its quantizer, and torchao warns for each CUDA-only extension a CPU build cannot load, torch's pytree
+# for each enum torchao registers. Neither concerns the job; they are set to errors only before that import.
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
 
 
 class QuietTransformers:
@@ -25,8 +31,13 @@ class QuietTransformers:
     def __init__(self) -> None:
         self._verbosity: int | None = None
         self._bars = False
+        self._levels: dict[str, int] = {}
 
     def __enter__(self) -> QuietTransformers:
+        for name in IMPORT_NOISE:
+            log = logging.getLogger(name)
+            self._levels[name] = log.level
+            log.setLevel(max(log.level, logging.ERROR))
         self.settle()
         return self
 
@@ -44,6 +55,9 @@ class QuietTransformers:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)
+        self._levels = {}
         hf = sys.modules.get("transformers.utils.logging")
         if self._verbosity is None or hf is None:
             return

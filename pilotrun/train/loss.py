@@ -209,6 +209,7 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
         num_items = sum(supervised_count(b, policy.shift_labels) for _, b in window)
     window_examples = window_examples or len(ids_all)
     total = torch.zeros((), device=device, dtype=torch.float64)
+    aux_total: torch.Tensor | None = None   # a mixture of experts' load-balancing loss, when the model returns one
     tokens = supervised = examples = longest = 0
     for k, (ids, batch) in enumerate(window):
         longest = max(longest, seq_len(batch))
@@ -220,6 +221,7 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
             with autocast_for(device, precision):
                 out = model(**batch, **kwargs)
             loss = loss_of(out)
+            aux = router_aux_loss(out) if stats else None
             # The outputs (a causal LM's logits: 2 x 8192 x 128256 bf16 is 3.9 GiB) are not needed by backward: freed
             # before it, as the Trainer's training_step and torchtitan's loop do, not held through it.
             del out
@@ -230,6 +232,9 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
             backward_loss = loss * grad_scale if grad_scale != 1.0 else loss
             backward(backward_loss, scaler)
         total += loss.detach()
+        if aux is not None:   # the window's mean, each micro batch weighted by its examples
+            weighted = aux.double() * (len(ids) / window_examples)
+            aux_total = weighted if aux_total is None else aux_total + weighted
         examples += len(ids)
         if not stats:  # fake tensors (the estimator): counting would need their values
             continue
@@ -241,4 +246,13 @@ def window_backward(model, window: list, policy: LossPolicy, device: torch.devic
             tokens += batch["input_ids"].numel()
         supervised += supervised_count(batch, policy.shift_labels)
     return {"loss": total, "tokens": tokens, "supervised": supervised, "examples": examples, "seq_len": longest,
-            "num_items": num_items}
+            "num_items": num_items, "aux_loss": aux_total}
+
+
+def router_aux_loss(out) -> torch.Tensor | None:
+    """A mixture of experts' load-balancing loss as transformers' MoE models return it (``aux_loss``, with
+    ``output_router_logits``; already inside ``loss`` x ``router_aux_loss_coef``), detached; None without one."""
+    aux = out.get("aux_loss") if hasattr(out, "get") else getattr(out, "aux_loss", None)
+    if isinstance(aux, torch.Tensor) and aux.numel() == 1:
+        return aux.detach().reshape(())
+    return None

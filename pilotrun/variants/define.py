@@ -29,6 +29,7 @@ class Kind(TextEnum):
     CONTROL = "control"          # the spec as written
     MEMORY_FIX = "memory-fix"    # docs/guides/fix-memory.md's fixes: the same question, other memory and time
     OWN = "own"                  # pilot.variants.custom: the user's; a memory fix only if it holds the question
+    FASTER_PATH = "faster-path"  # fp8: no memory saved, judged on its numerics (and its time where the device has FP8)
 
 
 # The keys whose change makes a variant a different experiment (what is learned, from which examples):
@@ -43,6 +44,9 @@ class Variant:
     kind: Kind
     settings: dict[str, Any]      # dotted key -> value
     what: str                     # one line for people: what it is meant to do
+    # The configuration its numerics, time and memory are compared with: None, the control; else another variant's
+    # name (fp8 against bf16 when the control trains in another precision: float8's own difference, not bf16's).
+    against: str | None = None
 
     @property
     def overrides(self) -> list[str]:
@@ -88,7 +92,23 @@ def builtin(name: str, spec) -> Variant | Skipped:
                 "bf16-true-autocast": "weights, gradients and optimizer state in bf16, with bf16 autocast over "
                                       "them"}[name]
         return Variant(name, Kind.MEMORY_FIX, {"train.precision": name}, what)
+    if name == "fp8":
+        return _fp8(spec)
     raise ValueError(f"unknown built-in variant {name!r}")
+
+
+FP8_WHAT = ("bf16 autocast over fp32 weights with the Linears' matmuls in float8 (torchao float8 training, "
+            "train.fp8_recipe {recipe})")
+
+
+def _fp8(spec) -> Variant | Skipped:
+    t = spec.train
+    if t.precision == "fp8":
+        return Skipped("fp8", "the control already trains in fp8")
+    if spec.model.adapter is not None or spec.model.quantization is not None:
+        return Skipped("fp8", "fp8 trains the full model's Linears, not an adapter or a quantised base")
+    return Variant("fp8", Kind.FASTER_PATH, {"train.precision": "fp8"}, FP8_WHAT.format(recipe=t.fp8_recipe),
+                   against=None if t.precision == "bf16" else "bf16")
 
 
 def plan_variants(spec) -> Planned:
@@ -96,7 +116,10 @@ def plan_variants(spec) -> Planned:
     docs/guides/fix-memory.md, and those it does not, with why."""
     cfg = spec.pilot.variants
     out = Planned()
-    for name in cfg.run if cfg.run is not None else BUILTIN_VARIANTS:
+    names = list(cfg.run if cfg.run is not None else BUILTIN_VARIANTS)
+    if "fp8" in names and "bf16" not in names and spec.train.precision not in ("bf16", "fp8"):
+        names.insert(names.index("fp8"), "bf16")  # fp8's reference: its numerics are read against bf16's
+    for name in names:
         v = builtin(name, spec)
         if isinstance(v, Skipped):
             out.skipped.append(v)

@@ -100,13 +100,14 @@ class Judgement:
 
 def judge(name: str, kind: str, numerics: Numerics, question: list[str], peak: int | None, control_peak: int | None,
           ratio: float | None, val: float | None, control_val: float | None, rtol: float,
-          start: float | None = None) -> Judgement:
+          start: float | None = None, reference: str = "the control") -> Judgement:
     """The variant's verdict: fail when it went non-finite, its scaler stepped off the update boundary, or its
     validation loss is outside ``rtol`` of the control's; warn when it changes the question, saves no memory,
     its scaler skipped updates, its examples differed, or its validation loss is past half of ``rtol``; else
     pass. ``start``: the validation loss at the shared initial weights; where the control moved less than ``rtol``
     from it, the check cannot tell a variant that learned nothing, and the variant warns saying so. The reason
-    claims only what was measured."""
+    claims only what was measured. ``reference``: what the control's side is, said in the reason (fp8 is read
+    against the bf16 variant: "bf16")."""
     fails: list[str] = []
     warns: list[str] = []
     facts: list[str] = []
@@ -115,7 +116,7 @@ def judge(name: str, kind: str, numerics: Numerics, question: list[str], peak: i
         warns.append(f"a {experiment} (never a memory fix)")
     if peak is not None and control_peak:
         saved = control_peak - peak
-        facts.append(f"peak {'-' if saved >= 0 else '+'}{abs(saved) / control_peak:.0%} of the control's")
+        facts.append(f"peak {'-' if saved >= 0 else '+'}{abs(saved) / control_peak:.0%} of {reference}'s")
         if saved <= 0 and kind == "memory-fix":
             warns.append("it saves no memory here")
     if ratio is not None:
@@ -127,7 +128,7 @@ def judge(name: str, kind: str, numerics: Numerics, question: list[str], peak: i
     if numerics.non_finite:
         fails.append(f"{numerics.non_finite} update(s) with a non-finite loss or gradient norm")
     if not numerics.same_examples:
-        warns.append("its updates did not see the control's examples")
+        warns.append(f"its updates did not see {reference}'s examples")
     if numerics.scaler_skipped:
         warns.append(f"the fp16 grad scaler skipped {numerics.scaler_skipped} of {numerics.updates} updates")
     if numerics.scaler_once_per_update is False:
@@ -136,16 +137,16 @@ def judge(name: str, kind: str, numerics: Numerics, question: list[str], peak: i
         facts.append("scaler updated once per update")
     if val is None or control_val is None or not math.isfinite(val):
         fails.append("no finite validation loss to compare" if val is None or not math.isfinite(val) else
-                     "the control has no validation loss")
+                     f"{reference} has no validation loss")
     else:
         d = rel_diff(val, control_val)
         facts.append(f"val loss {val:.4g} vs {control_val:.4g} ({share(d)}, tolerance {rtol:.2%})")
         if d > rtol:
-            fails.append(f"validation loss {d:.2%} from the control's, beyond pilot.variants.val_loss_rtol {rtol:g}")
+            fails.append(f"validation loss {d:.2%} from {reference}'s, beyond pilot.variants.val_loss_rtol {rtol:g}")
         elif d > rtol / 2:
-            warns.append(f"validation loss {d:.2%} from the control's, past half the tolerance")
+            warns.append(f"validation loss {d:.2%} from {reference}'s, past half the tolerance")
         if start is not None and math.isfinite(start) and rel_diff(control_val, start) <= rtol:
-            warns.append(f"the control's validation loss moved only {share(rel_diff(control_val, start))} from "
+            warns.append(f"{reference}'s validation loss moved only {share(rel_diff(control_val, start))} from "
                          f"{start:.4g} at the start, within the tolerance: this check cannot tell a variant that "
                          "learned nothing; run more updates (pilot.variants.updates)")
     verdict = Verdict.FAIL if fails else Verdict.WARN if warns else Verdict.PASS

@@ -40,6 +40,7 @@ from ..ledger.store import Ledger
 from ..measure.meter import is_oom, out_of_memory_reason, synchronize
 from ..measure.tensors import LiveTensorTracker
 from ..models.loading import ModelError
+from ..train.fp8 import Fp8Record, fp8_problems
 from ..train.rng import derived_seed, seed_everything
 from .define import Kind, Skipped, Variant, compare_specs, plan_variants
 from .judge import UpdatePoint, compare_updates, judge, rel_diff, time_ratio
@@ -65,6 +66,7 @@ class Arm:
     # Why it was not compared, when that is not the variant's own failure: a policy the model cannot take, or out
     # of memory while the other configurations were resident in this process (then a SKIP row, not a FAIL).
     not_compared: str | None = None
+    fp8: Fp8Record | None = None  # train.precision fp8: the Linears its build converted (train/fp8.py)
 
     @property
     def live(self) -> bool:
@@ -190,6 +192,7 @@ def _build(arms: list[Arm], control_inputs, process, on_progress) -> None:
             if not isinstance(driver, LoopDriver):  # _load refused program specs: only the loop is built here
                 raise TypeError(f"expected pilotrun's loop, got the {driver.name} driver")
             arm.driver = driver
+            arm.fp8 = driver.fp8
             if arm is control:  # kept on the host: the device holds the configurations, not a spare copy
                 initial = {k: v.detach().to("cpu", copy=True) for k, v in driver.plain_model.state_dict().items()}
             else:
@@ -221,6 +224,7 @@ def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_pa
     if process.env.active:
         raise SpecError([("distributed.strategy", "variants run in one process: start pilotrun variants without "
                                                   "torchrun")], control_spec.source)
+    _check_fp8(arms, process.device)
     inputs = load_inputs(control_spec)
     val_start = None
     try:
@@ -244,6 +248,15 @@ def run_variants(path: str | Path, overrides: list[str] | None = None, ledger_pa
             _release(arm)
     run_id = _write(arms, control_spec, cfg, planned.skipped, ledger_path, process, val_start)
     return VariantsResult(run_id, arms, planned.skipped, cfg.updates, cfg.val_loss_rtol, str(process.device))
+
+
+def _check_fp8(arms: list[Arm], device: torch.device) -> None:
+    """An fp8 configuration on a device without float8 matmuls, or without torchao: exit 2 before anything runs."""
+    problems = [(f"pilot.variants ({arm.name}): {field}", message) for arm in arms
+                for field, message in fp8_problems(arm.spec.train.precision, device, arm.spec.model.adapter,
+                                                   arm.spec.model.quantization)]
+    if problems:
+        raise SpecError(problems, arms[0].spec.source)
 
 
 def _rounds(arms: list[Arm], updates: int, seed: int, device: torch.device, on_progress) -> None:
@@ -305,6 +318,8 @@ def _control_row(arm: Arm, cfg, device, val_start: float | None) -> GateRow:
 
 
 def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device, val_start: float | None) -> GateRow:
+    """The variant against ``control``: the control's arm, or the variant it is read against (``Variant.against``:
+    fp8 against bf16), whose row is ``control_id``."""
     assert arm.variant is not None
     diff = compare_specs(control.spec, arm.spec)
     numerics = compare_updates(control.points, arm.points)
@@ -313,13 +328,14 @@ def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device, val_start
     rel = (rel_diff(arm.val, control.val)
            if arm.val is not None and control.val is not None and math.isfinite(arm.val) else None)
     if control.error:
-        verdict, reason = Verdict.SKIP, f"{arm.name}: not compared: the control failed ({control.error})"
+        verdict, reason = Verdict.SKIP, f"{arm.name}: not compared: the {_called(control)} failed ({control.error})"
         experiment = "not compared"
     elif arm.not_compared:
         verdict, reason, experiment = Verdict.SKIP, f"{arm.name}: {arm.not_compared}", "not compared"
     else:
         j = judge(arm.name, str(arm.variant.kind), numerics, diff.question, arm.peak, control.peak, ratio, arm.val,
-                  control.val, cfg.val_loss_rtol, start=val_start)
+                  control.val, cfg.val_loss_rtol, start=val_start,
+                  reference="the control" if control.variant is None else control.name)
         verdict, reason, experiment = j.verdict, j.reason, j.experiment
         if arm.error:
             verdict, reason = Verdict.FAIL, f"{arm.name}: {arm.error}" + (f"; {reason.split(': ', 1)[1]}"
@@ -327,6 +343,7 @@ def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device, val_start
         if arm.same_init is False:
             reason += ("; its model did not take the control's initial weights (its state dict differs: another "
                        "architecture or an adapter)")
+        verdict, reason = _fp8_said(arm, control, verdict, reason, device)
     details = VariantDetails(
         variant=arm.name, kind=str(arm.variant.kind), settings=dict(arm.variant.settings), what=arm.variant.what,
         experiment=experiment, held=diff.held, changed={k: list(v) for k, v in diff.changed.items()},
@@ -335,6 +352,26 @@ def _variant_row(arm: Arm, control: Arm, control_id: int, cfg, device, val_start
         numerics=numerics.to_dict(), same_initial_weights=arm.same_init, error=arm.error, val_loss_start=val_start)
     return GateRow.now(VARIANT_ROW, verdict, reason, inputs=_inputs(arm, device), memory=_memory(arm),
                        seconds=_median_seconds(arm), details=details.to_dict())
+
+
+def _called(arm: Arm) -> str:
+    return "control" if arm.variant is None else f"{arm.name} variant it is compared with"
+
+
+def _fp8_said(arm: Arm, reference: Arm, verdict: Verdict, reason: str, device) -> tuple[Verdict, str]:
+    """An fp8 row says what it converted and what it is measured against; where nothing was converted it measured
+    nothing of float8 and is a skip saying so, whatever its numbers."""
+    if arm.fp8 is None:
+        return verdict, reason
+    name, _, rest = reason.partition(": ")
+    against = "the control" if reference.variant is None else f"{reference.name}, not the control"
+    said = f"{name}: {arm.fp8.words()}; against {against}: {rest}"
+    if torch.device(device).type == "cpu":  # the numerics hold; the time is not a GPU's
+        said += ("; its time is torch._scaled_mm's CPU path, which says nothing of an FP8 GPU's speed "
+                 "(pilotrun select predicts that)")
+    if not arm.fp8.converted:
+        return Verdict.SKIP, f"{name}: not measured: {arm.fp8.words()}; against {against}: {rest}"
+    return verdict, said
 
 
 def _metrics(arm: Arm) -> list[dict]:
@@ -357,9 +394,12 @@ def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path
         control_id = ledger.add_gate_row(run_id, row, _metrics(control))
         control.row = row.to_dict()
         verdicts = [row.verdict]
+        ids = {control.name: control_id}
         for arm in arms[1:]:
-            vrow = _variant_row(arm, control, control_id, cfg, process.device, val_start)
-            ledger.add_gate_row(run_id, vrow, _metrics(arm))
+            assert arm.variant is not None
+            ref = next((a for a in arms[1:] if a.name == arm.variant.against), control)
+            vrow = _variant_row(arm, ref, ids.get(ref.name, control_id), cfg, process.device, val_start)
+            ids[arm.name] = ledger.add_gate_row(run_id, vrow, _metrics(arm))
             arm.row = vrow.to_dict()
             verdicts.append(vrow.verdict)
         ledger.end_run(run_id, RunStatus.of_pilot([{"verdict": v} for v in verdicts]))
