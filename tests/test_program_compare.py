@@ -10,6 +10,8 @@ from pilotrun.program.compare import (
     CAUSE_TEXT,
     Basis,
     Cause,
+    CompareChoice,
+    CompareMode,
     Comparison,
     Difference,
     compare_updates,
@@ -19,6 +21,8 @@ from pilotrun.program.compare import (
 from pilotrun.program.env import Role
 from pilotrun.program.resume import SavePoint, misnumbered, no_room_row, resume_rows, save_point, with_save_point
 from pilotrun.program.runner import RunOutcome
+
+EXACT = CompareChoice(CompareMode.BITWISE, 0.0, "program.compare: bitwise")
 
 
 def _run(n, lr=lambda u: 0.1 / u, loss=lambda u: 1.0 / u, ids=lambda u: [2 * u, 2 * u + 1], start=1, **extra):
@@ -126,13 +130,26 @@ def test_the_resume_row_records_the_basis_and_the_fix_it_gives():
     interrupted = _events(Role.INTERRUPTED, [*_updates(1, 2), ("s", 2)], ids=False)
     resumed = _events(Role.RESUMED, _updates(3, 4, 5), ids=False)
     resumed.events[0][-1]["loss"] = 7.0  # update 5 differs after an equal update 3 and 4
-    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: resumed}, 2, 3, True,
-                         0.0, "bitwise")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: resumed}, 2, 3, EXACT)
     assert row.verdict == Verdict.FAIL and "update 5: loss" in row.reason
     assert "likely: the first resumed update matched" in row.reason
     detail = row.details["difference"]
     assert (detail["cause"], detail["basis"]) == ("optimizer-state-not-restored", "pattern")
     assert detail["fix"].startswith("likely: ") and detail["fix"] in row.reason
+
+
+def test_a_tolerance_comparison_is_said_whole_in_the_row():
+    # compare_mode once returned prose that the row cut at its first ':', leaving "within rtol 1e-05 (program.compare"
+    # in users' rows.
+    control = _events(Role.CONTROL, [*_updates(1, 2), ("s", 2), *_updates(3, 4)])
+    interrupted = _events(Role.INTERRUPTED, [*_updates(1, 2), ("s", 2)])
+    resumed = _events(Role.RESUMED, _updates(3, 4))
+    within = CompareChoice(CompareMode.RTOL, 1e-5, "program.compare: rtol")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: resumed}, 2, 2, within)
+    assert row.verdict == Verdict.PASS and "equal the control's within rtol 1e-05 (ids, loss" in row.reason
+    assert row.reason.count("(") == row.reason.count(")")
+    assert row.details["compare"] == "within rtol 1e-05 (program.compare: rtol)"
+    assert not within.exact and EXACT.exact and EXACT.how == "bitwise"
 
 
 def test_a_save_numbered_unlike_the_update_before_it_is_found_on_its_rank():
@@ -167,19 +184,19 @@ def test_a_resume_that_passes_warns_naming_both_numbers_of_a_misnumbered_save():
     resumed = _events(Role.RESUMED, _updates(3, 4))
     runs = {Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: resumed}
     point = _auto_point(control)
-    (row,) = with_save_point(resume_rows(runs, 2, 2, True, 0.0, "bitwise", asked=False), point, control)
+    (row,) = with_save_point(resume_rows(runs, 2, 2, EXACT, asked=False), point, control)
     assert row.verdict == Verdict.WARN and "updates 3–4 equal the control's" in row.reason
     assert "job.saved(5) was reported after job.update(4) on rank 0" in row.reason
     assert row.details["misnumbered_saves"] == [{"rank": 0, "saved": 5, "after_update": 4}]
     # The same runs numbered right pass.
     control.events[0][-2]["update"] = 4
-    (row,) = with_save_point(resume_rows(runs, 2, 2, True, 0.0, "bitwise", asked=False), point, control)
+    (row,) = with_save_point(resume_rows(runs, 2, 2, EXACT, asked=False), point, control)
     assert row.verdict == Verdict.PASS and "misnumbered_saves" not in row.details
     # A failing row stays a failure, and says the numbering too: saved(3) after update(2) kills the interrupted run
     # before it reports update 3.
     control = _events(Role.CONTROL, [*_updates(1, 2), ("s", 3), *_updates(3, 4, 5)])
     runs = {Role.CONTROL: control, Role.INTERRUPTED: _events(Role.INTERRUPTED, [*_updates(1, 2), ("s", 3)])}
-    (row,) = with_save_point(resume_rows(runs, 3, 2, True, 0.0, "bitwise", asked=False),
+    (row,) = with_save_point(resume_rows(runs, 3, 2, EXACT, asked=False),
                              _auto_point(control), control)
     assert row.verdict == Verdict.FAIL and "update 3: update (missing in interrupted)" in row.reason
     assert "job.saved(3) was reported after job.update(2) on rank 0" in row.reason

@@ -19,12 +19,14 @@ from pilotrun.config.spec import ProgramOnlySpec
 from pilotrun.ledger.records import Failure, Verdict
 from pilotrun.ledger.store import Ledger
 from pilotrun.pilot import PilotOptions, run_pilot
-from pilotrun.program.compare import Cause
+from pilotrun.program.compare import Cause, CompareChoice, CompareMode
 from pilotrun.program.env import Event, Role
 from pilotrun.program.resume import resume_rows
 from pilotrun.program.runner import RunOutcome
 
 from .conftest import EXAMPLES, TEST_DIGEST, copy_fixture, planted_example, write_spec
+
+EXACT = CompareChoice(CompareMode.BITWISE, 0.0, "program.compare: bitwise")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -182,12 +184,11 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
     interrupted = _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9)
     nan = {"update": 3, "field": "loss", "problem": "loss is nan (non-finite)", "non_finite": True}
     runs = {Role.CONTROL: _outcome(Role.CONTROL, [1, 2, 4], problems=[nan]), Role.INTERRUPTED: interrupted}
-    (row,) = resume_rows(runs, 2, 2, True, 0.0, "bitwise")
+    (row,) = resume_rows(runs, 2, 2, EXACT)
     assert row.failure == Failure.NON_FINITE and "update 3" in row.reason and "loss is nan" in row.reason
     crashed = _outcome(Role.RESUMED, [3], returncode=1, tmp=tmp_path)
     (tmp_path / "resumed.log").write_text("Traceback ...\nKeyError: 'scheduler'\n")
-    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: crashed}, 2, 2, True,
-                         0.0, "bitwise")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: crashed}, 2, 2, EXACT)
     assert row.failure == Failure.ERROR and "exited with 1" in row.reason and "KeyError" in row.reason
     assert "job.saved only once the write is complete" not in row.reason  # it got past the load: update 3
     # Before its first update, on a checkpoint that is not there: the advice about job.saved's timing applies ...
@@ -195,8 +196,7 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
     (tmp_path / "resumed.log").write_text(
         "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n    torch.load(path)\n"
         "FileNotFoundError: [Errno 2] No such file or directory: 'ck/state.pt'\n")
-    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: never}, 2, 2, True,
-                         0.0, "bitwise")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: never}, 2, 2, EXACT)
     assert "before its first update" in row.reason and "job.saved only once the write is complete" in row.reason
     assert "FileNotFoundError: [Errno 2] No such file or directory: 'ck/state.pt'" in row.reason
     # ... on one it cannot unpickle, it does not (issue 44: a ReduceLROnPlateau refused by weights_only), and the
@@ -209,16 +209,14 @@ def test_resume_rows_before_comparing_invalid_values_crashes_and_missing_updates
         "following error message.\nWeightsUnpickler error: Unsupported global: GLOBAL torch.optim.lr_scheduler."
         "ReduceLROnPlateau was not an allowed global by default. Please use `torch.serialization.add_safe_globals("
         "[torch.optim.lr_scheduler.ReduceLROnPlateau])` to allowlist this global.\n")
-    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: never}, 2, 2, True,
-                         0.0, "bitwise")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: never}, 2, 2, EXACT)
     assert "exited with 1: _pickle.UnpicklingError: Weights only load failed." in row.reason, row.reason
     assert "job.saved only once the write is complete" not in row.reason and "ReduceLROnPlateau" in row.reason
     short = _outcome(Role.RESUMED, [3])
-    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: short}, 2, 2, True,
-                         0.0, "bitwise")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted, Role.RESUMED: short}, 2, 2, EXACT)
     assert row.details["difference"]["cause"] == Cause.MISSING_UPDATES and row.details["difference"]["update"] == 4
     never_saved = _outcome(Role.INTERRUPTED, [1, 2, 3, 4])  # ran to its end: no job.saved(), so no kill
-    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: never_saved}, 2, 2, True, 0.0, "bitwise")
+    (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: never_saved}, 2, 2, EXACT)
     assert "never called job.saved" in row.reason and "job.saved(2, path)" in row.reason
 
 
@@ -245,7 +243,7 @@ def test_a_rank_whose_grad_norm_follows_another_ranks_loss_is_pointed_at_that_ra
     interrupted = _two_ranks(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)
     resumed = _two_ranks(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm"), 1: (3, "loss")})
     rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
-                                            Role.RESUMED: resumed}, 2, 2, True, 0.0, "bitwise")}
+                                            Role.RESUMED: resumed}, 2, 2, EXACT)}
     assert rows[1].details["difference"]["cause"] == Cause.STATE_SAVED_AT_WRONG_POINT
     diff = rows[0].details["difference"]
     assert (diff["field"], diff["cause"]) == ("grad_norm", Cause.OTHER_RANK), rows[0].reason
@@ -253,14 +251,13 @@ def test_a_rank_whose_grad_norm_follows_another_ranks_loss_is_pointed_at_that_ra
     # the same in two fresh runs (rank 1 seeded from its pid): rank 0's row stays "not reproducible" but names rank 1
     unseeded = _two_ranks(Role.INTERRUPTED, [1, 2], differ={0: (1, "grad_norm"), 1: (1, "loss")}, killed=True,
                           saved=2, tmp=tmp_path)
-    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: unseeded}, 2, 2, True, 0.0,
-                                           "bitwise")}
+    rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: unseeded}, 2, 2, EXACT)}
     assert rows[0].details["difference"]["cause"] == Cause.NOT_REPRODUCIBLE
     assert "rank 1 differs first: loss at update 1" in rows[0].reason
     # a grad_norm difference with no other rank behind it keeps its own cause
     alone = _two_ranks(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm")})
     rows = {r.rank: r for r in resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
-                                            Role.RESUMED: alone}, 2, 2, True, 0.0, "bitwise")}
+                                            Role.RESUMED: alone}, 2, 2, EXACT)}
     assert rows[0].details["difference"]["cause"] == Cause.GRADIENT_STATE and rows[1].verdict == Verdict.PASS
 
 
@@ -274,12 +271,11 @@ def test_a_rank_reporting_no_updates_is_named_not_passed_over(tmp_path):
     control = rank0_only(Role.CONTROL, [1, 2, 3, 4])
     interrupted = rank0_only(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
-                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4])}, 2, 2, True, 0.0, "bitwise")
+                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4])}, 2, 2, EXACT)
     assert row.verdict == Verdict.WARN and "rank(s) 1 reported no updates" in row.reason
     assert row.details["ranks_without_updates"] == [1]
     (row,) = resume_rows({Role.CONTROL: control, Role.INTERRUPTED: interrupted,
-                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm")})}, 2, 2, True,
-                         0.0, "bitwise")
+                          Role.RESUMED: rank0_only(Role.RESUMED, [3, 4], differ={0: (3, "grad_norm")})}, 2, 2, EXACT)
     assert row.verdict == Verdict.FAIL and "a difference on rank(s) 1" in row.reason and "every rank" in row.reason
 
 
@@ -292,7 +288,7 @@ def test_two_ranks_rows_say_their_rank_and_world_size_in_the_table(tmp_path):
 
     runs = {Role.CONTROL: _two_ranks(Role.CONTROL, [1, 2, 3, 4]), Role.RESUMED: _two_ranks(Role.RESUMED, [3, 4]),
             Role.INTERRUPTED: _two_ranks(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)}
-    rows = [r.to_dict() for r in resume_rows(runs, 2, 2, True, 0.0, "bitwise")]
+    rows = [r.to_dict() for r in resume_rows(runs, 2, 2, EXACT)]
     assert [(r["rank"], r["world_size"], r["verdict"]) for r in rows] == [(0, 2, "pass"), (1, 2, "pass")]
     lock = {"gate": "lock", "verdict": "pass", "reason": "ok", "rank": 0, "world_size": 1}
     console = Console(width=200, record=True)
@@ -389,20 +385,20 @@ def test_a_passing_resume_row_names_only_the_fields_the_program_reported(tmp_pat
         return out
     runs = {Role.CONTROL: bare(Role.CONTROL, [1, 2, 3, 4]), Role.RESUMED: bare(Role.RESUMED, [3, 4]),
             Role.INTERRUPTED: bare(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9, tmp=tmp_path)}
-    (row,) = resume_rows(runs, 2, 2, True, 0.0, "bitwise")
+    (row,) = resume_rows(runs, 2, 2, EXACT)
     assert row.verdict == Verdict.WARN and row.details["compared_fields"] == ["loss", "lr", "extra.micro_batches"]
     assert "(loss, lr, extra.micro_batches)" in row.reason and "grad_norm" not in row.reason.split(";")[0]
     assert "reports no ids" in row.reason
     full = {role: _outcome(role, run_updates, killed=role == Role.INTERRUPTED, saved=2 if role == Role.INTERRUPTED
                            else None, tmp=tmp_path) for role, run_updates in
             ((Role.CONTROL, [1, 2, 3, 4]), (Role.INTERRUPTED, [1, 2]), (Role.RESUMED, [3, 4]))}
-    (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
+    (row,) = resume_rows(full, 2, 2, EXACT)
     assert row.verdict == Verdict.PASS and "(ids, loss, lr, grad_norm)" in row.reason
     # An integration's ids for items without one are their dataset positions: the row says what it compared.
     for run in full.values():
         for e in run.events[0]:
             e["extra"] = {"ids_are": "dataset-position"}
-    (row,) = resume_rows(full, 2, 2, True, 0.0, "bitwise")
+    (row,) = resume_rows(full, 2, 2, EXACT)
     assert row.verdict == Verdict.PASS and "(dataset positions, loss, lr, grad_norm)" in row.reason, row.reason
     assert row.details["ids_are"] == "dataset-position" and "extra.ids_are" not in row.details["compared_fields"]
 
@@ -414,10 +410,10 @@ def test_one_resumed_update_compared_warns_that_the_optimizer_state_was_not_chec
         return {Role.CONTROL: _outcome(Role.CONTROL, range(1, 3 + after)), Role.RESUMED: _outcome(Role.RESUMED,
                 range(3, 3 + after)), Role.INTERRUPTED: _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2,
                                                                  returncode=-9, tmp=tmp_path)}
-    (row,) = resume_rows(runs(1), 2, 1, True, 0.0, "bitwise")
+    (row,) = resume_rows(runs(1), 2, 1, EXACT)
     assert row.verdict == Verdict.WARN and "optimizer state was not checked" in row.reason
     assert "pilot.resume.after: 2" in row.reason
-    (row,) = resume_rows(runs(2), 2, 2, True, 0.0, "bitwise")
+    (row,) = resume_rows(runs(2), 2, 2, EXACT)
     assert row.verdict == Verdict.PASS and "optimizer" not in row.reason
 
 
@@ -461,7 +457,7 @@ def test_an_interrupted_run_whose_processes_outlive_sigkill_fails_resume_without
     interrupted = _outcome(Role.INTERRUPTED, [1, 2], killed=True, saved=2, returncode=-9, tmp=tmp_path)
     interrupted.survivors = [4242]
     (row,) = resume_rows({Role.CONTROL: _outcome(Role.CONTROL, [1, 2, 3, 4]), Role.INTERRUPTED: interrupted}, 2, 2,
-                         True, 0.0, "bitwise")
+                         EXACT)
     assert row.verdict == Verdict.FAIL and row.failure == Failure.ERROR
     assert "[4242] were still alive" in row.reason and "resumed run was not started" in row.reason
 

@@ -42,6 +42,7 @@ from ..config.program import program_files
 from ..devices import query_devices
 from ..humanize import human_seconds
 from ..ledger.records import Failure, GateName, GateRow, Verdict
+from ..program.compare import CompareChoice, CompareMode
 from ..program.describe import integration_needed
 from ..program.env import Event, Role
 from ..program.resume import (
@@ -57,18 +58,17 @@ from ..program.runner import RunOutcome, RunPlan, run_program
 from .base import Capability, Driver, GateDeclaration, JobProcess, OnProgram, RunSite
 
 
-def compare_mode(spec) -> tuple[bool, str]:
-    """(bitwise?, why) — the automatic choice records its reason."""
+def compare_choice(spec) -> CompareChoice:
+    """How the resume gate compares the program's runs; the automatic choice records its reason."""
     assert spec.program is not None
-    mode = spec.program.compare
-    if mode == "bitwise":
-        return True, "bitwise (program.compare: bitwise)"
-    if mode == "rtol":
-        return False, f"within rtol {spec.pilot.resume.rtol:g} (program.compare: rtol)"
+    mode, rtol = spec.program.compare, spec.pilot.resume.rtol
+    if mode != "auto":
+        return CompareChoice(CompareMode(mode), rtol, f"program.compare: {mode}")
     if query_devices().runtime.indexed:  # a CUDA/ROCm device (an MPS machine has compared bitwise so far)
-        return False, (f"within rtol {spec.pilot.resume.rtol:g}: this machine has an accelerator, so the program may "
-                       "not run in CPU fp32 (program.compare: auto)")
-    return True, "bitwise: no accelerator on this machine, so the program ran on CPU (program.compare: auto)"
+        return CompareChoice(CompareMode.RTOL, rtol, "program.compare: auto; this machine has an accelerator, so the "
+                                                     "program may not run in CPU fp32")
+    return CompareChoice(CompareMode.BITWISE, rtol, "program.compare: auto; no accelerator on this machine, so the "
+                                                    "program ran on CPU")
 
 
 class ProgramDriver(Driver):
@@ -210,7 +210,7 @@ class ProgramDriver(Driver):
 
     def _resume_rows(self) -> list[GateRow]:
         """Control, then (when it can be compared) interrupted and resumed runs; one row per rank."""
-        exact, mode = compare_mode(self.spec)
+        compare = compare_choice(self.spec)
         r = self.spec.pilot.resume
         control = self.recording()
         reported = control.ended_cleanly and any(control.updates(rank) for rank in control.ranks)
@@ -236,9 +236,9 @@ class ProgramDriver(Driver):
                 RunPlan(Role.INTERRUPTED, save_at=(before,) if asks else (), stop_at=end, kill_after_save=before))
             saved = interrupted.of(Event.SAVED, 0)
             if interrupted.killed and not interrupted.survivors and saved and fresh_runs_agree(
-                    control, interrupted, before, exact, r.rtol) and Role.RESUMED not in self.runs:
+                    control, interrupted, before, compare.exact, compare.rtol) and Role.RESUMED not in self.runs:
                 self._run(RunPlan(Role.RESUMED, stop_at=end, resume_from=saved[-1]["path"]))
-        rows = resume_rows(self.runs, before, r.after, exact, r.rtol, mode, asked=asks)
+        rows = resume_rows(self.runs, before, r.after, compare, asked=asks)
         return with_save_point(rows, point, control) if point is not None else rows
 
     def notes(self) -> list[str]:

@@ -29,6 +29,35 @@ from ..ledger.records import TextEnum
 from .env import IDS_ARE, IdKind
 
 
+class CompareMode(TextEnum):
+    """How a program's runs are compared (program.compare, or its automatic choice)."""
+
+    BITWISE = "bitwise"   # every reported value equal to the bit
+    RTOL = "rtol"         # equal within pilot.resume.rtol (relative)
+
+
+@dataclass(frozen=True)
+class CompareChoice:
+    """How the resume gate compares a program's runs and why: the mode is what the code reads, ``why`` is said."""
+
+    mode: CompareMode
+    rtol: float
+    why: str   # what chose it, e.g. "program.compare: rtol"
+
+    @property
+    def exact(self) -> bool:
+        return self.mode is CompareMode.BITWISE
+
+    @property
+    def how(self) -> str:
+        """The comparison in a row's words: "bitwise" or "within rtol 1e-05"."""
+        return "bitwise" if self.exact else f"within rtol {self.rtol:g}"
+
+    def text(self) -> str:
+        """The row's ``compare`` detail: how, then why in brackets."""
+        return f"{self.how} ({self.why})"
+
+
 class Cause(TextEnum):
     """The usual reason for a difference (what the user fixes), by the field that differs first."""
 

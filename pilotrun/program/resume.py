@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ledger.records import Failure, GateRow, TextEnum, Verdict
-from .compare import FIELDS, Comparison, attribute_across_ranks, compare_updates, reproducibility
+from .compare import FIELDS, CompareChoice, Comparison, attribute_across_ranks, compare_updates, reproducibility
 from .env import IDS_ARE, Event, IdKind, Role
 from .runner import RunOutcome
 
@@ -180,14 +180,14 @@ def _fail(reason: str, details: dict, failure: Failure = Failure.CHECK, rank: in
     return GateRow.now(GATE, Verdict.FAIL, reason, details=details, failure=failure, rank=rank)
 
 
-def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool, rtol: float,
-                mode: str, asked: bool = True) -> list[GateRow]:
+def resume_rows(runs: dict[Role, RunOutcome], before: int, after: int, compare: CompareChoice,
+                asked: bool = True) -> list[GateRow]:
     """``asked``: the save after ``before`` was one pilotrun asked for (False: the program's own checkpoint)."""
-    details: dict = {"before": before, "after": after, "compare": mode,
+    details: dict = {"before": before, "after": after, "compare": compare.text(),
                      "logs": {str(role): str(run.log) for role, run in runs.items()},
                      "seconds": {str(role): round(run.seconds, 3) for role, run in runs.items()}}
     refused = _not_comparable(runs, before, after, details, asked)
-    return refused if refused is not None else _compared(runs, before, after, exact, rtol, mode, details)
+    return refused if refused is not None else _compared(runs, before, after, compare, details)
 
 
 # The exceptions of a load that found no file, or a file cut short: what a save reported before its write completed
@@ -240,7 +240,7 @@ def _not_comparable(runs: dict[Role, RunOutcome], before: int, after: int, detai
     return None
 
 
-def _compared(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool, rtol: float, mode: str,
+def _compared(runs: dict[Role, RunOutcome], before: int, after: int, compare: CompareChoice,
               details: dict) -> list[GateRow]:
     """Updates 1..N of the two fresh runs, then N+1..N+K of the resumed run against the control, per rank."""
     control, interrupted, resumed = runs[Role.CONTROL], runs[Role.INTERRUPTED], runs.get(Role.RESUMED)
@@ -251,6 +251,7 @@ def _compared(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool
     # Ranks that started (their handle wrote its start event) but reported no update: a loop calling job.update on
     # rank 0 only. Their resume cannot be compared; every row says so rather than passing for all ranks.
     silent = [r for r in control.ranks if not control.updates(r)]
+    exact, rtol = compare.exact, compare.rtol
     fresh = {rank: reproducibility(control.updates(rank), interrupted.updates(rank), before, exact, rtol)
              for rank in ranks}
     after_resume: dict[int, Comparison] = {}
@@ -263,7 +264,7 @@ def _compared(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool
     rows = []
     for rank in ranks:
         if not fresh[rank].equal:  # nothing after a resume can be compared (the resumed run is not started)
-            rows.append(_row(rank, fresh[rank], False, before, end, checkpoint, mode, dict(details)))
+            rows.append(_row(rank, fresh[rank], False, before, end, checkpoint, compare, dict(details)))
         elif rank not in after_resume:
             how = resumed.how_it_ended() if resumed is not None else "was not started"
             hint = ""
@@ -278,7 +279,7 @@ def _compared(runs: dict[Role, RunOutcome], before: int, after: int, exact: bool
             rows.append(_fail(f"the resumed run (from {checkpoint}) {how}{hint}", dict(details), Failure.ERROR,
                               rank))
         else:
-            rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, mode, dict(details),
+            rows.append(_row(rank, after_resume[rank], True, before, end, checkpoint, compare, dict(details),
                              reported=reported_fields(control.updates(rank)), ids_are=ids_kind(control.updates(rank))))
     for row in rows:
         row.world_size = control.world_size  # a rank's row says of how many (found: "rank 1 of 1" on 2 ranks)
@@ -320,8 +321,9 @@ def fresh_runs_agree(control: RunOutcome, interrupted: RunOutcome, before: int, 
                for r in control.ranks if control.updates(r))
 
 
-def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int, checkpoint: str, mode: str,
-         details: dict, reported: list[str] | None = None, ids_are: IdKind = IdKind.ITEM) -> GateRow:
+def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int, checkpoint: str,
+         compare: CompareChoice, details: dict, reported: list[str] | None = None,
+         ids_are: IdKind = IdKind.ITEM) -> GateRow:
     details["compared_updates"] = diff.compared
     if diff.difference is not None:
         d = diff.difference
@@ -333,7 +335,7 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
         return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
     details["largest_relative_difference"] = diff.largest_rel
     span = f"updates {before + 1}–{end}" if end > before + 1 else f"update {end}"
-    how = "bitwise" if mode.startswith("bitwise") else mode.partition(":")[0]
+    how = compare.how
     killed = len(details.get("killed_pids") or [])
     fields = list(FIELDS) if reported is None else reported
     details["compared_fields"] = fields
