@@ -3,7 +3,13 @@ and the registries agree with what reads them."""
 from __future__ import annotations
 
 import ast
+import enum
+import functools
+import inspect
 import re
+import sys
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -374,9 +380,12 @@ def test_every_registered_extension_lives_where_the_doc_says_a_new_one_goes():
         package = template.rsplit("/", 1)[0].replace("/", ".")
         for member in members:
             assert member.__module__.startswith(package + "."), f"{member.__name__} lives in {member.__module__}"
+    from pilotrun.program.describe import INTEGRATIONS
+
+    # A module giving a callback or a begin() is an integration, and every integration is in the registry.
     integrations = sorted(p.stem for p in (PACKAGE / "integrations").glob("*.py")
-                          if "PilotrunCallback" in _module_names(p))
-    assert integrations == ["lightning", "transformers"]
+                          if {"PilotrunCallback", "begin"} & _module_names(p))
+    assert integrations == sorted(module for module, _ in INTEGRATIONS.values())
     assert "`pilotrun/integrations/<framework>.py`" in entries["A framework integration"]
     from pilotrun.cli.common import COMMANDS
 
@@ -483,3 +492,284 @@ def test_functions_and_modules_stay_short():
                     long_functions.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines})")
     assert not long_functions, f"functions over {LONGEST_FUNCTION} lines: " + "; ".join(long_functions)
     assert not long_modules, f"modules over {LONGEST_MODULE} lines: " + "; ".join(long_modules)
+
+
+# -- the extension surface: pilotrun/integrations/README.md and pilotrun/gates/README.md ----------------------------
+
+ROOT = PACKAGE.parent
+
+
+def _readme_rows(readme: Path) -> dict[str, str]:
+    """A README's table of touched files: path -> the row's "when" cell."""
+    rows = re.findall(r"^\| `([^`]+)` \| ([^|]+) \|", readme.read_text(), flags=re.M)
+    return {path: when.strip() for path, when in rows}
+
+
+def _fw_module(fw) -> str | None:
+    from pilotrun.program.describe import INTEGRATIONS
+
+    entry = INTEGRATIONS.get(fw)
+    return entry[0] if entry else None
+
+
+VIEW_BASES = ("FrameworkView", "HandLoopView")  # gates/view.ViewBase's subclasses an integration's view derives from
+
+
+def _fw_view_and_entry(fw) -> str | None:
+    """The module gives a callback or ``begin`` and a view. Read, not imported (the frameworks are slow to import):
+    that the view implements every method is checked when its class is defined, which test_every_module_imports
+    does."""
+    module = _fw_module(fw)
+    path = PACKAGE / "integrations" / f"{module}.py"
+    if module is None or not path.is_file():
+        return f"no pilotrun/integrations/{module}.py"
+    views = [node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+             and any(ast.unparse(base).split(".")[-1] in VIEW_BASES for base in node.bases)]
+    if not views:
+        return f"{path.name} defines no view (a subclass of {' or '.join(VIEW_BASES)})"
+    return None if {"PilotrunCallback", "begin"} & _module_names(path) else f"{path.name} has no PilotrunCallback or begin"
+
+
+def _fw_describer(fw) -> str | None:
+    from pilotrun.program import describe
+
+    if _fw_module(fw) is None:
+        return f"{fw!r} has no line in describe.INTEGRATIONS"
+    if f"Framework.{getattr(fw, 'name', fw)}" not in inspect.getsource(describe.program_frameworks):
+        return f"describe.program_frameworks does not read a program's files as using {fw}"
+    return None
+
+
+def _named_in(text: str, where: str) -> Callable[[object], str | None]:
+    def check(fw) -> str | None:
+        module = _fw_module(fw)
+        return None if module and module.lower() in text.lower() else f"{where} does not name the {module} integration"
+    return check
+
+
+def _on_program_row() -> str:
+    table = (ROOT / "docs" / "reference" / "gates.md").read_text().split("| gate | on a program |", 1)[1]
+    return next(line for line in table.splitlines() if line.startswith("|") and "`inspect`" in line.split("|")[1])
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """The top-level packages outside the standard library ``path`` imports; one imported in an ``except`` branch is
+    a fallback for an older layout (``lightning_fabric`` for ``lightning.fabric``), not a requirement."""
+    tree = ast.parse(path.read_text())
+    fallback = {id(n) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) for n in ast.walk(h)}
+    tops = set()
+    for node in ast.walk(tree):
+        if id(node) in fallback:
+            continue
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            tops.add(node.module.split(".")[0])
+    return {t for t in tops if t not in sys.stdlib_module_names and t not in ("pilotrun", "__future__")}
+
+
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    import importlib.metadata
+
+    return importlib.metadata.packages_distributions()
+
+
+def _fw_declared(fw) -> str | None:
+    """Every distribution the integration imports is a dependency or an optional extra of pyproject.toml."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-")
+                for d in project["dependencies"] + [d for ds in project["optional-dependencies"].values() for d in ds]}
+    dists = _distributions()
+    path = PACKAGE / "integrations" / f"{_fw_module(fw)}.py"
+    if not path.is_file():
+        return None  # the first row says it is missing; it imports nothing
+    missing = sorted({d.lower().replace("_", "-") for top in _third_party_imports(path) for d in dists.get(top, [top])}
+                     - declared)
+    return f"{path.name} imports {missing}, declared nowhere in pyproject.toml" if missing else None
+
+
+# Whether each integration's framework has a launcher of its own (its words), decided once per framework: a new
+# one fails until it is added here, and a launcher then must be wired into both files the README names.
+LAUNCHERS: dict[str, tuple[str, ...] | None] = {"transformers": None, "lightning": None,
+                                                "fabric": ("fabric", "run"), "accelerate": ("accelerate", "launch")}
+
+
+def _fw_launcher(where: str) -> Callable[[object], str | None]:
+    def check(fw) -> str | None:
+        from pilotrun.config import program as config_program
+        from pilotrun.program.runner import command_words
+
+        module = _fw_module(fw)
+        if module not in LAUNCHERS:
+            return f"{module}: say in test_architecture.LAUNCHERS whether its framework has a launcher of its own"
+        words = LAUNCHERS[module]
+        if words is None:
+            return None
+        if where == "config" and words not in vars(config_program).values():
+            return f"config/program.py has no constant for the launcher {' '.join(words)!r}"
+        if where == "config" and not config_program.program_file_problems(
+                types.SimpleNamespace(words=[*words, "missing.py"], files=None), ROOT):
+            return f"config/program.py does not find the script of {' '.join(words)!r}"
+        if where == "runner" and command_words([*words, "t.py"])[:2] != [sys.executable, "-m"]:
+            return f"program/runner.command_words does not resolve {' '.join(words)!r} to this interpreter"
+        return None
+    return check
+
+
+def _fw_test(fw) -> str | None:
+    path = ROOT / "tests" / f"test_integration_{_fw_module(fw)}.py"
+    return None if path.is_file() else f"no {path.relative_to(ROOT)}"
+
+
+def framework_checks() -> dict[str, Callable[[object], str | None]]:
+    """pilotrun/integrations/README.md's rows, each with what shows a framework is wired into that file."""
+    from pilotrun.gates.base import NEEDS_INTEGRATION
+
+    return {"pilotrun/integrations/<module>.py": _fw_view_and_entry,
+            "pilotrun/program/describe.py": _fw_describer,
+            "pilotrun/gates/base.py": _named_in(NEEDS_INTEGRATION, "gates/base.py's NEEDS_INTEGRATION"),
+            "docs/reference/gates.md": _named_in(_on_program_row(), "docs/reference/gates.md's on-a-program row"),
+            "pyproject.toml": _fw_declared,
+            "pilotrun/config/program.py": _fw_launcher("config"),
+            "pilotrun/program/runner.py": _fw_launcher("runner"),
+            "docs/guides/integrations.md": _named_in((ROOT / "docs/guides/integrations.md").read_text(),
+                                                    "docs/guides/integrations.md"),
+            "README.md": _named_in((ROOT / "README.md").read_text(), "README.md"),
+            "tests/test_integration_<module>.py": _fw_test}
+
+
+def test_every_framework_is_wired_into_each_file_the_readme_lists():
+    from pilotrun.program.describe import Framework
+
+    checks = framework_checks()
+    rows = _readme_rows(PACKAGE / "integrations" / "README.md")
+    assert sorted(rows) == sorted(checks), "pilotrun/integrations/README.md's table and framework_checks() differ"
+    for path in rows:
+        assert "<" in path or (ROOT / path).exists(), f"pilotrun/integrations/README.md lists {path}, which is gone"
+    problems = [p for fw in Framework for check in checks.values() if (p := check(fw))]
+    assert not problems, "; ".join(problems)
+
+
+def test_the_framework_check_fails_a_framework_wired_into_nothing():
+    from pilotrun.program.describe import INTEGRATIONS, Framework
+
+    new = enum.Enum("Extra", {"MXNET": "MXNet Gluon"}).MXNET  # type: ignore[attr-defined]
+    INTEGRATIONS[new] = ("mxnet", "pilotrun.integrations.mxnet.begin(...)")  # type: ignore[index]
+    try:
+        failed = {path for path, check in framework_checks().items() if check(new)}
+    finally:
+        del INTEGRATIONS[new]  # type: ignore[arg-type]
+    # Every row but pyproject's (a module that does not exist imports nothing undeclared) catches it.
+    assert failed == set(framework_checks()) - {"pyproject.toml"}
+    assert _fw_describer(Framework.FABRIC) is None and _fw_launcher("runner")(Framework.FABRIC) is None
+
+
+def _gate_module(gate) -> str | None:
+    module = sys.modules[gate.__module__]
+    return None if gate.__module__.startswith("pilotrun.gates.") and Path(module.__file__).parent == PACKAGE / "gates" \
+        else f"{gate.__name__} lives in {gate.__module__}, not pilotrun/gates/"
+
+
+def _gate_name(gate) -> str | None:
+    from pilotrun.ledger.records import GateName
+
+    return None if isinstance(gate.name, GateName) else f"{gate.__name__}.name {gate.name!r} is not a GateName member"
+
+
+def _gate_registered(gate) -> str | None:
+    from pilotrun.gates import registry
+
+    return None if gate in registry.GATES and not registry.problems() else f"{gate.__name__} is not in registry.GATES"
+
+
+def _integration_only(check: Callable[[object], str | None]) -> Callable[[object], str | None]:
+    def only(gate) -> str | None:
+        from pilotrun.gates.base import OnProgram
+
+        return check(gate) if gate.on_program == OnProgram.INTEGRATION else None
+    return only
+
+
+def _probed(gate) -> str | None:
+    from pilotrun.gates.registry import GATES
+
+    source = (PACKAGE / "integrations" / "common.py").read_text()
+    member = getattr(gate.name, "name", str(gate.name).upper())
+    # Named there, or (a probe list read from the registry's on_program declarations) registered.
+    derived = "on_program" in source and gate in GATES
+    return None if f"GateName.{member}" in source or derived else \
+        f"integrations/common.run_probes does not run {gate.name}"
+
+
+def _doc_row(doc: str, tables: tuple[str, ...]) -> Callable[[object], str | None]:
+    def check(gate) -> str | None:
+        text = (ROOT / doc).read_text()
+        for heading in tables:
+            if heading not in text:
+                return f"{doc} has no table {heading!r} (renamed? update gate_checks)"
+            table = text.split(heading, 1)[1].split("\n\n", 1)[0]
+            firsts = [line.split("|")[1] for line in table.splitlines() if line.startswith("|")]
+            if not any(f"`{gate.name}`" in cell for cell in firsts):
+                return f"{doc}: no row for {gate.name} in the table {heading!r}"
+        return None
+    return check
+
+
+def gate_checks() -> dict[str, Callable[[object], str | None]]:
+    """pilotrun/gates/README.md's rows, each with what shows a gate is wired into that file."""
+    return {"pilotrun/gates/<module>.py": _gate_module,
+            "pilotrun/ledger/records.py": _gate_name,
+            "pilotrun/gates/registry.py": _gate_registered,
+            "pilotrun/integrations/common.py": _integration_only(_probed),
+            "docs/guides/integrations.md": _integration_only(_doc_row("docs/guides/integrations.md",
+                                                                      ("| gate | how, on the framework's own code |",))),
+            "docs/reference/gates.md": _doc_row("docs/reference/gates.md",
+                                                ("| gate | what it proves | fails when |", "| gate | on a program |"))}
+
+
+def test_every_gate_is_wired_into_each_file_the_readme_lists():
+    from pilotrun.gates.registry import GATES
+
+    checks = gate_checks()
+    rows = _readme_rows(PACKAGE / "gates" / "README.md")
+    assert sorted(rows) == sorted(checks), "pilotrun/gates/README.md's table and gate_checks() differ"
+    for path in rows:
+        assert "<" in path or (ROOT / path).exists(), f"pilotrun/gates/README.md lists {path}, which is gone"
+    problems = [p for gate in GATES for check in checks.values() if (p := check(gate))]
+    assert not problems, "; ".join(problems)
+
+
+def test_the_gate_check_fails_a_gate_wired_into_nothing():
+    from pilotrun.gates.base import OnProgram
+    from pilotrun.gates.overfit import OverfitGate
+
+    class MemorizeGate(OverfitGate):  # declared here, registered nowhere, documented nowhere
+        name = "memorize"
+        on_program = OnProgram.INTEGRATION
+
+    failed = {path for path, check in gate_checks().items() if check(MemorizeGate)}
+    assert failed == set(gate_checks())
+    assert _probed(OverfitGate) is None
+
+
+def test_a_view_class_is_checked_when_it_is_defined():
+    from pilotrun.gates.view import TrainingView, ViewBase
+    from pilotrun.integrations.common import FrameworkView
+    from pilotrun.integrations.loops import HandLoopView
+
+    with pytest.raises(TypeError, match=r"Partial is a training view that does not implement accum_windows, batching, "
+                                        r"export, loss, model, normalisation_cause"):
+        class Partial(HandLoopView):  # at definition: no instance is ever made
+            pass
+
+    class Base(FrameworkView, abstract=True):  # a base may leave methods to its subclasses
+        pass
+
+    with pytest.raises(TypeError, match="does not implement .*accumulate"):
+        class FromBase(Base):
+            pass
+    # No view class escapes the check: the protocol's one subclass is the checked base.
+    assert TrainingView.__subclasses__() == [ViewBase]

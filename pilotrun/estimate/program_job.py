@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -178,6 +179,8 @@ def _program_sections(facts: JobFacts) -> tuple[dict, list[Fact], list[tuple[str
             + (f" ({facts.checkpointing_source})" if policy else ""))
     if facts.max_grad_norm is not None:
         put("train.max_grad_norm", facts.max_grad_norm, f"{fw}: gradient clipping")
+    if facts.compile is not None:
+        put("train.compile", facts.compile, f"{fw}: {facts.compile_source or 'torch.compile'}")
     _optimizer(facts, put)
     return out, facts_out, missing
 
@@ -344,14 +347,78 @@ def _launcher_config() -> str | None:
         return None
 
 
-def _describers_digest() -> str:
-    """pilotrun's own code that reads the program's objects: an upgraded pilotrun describes again."""
-    root = Path(__file__).resolve().parents[1]
+# What runs inside the program in its describe role: the handle, the describer, and every integration (the whole
+# package: a program imports the one of its framework, and a new one must count the day it is added).
+DESCRIBE_ROOTS = ("pilotrun.program.handle", "pilotrun.program.describe", "pilotrun.integrations")
+
+
+def _module_file(package: Path, module: str) -> Path | None:
+    """The file of ``pilotrun.a.b`` under ``package`` (the ``pilotrun`` folder): ``a/b.py`` or ``a/b/__init__.py``."""
+    base = package.joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported(package: Path, module: str, path: Path) -> set[str]:
+    """The pilotrun modules ``path`` imports, lazy ones (inside functions) included: they run in the describe role."""
+    import ast
+
+    found: set[str] = set()
+    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "pilotrun"}
+        elif isinstance(node, ast.ImportFrom):
+            parts = here[: len(here) - node.level + 1] if node.level else []
+            target = ".".join(parts + ([node.module] if node.module else []))
+            if target.split(".")[0] != "pilotrun":
+                continue
+            found.add(target)
+            found |= {f"{target}.{a.name}" for a in node.names if _module_file(package, f"{target}.{a.name}")}
+    # Importing pilotrun.a.b runs the __init__ of pilotrun and pilotrun.a first.
+    return found | {".".join(m.split(".")[:i]) for m in found for i in range(1, len(m.split(".")))}
+
+
+def describer_sources(package: Path | None = None) -> list[Path]:
+    """Every pilotrun source file the describe role can run: :data:`DESCRIBE_ROOTS` (a package with every module
+    under it) and, transitively, what they import. Derived from the code, so a module added to that path is in the
+    describe cache's key without anyone listing it."""
+    package = package or Path(__file__).resolve().parents[1]
+    # Parsing ~120 modules takes most of a second: parsed again only when a source file changed.
+    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(package.rglob("*.py")))
+    return list(_closure(package, stamp))
+
+
+@functools.lru_cache(maxsize=4)
+def _closure(package: Path, stamp: tuple) -> tuple[Path, ...]:
+    todo = [r for r in DESCRIBE_ROOTS if _module_file(package, r)]
+    for root in DESCRIBE_ROOTS:
+        folder = package.joinpath(*root.split(".")[1:])
+        if folder.is_dir():
+            todo += [".".join((root, *p.relative_to(folder).with_suffix("").parts)).removesuffix(".__init__")
+                     for p in folder.rglob("*.py")]
+    seen: dict[str, Path] = {}
+    while todo:
+        module = todo.pop()
+        path = _module_file(package, module)
+        if module in seen or path is None:
+            continue
+        seen[module] = path
+        todo += sorted(_imported(package, module, path) - set(seen))
+    return tuple(sorted(set(seen.values())))
+
+
+def _describers_digest(package: Path | None = None) -> str:
+    """pilotrun's own code that reads the program's objects (:func:`describer_sources`): a changed describer, an
+    upgraded pilotrun or a new integration describes again."""
+    package = package or Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for rel in ("program/describe.py", "program/handle.py", "integrations/transformers.py",
-                "integrations/lightning.py", "integrations/accelerate.py", "integrations/common.py"):
+    for path in describer_sources(package):
+        h.update(path.relative_to(package).as_posix().encode() + b"\0")
         with contextlib.suppress(OSError):
-            h.update((root / rel).read_bytes())
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -21,6 +21,7 @@ from ..train.fp8 import high_precision_linears, linears_in_high_precision
 from ..train.loss import PolicySource, window_backward
 from ..train.optim import build_optimizer
 from ..train.rng import derived_seed
+from . import view
 from .view import Artifact, Batching, Exported, OverfitPlan, Reloaded, UpdateIds, Window, WindowKind, tensors_of
 
 
@@ -107,7 +108,7 @@ class LoopUpdater:
         return loss
 
 
-class LoopView:
+class LoopView(view.ViewBase):
     """See the module docstring. ``export_weights``: the full weights every rank gathered for the export."""
 
     framework = "pilotrun's loop"
@@ -125,7 +126,7 @@ class LoopView:
 
     # -- data and batching ------------------------------------------------------------------------------
     @property
-    def data(self):
+    def data(self):  # type: ignore[override]  # read only here: the loop's data is the context's, built once
         return self.ctx.ensure_data()
 
     @property
@@ -133,7 +134,7 @@ class LoopView:
         return self.ctx.model_driver()
 
     @property
-    def shift_labels(self) -> bool:
+    def shift_labels(self) -> bool:  # type: ignore[override]  # read only here: the driver's loss policy says it
         return self.driver.policy.shift_labels
 
     def progress(self, done: int, total: int, text: str) -> None:

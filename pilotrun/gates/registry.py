@@ -4,8 +4,9 @@ Dependencies come from what each gate ``needs`` and which gate ``produces`` it; 
 modules need (the gates whose memory is the job's, the gates ``--resume`` may carry) are read
 from the declarations here, never written out elsewhere.
 
-Adding a gate: one module in ``pilotrun/gates/`` and one line in ``GATES`` (see docs/architecture.md); how it runs
-on the user's own program is its own declaration (``Gate.on_program``), read by the program driver.
+Adding a gate: its module in ``pilotrun/gates/``, its line in ``GATES`` and every other file it touches, in
+``pilotrun/gates/README.md``; how it runs on the user's own program is its own declaration (``Gate.on_program``),
+read by the program driver.
 
 Example::
 

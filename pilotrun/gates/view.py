@@ -5,7 +5,13 @@ once, in their gate modules, against :class:`TrainingView`. pilotrun's loop impl
 (:class:`pilotrun.gates.loop_view.LoopView`, over the loop driver), and each framework integration implements it as
 a small adapter over the framework's own objects (``TrainerView`` in :mod:`pilotrun.integrations.transformers`,
 ``LightningView`` in :mod:`pilotrun.integrations.lightning`): the same check then runs inside the user's program on
-the framework's own model, collate and loss. Adding a framework is one adapter file and its tests.
+the framework's own model, collate and loss (what else a new framework touches: ``pilotrun/integrations/README.md``).
+
+Every view class derives from :class:`ViewBase` and is checked when it is defined: a method it leaves abstract is a
+``TypeError`` naming it at class creation (import time), never an ``AttributeError`` at the first check that calls it
+inside a user's run. A base that leaves methods to its subclasses says so (``class FrameworkView(ViewBase,
+abstract=True)``). :class:`TrainingView` is the protocol the checks take, so a wrapper that delegates with
+``__getattr__`` (the observed window's view) still matches it.
 
 A view answers in the job's own terms, and says where it cannot (:class:`NotMeasured`, which makes the check's row
 ``skip`` with that reason):
@@ -29,6 +35,7 @@ Example (any view; the loop's is built by the gates, an integration's by its cal
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +162,8 @@ class Reloaded:
 
 
 class TrainingView(Protocol):
-    """See the module docstring. Every method may raise :class:`NotMeasured`."""
+    """See the module docstring. Every method may raise :class:`NotMeasured`. View classes derive from
+    :class:`ViewBase`, which checks them when they are defined."""
 
     framework: str                # "pilotrun's loop", "transformers.Trainer", "Lightning"
     data: DataBundle
@@ -167,30 +175,79 @@ class TrainingView(Protocol):
     reference_note: str | None    # how outputs() ran the model, when not as the job holds it (wrappers set aside)
     update_ids: UpdateIds         # what names an update's examples where the items have no id (inspect says it)
 
+    @abstractmethod
     def progress(self, done: int, total: int, text: str) -> None: ...
+    @abstractmethod
     def batching(self) -> Batching: ...
+    @abstractmethod
     def parameter_count(self) -> int: ...
+    @abstractmethod
     def inspect_limits(self) -> tuple[int, float]: ...
+    @abstractmethod
     def class_outputs(self) -> tuple[int | None, dict | None, str]: ...
+    @abstractmethod
     def parameter_split(self) -> dict | None: ...
+    @abstractmethod
     def accum_windows(self) -> list[Window]: ...
+    @abstractmethod
     def float64_problem(self) -> str | None: ...
+    @abstractmethod
     def model_copy(self, dtype: torch.dtype | None) -> tuple[torch.nn.Module, torch.device]: ...
+    @abstractmethod
     def accumulate(self, model: torch.nn.Module, micro: list, device: torch.device) -> float: ...
+    @abstractmethod
     def one_batch(self, model: torch.nn.Module, batch: Any, device: torch.device) -> float: ...
+    @abstractmethod
     def normalisation_cause(self, counts: list[int], sizes: list[int]) -> str | None: ...
+    @abstractmethod
     def declared_per_micro_batch(self) -> bool: ...
+    @abstractmethod
     def overfit_plan(self) -> OverfitPlan: ...
+    @abstractmethod
     def overfit_items(self, n: int) -> list: ...
+    @abstractmethod
     def overfit_updater(self, model: torch.nn.Module, plan: OverfitPlan) -> Updater: ...
+    @abstractmethod
     def target_scores(self, model: torch.nn.Module, items: list) -> tuple[float, float | None]: ...
+    @abstractmethod
     def random_base(self, model: torch.nn.Module) -> bool | None: ...
+    @abstractmethod
     def export(self, folder: Path) -> Exported: ...
+    @abstractmethod
     def control_items(self) -> list: ...
+    @abstractmethod
     def outputs(self, batch: Any) -> torch.Tensor: ...
+    @abstractmethod
     def reload_problem(self, artifact: Artifact) -> str | None: ...
+    @abstractmethod
     def reload(self, artifact: Artifact, batch: Any, work: Path) -> Reloaded: ...
+    @abstractmethod
     def export_state(self) -> dict[str, torch.Tensor] | None: ...
+
+
+class ViewBase(TrainingView):
+    """The base of every view class (:class:`TrainingView` stays the structural type the checks take, so a wrapper
+    that delegates with ``__getattr__`` still passes them): a subclass that leaves a method abstract is a
+    ``TypeError`` when it is defined, unless it says ``abstract=True``."""
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # ABCMeta alone refuses an incomplete view only when it is instantiated: inside a user's program, mid-run.
+        if abstract:
+            return
+        missing = abstract_members(cls)
+        if missing:
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} is a training view that does not implement "
+                            f"{', '.join(missing)}: implement them, or declare the class abstract=True if a subclass "
+                            "does")
+
+
+def abstract_members(cls: type) -> list[str]:
+    """The methods (and properties) ``cls`` leaves abstract, from every base: what ``ABCMeta`` would compute after the
+    class is created, computed while it is (``__init_subclass__`` runs before ``__abstractmethods__`` is set)."""
+    declared = {name for base in cls.__mro__ for name, value in vars(base).items()
+                if getattr(value, "__isabstractmethod__", False)}
+    return sorted(name for name in declared if getattr(getattr(cls, name, None), "__isabstractmethod__", False))
 
 
 def cast_floats(batch: Any, dtype: torch.dtype) -> Any:

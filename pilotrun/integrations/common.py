@@ -15,6 +15,7 @@ import contextlib
 import copy
 import math
 import warnings
+from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from ..gates.export import check_export
 from ..gates.inspect import check_inspect
 from ..gates.overfit import check_overfit
 from ..gates.reload_eval import compare_reload, reference
-from ..gates.view import Artifact, Batching, OverfitPlan, Reloaded, TrainingView, UpdateIds, tensors_of
+from ..gates.view import Artifact, Batching, OverfitPlan, Reloaded, TrainingView, UpdateIds, ViewBase, tensors_of
 from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
 from ..program.env import IDS_ARE, IdKind
@@ -321,10 +322,10 @@ class FrameworkUpdater:
         return value
 
 
-class FrameworkView:
-    """What the Trainer's and Lightning's views share. Subclasses set ``framework``, ``data``, ``shift_labels``,
-    ``targets_key`` and implement ``model``, ``batching``, ``loss`` and the model copy, accumulation, export and
-    reload methods of :class:`~pilotrun.gates.view.TrainingView`."""
+class FrameworkView(ViewBase, abstract=True):
+    """What every framework's view shares. Subclasses set ``framework``, ``data``, ``shift_labels``, ``targets_key``
+    and implement ``model``, ``batching``, ``loss`` and the accumulation, export and reload methods of
+    :class:`~pilotrun.gates.view.TrainingView` (one left out is a TypeError when the subclass is defined)."""
 
     requires_targets: bool = False  # a framework's batch need not follow pilotrun's factory contract
     scoring: str | None = None      # how the overfit subset was scored, when not one example at a time
@@ -337,11 +338,11 @@ class FrameworkView:
     update_ids: UpdateIds = UpdateIds(False, "this view was built outside a callback, which reads them")
 
     @property
-    def model(self) -> torch.nn.Module:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def model(self) -> torch.nn.Module: ...
 
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
 
     def model_copy(self, dtype: torch.dtype | None) -> tuple[torch.nn.Module, torch.device]:
         """A copy of the live model that shares nothing with it (``copying.own_copy``): where it is, or on the CPU in
@@ -353,8 +354,8 @@ class FrameworkView:
             return copied, next(copied.parameters()).device
         return own_copy(self.model).to("cpu").to(dtype), torch.device("cpu")
 
-    def batching(self) -> Batching:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def batching(self) -> Batching: ...
 
     def progress(self, done: int, total: int, text: str) -> None:
         return None

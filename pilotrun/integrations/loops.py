@@ -22,7 +22,7 @@ from . import common as C
 from .copying import own_copy
 
 
-class HandLoopView(C.FrameworkView):
+class HandLoopView(C.FrameworkView, abstract=True):
     """A :class:`~.common.FrameworkView` of a loop the user wrote: ``loss_fn(model, batch)`` is its loss."""
 
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
