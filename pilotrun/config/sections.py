@@ -36,6 +36,8 @@ BF16_WEIGHTS: tuple[str, ...] = ("bf16-true", "bf16-true-autocast")
 # The dtype torch.autocast runs under each precision (absent: no autocast). fp8 is bf16's setup (fp32 master weights,
 # bf16 autocast) with the Linears' matmuls in float8 (torchao's float8 training, train/fp8.py): torchtitan's recipe.
 AUTOCAST_DTYPE: dict[str, str] = {"bf16": "bf16", "fp16": "fp16", "bf16-true-autocast": "bf16", "fp8": "bf16"}
+# train.compile's values (train/compile.py applies them; estimate/compiled.py models them).
+CompileScope = Literal["off", "model", "blocks"]
 # train.fp8_recipe's values: torchao's Float8LinearConfig.from_recipe_name names (train/fp8.py says what each does).
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 # model.attn_implementation's values (models/attention.py says what each keeps on the target).
@@ -380,6 +382,11 @@ class TrainSpec:
         "selective-N: per op, the attention outputs and one matmul output in N kept in each block (the first, then "
         "every Nth), the rest recomputed: selective-2 is torchtitan's op policy; every-N: one block in N (N >= 2) "
         "recomputed, the others kept", False)
+    compile: CompileScope = doc(
+        "torch.compile (inductor) in pilotrun's loop: off (eager); model: the whole model as one torch.compile; "
+        "blocks: each repeated block (a transformer layer) compiled on its own, as torchtitan does (one graph reused "
+        "by every layer: shorter compiles). The pilot reports the compile seconds and the recompiles; the estimate "
+        "models what the compiled graph keeps and charges the compile once per process start", "off")
     device: str = doc("auto (first accelerator, else CPU), cpu, cuda, cuda:N or mps", "auto")
     shuffle: bool = doc("shuffle the training set each epoch (seeded)", True)
     loss_normalization: Literal["auto", "per_micro_batch"] = doc(
@@ -390,6 +397,8 @@ class TrainSpec:
     def normalize(data: Any) -> Any:
         # One spelling per policy, so the config hash (and the ledger's lookups by it) agree: full is written true
         # (as the spec has always said it), every-02 is every-2. A value ac_policy refuses is left for check().
+        if isinstance(data, dict) and data.get("compile") is False:
+            data = {**data, "compile": "off"}  # YAML 1.1 (the loader, --set) reads an unquoted `off` as false
         ac = data.get("activation_checkpointing") if isinstance(data, dict) else None
         if isinstance(ac, str):
             try:

@@ -151,6 +151,8 @@ class Spec:
         out["pilot"].pop("variants", None)  # what `pilotrun variants` compares, not the job: the hash stays too
         if isinstance(out.get("train"), dict) and out["train"].get("precision") != "fp8":
             out["train"].pop("fp8_recipe", None)  # read only under fp8: every other spec keeps the hash it had
+        if isinstance(out.get("train"), dict) and out["train"].get("compile") == "off":
+            out["train"].pop("compile", None)  # eager, the default: specs without it keep the hash they had
         if out["model"].get("moe") is None:
             out["model"].pop("moe", None)  # absent, not null: specs without it keep the hash they always had
         for section in ("model", "data"):

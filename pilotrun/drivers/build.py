@@ -67,6 +67,7 @@ def check_job(spec, device: torch.device) -> None:
     no memory) to read its Linear layers' names."""
     from ..config.schema import SpecError
     from ..models.loading import ModelError, build_model
+    from ..train.compile import compile_problems
     from ..train.fp8 import fp8_problems
     from ..train.optim import OptimizerError, choose_fused
 
@@ -86,6 +87,9 @@ def check_job(spec, device: torch.device) -> None:
                              f"against its Linear layers) raised {type(exc).__name__}: {first}; fix the factory "
                              "or the keys it reads"))
     problems += fp8_problems(spec.train.precision, device, spec.model.adapter, spec.model.quantization)
+    problems += compile_problems(spec.train.compile, device)
+    if spec.train.compile == "blocks" and not problems:
+        problems += _blocks_problem(spec)
     dtype = torch.bfloat16 if spec.train.precision in BF16_WEIGHTS else torch.float32
     try:
         choose_fused(spec.train.optimizer, device, {dtype})
@@ -93,6 +97,23 @@ def check_job(spec, device: torch.device) -> None:
         problems.append((exc.field, str(exc)))
     if problems:
         raise SpecError(problems, spec.source)
+
+
+def _blocks_problem(spec) -> list[tuple[str, str]]:
+    """``train.compile: blocks`` on a model without repeated blocks, as (field, message) pairs: the model is built on
+    the meta device (no weights) to find them. A model that does not build is left to the load gate to report."""
+    from ..models.loading import build_model
+    from ..models.structure import repeated_blocks
+    from ..train.compile import compile_targets
+
+    try:
+        built = build_model(spec.model, spec.build_context(), None, None, meta=True, activation_checkpointing=False)
+    except Exception:  # the adapter check above or the load gate names what is wrong with the model itself
+        return []
+    if compile_targets(built.model, "blocks", repeated_blocks(built.model)):
+        return []
+    return [("train.compile", "blocks compiles each repeated block (a ModuleList of two or more layers) and this "
+                              "model has none: use compile: model (the whole model) or off")]
 
 
 def load_inputs(spec) -> JobInputs:

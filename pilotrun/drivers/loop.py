@@ -7,6 +7,7 @@ continues exactly where the saved one stopped. Built only by :func:`pilotrun.dri
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Mapping
@@ -23,7 +24,9 @@ from ..distributed import all_sum
 from ..models.adapters import base_reference, merged_copy
 from ..models.loading import build_model
 from ..models.quantize import kernels_needed, require_kernels
+from ..models.structure import repeated_blocks
 from ..train.batches import labelled_batch, seq_len, supervised_count
+from ..train.compile import CompileRecord, apply_compile, counts_since, dynamo_counts, outside_dispatch_modes
 from ..train.evaluation import val_metrics
 from ..train.fp8 import Fp8Record, convert_linears
 from ..train.loss import LossPolicy, decide_loss_policy, probe_loss_policy, window_backward
@@ -100,6 +103,8 @@ class LoopDriver(ModelDriver):
         self.last_window: dict = {}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.fp8: Fp8Record | None = None  # train.precision fp8: what build converted (train/fp8.py)
+        self.compiled: CompileRecord | None = None  # train.compile: what build compiled (train/compile.py)
+        self.graphs_per_compile: int | None = None  # graphs the first compiled update made: one shape's compile
 
     @classmethod
     def build(cls, spec, inputs: JobInputs | None, process: JobProcess, on_model=None, site=None) -> LoopDriver:
@@ -116,6 +121,9 @@ class LoopDriver(ModelDriver):
         # fp8: the Linears swapped for torchao's Float8Linear on the device, before the strategy wraps them (torchao's
         # order for FSDP2); check_job refused a device without float8 matmuls and a missing torchao (exit 2).
         fp8 = convert_linears(loaded.model, spec.train.fp8_recipe) if spec.train.precision == "fp8" else None
+        # train.compile: after activation checkpointing (applied while building) and fp8's swap, before the wrap
+        # (torchtitan's order: FSDP2 shards the compiled blocks); the compile itself runs in the first update.
+        compiled = apply_compile(loaded.model, spec.train.compile, repeated_blocks(loaded.model))
         if on_model is not None:
             on_model(loaded.model)
         ratio = process.strategy.reduction_ratio(process.env, process.device)
@@ -123,6 +131,7 @@ class LoopDriver(ModelDriver):
         driver = cls(wrapped, loaded, inputs.data, inputs.tokenizer, spec, process.device, process.env,
                      process.strategy, reduction_ratio=ratio, how_wrapped=how)
         driver.fp8 = fp8
+        driver.compiled = compiled
         driver.probe_policy()  # the same decision, by the same probe, in every process
         return driver
 
@@ -135,8 +144,11 @@ class LoopDriver(ModelDriver):
         """Settle the loss normalisation on the first planned micro batch (see ``probe_loss_policy``)."""
         idx = self.plan.micro_batch(self.epoch, self.micro_index)
         items = [self.train_set[i] for i in idx]
-        self.policy = probe_loss_policy(self.model, self.collate.collate(items), self.device, self.precision,
-                                        self.policy)
+        # Eager under train.compile: the probe's two no-grad eval forwards would otherwise compile graphs the job
+        # never runs, and the compile would land in the load gate instead of the first update's measurement.
+        with torch.compiler.set_stance("force_eager") if self.compiled is not None else contextlib.nullcontext():
+            self.policy = probe_loss_policy(self.model, self.collate.collate(items), self.device, self.precision,
+                                            self.policy)
         return self.policy
 
     # -- data -----------------------------------------------------------------
@@ -192,6 +204,7 @@ class LoopDriver(ModelDriver):
         the loss is unchanged, the memory is the long run's worst case. ``strict`` refuses, before the
         optimizer steps, a window with no supervised label or no gradient."""
         t0 = time.perf_counter()
+        before = dynamo_counts() if self.compiled is not None else None
         window, data_wait = self._fetch_window(pad_to)
         epoch, micro_start = self._advance(len(window))
         step = self.step + 1
@@ -199,7 +212,8 @@ class LoopDriver(ModelDriver):
         self.last_window = {"step": step, "examples": len(ids_all), "ids": ids_all,
                             "seq_len": max((seq_len(b) for _, b in window), default=0)}
         lr = float(self.scheduler.get_last_lr()[0])
-        stats = self._backward(window, epoch, micro_start)
+        with outside_dispatch_modes(self.compiled is not None) as paused:
+            stats = self._backward(window, epoch, micro_start)
         loss_value, supervised = float(stats["loss"]), stats["supervised"]
         if self.env.active:  # the update's loss and label count over all ranks, as one process would see them
             loss_value = all_sum(self.env, loss_value, self.device)
@@ -212,6 +226,11 @@ class LoopDriver(ModelDriver):
         if stats.get("aux_loss") is not None:   # a mixture of experts' load-balancing loss, next to the loss
             aux = float(stats["aux_loss"])
             extra["aux_loss"] = all_sum(self.env, aux, self.device) if self.env.active else aux
+        if before is not None:  # what this update compiled: the first update's compile, a new length's recompile
+            spent = counts_since(before)
+            extra.update(spent.to_dict(), tensor_tracking_paused=paused)
+            if self.graphs_per_compile is None and spent.graphs:
+                self.graphs_per_compile = spent.graphs
         grad_norm = self._clip()
         if strict:
             self._refuse_if_empty(step, supervised, stats["examples"], grad_norm)
@@ -282,9 +301,10 @@ class LoopDriver(ModelDriver):
     # -- evaluation and copies ----------------------------------------------------
     def evaluate(self, on_batch=None) -> dict:
         # The module itself, not a DDP wrapper (whose forward would sync buffers): what the eval gate always ran.
-        return val_metrics(self.plain_model, self.data, self.device, batch_size=self.spec.eval_batch_size,
-                           max_batches=self.spec.eval.max_batches, precision=self.spec.train.precision,
-                           on_batch=on_batch)
+        with outside_dispatch_modes(self.compiled is not None):
+            return val_metrics(self.plain_model, self.data, self.device, batch_size=self.spec.eval_batch_size,
+                               max_batches=self.spec.eval.max_batches, precision=self.spec.train.precision,
+                               on_batch=on_batch)
 
     def plain_model_copy(self) -> torch.nn.Module:
         """A copy of the model outside any distributed wrapper, for checks that run on one rank alone.

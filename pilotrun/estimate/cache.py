@@ -5,7 +5,7 @@ depends only on what is in the key below. Entries are JSON (never pickle: a cach
 run code), one file per key under ``$PILOTRUN_CACHE/traces`` or ``~/.cache/pilotrun/traces``.
 
 The key holds what the trace reads: the spec's model section, the data section (and, for a data factory,
-the factory's files), the train sizes, optimizer (not its learning rate) and loss normalisation, the
+the factory's files), the train sizes, optimizer (not its learning rate), loss normalisation and compile, the
 evaluation sizes, the strategy, the seed, the trace's own options (target, checkpointing, precision, micro
 batch, length) and the versions of pilotrun, torch and transformers. Files the spec names (factories, a
 local model folder's config, a factory's data files) enter by size and modification time, not content:
@@ -35,11 +35,12 @@ from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 8  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
+FORMAT = 9  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
 #             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step,
 #             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride,
 #             7: the attention kernels' op rows apart, for the time at the data's lengths,
-#             8: the experts' grouped matmuls counted (estimate/moe.py): an older MoE trace counted them zero)
+#             8: the experts' grouped matmuls counted (estimate/moe.py): an older MoE trace counted them zero,
+#             9: train.compile's facts (estimate/compiled.py): an eager trace never answers for a compiled job)
 
 
 def default_dir() -> Path:
@@ -104,7 +105,7 @@ def trace_key(spec: Spec, target: str, ac: bool | str, precision: str, micro_bat
         "data": {k: c["data"].get(k) for k in sorted(c["data"]) if k not in ("num_workers", "drop_last")},
         # The learning rate changes no tensor's size: a campaign varying it shares one trace.
         "train": {k: train.get(k) for k in ("micro_batch_size", "grad_accum_steps", "loss_normalization",
-                                            "max_grad_norm")}
+                                            "max_grad_norm", "compile")}
                  | {"optimizer": {k: v for k, v in train["optimizer"].items() if k != "lr"}},
         "eval": {k: c["eval"].get(k) for k in ("batch_size", "max_length")},
         "strategy": c["distributed"].get("strategy"),

@@ -26,6 +26,8 @@ from ..ledger.records import GateName
 from ..models.attention import AS_TRACED_ON_CPU
 from ..strategies import StageBytes, correction
 from .catalog import Accelerator
+from .compiled import compiled_trace
+from .compiled import note as compiled_note
 from .fp8 import MEMORY_NOTE, fp8_trace, why_none
 from .lengths import AtLengths, DataLengths, expected_micro
 from .moe import note as moe_note
@@ -59,7 +61,15 @@ def _kernel_notes(trace: dict) -> list[dict]:
            "(estimate/autocast_lists.py); the weight-cast cache exists on both"),
     ] + ([correction("FP8 casts (torchao float8)", 0, "allocated", MEMORY_NOTE)] if trace.get("precision") == "fp8"
          else []) + ([correction("mixture of experts", 0, "allocated",
-                                 moe_note(trace["moe"], trace.get("precision", "")))] if trace.get("moe") else [])
+                                 moe_note(trace["moe"], trace.get("precision", "")))] if trace.get("moe") else []) + (
+        [_compile_correction(trace)] if trace.get("compiled") else [])
+
+
+def _compile_correction(trace: dict) -> dict:
+    """train.compile's row: the bytes the compiled graph saves less than eager per micro batch (already off the
+    activations, estimate/compiled.py) and what was modelled."""
+    less, how = compiled_note(trace)
+    return correction("torch.compile", -less, "allocated", how)
 
 
 def attention_note(att: dict) -> str:
@@ -114,6 +124,7 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     inputs for every layer plus one layer's recompute and the logits -- never from the step's near-zero
     activations.
     """
+    trace = compiled_trace(trace)   # a compiled job's activations (estimate/compiled.py); as traced otherwise
     st = trace["stages"][stage]
     training = stage in TRAINING
     chosen = placed_strategy(strategy, trace)   # with the job's distributed.offload where the strategy can
@@ -183,11 +194,15 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
     (longest) one -- the roofline's ops re-timed at them, a measured utilisation scaled by the same ratio (the pilot
     timed its updates padded to the longest) -- and ``lengths`` in the answer says which; None: at the longest.
 
-    ``fp8``: the converted Linears' matmuls at the FP8 peak with their casts as pilotrun's loop runs them, eagerly
-    (estimate/fp8.py; a trace fp8.fp8_trace already converted is taken as it is); its collectives carry bf16.
+    ``fp8``: the converted Linears' matmuls at the FP8 peak with their casts as pilotrun's loop runs them, eagerly,
+    or fused when ``train.compile`` compiles them (estimate/fp8.py; a trace fp8.fp8_trace already converted is taken
+    as it is); its collectives carry bf16.
     """
+    trace = compiled_trace(trace)   # a compiled job's fused element-wise ops (estimate/compiled.py)
     if precision == "fp8" and not trace.get("fp8_casts"):
-        converted = fp8_trace(trace, "eager")
+        # A compiled loop fuses torchao's casts too (fp8.py's "fused"); pilotrun's eager loop runs them op by op.
+        converted = fp8_trace(trace, "fused" if (trace.get("compiled") or {}).get("scope", "off") != "off"
+                              else "eager")
         if converted is None:
             return {"seconds": None, "reason": why_none(trace)}
         trace = converted
@@ -316,6 +331,7 @@ def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precis
     if offload is not None:
         trace = {**trace, "offload": offload}
     precision = precision or trace["precision"]
+    trace = compiled_trace(trace)
     stages = {s: stage_memory(trace, s, acc, strategy, gpus, micro_scale, accumulating) for s in STAGES}
     worst = max(STAGES, key=lambda s: stages[s]["device_used_bytes"])
     t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale, micro_batches, lengths)

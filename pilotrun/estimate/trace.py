@@ -34,6 +34,7 @@ from ..train.batches import autocast_for, item_length, seq_len, supervised_count
 from ..train.loss import LossPolicy, decide_loss_policy, window_backward
 from .adapted import Adaptation, adapt, trace_optimizer
 from .autocast_lists import cuda_autocast_lists
+from .compiled import compiled_facts
 from .fp8 import fp8_facts, fp8_modules
 from .moe import allow_fallback_dtypes, describe, register_expert_flops, with_costs
 from .ops import OpCosts
@@ -126,6 +127,9 @@ class TraceResult:
     # A mixture of experts (estimate/moe.py): experts, active per token, their FLOPs and dtype, the routing assumed.
     # Empty for a model without experts.
     moe: dict = field(default_factory=dict)
+    # train.compile (estimate/compiled.compiled_facts): per block, what eager and the min-cut partitioned graph save
+    # for backward and their element-wise bytes, or why not modelled. Empty when the job is not compiled.
+    compiled: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -368,6 +372,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
         stages = _trace_training(job, model, opt, spec, target, num_items, attention)
         stages[GateName.EVAL] = _trace_eval(job, model, opt, spec)
         totals = _state_bytes(model, opt, job.adaptation)
+        compiled = _compiled(spec, job, model, layer_name, layers, ac)
     max_pos = getattr(job.config, "max_position_embeddings", None) if job.config is not None else None
     return TraceResult(stages=stages, grad_accum_steps=t.grad_accum_steps, max_positions=max_pos,
                        largest_layer_bytes=layer_bytes, largest_layer=layer_name, layers=layers, foreach=foreach,
@@ -375,7 +380,17 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
                        notes=job.notes, optimizer=opt_path, adaptation=asdict(job.adaptation),
                        attention=attention.to_dict(), fp8=fp8_facts(job.model, spec), moe=with_costs(
                            moe, stages[GateName.STEADY_STEP].expert_ops,
-                           job.micro_batch * stages[GateName.STEADY_STEP].seq_len, t.grad_accum_steps), **totals)
+                           job.micro_batch * stages[GateName.STEADY_STEP].seq_len, t.grad_accum_steps),
+                       compiled=compiled, **totals)
+
+
+def _compiled(spec: Spec, job: _Job, model, block: str, layers: int, ac: bool | str) -> dict:
+    """train.compile's facts (estimate/compiled.py): one block's call as the loop's forward makes it, eager and
+    through AOT autograd's min-cut partitioner, under the trace's fake mode and the loop's autocast."""
+    precision = autocast_precision(spec.train.precision)
+    model.train()
+    return compiled_facts(model, block, layers, lambda: model(**_clone(job.train_batch)), spec.train.compile, ac,
+                          lambda: autocast_for(torch.device("cpu"), precision))
 
 
 def _moe_facts(spec: Spec, job: _Job) -> dict:

@@ -15,7 +15,9 @@ import torch
 from ..drivers import Capability
 from ..ledger.records import Failure, GateName
 from ..train.batches import autocast_for, item_length, labelled_batch, loss_of, seq_len, to_device
+from ..train.compile import DynamoCounts, counts_since, dynamo_counts, outside_dispatch_modes, recompile_warning
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
+from .steps import PAUSED
 
 MAX_SCAN = 5000  # validation items scanned to find the longest ones
 
@@ -62,10 +64,12 @@ class EvalGate(Gate):
         inputs["batch_size"] = len(worst_idx)
         inputs["padded_to_max_length"] = padded
         self.live_inputs = inputs
+        compiled = getattr(driver, "compiled", None) is not None  # train.compile: what evaluating compiles
+        before = dynamo_counts() if compiled else None
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), autocast_for(ctx.device, spec.train.precision):
+            with torch.no_grad(), autocast_for(ctx.device, spec.train.precision), outside_dispatch_modes(compiled):
                 out = model(**to_device(worst, ctx.device))
                 worst_loss = float(loss_of(out)) if "labels" in worst else None
                 del out
@@ -98,6 +102,22 @@ class EvalGate(Gate):
             result.warn(f"the longest validation batch has length {worst_len} < eval.max_length {max_len}: memory at "
                         f"{max_len} was not measured (the collate is yours: pad it to {max_len}, "
                         "or lower eval.max_length)")
+        if before is not None:
+            _eval_compile(result, counts_since(before), getattr(driver, "graphs_per_compile", None))
+            if getattr(meter, "uses_tensor_tracker", False):
+                result.details["compile"]["tensor_tracking"] = PAUSED
         if scan < len(val):
             result.details["note"] = f"longest examples searched among the first {scan} of {len(val)}"
         return result
+
+
+def _eval_compile(result: Outcome, spent: DynamoCounts, per_compile: int | None) -> None:
+    """train.compile: evaluation (eval mode, no grad, its own lengths) compiles graphs of its own. One shape's worth
+    (as many graphs as the first update made) is the expected compile; more are recompiles for new lengths."""
+    result.details["compile"] = spent.to_dict()
+    result.reason = f"{result.reason}; compiled {spent.graphs} graph(s) for evaluation in {spent.seconds:.1f} s"
+    extra = max(0, spent.graphs - (per_compile or 1))
+    words = recompile_warning(DynamoCounts(spent.seconds, extra, spent.fell_back), "eval", timed=False)
+    result.details["compile"]["recompiles"] = extra
+    if words is not None:
+        result.warn(words)

@@ -11,6 +11,7 @@ import math
 
 from ..drivers import Capability
 from ..ledger.records import GateName
+from ..train.compile import summed
 from ..workers.launch import run_and_kill, run_worker
 from .base import Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
@@ -129,4 +130,17 @@ class ResumeGate(Gate):
         out.reason = (f"killed after update {r.before} (SIGKILL), restored in {who}: updates "
                       f"{r.before + 1}-{r.before + r.after} match the uninterrupted run {rule} in sample ids, lr, loss "
                       "and gradient norm")
+        _resume_compile(out, control["records"], resumed["records"])
         return out
+
+
+def _resume_compile(out: Outcome, control: list[dict], resumed: list[dict]) -> None:
+    """train.compile: the resumed process is fresh and compiles again; its compile seconds (and the control's, for
+    scale) in the row: each restart after a preemption pays them once."""
+    again, first = summed(resumed), summed(control)
+    if again is None:
+        return
+    out.details["compile"] = {"resumed": again.to_dict(), "control": first.to_dict() if first else None}
+    out.reason = (f"{out.reason}; the resumed process compiled again: {again.seconds:.1f} s, {again.graphs} graph(s) "
+                  "(paid at every restart)")
+

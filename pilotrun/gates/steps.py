@@ -18,6 +18,7 @@ from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SteadyStepDetails
 from ..ledger.records import Failure, GateName
 from ..procs import HostLoad, explicit_threads, host_load, thread_share
+from ..train.compile import DynamoCounts, recompile_warning, summed
 from .base import Gate, GateFailure, OnProgram, Outcome, Product
 
 # Warn when the loop waits on data for more than this share of each update, and
@@ -86,6 +87,33 @@ def _failure_inputs(gate, ctx) -> dict:
     return inputs
 
 
+# The CPU tensor tracker is paused while a compiled model runs (train/compile.py: outside_dispatch_modes).
+PAUSED = ("paused while the compiled model ran (dynamo does not compile under a dispatch mode): on CPU the row's "
+          "tensor peak misses the update's activations; host RSS still counts them")
+
+
+def _first_compile(out: Outcome, spent: DynamoCounts, scope: str, paused: bool = False) -> None:
+    """train.compile: the first update's compile as its own measurement, so its time is not read as a step's."""
+    out.details["compile"] = {"scope": scope, **spent.to_dict()}
+    out.reason = (f"{out.reason}; compiled (train.compile: {scope}) in {spent.seconds:.1f} s, {spent.graphs} "
+                  "graph(s): this update's time is mostly the compile, steady_step times the compiled steps")
+    if paused:
+        out.details["compile"]["tensor_tracking"] = PAUSED
+    if spent.fell_back:
+        out.warn(f"{spent.fell_back} frame(s) fell back to eager in update 1 (dynamo could not compile them: "
+                 "graph breaks or its recompile limit): those parts run uncompiled")
+
+
+def _steady_compile(out: Outcome, spent: DynamoCounts, paused: bool = False) -> None:
+    """train.compile: graphs compiled after the first update are recompiles (a new length); their seconds are
+    inside the timed updates' mean."""
+    out.details["compile"] = {**spent.to_dict(), "recompiles": spent.graphs}
+    if paused:
+        out.details["compile"]["tensor_tracking"] = PAUSED
+    if (words := recompile_warning(spent, "steady steps")) is not None:
+        out.warn(words + "; the time per update above includes them")
+
+
 def _check_params(ctx, step: int) -> None:
     bad = ctx.model_driver().check_parameters_finite()
     if bad is not None:
@@ -134,6 +162,8 @@ class FirstStepGate(Gate):
         with_aux = f" (incl. the router's load-balancing loss {aux:.4g} x its coefficient)" if aux is not None else ""
         out.reason = (f"update 1 {at}{n}: loss {rec.loss:.4g}{with_aux}, grad norm {gn}, "
                       f"lr {rec.lr:.3g}; optimizer state {human_bytes(opt_bytes)} allocated")
+        if (spent := summed([rec.extra])) is not None:
+            _first_compile(out, spent, ctx.spec.train.compile, bool(rec.extra.get("tensor_tracking_paused")))
         if rec.scaler_skipped:
             out.warn("the fp16 grad scaler skipped update 1 (inf/NaN gradients at the initial scale): optimizer state "
                      "was not allocated yet, so steady_step holds the first real peak")
@@ -203,6 +233,8 @@ class SteadyStepGate(Gate):
         if wait_share > DATA_WAIT_WARN and wait_per_update > DATA_WAIT_FLOOR_S:
             out.warn(f"{wait_share:.0%} of update time is spent waiting on data: raise data.num_workers or "
                      "pre-tokenize, or the GPUs will idle")
+        if (spent := summed([r.extra for r in records])) is not None:
+            _steady_compile(out, spent, any(r.extra.get("tensor_tracking_paused") for r in records))
         skipped = [r.step for r in records if r.scaler_skipped]
         if skipped and len(skipped) == len(records):
             out.warn(f"the fp16 grad scaler skipped every update ({skipped}): gradients overflow; "

@@ -28,7 +28,7 @@ import torch
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
 from ..gates.view import Batching, Exported, NotMeasured, UpdateIds, Window
-from ..program.describe import JobFacts, describe_objects, longest_collated
+from ..program.describe import JobFacts, accelerator_compile, compile_seen, describe_objects, longest_collated
 from . import common as C
 from .loops import HandLoopView
 from .observe import probe_and_watch
@@ -80,8 +80,12 @@ def describe_loop(accelerator, model, optimizer, loader, updates: int | None = N
         max_length, how = longest_collated(base.dataset, base.collate_fn, micro)
     mixed = str(getattr(accelerator, "mixed_precision", "no"))
     precision = MIXED_PRECISION.get(mixed)
+    scope, source = accelerator_compile(accelerator)
+    if (seen := compile_seen(model)) is not None:   # compiled by the program itself, or already by prepare
+        scope, source = seen, source or "the prepared model runs torch.compile'd"
     facts = describe_objects(
         accelerator.unwrap_model(model), optimizer, framework="accelerate.Accelerator", micro_batch_size=micro,
+        compile=scope, compile_source=source,
         grad_accum_steps=int(accelerator.gradient_accumulation_steps), precision=precision,
         precision_source=f"Accelerator(mixed_precision={mixed!r})" if precision else "", max_length=max_length,
         length_source=how, world_size=int(accelerator.num_processes), updates=updates, max_grad_norm=max_grad_norm)

@@ -33,7 +33,7 @@ import torch
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
 from ..gates.view import Batching, Exported, NotMeasured, UpdateIds, Window
-from ..program.describe import LIGHTNING_PRECISION, JobFacts, describe_objects, longest_collated
+from ..program.describe import LIGHTNING_PRECISION, JobFacts, compile_seen, describe_objects, longest_collated
 from ..train.batches import to_device
 from . import common as C
 from .loops import HandLoopView
@@ -95,8 +95,10 @@ def describe_loop(fabric, model, optimizer, loader, accumulate: int = 1, updates
         max_length, how = longest_collated(loader.dataset, loader.collate_fn, micro)
     setting = _precision(fabric)
     precision = LIGHTNING_PRECISION.get(setting)
+    seen = compile_seen(model)   # fabric.setup(torch.compile(model)): its _FabricModule runs the compiled module
     facts = describe_objects(
         unwrap(model), optimizer, framework="lightning.Fabric", micro_batch_size=micro, grad_accum_steps=accumulate,
+        compile=seen, compile_source="the set-up model runs torch.compile'd" if seen else "",
         precision=precision, precision_source=f"Fabric(precision={setting!r})" if precision else "",
         max_length=max_length, length_source=how, world_size=int(fabric.world_size), updates=updates,
         max_grad_norm=max_grad_norm)

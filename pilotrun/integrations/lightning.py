@@ -308,6 +308,8 @@ def describe_fit(trainer, module) -> JobFacts:
         max_grad_norm=float(clip) if clip else None)
     if precision is None:
         facts.notes.append(f"Trainer(precision={trainer.precision!r}) has no train.precision equivalent")
+    if facts.compile is not None:   # trainer.fit(torch.compile(module)): Lightning marks the module it unwrapped
+        facts.compile_source = "the LightningModule runs torch.compile'd (Lightning's _compiler_ctx)"
     if len(trainer.optimizers) > 1:
         facts.notes.append(f"the fit has {len(trainer.optimizers)} optimizers; the first is described")
     return facts

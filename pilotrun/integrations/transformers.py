@@ -50,7 +50,7 @@ from ..checkpoint.io import AtomicFolder
 from ..gates.accum import first_examples_window
 from ..gates.base import Outcome
 from ..gates.view import Artifact, Batching, Exported, NotMeasured, OverfitPlan, Reloaded, UpdateIds, Window, tensors_of
-from ..program.describe import JobFacts, describe_objects, longest_collated
+from ..program.describe import JobFacts, accelerator_compile, describe_objects, longest_collated
 from ..program.env import IdKind
 from ..train.evaluation import outputs_of
 from ..train.loss import rng_untouched
@@ -267,13 +267,16 @@ def describe_trainer(trainer: Trainer, args, state, optimizer, dataloader) -> Jo
         length, how = declared, f"{type(args).__name__}.max_length (the examples could not be read: {how})"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     assert trainer.model is not None  # the Trainer refuses to train without one
+    scope, source = accelerator_compile(getattr(trainer, "accelerator", None))
+    if getattr(args, "torch_compile", False):   # the Trainer compiles the model as it wraps it, after this call
+        scope, source = scope or "model", f"TrainingArguments.torch_compile ({source or 'the whole model'})"
     facts = describe_objects(
         trainer.model, optimizer or trainer.optimizer, framework=f"{type(trainer).__module__}.{type(trainer).__name__}",
         micro_batch_size=micro, grad_accum_steps=int(args.gradient_accumulation_steps), precision=precision,
         precision_source="TrainingArguments." + ("bf16" if args.bf16 else "fp16") if precision else "",
         activation_checkpointing=True if args.gradient_checkpointing else None, max_length=length, length_source=how,
         world_size=int(args.world_size), updates=int(state.max_steps) if state.max_steps > 0 else None,
-        max_grad_norm=float(args.max_grad_norm) if args.max_grad_norm else None)
+        max_grad_norm=float(args.max_grad_norm) if args.max_grad_norm else None, compile=scope, compile_source=source)
     if facts.precision is None:
         facts.precision, facts.precision_source = "fp32", "TrainingArguments: bf16 and fp16 off, fp32 parameters"
     facts.notes.append(f"TrainingArguments.optim: {getattr(args.optim, 'value', args.optim)}")

@@ -27,6 +27,8 @@ import torch
 
 from ..config.sections import Precision
 from ..ledger.records import TextEnum
+from ..models.structure import repeated_blocks
+from ..train.compile import compiled_scope
 
 # Examples read to find the longest the collate produces: enough for a fine-tuning set's long tail, bounded for a
 # streamed one (the describe run stops right after, so reading them changes nothing the run does).
@@ -75,6 +77,8 @@ class JobFacts:
     activation_checkpointing: bool | None = None
     checkpointing_policy: str | None = None     # full, selective, selective-N, every-N (checkpointing_policy())
     checkpointing_source: str = ""
+    compile: str | None = None                  # train.compile's words (model, blocks) | None: eager as far as seen
+    compile_source: str = ""                    # how it was seen (a compiled module, the framework's setting)
     attn_implementation: str | None = None      # the transformers model's attention (sdpa, flash_attention_2, ...)
     micro_batch_size: int | None = None
     grad_accum_steps: int | None = None
@@ -148,6 +152,8 @@ def _values_problem(facts: dict) -> str | None:
     quant = facts.get("quantization")
     if quant is not None and not (isinstance(quant.get("bits"), int) or isinstance(quant.get("unsupported"), str)):
         return "field 'quantization' has neither 'bits' nor 'unsupported'"
+    if facts.get("compile") not in (None, "model", "blocks"):
+        return f"field 'compile' is {facts['compile']!r}, not model, blocks or null"
     labels = (facts.get("config") or {}).get("id2label")
     if labels is not None and not (isinstance(labels, dict) and all(str(k).isdigit() for k in labels)):
         return "field 'config' has an id2label whose keys are not class indices"
@@ -171,6 +177,37 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             continue
         break
     return model
+
+
+def compile_seen(model: torch.nn.Module) -> str | None:
+    """How the program compiled its model (``train.compile``'s words), looking through the wrappers
+    :func:`unwrap_model` strips: a ``torch.compile`` wrapper or a module compiled in place, whole or per block."""
+    for _ in range(8):
+        if (scope := compiled_scope(model, repeated_blocks(model)[1])) is not None:
+            return scope
+        if isinstance(getattr(model, "_compiler_ctx", None), dict):  # Lightning's mark on a compiled LightningModule
+            return "model"
+        # torch.compile's wrapper, DDP/FSDP1, Fabric's _FabricModule (what runs is its _forward_module)
+        inner = next((m for a in ("_orig_mod", "_forward_module", "module")
+                      if isinstance(m := getattr(model, a, None), torch.nn.Module)), None)
+        if inner is None:
+            return None
+        model = inner
+    return None
+
+
+def accelerator_compile(accelerator: Any) -> tuple[str | None, str]:
+    """What accelerate's ``dynamo_plugin`` (``Accelerator(dynamo_backend=...)``; the Trainer's ``torch_compile``
+    sets it too) compiles at ``prepare``: ``(scope, source)``, ``(None, "")`` without one. Read by attribute, never
+    imported: regional compilation is accelerate's per-block compile."""
+    plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
+    backend = getattr(plugin, "backend", None)
+    name = str(getattr(backend, "value", backend) or "no")
+    if name.lower() == "no":
+        return None, ""
+    regional = bool(getattr(plugin, "use_regional_compilation", False))
+    return ("blocks" if regional else "model",
+            f"accelerate's dynamo_plugin (backend {name}{', regional compilation' if regional else ''})")
 
 
 def unwrap_optimizer(opt: Any) -> Any:
@@ -405,10 +442,13 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
                      micro_batch_size: int | None = None, grad_accum_steps: int | None = None,
                      precision: str | None = None, precision_source: str = "", activation_checkpointing: bool | None
                      = None, max_length: int | None = None, length_source: str = "", batch: Any = None,
-                     world_size: int = 1, updates: int | None = None, max_grad_norm: float | None = None) -> JobFacts:
+                     world_size: int = 1, updates: int | None = None, max_grad_norm: float | None = None,
+                     compile: str | None = None, compile_source: str = "") -> JobFacts:
     """The facts of a job from its objects. ``batch`` (a collated micro batch) gives the micro batch size and the
-    length when they are not given."""
+    length when they are not given; ``compile`` (model or blocks) says the model runs compiled when the model
+    object does not show it yet (a framework that compiles later)."""
     notes: list[str] = []
+    seen = compile_seen(model)
     model = unwrap_model(model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -434,6 +474,9 @@ def describe_objects(model: torch.nn.Module, optimizer: Any = None, *, framework
         impl = getattr(hf.config, "_attn_implementation", None)
         facts.attn_implementation = impl if isinstance(impl, str) else None
     facts.activation_checkpointing = activation_checkpointing
+    facts.compile = seen or compile
+    facts.compile_source = compile_source or ("declared" if compile and not seen else "") or (
+        ("the model runs torch.compile'd" + (" per block" if seen == "blocks" else "")) if seen else "")
     precision, precision_source = _weights_precision(dtype, precision, precision_source)
     facts.precision, facts.precision_source = precision, precision_source if precision else ""
     if batch is not None:

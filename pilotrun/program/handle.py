@@ -57,12 +57,13 @@ Contract (stable: the transformers and Lightning integrations are built on it)::
     :func:`pilotrun.stage`'s measurement (time, peaks kept apart, a ``fail`` row on an exception). Names the pilot
     reads: ``first_step``, ``steady_step``, ``eval``, ``save`` (also ``load``).
 ``job.describe(model, optimizer=None, batch=None, max_length=None, micro_batch_size=None, grad_accum_steps=None,
-precision=None, activation_checkpointing=None, updates=None, max_grad_norm=None)``
+precision=None, activation_checkpointing=None, updates=None, max_grad_norm=None, compile=None)``
     The job's shape for ``pilotrun estimate|select|plan`` on the program spec: call it once the model and optimizer
     exist, before the first update (the transformers and Lightning callbacks call it for you). ``batch`` a collated
     micro batch (gives the micro batch size and length when they are not given); ``precision`` as
-    ``train.precision`` names it (fp32, bf16, fp16, bf16-true, bf16-true-autocast). In the ``describe`` run the
-    process ends here (exit 0, on every rank): the estimate needs no update.
+    ``train.precision`` names it (fp32, bf16, fp16, bf16-true, bf16-true-autocast); ``compile`` (model or blocks)
+    when the program compiles after this call (a model already compiled, whole or per block, is seen). In the
+    ``describe`` run the process ends here (exit 0, on every rank): the estimate needs no update.
 ``job.record_gate(gate, verdict, reason, **measurements)``
     An in-process gate's row (inspect, batch, accum_equivalence, overfit, export, reload_eval from an integration):
     ``verdict`` a :class:`~pilotrun.ledger.records.Verdict` or its text; measurements must be JSON values.

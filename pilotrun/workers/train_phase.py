@@ -23,6 +23,7 @@ from ..checkpoint.state import compare_fingerprints, load_state_json
 from ..checkpoint.trust import LoadPolicy
 from ..drivers import Driver, ModelDriver, build_job
 from ..measure.meter import StageMeter
+from ..train.compile import COUNT_KEYS
 from .common import peak_memory, read_spec_file, write_error, write_result
 
 
@@ -31,8 +32,10 @@ def _float(x: float | None) -> str | None:
 
 
 def record(rec) -> dict:
+    # train.compile: what the update compiled in this fresh process (the resume gate reports the resumed compile)
+    compiled = {k: rec.extra[k] for k in COUNT_KEYS if k in rec.extra}
     return {"step": rec.step, "sample_ids": rec.sample_ids, "lr": _float(rec.lr), "loss": _float(rec.loss),
-            "grad_norm": _float(rec.grad_norm)}
+            "grad_norm": _float(rec.grad_norm), **compiled}
 
 
 def run_updates(driver: Driver, n: int) -> list[dict]:
