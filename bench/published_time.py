@@ -3,6 +3,7 @@
     .venv/bin/python bench/published_time.py                         # the jobs in bench/published/times.yaml
     .venv/bin/python bench/published_time.py --jobs other/times.yaml # measurements kept elsewhere, same format
     .venv/bin/python bench/published_time.py --only MPT-7B           # the jobs whose name contains it
+    .venv/bin/python bench/published_time.py --only nanoGPT --tag attention  # results: published_time-attention-...
 
 Each job runs ``pilotrun estimate SPEC --set ... --accelerator A --strategy S --gpus N --json`` and compares its
 ``seconds_per_update`` with the published one. The goal is within ±25%. Beside the time model's answer (each op
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=Path, default=JOBS,
                     help="a YAML file of published jobs in bench/published/times.yaml's format (its specs beside it)")
     ap.add_argument("--only", default="", help="run only the jobs whose name contains this text")
+    ap.add_argument("--tag", default="", help="results file published_time-TAG-<device>-<date>.json (a partial run "
+                                              "then leaves the day's full results in place)")
     args = ap.parse_args()
     try:
         data = yaml.safe_load(args.jobs.read_text())
@@ -109,8 +112,9 @@ def main() -> None:
     print(f"\n{within} of {len(rows)} within ±{GOAL:.0%} (median ratio {summary['median_ratio']:.3f}, worst "
           f"{summary['worst_ratio']:.3f}); FLOPs at the default utilisation: {summary['flops_only_within_goal']} of "
           f"{len(old_ratios)} (median {summary['flops_only_median_ratio']:.3f})")
-    write_results("published_time", {"jobs_file": str(args.jobs), "machine": machine(), "summary": summary,
-                                     "rows": rows})
+    write_results("published_time" + (f"-{args.tag}" if args.tag else ""),
+                  {"jobs_file": str(args.jobs), "only": args.only or None, "machine": machine(), "summary": summary,
+                   "rows": rows})
 
 
 if __name__ == "__main__":
