@@ -294,7 +294,7 @@ def test_what_the_task_cannot_know_is_said_and_what_cannot_run_is_refused():
     assert image is None and "names no image" in why
     unnamed = inputs(row=inputs().row | {"skypilot": ""})
     assert "unknown SkyPilot name" in task_text(unnamed) and "H100-80GB:4" in task_text(unnamed)
-    with pytest.raises(TaskRefused, match="more than one node holds"):
+    with pytest.raises(TaskRefused, match="over 2 nodes: a task over several nodes pilots the whole cluster"):
         task_text(inputs(row=inputs().row | {"gpus": 16}))
     uri = yaml.safe_load(task_text(inputs(bucket=Bucket("s3://team/runs", "--bucket"))))
     assert uri["file_mounts"]["/pilotrun-bucket"] == {"source": "s3://team/runs", "mode": "MOUNT_CACHED"}

@@ -40,7 +40,7 @@ from .orchestrate import (
     run_plan,
     runs_folder,
 )
-from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, load_campaign, run_spec
+from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, load_campaign, run_size, run_spec
 
 
 def _campaign(led: Ledger, campaign_ref: str, ledger_path: Path) -> dict:
@@ -104,9 +104,9 @@ def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path:
     if examples_per_update(spec) != examples_per_update(before):
         raise CampaignError(f"the retry changes the examples per update ({examples_per_update(before)} -> "
                             f"{examples_per_update(spec)}): change train.grad_accum_steps with the micro batch")
-    with engine_for(engine, ledger_path, c.processes) as eng:
+    with engine_for(engine, ledger_path) as eng:
         if eng is not None:
-            cluster_plan(eng, 1, 1, spec, None, c.processes)
+            cluster_plan(eng, 1, 1, spec, None, run_size(c, spec))
         r = _new_run(camp, cmeta, parent, spec, ledger_path, _run_root(camp, cmeta, engine), retry_of=parent["run_id"],
                      changes=dict(changes))
         execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), run_plan(c), None, 1, False,
@@ -214,12 +214,12 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow
     specs = [run_spec(c, parent["meta"]["variant"], parent["meta"]["seed"], base_written=base_written)
              for parent in todo]
     base_hash = spec_from_mapping(base_written, c.folder / c.base).config_hash() if base_written else None
-    with engine_for(engine, ledger_path, c.processes) as eng:
+    with engine_for(engine, ledger_path) as eng:
         if eng is None:
             at_once = parallel_plan(c, specs[0], parallel or 1, ledger_path, base_hash=base_hash)
         else:
             at_once = cluster_plan(eng, parallel, len(specs), specs[0], base_pilot(c, ledger_path, base_hash),
-                                   c.processes)
+                                   run_size(c, specs[0]))
         at_once["warnings"] = (cmeta.get("parallel") or {}).get("warnings", [])  # said at the start; said again
         plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
         with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins

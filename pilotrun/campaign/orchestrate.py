@@ -31,7 +31,7 @@ from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind, new_run_id
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
-from ..procs import THREAD_VARS, Tree, process_mark
+from ..procs import THREAD_VARS, Tree, process_mark, with_torchrun_folder
 from ..workers.common import write_spec_file
 from ..workers.launch import worker_env
 from .conclude import conclude, current
@@ -46,10 +46,12 @@ from .spec import (
     load_campaign,
     run_device,
     run_processes,
+    run_size,
     run_spec,
     with_seed,
 )
-from .stops import STOP_REASON_FILE, STOP_SIGNAL, interrupted
+from .stops import STOP_REASON_FILE, STOP_SIGNAL, interrupted, tell_ranks
+from .worker import group_command
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
 ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")
@@ -76,7 +78,7 @@ def _env_drift(a: dict, b: dict) -> list[str]:
 def run_plan(c: CampaignSpec) -> dict:
     """What every run of the campaign is told: updates, validation frequency, stop rules, what to keep."""
     return {"updates": c.updates, "eval_every": c.eval.every, "stop": c.canonical()["stop"],
-            "keep": c.canonical()["keep"], "processes": c.processes}
+            "keep": c.canonical()["keep"], "processes": c.ranks}
 
 
 # A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
@@ -87,9 +89,10 @@ STOP_GRACE_S = 60
 class _Running:
     """The worker processes in flight, so an interrupt reaches every one of them, and the flag that stops new ones."""
 
-    def __init__(self, folder: Path, devices: dict | None = None) -> None:
+    def __init__(self, folder: Path, devices: dict | None = None, ranks: int = 1) -> None:
         # The parallel plan's device slots (campaign/devices.py), as many as runs at once: a worker takes one.
         self.devices = devices
+        self.ranks = ranks  # above 1: each run is a torchrun group of that many ranks (worker.group_command)
         self.free: queue.Queue[list[str]] = queue.Queue()
         for slot in (devices or {}).get("slots") or []:
             self.free.put(slot)
@@ -116,7 +119,10 @@ class _Running:
         with self.lock:
             procs = list(self.procs.values())
         for p in procs:  # each worker is in a session of its own: a terminal's Ctrl-C reached only this process
-            p.send_signal(STOP_SIGNAL)
+            if self.ranks > 1:  # every rank, not torchrun (which SIGUSR1 would end before the ranks record a row)
+                tell_ranks(p.pid, STOP_SIGNAL)
+            else:
+                p.send_signal(STOP_SIGNAL)
         deadline = time.monotonic() + STOP_GRACE_S
         for p in procs:
             try:
@@ -139,11 +145,13 @@ def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pa
 
 def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
            running: _Running, threads: int | None, slot: list[str] | None = None) -> int | None:
-    """Start the worker (with its device slot, when devices are assigned) and wait for it."""
-    cmd = [sys.executable, "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id,
-           "--out", str(out), "--ledger", str(ledger), "--plan", str(plan_file)]
-    if deadline is not None:
-        cmd += ["--deadline", str(deadline)]
+    """Start the worker (with its device slot, when devices are assigned) and wait for it; a group of ranks under
+    torchrun when the campaign asks for several per run (each rank writes its points to the ledger, rank 0 the
+    run's end)."""
+    args = ["--spec", str(spec_file), "--run-id", run_id, "--out", str(out), "--ledger", str(ledger),
+            "--plan", str(plan_file)] + (["--deadline", str(deadline)] if deadline is not None else [])
+    cmd = (group_command(running.ranks, args) if running.ranks > 1 else
+           [sys.executable, "-m", "pilotrun.campaign.worker", *args])
     with open(out / "worker.log", "w") as log:
         with running.lock:
             if running.stopping.is_set():  # the interrupt came while this run was being prepared
@@ -152,6 +160,8 @@ def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Pat
             env = worker_env() | {var: str(threads) for var in THREAD_VARS if threads and not os.environ.get(var)}
             if running.devices is not None and slot is not None:
                 env = worker_device_env(running.devices, env, slot)
+            if running.ranks > 1:  # torchrun's own files in the run's folder, not the machine's temporary one
+                env = with_torchrun_folder(env, out / "torchrun")
             # Under a keeper (pilotrun/procs.py): the run and all it starts end with it, and with this process.
             proc = Tree(cmd, env=env, label=f"campaign-{run_id}", stdout=log, stderr=subprocess.STDOUT)
             running.procs[run_id] = proc
@@ -211,8 +221,9 @@ def _checked_spec(c: CampaignSpec, value, seed: int, written: dict, check_files:
         if any(f == c.key for f, _ in exc.problems):
             raise CampaignError(f"vary: {c.key} is not a valid key of the base spec ({msgs})") from None
         raise CampaignError(f"{c.key} = {value!r} does not give a valid spec: {msgs}") from None
-    if c.processes > 1 and c.program is None and not strategies.get(spec.distributed.strategy).multi_process:
-        raise CampaignError(f"processes: {c.processes} runs each run as a group of {c.processes} processes, "
+    if c.ranks > 1 and not strategies.get(spec.distributed.strategy).multi_process:
+        key = "gpus_per_run" if c.gpus_per_run else "processes"
+        raise CampaignError(f"{key}: {c.ranks} runs each run as a group of {c.ranks} processes, "
                             f"but the base's distributed.strategy is {spec.distributed.strategy}: set it to "
                             f"{' or '.join(strategies.multi_process_names())}")
     return spec
@@ -249,13 +260,14 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
     with Ledger(ledger_path) as led:
         per_run = pilot_memory(led, base_hash or load_spec(c.folder / c.base, allow_program=True).config_hash())
     host = query_host()
-    # One device per process of a run when several are visible: pilotrun's loop runs one process per run here, a
+    # One device per process of a run when several are visible: pilotrun's loop runs gpus_per_run ranks per run, a
     # program as many as its launcher starts (`torchrun --nproc-per-node 2 train.py`: two devices per run).
-    processes = run_processes(control_spec)
+    processes = run_size(c, control_spec)
     devices = assign_devices(query_devices(), run_device(control_spec), per_run=processes, environ=os.environ)
     if devices.mode == DeviceMode.PER_RUN and not devices.slots:
+        fewer = "program.command" if run_processes(control_spec) > 1 else "gpus_per_run"  # where the count is said
         raise CampaignError(f"each run starts {processes} processes, one device each: {devices.reason}; start fewer "
-                            "per run in program.command, or make more devices visible")
+                            f"per run ({fewer}), or make more devices visible")
     return plan_parallel(requested, cpus=host.cpus, host_available_bytes=host.memory_available_bytes,
                          accelerator=_accelerator(control_spec), per_run=per_run, devices=devices,
                          processes=processes)
@@ -307,7 +319,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
     runs, problems = prepare(c, base.written)
     if problems:
         raise CampaignError("refused before the start: " + "; ".join(problems) + " (a campaign varies one key only)")
-    with engine_for(engine, ledger_path, c.processes) as eng:
+    with engine_for(engine, ledger_path) as eng:
         campaign_id = new_run_id(name)
         folder = out_root / campaign_id
         folder.mkdir(parents=True, exist_ok=True)
@@ -319,7 +331,7 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
             at_once = parallel_plan(c, runs[0]["spec"], parallel or 1, ledger_path, base.config_hash())
         else:
             at_once = cluster_plan(eng, parallel, len(runs), runs[0]["spec"],
-                                   base_pilot(c, ledger_path, base.config_hash()), c.processes)
+                                   base_pilot(c, ledger_path, base.config_hash()), run_size(c, runs[0]["spec"]))
         at_once["warnings"] = warnings_for(c, runs)
         plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
         (folder / "plan.json").write_text(json.dumps(plan, indent=1))
@@ -372,8 +384,9 @@ def engine_meta(engine: EngineChoice | None, run_root: Path) -> dict:
 
 def cluster_plan(eng: ClusterEngine, requested: int | None, runs: int, spec, per_run: PerRun | None,
                  processes: int) -> dict:
-    """The engine's own plan (how many at once, what each asks for); its refusal as a CampaignError. A program whose
-    launcher starts several processes (run_processes) asks for a CPU, and a GPU, per process as a group does."""
+    """The engine's own plan (how many at once, what each asks for); its refusal as a CampaignError. ``processes``:
+    the run's size (``run_size``); a program whose launcher starts several processes (run_processes) asks for a CPU,
+    and a GPU, per process as a group does."""
     try:
         return eng.plan(requested, runs, spec, per_run, max(processes, run_processes(spec)))
     except EngineRefusal as exc:
@@ -381,12 +394,9 @@ def cluster_plan(eng: ClusterEngine, requested: int | None, runs: int, spec, per
 
 
 @contextmanager
-def engine_for(engine: EngineChoice | None, ledger_path: Path, processes: int = 1) -> Iterator[ClusterEngine | None]:
+def engine_for(engine: EngineChoice | None, ledger_path: Path) -> Iterator[ClusterEngine | None]:
     """The engine to hand ``execute``, started for the block (None: the local engine, made by ``execute``)."""
     if engine is None or engine.name == "local":
-        if processes > 1:
-            raise CampaignError(f"processes: {processes} runs each run as a torchrun-style group inside a Ray task: "
-                                "add --engine ray (a local Ray instance needs no cluster), or set processes: 1")
         yield None
         return
     try:
@@ -415,7 +425,7 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
     ``engine`` runs each one (engines/base.py); None: local worker processes on this machine.
     ``devices``: the parallel plan's device slots (campaign/devices.py); a local run takes a free slot."""
     plan_file = folder / "plan.json"
-    running: Engine = engine if engine is not None else _Running(folder, devices)
+    running: Engine = engine if engine is not None else _Running(folder, devices, plan.get("processes", 1))
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:

@@ -142,9 +142,14 @@ class CampaignSpec:
     keep: Keep = doc("what each run keeps", Keep)
     program: ProgramTemplate | None = doc(
         "with a program base (program: in the base spec): how each run's value and seed reach the program", None)
-    processes: int = doc(
-        "processes per run: above 1, each run is a torchrun-style group (the base's distributed.strategy ddp or "
-        "fsdp, gloo on CPU) inside one Ray task with that many GPUs (or CPUs); needs --engine ray", 1)
+    gpus_per_run: int | None = doc(
+        "devices per run, one process each. pilotrun's loop (the base's distributed.strategy ddp or fsdp): above 1, "
+        "each run is torchrun with that many ranks (gloo on CPU), on its own devices of this machine (local engine) "
+        "or in one Ray task holding that many GPUs (CPUs on a CPU-only cluster). A program: the devices its run is "
+        "given where its command's launcher does not say how many (python train.py, torchrun --nproc-per-node gpu, "
+        "accelerate's config file); a launcher that says (--nproc-per-node 2) must agree. Default: the launcher's "
+        "count, else 1", None)
+    processes: int = doc("the older name of gpus_per_run, for pilotrun's loop only (give one of the two)", 1)
     source: str = field(default="", init=False, metadata={"internal": True})
 
     def check(self):
@@ -170,6 +175,11 @@ class CampaignSpec:
             yield "updates", "must be at least 1"
         if self.processes < 1:
             yield "processes", "must be at least 1"
+        if self.gpus_per_run is not None and self.gpus_per_run < 1:
+            yield "gpus_per_run", "must be at least 1"
+        elif self.gpus_per_run is not None and self.processes not in (1, self.gpus_per_run):
+            yield "gpus_per_run", (f"{self.gpus_per_run} and processes {self.processes} disagree: processes is the "
+                                   "older name of gpus_per_run; give gpus_per_run alone")
         yield from self._bound_problems()
 
     def _bound_problems(self):
@@ -181,6 +191,12 @@ class CampaignSpec:
             for i, value in values[b.field]:
                 if (problem := int_problem(b, value, b.field if i is None else f"{b.field}[{i}]")) is not None:
                     yield problem
+
+    @property
+    def ranks(self) -> int:
+        """The processes of one run of pilotrun's loop (a torchrun group above 1); 1 for a program, whose processes
+        are its launcher's (:func:`run_size`)."""
+        return (self.gpus_per_run or self.processes) if self.program is None else 1
 
     @property
     def key(self) -> str:
@@ -197,6 +213,8 @@ class CampaignSpec:
     def canonical(self) -> dict:
         out = asdict(self)
         out.pop("source", None)
+        if out.get("gpus_per_run") is None:
+            out.pop("gpus_per_run", None)  # absent, not null: a campaign without it keeps the digest it had
         return json.loads(json.dumps(out, sort_keys=True, default=str))
 
     def digest(self) -> str:
@@ -266,7 +284,14 @@ def load_campaign(path: str | Path) -> CampaignSpec:
                                      "{seed} in program.args or program.env")], str(p))
     if spec.program is not None and spec.processes > 1:
         raise SpecError([("processes", "a program starts its own processes (torchrun in program.command): remove "
-                                       "processes")], str(p))
+                                       "processes (gpus_per_run gives its run devices where its launcher does not "
+                                       "say how many)")], str(p))
+    if base_spec.program is not None and spec.gpus_per_run is not None:
+        said = launcher_processes(base_spec.program.words)
+        if said is not None and said != spec.gpus_per_run:
+            raise SpecError([("gpus_per_run", f"{spec.gpus_per_run}, but the base's program.command starts {said} "
+                                              f"process(es) (its launcher's count), one device each: set gpus_per_run"
+                                              f": {said} or remove it, or change the launcher's count")], str(p))
     return spec
 
 
@@ -351,6 +376,15 @@ def run_processes(spec: Spec) -> int:
     """The processes one run starts on its machine: a program's launcher count (config/program.py), else 1 (a run
     of pilotrun's loop here; a group of ``processes`` is Ray's, engines/ray.py)."""
     return (launcher_processes(spec.program.words) if spec.program is not None else None) or 1
+
+
+def run_size(campaign: CampaignSpec, spec: Spec) -> int:
+    """The devices one run takes, one process each: pilotrun's loop's ranks (``gpus_per_run``); a program's launcher
+    count, else the campaign's ``gpus_per_run`` (the program, or a launcher deciding its own count, uses what it is
+    given; counted as one process per device for its share of the cores), else 1."""
+    if spec.program is None:
+        return campaign.ranks
+    return launcher_processes(spec.program.words) or campaign.gpus_per_run or 1
 
 
 def run_device(spec: Spec) -> str:

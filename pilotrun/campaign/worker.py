@@ -2,8 +2,10 @@
 
     python -m pilotrun.campaign.worker --spec SPEC.json --run-id ID --out DIR --ledger L.sqlite --plan PLAN.json
 
-Under torchrun inside a Ray task (a campaign with ``processes`` above 1), ``--spool DIR`` replaces
-``--ledger``: each rank appends its rows to DIR/rank<R>.jsonl and the task sends them to the driver.
+A campaign with ``gpus_per_run`` above 1 starts it under torchrun (:func:`group_command`): each rank writes its
+own update points, rank 0 the validations and the run's end. On the local engine the ranks write the ledger as
+parallel workers do; inside a Ray task ``--spool DIR`` replaces ``--ledger``: each rank appends its rows to
+DIR/rank<R>.jsonl and the task sends them to the driver.
 """
 from __future__ import annotations
 
@@ -18,6 +20,14 @@ from pathlib import Path
 from ..workers.common import read_spec_file
 from .spool import SpoolSink
 from .stops import STOP_REASON_FILE, STOP_SIGNAL
+
+
+def group_command(ranks: int, worker_args: list[str]) -> list[str]:
+    """The worker as ``ranks`` processes under torchrun: a fresh ``--standalone`` group on this machine (its own
+    rendezvous on a free port, so runs side by side never meet), one rank per device the run was given (LOCAL_RANK
+    picks it among the visible ones; gloo on CPU). The engines start this for a campaign of ``gpus_per_run`` above 1."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            "-m", "pilotrun.campaign.worker", *worker_args]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,8 +40,10 @@ A retry is a new run linked to its parent (never a replacement) and may change o
 experiment the same: micro batch with accumulation (examples per update held), activation checkpointing.
 A resume runs each run the interrupt cut short again from the start, as a new run linked to it, within
 the budget the campaign had left; runs with a result (finished, diverged, failed) are left as they are.
-With --engine ray each run is a Ray task (a CPU per process, and a GPU per process unless the spec trains on
-the CPU; `processes: N` in the campaign file makes each run a torchrun-style group of N); only this process
+`gpus_per_run: N` in the campaign file makes each run of pilotrun's loop a torchrun group of N ranks (a program's
+run takes as many devices as its launcher starts, or gpus_per_run where its command does not say); locally each
+run gets its own N devices, runs side by side never share one. With --engine ray each run is a Ray task (a CPU per
+process, and a GPU per process unless the spec trains on the CPU, torchrun inside it); only this process
 writes the ledger; a run whose Ray worker or node was lost is kept as stopped at its last recorded update and
 --resume runs it again as a new linked run.
 With --task-id ID (a task a scheduler restarts; SkyPilot's $SKYPILOT_TASK_ID stays the same across its recoveries)
@@ -59,7 +61,7 @@ def add_parser(sub) -> None:
     p.add_argument("--parallel", type=int, default=None,
                    help="runs at once, at most (default: 1 locally; with --engine ray, what the cluster fits); "
                         "locally with several GPUs each run gets its own (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES; "
-                        "a program launched with N processes per run, N of them); "
+                        "N of them for a run of N processes: gpus_per_run, or a program's launcher); "
                         "fewer when the cores, the GPUs or the memory a pilot of the base spec measured do not "
                         "allow it (the reason is printed and kept)")
     p.add_argument("--engine", choices=ENGINES, default="local",

@@ -15,13 +15,14 @@ from ..humanize import money
 from ..ui.tables import Column, Footnotes, fit_noted, print_table
 from .common import UsageError, add_ledger_arg, command_parser, err_console, ledger_if_present, out_console
 from .estimate import add_trace_cache_arg, load_estimated, print_program_job, print_trace_notes
-from .select import build_sheet
+from .select import add_inter_node_arg, batch_notes, build_sheet, gpus_cell, inter_node_notes
 from .skypilot_task import SKYPILOT_HELP, add_skypilot_args, check_args, write_task
 
 HELP = """examples:
   pilotrun plan examples/llama-7b-estimate/pilot.yaml --accelerator H100-80GB
   pilotrun plan pilot.yaml --runs 6 --accelerator a100 --json
   pilotrun plan pilot.yaml --runs 3 --egress-mb-s 50 --evals 20
+  pilotrun plan examples/llama-70b-estimate/pilot.yaml --accelerator H100-80GB --inter-node-gb-s 50   # 2 nodes
   pilotrun plan pilot.yaml --accelerator H100-80GB --spot --skypilot task.yaml --bucket my-runs --campaign sweep.yaml
 
 Items measured by a pilot of this spec (preprocessing, data wait, evaluation, checkpoint speed) come from the
@@ -43,6 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--accelerator", action="append", default=[])
     p.add_argument("--catalog", type=Path)
     add_ledger_arg(p)
+    add_inter_node_arg(p)
     p.add_argument("--download-mb-s", type=float, default=Assumptions.download_mb_s)
     p.add_argument("--egress-mb-s", type=float, default=Assumptions.egress_mb_s)
     p.add_argument("--evals", type=int, default=Assumptions.evals_per_run, help="evaluations per run")
@@ -141,12 +143,14 @@ def _print_item(console, item: dict, runs: int) -> None:
         console.print()
         return
     console.print(Text.assemble((item["accelerator"], "bold cyan"),
-                                f" · {row['strategy']} x{row['gpus']}"
+                                f" · {row['strategy']} x{gpus_cell(row)}"
                                 f"{' + AC' if row['activation_checkpointing'] else ''}"
                                 f" · micro batch {row['micro_batch_size']} x {row['grad_accum_steps']}"
                                 f" · {'fits' if row['fits'] else 'DOES NOT FIT'}"))
     if row.get("adapter"):
         console.print(Text("  " + adapter_line(row["adapter"]), style="dim"))
+    for note in inter_node_notes([row]) + batch_notes([row]):
+        console.print(Text("  " + note, style="dim"))
     table, dropped, notes = per_run_table(per_run, runs, console.width)
     print_table(console, table, dropped, notes)
     if per_run["cost_note"]:
@@ -155,7 +159,8 @@ def _print_item(console, item: dict, runs: int) -> None:
         verdict = Text("fits", style="green") if p["fits_with_margin"] else Text("too short", style="red")
         cost = (f", rental {money(p['cost'])} (the runs themselves: {money(p['work_cost'])})" if p.get("cost")
                 else "")
-        console.print(Text.assemble(f"  {p['days']:>2} days on {p['gpus']} GPU(s){cost}: ", verdict,
+        on = f"{p['gpus']} GPU(s)" + (f" on {row['nodes']} nodes" if (row.get("nodes") or 1) > 1 else "")
+        console.print(Text.assemble(f"  {p['days']:>2} days on {on}{cost}: ", verdict,
                                     f" ({p['runs_that_fit']} run(s) fit with a 20% margin)"
                                     + (f"; {'; '.join(p['advice'])}" if p["advice"] else "")))
     console.print(Text(f"  more GPUs? {item['more_gpus']}", style="dim"))

@@ -12,7 +12,7 @@ from rich.text import Text
 from ..estimate.catalog import CatalogError, find, load_catalog
 from ..estimate.experiments import OTHER_EXPERIMENT_NOTE, adapter_line, other_experiments
 from ..estimate.runner import Traces
-from ..estimate.select import path_cell, path_notes, sheet_row
+from ..estimate.select import path_cell, path_notes, sheet_row, with_inter_node
 from ..estimate.stack import installed_extensions
 from ..estimate.worker import TraceError
 from ..humanize import human_bytes, human_seconds, money
@@ -28,14 +28,24 @@ HELP = """examples:
   pilotrun select pilot.yaml --catalog examples/catalog/my-gpus.yaml   # prices: cost per update and in total
   pilotrun select pilot.yaml --accelerator H100-80GB --accelerator MI300X-192GB --headroom 0.1
   pilotrun select pilot.yaml --accelerator H100-80GB --skypilot task.yaml --bucket my-runs   # that row as a task
+  pilotrun select examples/llama-70b-estimate/pilot.yaml --accelerator H100-80GB --inter-node-gb-s 50   # 2+ nodes
 
 For each accelerator: the first configuration that fits with headroom, in the fix order (single device,
-activation checkpointing, FSDP over 2/4/8, a smaller micro batch with more accumulation holding the examples
-per update), the largest micro batch and length that fit, and the time for train.updates. With prices in a
+activation checkpointing, FSDP over 2/4/8, then over 2, 4, 8, 16 nodes of the catalog's gpus_per_node, a smaller
+micro batch with more accumulation holding the examples per update), the largest micro batch and length that fit,
+and the time for train.updates. Across nodes collectives run at --inter-node-gb-s (or the catalog's
+inter_node_gb_s; without either the time is a lower bound, said so). With prices in a
 catalog file (price_per_gpu_hour, see docs/catalog.md and examples/catalog/my-gpus.yaml) each time has its cost.
 
 """ + SKYPILOT_HELP + """ From select the pipeline items take plan's default assumptions (`pilotrun plan
 --skypilot` takes its flags)."""
+
+
+def add_inter_node_arg(p) -> None:
+    p.add_argument("--inter-node-gb-s", type=float, metavar="GB_S",
+                   help="the rental's link between nodes, GB/s per GPU (e.g. 50 for 400 Gb/s InfiniBand per GPU): "
+                        "collectives over several nodes run at it (default: the catalog's interconnect.inter_node_gb_s;"
+                        " without either the intra-node link is used and the time is a lower bound)")
 
 
 def add_parser(sub) -> None:
@@ -44,6 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--accelerator", action="append", default=[])
     p.add_argument("--catalog", type=Path)
     add_ledger_arg(p)
+    add_inter_node_arg(p)
     p.add_argument("--headroom", type=float,
                    help="share of device memory kept free, 0 to 0.5 (default from the catalog, 5%%)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -67,6 +78,12 @@ def build_sheet(spec, args, headroom, quiet) -> tuple[list[dict], Traces]:
         accs = [find(catalog, a) for a in args.accelerator] or list(catalog.values())
     except CatalogError as exc:
         raise UsageError(str(exc)) from None
+    link = getattr(args, "inter_node_gb_s", None)
+    if link is not None:
+        if not link > 0:
+            raise UsageError(f"--inter-node-gb-s is the link between nodes in GB/s per GPU, above 0 (e.g. 50); got "
+                             f"{link}")
+        accs = [with_inter_node(a, link, f"--inter-node-gb-s {link:g}") for a in accs]
     traces = traces_for(spec, args)
     ledger = ledger_if_present(args.ledger)
     ext = installed_extensions(spec.folder)
@@ -106,6 +123,29 @@ def time_notes(rows: list[dict]) -> list[str]:
                                  if r.get("measured_recompute")]))
 
 
+def gpus_cell(row: dict) -> str:
+    """The GPUs a row runs on: "8", or "16 = 2 x 8" over nodes (nodes x GPUs per node)."""
+    nodes = row.get("nodes") or 1
+    return str(row["gpus"]) + (f" = {nodes} x {row['gpus'] // nodes}" if nodes > 1 else "")
+
+
+def inter_node_notes(rows: list[dict]) -> list[str]:
+    """The link each row over several nodes is timed at, and where that figure came from."""
+    return list(dict.fromkeys(
+        f"{r['accelerator']}: {r['nodes']} nodes x {r['gpus'] // r['nodes']} GPUs; between nodes "
+        + (f"{r['inter_node']['gb_s']:g} GB/s per GPU ({r['inter_node']['from']})" if r["inter_node"]["gb_s"]
+           else r["inter_node"]["from"]) for r in rows if r.get("fits") and r.get("inter_node")))
+
+
+def batch_notes(rows: list[dict]) -> list[str]:
+    return [r["batch_note"] for r in rows if r.get("fits") and r.get("batch_note")]
+
+
+def sheet_notes(rows: list[dict]) -> list[str]:
+    """The lines under the sheet: prices, times, faster paths, links between nodes, batches that moved."""
+    return price_notes(rows) + time_notes(rows) + path_notes(rows) + inter_node_notes(rows) + batch_notes(rows)
+
+
 def _hours(hours: float | None) -> str:
     """The planned updates' duration in a unit that shows it ("40 s", not "0.0 h"); "—" when it does not fit."""
     return human_seconds(hours * 3600) if hours else "—"
@@ -128,7 +168,7 @@ def markdown(spec, rows: list[dict], job=None) -> str:
         ok = r["fits"]
         lines.append(
             f"| {r['accelerator']} | {human_bytes(r['memory_per_device_bytes'])} | {'yes' if ok else 'no'} | "
-            f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {r['gpus']} | {r['precision']} | "
+            f"{r['strategy']}{' + AC' if r['activation_checkpointing'] else ''} | {gpus_cell(r)} | {r['precision']} | "
             f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['largest_micro_batch']} | {_length(spec, r)} | "
             f"{human_bytes(r['device_used_bytes'])} | {human_seconds(r['seconds_per_update']) if ok else '—'} | "
             f"{path_cell(r)} | {money(r['cost_per_update'])} | "
@@ -140,7 +180,7 @@ def markdown(spec, rows: list[dict], job=None) -> str:
     lines += ["", "Largest sizes assume activations scale linearly with micro batch and length (flash attention). "
               "Times: each row's utilisation_source (the model, or the pilot that measured it). "
               "Costs are GPUs x hours x the catalog's price_per_gpu_hour."]
-    lines += [f"- {n}" for n in price_notes(rows) + time_notes(rows) + path_notes(rows)]
+    lines += [f"- {n}" for n in sheet_notes(rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -166,7 +206,7 @@ def sheet_table(spec, rows: list[dict], width: int) -> tuple[Table, list[str], F
                       human_bytes(r["memory_per_device_bytes"]),
                       Text("yes" if ok else "no", style="green" if ok else "red"),
                       (r["strategy"] + (" + AC" if r["activation_checkpointing"] else "")) if ok else "—",
-                      str(r["gpus"]) if ok else "—",
+                      gpus_cell(r) if ok else "—",
                       f"{r['micro_batch_size']} x {r['grad_accum_steps']}" if ok else "—",
                       str(r["largest_micro_batch"]) if ok else "—", _length(spec, r) if ok else "—",
                       human_bytes(r["device_used_bytes"]), human_seconds(r["seconds_per_update"]) if ok else "—",
@@ -202,6 +242,6 @@ def main(args) -> int:
         console.print(Text(line, style="dim"))
     if len({r["experiment"] for r in rows}) > 1:
         console.print(Text(OTHER_EXPERIMENT_NOTE, style="dim"))
-    for note in price_notes(rows) + time_notes(rows) + path_notes(rows):
+    for note in sheet_notes(rows):
         console.print(Text(note, style="dim"))
     return 0

@@ -25,6 +25,7 @@ from ..deploy.skypilot import (
     TaskInputs,
     TaskRefused,
     bucket_problem,
+    nodes,
     task_text,
 )
 from ..estimate.plan import Assumptions, pipeline_hours
@@ -188,19 +189,55 @@ def _campaign(args, spec, row: dict, overrides) -> CampaignPart | None:
     if base != Path(spec.source).resolve():
         raise TaskRefused(f"--campaign {args.campaign}: its base is {base}, not the planned spec {spec.source}; plan "
                           "the campaign's base, so the task pilots what the campaign runs")
-    if overrides:
-        keys = ", ".join(f"{k}: {b}" for k, _, b in overrides)
-        raise TaskRefused(f"the plan runs {spec.source} as {keys}, and a campaign runs its base as written: put "
-                          f"these in {base.name} (or plan another accelerator), then write the task again")
-    if row["gpus"] > 1 and c.processes != row["gpus"]:
+    if row["gpus"] > 1 and c.ranks != row["gpus"] and not overrides:  # a planned campaign gets the plan's count
         raise TaskRefused(f"--campaign {args.campaign}: the plan runs each run on {row['gpus']} GPUs "
-                          f"({row['strategy']} x{row['gpus']}): set processes: {row['gpus']} in the campaign file")
+                          f"({row['strategy']} x{row['gpus']}): set gpus_per_run: {row['gpus']} in the campaign file")
     rel = os.path.relpath(Path(args.campaign).resolve(), start=spec.folder)
     if rel.startswith(".."):
         raise TaskRefused(f"--campaign {args.campaign} is outside the spec's folder {spec.folder}, the task's workdir "
                           "(what SkyPilot uploads; its base must reach the spec there): move the campaign file into "
                           f"{spec.folder} and set its base to {Path(spec.source).name}")
-    return CampaignPart(rel, len(c.values) * len(c.seeds), c.processes, c.keep.checkpoint, c.keep.export)
+    return CampaignPart(rel, len(c.values) * len(c.seeds), c.ranks, c.keep.checkpoint, c.keep.export)
+
+
+PLANNED = ".planned"  # the suffix of the spec and campaign files a plan that changes the spec writes
+
+
+def planned_files(spec, campaign_file: Path, overrides, gpus: int) -> list[tuple[Path, str]]:
+    """A plan that changes the spec, with a campaign: the spec with the plan's keys set (beside the spec: its relative
+    paths hold) and the campaign with that spec as its base (beside the campaign), as (path, text), each text headed
+    by what changed and the source's sha256; the task pilots and runs these, so no key is copied by hand."""
+    import hashlib
+
+    import yaml
+
+    from ..config.load import apply_overrides, read_raw
+
+    def sha(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    src, camp = Path(spec.source), Path(campaign_file)
+    raw, _ = read_raw(src)
+    apply_overrides(raw, [f"{k}={_value(b)}" for k, _, b in overrides])
+    new_spec = src.with_name(src.stem + PLANNED + src.suffix)
+    changed = ", ".join(f"{k}: {_value(a)} -> {_value(b)}" for k, a, b in overrides)
+    spec_text = (f"# Written by pilotrun plan --skypilot: {src.name} (sha256 {sha(src)}) at the plan's configuration "
+                 f"({changed}).\n# Edit {src.name} and plan again rather than this file.\n"
+                 + yaml.safe_dump(raw, sort_keys=False))
+    c_raw, _ = read_raw(camp)
+    c_raw["base"] = os.path.relpath(new_spec, start=camp.parent)
+    if gpus > 1:  # each run on the plan's GPUs, as the pilot
+        c_raw.pop("processes", None)
+        c_raw["gpus_per_run"] = gpus
+    new_camp = camp.with_name(camp.stem + PLANNED + camp.suffix)
+    camp_text = (f"# Written by pilotrun plan --skypilot: {camp.name} (sha256 {sha(camp)}) with its base at the plan's "
+                 f"configuration, {new_spec.name} (sha256 {hashlib.sha256(spec_text.encode()).hexdigest()}).\n"
+                 + yaml.safe_dump(c_raw, sort_keys=False))
+    return [(new_spec, spec_text), (new_camp, camp_text)]
+
+
+def _value(v) -> str:
+    return json.dumps(v) if isinstance(v, bool) else str(v)
 
 
 def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs: int = 1,
@@ -218,6 +255,17 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
     overrides = _overrides(spec, row)
     try:
         campaign = _campaign(args, spec, row, overrides)
+        planned = (planned_files(spec, args.campaign, overrides, row["gpus"]) if campaign is not None and overrides
+                   else [])
+        spec_rel, notes_head = Path(spec.source).name, []
+        if planned and campaign is not None:  # the task pilots and runs the written files, not the spec with --set
+            spec_rel = planned[0][0].name
+            campaign.path_rel = str(Path(campaign.path_rel).with_name(planned[1][0].name))
+            campaign.processes = max(campaign.processes, row["gpus"])
+            notes_head = [f"The plan changes the spec ({', '.join(f'{k}: {_value(b)}' for k, _, b in overrides)}): "
+                          f"written as {planned[0][0].name} beside the spec and {planned[1][0].name} beside the "
+                          "campaign (each headed by its source's sha256), which the task pilots and runs."]
+            overrides = []
         lock, lock_from = proven_lock(spec, args.ledger, args.lock)
         try:
             req = requirements(lock, Target(row["stack"]), lock_from, args.torch_index)
@@ -235,7 +283,7 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
             _bucket_name(spec.name), "no --bucket: SkyPilot creates a bucket of this name (pilotrun-<spec name>); "
             "pass --bucket to name yours")
         inputs = TaskInputs(
-            name=spec.name, spec_rel=Path(spec.source).name, workdir=str(root),
+            name=spec.name, spec_rel=spec_rel, workdir=str(root), notes=notes_head,
             workdir_why=why, row=row, per_run=per_run, runs=runs, overrides=overrides, lock=lock, lock_from=lock_from,
             lock_file=str(lock_file.resolve()), requirements=req, bucket=bucket, spot=args.spot,
             checkpoint=Size(sizes["per_checkpoint"]["bytes"], sizes["per_checkpoint"]["from"]),
@@ -249,9 +297,14 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
     if not task_file.parent.is_dir():
         raise UsageError(f"--skypilot {task_file}: no folder {task_file.parent}; create it or write the task elsewhere")
     write_atomic(lock_file, json.dumps(lock, indent=1, sort_keys=True))  # WriteFailed names the path: exit 2
+    for path, body in planned:
+        write_atomic(path, body)
     write_atomic(task_file, text)
-    return (f"wrote {task_file} ({row['skypilot'] or row['accelerator']}:{row['gpus']}, the lock of {lock_from}) and "
-            f"{lock_file}; launch it with `sky jobs launch {shlex.quote(str(task_file))}`")
+    n, per_node = nodes(row)
+    where = f"{row['skypilot'] or row['accelerator']}:{per_node}" + (f" on each of {n} nodes" if n > 1 else "")
+    return (f"wrote {task_file} ({where}, the lock of {lock_from}) and "
+            f"{lock_file}" + "".join(f", {path}" for path, _ in planned)
+            + f"; launch it with `sky jobs launch {shlex.quote(str(task_file))}`")
 
 
 def _bucket_name(name: str) -> str:

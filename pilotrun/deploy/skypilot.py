@@ -38,6 +38,7 @@ UV = "uv==0.13.9"  # only makes the venv of the lock's python (pip cannot pin py
 # The node's own disk beyond what the job writes: the image's OS and the venv (a CUDA torch and its libraries are
 # ~8 GB; images ship CUDA, drivers and conda). An assumption, said in the task.
 BASE_DISK_GB = 60
+RDZV_PORT = 29500
 BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 BUCKET_URI = re.compile(r"^(s3|gs|r2|cos|oci|https)://[A-Za-z0-9._~/:@+=%-]+$")
 HEREDOC_END = "PILOTRUN_REQUIREMENTS"
@@ -50,8 +51,8 @@ PLAIN_PATH = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
 class TaskRefused(ValueError):
-    """The plan cannot be written as a task (a row that does not fit, several nodes, a campaign that would run
-    another configuration): the message names the flag or the file and the fix."""
+    """The plan cannot be written as a task (a row that does not fit, a campaign or long run over several nodes, a
+    path SkyPilot would not upload as written): the message names the flag or the file and the fix."""
 
 
 @dataclass(frozen=True)
@@ -329,8 +330,48 @@ def in_workdir(rel: str) -> str:
     return f'"$WORKDIR/{rel}"' if PLAIN_PATH.match(rel) else '"$WORKDIR"/' + shlex.quote(rel)
 
 
+# Several nodes: SkyPilot runs the same script on every node with these set (docs.skypilot.co, "Distributed
+# Multi-Node Jobs"): the nodes' IPs one a line, the head node's first; this node's rank; the GPUs on each node.
+NODE_SETUP = [
+    "# Several nodes: SkyPilot runs this script on every node. Node 0 (the first of $SKYPILOT_NODE_IPS) hosts",
+    "# torchrun's rendezvous; only node 0 writes the ledger and the run folders on the bucket. Another node keeps",
+    "# its ranks' rows in a ledger on its own disk, started from a copy of the bucket's (read, never written), so",
+    "# that --task-id decides on every node what node 0 decides: a preemption of any node relaunches all of them,",
+    "# and the pilot is skipped, stopped again or run again on all of them together.",
+    'NODE="${SKYPILOT_NODE_RANK:?is not set: SkyPilot sets it on every node}"',
+    'NNODES="${SKYPILOT_NUM_NODES:?is not set: SkyPilot sets it on every node}"',
+    'PER_NODE="${SKYPILOT_NUM_GPUS_PER_NODE:?is not set: SkyPilot sets it on every node}"',
+    'HEAD="$(echo "${SKYPILOT_NODE_IPS:?is not set: SkyPilot sets it on every node}" | head -n1)"',
+    f'RDZV="$HEAD:${{PILOTRUN_RDZV_PORT:-{RDZV_PORT}}}"',
+    'if [ "$NODE" = 0 ]; then',
+    '  mkdir -p "$PILOTRUN_BUCKET" && cd "$PILOTRUN_BUCKET"   # runs/ goes to the bucket',
+    'else',
+    '  NODE_DIR="${PILOTRUN_NODE_DIR:-$HOME/pilotrun-node}"',
+    '  mkdir -p "$NODE_DIR" && cd "$NODE_DIR"',
+    '  LEDGER="$NODE_DIR/ledger.sqlite"',
+    '  rm -f "$LEDGER" "$LEDGER-wal" "$LEDGER-shm"',
+    '  for f in "" -wal; do if [ -f "$PILOTRUN_LEDGER$f" ]; then cp "$PILOTRUN_LEDGER$f" "$LEDGER$f"; fi; done',
+    '  export PILOTRUN_LEDGER="$LEDGER"',
+    'fi',
+]
+
+
+def _pilot(inp: TaskInputs, spec: str, sets: str) -> list[str]:
+    """The step that pilots the task's accelerators: one process, torchrun on this node, or torchrun on every node
+    meeting at node 0's rendezvous."""
+    row, (n, _) = inp.row, nodes(inp.row)
+    tail = f'{spec}{sets} --task-id "$TASK" --proven-lock "$PILOTRUN_PROVEN_LOCK"'
+    if n > 1:
+        return ['"$PY" -m pilotrun launch --nnodes "$NNODES" --node-rank "$NODE" --rdzv-endpoint "$RDZV" '
+                f'--nproc-per-node "$PER_NODE" {tail}']
+    if row["gpus"] > 1:
+        return [f'"$PY" -m pilotrun launch --nproc-per-node {row["gpus"]} {tail}']
+    return [f'"$PY" -m pilotrun run {tail}']
+
+
 def _run(inp: TaskInputs) -> Block:
     row = inp.row
+    several = nodes(row)[0] > 1
     lines = ["# Every step is safe to run again: SkyPilot's managed-job recovery runs this script from the top on a",
              "# new node after a preemption. The ledger ($PILOTRUN_LEDGER) and the run folders (runs/) live on the",
              "# bucket, and --task-id (SkyPilot's $SKYPILOT_TASK_ID, the same across recoveries) lets each step find",
@@ -338,21 +379,18 @@ def _run(inp: TaskInputs) -> Block:
              "set -euo pipefail",
              'WORKDIR="$PWD"   # ~/sky_workdir: the workdir SkyPilot synced',
              f'PY="${{PILOTRUN_PYTHON:-{VENV}/bin/python}}"   # the venv the setup made',
-             'TASK="${SKYPILOT_TASK_ID:?is not set: SkyPilot sets it, the same across recoveries}"',
-             'mkdir -p "$PILOTRUN_BUCKET" && cd "$PILOTRUN_BUCKET"   # runs/ goes to the bucket']
+             'TASK="${SKYPILOT_TASK_ID:?is not set: SkyPilot sets it, the same across recoveries}"']
+    lines += NODE_SETUP if several else ['mkdir -p "$PILOTRUN_BUCKET" && cd "$PILOTRUN_BUCKET"   # runs/ goes to the '
+                                         'bucket']
     spec = in_workdir(inp.spec_rel)
     sets = _sets(inp)
     changed = one_line(", ".join(f"{k} {_set_value(a)} -> {_set_value(b)}" for k, a, b in inp.overrides))
-    lines += ["# 1. the pilot on this node's accelerator: the same spec" +
+    lines += [f"# 1. the pilot on {'the whole cluster' if several else 'this node'}'s accelerators: the same spec" +
               (f", at the plan's configuration ({changed})" if changed else " as written") +
-              "; a failed gate ends the task (exit 1).",
+              f"; a failed gate ends the task (exit 1{' on every node' if several else ''}).",
               "#    A restart skips a pilot of this task that passed and continues one cut short. Its lock gate",
               "#    compares this node's environment with the proven lock and names what drifted."]
-    if row["gpus"] > 1:
-        lines.append(f'"$PY" -m pilotrun launch --nproc-per-node {row["gpus"]} {spec}{sets} --task-id "$TASK" '
-                     '--proven-lock "$PILOTRUN_PROVEN_LOCK"')
-    else:
-        lines.append(f'"$PY" -m pilotrun run {spec}{sets} --task-id "$TASK" --proven-lock "$PILOTRUN_PROVEN_LOCK"')
+    lines += _pilot(inp, spec, sets)
     if inp.campaign is not None:
         c = inp.campaign
         how = (f"--engine ray --parallel {max(1, row['gpus'] // c.processes)}   # processes: {c.processes} per run "
@@ -396,10 +434,11 @@ def task_entries(inp: TaskInputs) -> list:
     row = inp.row
     _check_paths(inp)
     n, per_node = nodes(row)
-    if n > 1:
-        raise TaskRefused(f"the plan runs {row['gpus']} GPUs of {row['accelerator']}, more than one node holds "
-                          f"({row.get('gpus_per_node')}): a task over several nodes is not written yet; choose an "
-                          "accelerator that holds the job on one node")
+    if n > 1 and (inp.campaign is not None or inp.long_run is not None):
+        raise TaskRefused(f"the plan runs {row['gpus']} GPUs of {row['accelerator']} over {n} nodes: a task over "
+                          "several nodes pilots the whole cluster, and its campaign or long run is not written yet "
+                          "(one run over several nodes needs the engine to place it there); write the pilot's task "
+                          "without --campaign and --long-run, and run them on the cluster once the pilot passed")
     sky_name = row.get("skypilot") or row["accelerator"]
     acc_why = (f"{row['accelerator']}'s SkyPilot name (the catalog's skypilot key) x the plan's {row['gpus']} GPU(s): "
                f"{_config_line(row)}" if row.get("skypilot") else
@@ -432,10 +471,14 @@ def task_entries(inp: TaskInputs) -> list:
     for m in inp.mounts:
         mounts.append((m.dst, m.src, m.why))
     workdir_comment = inp.workdir_why + ("\nwith it: " + "; ".join(inp.in_workdir) if inp.in_workdir else "")
-    envs = [("PILOTRUN_BUCKET", BUCKET_MOUNT, "where the bucket is mounted (file_mounts)"),
-            ("PILOTRUN_LEDGER", f"{BUCKET_MOUNT}/ledger.sqlite", "the ledger, on the bucket: every pilot, campaign "
-                                                                 "and run row of this task, kept across restarts"),
-            ("PILOTRUN_PROVEN_LOCK", LOCK_MOUNT, "the lock the pilot's lock gate compares with (file_mounts)")]
+    envs: list[Entry] = [
+        ("PILOTRUN_BUCKET", BUCKET_MOUNT, "where the bucket is mounted (file_mounts)"),
+        ("PILOTRUN_LEDGER", f"{BUCKET_MOUNT}/ledger.sqlite", "the ledger, on the bucket: every pilot, campaign and run "
+                                                             "row of this task, kept across restarts"),
+        ("PILOTRUN_PROVEN_LOCK", LOCK_MOUNT, "the lock the pilot's lock gate compares with (file_mounts)")]
+    if n > 1:
+        envs.append(("PILOTRUN_RDZV_PORT", RDZV_PORT, "the port of torchrun's rendezvous on node 0 (torchrun's "
+                                                      "default; any port the nodes reach each other on)"))
     header = (f"pilotrun plan --skypilot: {inp.name} on {row['accelerator']}, {_config_line(row)}.\n"
               f"{_cost_line(inp)}.\n"
               "Launch: sky jobs launch THIS_FILE (a managed job: relaunched after a preemption, its run resumes).\n"
@@ -446,8 +489,9 @@ def task_entries(inp: TaskInputs) -> list:
         ("#", None, header),
         ("name", f"pilotrun-{inp.name}", "the spec's name"),
         ("workdir", inp.workdir, workdir_comment),
-        ("num_nodes", n, f"{row['gpus']} GPU(s) fit one node ({row.get('gpus_per_node')} per node: the catalog's "
-                         "interconnect.gpus_per_node)"),
+        ("num_nodes", n, (f"{row['gpus']} GPU(s) fit one node" if n == 1 else f"the plan's {row['gpus']} GPUs as "
+                          f"{n} nodes x {per_node}") + f" ({row.get('gpus_per_node')} per node: the catalog's "
+                                                      "interconnect.gpus_per_node)"),
         ("resources", resources, ""),
         ("file_mounts", mounts, ""),
         ("envs", envs, ""),

@@ -40,6 +40,7 @@ class Item(TextEnum):
     MODEL_DOWNLOAD = "model download"
     DATA_DOWNLOAD = "data download"
     PREPARATION = "preprocessing and load"
+    COMPILE = "torch.compile (each process start)"  # train.compile: once per start, again after each preemption
     TRAINING = "training"
     DATA_WAIT = "data loading (not overlapped)"  # the share of update time the loop waited on data
     VALIDATION = "validation"
@@ -96,6 +97,7 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     prep = sum(pilot[g]["seconds"] for g in timed) if timed else None
     add(Item.PREPARATION, prep, f"measured by {source} ({' + '.join(map(str, timed))})" if prep is not None else
         "not measured: run a pilot of this spec" if not pilot else f"not measured: {source} timed no inspect or load")
+    compile_s = _compile_item(spec, pilot, source, add)
     train_s = row["seconds_per_update"] * spec.train.updates if row.get("seconds_per_update") else None
     add(Item.TRAINING, train_s, f"{spec.train.updates} updates x {row['seconds_per_update']:.3g} s "
         f"({row['utilisation_source']})" if train_s else "no time estimate")
@@ -124,7 +126,7 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     price, gpus = row.get("price_per_gpu_hour"), row["gpus"]
     if spot:
         items.append(recovery_item(sum(i["hours"] for i in items if i["hours"] is not None),
-                                   train_s / 3600 if train_s else None, a))
+                                   train_s / 3600 if train_s else None, a, (compile_s or 0) / 3600))
         if row.get("spot_price_per_gpu_hour") is not None:
             price, cost_note = row["spot_price_per_gpu_hour"], None
         elif price is not None:
@@ -138,6 +140,18 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     return {"items": items, "hours": sum(known), "unknown": [i["item"] for i in items if i["hours"] is None],
             "cost": sum(known) * gpus * price if price is not None else None,
             "cost_note": cost_note, "measured_by": source, "spot": spot, "price_per_gpu_hour": price, "sizes": sizes}
+
+
+def _compile_item(spec, pilot: dict, source: str | None, add) -> float | None:
+    """train.compile's item: the compile seconds a pilot of this spec measured (its first_step row's details), once
+    per process start; unknown until measured (never a guess). The seconds, or None."""
+    if spec.train.compile == "off":
+        return None
+    measured = ((pilot.get(GateName.FIRST_STEP) or {}).get("details") or {}).get("compile_seconds")
+    add(Item.COMPILE, measured, f"{measured:.3g} s measured by {source} (first_step compile_seconds), once per "
+        "process start (a resume after a preemption compiles again)" if measured is not None else
+        "compile time: not measured (unknown): run a pilot of this spec to measure it")
+    return measured
 
 
 def _save_speeds(save_row: dict | None, source: str | None, a: Assumptions) -> tuple[float, float, str]:
@@ -174,19 +188,21 @@ def _sizes(pilot: dict, source: str | None, ckpt_bytes: int, weights: int, adapt
     }
 
 
-def recovery_item(hours: float, train_hours: float | None, a: Assumptions) -> dict:
+def recovery_item(hours: float, train_hours: float | None, a: Assumptions, compile_hours: float = 0.0) -> dict:
     """The expected cost in hours of running ``hours`` of pipeline on spot capacity: preemptions at
     ``a.preemptions_per_day``, each a relaunch (a new node and the setup again) plus the work it makes redo. A
     campaign run a preemption cuts short runs again from its start (``pilotrun campaign --resume``), so half a run's
-    training is redone on average. First order: a preemption during the recovery itself is not counted."""
+    training is redone on average; a compiled job (``compile_hours`` per start) compiles again. First order: a
+    preemption during the recovery itself is not counted."""
     preemptions = hours / 24 * a.preemptions_per_day
     redo = train_hours / 2 if train_hours else 0.0
-    each = a.relaunch_minutes / 60 + redo
+    each = a.relaunch_minutes / 60 + redo + compile_hours
     how = (f"{preemptions:.2f} expected preemption(s) in {hours:.1f} h at {a.preemptions_per_day:g}/day "
            f"(assumed, --preemptions-per-day), each {a.relaunch_minutes:g} min to relaunch and set up again "
            f"(assumed, --relaunch-minutes)")
     how += (f" + {redo:.2f} h redone (half a run's training: a campaign run cut short runs again from its start)"
             if train_hours else "; the training time is unknown, so the work redone is not counted")
+    how += f" + {compile_hours * 3600:.3g} s compiling again" if compile_hours else ""
     return {"item": Item.RECOVERY, "hours": preemptions * each, "from": how}
 
 

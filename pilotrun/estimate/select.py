@@ -5,6 +5,7 @@ Pure logic over traces and the catalog; the CLI prints it as a table, markdown o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .. import strategies
 from ..config.sections import ac_policy, ac_variant, ac_words
@@ -36,20 +37,68 @@ def _verified_by(ledger, acc: Accelerator) -> str | None:
     return None
 
 
+# The most nodes the sheet tries (sharding over MAX_NODES x gpus_per_node GPUs): beyond it a full fine-tune is a job
+# for tensor or pipeline parallelism, which the estimate does not model; said in the "does not fit" steps.
+MAX_NODES = 16
+
+
+def gpus_per_node(acc: Accelerator) -> int:
+    """The catalog's ``interconnect.gpus_per_node`` (8 where it says none: the usual rented node)."""
+    return max(1, int(acc.interconnect.get("gpus_per_node") or 8))
+
+
+def gpu_counts(acc: Accelerator) -> list[int]:
+    """The sharded GPU counts tried, smallest first: 2, 4, 8 within a node (as many as it holds), then whole nodes
+    of ``gpus_per_node``: 2, 4, 8, 16 of them (MAX_NODES). Powers of two keep the examples per update divisible."""
+    per_node = gpus_per_node(acc)
+    within = [n for n in (2, 4, 8) if n <= per_node]
+    if per_node > 1 and per_node not in within:
+        within.append(per_node)
+    nodes = [2 ** i for i in range(1, MAX_NODES.bit_length()) if 2 ** i <= MAX_NODES]
+    return within + [per_node * n for n in nodes]
+
+
+def with_inter_node(acc: Accelerator, gb_s: float, source: str) -> Accelerator:
+    """``acc`` with the link between nodes at ``gb_s`` GB/s per GPU (the rental's figure, e.g. --inter-node-gb-s),
+    ``source`` saying where it came from; the catalog's own figure is replaced."""
+    return replace(acc, interconnect={**acc.interconnect, "inter_node_gb_s": gb_s, "inter_node_source": source})
+
+
+def inter_node(acc: Accelerator) -> dict:
+    """The link between nodes as a row says it: {gb_s, from, lower_bound}. Unknown (no figure in the catalog, no
+    flag): the collectives are timed at the intra-node link, so the time is a lower bound
+    (model.collective_bandwidth)."""
+    gb_s = acc.interconnect.get("inter_node_gb_s")
+    if not gb_s:
+        return {"gb_s": None, "lower_bound": True,
+                "from": f"unknown: the catalog has no interconnect.inter_node_gb_s for {acc.name} and no "
+                        "--inter-node-gb-s was given; timed at the intra-node link, so the time is a lower bound"}
+    source = acc.interconnect.get("inter_node_source") or "the catalog's interconnect.inter_node_gb_s"
+    return {"gb_s": float(gb_s), "lower_bound": False, "from": source}
+
+
+def config_label(strategy: str, gpus: int, per_node: int, ac: bool = False) -> str:
+    """"fsdp x4", "fsdp x16 (2 nodes x 8)": a configuration as the sheet's steps and the plan say it."""
+    nodes = -(-gpus // per_node)
+    count = "" if gpus == 1 else f" x{gpus}" + (f" ({nodes} nodes x {per_node})" if nodes > 1 else "")
+    return f"{strategy}{count}{' + activation checkpointing' if ac else ''}"
+
+
 def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict, list[str]]:
     """(trace, fit, steps taken): the first configuration in the fix order (docs/architecture.md, "Contracts")
-    that fits with headroom."""
+    that fits with headroom: one GPU, then sharding over more of them, node by node beyond one (gpu_counts)."""
     steps: list[str] = []
     budget = acc.memory_bytes * (1 - headroom)
     spec_ac = spec.train.activation_checkpointing
     one, shard = strategies.one_process().name, strategies.sharding().name
+    per_node = gpus_per_node(acc)
     options = [(one, 1, False)] + ([(one, 1, True)] if not spec_ac else [])
-    options += [(shard, n, ac) for n in (2, 4, 8) for ac in ((False, True) if not spec_ac else (True,))]
+    options += [(shard, n, ac) for n in gpu_counts(acc) for ac in ((False, True) if not spec_ac else (True,))]
     for strategy, gpus, ac in options:
         # A spec that checkpoints keeps its own policy (selective-N, every-N...): the sheet never swaps it for full.
         trace = traces.get(ac=True) if ac and not spec_ac else traces.get()
         fit = estimate_fit(trace, acc, strategy, gpus)
-        label = f"{strategy}{'' if gpus == 1 else f' x{gpus}'}{' + activation checkpointing' if ac else ''}"
+        label = config_label(strategy, gpus, per_node, ac)
         if fit["device_used_bytes"] <= budget:
             steps.append(f"{label}: fits ({fit['device_used_bytes'] / 2**30:.1f} of "
                          f"{acc.memory_bytes / 2**30:.0f} GiB)")
@@ -64,6 +113,8 @@ def choose(spec, traces, acc: Accelerator, headroom: float) -> tuple[dict, dict,
             fit["micro_batch_size"] = small
             return trace, fit, steps
         steps.append(f"{label}: does not fit ({fit['device_used_bytes'] / 2**30:.1f} GiB needed)")
+    steps.append(f"nothing larger is tried: at most {MAX_NODES} nodes of {per_node} ({MAX_NODES * per_node} GPUs) "
+                 "sharded with FSDP; beyond that the job needs tensor or pipeline parallelism, not modelled")
     return trace, fit, steps
 
 
@@ -146,6 +197,22 @@ def faster_paths(spec, traces, trace: dict, acc: Accelerator, config: tuple[str,
     return paths
 
 
+def _cluster(acc: Accelerator, gpus: int) -> dict:
+    """A row's nodes: GPUs per node, how many nodes, and, across nodes, the link the collectives run at (from the
+    catalog or --inter-node-gb-s; unknown: a lower bound)."""
+    per_node = gpus_per_node(acc)
+    return {"gpus_per_node": per_node, "nodes": -(-gpus // per_node),
+            "inter_node": inter_node(acc) if gpus > per_node else None}
+
+
+def _batch_note(acc: Accelerator, row_examples: int, replicas: int, examples: int) -> str | None:
+    """Said where the examples per update moved: more data replicas than the spec's examples take one each."""
+    if row_examples == examples:
+        return None
+    return (f"{acc.name}: {row_examples} examples per update over {replicas} data replicas, not the spec's "
+            f"{examples} (a replica takes at least one example): a larger batch, another experiment")
+
+
 def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: float | None = None) -> dict:
     from .stack import stack_status
 
@@ -183,13 +250,14 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "memory_per_device_bytes": acc.memory_bytes,
         "fits": fit["fits"],
         "strategy": strategy,
-        "gpus": gpus,
+        "gpus": gpus, **_cluster(acc, gpus),   # nodes of gpus_per_node, the link between them
         "precision": t.precision,
         "activation_checkpointing": trace["activation_checkpointing"],
         "micro_batch_size": mb,
         "grad_accum_steps": accum,
         "examples_per_update": mb * accum * replicas,
         "examples_per_update_held": mb * accum * replicas == examples,
+        "batch_note": _batch_note(acc, mb * accum * replicas, replicas, examples),
         "largest_micro_batch": max_mb,
         "largest_length": max_len,
         "largest_length_at_micro_batch": t.micro_batch_size,  # the length scales alone, at the spec's micro batch
@@ -200,7 +268,6 @@ def sheet_row(spec, traces, acc: Accelerator, ledger, extensions, headroom: floa
         "spot_price_per_gpu_hour": acc.spot_price_per_gpu_hour,
         "stack": acc.stack,                       # cuda or rocm: which torch build the node needs
         "skypilot": acc.skypilot,                 # SkyPilot's name for it ("" when the catalog has none)
-        "gpus_per_node": int(acc.interconnect.get("gpus_per_node") or 8),
         "cost_per_update": acc.cost(s / 3600 if s else None, gpus),
         "cost_for_planned_updates": acc.cost(s * t.updates / 3600 if s else None, gpus),
         "cost_note": acc.price_note(),

@@ -140,7 +140,7 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
                                                                   else {})},
                          parent_id=parent_id)
     distributed.barrier(env)
-    node_row = _register_on_this_node(ledger, env, run_id, spec, out_dir)
+    node_row = _register_on_this_node(ledger, env, run_id, spec, out_dir, options.task_id)
     distributed.barrier(env)  # this node's ranks write rows only once the run is in its ledger
     observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [_where(spec, process)])
     if not in_process:  # the program: built from the spec alone, before its gates
@@ -258,9 +258,11 @@ def _write_rows(gate: str, rows: list[dict], metrics: list[dict], ctx: PilotCont
     progress.verdicts[gate] = _agreed_verdict(ctx.env, worst)
 
 
-def _register_on_this_node(ledger: Ledger, env: distributed.DistEnv, run_id: str, spec: Spec, out_dir: Path) -> bool:
+def _register_on_this_node(ledger: Ledger, env: distributed.DistEnv, run_id: str, spec: Spec, out_dir: Path,
+                           task_id: str | None = None) -> bool:
     """On a node of a multi-node launch whose ledger is its own file (another machine), the run goes in it too,
-    so the node's ranks can write their rows there. Where the ledger is shared, rank 0's row is already in it."""
+    so the node's ranks can write their rows there. Where the ledger is shared, rank 0's row is already in it. With
+    the task's id, as rank 0 records it: a restarted task finds its pilot in whichever node's ledger it reads."""
     if not env.active or env.is_main or env.local_rank != 0:
         return False
     if ledger.has_run(run_id):
@@ -268,6 +270,7 @@ def _register_on_this_node(ledger: Ledger, env: distributed.DistEnv, run_id: str
     ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
                      config_hash=spec.config_hash(),
                      meta={"world_size": env.world_size, "node_first_rank": env.rank,
+                           **({"task_id": task_id} if task_id else {}),
                            "notes": [f"this ledger holds the rows of the ranks on this node (from rank {env.rank}); "
                                      "rank 0's node holds the combined report.json"]})
     return True

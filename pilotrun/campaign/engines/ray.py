@@ -46,7 +46,8 @@ from ..resources import PerRun
 from ..runner import train_run
 from ..spec import run_device, run_processes
 from ..spool import SpoolReader, end_item
-from ..stops import STOP_REASON_FILE, STOP_SIGNAL
+from ..stops import STOP_REASON_FILE, STOP_SIGNAL, tell_ranks
+from ..worker import group_command
 from .base import EngineChoice, EngineRefusal
 
 # A local instance is a helper for this campaign, not a cluster: a small object store (the runs exchange only
@@ -224,9 +225,9 @@ def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: floa
     spec_file, plan_file = out / "spec.json", out / "plan.json"
     spec_file.write_text(json.dumps(payload))
     plan_file.write_text(json.dumps({**plan, "threads": 1}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan['processes']}",
-           "-m", "pilotrun.campaign.worker", "--spec", str(spec_file), "--run-id", run_id, "--out", str(out),
-           "--spool", str(spool), "--plan", str(plan_file)] + (["--deadline", str(deadline)] if deadline else [])
+    cmd = group_command(plan["processes"], ["--spec", str(spec_file), "--run-id", run_id, "--out", str(out),
+                                            "--spool", str(spool), "--plan", str(plan_file)]
+                        + (["--deadline", str(deadline)] if deadline else []))
     reader, told = SpoolReader(spool), False
     with open(out / "worker.log", "w") as log:
         # Under a keeper (pilotrun/procs.py): torchrun's ranks (each in a session of its own) end with the run, and
@@ -243,9 +244,7 @@ def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: floa
                 stop = how()
                 if stop and not told:  # every rank is told; they agree on the update to stop at (runner._train)
                     (out / STOP_REASON_FILE).write_text(stop)
-                    for child in psutil.Process(proc.pid).children(recursive=True):
-                        if "pilotrun.campaign.worker" in " ".join(child.cmdline()):
-                            child.send_signal(STOP_SIGNAL)
+                    tell_ranks(proc.pid, STOP_SIGNAL)
                     told = True
         finally:
             proc.kill()  # whatever is left: the task is being torn down, or a rank outlived torchrun
@@ -273,6 +272,7 @@ class RayEngine:
         self.lock = threading.Lock()        # refs, started
         self.drain_lock = threading.Lock()  # rows reach the ledger once each, in the order they were sent
         self.resources: dict[str, Any] = {"num_cpus": 1, "num_gpus": 0}
+        self.processes = 1  # one run's processes (plan): the task's CPUs are shared by them
         self._closed = threading.Event()
         self._drainer: threading.Thread | None = None
         self.relay: Any = None
@@ -345,7 +345,7 @@ class RayEngine:
             gpus = 0  # auto: the runs use the CPU, as `auto` does on a machine without an accelerator
         at_once = plan_ray(requested, runs, cluster=cluster, gpus_per_run=gpus, cpus_per_run=processes,
                            per_run=per_run)
-        self.resources = at_once["resources"]
+        self.resources, self.processes = at_once["resources"], processes
         return at_once
 
     # -- the rows runs send -----------------------------------------------------------------------
@@ -378,9 +378,10 @@ class RayEngine:
     # -- one run ----------------------------------------------------------------------------------
     def launch(self, r: dict, ledger: Path, plan_file: Path, deadline: float | None, threads: int | None) -> None:
         plan = json.loads(plan_file.read_text())
-        # The task's CPUs shared by the processes of the run: a group of ranks, or a program's own launcher's.
+        # The task's CPUs shared by the processes of the run: a group of ranks, or a program's own launcher's (or
+        # gpus_per_run's, where its launcher does not say).
         plan["threads"] = 1 if plan.get("processes", 1) > 1 else max(1, int(self.resources["num_cpus"])
-                                                                    // run_processes(r["spec"]))
+                                                                    // max(self.processes, run_processes(r["spec"])))
         payload = {"source": r["spec"].source, "written": r["spec"].written}
         with self.lock:
             if self.stopping.is_set():
