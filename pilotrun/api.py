@@ -51,11 +51,13 @@ from pathlib import Path
 
 import torch
 
+from . import backends
 from .devices import query_devices
 from .humanize import human_bytes, human_seconds
 from .ledger.records import Failure, GateRow, RunKind, RunStatus, Verdict, new_run_id, now
 from .ledger.store import Ledger
 from .measure.meter import StageMeter, out_of_memory_reason
+from .train.compile import UNTRACKED, StageCompile
 
 # Words in an allocator's out-of-memory message that name an accelerator (torch's CUDA/HIP/MPS/XPU allocators).
 
@@ -233,11 +235,15 @@ class Session:
         # Measuring memory slows what it watches (the live-tensor tracker on CPU/MPS sees every op; the sampling
         # thread wakes every 10 ms): one update per stage name is measured, the first; the rest are only timed.
         measured_before = name in self._measured
-        meter = StageMeter(dev, track=track, tensor_tracking="manual" if measured_before else "stage",
+        watch = StageCompile(track)
+        untracked = watch.compiled and not backends.for_device(dev).allocator_counts
+        meter = StageMeter(dev, track=track, tensor_tracking="manual" if measured_before or untracked else "stage",
                            measure_memory=not measured_before)
         if measured_before:
             meter.unmeasured_reason = (f"not measured: memory is measured on the first {name!r} stage's first "
                                        "update only (measuring slows every update it watches)")
+        elif untracked:
+            meter.unmeasured_reason = UNTRACKED
         self._measured.add(name)
         handle = StageHandle(name, meter)
         with meter:
@@ -275,6 +281,12 @@ class Session:
                 # which read alone looked like one update's ("5.13 s"); say both, and over which updates.
                 reason = _updates_phrase(updates, meter.seconds, per_update, timed) + (
                     f"; {peaks}" if (peaks := peaks_phrase(memory)) else "") + timed_only
+        compiled, said, warning = watch.outcome(name, first=not measured_before)
+        if compiled is not None:
+            handle.details["compile"] = compiled
+            reason += f"; {said}" if said and handle.verdict == Verdict.PASS else ""
+            if warning and handle.verdict in (Verdict.PASS, Verdict.WARN):
+                handle.verdict, reason = Verdict.WARN, f"{reason}; {warning}"
         if handle.excluded_stretches:
             handle.details["excluded"] = [{"what": w, "seconds": t} for w, t in handle.excluded_stretches]
             if handle.verdict == Verdict.PASS and not handle.reason:

@@ -188,3 +188,49 @@ def test_a_compiled_model_is_described_as_compiled():
     assert accelerator_compile(plugin("INDUCTOR"))[0] == "model"
     assert accelerator_compile(plugin("INDUCTOR", regional=True))[0] == "blocks"
     assert accelerator_compile(None) == (None, "")
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_a_programs_stages_say_what_its_compiled_model_compiled_and_warn_on_a_steady_recompile(static_shapes):
+    # A program measures its stages with pilotrun's Session (job.stage): on the CPU the tensor tracker is left off
+    # around a compiled model (dynamo would skip the code under it, for good, and the model would run eager), and
+    # each stage's row carries dynamo's counts.
+    from pilotrun.api import Session
+
+    rows: list[dict] = []
+    session = Session("compiled-program", sink=rows.append, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = _Mlp()   # a class of the program's own: dynamo does not trace torch.nn's own frames (a Sequential)
+    model.compile(backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def update(rows_in: int) -> None:
+        model(torch.randn(rows_in, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for stage, size in (("first_step", 8), ("steady_step", 8), ("steady_step", 8), ("steady_step", 12)):
+        with session.stage(stage, track=[model, opt]):
+            update(size)
+    first, same, again, longer = rows
+    assert first["details"]["compile"]["graphs_compiled"] >= 1 and first["details"]["compile"]["compile_seconds"] > 0
+    assert "torch.compile: " in first["reason"] and first["verdict"] == "pass"
+    assert first["memory"]["not_measured"]["peak_allocated_bytes"] == comp.UNTRACKED
+    assert same["details"]["compile"]["graphs_compiled"] == 0 and same["verdict"] == "pass"
+    assert again["verdict"] == "pass"
+    assert longer["verdict"] == "warn" and "recompile(s) during steady steps" in longer["reason"]
+    assert "pad batches" in longer["reason"]
+    # An eager program's rows carry no compile detail and no words about it.
+    eager: list[dict] = []
+    plain = torch.nn.Linear(4, 4)
+    with Session("eager-program", sink=eager.append, rank=0, world_size=1).stage("first_step", track=[plain]):
+        plain(torch.randn(2, 4)).sum().backward()
+    assert "compile" not in eager[0]["details"] and "torch.compile" not in eager[0]["reason"]

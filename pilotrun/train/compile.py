@@ -220,3 +220,49 @@ def compile_problems(scope: str, device: torch.device) -> list[tuple[str, str]]:
     if why is None:
         return []
     return [("train.compile", f"{why}; or set train.compile: off (eager) on this machine")]
+
+
+# What a measured stage of a program says where the CPU tensor tracker would stop dynamo from compiling its model.
+UNTRACKED = ("not measured: the model is compiled, and the CPU tensor tracker is a dispatch mode under which "
+             "torch.compile does not compile (dynamo skips that code for good): tensors not tracked, host RSS sampled")
+
+
+def holds_compiled(track: list) -> bool:
+    """Whether a module among a stage's tracked objects runs compiled, whole or in part. Asked only where the program
+    imported dynamo (a compile needs it): an eager program pays nothing."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return False
+    return any(isinstance(obj, torch.nn.Module) and any(is_compiled(m) for m in obj.modules()) for obj in track)
+
+
+class StageCompile:
+    """What torch.compile did during one measured stage of a program (``api.Session.stage``): dynamo's counters
+    before and after, read only where the program imported dynamo."""
+
+    def __init__(self, track: list) -> None:
+        import sys
+
+        self.compiled = holds_compiled(track)
+        self.before = dynamo_counts() if "torch._dynamo" in sys.modules else DynamoCounts()
+
+    def outcome(self, name: str, first: bool) -> tuple[dict | None, str | None, str | None]:
+        """(the row's ``compile`` detail, words for its reason, a warning) for stage ``name``; ``first``: the first
+        stage of that name. All None where nothing compiled and no compiled model was tracked (an eager program)."""
+        import sys
+
+        if "torch._dynamo" not in sys.modules:
+            return None, None, None
+        spent = counts_since(self.before)
+        if not (self.compiled or spent.graphs or spent.fell_back):
+            return None, None, None
+        detail = spent.to_dict()
+        said = (f"torch.compile: {spent.graphs} graph(s) compiled in {spent.seconds:.1f} s within it"
+                if spent.graphs else None)
+        warning = None
+        if name == "steady_step" or (name == "first_step" and not first):
+            warning = recompile_warning(spent, "steady steps")
+        elif spent.fell_back:
+            warning = recompile_warning(DynamoCounts(fell_back=spent.fell_back), f"the {name} stage")
+        return detail, said, warning
