@@ -22,6 +22,7 @@ from ..config.schema import SpecError
 from ..errors import ContainerDigestError, LaunchError
 from ..interrupt import as_interrupted
 from ..ledger.store import LedgerError
+from ..models.quiet import quiet_import_noise
 from ..safefile import WriteFailed
 from .common import COMMANDS, EXIT_BAD_INPUT, EXIT_INTERNAL, UsageError, err_console
 
@@ -84,6 +85,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
+    quiet_import_noise()  # torchao's import warnings (through transformers') are not the user's job's
     parser = build_parser(command_in(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -65,3 +65,11 @@ class QuietTransformers:
         if self._bars:
             hf.enable_progress_bar()
         self._verbosity = None
+
+
+def quiet_import_noise() -> None:
+    """Errors only from :data:`IMPORT_NOISE`'s loggers for the rest of this process: called where a process of
+    pilotrun's own starts (the CLI, its workers), never in a user's program (whose logging is its own)."""
+    for name in IMPORT_NOISE:
+        log = logging.getLogger(name)
+        log.setLevel(max(log.level, logging.ERROR))
