@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import backends
+from ..ledger.records import GateName
 
 # torch.compile's backend. Inductor is what users compile with; a test may swap in "aot_eager" (the same dynamo
 # and AOT autograd path without generating and building C++/Triton kernels: 2.8 s instead of ~20 s here).
@@ -261,7 +262,7 @@ class StageCompile:
         said = (f"torch.compile: {spent.graphs} graph(s) compiled in {spent.seconds:.1f} s within it"
                 if spent.graphs else None)
         warning = None
-        if name == "steady_step" or (name == "first_step" and not first):
+        if name == GateName.STEADY_STEP or (name == GateName.FIRST_STEP and not first):
             warning = recompile_warning(spent, "steady steps")
         elif spent.fell_back:
             warning = recompile_warning(DynamoCounts(fell_back=spent.fell_back), f"the {name} stage")
