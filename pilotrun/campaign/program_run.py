@@ -88,11 +88,9 @@ class _Watch:
         if self.end is not None or loss is None:
             return
         broken = self.rules.broken(loss)  # the rules the handle applied to the same loss
-        if broken is StopKind.NON_FINITE:
-            self.end = RunEnd(RunStatus.DIVERGED, broken, f"non-finite loss ({event.get('loss')})", step)
-        elif broken is StopKind.DIVERGENCE:
-            self.end = RunEnd(RunStatus.DIVERGED, broken, f"loss {loss:.4g} > {self.rules.divergence:g} x the first "
-                              f"loss {self.rules.first_loss:.4g}", step)
+        if broken is not None:
+            said = event.get("loss") if broken is StopKind.NON_FINITE else loss
+            self.end = RunEnd(RunStatus.DIVERGED, broken, self.rules.why(broken, said), step)
 
     def flush(self) -> None:
         self.flushed = time.monotonic()
@@ -205,8 +203,7 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     stop_file.unlink(missing_ok=True)
     cont = _continuation(out_dir)
     first = cont.get("first_loss")  # a continued run keeps the interrupted run's first loss as the rule's reference
-    rules = StopRules(bool(plan["stop"].get("non_finite", True)), plan["stop"].get("divergence"),
-                      float(first) if isinstance(first, (int, float)) else None)
+    rules = StopRules.declared(plan["stop"], first)
     watch = _Watch(led, run_id, plan, rules, deadline, stop_requested, how, stop_file)
     run_plan = RunPlan(Role.CAMPAIGN, stop_at=plan["updates"], stop_file=str(stop_file), stop_rules=rules,
                        timeout=math.inf, resume_from=cont.get("resume_from"), threads=plan.get("threads"))

@@ -20,6 +20,7 @@ from ..distributed import all_sum, env_from_os
 from ..drivers import LoopDriver, NonFiniteError, build_job
 from ..ledger.records import MANIFESTS, Kept, RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
+from ..program.env import StopRules
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
 from .program_run import record_program_run
@@ -105,6 +106,7 @@ def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requeste
            rec: _Recorder, val: list[dict], how: Callable[[], str]) -> RunEnd:
     """The run's updates and validations until its end: finished, or stopped or diverged by a declared rule."""
     stop = plan["stop"]
+    rules = StopRules.declared(stop, rec.first_loss)
     env = driver.env
     for step in range(1, plan["updates"] + 1):
         asked, late = stop_requested(), deadline is not None and time.time() > deadline
@@ -119,16 +121,13 @@ def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requeste
         try:
             update = driver.update()
         except NonFiniteError as exc:
-            if not stop["non_finite"]:
+            if not rules.non_finite:
                 raise
             rec.non_finite(exc, float(driver.scheduler.get_last_lr()[0]))
             return RunEnd(RunStatus.DIVERGED, StopKind.NON_FINITE, f"non-finite {exc.what} ({exc.value})", exc.step)
         rec.update(update)
-        first = rec.first_loss if rec.first_loss is not None else update.loss
-        if stop.get("divergence") and update.loss > stop["divergence"] * first:
-            return RunEnd(RunStatus.DIVERGED, StopKind.DIVERGENCE,
-                          f"loss {update.loss:.4g} > {stop['divergence']:g} x the first loss {first:.4g}",
-                          update.step)
+        if (broken := rules.broken(update.loss)) is not None:   # the same rules a program's handle applies
+            return RunEnd(RunStatus.DIVERGED, broken, rules.why(broken, update.loss), update.step)
         if step % plan["eval_every"] == 0 or step == plan["updates"]:
             v = driver.evaluate()
             val.append({"step": update.step, **v})

@@ -43,7 +43,9 @@ class EvalEvery:
 
 
 @dataclass
-class StopRules:
+class StopSpec:
+    """The stop rules a campaign declares (program.env.StopRules applies them, to a loop's run and a program's)."""
+
     non_finite: bool = doc("stop a run at the first non-finite loss or gradient norm", True)
     divergence: float | None = doc("stop when the loss exceeds this multiple of the run's first loss", 3.0)
     budget_minutes: float | None = doc(
@@ -138,7 +140,7 @@ class CampaignSpec:
     name: str | None = doc("campaign name, its folder under --out and its run ids: as a pilot's name, 1 to 81 "
                            "letters, digits, . _ - (default: the file's stem)", None)
     eval: EvalEvery = doc("validation frequency", EvalEvery)
-    stop: StopRules = doc("stop reasons, declared before the start", StopRules)
+    stop: StopSpec = doc("stop reasons, declared before the start", StopSpec)
     keep: Keep = doc("what each run keeps", Keep)
     program: ProgramTemplate | None = doc(
         "with a program base (program: in the base spec): how each run's value and seed reach the program", None)

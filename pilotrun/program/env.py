@@ -44,6 +44,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ..ledger.records import StopKind, TextEnum
 
@@ -172,6 +173,19 @@ class StopRules:
         if self.divergence and loss > self.divergence * self.first_loss:
             return StopKind.DIVERGENCE
         return None
+
+    @classmethod
+    def declared(cls, stop: dict, first_loss: Any = None) -> StopRules:
+        """The rules a campaign's run plan declares (its ``stop`` mapping: campaign.spec.StopSpec as JSON), with the
+        first loss a continued run carries over."""
+        first = float(first_loss) if isinstance(first_loss, (int, float)) else None
+        return cls(bool(stop.get("non_finite", True)), stop.get("divergence"), first)
+
+    def why(self, kind: StopKind, loss: Any) -> str:
+        """The run's end in words, for the rule ``kind`` that ``loss`` broke."""
+        if kind is StopKind.NON_FINITE:
+            return f"non-finite loss ({loss})"
+        return f"loss {float(loss):.4g} > {self.divergence:g} x the first loss {self.first_loss:.4g}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
