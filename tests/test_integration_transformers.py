@@ -18,6 +18,7 @@ from pilotrun.gates.accum import check_accum  # noqa: E402
 from pilotrun.gates.base import run_check  # noqa: E402
 from pilotrun.gates.export import check_export  # noqa: E402
 from pilotrun.gates.inspect import check_inspect  # noqa: E402
+from pilotrun.gates.reload_eval import reload_after  # noqa: E402
 from pilotrun.integrations import common as C  # noqa: E402
 from pilotrun.integrations import transformers as T  # noqa: E402
 from pilotrun.ledger.records import Verdict  # noqa: E402
@@ -247,7 +248,7 @@ def test_reload_eval_is_not_measured_for_a_model_from_pretrained_cannot_rebuild(
     view = T.TrainerView(tr, chat.collate)
     export = run_check("export", lambda: check_export(view, tmp_path / "export"))
     assert export.verdict == Verdict.PASS and "config.json" not in export.details["files"], export.reason
-    reload = run_check("reload_eval", lambda: C.reload_after(view, export, tmp_path / "reload"))
+    reload = run_check("reload_eval", lambda: reload_after(view, export, tmp_path / "reload"))
     assert reload.verdict == Verdict.SKIP and "PlainLM is not a transformers PreTrainedModel" in reload.reason
 
 
@@ -321,7 +322,7 @@ def test_a_collator_that_returns_a_batch_encoding_is_inspected_and_reloaded(tmp_
     inspect = run_check("inspect", lambda: check_inspect(view))
     assert inspect.verdict == Verdict.PASS and inspect.details["scan"]["examples"] == 16, inspect.reason
     export = run_check("export", lambda: check_export(view, tmp_path / "export"))
-    reload = run_check("reload_eval", lambda: C.reload_after(view, export, tmp_path / "reload"))
+    reload = run_check("reload_eval", lambda: reload_after(view, export, tmp_path / "reload"))
     assert reload.verdict == Verdict.PASS and reload.details["max_abs_difference"] == 0.0, reload.reason
 
 

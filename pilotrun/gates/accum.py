@@ -23,7 +23,7 @@ import torch
 from ..drivers import Capability
 from ..ledger.records import GateName, TextEnum
 from ..train.batches import supervised_count
-from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, ProbeSite, Product
 from .view import NotMeasured, TrainingView, Window, WindowKind, cast_floats
 
 TOL_FLOAT64 = 1e-5  # relative gradient difference; real bugs give 1e-2 and more
@@ -343,9 +343,16 @@ def _unexercised(results: list[WindowResult]) -> str:
     return "; note: the micro batches held equal numbers of labels, so length normalisation was not exercised"
 
 
+def probe(view: TrainingView, site: ProbeSite) -> Outcome:
+    """The gate on a framework's view, in the program's process (``Gate.probe``)."""
+    return check_accum(view)
+
+
 class AccumEquivalenceGate(Gate):
     name = GateName.ACCUM_EQUIVALENCE
     on_program = OnProgram.INTEGRATION
+    probe = staticmethod(probe)
+    watched = True
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)
     requires = (Capability.MODEL,)

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config.exitguard import ExitCalled
 from ..config.factories import FactoryInterrupt, FactoryTimeout
@@ -66,6 +66,15 @@ class Outcome:
             self.reason = f"{self.reason}; {reason}"
 
 
+
+@dataclass
+class ProbeSite:
+    """Where a framework's probes run (OnProgram.INTEGRATION gates' ``probe``): the folder the export probe writes,
+    and the outcomes of the probes before (reload_eval reads export's)."""
+
+    export_folder: Path
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
 class GateFailure(Exception):
     """Raised inside a gate to fail it with a prepared reason (and any inputs/details gathered)."""
 
@@ -102,6 +111,15 @@ class Gate:
     # On a program job: several stages of its name on one rank are combined (median time, largest peaks); False
     # keeps the first (first_step: the update that allocates the optimizer state).
     program_combines: ClassVar[bool] = True
+    # OnProgram.INTEGRATION: a hand-written loop's watcher records the gate from the loop's real optimizer steps
+    # instead of its probe (integrations/observe.py).
+    watched: ClassVar[bool] = False
+
+    @staticmethod
+    def probe(view: Any, site: ProbeSite) -> Outcome:
+        """OnProgram.INTEGRATION: the gate's check of a framework's view (gates/view.py), run in the program's own
+        process by integrations.common.run_probes, in GATES' order."""
+        raise NotImplementedError("a gate run on a framework's view (OnProgram.INTEGRATION) defines probe")
 
     def __init__(self) -> None:
         self.live_inputs: dict | None = None  # what the gate had reached when it failed (see failure_inputs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..batching import batch_plan
 from ..ledger.records import GateName
-from .base import NEEDS_INTEGRATION, Gate, OnProgram, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, OnProgram, Outcome, ProbeSite, Product
 from .view import TrainingView
 
 
@@ -47,9 +47,16 @@ def check_batch(view: TrainingView, out: Outcome | None = None) -> Outcome:
     return out
 
 
+def probe(view: TrainingView, site: ProbeSite) -> Outcome:
+    """The gate on a framework's view, in the program's process (``Gate.probe``)."""
+    return check_batch(view)
+
+
 class BatchGate(Gate):
     name = GateName.BATCH
     on_program = OnProgram.INTEGRATION
+    probe = staticmethod(probe)
+    watched = True
     program_note = NEEDS_INTEGRATION
     needs = (Product.DATA,)
     uses = (Product.SCAN,)

@@ -16,7 +16,7 @@ from ..drivers import Capability
 from ..humanize import human_bytes
 from ..ledger.details import ExportDetails
 from ..ledger.records import GateName
-from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, ProbeSite, Product, on_main_rank
 from .view import Exported, TrainingView
 
 
@@ -60,9 +60,15 @@ def check_export(view: TrainingView, folder: Path, out: Outcome | None = None) -
     return out
 
 
+def probe(view: TrainingView, site: ProbeSite) -> Outcome:
+    """The gate on a framework's view, in the program's process (``Gate.probe``)."""
+    return check_export(view, site.export_folder)
+
+
 class ExportGate(Gate):
     name = GateName.EXPORT
     on_program = OnProgram.INTEGRATION
+    probe = staticmethod(probe)
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)
     produces = (Product.EXPORT,)

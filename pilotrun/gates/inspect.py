@@ -17,7 +17,7 @@ import torch
 from ..data.audit import class_problems, render_example, scan_split
 from ..ledger.records import GateName
 from ..program.env import IdKind
-from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, ProbeSite, Product
 from .view import TrainingView, UpdateIds
 
 NO_IDS = ("updates carry no sample ids, so the resume gate cannot compare which examples each update saw; keep "
@@ -139,9 +139,15 @@ def check_inspect(view: TrainingView, out: Outcome | None = None) -> Outcome:
     return out
 
 
+def probe(view: TrainingView, site: ProbeSite) -> Outcome:
+    """The gate on a framework's view, in the program's process (``Gate.probe``)."""
+    return check_inspect(view)
+
+
 class InspectGate(Gate):
     name = GateName.INSPECT
     on_program = OnProgram.INTEGRATION
+    probe = staticmethod(probe)
     program_note = NEEDS_INTEGRATION
     needs = (Product.DATA,)
     produces = (Product.SCAN,)

@@ -17,7 +17,7 @@ from ..drivers import Capability
 from ..ledger.details import OverfitDetails
 from ..ledger.records import Failure, GateName
 from ..models.adapters import parameter_split
-from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, ProbeSite, Product
 from .view import OverfitPlan, TrainingView
 
 # An adapter on a frozen base learns only what the base's features allow. On a randomly initialised base (a model
@@ -120,9 +120,15 @@ def check_overfit(view: TrainingView, out: Outcome | None = None) -> Outcome:
         inputs=out.inputs, details=out.details)
 
 
+def probe(view: TrainingView, site: ProbeSite) -> Outcome:
+    """The gate on a framework's view, in the program's process (``Gate.probe``)."""
+    return check_overfit(view)
+
+
 class OverfitGate(Gate):
     name = GateName.OVERFIT
     on_program = OnProgram.INTEGRATION
+    probe = staticmethod(probe)
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER,)
     requires = (Capability.MODEL,)

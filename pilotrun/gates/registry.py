@@ -115,6 +115,8 @@ def problems() -> list[str]:
     for gate in GATES:  # a skip row on a program must say what would enable the gate; a stage, which one to report
         if gate.on_program != OnProgram.PILOT and not gate.program_note:
             out.append(f"{gate.name} declares on_program {gate.on_program} without a program_note")
+        if gate.on_program == OnProgram.INTEGRATION and gate.probe is Gate.probe:
+            out.append(f"{gate.name} runs on a framework's view (on_program integration) without a probe")
     if len(set(GATE_NAMES)) != len(GATE_NAMES):
         out.append("two gates share a name")
     # Readers compare rows with GateName, so the enum is the vocabulary: a gate named outside it, or out of order,

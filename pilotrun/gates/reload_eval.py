@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from ..drivers import Capability
-from ..ledger.records import GateName
-from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
+from ..ledger.records import GateName, Verdict
+from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, ProbeSite, Product, on_main_rank
 from .view import Artifact, NotMeasured, TrainingView
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -169,9 +169,25 @@ def _compare_merged(artifact: Artifact, merged: torch.Tensor, first: torch.Tenso
     return f"; the merged model in merged/ too (max difference {diff:.2g})"
 
 
+def reload_after(view: TrainingView, export: Outcome, work: Path) -> Outcome:
+    """reload_eval on the export a framework's probes just wrote; skip (naming why) when the export did not pass."""
+    if export.verdict.blocks:
+        return Outcome(Verdict.SKIP, f"skipped: export did not pass ({export.reason})")
+    items, batch, first, second = reference(view)
+    work.mkdir(parents=True, exist_ok=True)
+    artifact = Artifact(Path(export.details["path"]), export.details["manifest_sha256"])
+    return compare_reload(view, artifact, items, batch, first, second, work)
+
+
+def probe(view: TrainingView, site: ProbeSite) -> Outcome:
+    """The gate on a framework's view, in the program's process (``Gate.probe``)."""
+    return reload_after(view, site.outcomes[GateName.EXPORT], site.export_folder.parent / "pilotrun-reload")
+
+
 class ReloadEvalGate(Gate):
     name = GateName.RELOAD_EVAL
     on_program = OnProgram.INTEGRATION
+    probe = staticmethod(probe)
     program_note = NEEDS_INTEGRATION
     needs = (Product.DRIVER, Product.EXPORT)
     requires = (Capability.MODEL, Capability.EXPORT)

@@ -25,15 +25,9 @@ import torch
 from ..config.sections import InspectSpec
 from ..data.bundle import DataBundle
 from ..drivers import NonFiniteError
-from ..gates.accum import check_accum
-from ..gates.base import Outcome, run_check
-from ..gates.batch import check_batch
-from ..gates.export import check_export
-from ..gates.inspect import check_inspect
-from ..gates.overfit import check_overfit
-from ..gates.reload_eval import compare_reload, reference
+from ..gates.base import OnProgram, Outcome, ProbeSite, run_check
+from ..gates.registry import GATES
 from ..gates.view import Artifact, Batching, OverfitPlan, Reloaded, TrainingView, UpdateIds, ViewBase, tensors_of
-from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
 from ..program.env import IDS_ARE, IdKind
 
@@ -445,33 +439,19 @@ def reload_pretrained(artifact: Artifact, batch, work: Path) -> Reloaded:
                     f"{payload['model_class']} (transformers from_pretrained)")
 
 
-def reload_after(view: TrainingView, export: Outcome, work: Path) -> Outcome:
-    """reload_eval on the export the probes just wrote; skip (naming why) when the export did not pass."""
-    if export.verdict.blocks:
-        return Outcome(Verdict.SKIP, f"skipped: export did not pass ({export.reason})")
-    items, batch, first, second = reference(view)
-    work.mkdir(parents=True, exist_ok=True)
-    artifact = Artifact(Path(export.details["path"]), export.details["manifest_sha256"])
-    return compare_reload(view, artifact, items, batch, first, second, work)
-
-
 def record(job, gate: str, outcome: Outcome) -> Outcome:
     job.record_gate(gate, outcome.verdict, outcome.reason, **outcome.details)
     return outcome
 
 
 def run_probes(job, view: TrainingView, export_folder: Path, observed: bool = False) -> dict[str, Outcome]:
-    """Every in-process gate, in the pilot's order, each recorded as it finishes; ``observed``: batch and
-    accum_equivalence are left to the loop's watcher (:mod:`.observe`), which records them from its real steps."""
-    out: dict[str, Outcome] = {}
-    for gate, check in ((GateName.INSPECT, check_inspect), (GateName.BATCH, check_batch),
-                        (GateName.ACCUM_EQUIVALENCE, check_accum), (GateName.OVERFIT, check_overfit)):
-        if observed and gate in (GateName.BATCH, GateName.ACCUM_EQUIVALENCE):
+    """Every gate the registry runs on a framework's view (``OnProgram.INTEGRATION``), in the pilot's order, each
+    recorded as it finishes; ``observed``: the gates a hand-written loop's watcher records from its real steps
+    (``Gate.watched``: batch, accum_equivalence) are left to it (:mod:`.observe`)."""
+    site = ProbeSite(export_folder)
+    for gate in GATES:
+        if gate.on_program != OnProgram.INTEGRATION or (observed and gate.watched):
             continue
-        out[gate] = record(job, gate, run_check(gate, lambda check=check: check(view)))  # type: ignore[misc]
-    export = record(job, GateName.EXPORT, run_check(GateName.EXPORT, lambda: check_export(view, export_folder)))
-    work = export_folder.parent / "pilotrun-reload"
-    out[GateName.EXPORT] = export
-    out[GateName.RELOAD_EVAL] = record(job, GateName.RELOAD_EVAL,
-                                       run_check(GateName.RELOAD_EVAL, lambda: reload_after(view, export, work)))
-    return out
+        outcome = run_check(gate.name, lambda check=gate.probe: check(view, site))  # type: ignore[misc]
+        site.outcomes[gate.name] = record(job, gate.name, outcome)
+    return site.outcomes
