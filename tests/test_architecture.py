@@ -641,16 +641,20 @@ def framework_checks() -> dict[str, Callable[[object], str | None]]:
             "tests/test_integration_<module>.py": _fw_test}
 
 
+def _wired(readme: str, checks: dict[str, Callable[[object], str | None]], members) -> None:
+    """``readme``'s table lists exactly ``checks``' files, each of them exists, and every member passes each."""
+    rows = _readme_rows(PACKAGE / readme)
+    assert sorted(rows) == sorted(checks), f"pilotrun/{readme}'s table and its checks differ"
+    for path in rows:
+        assert "<" in path or (ROOT / path).exists(), f"pilotrun/{readme} lists {path}, which is gone"
+    problems = [p for member in members for check in checks.values() if (p := check(member))]
+    assert not problems, "; ".join(problems)
+
+
 def test_every_framework_is_wired_into_each_file_the_readme_lists():
     from pilotrun.program.describe import Framework
 
-    checks = framework_checks()
-    rows = _readme_rows(PACKAGE / "integrations" / "README.md")
-    assert sorted(rows) == sorted(checks), "pilotrun/integrations/README.md's table and framework_checks() differ"
-    for path in rows:
-        assert "<" in path or (ROOT / path).exists(), f"pilotrun/integrations/README.md lists {path}, which is gone"
-    problems = [p for fw in Framework for check in checks.values() if (p := check(fw))]
-    assert not problems, "; ".join(problems)
+    _wired("integrations/README.md", framework_checks(), Framework)
 
 
 def test_the_framework_check_fails_a_framework_wired_into_nothing():
@@ -732,13 +736,7 @@ def gate_checks() -> dict[str, Callable[[object], str | None]]:
 def test_every_gate_is_wired_into_each_file_the_readme_lists():
     from pilotrun.gates.registry import GATES
 
-    checks = gate_checks()
-    rows = _readme_rows(PACKAGE / "gates" / "README.md")
-    assert sorted(rows) == sorted(checks), "pilotrun/gates/README.md's table and gate_checks() differ"
-    for path in rows:
-        assert "<" in path or (ROOT / path).exists(), f"pilotrun/gates/README.md lists {path}, which is gone"
-    problems = [p for gate in GATES for check in checks.values() if (p := check(gate))]
-    assert not problems, "; ".join(problems)
+    _wired("gates/README.md", gate_checks(), GATES)
 
 
 def test_the_gate_check_fails_a_gate_wired_into_nothing():
