@@ -29,6 +29,7 @@ A campaign or a worker also records its mark (host, pid and start time: a pid al
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -57,6 +58,21 @@ TORCHRUN_FOLDER_VAR = "PET_LOG_DIR"
 POLL_S = 0.05
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+
+# Loggers that transformers' import wakes where torchao is installed (pilotrun's fp8 extra): transformers imports
+# torchao for its quantizer, and torchao warns for each CUDA-only extension a CPU build cannot load, torch's pytree
+# for each enum torchao registers. Neither concerns the job: pilotrun's own processes (the CLI, its workers) log
+# errors only from them (quiet_import_noise); models/quiet.py does the same around a pilot's gates.
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_noise() -> None:
+    """Errors only from :data:`IMPORT_NOISE`'s loggers for the rest of this process: called where a process of
+    pilotrun's own starts, never in a user's program (whose logging is its own). Imports nothing."""
+    for name in IMPORT_NOISE:
+        log = logging.getLogger(name)
+        log.setLevel(max(log.level, logging.ERROR))
+
 
 # Held while a keeper starts and while orphans are looked for: a keeper just started (in a session of its own, not
 # yet in _KEEPERS) is never taken for an orphan of another tree.

@@ -232,3 +232,18 @@ def test_an_image_job_is_described_in_examples_not_tokens_and_without_a_length(t
     assert "20 updates, 8 examples per update, fp32." in res.stdout and "None" not in res.stdout, res.stdout
     rows = [line.split(" | ") for line in res.stdout.splitlines() if line.startswith("| A100")]
     assert rows and rows[0][8] == "n/a"  # the largest length column: not "0"
+
+
+@pytest.mark.process
+def test_torchaos_import_warnings_stay_out_of_pilotruns_own_processes():
+    # transformers imports torchao (the dev extra and pilotrun[fp8] install it) for its quantizer, and torchao logs a
+    # warning for each CUDA-only extension a CPU build cannot load, torch's pytree one for each enum it registers.
+    require("torchao", "torchao")
+    code = ("import sys; from pilotrun.procs import quiet_import_noise\n"
+            "if sys.argv[1] == 'quiet': quiet_import_noise()\n"
+            "from transformers import GPT2Config, GPT2LMHeadModel\n")
+    loud = subprocess.run([sys.executable, "-c", code, "loud"], capture_output=True, text=True, timeout=120)
+    quiet = subprocess.run([sys.executable, "-c", code, "quiet"], capture_output=True, text=True, timeout=120)
+    assert loud.returncode == quiet.returncode == 0, (loud.stderr[-1000:], quiet.stderr[-1000:])
+    assert "pytree" in loud.stderr   # the noise is there to quiet: this check can fail
+    assert "pytree" not in quiet.stderr and "Failed to load" not in quiet.stderr, quiet.stderr[-1000:]

@@ -22,7 +22,7 @@ from ..config.schema import SpecError
 from ..errors import ContainerDigestError, LaunchError
 from ..interrupt import as_interrupted
 from ..ledger.store import LedgerError
-from ..models.quiet import quiet_import_noise
+from ..procs import quiet_import_noise
 from ..safefile import WriteFailed
 from .common import COMMANDS, EXIT_BAD_INPUT, EXIT_INTERNAL, UsageError, err_console
 

@@ -116,7 +116,7 @@ def _keep_log(text: str) -> str:
 
 
 if __name__ == "__main__":
-    from ..models.quiet import quiet_import_noise
+    from ..procs import quiet_import_noise
 
     quiet_import_noise()  # torchao's import warnings (through transformers') are not this job's
     sys.exit(main())

@@ -19,10 +19,7 @@ import logging
 import sys
 from types import TracebackType
 
-# Loggers that transformers' import wakes where torchao is installed (pilotrun's fp8 extra): transformers imports
-# torchao for its quantizer, and torchao warns for each CUDA-only extension a CPU build cannot load, torch's pytree
-# for each enum torchao registers. Neither concerns the job; they are set to errors only before that import.
-IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+from ..procs import IMPORT_NOISE
 
 
 class QuietTransformers:
@@ -65,11 +62,3 @@ class QuietTransformers:
         if self._bars:
             hf.enable_progress_bar()
         self._verbosity = None
-
-
-def quiet_import_noise() -> None:
-    """Errors only from :data:`IMPORT_NOISE`'s loggers for the rest of this process: called where a process of
-    pilotrun's own starts (the CLI, its workers), never in a user's program (whose logging is its own)."""
-    for name in IMPORT_NOISE:
-        log = logging.getLogger(name)
-        log.setLevel(max(log.level, logging.ERROR))

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ..models.quiet import quiet_import_noise
+    from ..procs import quiet_import_noise
 
     quiet_import_noise()  # torchao's import warnings (through transformers') are not this job's
     sys.exit(main())
