@@ -454,8 +454,8 @@ def test_a_program_campaign_on_ray_keeps_every_row_and_stops_the_diverging_runs_
     (tmp_path / "prog" / "pilot.yaml").write_text(yaml.safe_dump({"name": "prog",
                                                                   "program": {"command": "python train.py"}}))
     spec = tmp_path / "prog-lr.yaml"
-    spec.write_text(yaml.safe_dump({"name": "prog-lr", "base": "prog/pilot.yaml", "vary": {"lr": [0.01, 0.03, 3.0]},
-                                    "seeds": [1, 2], "updates": 8, "stop": {"divergence": 3.0},
+    spec.write_text(yaml.safe_dump({"name": "prog-lr", "base": "prog/pilot.yaml", "vary": {"lr": [0.01, 3.0]},
+                                    "seeds": [1], "updates": 8, "stop": {"divergence": 3.0},
                                     "program": {"args": ["--lr", "{value}", "--seed", "{seed}", "--updates",
                                                          "{updates}"]}}, sort_keys=False))
     ledger = tmp_path / "ray.sqlite"
@@ -466,10 +466,9 @@ def test_a_program_campaign_on_ray_keeps_every_row_and_stops_the_diverging_runs_
     # The local engine's rows for this campaign (tests/test_campaign_program.py runs programs there): the program is
     # deterministic, so the rows are known: lr 3.0 breaks the 3x rule at its second update (SGD on this regression
     # overshoots), and the handle's should_stop stops it exactly there.
-    assert [r[1:5] for r in rows] == [(0.01, 1, "finished", None), (0.01, 2, "finished", None),
-                                      (0.03, 1, "finished", None), (0.03, 2, "finished", None),
-                                      (3.0, 1, "diverged", "divergence"), (3.0, 2, "diverged", "divergence")], rows
+    # Two runs (the grid and its seeds are the local engine's tests'; two ranks per run: test_campaign_multigpu.py).
+    assert [r[1:5] for r in rows] == [(0.01, 1, "finished", None), (3.0, 1, "diverged", "divergence")], rows
     assert all(r[6] == r[8] == r[7] == 2 for r in rows if r[3] == "diverged")  # stopped where its last point is
     assert all(r[7] == 8 for r in rows if r[3] == "finished")
-    assert any("lr = 3.0 diverged in 2 of 2" in t for t in text), text
+    assert any("lr = 3.0 diverged in 1 of 1" in t for t in text), text
     assert not _marked(ray_env[MARK]), "the campaign left Ray processes behind"
