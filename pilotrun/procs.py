@@ -28,6 +28,7 @@ A campaign or a worker also records its mark (host, pid and start time: a pid al
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,21 @@ WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 # for each enum torchao registers. Neither concerns the job: pilotrun's own processes (the CLI, its workers) log
 # errors only from them (quiet_import_noise); models/quiet.py does the same around a pilot's gates.
 IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def import_noise_quieted() -> Iterator[None]:
+    """Errors only from :data:`IMPORT_NOISE`'s loggers inside; their levels put back on exit (inside a process
+    that is not pilotrun's own: a pilot's gates, torchao's import for fp8)."""
+    logs = [logging.getLogger(name) for name in IMPORT_NOISE]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(max(log.level, logging.ERROR))
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def quiet_import_noise() -> None:

@@ -15,11 +15,11 @@ Example::
 """
 from __future__ import annotations
 
-import logging
+import contextlib
 import sys
 from types import TracebackType
 
-from ..procs import IMPORT_NOISE
+from ..procs import import_noise_quieted
 
 
 class QuietTransformers:
@@ -28,13 +28,10 @@ class QuietTransformers:
     def __init__(self) -> None:
         self._verbosity: int | None = None
         self._bars = False
-        self._levels: dict[str, int] = {}
+        self._noise = contextlib.ExitStack()
 
     def __enter__(self) -> QuietTransformers:
-        for name in IMPORT_NOISE:
-            log = logging.getLogger(name)
-            self._levels[name] = log.level
-            log.setLevel(max(log.level, logging.ERROR))
+        self._noise.enter_context(import_noise_quieted())   # transformers' import wakes torchao (procs.py)
         self.settle()
         return self
 
@@ -52,9 +49,7 @@ class QuietTransformers:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        for name, level in self._levels.items():
-            logging.getLogger(name).setLevel(level)
-        self._levels = {}
+        self._noise.close()
         hf = sys.modules.get("transformers.utils.logging")
         if self._verbosity is None or hf is None:
             return

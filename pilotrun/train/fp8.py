@@ -25,12 +25,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import logging
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from ..procs import import_noise_quieted
 
 RECIPES = ("tensorwise", "rowwise")
 # The attribute names of an output head that a model without get_output_embeddings (a factory's) may use; the
@@ -104,15 +105,8 @@ def torchao_problem() -> str | None:
 def _float8():
     # torchao logs a warning for each optional compiled extension it cannot load on this machine (CUDA-only kernels
     # on a CPU build) and torch's pytree one for its enum constants: neither concerns float8 training.
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
+    with import_noise_quieted():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
     return Float8LinearConfig, convert_to_float8_training
 
 
