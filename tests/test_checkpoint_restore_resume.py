@@ -13,8 +13,8 @@ import torch
 from pilotrun.checkpoint import CheckpointError, fingerprint_state, manifest_sha256, save_checkpoint
 from pilotrun.config import load_spec
 from pilotrun.drivers import build_job
-from pilotrun.gates.resume import first_difference
 from pilotrun.ledger import Ledger
+from pilotrun.program.compare import Cause, compare_updates, loop_updates
 from pilotrun.workers.train_phase import restore_check
 
 from .conftest import TEST_DIGEST, killed_after_export, pilotrun_cli
@@ -37,8 +37,9 @@ def test_each_bug_fails_its_gate(toylm, tmp_path, bug, gate, words):
 def test_nonpersistent_buffer_also_breaks_the_resumed_losses(toylm, tmp_path):
     rows = rows_of(toylm, tmp_path, "model.bug=nonpersistent_buffer", gates=["resume"])
     reason = rows["resume"]["reason"]
-    assert rows["resume"]["verdict"] == "fail" and "differs from the uninterrupted run in loss" in reason
-    assert "losses differ while ids and lr match" in reason
+    assert rows["resume"]["verdict"] == "fail" and "differs from the uninterrupted one at update 3: loss" in reason
+    assert "same examples, different loss" in reason and "persistent=False" in reason
+    assert rows["resume"]["details"]["difference"]["cause"] == "state-saved-at-wrong-point"
 
 
 @pytest.mark.process
@@ -122,14 +123,21 @@ def test_pickled_objects_are_refused(tmp_path):
         load_torch_file(tmp_path / "evil.pt")
 
 
-def test_first_difference_names_field_and_update():
-    a = [{"step": 3, "sample_ids": ["a"], "lr": (0.1).hex(), "loss": (1.0).hex(), "grad_norm": (2.0).hex()}]
-    assert first_difference(a, a, exact=True, rtol=0) is None
-    b = [dict(a[0], lr=(0.2).hex())]
-    assert first_difference(a, b, True, 0) == {"update": 3, "field": "lr", "control": 0.1, "other": 0.2}
-    c = [dict(a[0], loss=(1.0000001).hex())]
-    assert first_difference(a, c, exact=True, rtol=1e-3)["field"] == "loss"
-    assert first_difference(a, c, exact=False, rtol=1e-3) is None
+def test_the_loops_records_are_compared_as_a_programs_are():
+    """The loop's worker writes floats as hex (exact); the one resume comparison reads them as the program's."""
+    a = [{"step": 3, "sample_ids": ["a"], "lr": (0.1).hex(), "loss": (1.0).hex(), "grad_norm": (2.0).hex()},
+         {"step": 4, "sample_ids": ["b"], "lr": (0.1).hex(), "loss": (0.5).hex(), "grad_norm": "nan"}]
+    assert loop_updates(a)[0] == {"update": 3, "ids": ["a"], "loss": 1.0, "lr": 0.1, "grad_norm": 2.0}
+    assert compare_updates(loop_updates(a), loop_updates(a), 3, 4, exact=True).equal  # nan equals nan, bitwise
+    lr = compare_updates(loop_updates(a), loop_updates([dict(a[0], lr=(0.2).hex()), a[1]]), 3, 4, exact=True)
+    assert (lr.difference.update, lr.difference.field, lr.difference.other) == (3, "lr", 0.2)
+    assert lr.cause == Cause.SCHEDULER_NOT_RESTORED
+    close = loop_updates([dict(a[0], loss=(1.0000001).hex()), a[1]])
+    assert compare_updates(loop_updates(a), close, 3, 4, exact=True).cause == Cause.STATE_SAVED_AT_WRONG_POINT
+    assert compare_updates(loop_updates(a), close, 3, 4, exact=False, rtol=1e-3).equal
+    # A loss that moves only from the second resumed update on: the optimizer's state, as for a program.
+    later = loop_updates([a[0], dict(a[1], loss=(0.6).hex())])
+    assert compare_updates(loop_updates(a), later, 3, 4, exact=True).cause == Cause.OPTIMIZER_STATE_NOT_RESTORED
 
 
 @pytest.mark.process

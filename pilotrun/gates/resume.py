@@ -2,57 +2,36 @@
 
 Three fresh processes: a control runs N+K updates; a second runs N, saves and is
 killed with SIGKILL; a third restores the checkpoint and runs K more. Update by
-update, sample ids, learning rate, loss and gradient norm must match the control's —
-bitwise on CPU in fp32, within ``pilot.resume.rtol`` on accelerators and in bf16/fp16.
+update, sample ids, loss, learning rate and gradient norm must match the control's —
+bitwise on CPU in fp32, within ``pilot.resume.rtol`` on accelerators and in bf16/fp16 —
+judged by the comparison programs and integrations use (:mod:`pilotrun.program.compare`):
+the same order, causes and tolerances.
 """
 from __future__ import annotations
 
-import math
-
 from ..drivers import Capability
 from ..ledger.records import GateName
+from ..program.compare import (
+    ONE_UPDATE,
+    Comparison,
+    Difference,
+    attribute_across_ranks,
+    compare_updates,
+    first_of,
+    loop_updates,
+    reproducibility,
+)
 from ..train.compile import summed
 from ..workers.launch import run_and_kill, run_worker
 from .base import Gate, GateFailure, OnProgram, Outcome, Product, on_main_rank
 
-CAUSES = {
-    "sample_ids": ("the data order differs: the sampler position or its seed was not restored, so the run replays or "
-                   "skips examples"),
-    "lr": ("the learning rate differs while the data matches: scheduler state not restored, or rebuilt with "
-           "another length"),
-    "loss": ("losses differ while ids and lr match: state outside state_dict (a buffer registered with "
-             "persistent=False, a Python attribute), or randomness outside the restored generators (an unseeded "
-             "random.Random or numpy Generator, DataLoader workers)"),
-    "grad_norm": ("gradient norms differ while losses match: state that changes gradients but not the loss was not "
-                  "restored (e.g. the grad scaler)"),
-}
-FIELDS = ("sample_ids", "lr", "loss", "grad_norm")
 
-
-def _value(x):
-    if isinstance(x, str) and x.startswith(("0x", "-0x")):
-        return float.fromhex(x)
-    if isinstance(x, str):
-        return float(x)
-    return x
-
-
-def first_difference(a: list[dict], b: list[dict], exact: bool, rtol: float) -> dict | None:
-    """The first update and field where two runs differ, or None."""
-    for ra, rb in zip(a, b):
-        for f in FIELDS:
-            va, vb = ra.get(f), rb.get(f)
-            if f == "sample_ids" or exact:
-                same = va == vb
-            else:
-                xa, xb = _value(va), _value(vb)
-                same = (xa is None and xb is None) or (
-                    xa is not None and xb is not None
-                    and (xa == xb or math.isclose(xa, xb, rel_tol=rtol, abs_tol=1e-12)))
-            if not same:
-                show = (lambda v: v) if f == "sample_ids" else _value
-                return {"update": ra["step"], "field": f, "control": show(va), "other": show(vb)}
-    return None
+def _first_difference(comparisons: dict[int, Comparison]) -> tuple[int, Difference] | None:
+    """The rank and difference a failed comparison names (gradients are averaged: a rank's grad_norm difference
+    that follows another rank's is pointed at it)."""
+    differences = {rank: c.difference for rank, c in comparisons.items() if c.difference is not None}
+    attribute_across_ranks(differences)
+    return first_of(differences)
 
 
 class ResumeGate(Gate):
@@ -107,29 +86,30 @@ class ResumeGate(Gate):
                       "measured_in": "the three worker processes (largest)",
                       "not_measured": {"peak_allocated_bytes": "three processes; see the restore row for one restore"}}
         ranks = range(len(control.get("records_by_rank") or [control["records"]]))
-        by_rank = lambda p, i: (p.get("records_by_rank") or [p["records"]])[i]  # noqa: E731
-        before = next((dict(d, rank=i) for i in ranks
-                       if (d := first_difference(by_rank(control, i)[: r.before], by_rank(cut, i), exact, r.rtol))),
-                      None)
-        if before is not None:
-            raise GateFailure(
-                f"the run is not reproducible even without a restart: at update {before['update']}, {before['field']} "
-                f"is {before['control']} in one fresh process and {before['other']} in another — randomness that "
-                "the seed does not control (an unseeded generator, nondeterministic kernels)",
-                inputs=out.inputs, details=out.details)
-        after = next((dict(d, rank=i) for i in ranks
-                      if (d := first_difference(by_rank(control, i)[r.before:], by_rank(resumed, i), exact, r.rtol))),
-                     None)
+        updates = {name: [loop_updates(rank_records) for rank_records in (p.get("records_by_rank") or [p["records"]])]
+                   for name, p in (("control", control), ("interrupted", cut), ("resumed", resumed))}
+        on = (lambda rank: "") if n == 1 else (lambda rank: f" on rank {rank}")  # noqa: E731
+        fresh = _first_difference({i: reproducibility(updates["control"][i], updates["interrupted"][i], r.before,
+                                                      exact, r.rtol) for i in ranks})
+        if fresh is not None:
+            rank, d = fresh
+            out.details["difference"] = {**d.to_dict(), "rank": rank}
+            raise GateFailure(f"the run is not reproducible even without a restart{on(rank)}: {d.sentence()}",
+                              inputs=out.inputs, details=out.details)
+        end = r.before + r.after
+        after = _first_difference({i: compare_updates(updates["control"][i], updates["resumed"][i], r.before + 1,
+                                                      end, exact, r.rtol) for i in ranks})
         if after is not None:
-            raise GateFailure(
-                f"after a kill at update {r.before} and a restore, update {after['update']} differs from the "
-                f"uninterrupted run in {after['field']}: {after['other']} vs {after['control']}; "
-                f"{CAUSES[after['field']]}",
-                inputs=out.inputs, details=out.details)
+            rank, d = after
+            out.details["difference"] = {**d.to_dict(), "rank": rank}
+            raise GateFailure(f"after a kill at update {r.before} and a restore, the resumed run differs from the "
+                              f"uninterrupted one{on(rank)} at {d.sentence()}", inputs=out.inputs, details=out.details)
         who = "a fresh process" if n == 1 else f"{n} fresh processes (torchrun)"
         out.reason = (f"killed after update {r.before} (SIGKILL), restored in {who}: updates "
-                      f"{r.before + 1}-{r.before + r.after} match the uninterrupted run {rule} in sample ids, lr, loss "
+                      f"{r.before + 1}-{r.before + r.after} match the uninterrupted run {rule} in sample ids, loss, lr "
                       "and gradient norm")
+        if r.after < 2:
+            out.warn(f"{out.reason}; {ONE_UPDATE}")
         _resume_compile(out, control["records"], resumed["records"])
         return out
 

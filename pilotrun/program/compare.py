@@ -1,6 +1,8 @@
-"""Compare the updates two runs of a program reported, field by field: the resume gate's verdict and its cause.
+"""The resume comparison: the updates two runs reported, field by field, and the first difference's cause.
 
-Pure logic on the records of the event files (:mod:`pilotrun.program.env`): no processes, no ledger.
+The one comparison every driver's resume gate uses: pilotrun's loop (its worker's records through
+:func:`loop_updates`), programs and the framework integrations (their event files, :mod:`pilotrun.program.env`).
+Pure logic: no processes, no ledger.
 
 For one rank, updates ``start..end`` of the control run and of the other run are compared in this order per
 update — ids, loss, lr, grad_norm, then each extra field — and the first update that differs names its first
@@ -95,8 +97,10 @@ CAUSE_TEXT = {
     Cause.SCHEDULER_NOT_RESTORED: "the learning-rate scheduler was not saved or not restored "
                                   "(scheduler.state_dict() in the checkpoint, load_state_dict() on resume)",
     Cause.STATE_SAVED_AT_WRONG_POINT: "same examples, different loss: the model state in the checkpoint is not the "
-                                      "state after the update it names (saved before optimizer.step(), or not all "
-                                      "of it restored), or the RNG that dropout/augmentation draws from was not "
+                                      "state after the update it names (saved before optimizer.step(), not all of "
+                                      "it restored, or kept outside state_dict: a buffer registered with "
+                                      "persistent=False, a Python attribute), or the RNG that dropout/augmentation "
+                                      "draws from was not "
                                       "saved and restored (torch.get_rng_state()/set_rng_state(), set after "
                                       "anything on resume that draws from it, such as iter(DataLoader))",
     Cause.GRADIENT_STATE: "same loss, different gradient norm: gradients not zeroed before the first resumed update, "
@@ -106,8 +110,9 @@ CAUSE_TEXT = {
                                         "scaler's was not saved or not restored, so the first resumed "
                                         "optimizer.step() moved the weights differently",
     Cause.EXTRA_FIELD: "a value the program reported with job.update(**extra) differs",
-    Cause.NOT_REPRODUCIBLE: "two fresh runs differ before any resume: the program is not seeded (torch.manual_seed, "
-                            "the sampler's generator, dropout), so a resume cannot be compared",
+    Cause.NOT_REPRODUCIBLE: "two fresh runs differ before any resume: randomness the seed does not control (no "
+                            "torch.manual_seed, an unseeded random.Random or numpy Generator, the sampler's "
+                            "generator, DataLoader workers, nondeterministic kernels), so a resume cannot be compared",
     Cause.MISSING_UPDATES: "the run did not report these updates (it stopped early, crashed, or skips job.update)",
     Cause.STEP_NOT_RESTORED: "the resumed run did not continue after the checkpoint's update: it did not load "
                              "job.resume_from (ignored, or not found and training started over) or did not restore "
@@ -122,6 +127,11 @@ CAUSE_TEXT = {
                              "resume that draws from it, such as iter(DataLoader)); less often the model state "
                              "in the checkpoint is not the state after the update it names",
 }
+# Said where one resumed update was compared: its loss and grad_norm come from the restored weights before any
+# optimizer.step(), so a lost optimizer state shows only from the second one (found piloting a loop that saved no
+# AdamW state: it passed with pilot.resume.after: 1).
+ONE_UPDATE = ("the optimizer state was not checked: with one resumed update compared, a lost optimizer (or grad "
+              "scaler) state cannot show; set pilot.resume.after: 2 or more")
 # The order fields are compared in within one update (cause before consequence).
 FIELDS = ("ids", "loss", "lr", "grad_norm")
 FIELD_CAUSE = {"ids": Cause.DATA_ORDER_NOT_RESTORED, "lr": Cause.SCHEDULER_NOT_RESTORED,
@@ -139,6 +149,13 @@ class Difference:
     origin: str = ""  # the other rank this difference follows from (attribute_across_ranks), else empty
     ids_are: IdKind = IdKind.ITEM  # what the control's ids at this update are (an integration's dataset positions)
     basis: Basis = Basis.FIELDS
+
+    def to_dict(self) -> dict:
+        """The row's ``difference`` detail (every driver's resume row records the same)."""
+        return {"update": self.update, "field": self.field, "control": self.control, "other": self.other,
+                "run": self.other_name, "cause": str(self.cause), "fix": self.fix(), "basis": str(self.basis),
+                **({"origin": self.origin} if self.origin else {}),
+                **({"ids_are": str(self.ids_are)} if self.field == "ids" else {})}
 
     @property
     def likely(self) -> bool:
@@ -204,6 +221,29 @@ def values_equal(a: Any, b: Any, exact: bool, rtol: float) -> tuple[bool, float]
         rel = abs(a - b) / max(abs(a), abs(b), 1e-12)
         return rel <= rtol, rel
     return a == b, 0.0 if a == b else math.inf
+
+
+def _number(x: Any) -> Any:
+    """A float the loop's worker wrote exactly (``float.hex()``, or ``repr`` of a non-finite one) as a float."""
+    if isinstance(x, str):
+        return float.fromhex(x) if x.lstrip("-").startswith("0x") else float(x)
+    return x
+
+
+def loop_updates(records: list[dict]) -> list[dict]:
+    """pilotrun's loop worker's records (``step``, ``sample_ids``, floats as hex) as the update records compared
+    here (``update``, ``ids``, floats): the same fields, so the loop's resume is judged as a program's is."""
+    return [{"update": int(r["step"]), "ids": r.get("sample_ids"), "loss": _number(r.get("loss")),
+             "lr": _number(r.get("lr")), "grad_norm": _number(r.get("grad_norm"))} for r in records]
+
+
+def first_of(differences: Mapping[int, Difference]) -> tuple[int, Difference] | None:
+    """(rank, difference) to name first among ranks: the earliest update, a rank's own cause before one that
+    follows another rank's (:func:`attribute_across_ranks`), then the lowest rank."""
+    if not differences:
+        return None
+    return min(differences.items(), key=lambda kv: (kv[1].update if kv[1].update is not None else -1,
+                                                    kv[1].cause == Cause.OTHER_RANK, kv[0]))
 
 
 def by_update(records: list[dict]) -> dict[int, dict]:

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ledger.records import Failure, GateRow, TextEnum, Verdict
-from .compare import FIELDS, CompareChoice, Comparison, attribute_across_ranks, compare_updates, reproducibility
+from .compare import (
+    FIELDS,
+    ONE_UPDATE,
+    CompareChoice,
+    Comparison,
+    attribute_across_ranks,
+    compare_updates,
+    reproducibility,
+)
 from .env import IDS_ARE, Event, IdKind, Role
 from .runner import RunOutcome
 
@@ -327,10 +335,7 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
     details["compared_updates"] = diff.compared
     if diff.difference is not None:
         d = diff.difference
-        details["difference"] = {"update": d.update, "field": d.field, "control": d.control, "other": d.other,
-                                 "run": d.other_name, "cause": str(d.cause), "fix": d.fix(), "basis": str(d.basis),
-                                 **({"origin": d.origin} if d.origin else {}),
-                                 **({"ids_are": str(d.ids_are)} if d.field == "ids" else {})}
+        details["difference"] = d.to_dict()
         stage = "before the save (fresh runs)" if not reproducible else "after the resume"
         return _fail(f"rank {rank}, {stage}: {d.sentence()}", details, rank=rank)
     details["largest_relative_difference"] = diff.largest_rel
@@ -355,6 +360,5 @@ def _row(rank: int, diff: Comparison, reproducible: bool, before: int, end: int,
         # a lost optimizer state shows only from the second one (found piloting a loop that saved no AdamW state:
         # it passed with pilot.resume.after: 1).
         row.verdict = Verdict.WARN
-        row.reason = (f"{row.reason}; the optimizer state was not checked: with one resumed update compared, a lost "
-                      "optimizer (or grad scaler) state cannot show; set pilot.resume.after: 2 or more")
+        row.reason = f"{row.reason}; {ONE_UPDATE}"
     return row
