@@ -77,7 +77,8 @@ def test_each_declaration_becomes_its_rows(tmp_path):
     assert [(r.rank, r.seconds) for r in first] == [(0, 0.5), (1, 0.5)]  # the first of two kept, not combined
     assert first[0].details["note"] == "2 first_step stages reported; the first is kept"
     steady = {r.rank: r for r in driver.proven_rows(BY_NAME["steady_step"])}
-    assert steady[1].seconds == 0.3 and steady[1].memory["peak_allocated_bytes"] == 50  # median time, largest peak
+    assert steady[1].seconds == pytest.approx(0.3) and steady[1].memory["peak_allocated_bytes"] == 50  # mean, largest
+    assert steady[1].details["seconds_each"] == [0.2, 0.4, 0.3] and steady[1].details["median_seconds"] == 0.3
     assert steady[0].verdict == Verdict.FAIL and "loss is nan" in steady[0].reason  # rank 0's problem, on its row
     assert steady[1].verdict == Verdict.PASS
     (inspect,) = driver.proven_rows(BY_NAME["inspect"])
@@ -193,3 +194,14 @@ def test_an_export_row_pilotrun_cannot_check_fails_and_makes_nothing_known(tmp_p
     assert said in export.reason, export.reason
     assert reload.verdict == Verdict.FAIL and reload.reason.startswith("the export it reloaded did not pass")
     assert _known(tmp_path) == set()
+
+
+def test_several_steady_stages_give_the_mean_per_update_as_the_loops_row_does():
+    from pilotrun.drivers.program import combine
+    rows = [_stage("steady_step", 0, 3.0, 10)["row"], _stage("steady_step", 0, 1.0, 10)["row"]]
+    rows[0]["details"] = {"seconds_per_update": 1.0, "updates_timed": 3}  # a stage over 3 updates
+    rows[1]["details"] = {"seconds_per_update": 1.0 / 3, "updates_timed": 3}
+    row = combine("steady_step", rows)
+    assert row.seconds == 2.0 and row.reason.startswith("2 stages: mean 2")
+    assert row.details["seconds_per_update"] == pytest.approx(4.0 / 6)  # every timed update weighs the same
+    assert row.details["median_seconds_per_update"] == pytest.approx(2.0 / 3)

@@ -378,7 +378,8 @@ def mark_problems(rows: list[GateRow], run: RunOutcome) -> None:
 
 def combine(name: str, rows: list[dict]) -> GateRow:
     """Several stages of one name on one rank (steady_step per update, eval per evaluation): the worst verdict, the
-    median time, each memory counter's largest value (counters stay apart)."""
+    mean time (what the job pays; the loop's steady_step is a mean too, the median is kept beside it), each memory
+    counter's largest value (counters stay apart)."""
     worst = min(rows, key=lambda r: Verdict(r["verdict"]).severity)
     seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
     memory: dict[str, Any] = {}
@@ -388,12 +389,25 @@ def combine(name: str, rows: list[dict]) -> GateRow:
                 memory[key] = max(value, memory.get(key, value))
             else:
                 memory.setdefault(key, value)
-    median = statistics.median(seconds) if seconds else None
+    mean = statistics.fmean(seconds) if seconds else None
     reason = worst["reason"] if worst["verdict"] != Verdict.PASS else (
-        f"{len(rows)} stages: median {human_seconds(median)} ({human_seconds(min(seconds))}–"
+        f"{len(rows)} stages: mean {human_seconds(mean)} ({human_seconds(min(seconds))}–"
         f"{human_seconds(max(seconds))}); the largest peaks of them: {peaks_phrase(memory) or 'not measured'}"
-        if median is not None else f"{len(rows)} stages; time not measured")
+        if mean is not None else f"{len(rows)} stages; time not measured")
+    details = {**(worst.get("details") or {}), "count": len(rows), "seconds_each": seconds,
+               **({"median_seconds": statistics.median(seconds)} if seconds else {}), **_per_update(rows)}
     return GateRow(name, Verdict(worst["verdict"]), reason, inputs=rows[0].get("inputs") or {}, memory=memory,
-                   seconds=median, started_at=rows[0]["started_at"], ended_at=rows[-1]["ended_at"],
-                   details={"count": len(rows), "seconds_each": seconds, **(worst.get("details") or {})},
-                   world_size=rows[0].get("world_size", 1))
+                   seconds=mean, started_at=rows[0]["started_at"], ended_at=rows[-1]["ended_at"],
+                   details=details, world_size=rows[0].get("world_size", 1))
+
+
+def _per_update(rows: list[dict]) -> dict:
+    """Seconds per update over every stage that timed updates, as the loop's steady_step gives them: the mean over
+    all their updates (SteadyStepDetails.seconds_per_update, which calibration reads) and the median of the stages'."""
+    timed = [(d["seconds_per_update"], int(d.get("updates_timed") or (r.get("inputs") or {}).get("updates") or 1))
+             for r in rows if isinstance(d := r.get("details") or {}, dict) and d.get("seconds_per_update") is not None]
+    if not timed:
+        return {}
+    updates = sum(n for _, n in timed)
+    return {"seconds_per_update": sum(s * n for s, n in timed) / updates,
+            "median_seconds_per_update": statistics.median(s for s, _ in timed)}
