@@ -620,7 +620,7 @@ def _fw_launcher(where: str) -> Callable[[object], str | None]:
 
 
 def _fw_test(fw) -> str | None:
-    path = ROOT / "tests" / f"test_integration_{_fw_module(fw)}.py"
+    path = ROOT / "tests" / "integrations" / f"test_integration_{_fw_module(fw)}.py"
     return None if path.is_file() else f"no {path.relative_to(ROOT)}"
 
 
@@ -638,7 +638,7 @@ def framework_checks() -> dict[str, Callable[[object], str | None]]:
             "docs/guides/integrations.md": _named_in((ROOT / "docs/guides/integrations.md").read_text(),
                                                     "docs/guides/integrations.md"),
             "README.md": _named_in((ROOT / "README.md").read_text(), "README.md"),
-            "tests/test_integration_<module>.py": _fw_test}
+            "tests/integrations/test_integration_<module>.py": _fw_test}
 
 
 def _wired(readme: str, checks: dict[str, Callable[[object], str | None]], members) -> None:
@@ -770,3 +770,19 @@ def test_a_view_class_is_checked_when_it_is_defined():
             pass
     # No view class escapes the check: the protocol's one subclass is the checked base.
     assert TrainingView.__subclasses__() == [ViewBase]
+
+
+def test_the_tests_mirror_the_packages():
+    """tests/<package>/ holds pilotrun/<package>/'s tests; tests/README.md lists every folder and the root's
+    cross-cutting modules, and nothing else sits at the root."""
+    root = Path(__file__).parent
+    readme = (root / "README.md").read_text()
+    folders = {p.name for p in root.iterdir() if p.is_dir() and p.name not in ("fixtures", "__pycache__")}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders <= packages, f"test folders named for no package: {sorted(folders - packages)}"
+    assert all((root / f / "__init__.py").is_file() for f in folders)
+    listed = set(re.findall(r"^\| `(\w+)/` \|", readme, re.M))
+    assert listed == folders, f"tests/README.md's layout table and the folders differ: {sorted(listed ^ folders)}"
+    cross = readme.split("Cross-cutting, at the root:", 1)[1]
+    at_root = {p.name for p in root.glob("test_*.py")}
+    assert at_root == set(re.findall(r"`(test_\w+\.py)`", cross)), "tests/README.md's root list and the root differ"

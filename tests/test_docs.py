@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import open_in_chromium
+from tests.conftest import open_in_chromium
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -7,8 +7,7 @@ import torch
 from pilotrun.config import load_spec
 from pilotrun.measure import StageMeter
 from pilotrun.pilot import PilotOptions, run_pilot
-
-from .conftest import SPEC_ORDER, copy_fixture
+from tests.conftest import SPEC_ORDER, copy_fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm device")]
 

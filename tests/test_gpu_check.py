@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO
+from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402

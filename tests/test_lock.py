@@ -18,8 +18,7 @@ from pilotrun.lock import (
     summarize_code,
     summarize_drift,
 )
-
-from .conftest import EXAMPLES, TEST_DIGEST, copy_example, copy_fixture, gate_rows, pilotrun_cli, require
+from tests.conftest import EXAMPLES, TEST_DIGEST, copy_example, copy_fixture, gate_rows, pilotrun_cli, require
 
 DIGEST = "sha256:" + "ab" * 32
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .conftest import TEST_DIGEST, write_spec
+from tests.conftest import TEST_DIGEST, write_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

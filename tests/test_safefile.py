@@ -104,8 +104,7 @@ def test_a_ledger_that_fills_mid_run_records_the_end_beside_the_run_and_says_whe
     so the next row's INSERT fails with SQLite's own "database or disk is full"."""
     from pilotrun.cli import main
     from pilotrun.ledger.store import Ledger
-
-    from .conftest import TEST_DIGEST, copy_fixture
+    from tests.conftest import TEST_DIGEST, copy_fixture
 
     real = Ledger.add_gate_row
 

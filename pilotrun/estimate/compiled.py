@@ -20,7 +20,8 @@ the inputs of one repeated block (``models.structure.largest_block``), and :func
   leaves it.
 
 On a real tiny Llama on this CPU the fake count equals, to the byte, what ``torch.compile(backend=
-"aot_eager_decomp_partition")`` (the same partitioner and decompositions) saves (tests/test_estimate_compiled.py).
+"aot_eager_decomp_partition")`` (the same partitioner and decompositions) saves
+(tests/estimate/test_estimate_compiled.py).
 What is not modelled: the transient buffers fused kernels no longer allocate (the peak's temporaries in backward),
 inductor's own choices beyond the partitioner (its scheduler may fuse less across reductions), and CUDA graphs.
 

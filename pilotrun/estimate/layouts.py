@@ -3,7 +3,8 @@ state. One table each, with its source; the trace (``estimate/adapted.py``) allo
 the 8B example's README and tests check them by hand.
 
 Quantised weights (bitsandbytes 0.50.2, ``functional.quantize_4bit`` / ``nn.Linear8bitLt``; read from the
-installed package and measured on CPU with transformers' ``BitsAndBytesConfig``, ``tests/test_estimate_adapters.py``):
+installed package and measured on CPU with transformers' ``BitsAndBytesConfig``,
+``tests/estimate/test_estimate_adapters.py``):
 
 =====================  ===========================================================================================
 4-bit (nf4 / fp4)      packed weight: uint8, ceil(out*in / 2) (two 4-bit codes per byte, shape [n/2, 1]);
@@ -19,7 +20,7 @@ in flight              4-bit: ``MatMul4Bit`` dequantises the layer's weight to t
 =====================  ===========================================================================================
 
 Optimizer state per trainable parameter of shape S, numel n (measured on CPU with the installed torch 2.13,
-bitsandbytes 0.50.2 and transformers 5.24 in ``tests/test_estimate_adapters.py``):
+bitsandbytes 0.50.2 and transformers 5.24 in ``tests/estimate/test_estimate_adapters.py``):
 
 ==================  ========================================================================================
 adamw (torch)       exp_avg + exp_avg_sq in the parameter's dtype (2 x 4 B fp32, 2 x 2 B under bf16-true),

@@ -2,7 +2,7 @@
 "does this machine have the kernel for it?".
 
 What bitsandbytes 0.50 runs on CPU, found by running each operation here (see
-tests/test_adapters.py, which runs every path this table calls available):
+tests/models/test_adapters.py, which runs every path this table calls available):
 
 | operation | cpu | cuda | source |
 | --- | --- | --- | --- |

@@ -1,0 +1,186 @@
+"""The strategy owns the training step: backward, gradient clipping, the optimizer step and the build context.
+
+The defaults are the loop's former inline code, so the numbers must be exactly the old ones; and the loop
+must really call the strategy's methods (a strategy of the test's own, put in the registry, proves it).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pilotrun import strategies
+from pilotrun.config import load_spec
+from pilotrun.drivers import build_job
+from pilotrun.strategies.single import Single
+from tests.conftest import gate_rows
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _loss(model: nn.Module, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g) * scale, torch.randint(0, 3, (8,), generator=g)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _old_inline_update(model, opt, scaler, max_norm):
+    """drivers/loop.py before the strategy owned the step (train/loss.py's backward, _clip, _step), verbatim."""
+    loss = _loss(model, 50.0)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+    else:
+        loss.backward()
+    if scaler is not None:
+        scaler.unscale_(opt)
+    grads = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"))
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    skipped = False
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.get_scale() < before
+    else:
+        opt.step()
+    return norm, skipped
+
+
+def _strategy_update(strategy, model, opt, scaler, max_norm):
+    strategy.backward(_loss(model, 50.0), scaler)
+    norm = strategy.clip_gradients(model.parameters(), max_norm, opt, scaler)
+    return norm, strategy.optimizer_step(opt, scaler)
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scaler"])
+@pytest.mark.parametrize("max_norm", [0.5, None], ids=["clipped", "measured"])
+def test_the_default_step_gives_the_old_inline_numbers(fp16, max_norm):
+    old, new = _model(), _model()
+    opt_old, opt_new = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (old, new))
+    scaler_old, scaler_new = ((torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")) if fp16 else (None, None))
+    for _ in range(3):  # AdamW state and the scaler's growth tracker both carry over
+        expected = _old_inline_update(old, opt_old, scaler_old, max_norm)
+        got = _strategy_update(strategies.get("single"), new, opt_new, scaler_new, max_norm)
+        assert got == expected
+        assert isinstance(got[0], float) and got[0] > (max_norm or 0)  # the norm before clipping
+        for a, b in zip(old.parameters(), new.parameters()):
+            assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+    if fp16:
+        assert scaler_new.state_dict() == scaler_old.state_dict()
+
+
+def test_the_fp16_scaler_skips_a_non_finite_update_and_says_so():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    before = copy.deepcopy(model.state_dict())
+    single = strategies.get("single")
+    single.backward(_loss(model) * float("inf"), scaler)
+    norm = single.clip_gradients(model.parameters(), 1.0, opt, scaler)
+    assert norm is not None and not torch.isfinite(torch.tensor(norm))
+    assert single.optimizer_step(opt, scaler) is True and scaler.get_scale() == 65536.0 / 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # without a scaler the step is taken (the caller refuses a non-finite norm first) and nothing is skipped
+    opt.zero_grad(set_to_none=True)
+    single.backward(_loss(model))
+    assert single.optimizer_step(opt, None) is False
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_clipping_without_a_gradient_is_none_and_unscaling_needs_the_optimizer():
+    model = _model()
+    single = strategies.get("single")
+    assert single.clip_gradients(model.parameters(), 1.0) is None
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        single.clip_gradients(model.parameters(), 1.0, None, torch.amp.GradScaler("cpu"))
+    assert single.init_context(torch.device("cpu")).__enter__() is None
+
+
+class Recording(Single):
+    """A strategy of the test's own: every step method records its call and answers what the loop must report."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    @contextlib.contextmanager
+    def _building(self):
+        self.calls.append("init_context")
+        yield
+        self.calls.append("built")
+
+    def init_context(self, device):
+        return self._building()
+
+    def backward(self, loss, scaler=None):
+        self.calls.append("backward")
+        super().backward(loss, scaler)
+
+    def clip_gradients(self, params, max_norm, optimizer=None, scaler=None):
+        self.calls.append("clip_gradients")
+        super().clip_gradients(params, max_norm, optimizer, scaler)
+        return 123.25
+
+    def optimizer_step(self, optimizer, scaler=None):
+        self.calls.append("optimizer_step")
+        return True  # and no step: the weights must not move
+
+
+# The recording strategy takes no optimizer step, so torch warns that the scheduler stepped first.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_the_loop_driver_runs_the_registered_strategy_s_step(toy, monkeypatch):
+    recording = Recording()
+    monkeypatch.setitem(strategies.STRATEGIES, "single", recording)
+    spec = load_spec(toy)
+    driver = build_job(spec)
+    try:
+        assert driver.strategy is recording and recording.calls[:2] == ["init_context", "built"]
+        if "backward" in recording.calls:  # the loss-policy probe runs no backward; nothing else may either
+            pytest.fail(f"backward before the first update: {recording.calls}")
+        before = [p.detach().clone() for p in driver.model.parameters()]
+        recording.calls.clear()
+        record = driver.update()
+        accum = spec.train.grad_accum_steps
+        assert recording.calls == ["backward"] * accum + ["clip_gradients", "optimizer_step"]
+        assert record.grad_norm == 123.25 and record.scaler_skipped is True
+        assert all(torch.equal(a, b) for a, b in zip(before, driver.model.parameters()))
+    finally:
+        driver.close()
+
+
+class Counting(Single):
+    """The one-process strategy as it is, counting its step methods' calls."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def backward(self, loss, scaler=None):
+        self._count("backward")
+        super().backward(loss, scaler)
+
+    def clip_gradients(self, params, max_norm, optimizer=None, scaler=None):
+        self._count("clip_gradients")
+        return super().clip_gradients(params, max_norm, optimizer, scaler)
+
+    def optimizer_step(self, optimizer, scaler=None):
+        self._count("optimizer_step")
+        return super().optimizer_step(optimizer, scaler)
+
+
+def test_the_overfit_gate_steps_its_copy_with_the_one_process_strategy(toylm, tmp_path, monkeypatch):
+    counting = Counting()
+    monkeypatch.setitem(strategies.STRATEGIES, "single", counting)
+    row = gate_rows(toylm, tmp_path, gates=["overfit"])["overfit"]
+    assert row["verdict"] == "pass", row["reason"]
+    updates = row["details"]["updates"]  # one micro batch per update; the load gate before it runs none
+    assert updates > 0 and counting.calls == {"backward": updates, "clip_gradients": updates,
+                                              "optimizer_step": updates}
