@@ -24,7 +24,7 @@ import torch
 
 from . import __version__, backends
 from .config.factories import import_factory
-from .config.paths import looks_local
+from .config.paths import bucket_folder, is_bucket_uri, looks_local
 from .config.program import program_files
 from .config.spec import Spec, dotted
 from .errors import ContainerDigestError as ContainerDigestError  # defined there: the CLI catches it without torch
@@ -102,6 +102,25 @@ def hash_tree(root: Path, cache: dict | None = None, keep: Callable[[str], bool]
         per_file[rel] = sha256_file(p, cache)
     combined = hashlib.sha256(json.dumps(per_file, sort_keys=True).encode()).hexdigest()
     return {"path": str(root), "files": per_file, "sha256": combined}
+
+
+def _data_file(spec: Spec, value: str, cache: dict | None) -> dict:
+    """A data file's hashes; one a task copied from a bucket also says its URI and its bucket folder's listing
+    digest (every file's name and size there, as the node got them), the data this node's pilot proved."""
+    if is_bucket_uri(value):
+        try:
+            local = spec.resolve(value)
+        except FileNotFoundError:  # no task copied it here (a plan's lock, taken before the node reads the bucket)
+            return {"path": value, "uri": value, "bucket_folder": bucket_folder(value), "sha256": None,
+                    "not_read": "in a bucket: read where a task copies it (the node's pilot records its hashes)"}
+    local = spec.resolve(value)
+    out = hash_tree(local, cache)
+    if is_bucket_uri(value):
+        folder = local.parent
+        listing = sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+        out.update(uri=value, bucket_folder=bucket_folder(value), listing_files=len(listing),
+                   listing_sha256=hashlib.sha256(json.dumps(listing).encode()).hexdigest())
+    return out
 
 
 def _versions() -> dict:
@@ -222,10 +241,10 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
         if files:
             data["files"] = files
     elif isinstance(d.path, str):
-        data = {"source": "jsonl", **hash_tree(spec.resolve(d.path), cache)}
+        data = {"source": "jsonl", **_data_file(spec, d.path, cache)}
     else:
         splits = d.path or {}
-        data = {"source": "jsonl", "splits": {k: hash_tree(spec.resolve(v), cache) for k, v in splits.items()}}
+        data = {"source": "jsonl", "splits": {k: _data_file(spec, v, cache) for k, v in splits.items()}}
 
     container: dict[str, Any]
     digest, source = resolve_container_digest(container_digest)
@@ -266,9 +285,12 @@ def program_lock(spec: Spec, cache: dict | None = None) -> dict:
 def diff_locks(old: dict, new: dict) -> list[tuple[str, object, object]]:
     """``(field, old, new)`` for every dotted field that differs (machine identity excluded)."""
     a, b = dotted(old), dotted(new)
+    # Bucket data the old lock could not read (taken where no task had copied it): the new lock is the first to
+    # hash it, which is not a drift (the URI itself is in the config).
+    unread = tuple(k[: -len("not_read")] for k in a if k.endswith(".not_read"))
     out = []
     for key in sorted(set(a) | set(b)):
-        if key.startswith(NOT_DRIFT):
+        if key.startswith(NOT_DRIFT) or (unread and key.startswith(unread)):
             continue
         if a.get(key, ABSENT) != b.get(key, ABSENT):
             out.append((key, a.get(key, ABSENT), b.get(key, ABSENT)))
@@ -322,7 +344,7 @@ def summarize_code(code: list[tuple[str, object, object]]) -> str:
 
 
 # Lock fields under model.* / data.* that say *where* a thing comes from; the others (sha256, files.*) are its content.
-IDENTITY_FIELDS = ("source", "path", "id", "revision", "factory", "file", "hub_id")
+IDENTITY_FIELDS = ("source", "path", "id", "revision", "factory", "file", "hub_id", "uri", "bucket_folder")
 
 
 def drift_kind(field: str, changed: set[str]) -> DriftKind:

@@ -13,10 +13,11 @@ from pathlib import Path
 from .. import __file__ as _pilotrun_init
 from .. import __version__
 from ..campaign.spec import load_campaign
-from ..config.paths import looks_local
+from ..config.paths import bucket_folder, is_bucket_uri, looks_local
 from ..deploy.requirements import NOT_ONE_LINE, NoTorchIndex, Target, Unpinnable, one_line, requirements
 from ..deploy.skypilot import (
     BUCKET_MOUNT,
+    DATA_MOUNT,
     Bucket,
     CampaignPart,
     Mount,
@@ -115,9 +116,29 @@ def _local_files(spec) -> list[tuple[str, str, Path]]:
         paths = {"data.path": d.path} if isinstance(d.path, str) else {f"data.path.{k}": v for k, v in
                                                                        (d.path or {}).items()}
         for key, value in paths.items():
-            if isinstance(value, str) and not value.startswith("pkg:"):
+            if isinstance(value, str) and not value.startswith("pkg:") and not is_bucket_uri(value):
                 out.append((key, value, spec.resolve(value)))
     return out
+
+
+def _bucket_data(spec) -> tuple[dict[str, str], list[Mount]]:
+    """Each bucket folder data.path names, copied onto the node (a file mount of the folder, SkyPilot's COPY: local
+    disk speed for training) at DATA_MOUNT/<n>: (folder -> node path, for $PILOTRUN_DATA_MOUNTS; the mounts)."""
+    d = spec.data
+    paths = ({"data.path": d.path} if isinstance(d.path, str) else
+             {f"data.path.{k}": v for k, v in (d.path or {}).items()}) if d is not None else {}
+    folders: dict[str, str] = {}
+    mounts = []
+    for key, value in paths.items():
+        if not (isinstance(value, str) and is_bucket_uri(value)):
+            continue
+        folder = bucket_folder(value)
+        if folder not in folders:
+            folders[folder] = f"{DATA_MOUNT}/{len(folders)}"
+            mounts.append(Mount(folders[folder], folder, f"{key}: {value}, in a bucket: its folder is copied onto the "
+                                                         "node, and the pilot there proves this data (the lock "
+                                                         "records its files' hashes and the folder's listing)"))
+    return folders, mounts
 
 
 def _size(path: Path) -> int:
@@ -272,11 +293,15 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
         except (NoTorchIndex, Unpinnable) as exc:
             raise UsageError(f"{exc} (the lock of {one_line(lock_from)})") from None
         root, why, mounts, notes, data_bytes = _workdir(spec)
+        data_buckets, bucket_mounts = _bucket_data(spec)
         sizes = per_run["sizes"]
         download = sizes["data_download"]
         data_why = [f"the spec's local data files, {human_bytes(data_bytes)}"] if data_bytes else []
         data_why += [download["from"]] if download["bytes"] else []
         data = Size(data_bytes + (download["bytes"] or 0), " + ".join(data_why) or "no data files to hold")
+        if data_buckets:  # unknown, said so (with what else would have been counted), never a guess
+            data = Size(None, " + ".join([*data_why, f"the data copied from {', '.join(data_buckets)}, whose size "
+                                                     "is not known here: add it to disk_size"]))
         task_file = Path(args.skypilot)
         lock_file = task_file.with_name(task_file.stem + ".lock.json")
         bucket = Bucket(args.bucket, "--bucket") if args.bucket else Bucket(
@@ -289,7 +314,8 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
             checkpoint=Size(sizes["per_checkpoint"]["bytes"], sizes["per_checkpoint"]["from"]),
             export=Size(sizes["per_export"]["bytes"], sizes["per_export"]["from"]),
             model_download=Size(sizes["model_download"]["bytes"], sizes["model_download"]["from"]), data=data,
-            source=pilotrun_source(), mounts=mounts, in_workdir=notes, campaign=campaign, long_run=args.long_run,
+            source=pilotrun_source(), mounts=mounts + bucket_mounts, data_buckets=data_buckets, in_workdir=notes,
+            campaign=campaign, long_run=args.long_run,
             keep_checkpoints=args.keep_checkpoints)
         text = task_text(inputs)
     except TaskRefused as exc:

@@ -22,6 +22,44 @@ from pathlib import Path
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+# Data in a bucket (data.path: s3://bucket/prefix/train.jsonl): pilotrun reads files, so a bucket is read where a task
+# put it on disk. `plan --skypilot` copies each bucket folder the spec names onto the node (file_mounts) and says
+# where in this variable, a JSON object {"s3://bucket/prefix": "/pilotrun-data/0"}; here nothing is mounted.
+DATA_MOUNTS_VAR = "PILOTRUN_DATA_MOUNTS"
+BUCKET_DATA = re.compile(r"^(s3|gs|r2|cos|oci)://([a-z0-9][a-z0-9._-]{1,62})(/[A-Za-z0-9._~/:@+=%-]*)?$")
+
+
+def is_bucket_uri(value: str) -> bool:
+    """Whether a spec's path value names data in a bucket (s3://, gs://, r2://, cos://, oci://)."""
+    return bool(re.match(r"^(s3|gs|r2|cos|oci)://", value))
+
+
+def bucket_folder(uri: str) -> str:
+    """The bucket folder a data URI's file is in (what a task copies onto the node): ``s3://b/dir`` for
+    ``s3://b/dir/train.jsonl``, the bucket itself for a file at its top."""
+    scheme, rest = uri.split("://", 1)
+    head, _, _ = rest.rstrip("/").rpartition("/")
+    return f"{scheme}://{head or rest}" if head else f"{scheme}://{rest}"
+
+
+def mounted_bucket_path(uri: str) -> Path:
+    """Where a task put the bucket data ``uri`` on this machine (:data:`DATA_MOUNTS_VAR`); FileNotFoundError naming
+    the fix where no task did."""
+    import json
+
+    try:
+        mounts = json.loads(os.environ.get(DATA_MOUNTS_VAR) or "{}")
+    except ValueError:
+        mounts = {}
+    for folder, local in (mounts if isinstance(mounts, dict) else {}).items():
+        if uri == folder or uri.startswith(folder.rstrip("/") + "/"):
+            return Path(local) / uri[len(folder):].lstrip("/")
+    raise FileNotFoundError(f"{uri} is in a bucket, and pilotrun reads data from files on this machine: "
+                            "`pilotrun plan --skypilot` copies it onto the rented node, where the pilot reads it; "
+                            "to pilot here, copy it (aws s3 cp / gcloud storage cp) and give the local path with "
+                            "--set data.path=FILE")
+
+
 def resolve_package_path(path: str) -> Path:
     """'pkg:NAME/sub/dir' → that folder inside the installed package NAME."""
     name, _, rest = path[len("pkg:"):].partition("/")
@@ -32,10 +70,13 @@ def resolve_package_path(path: str) -> Path:
 
 
 def resolve_path(path: str, folder: Path) -> Path:
-    """A path from the spec, relative to ``folder`` (the spec file's); 'pkg:' paths inside packages. Raises
-    FileNotFoundError for a 'pkg:' path whose package is not installed."""
+    """A path from the spec, relative to ``folder`` (the spec file's); 'pkg:' paths inside packages; a bucket URI
+    where a task put it on this machine. Raises FileNotFoundError for a 'pkg:' path whose package is not installed
+    and a bucket URI no task put here."""
     if path.startswith("pkg:"):
         return resolve_package_path(path)
+    if is_bucket_uri(path):
+        return mounted_bucket_path(path)
     p = Path(path).expanduser()
     return p if p.is_absolute() else folder / p
 

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from .hub_cache import TokenizerSource, locate_tokenizer
 from .ids import name_problem
-from .paths import looks_local, path_value_problem, resolve_path
+from .paths import BUCKET_DATA, is_bucket_uri, looks_local, path_value_problem, resolve_path
 from .schema import doc
 from .strategy_names import ALIASES as STRATEGY_ALIASES
 from .strategy_names import DEFAULT as DEFAULT_STRATEGY
@@ -209,7 +209,9 @@ class DataSpec(FactorySection):
         "built-in task on JSONL data (causal-lm, seq-classification); token-classification and seq2seq-lm are shapes "
         "for estimate, select and plan (a described program's head)", None)
     path: str | dict[str, str] | None = doc(
-        "JSONL file (split by group) or {train: file, val: file[, test: file]}", None)
+        "JSONL file (split by group) or {train: file, val: file[, test: file]}; a file may be in a bucket "
+        "(s3://, gs://, r2://, cos://, oci://): `plan --skypilot` copies its folder onto the node, where the pilot "
+        "reads it", None)
     max_length: int | None = doc("tokens per training example after truncation (the length the long run uses)", None)
     val_fraction: float = doc(
         "share of groups held out for validation when the data is one file (or a factory's 'all')", 0.1)
@@ -234,6 +236,10 @@ class DataSpec(FactorySection):
         for split, value in paths:
             if isinstance(value, str) and (why := path_value_problem(value)) is not None:
                 yield f"path.{split}" if split else "path", why
+            elif isinstance(value, str) and is_bucket_uri(value) and not BUCKET_DATA.match(value):
+                yield f"path.{split}" if split else "path", (
+                    f"{value!r} is not a bucket URI a task can copy: scheme://bucket/folder/file.jsonl, the bucket "
+                    "3-63 lowercase letters, digits, '.', '_' or '-', then letters, digits and ._~/:@+=%-")
         if isinstance(self.path, dict):
             unknown = set(self.path) - {"train", "val", "test"}
             if unknown:

@@ -24,6 +24,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from ..config.paths import DATA_MOUNTS_VAR
 from ..humanize import human_bytes, money
 from .requirements import NOT_ONE_LINE, PYTHON, Requirements, one_line
 
@@ -32,6 +33,7 @@ from .requirements import NOT_ONE_LINE, PYTHON, Requirements, one_line
 BUCKET_MOUNT = "/pilotrun-bucket"
 LOCK_MOUNT = "/pilotrun/proven-lock.json"
 SOURCE_MOUNT = "/pilotrun/src"
+DATA_MOUNT = "/pilotrun-data"  # bucket folders data.path names, copied there (config.paths.DATA_MOUNTS_VAR)
 VENV = "$HOME/pilotrun-venv"
 REQUIREMENTS = "$HOME/.pilotrun/requirements.lock.txt"
 UV = "uv==0.13.9"  # only makes the venv of the lock's python (pip cannot pin python); any recent uv would do
@@ -135,6 +137,7 @@ class TaskInputs:
     data: Size
     source: PilotrunSource
     mounts: list[Mount] = field(default_factory=list)      # data outside the workdir, at the path the spec names
+    data_buckets: dict[str, str] = field(default_factory=dict)  # bucket folder data.path names -> its node path
     in_workdir: list[str] = field(default_factory=list)    # local files that travel with the workdir
     campaign: CampaignPart | None = None
     long_run: str | None = None
@@ -390,6 +393,9 @@ def _run(inp: TaskInputs) -> Block:
               f"; a failed gate ends the task (exit 1{' on every node' if several else ''}).",
               "#    A restart skips a pilot of this task that passed and continues one cut short. Its lock gate",
               "#    compares this node's environment with the proven lock and names what drifted."]
+    if inp.data_buckets:
+        lines.append(f"#    The data it proves: {one_line(', '.join(inp.data_buckets))}, copied onto the node "
+                     f"(${DATA_MOUNTS_VAR} says where); its lock records the files' hashes and the listing.")
     lines += _pilot(inp, spec, sets)
     if inp.campaign is not None:
         c = inp.campaign
@@ -476,6 +482,10 @@ def task_entries(inp: TaskInputs) -> list:
         ("PILOTRUN_LEDGER", f"{BUCKET_MOUNT}/ledger.sqlite", "the ledger, on the bucket: every pilot, campaign and run "
                                                              "row of this task, kept across restarts"),
         ("PILOTRUN_PROVEN_LOCK", LOCK_MOUNT, "the lock the pilot's lock gate compares with (file_mounts)")]
+    if inp.data_buckets:
+        envs.append((DATA_MOUNTS_VAR, json.dumps(inp.data_buckets, sort_keys=True),
+                     "where each bucket folder of data.path was copied (file_mounts): the pilot, the campaign and "
+                     "their runs read the spec's bucket URIs there"))
     if n > 1:
         envs.append(("PILOTRUN_RDZV_PORT", RDZV_PORT, "the port of torchrun's rendezvous on node 0 (torchrun's "
                                                       "default; any port the nodes reach each other on)"))

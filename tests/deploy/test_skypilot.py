@@ -109,6 +109,11 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
                        "--long-run", 'torchrun --nproc-per-node 1 train.py --checkpoints "$PILOTRUN_BUCKET/ckpt"',
                        cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
+    bucket_data = tmp_path / "7b-bucket-data.yaml"  # data.path in a bucket: its folder copied onto the node
+    res = pilotrun_cli("plan", str(EXAMPLES / "llama-7b-estimate" / "pilot.yaml"), "--set", SHALLOW, "--set",
+                       "data.path=s3://team-data/sft/train.jsonl", "--accelerator", "H100-80GB", "--skypilot",
+                       str(bucket_data), "--bucket", "s3://team-runs/llama", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
     spec, campaign = _toy_job(tmp_path)
     cpu = tmp_path / "toy-task.yaml"  # on this CPU machine, no prices: the task still holds, saying what is unknown
     res = pilotrun_cli("plan", str(spec), "--accelerator", "L4-24GB", "--skypilot", str(cpu), "--campaign",
@@ -123,7 +128,12 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     sharded.write_text(task_text(inputs(lock=with_image)))
     two_nodes = tmp_path / "two-nodes.yaml"  # a plan over 2 nodes of 8 (tests/deploy/test_skypilot_multinode.py runs it)
     two_nodes.write_text(task_text(inputs(row=inputs().row | {"gpus": 16}, campaign=None)))
-    tasks = parse_with_skypilot(tmp_path, seven_b, cpu, sharded, two_nodes)
+    tasks = parse_with_skypilot(tmp_path, seven_b, cpu, sharded, two_nodes, bucket_data)
+    t = tasks["7b-bucket-data.yaml"]
+    assert t["file_mounts"]["/pilotrun-data/0"] == "s3://team-data/sft"
+    assert json.loads(t["envs"]["PILOTRUN_DATA_MOUNTS"]) == {"s3://team-data/sft": "/pilotrun-data/0"}
+    assert "The data it proves: s3://team-data/sft" in t["run"] and "~/tiny-sft/data.jsonl" not in t["file_mounts"]
+    assert "not counted: data: unknown (the data copied from s3://team-data/sft, whose size" in bucket_data.read_text()
     t = tasks["two-nodes.yaml"]
     assert t["num_nodes"] == 2 and t["accelerators"] == {"H100": 8} and t["envs"]["PILOTRUN_RDZV_PORT"] == "29500"
     assert '--nnodes "$NNODES" --node-rank "$NODE" --rdzv-endpoint "$RDZV"' in t["run"]
