@@ -44,9 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..config.sections import ac_policy
-from ..ledger.records import GateName
+from ..ledger.records import TRAINING_GATES
 
-TRAINING = (GateName.FIRST_STEP, GateName.STEADY_STEP)
 # What inductor does not fuse into an element-wise kernel: matmuls, convolutions and attention (ops with a FLOP
 # formula), ops of other namespaces (the trace's attention model, a library's kernel) and the random generators.
 _RANDOM = ("rand", "randn", "bernoulli", "native_dropout", "randint", "normal")
@@ -363,7 +362,7 @@ def compiled_trace(trace: dict) -> dict:
     saved = max(0, eager - int(facts["compiled_saved_bytes"]) * layers)
     fused = max(0, int(facts["eager_pointwise_bytes"]) - int(facts["fused_pointwise_bytes"])) * layers
     stages = dict(trace["stages"])
-    for name in TRAINING:
+    for name in TRAINING_GATES:
         st = stages[name]
         peak = _less_activations(st["breakdown"], eager, saved)
         cut = st["breakdown"].get("activations", 0) - peak.get("activations", 0)

@@ -27,7 +27,7 @@ from collections import Counter
 
 import torch
 
-from ..ledger.records import GateName
+from ..ledger.records import TRAINING_GATES, GateName
 from ..train.fp8 import choose_linears
 
 # Bytes per element of the high precision a traced matmul reads (ops._PEAK_OF_DTYPE's names).
@@ -39,7 +39,6 @@ CASTS = ("eager", "fused")
 MEMORY_NOTE = ("the bf16 trace's peak: torchao saves the high-precision input and weight for backward and frees each "
                "float8 copy after its matmul (torchao 0.18 float8_linear.py); the bf16 copies autocast makes of the "
                "converted weights are not subtracted (at most 2 bytes per converted parameter over)")
-TRAINING = (GateName.FIRST_STEP, GateName.STEADY_STEP)
 
 
 def not_modelled(spec) -> str | None:
@@ -97,12 +96,12 @@ def fp8_trace(trace: dict, casts: str) -> dict | None:
     steady = trace["stages"][GateName.STEADY_STEP]
     if not steady.get("fp8_ops") or not steady.get("ops"):
         return None
-    rows = [r for name in TRAINING for r in trace["stages"][name].get("fp8_ops") or []]
+    rows = [r for name in TRAINING_GATES for r in trace["stages"][name].get("fp8_ops") or []]
     if not all(isinstance(r, list) and len(r) == 5 and r[0] in ELEMENT_BYTES
                and all(isinstance(v, int) and v >= 0 for v in r[1:]) for r in rows):
         return None   # a cache entry edited by hand: no FP8 figure rather than a wrong one
     stages = dict(trace["stages"])
-    for name in TRAINING:
+    for name in TRAINING_GATES:
         st = stages[name]
         stages[name] = {**st, "ops": fp8_ops(st["ops"], st.get("fp8_ops") or [], casts)}
     return {**trace, "stages": stages, "precision": "fp8", "fp8_casts": casts}

@@ -17,11 +17,11 @@ import json
 from dataclasses import dataclass
 
 from ..ledger.details import VariantDetails
-from ..ledger.records import RunKind, Verdict
+from ..ledger.records import TRAINING_GATES, RunKind, Verdict
 from ..ledger.store import Ledger
 from .catalog import Accelerator, matches
 from .lengths import DataLengths
-from .model import TRAINING, estimate_fit
+from .model import estimate_fit
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def with_measured_peak(plain: dict, fixed: dict, ratio: float, acc: Accelerator)
     stage."""
     margin = float(acc.defaults.get("reserved_margin", 0.10))
     stages = dict(fixed["stages"])
-    for name in TRAINING:
+    for name in TRAINING_GATES:
         p = plain["stages"][name]
         alloc = (p["peak_allocated_bytes"] - p["workspace_bytes"]) * ratio + p["workspace_bytes"]
         saved = (p["peak_allocated_bytes"] - alloc) * (1 + margin)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from .. import strategies
-from ..ledger.records import GateName
+from ..ledger.records import TRAINING_GATES, GateName
 from ..models.attention import AS_TRACED_ON_CPU
 from ..strategies import StageBytes, correction
 from .catalog import Accelerator
@@ -36,7 +36,6 @@ from .ops import roofline_seconds
 
 # The traced stages are the estimates of these gates' rows (bench/estimate_accuracy.py compares them by name).
 STAGES = (GateName.FIRST_STEP, GateName.STEADY_STEP, GateName.EVAL)
-TRAINING = (GateName.FIRST_STEP, GateName.STEADY_STEP)
 
 
 def _kernel_notes(trace: dict) -> list[dict]:
@@ -126,7 +125,7 @@ def stage_memory(trace: dict, stage: str, acc: Accelerator, strategy: str, gpus:
     """
     trace = compiled_trace(trace)   # a compiled job's activations (estimate/compiled.py); as traced otherwise
     st = trace["stages"][stage]
-    training = stage in TRAINING
+    training = stage in TRAINING_GATES
     chosen = placed_strategy(strategy, trace)   # with the job's distributed.offload where the strategy can
     # The train micro batch scales training activations only: evaluation keeps eval.batch_size.
     scale = micro_scale if training else 1.0

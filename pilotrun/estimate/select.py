@@ -77,9 +77,14 @@ def inter_node(acc: Accelerator) -> dict:
     return {"gb_s": float(gb_s), "lower_bound": False, "from": source}
 
 
+def node_count(gpus: int, per_node: int) -> int:
+    """The nodes ``gpus`` GPUs take, ``per_node`` to a node (the last one may be part full)."""
+    return -(-gpus // per_node)
+
+
 def config_label(strategy: str, gpus: int, per_node: int, ac: bool = False) -> str:
     """"fsdp x4", "fsdp x16 (2 nodes x 8)": a configuration as the sheet's steps and the plan say it."""
-    nodes = -(-gpus // per_node)
+    nodes = node_count(gpus, per_node)
     count = "" if gpus == 1 else f" x{gpus}" + (f" ({nodes} nodes x {per_node})" if nodes > 1 else "")
     return f"{strategy}{count}{' + activation checkpointing' if ac else ''}"
 
@@ -201,7 +206,7 @@ def _cluster(acc: Accelerator, gpus: int) -> dict:
     """A row's nodes: GPUs per node, how many nodes, and, across nodes, the link the collectives run at (from the
     catalog or --inter-node-gb-s; unknown: a lower bound)."""
     per_node = gpus_per_node(acc)
-    return {"gpus_per_node": per_node, "nodes": -(-gpus // per_node),
+    return {"gpus_per_node": per_node, "nodes": node_count(gpus, per_node),
             "inter_node": inter_node(acc) if gpus > per_node else None}
 
 

@@ -68,6 +68,10 @@ class GateName(TextEnum):
     RELOAD_EVAL = "reload_eval"              # the export reloaded in a fresh process gives the same outputs
 
 
+# The stages that train (a backward and an optimizer step): the estimator models their gradients and optimizer state.
+TRAINING_GATES = (GateName.FIRST_STEP, GateName.STEADY_STEP)
+
+
 class Verdict(TextEnum):
     """A gate's answer. ``fail`` stops the gates that need what it would have produced."""
 
