@@ -104,15 +104,12 @@ def _toy_job(tmp_path: Path, updates: int = 2) -> tuple[Path, Path]:
 
 def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     seven_b = tmp_path / "7b.yaml"
-    res = pilotrun_cli("plan", str(EXAMPLES / "llama-7b-estimate" / "pilot.yaml"), "--set", SHALLOW, "--accelerator",
+    # Its data in a bucket (issue 47, item 5): the bucket folder is copied onto the node; the tokenizer stays local.
+    res = pilotrun_cli("plan", str(EXAMPLES / "llama-7b-estimate" / "pilot.yaml"), "--set", SHALLOW, "--set",
+                       "data.path=s3://team-data/sft/train.jsonl", "--accelerator",
                        "H100-80GB", "--spot", "--skypilot", str(seven_b), "--bucket", "s3://team-runs/llama",
                        "--long-run", 'torchrun --nproc-per-node 1 train.py --checkpoints "$PILOTRUN_BUCKET/ckpt"',
                        cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    bucket_data = tmp_path / "7b-bucket-data.yaml"  # data.path in a bucket: its folder copied onto the node
-    res = pilotrun_cli("plan", str(EXAMPLES / "llama-7b-estimate" / "pilot.yaml"), "--set", SHALLOW, "--set",
-                       "data.path=s3://team-data/sft/train.jsonl", "--accelerator", "H100-80GB", "--skypilot",
-                       str(bucket_data), "--bucket", "s3://team-runs/llama", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     spec, campaign = _toy_job(tmp_path)
     cpu = tmp_path / "toy-task.yaml"  # on this CPU machine, no prices: the task still holds, saying what is unknown
@@ -128,12 +125,7 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     sharded.write_text(task_text(inputs(lock=with_image)))
     two_nodes = tmp_path / "two-nodes.yaml"  # a plan over 2 nodes of 8 (tests/deploy/test_skypilot_multinode.py runs it)
     two_nodes.write_text(task_text(inputs(row=inputs().row | {"gpus": 16}, campaign=None)))
-    tasks = parse_with_skypilot(tmp_path, seven_b, cpu, sharded, two_nodes, bucket_data)
-    t = tasks["7b-bucket-data.yaml"]
-    assert t["file_mounts"]["/pilotrun-data/0"] == "s3://team-data/sft"
-    assert json.loads(t["envs"]["PILOTRUN_DATA_MOUNTS"]) == {"s3://team-data/sft": "/pilotrun-data/0"}
-    assert "The data it proves: s3://team-data/sft" in t["run"] and "~/tiny-sft/data.jsonl" not in t["file_mounts"]
-    assert "not counted: data: unknown (the data copied from s3://team-data/sft, whose size" in bucket_data.read_text()
+    tasks = parse_with_skypilot(tmp_path, seven_b, cpu, sharded, two_nodes)
     t = tasks["two-nodes.yaml"]
     assert t["num_nodes"] == 2 and t["accelerators"] == {"H100": 8} and t["envs"]["PILOTRUN_RDZV_PORT"] == "29500"
     assert '--nnodes "$NNODES" --node-rank "$NODE" --rdzv-endpoint "$RDZV"' in t["run"]
@@ -143,9 +135,13 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     assert t["storage"] == {"/pilotrun-bucket": [None, "s3://team-runs/llama", "MOUNT_CACHED"]}
     assert t["workdir"] == str(EXAMPLES / "llama-7b-estimate")  # the spec's folder, never the parent of its files
     assert t["envs"]["PILOTRUN_LEDGER"] == "/pilotrun-bucket/ledger.sqlite"
-    # its ../tiny-sft files, each mounted alone where ~/sky_workdir/../tiny-sft reaches on the node
-    assert t["file_mounts"]["~/tiny-sft/data.jsonl"] == str(EXAMPLES / "tiny-sft" / "data.jsonl")
+    # its ../tiny-sft tokenizer, mounted alone where ~/sky_workdir/../tiny-sft reaches on the node; its data, in a
+    # bucket, copied by folder and found through $PILOTRUN_DATA_MOUNTS
     assert t["file_mounts"]["~/tiny-sft/tokenizer"] == str(EXAMPLES / "tiny-sft" / "tokenizer")
+    assert t["file_mounts"]["/pilotrun-data/0"] == "s3://team-data/sft" and "~/tiny-sft/data.jsonl" not in t["file_mounts"]
+    assert json.loads(t["envs"]["PILOTRUN_DATA_MOUNTS"]) == {"s3://team-data/sft": "/pilotrun-data/0"}
+    assert "The data it proves: s3://team-data/sft" in t["run"]
+    assert "not counted: data: unknown (the data copied from s3://team-data/sft, whose size" in seven_b.read_text()
     lock = json.loads((tmp_path / "7b.lock.json").read_text())
     assert t["file_mounts"]["/pilotrun/proven-lock.json"] == str(tmp_path / "7b.lock.json")
     for name in ("transformers", "numpy", "safetensors", "peft"):  # every distribution at the lock's version
