@@ -37,9 +37,9 @@ from .orchestrate import (
     plan_run_row,
     record_lost_end,
     run_campaign,
-    run_plan,
     runs_folder,
 )
+from .run_plan import CampaignRunPlan
 from .spec import RETRY_KEYS, campaign_from_stored, examples_per_update, load_campaign, run_size, run_spec
 
 
@@ -109,7 +109,7 @@ def retry(campaign_ref: str, parent_ref: str, overrides: list[str], ledger_path:
             cluster_plan(eng, 1, 1, spec, None, run_size(c, spec))
         r = _new_run(camp, cmeta, parent, spec, ledger_path, _run_root(camp, cmeta, engine), retry_of=parent["run_id"],
                      changes=dict(changes))
-        execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), run_plan(c), None, 1, False,
+        execute([r], c, camp["run_id"], ledger_path, Path(camp["out_dir"]), CampaignRunPlan.of(c), None, 1, False,
                 json.loads(camp["lock_json"]), None, eng)
     return finish(camp["run_id"], ledger_path, after=f"retry {r['run_id']} of {parent['run_id']}")
 
@@ -221,7 +221,7 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow
             at_once = cluster_plan(eng, parallel, len(specs), specs[0], base_pilot(c, ledger_path, base_hash),
                                    run_size(c, specs[0]))
         at_once["warnings"] = (cmeta.get("parallel") or {}).get("warnings", [])  # said at the start; said again
-        plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
+        plan = CampaignRunPlan.of(c).with_threads(at_once["threads_per_run"])
         with Ledger(ledger_path) as led:  # two resumes at once would run every seed twice: the first one wins
             # With the status, the mark of the process that runs it now: in one transaction, so another resume
             # never sees "running" under the old, dead process and takes it for a killed campaign.

@@ -38,6 +38,7 @@ from .conclude import conclude, current
 from .devices import DeviceMode, assign_devices, worker_device_env
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
 from .resources import PerRun, pilot_memory, plan_parallel
+from .run_plan import CampaignRunPlan
 from .spec import (
     CampaignSpec,
     base_spec,
@@ -73,12 +74,6 @@ class CampaignInterrupted(Interrupted):
 def _env_drift(a: dict, b: dict) -> list[str]:
     # Seeds differ between runs on purpose (they are listed in the campaign), so seed fields are not drift.
     return [k for k, _, _ in diff_locks(a, b) if k.startswith(ENV_FIELDS) and "seed" not in k]
-
-
-def run_plan(c: CampaignSpec) -> dict:
-    """What every run of the campaign is told: updates, validation frequency, stop rules, what to keep."""
-    return {"updates": c.updates, "eval_every": c.eval.every, "stop": c.canonical()["stop"],
-            "keep": c.canonical()["keep"], "processes": c.ranks}
 
 
 # A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
@@ -333,8 +328,8 @@ def run_campaign(path: Path, ledger_path: Path, out_root: Path, parallel: int | 
             at_once = cluster_plan(eng, parallel, len(runs), runs[0]["spec"],
                                    base_pilot(c, ledger_path, base.config_hash()), run_size(c, runs[0]["spec"]))
         at_once["warnings"] = warnings_for(c, runs)
-        plan = {**run_plan(c), "threads": at_once["threads_per_run"]}
-        (folder / "plan.json").write_text(json.dumps(plan, indent=1))
+        plan = CampaignRunPlan.of(c).with_threads(at_once["threads_per_run"])
+        (folder / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
         deadline = time.time() + c.stop.budget_minutes * 60 if c.stop.budget_minutes else None
         with Ledger(ledger_path) as led:
             led.start_run(campaign_id, name, RunKind.CAMPAIGN, spec_path=str(Path(path).resolve()),
@@ -425,7 +420,7 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
     ``engine`` runs each one (engines/base.py); None: local worker processes on this machine.
     ``devices``: the parallel plan's device slots (campaign/devices.py); a local run takes a free slot."""
     plan_file = folder / "plan.json"
-    running: Engine = engine if engine is not None else _Running(folder, devices, plan.get("processes", 1))
+    running: Engine = engine if engine is not None else _Running(folder, devices, plan.processes)
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:
@@ -450,7 +445,7 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
                 led.merge_meta(r["run_id"], {"lock_drift": drift})
             led.set_status(r["run_id"], RunStatus.RUNNING)
         try:
-            running.launch(r, ledger_path, plan_file, deadline, plan.get("threads"))
+            running.launch(r, ledger_path, plan_file, deadline, plan.threads)
         finally:
             record_lost_end(r, ledger_path, running.stopping.is_set(), r["run_id"] in running.started, running.how)
         if on_event:

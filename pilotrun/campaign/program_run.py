@@ -24,6 +24,7 @@ from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
 from ..program.env import Event, Role, StopRules
 from ..program.runner import EventTail, RunOutcome, RunPlan, kept_events, run_program
+from .run_plan import CampaignRunPlan
 
 if TYPE_CHECKING:
     from .runner import RunSink
@@ -53,7 +54,7 @@ def train_point(event: dict) -> dict:
 class _Watch:
     """What rank 0 reported so far, the stop rules applied to it, and the run's end once one is decided."""
 
-    def __init__(self, led, run_id: str, plan: dict, rules: StopRules, deadline: float | None,
+    def __init__(self, led, run_id: str, plan: CampaignRunPlan, rules: StopRules, deadline: float | None,
                  stop_requested: Callable[[], bool], how: Callable[[], str], stop_file: Path) -> None:
         self.led, self.run_id, self.plan, self.rules = led, run_id, plan, rules
         self.deadline, self.stop_requested, self.how, self.stop_file = deadline, stop_requested, how, stop_file
@@ -127,7 +128,7 @@ class _Watch:
                 return RunEnd(self.end.status, self.end.stop, f"{self.end.reason}; the program stopped after update "
                               f"{self.last_update}", self.end.at)
             return self.end
-        updates = self.plan["updates"]
+        updates = self.plan.updates
         if outcome.returncode != 0:
             return RunEnd(RunStatus.FAILED, StopKind.ERROR, f"the program {outcome.how_it_ended()}", self.last_update)
         if self.last_update < updates:
@@ -184,8 +185,9 @@ def _continuation(out_dir: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def record_program_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: dict, deadline: float | None,
-                       stop_requested: Callable[[], bool], how: Callable[[], str], sink: RunSink | None = None) -> dict:
+def record_program_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: CampaignRunPlan,
+                       deadline: float | None, stop_requested: Callable[[], bool], how: Callable[[], str],
+                       sink: RunSink | None = None) -> dict:
     """:func:`program_run` recorded in the ledger at ``ledger_path``, or in ``sink`` (a Ray relay): what
     ``runner.train_run`` does for a program, callable without importing torch (this process only supervises)."""
     assert sink is not None or ledger_path is not None
@@ -194,7 +196,7 @@ def record_program_run(spec, run_id: str, out_dir: Path, ledger_path: Path | Non
         return program_run(spec, run_id, out_dir, led, plan, deadline, stop_requested, how)
 
 
-def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: float | None,
+def program_run(spec, run_id: str, out_dir: Path, led, plan: CampaignRunPlan, deadline: float | None,
                 stop_requested: Callable[[], bool], how: Callable[[], str]) -> dict:
     """Run the program once as this campaign run and record it in ``led`` (the ledger or a Ray relay)."""
     assert spec.program is not None
@@ -203,10 +205,10 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     stop_file.unlink(missing_ok=True)
     cont = _continuation(out_dir)
     first = cont.get("first_loss")  # a continued run keeps the interrupted run's first loss as the rule's reference
-    rules = StopRules.declared(plan["stop"], first)
+    rules = StopRules.declared(plan.stop, first)
     watch = _Watch(led, run_id, plan, rules, deadline, stop_requested, how, stop_file)
-    run_plan = RunPlan(Role.CAMPAIGN, stop_at=plan["updates"], stop_file=str(stop_file), stop_rules=rules,
-                       timeout=math.inf, resume_from=cont.get("resume_from"), threads=plan.get("threads"))
+    run_plan = RunPlan(Role.CAMPAIGN, stop_at=plan.updates, stop_file=str(stop_file), stop_rules=rules,
+                       timeout=math.inf, resume_from=cont.get("resume_from"), threads=plan.threads)
     tail = EventTail(base / "events" / f"{Role.CAMPAIGN}-rank0.jsonl", run_plan.key, rank=0)
     if isinstance(cont.get("after_update"), int):  # the updates before its checkpoint are the continued run's
         watch.last_update = cont["after_update"]
@@ -221,10 +223,10 @@ def program_run(spec, run_id: str, out_dir: Path, led, plan: dict, deadline: flo
     end = watch.decide(outcome)
     final = watch.val[-1] if watch.val else None
     kept: dict[str, Any] = {"program_log": str(outcome.log)}
-    if plan["keep"].get("checkpoint", True) and watch.saved is not None:
+    if plan.keep_checkpoint and watch.saved is not None:
         kept["checkpoint"] = watch.saved[1]  # the program's own, in its format: pilotrun never loads it
         kept["checkpoint_update"] = watch.saved[0]
-    elif not plan["keep"].get("checkpoint", True) and end.status == RunStatus.FINISHED:
+    elif not plan.keep_checkpoint and end.status == RunStatus.FINISHED:
         # keep.checkpoint: false: the checkpoints written where pilotrun asked go once the run has its result (a run
         # cut short keeps them: --resume continues from them)
         shutil.rmtree(base / "checkpoints", ignore_errors=True)

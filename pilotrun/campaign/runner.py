@@ -24,6 +24,7 @@ from ..program.env import StopRules
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
 from .program_run import record_program_run
+from .run_plan import CampaignRunPlan
 from .stops import interrupted
 
 # Points also reach the ledger at least this often, not only at validations: a run whose process or
@@ -102,13 +103,13 @@ class _Recorder:
                                                         "extra": {"accuracy": v["accuracy"]}}])
 
 
-def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requested: Callable[[], bool],
+def _train(driver: LoopDriver, plan: CampaignRunPlan, deadline: float | None, stop_requested: Callable[[], bool],
            rec: _Recorder, val: list[dict], how: Callable[[], str]) -> RunEnd:
     """The run's updates and validations until its end: finished, or stopped or diverged by a declared rule."""
-    stop = plan["stop"]
+    stop = plan.stop
     rules = StopRules.declared(stop, rec.first_loss)
     env = driver.env
-    for step in range(1, plan["updates"] + 1):
+    for step in range(1, plan.updates + 1):
         asked, late = stop_requested(), deadline is not None and time.time() > deadline
         if env.active:  # a group stops together or not at all (one rank alone would hang the others' collectives)
             asked = all_sum(env, float(asked), driver.device) > 0
@@ -128,33 +129,33 @@ def _train(driver: LoopDriver, plan: dict, deadline: float | None, stop_requeste
         rec.update(update)
         if (broken := rules.broken(update.loss)) is not None:   # the same rules a program's handle applies
             return RunEnd(RunStatus.DIVERGED, broken, rules.why(broken, update.loss), update.step)
-        if step % plan["eval_every"] == 0 or step == plan["updates"]:
+        if step % plan.eval_every == 0 or step == plan.updates:
             v = driver.evaluate()
             val.append({"step": update.step, **v})
             rec.validation(update.step, v)
     return RunEnd(RunStatus.FINISHED)
 
 
-def _keep(driver: LoopDriver, spec, plan: dict, out_dir: Path, finished: bool) -> dict:
+def _keep(driver: LoopDriver, spec, plan: CampaignRunPlan, out_dir: Path, finished: bool) -> dict:
     """What a run leaves on disk: control-set predictions always, the checkpoint and export when it finished."""
     kept: dict = {}
     main = driver.env.is_main
     if main:
         preds = control_predictions(driver.plain_model, driver.data, spec, driver.device,
-                                    plan["keep"]["control_set"], out_dir)
+                                    plan.control_set, out_dir)
         (out_dir / "predictions.json").write_text(json.dumps(preds, indent=1))
         kept["control_predictions"] = str(out_dir / "predictions.json")
     # Each kept folder's manifest sha256 goes into the run's row (meta "manifests"), as a pilot's save and export
     # rows record theirs: what archive, convert and --resume admit, and nothing rewritten after the run.
     manifests: dict[str, str] = {}
-    if plan["keep"]["checkpoint"] and finished:
+    if plan.keep_checkpoint and finished:
         # Every rank: the strategy's layout (DCP shards for FSDP); the record carries the digest of the manifest bytes
         # written, never a re-read of the folder (a manifest swapped in after the rename is not kept as known).
         saved = driver.save(out_dir / "checkpoints" / "final")
         kept["checkpoint"] = str(out_dir / "checkpoints" / "final")
         if main:
             manifests[Kept.CHECKPOINT] = saved["manifest_sha256"]
-    if plan["keep"].get("export", True) and finished:
+    if plan.keep_export and finished:
         # Every rank takes part in gathering the full weights; rank 0 writes them (as the export gate does).
         weights = driver.export_weights() if driver.env.active else None
         if main:
@@ -175,10 +176,10 @@ class RunSink(Protocol):
     def finish_campaign_run(self, run_id: str, end: RunEnd, **fields: Any) -> None: ...
 
 
-def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: dict, deadline: float | None,
+def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: CampaignRunPlan, deadline: float | None,
               stop_requested: Callable[[], bool] = lambda: False, how: Callable[[], str] = lambda: "Ctrl-C",
               sink: RunSink | None = None) -> dict:
-    """Train one run and record it; returns its final state. ``plan`` holds updates, eval_every, stop, keep.
+    """Train one run and record it; returns its final state. ``plan``: what every run of the campaign is told.
 
     ``stop_requested`` is polled between updates: a Ctrl-C stops the run at an update boundary, so
     no ledger write is cut in half and every update before it is kept exactly once. ``how`` names what
@@ -189,8 +190,8 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
     if spec.program is not None:  # the user's program, not pilotrun's loop
         return record_program_run(spec, run_id, out_dir, ledger_path, plan, deadline, stop_requested, how, sink)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if plan.get("threads"):  # runs side by side share the cores instead of each taking all of them
-        torch.set_num_threads(plan["threads"])
+    if plan.threads:  # runs side by side share the cores instead of each taking all of them
+        torch.set_num_threads(plan.threads)
     result: dict = {"run_id": run_id, "val": []}
     with sink if sink is not None else Ledger(ledger_path) as led:
         try:

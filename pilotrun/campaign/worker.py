@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from ..workers.common import read_spec_file
+from .run_plan import CampaignRunPlan
 from .spool import SpoolSink
 from .stops import STOP_REASON_FILE, STOP_SIGNAL
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         from .program_run import record_program_run as run
     else:
         from .runner import train_run as run
-    result = run(spec, args.run_id, args.out, args.ledger, json.loads(args.plan.read_text()), args.deadline,
+    result = run(spec, args.run_id, args.out, args.ledger, CampaignRunPlan.from_json(json.loads(args.plan.read_text())),
+                 args.deadline,
                  stop.is_set, how, sink=sink)
     if stop.is_set():
         return 130

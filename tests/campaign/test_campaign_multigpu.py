@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from pilotrun.campaign import orchestrate
+from pilotrun.campaign.run_plan import CampaignRunPlan
 from pilotrun.campaign.spec import load_campaign, run_size
 from pilotrun.campaign.stops import tell_ranks
 from pilotrun.campaign.worker import group_command
@@ -133,7 +134,7 @@ def test_each_run_gets_its_own_devices_for_the_loop_and_for_a_program_without_a_
         plan = orchestrate.parallel_plan(c, base, 4, tmp_path / "l.sqlite")
         assert plan["devices"]["slots"] == [["0", "1"], ["2", "3"]] and plan["parallel"] == 2, plan
         assert plan["devices"]["env_var"] == "CUDA_VISIBLE_DEVICES"
-    assert orchestrate.run_plan(loop)["processes"] == 2 and orchestrate.run_plan(prog)["processes"] == 1
+    assert CampaignRunPlan.of(loop).processes == 2 and CampaignRunPlan.of(prog).processes == 1
     monkeypatch.setattr(orchestrate, "query_devices", lambda: _gpus(1))
     with pytest.raises(orchestrate.CampaignError, match=r"each run starts 2 processes.*\(gpus_per_run\)"):
         orchestrate.parallel_plan(loop, load_spec(loop.folder / loop.base), 4, tmp_path / "l.sqlite")

@@ -96,3 +96,18 @@ def test_a_program_campaigns_runs_are_built_per_seed_with_the_seed_in_their_comm
         words = r["spec"].program.words
         assert words[words.index("--seed") + 1] == str(r["seed"])
     assert len({r["config_hash"] for r in runs}) == len(runs)
+
+
+def test_the_run_plan_is_typed_and_a_dict_only_on_the_wire():
+    import json
+
+    from pilotrun.campaign.run_plan import CampaignRunPlan
+
+    plan = CampaignRunPlan(updates=12, eval_every=4, stop={"divergence": 3.0}, keep_checkpoint=False,
+                           control_set=8, processes=2).with_threads(1)
+    wire = json.loads(json.dumps(plan.to_json()))
+    assert wire["keep"] == {"checkpoint": False, "export": True, "control_set": 8} and wire["threads"] == 1
+    assert CampaignRunPlan.from_json(wire) == plan
+    # A plan.json an earlier pilotrun wrote (no processes, no threads, keep without export) still reads.
+    old = {"updates": 6, "eval_every": 2, "stop": {}, "keep": {"checkpoint": True, "control_set": 16}}
+    assert CampaignRunPlan.from_json(old) == CampaignRunPlan(updates=6, eval_every=2)

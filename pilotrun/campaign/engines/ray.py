@@ -43,6 +43,7 @@ from ...ledger.store import Ledger
 from ...procs import Tree, with_torchrun_folder
 from ...workers.launch import worker_env
 from ..resources import PerRun
+from ..run_plan import CampaignRunPlan
 from ..runner import train_run
 from ..spec import run_device, run_processes
 from ..spool import SpoolReader, end_item
@@ -192,7 +193,7 @@ class RelaySink:
         ray.get(self.relay.put.remote([end_item(run_id, end, fields)]))
 
 
-def _run_task(payload: dict, run_id: str, out_dir: str, plan: dict, deadline: float | None, relay) -> str:
+def _run_task(payload: dict, run_id: str, out_dir: str, plan_json: dict, deadline: float | None, relay) -> str:
     """On a Ray worker: one campaign run, its rows sent to the relay. Returns "not-started" when the campaign was
     already stopping, else the run's status."""
     if ray.get(relay.stopping.remote()):
@@ -208,7 +209,8 @@ def _run_task(payload: dict, run_id: str, out_dir: str, plan: dict, deadline: fl
             seen["at"], seen["how"] = time.monotonic(), ray.get(relay.stopping.remote())
         return seen["how"]
 
-    if plan.get("processes", 1) > 1:
+    plan = CampaignRunPlan.from_json(plan_json)  # a dict on the wire
+    if plan.processes > 1:
         return _run_group(payload, run_id, Path(out_dir), plan, deadline, relay, how)
     spec = spec_from_mapping(payload["written"], payload["source"])
     result = train_run(spec, run_id, Path(out_dir), None, plan, deadline, lambda: how() is not None,
@@ -216,16 +218,16 @@ def _run_task(payload: dict, run_id: str, out_dir: str, plan: dict, deadline: fl
     return str(result["status"])
 
 
-def _run_group(payload: dict, run_id: str, out: Path, plan: dict, deadline: float | None, relay,
+def _run_group(payload: dict, run_id: str, out: Path, plan: CampaignRunPlan, deadline: float | None, relay,
                how: Callable[[], str | None]) -> str:
-    """On a Ray worker: the run as ``plan["processes"]`` ranks under torchrun (pilotrun's own launch: a fresh
+    """On a Ray worker: the run as ``plan.processes`` ranks under torchrun (pilotrun's own launch: a fresh
     ``--standalone`` group on this node, on the GPUs Ray gave the task), each rank's rows forwarded to the relay."""
     out.mkdir(parents=True, exist_ok=True)
     spool = out / "spool"
     spec_file, plan_file = out / "spec.json", out / "plan.json"
     spec_file.write_text(json.dumps(payload))
-    plan_file.write_text(json.dumps({**plan, "threads": 1}))
-    cmd = group_command(plan["processes"], ["--spec", str(spec_file), "--run-id", run_id, "--out", str(out),
+    plan_file.write_text(json.dumps(plan.with_threads(1).to_json()))
+    cmd = group_command(plan.processes, ["--spec", str(spec_file), "--run-id", run_id, "--out", str(out),
                                             "--spool", str(spool), "--plan", str(plan_file)]
                         + (["--deadline", str(deadline)] if deadline else []))
     reader, told = SpoolReader(spool), False
@@ -377,17 +379,17 @@ class RayEngine:
 
     # -- one run ----------------------------------------------------------------------------------
     def launch(self, r: dict, ledger: Path, plan_file: Path, deadline: float | None, threads: int | None) -> None:
-        plan = json.loads(plan_file.read_text())
+        plan = CampaignRunPlan.from_json(json.loads(plan_file.read_text()))
         # The task's CPUs shared by the processes of the run: a group of ranks, or a program's own launcher's (or
         # gpus_per_run's, where its launcher does not say).
-        plan["threads"] = 1 if plan.get("processes", 1) > 1 else max(1, int(self.resources["num_cpus"])
-                                                                    // max(self.processes, run_processes(r["spec"])))
+        plan = plan.with_threads(1 if plan.processes > 1 else max(1, int(self.resources["num_cpus"])
+                                                                  // max(self.processes, run_processes(r["spec"]))))
         payload = {"source": r["spec"].source, "written": r["spec"].written}
         with self.lock:
             if self.stopping.is_set():
                 return
             ref = run_task.options(max_retries=0, retry_exceptions=False, name=r["run_id"], **self.resources).remote(
-                payload, r["run_id"], str(r["out"]), plan, deadline, self.relay)
+                payload, r["run_id"], str(r["out"]), plan.to_json(), deadline, self.relay)
             self.refs[r["run_id"]] = ref
         with Ledger(ledger) as led:
             led.merge_meta(r["run_id"], {"ray_task": ref.task_id().hex(), "engine": "ray"})
