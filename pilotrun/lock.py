@@ -285,9 +285,9 @@ def program_lock(spec: Spec, cache: dict | None = None) -> dict:
 def diff_locks(old: dict, new: dict) -> list[tuple[str, object, object]]:
     """``(field, old, new)`` for every dotted field that differs (machine identity excluded)."""
     a, b = dotted(old), dotted(new)
-    # Bucket data the old lock could not read (taken where no task had copied it): the new lock is the first to
-    # hash it, which is not a drift (the URI itself is in the config).
-    unread = tuple(k[: -len("not_read")] for k in a if k.endswith(".not_read"))
+    # Bucket data one of the locks could not read (taken where no task had copied it): the other is the only one
+    # to hash it, which is not a drift (the URI itself is in the config).
+    unread = tuple(k[: -len("not_read")] for k in (*a, *b) if k.endswith(".not_read"))
     out = []
     for key in sorted(set(a) | set(b)):
         if key.startswith(NOT_DRIFT) or (unread and key.startswith(unread)):

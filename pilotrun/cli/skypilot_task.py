@@ -123,21 +123,21 @@ def _local_files(spec) -> list[tuple[str, str, Path]]:
 
 def _bucket_data(spec) -> tuple[dict[str, str], list[Mount]]:
     """Each bucket folder data.path names, copied onto the node (a file mount of the folder, SkyPilot's COPY: local
-    disk speed for training) at DATA_MOUNT/<n>: (folder -> node path, for $PILOTRUN_DATA_MOUNTS; the mounts)."""
+    disk speed for training) at DATA_MOUNT/<n>; a folder inside another one named is not copied twice. (folder ->
+    node path, for $PILOTRUN_DATA_MOUNTS; the mounts)."""
     d = spec.data
     paths = ({"data.path": d.path} if isinstance(d.path, str) else
              {f"data.path.{k}": v for k, v in (d.path or {}).items()}) if d is not None else {}
-    folders: dict[str, str] = {}
+    named = {key: value for key, value in paths.items() if isinstance(value, str) and is_bucket_uri(value)}
+    wanted = sorted({bucket_folder(v) for v in named.values()})
+    outer = [f for f in wanted if not any(f != o and f.startswith(o + "/") for o in wanted)]
+    folders = {f: f"{DATA_MOUNT}/{i}" for i, f in enumerate(outer)}
     mounts = []
-    for key, value in paths.items():
-        if not (isinstance(value, str) and is_bucket_uri(value)):
-            continue
-        folder = bucket_folder(value)
-        if folder not in folders:
-            folders[folder] = f"{DATA_MOUNT}/{len(folders)}"
-            mounts.append(Mount(folders[folder], folder, f"{key}: {value}, in a bucket: its folder is copied onto the "
-                                                         "node, and the pilot there proves this data (the lock "
-                                                         "records its files' hashes and the folder's listing)"))
+    for folder, node in folders.items():
+        keys = [f"{k}: {v}" for k, v in named.items() if v.startswith(folder + "/")]
+        mounts.append(Mount(node, folder, f"{'; '.join(keys)}, in a bucket: its folder is copied onto the node, and "
+                                          "the pilot there proves this data (the lock records its files' hashes and "
+                                          "the folder's listing)"))
     return folders, mounts
 
 
@@ -299,9 +299,11 @@ def write_task(spec, args, row: dict, traces, per_run: dict | None = None, runs:
         data_why = [f"the spec's local data files, {human_bytes(data_bytes)}"] if data_bytes else []
         data_why += [download["from"]] if download["bytes"] else []
         data = Size(data_bytes + (download["bytes"] or 0), " + ".join(data_why) or "no data files to hold")
-        if data_buckets:  # unknown, said so (with what else would have been counted), never a guess
-            data = Size(None, " + ".join([*data_why, f"the data copied from {', '.join(data_buckets)}, whose size "
-                                                     "is not known here: add it to disk_size"]))
+        if data_buckets:  # the known part counted, the copy said as unknown, never a guess
+            unknown = (f"the data copied from {', '.join(data_buckets)}, whose size is not known here: add it to "
+                       "disk_size")
+            data = (Size(data.bytes, f"{data.why}; not counted: {unknown}") if data.bytes else
+                    Size(None, unknown))
         task_file = Path(args.skypilot)
         lock_file = task_file.with_name(task_file.stem + ".lock.json")
         bucket = Bucket(args.bucket, "--bucket") if args.bucket else Bucket(

@@ -26,7 +26,19 @@ HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # put it on disk. `plan --skypilot` copies each bucket folder the spec names onto the node (file_mounts) and says
 # where in this variable, a JSON object {"s3://bucket/prefix": "/pilotrun-data/0"}; here nothing is mounted.
 DATA_MOUNTS_VAR = "PILOTRUN_DATA_MOUNTS"
-BUCKET_DATA = re.compile(r"^(s3|gs|r2|cos|oci)://([a-z0-9][a-z0-9._-]{1,62})(/[A-Za-z0-9._~/:@+=%-]*)?$")
+# scheme://bucket/key: a bucket name of 3-63 lowercase letters, digits, '.', '_' or '-', and a file's key (no empty,
+# '.' or '..' part, not a folder's trailing '/').
+BUCKET_DATA = re.compile(r"^(s3|gs|r2|cos|oci)://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/[A-Za-z0-9._~:@+=%-]+)+$")
+
+
+def bucket_data_problem(value: str) -> str | None:
+    """Why a bucket URI cannot name a data file a task copies, or None."""
+    parts = value.split("://", 1)[1].split("/")[1:] if "://" in value else []
+    if BUCKET_DATA.match(value) and not any(p in (".", "..") for p in parts):
+        return None
+    return (f"{value!r} is not a bucket file a task can copy: scheme://bucket/folder/file.jsonl, the bucket 3-63 "
+            "lowercase letters, digits, '.', '_' or '-', then a file's key (no '.' or '..' part, no trailing '/'; "
+            "letters, digits and ._~:@+=%-)")
 
 
 def is_bucket_uri(value: str) -> bool:
@@ -54,10 +66,10 @@ def mounted_bucket_path(uri: str) -> Path:
     for folder, local in (mounts if isinstance(mounts, dict) else {}).items():
         if uri == folder or uri.startswith(folder.rstrip("/") + "/"):
             return Path(local) / uri[len(folder):].lstrip("/")
-    raise FileNotFoundError(f"{uri} is in a bucket, and pilotrun reads data from files on this machine: "
-                            "`pilotrun plan --skypilot` copies it onto the rented node, where the pilot reads it; "
-                            "to pilot here, copy it (aws s3 cp / gcloud storage cp) and give the local path with "
-                            "--set data.path=FILE")
+    raise FileNotFoundError(f"{uri} is in a bucket, and pilotrun reads files on this machine: copy it down (aws s3 "
+                            "cp / gcloud storage cp) and give the local path (--set KEY=PATH); data in a bucket "
+                            "(data.path) is copied onto the rented node by `pilotrun plan --skypilot`, and the pilot "
+                            "there reads it")
 
 
 def resolve_package_path(path: str) -> Path:

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from .hub_cache import TokenizerSource, locate_tokenizer
 from .ids import name_problem
-from .paths import BUCKET_DATA, is_bucket_uri, looks_local, path_value_problem, resolve_path
+from .paths import bucket_data_problem, is_bucket_uri, looks_local, path_value_problem, resolve_path
 from .schema import doc
 from .strategy_names import ALIASES as STRATEGY_ALIASES
 from .strategy_names import DEFAULT as DEFAULT_STRATEGY
@@ -236,10 +236,8 @@ class DataSpec(FactorySection):
         for split, value in paths:
             if isinstance(value, str) and (why := path_value_problem(value)) is not None:
                 yield f"path.{split}" if split else "path", why
-            elif isinstance(value, str) and is_bucket_uri(value) and not BUCKET_DATA.match(value):
-                yield f"path.{split}" if split else "path", (
-                    f"{value!r} is not a bucket URI a task can copy: scheme://bucket/folder/file.jsonl, the bucket "
-                    "3-63 lowercase letters, digits, '.', '_' or '-', then letters, digits and ._~/:@+=%-")
+            elif isinstance(value, str) and is_bucket_uri(value) and (why := bucket_data_problem(value)):
+                yield f"path.{split}" if split else "path", why
         if isinstance(self.path, dict):
             unknown = set(self.path) - {"train", "val", "test"}
             if unknown:

@@ -378,10 +378,12 @@ def mark_problems(rows: list[GateRow], run: RunOutcome) -> None:
 
 def combine(name: str, rows: list[dict]) -> GateRow:
     """Several stages of one name on one rank (steady_step per update, eval per evaluation): the worst verdict, the
-    mean time (what the job pays; the loop's steady_step is a mean too, the median is kept beside it), each memory
-    counter's largest value (counters stay apart)."""
+    mean time of the stages after the first (what the job pays; the first is the one whose tensors were tracked,
+    which slows it: the loop's steady_step leaves its tracked update out the same way; the median is kept beside
+    it), each memory counter's largest value (counters stay apart)."""
     worst = min(rows, key=lambda r: Verdict(r["verdict"]).severity)
-    seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
+    timed = rows[1:] if len(rows) > 1 else rows
+    seconds = [r["seconds"] for r in timed if r.get("seconds") is not None]
     memory: dict[str, Any] = {}
     for r in rows:
         for key, value in (r.get("memory") or {}).items():
@@ -394,20 +396,30 @@ def combine(name: str, rows: list[dict]) -> GateRow:
         f"{len(rows)} stages: mean {human_seconds(mean)} ({human_seconds(min(seconds))}–"
         f"{human_seconds(max(seconds))}); the largest peaks of them: {peaks_phrase(memory) or 'not measured'}"
         if mean is not None else f"{len(rows)} stages; time not measured")
-    details = {**(worst.get("details") or {}), "count": len(rows), "seconds_each": seconds,
-               **({"median_seconds": statistics.median(seconds)} if seconds else {}), **_per_update(rows)}
+    details = {k: v for k, v in (worst.get("details") or {}).items() if k not in ("updates_timed", "update_seconds")}
+    details.update(count=len(rows), seconds_each=[r.get("seconds") for r in rows], timed_stages=len(timed),
+                   **({"median_seconds": statistics.median(seconds)} if seconds else {}))
+    if name == GateName.STEADY_STEP:
+        details.update(_per_update(timed))
     return GateRow(name, Verdict(worst["verdict"]), reason, inputs=rows[0].get("inputs") or {}, memory=memory,
                    seconds=mean, started_at=rows[0]["started_at"], ended_at=rows[-1]["ended_at"],
                    details=details, world_size=rows[0].get("world_size", 1))
 
 
 def _per_update(rows: list[dict]) -> dict:
-    """Seconds per update over every stage that timed updates, as the loop's steady_step gives them: the mean over
-    all their updates (SteadyStepDetails.seconds_per_update, which calibration reads) and the median of the stages'."""
-    timed = [(d["seconds_per_update"], int(d.get("updates_timed") or (r.get("inputs") or {}).get("updates") or 1))
-             for r in rows if isinstance(d := r.get("details") or {}, dict) and d.get("seconds_per_update") is not None]
+    """Seconds per update over the timed steady_step stages, as the loop's row gives them: the mean over all their
+    updates (SteadyStepDetails.seconds_per_update, which calibration reads) and the median of the stages'. A stage
+    that counted no updates (one stage per update, the documented pattern) is one update."""
+    timed = []
+    for r in rows:
+        d: dict = r["details"] if isinstance(r.get("details"), dict) else {}
+        if d.get("seconds_per_update") is not None:
+            timed.append((d["seconds_per_update"], int(d.get("updates_timed") or (r.get("inputs") or {}).get("updates")
+                                                         or 1)))
+        elif r.get("seconds") is not None:
+            timed.append((r["seconds"], 1))
     if not timed:
         return {}
     updates = sum(n for _, n in timed)
     return {"seconds_per_update": sum(s * n for s, n in timed) / updates,
-            "median_seconds_per_update": statistics.median(s for s, _ in timed)}
+            "median_seconds_per_update": statistics.median(s for s, _ in timed), "updates_timed": updates}

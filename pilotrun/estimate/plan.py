@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..ledger.details import ExportDetails, SaveDetails, SteadyStepDetails
-from ..ledger.records import GateName, TextEnum
+from ..ledger.records import GateName, GateRow, TextEnum, Verdict
 from .experiments import adapter_view
 
 PLANS_DAYS = (3, 7, 30)
@@ -51,7 +51,7 @@ class Item(TextEnum):
     RECOVERY = "spot recovery (expected)"  # with --spot: relaunches and the work a preemption makes redo
 
 
-def _last_rows(ledger, config_hash: str) -> tuple[str | None, dict[str, dict]]:
+def _last_rows(ledger, config_hash: str) -> tuple[str | None, dict[str, GateRow]]:
     """The most recent pilot of this config (any device) with passing rows: its id and those rows by gate (data
     wait, eval and save costs); (None, {}) without one."""
     if ledger is None:
@@ -59,7 +59,7 @@ def _last_rows(ledger, config_hash: str) -> tuple[str | None, dict[str, dict]]:
     for run in ledger.runs(limit=500):
         if run.get("config_hash") != config_hash or run["kind"] != "pilot":
             continue
-        rows = {r["gate"]: r for r in ledger.gate_rows(run["run_id"]) if r["verdict"] in ("pass", "warn")}
+        rows = {r.gate: r for r in ledger.gate_records(run["run_id"]) if r.verdict in (Verdict.PASS, Verdict.WARN)}
         if rows:
             return run["run_id"], rows
     return None, {}
@@ -93,8 +93,8 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
         f"{a.data_bytes / 1e9:.1f} GB (--data-gb) at {a.download_mb_s:g} MB/s (assumed)" if a.data_bytes else
         "0 GB: the data is assumed on the node already (--data-gb gives its size)")
     # A program's inspect row is an integration's probe with no time of its own: only timed rows count.
-    timed = [g for g in (GateName.INSPECT, GateName.LOAD) if (pilot.get(g) or {}).get("seconds") is not None]
-    prep = sum(pilot[g]["seconds"] for g in timed) if timed else None
+    timed = [g for g in (GateName.INSPECT, GateName.LOAD) if g in pilot and pilot[g].seconds is not None]
+    prep = sum(pilot[g].seconds or 0.0 for g in timed) if timed else None
     add(Item.PREPARATION, prep, f"measured by {source} ({' + '.join(map(str, timed))})" if prep is not None else
         "not measured: run a pilot of this spec" if not pilot else f"not measured: {source} timed no inspect or load")
     compile_s = _compile_item(spec, pilot, source, add)
@@ -102,13 +102,14 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
     add(Item.TRAINING, train_s, f"{spec.train.updates} updates x {row['seconds_per_update']:.3g} s "
         f"({row['utilisation_source']})" if train_s else "no time estimate")
     steady = pilot.get(GateName.STEADY_STEP)
-    wait = SteadyStepDetails.of(steady.get("details")).data_wait_share if steady else None
+    wait = SteadyStepDetails.of(steady.details).data_wait_share if steady else None
     add(Item.DATA_WAIT, train_s * wait if (train_s and wait is not None) else None,
         f"{wait:.0%} of update time waited on data in {source}" if wait is not None else "not measured")
-    eval_row = pilot.get(GateName.EVAL) if (pilot.get(GateName.EVAL) or {}).get("seconds") is not None else None
-    eval_s = eval_row["seconds"] * a.evals_per_run if eval_row else None
-    add(Item.VALIDATION, eval_s, f"{a.evals_per_run} evaluations x {eval_row['seconds']:.3g} s measured by {source}"
-        if eval_row else "not measured: run a pilot (eval gate)")
+    eval_row = pilot.get(GateName.EVAL)
+    eval_measured = eval_row.seconds if eval_row is not None else None
+    eval_s = eval_measured * a.evals_per_run if eval_measured is not None else None
+    add(Item.VALIDATION, eval_s, f"{a.evals_per_run} evaluations x {eval_measured:.3g} s measured by {source}"
+        if eval_measured is not None else "not measured: run a pilot (eval gate)")
     ckpt_bytes = adapter["checkpoint_bytes"] if adapter else trace["parameter_bytes"] + trace["optimizer_state_bytes"]
     bw, job_bw, how = _save_speeds(pilot.get(GateName.SAVE), source, a)
     add(Item.CHECKPOINTS, a.checkpoints_per_run * ckpt_bytes / job_bw,
@@ -142,23 +143,24 @@ def pipeline_hours(spec, row: dict, trace: dict, ledger=None, a: Assumptions | N
             "cost_note": cost_note, "measured_by": source, "spot": spot, "price_per_gpu_hour": price, "sizes": sizes}
 
 
-def _compile_item(spec, pilot: dict, source: str | None, add) -> float | None:
+def _compile_item(spec, pilot: dict[str, GateRow], source: str | None, add) -> float | None:
     """train.compile's item: the compile seconds a pilot of this spec measured (its first_step row's details), once
     per process start; unknown until measured (never a guess). The seconds, or None."""
     if spec.train.compile == "off":
         return None
-    measured = ((pilot.get(GateName.FIRST_STEP) or {}).get("details") or {}).get("compile_seconds")
+    first = pilot.get(GateName.FIRST_STEP)
+    measured = first.details.get("compile_seconds") if first is not None else None
     add(Item.COMPILE, measured, f"{measured:.3g} s measured by {source} (first_step compile_seconds), once per "
         "process start (a resume after a preemption compiles again)" if measured is not None else
         "compile time: not measured (unknown): run a pilot of this spec to measure it")
     return measured
 
 
-def _save_speeds(save_row: dict | None, source: str | None, a: Assumptions) -> tuple[float, float, str]:
+def _save_speeds(save_row: GateRow | None, source: str | None, a: Assumptions) -> tuple[float, float, str]:
     """(the write speed, the speed the job waits at, how both were known), in bytes per second. A checkpoint costs
     the run what the job waits for it: the copy to host memory when the save is written behind the job (rows from
     before that was possible waited for the whole write, their bytes_per_second)."""
-    saved = SaveDetails.of((save_row or {}).get("details"))
+    saved = SaveDetails.of(save_row.details if save_row is not None else None)
     bw = saved.bytes_per_second or a.disk_mb_s * 1e6
     job_bw = saved.blocking_bytes_per_second or bw
     if save_row is None:
@@ -170,12 +172,13 @@ def _save_speeds(save_row: dict | None, source: str | None, a: Assumptions) -> t
     return bw, job_bw, f"measured by {source}"
 
 
-def _sizes(pilot: dict, source: str | None, ckpt_bytes: int, weights: int, adapter: bool, precision: str, dl: dict,
-           a: Assumptions) -> dict:
+def _sizes(pilot: dict[str, GateRow], source: str | None, ckpt_bytes: int, weights: int, adapter: bool,
+           precision: str, dl: dict, a: Assumptions) -> dict:
     """What one checkpoint and one export take on disk (measured by the pilot where it saved and exported, else
     from the trace), and what the node downloads: the disk a SkyPilot task asks for."""
-    measured_ckpt = SaveDetails.of((pilot.get(GateName.SAVE) or {}).get("details")).bytes
-    measured_export = ExportDetails.of((pilot.get(GateName.EXPORT) or {}).get("details")).bytes
+    save, export = pilot.get(GateName.SAVE), pilot.get(GateName.EXPORT)
+    measured_ckpt = SaveDetails.of(save.details if save is not None else None).bytes
+    measured_export = ExportDetails.of(export.details if export is not None else None).bytes
     return {
         "per_checkpoint": {"bytes": measured_ckpt, "from": f"measured by {source} (save)"} if measured_ckpt else
         {"bytes": ckpt_bytes, "from": "estimated from the trace: " + ("the adapter and its optimizer state" if adapter

@@ -17,7 +17,7 @@ import time
 from ..config.sections import ac_policy, ac_words
 from ..config.spec import Spec
 from ..ledger.details import SteadyStepDetails
-from ..ledger.records import GateName
+from ..ledger.records import GateName, Verdict
 from ..ledger.store import Ledger
 from .cache import CacheStatus, TraceCache, trace_key
 from .catalog import Accelerator, matches
@@ -87,12 +87,12 @@ def calibrated_utilisation(ledger: Ledger | None, config_hash: str, acc: Acceler
     for run in ledger.runs(limit=500):
         if run.get("config_hash") != config_hash:
             continue
-        for row in ledger.gate_rows(run["run_id"]):
-            if row["gate"] != GateName.STEADY_STEP or row["verdict"] not in ("pass", "warn"):
+        for row in ledger.gate_records(run["run_id"]):
+            if row.gate != GateName.STEADY_STEP or row.verdict not in (Verdict.PASS, Verdict.WARN):
                 continue
-            if not matches(acc, row["inputs"].get("device_name")):
+            if not matches(acc, row.inputs.get("device_name")):
                 continue
-            s = SteadyStepDetails.of(row["details"]).seconds_per_update
+            s = SteadyStepDetails.of(row.details).seconds_per_update
             if s and peak:
                 return flops_per_update / (s * peak), f"measured by pilot {run['run_id']} ({s:.3g} s/update)"
     return None, "no pilot of this config on this accelerator in the ledger"

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from .. import strategies
 from ..config.sections import ac_policy, ac_variant, ac_words
-from ..ledger.records import GateName
+from ..ledger.records import GateName, Verdict
 from .catalog import Accelerator, matches
 from .experiments import adapter_view, label
 from .fp8 import CASTS, fp8_trace, why_none
@@ -30,9 +30,9 @@ def _verified_by(ledger, acc: Accelerator) -> str | None:
     if ledger is None:
         return None
     for run in ledger.runs(limit=500):
-        for row in ledger.gate_rows(run["run_id"]):
-            if row["gate"] == GateName.STEADY_STEP and row["verdict"] in ("pass", "warn") and \
-                    matches(acc, row["inputs"].get("device_name")):
+        for row in ledger.gate_records(run["run_id"]):
+            if row.gate == GateName.STEADY_STEP and row.verdict in (Verdict.PASS, Verdict.WARN) and \
+                    matches(acc, row.inputs.get("device_name")):
                 return f"pilot {run['run_id']}"
     return None
 

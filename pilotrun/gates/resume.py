@@ -97,8 +97,11 @@ class ResumeGate(Gate):
             raise GateFailure(f"the run is not reproducible even without a restart{on(rank)}: {d.sentence()}",
                               inputs=out.inputs, details=out.details)
         end = r.before + r.after
-        after = _first_difference({i: compare_updates(updates["control"][i], updates["resumed"][i], r.before + 1,
-                                                      end, exact, r.rtol) for i in ranks})
+        compared = {i: compare_updates(updates["control"][i], updates["resumed"][i], r.before + 1, end, exact, r.rtol)
+                    for i in ranks}
+        out.details["compared_updates"] = compared[0].compared
+        out.details["largest_relative_difference"] = max(c.largest_rel for c in compared.values())
+        after = _first_difference(compared)
         if after is not None:
             rank, d = after
             out.details["difference"] = {**d.to_dict(), "rank": rank}

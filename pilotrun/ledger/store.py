@@ -392,6 +392,10 @@ class Ledger:
             out.append(d)
         return out
 
+    def gate_records(self, run_id: str) -> list[GateRow]:
+        """The run's gate rows, typed (what code outside the ledger reads; :meth:`gate_rows` is the JSON form)."""
+        return [GateRow.from_mapping(r) for r in self.gate_rows(run_id)]
+
     def metrics(self, run_id: str, gate: str | None = None) -> list[dict]:
         q = "SELECT * FROM metrics WHERE run_id = ?" + (" AND gate = ?" if gate else "") + " ORDER BY rank, step, id"
         out = []

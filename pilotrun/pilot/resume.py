@@ -67,9 +67,9 @@ def _candidates(ledger: Ledger, parent: dict) -> list[Path]:
         recover_interrupted_swap(root)
         # Not the fingerprints beside each folder (step-N.expect.json): a link there is not a checkpoint candidate.
         found |= {p for p in root.glob("step-*") if (p.is_dir() or p.is_symlink()) and ".expect" not in p.name}
-    for row in ledger.gate_rows(parent["run_id"]):
-        path = SaveDetails.of(row.get("details")).path
-        if row["gate"] == GateName.SAVE and isinstance(path, str):
+    for row in ledger.gate_records(parent["run_id"]):
+        path = SaveDetails.of(row.details).path
+        if row.gate == GateName.SAVE and isinstance(path, str):
             found.add(root / Path(path).name)  # the row may hold a path relative to the run's working folder
     return sorted(found, key=lambda p: p.name, reverse=True)
 

@@ -114,9 +114,10 @@ CAUSE_TEXT = {
                             "torch.manual_seed, an unseeded random.Random or numpy Generator, the sampler's "
                             "generator, DataLoader workers, nondeterministic kernels), so a resume cannot be compared",
     Cause.MISSING_UPDATES: "the run did not report these updates (it stopped early, crashed, or skips job.update)",
-    Cause.STEP_NOT_RESTORED: "the resumed run did not continue after the checkpoint's update: it did not load "
-                             "job.resume_from (ignored, or not found and training started over) or did not restore "
-                             "the update counter from it; the first resumed update must be N+1",
+    Cause.STEP_NOT_RESTORED: "the resumed run did not continue after the checkpoint's update: the checkpoint was "
+                             "not loaded (a program: job.resume_from ignored, or not found and training started "
+                             "over) or the update counter was not restored from it; the first resumed update must "
+                             "be N+1",
     Cause.UPDATE_AFTER_SAVED: "the interrupted run was killed inside job.saved(N), as planned, before it reported "
                               "update N: call job.update(N, ...) before job.saved(N)",
     Cause.OTHER_RANK: "same examples and loss on this rank, different gradient norm: the gradients are averaged "

@@ -29,7 +29,7 @@ from ..campaign.conclude import link_text, stop_text
 from ..checkpoint.io import MANIFEST, CheckpointError
 from ..checkpoint.trust import LoadPolicy
 from ..ledger.details import ExportDetails
-from ..ledger.records import GateName, Kept, RunKind, final_val_loss, kept_manifests
+from ..ledger.records import GateName, Kept, RunKind, Verdict, final_val_loss, kept_manifests
 from ..ledger.store import Ledger
 from ..ledger.tables import table, write_csv
 from ..lock import sha256_file
@@ -63,8 +63,8 @@ def _recorded_export(led: Ledger, run: dict, meta: dict) -> str | None:
     kept manifests (None: nothing recorded, so the export on disk is not known)."""
     if run["kind"] == RunKind.CAMPAIGN_RUN:
         return kept_manifests(meta).get(Kept.EXPORT)
-    rows = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == GateName.EXPORT and g["verdict"] == "pass"]
-    sha = ExportDetails.of(rows[-1].get("details")).manifest_sha256 if rows else None
+    rows = [g for g in led.gate_records(run["run_id"]) if g.gate == GateName.EXPORT and g.verdict == Verdict.PASS]
+    sha = ExportDetails.of(rows[-1].details).manifest_sha256 if rows else None
     return sha if isinstance(sha, str) else None
 
 
@@ -78,9 +78,9 @@ def _control_files(run: dict, folder: Path) -> tuple[Path, Path] | None:
 def _why_no_model(run: dict, meta: dict, led: Ledger) -> str:
     if meta.get("stop_reason"):
         return f"the run {run['status']} at update {meta.get('stopped_at')}: {meta['stop_reason']}"
-    export = [g for g in led.gate_rows(run["run_id"]) if g["gate"] == GateName.EXPORT]
-    if export and export[-1]["verdict"] != "pass":
-        return f"the export gate did not pass ({export[-1]['verdict']}: {export[-1]['reason']})"
+    export = [g for g in led.gate_records(run["run_id"]) if g.gate == GateName.EXPORT]
+    if export and export[-1].verdict != Verdict.PASS:
+        return f"the export gate did not pass ({export[-1].verdict}: {export[-1].reason})"
     if run["kind"] == "campaign-run":
         return "the campaign kept no export (keep.export: false)"
     return "no export was written (the export gate did not run)"

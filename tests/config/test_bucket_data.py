@@ -29,12 +29,30 @@ def test_a_bucket_path_is_refused_here_naming_the_way_to_the_node(tmp_path):
         load_spec(spec, [f"data.path={URI}"])
     said = str(refused.value)
     assert "data.path" in said and f"{URI} is in a bucket" in said and "plan --skypilot" in said, said
-    assert "--set data.path=FILE" in said
+    assert "copy it down" in said and "--set KEY=PATH" in said
     # estimate, select and plan read no data: the spec holds for them.
     assert load_spec(spec, [f"data.path={URI}"], check_files=False).data.path == URI
-    with pytest.raises(SpecError, match="not a bucket URI a task can copy"):
-        load_spec(spec, ["data.path=s3://Team_Data!/x.jsonl"], check_files=False)
-    assert bucket_folder(URI) == "s3://team-data/sft" and bucket_folder("gs://b/top.jsonl") == "gs://b"
+    # Not a file a task can copy: a bad bucket name, the bucket itself, a folder, a key climbing out of its folder.
+    for bad in ("s3://Team_Data!/x.jsonl", "s3://team-data", "s3://team-data/", "s3://team-data/sft/",
+                "s3://team-data/../x.jsonl", "gs://ab/x.jsonl"):
+        with pytest.raises(SpecError, match="not a bucket file a task can copy"):
+            load_spec(spec, [f"data.path={bad}"], check_files=False)
+    assert bucket_folder(URI) == "s3://team-data/sft" and bucket_folder("gs://bkt/top.jsonl") == "gs://bkt"
+
+
+def test_the_task_copies_each_bucket_folder_once_and_a_model_in_a_bucket_is_refused():
+    from pilotrun.cli.skypilot_task import _bucket_data
+
+    split = load_spec(EXAMPLES / "tiny-sft" / "pilot.yaml", [
+        "data.path.train=s3://team-data/sft/v2/train.jsonl", "data.path.val=s3://team-data/sft/val.jsonl"],
+        check_files=False)
+    folders, mounts = _bucket_data(split)
+    assert folders == {"s3://team-data/sft": "/pilotrun-data/0"}  # v2/ is inside it: one copy
+    assert mounts[0].src == "s3://team-data/sft" and "data.path.train" in mounts[0].why
+    # Only data is copied from a bucket: a model there is refused when the spec is read, even by plan.
+    with pytest.raises(SpecError, match="model.hf: s3://team-models/llama is in a bucket"):
+        load_spec(EXAMPLES / "tiny-sft" / "pilot.yaml", ["model.config=null", "model.hf=s3://team-models/llama"],
+                  check_files=False)
 
 
 def test_where_a_task_copied_it_the_pilot_reads_it_and_the_lock_records_it(tmp_path, monkeypatch):
@@ -58,6 +76,7 @@ def test_where_a_task_copied_it_the_pilot_reads_it_and_the_lock_records_it(tmp_p
     assert len(lock["data"]["listing_sha256"]) == 64
     # The node's lock is the first to read the data: not a drift from the plan's.
     assert not [k for k, _, _ in diff_locks(planned, lock) if k.startswith("data.")]
+    assert not [k for k, _, _ in diff_locks(lock, planned) if k.startswith("data.")]  # either way round
     # A file added to the bucket folder changes the listing: said as drift between two nodes' locks.
     (node / "more.jsonl").write_text("{}\n")
     moved = [k for k, _, _ in diff_locks(lock, collect_lock(loaded)) if k.startswith("data.")]

@@ -142,8 +142,10 @@ class _Ledger:
     def runs(self, limit: int):
         return [{"run_id": "p1", "config_hash": self.hash, "kind": "pilot"}]
 
-    def gate_rows(self, run_id: str):
-        return [{"gate": "first_step", "verdict": "pass", "details": self.details, "seconds": 1.0}]
+    def gate_records(self, run_id: str):
+        from pilotrun.ledger.records import GateRow
+
+        return [GateRow.from_mapping({"gate": "first_step", "verdict": "pass", "details": self.details, "seconds": 1.0})]
 
 
 def test_the_plan_charges_the_measured_compile_once_per_start_and_says_unknown_otherwise():

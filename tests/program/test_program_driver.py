@@ -76,8 +76,10 @@ def test_each_declaration_becomes_its_rows(tmp_path):
     assert [(r.rank, r.seconds) for r in first] == [(0, 0.5), (1, 0.5)]  # the first of two kept, not combined
     assert first[0].details["note"] == "2 first_step stages reported; the first is kept"
     steady = {r.rank: r for r in driver.proven_rows(BY_NAME["steady_step"])}
-    assert steady[1].seconds == pytest.approx(0.3) and steady[1].memory["peak_allocated_bytes"] == 50  # mean, largest
-    assert steady[1].details["seconds_each"] == [0.2, 0.4, 0.3] and steady[1].details["median_seconds"] == 0.3
+    # The mean of the stages after the tracked first one (0.4, 0.3); the largest peak of all three.
+    assert steady[1].seconds == pytest.approx(0.35) and steady[1].memory["peak_allocated_bytes"] == 50
+    assert steady[1].details["seconds_each"] == [0.2, 0.4, 0.3] and steady[1].details["median_seconds"] == 0.35
+    assert steady[1].details["seconds_per_update"] == pytest.approx(0.35)  # a stage per update: one update each
     assert steady[0].verdict == Verdict.FAIL and "loss is nan" in steady[0].reason  # rank 0's problem, on its row
     assert steady[1].verdict == Verdict.PASS
     (inspect,) = driver.proven_rows(BY_NAME["inspect"])
@@ -197,10 +199,14 @@ def test_an_export_row_pilotrun_cannot_check_fails_and_makes_nothing_known(tmp_p
 
 def test_several_steady_stages_give_the_mean_per_update_as_the_loops_row_does():
     from pilotrun.drivers.program import combine
-    rows = [_stage("steady_step", 0, 3.0, 10)["row"], _stage("steady_step", 0, 1.0, 10)["row"]]
-    rows[0]["details"] = {"seconds_per_update": 1.0, "updates_timed": 3}  # a stage over 3 updates
-    rows[1]["details"] = {"seconds_per_update": 1.0 / 3, "updates_timed": 3}
+    rows = [_stage("steady_step", 0, s, 10)["row"] for s in (9.0, 3.0, 1.0)]
+    rows[0]["details"] = {"seconds_per_update": 3.0, "updates_timed": 3}  # tracked: slower, left out of the time
+    rows[1]["details"] = {"seconds_per_update": 1.0, "updates_timed": 3, "update_seconds": [1.0, 1.0, 1.0]}
+    rows[2]["details"] = {"seconds_per_update": 1.0 / 3, "updates_timed": 3}
     row = combine("steady_step", rows)
-    assert row.seconds == 2.0 and row.reason.startswith("2 stages: mean 2")
+    assert row.seconds == 2.0 and row.reason.startswith("3 stages: mean 2")
     assert row.details["seconds_per_update"] == pytest.approx(4.0 / 6)  # every timed update weighs the same
-    assert row.details["median_seconds_per_update"] == pytest.approx(2.0 / 3)
+    assert row.details["median_seconds_per_update"] == pytest.approx(2.0 / 3) and row.details["updates_timed"] == 6
+    assert "update_seconds" not in row.details  # one stage's list would not match the combined figure
+    evals = combine("eval", [_stage("eval", 0, s, 10)["row"] for s in (9.0, 3.0, 1.0)])  # a mean, no per update
+    assert evals.seconds == 2.0 and "seconds_per_update" not in evals.details
