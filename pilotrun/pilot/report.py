@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.spec import Spec
-from ..ledger.records import ROW_FIELDS, RunStatus, Verdict
+from ..ledger.records import ROW_FIELDS, GateRow, RunStatus, Verdict
 from ..safefile import write_atomic
 
 
@@ -25,8 +25,13 @@ class PilotResult:
     ledger_failure: Any = None  # the LedgerWriteFailed that stopped it (a full disk): its end is in FALLBACK_FILE
 
     @property
+    def records(self) -> list[GateRow]:
+        """This rank's rows, typed (``rows`` is their JSON form, as report.json and the ledger keep it)."""
+        return [GateRow.from_mapping(r) for r in self.rows]
+
+    @property
     def failed(self) -> bool:
-        return any(r["verdict"] == Verdict.FAIL for r in (self.all_rows or self.rows))
+        return any(GateRow.from_mapping(r).verdict == Verdict.FAIL for r in (self.all_rows or self.rows))
 
     @property
     def exit_code(self) -> int:

@@ -209,13 +209,13 @@ def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict],
         observer.on_gate_start(gate_cls.name)  # a program's rows may take a run of it to prove
         proven = ctx.driver.proven_rows(gate_cls)
         if proven is not None:
-            _write_rows(gate_cls.name, [r.to_dict() for r in proven], [], ctx, result, progress, observer)
+            _write_rows(gate_cls.name, proven, [], ctx, result, progress, observer)
             return
     gate = gate_cls()
     metrics: list[dict] = []
     blockers = progress.blockers(gate_cls)
     if not blockers and Product.DATA in gate.needs and ctx.data_error is not None:
-        first = next((r["gate"] for r in result.rows if r["verdict"] == Verdict.FAIL), "an earlier gate")
+        first = next((r.gate for r in result.records if r.verdict == Verdict.FAIL), "an earlier gate")
         row = _skip_row(gate, ctx, f"skipped: the data could not be built in {first} ({_short(ctx.data_error)})")
     elif gate.name in carried and plan is not None:
         row = _carried_row(carried[gate.name], plan.parent_id)
@@ -237,24 +237,25 @@ def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict],
         if row.verdict == Verdict.SKIP:  # it ran and could not measure: the gates after it name it as the cause
             progress.root_causes[gate.name] = (gate.name, row.reason, Verdict.SKIP)
     if row.verdict == Verdict.SKIP and gate.name not in progress.root_causes and not blockers:
-        fail = next((r for r in result.rows if r["verdict"] == Verdict.FAIL), None)
-        progress.root_causes[gate.name] = ((fail["gate"], fail["reason"], Verdict.FAIL) if fail else
+        fail = next((r for r in result.records if r.verdict == Verdict.FAIL), None)
+        progress.root_causes[gate.name] = ((fail.gate, fail.reason, Verdict.FAIL) if fail else
                                            ("data", ctx.data_error or "", Verdict.FAIL))
     row.rank, row.world_size = ctx.rank, ctx.world_size
-    _write_rows(gate.name, [row.to_dict()], metrics, ctx, result, progress, observer)
+    _write_rows(gate.name, [row], metrics, ctx, result, progress, observer)
 
 
-def _write_rows(gate: str, rows: list[dict], metrics: list[dict], ctx: PilotContext, result: PilotResult,
+def _write_rows(gate: str, rows: list[GateRow], metrics: list[dict], ctx: PilotContext, result: PilotResult,
                 progress: _Progress, observer: Observer) -> None:
     """A gate's rows (one, or a program's one per rank) to the ledger, the report and the observer; the gate's
     verdict for the gates after it is its worst row's, agreed over this pilot's ranks."""
-    for out in rows:
+    for row in rows:
+        out = row.to_dict()  # the JSON form: the report, the ledger and the observer take it
         result.rows.append(out)  # before the ledger: a row a full disk refused is still in the fallback file
         if ctx.ledger is not None:
             ctx.ledger.add_gate_row(ctx.run_id, out, metrics)
         write_report(result, ctx.spec)
         observer.on_gate_end(out)
-    worst = min(rows, key=lambda r: Verdict(r["verdict"]).severity)
+    worst = min(rows, key=lambda r: r.verdict.severity)
     progress.verdicts[gate] = _agreed_verdict(ctx.env, worst)
 
 
@@ -312,12 +313,12 @@ def _skip_row(gate: Gate, ctx: PilotContext, reason: str) -> GateRow:
     return GateRow.now(gate.name, Verdict.SKIP, reason, inputs=gate.describe_inputs(ctx))
 
 
-def _agreed_verdict(env: distributed.DistEnv, row: dict) -> tuple[str, Verdict]:
+def _agreed_verdict(env: distributed.DistEnv, row: GateRow) -> tuple[str, Verdict]:
     """(reason, verdict) of a gate over ranks: its worst rank's. Every rank then runs or skips the same gates,
     as the collectives inside them require."""
     if not env.active:
-        return row["reason"], Verdict(row["verdict"])
-    rows = distributed.gather(env, (row["verdict"], row["reason"], env.rank))
+        return row.reason, row.verdict
+    rows = distributed.gather(env, (str(row.verdict), row.reason, env.rank))
     verdict, reason, rank = min(rows, key=lambda v: Verdict(v[0]).severity)
     return (reason if rank == env.rank else f"rank {rank}: {reason}"), Verdict(verdict)
 
