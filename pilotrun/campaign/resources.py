@@ -42,9 +42,9 @@ def pilot_memory(led: Ledger, config_hash: str) -> PerRun | None:
     """Peaks of the latest pilot whose config hash is the base spec's, or None when there is none."""
     for run_id in led.run_ids(RunKind.PILOT, config_hash):
         host, device = [], []
-        for g in led.gate_rows(run_id):
-            mem = g.get("memory") or {}
-            if g["gate"] not in RUN_STAGES:
+        for g in led.gate_records(run_id):
+            mem = g.memory
+            if g.gate not in RUN_STAGES:
                 continue
             if mem.get("host_rss_peak_bytes"):
                 host.append(mem["host_rss_peak_bytes"])

@@ -226,8 +226,7 @@ def _stopped(stop: PilotInterrupted, spec, args, console) -> None:
 
 def _advise_after_oom(spec, result, console) -> None:
     """A gate that ran out of accelerator memory gets the advisor's variants, and a note in the ledger."""
-    oom = [r for r in result.rows if r["verdict"] == Verdict.FAIL
-           and (r.get("details") or {}).get("failure") == Failure.OUT_OF_MEMORY]
+    oom = [r for r in result.records if r.verdict == Verdict.FAIL and r.failure == Failure.OUT_OF_MEMORY]
     if not oom or spec.program is not None:  # the advisor traces pilotrun's loop, not a program's
         return
     from ..estimate.advise import advise
