@@ -421,7 +421,7 @@ def gate_name_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
 # (module, text): where a gate's name is compared as text outside gates/, and why that text is not the gate's name.
 GATE_TEXT_ALLOWED = {
     ("pilotrun.estimate.cache", "eval"),        # the spec's eval: section (batch size, length) in the trace's key
-    ("pilotrun.campaign.runner", "export"),     # the campaign's keep.export switch
+    ("pilotrun.campaign.run_plan", "export"),   # the campaign's keep.export switch
     ("pilotrun.workers.train_phase", "restore"),  # the worker's --phase value (control, interrupted, resumed, restore)
     ("pilotrun.config.spec", "resume"),         # the spec's pilot.resume: section (its auto_within key)
 }
