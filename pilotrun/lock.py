@@ -107,15 +107,17 @@ def hash_tree(root: Path, cache: dict | None = None, keep: Callable[[str], bool]
 def _data_file(spec: Spec, value: str, cache: dict | None) -> dict:
     """A data file's hashes; one a task copied from a bucket also says its URI and its bucket folder's listing
     digest (every file's name and size there, as the node got them), the data this node's pilot proved."""
-    if is_bucket_uri(value):
-        try:
-            local = spec.resolve(value)
-        except FileNotFoundError:  # no task copied it here (a plan's lock, taken before the node reads the bucket)
-            return {"path": value, "uri": value, "bucket_folder": bucket_folder(value), "sha256": None,
-                    "not_read": "in a bucket: read where a task copies it (the node's pilot records its hashes)"}
-    local = spec.resolve(value)
+    bucket = is_bucket_uri(value)
+    try:
+        local = spec.resolve(value)
+    except FileNotFoundError:
+        if not bucket:
+            raise
+        # No task copied it here (a plan's lock, taken before the node reads the bucket).
+        return {"path": value, "uri": value, "bucket_folder": bucket_folder(value), "sha256": None,
+                "not_read": "in a bucket: read where a task copies it (the node's pilot records its hashes)"}
     out = hash_tree(local, cache)
-    if is_bucket_uri(value):
+    if bucket:
         folder = local.parent
         listing = sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
         out.update(uri=value, bucket_folder=bucket_folder(value), listing_files=len(listing),

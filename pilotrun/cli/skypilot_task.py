@@ -107,28 +107,31 @@ def _overrides(spec, row: dict) -> list[tuple[str, object, object]]:
 def _local_files(spec) -> list[tuple[str, str, Path]]:
     """(spec key, as written, resolved) for every local file the spec names that the node needs."""
     out = []
-    m, d = spec.model, spec.data
+    m = spec.model
     if m is not None:
         for key, value in (("model.hf", m.hf), ("model.tokenizer", m.tokenizer)):
             if isinstance(value, str) and looks_local(value) and not value.startswith("pkg:"):
                 out.append((key, value, spec.resolve(value)))
-    if d is not None:
-        paths = {"data.path": d.path} if isinstance(d.path, str) else {f"data.path.{k}": v for k, v in
-                                                                       (d.path or {}).items()}
-        for key, value in paths.items():
-            if isinstance(value, str) and not value.startswith("pkg:") and not is_bucket_uri(value):
-                out.append((key, value, spec.resolve(value)))
+    for key, value in _data_paths(spec).items():
+        if isinstance(value, str) and not value.startswith("pkg:") and not is_bucket_uri(value):
+            out.append((key, value, spec.resolve(value)))
     return out
+
+
+def _data_paths(spec) -> dict[str, object]:
+    """data.path by spec key: ``data.path`` for one file, ``data.path.<split>`` for each split."""
+    d = spec.data
+    if d is None:
+        return {}
+    return {"data.path": d.path} if isinstance(d.path, str) else {f"data.path.{k}": v for k, v in
+                                                                 (d.path or {}).items()}
 
 
 def _bucket_data(spec) -> tuple[dict[str, str], list[Mount]]:
     """Each bucket folder data.path names, copied onto the node (a file mount of the folder, SkyPilot's COPY: local
     disk speed for training) at DATA_MOUNT/<n>; a folder inside another one named is not copied twice. (folder ->
     node path, for $PILOTRUN_DATA_MOUNTS; the mounts)."""
-    d = spec.data
-    paths = ({"data.path": d.path} if isinstance(d.path, str) else
-             {f"data.path.{k}": v for k, v in (d.path or {}).items()}) if d is not None else {}
-    named = {key: value for key, value in paths.items() if isinstance(value, str) and is_bucket_uri(value)}
+    named = {key: value for key, value in _data_paths(spec).items() if isinstance(value, str) and is_bucket_uri(value)}
     wanted = sorted({bucket_folder(v) for v in named.values()})
     outer = [f for f in wanted if not any(f != o and f.startswith(o + "/") for o in wanted)]
     folders = {f: f"{DATA_MOUNT}/{i}" for i, f in enumerate(outer)}
