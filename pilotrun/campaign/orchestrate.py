@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,12 +27,11 @@ from ..interrupt import Interrupted, as_interrupted, interruptible
 from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind, new_run_id
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
-from ..procs import THREAD_VARS, Tree, process_mark, with_torchrun_folder
-from ..workers.common import write_spec_file
-from ..workers.launch import worker_env
+from ..procs import process_mark
 from .conclude import conclude, current
-from .devices import DeviceMode, assign_devices, worker_device_env
+from .devices import DeviceMode, assign_devices
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
+from .engines.local import LocalEngine
 from .resources import PerRun, pilot_memory, plan_parallel
 from .run_plan import CampaignRunPlan
 from .spec import (
@@ -51,8 +46,7 @@ from .spec import (
     run_spec,
     with_seed,
 )
-from .stops import STOP_REASON_FILE, STOP_SIGNAL, interrupted, tell_ranks
-from .worker import group_command
+from .stops import interrupted
 
 # What the lock compares between runs: the environment and inputs, not the config (which varies on purpose).
 ENV_FIELDS = ("versions.", "distributions.", "container.", "model.", "data.", "code.commit")
@@ -78,105 +72,6 @@ def _env_drift(a: dict, b: dict) -> list[str]:
 
 # A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
 NOT_STARTED = RunEnd(RunStatus.NOT_RUN, StopKind.INTERRUPTED, "the campaign was interrupted before this run started", 0)
-STOP_GRACE_S = 60
-
-
-class _Running:
-    """The worker processes in flight, so an interrupt reaches every one of them, and the flag that stops new ones."""
-
-    def __init__(self, folder: Path, devices: dict | None = None, ranks: int = 1) -> None:
-        # The parallel plan's device slots (campaign/devices.py), as many as runs at once: a worker takes one.
-        self.devices = devices
-        self.ranks = ranks  # above 1: each run is a torchrun group of that many ranks (worker.group_command)
-        self.free: queue.Queue[list[str]] = queue.Queue()
-        for slot in (devices or {}).get("slots") or []:
-            self.free.put(slot)
-        self.reason_file = folder / STOP_REASON_FILE
-        self.reason_file.unlink(missing_ok=True)  # a resumed campaign's earlier stop is not this one's
-        self.how = "Ctrl-C"
-        self.procs: dict[str, Tree] = {}
-        self.started: set[str] = set()  # run ids whose worker was started (a lost end is "stopped", not "not-run")
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-
-    def launch(self, r: dict, ledger: Path, plan_file: Path, deadline: float | None, threads: int | None) -> None:
-        """One run in a fresh local worker process (the local engine; see engines/base.py for the interface)."""
-        spec_file = write_spec_file(r["spec"], r["out"] / "spec.json")
-        _launch(spec_file, r["run_id"], r["out"], ledger, plan_file, deadline, self, threads)
-
-    def stop_all(self, how: str) -> None:
-        self.how = how
-        try:  # before the signal, so each worker's stopped row names the real cause
-            self.reason_file.write_text(how)
-        except OSError:
-            pass  # the rows then say Ctrl-C; the campaign's own message still names the signal
-        self.stopping.set()
-        with self.lock:
-            procs = list(self.procs.values())
-        for p in procs:  # each worker is in a session of its own: a terminal's Ctrl-C reached only this process
-            if self.ranks > 1:  # every rank, not torchrun (which SIGUSR1 would end before the ranks record a row)
-                tell_ranks(p.pid, STOP_SIGNAL)
-            else:
-                p.send_signal(STOP_SIGNAL)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def _launch(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
-            running: _Running, threads: int | None = None) -> int | None:
-    """The worker's exit code; None when it was never started because the campaign is stopping."""
-    if not (running.devices or {}).get("slots"):
-        return _start(spec_file, run_id, out, ledger, plan_file, deadline, running, threads)
-    slot = running.free.get()  # as many slots as threads running runs: one is free
-    try:
-        return _start(spec_file, run_id, out, ledger, plan_file, deadline, running, threads, slot)
-    finally:
-        running.free.put(slot)
-
-
-def _start(spec_file: Path, run_id: str, out: Path, ledger: Path, plan_file: Path, deadline: float | None,
-           running: _Running, threads: int | None, slot: list[str] | None = None) -> int | None:
-    """Start the worker (with its device slot, when devices are assigned) and wait for it; a group of ranks under
-    torchrun when the campaign asks for several per run (each rank writes its points to the ledger, rank 0 the
-    run's end)."""
-    args = ["--spec", str(spec_file), "--run-id", run_id, "--out", str(out), "--ledger", str(ledger),
-            "--plan", str(plan_file)] + (["--deadline", str(deadline)] if deadline is not None else [])
-    cmd = (group_command(running.ranks, args) if running.ranks > 1 else
-           [sys.executable, "-m", "pilotrun.campaign.worker", *args])
-    with open(out / "worker.log", "w") as log:
-        with running.lock:
-            if running.stopping.is_set():  # the interrupt came while this run was being prepared
-                return None
-            # The run's share of the cores; a thread count the user set wins (procs.thread_env).
-            env = worker_env() | {var: str(threads) for var in THREAD_VARS if threads and not os.environ.get(var)}
-            if running.devices is not None and slot is not None:
-                env = worker_device_env(running.devices, env, slot)
-            if running.ranks > 1:  # torchrun's own files in the run's folder, not the machine's temporary one
-                env = with_torchrun_folder(env, out / "torchrun")
-            # Under a keeper (pilotrun/procs.py): the run and all it starts end with it, and with this process.
-            proc = Tree(cmd, env=env, label=f"campaign-{run_id}", stdout=log, stderr=subprocess.STDOUT)
-            running.procs[run_id] = proc
-            running.started.add(run_id)
-        # The worker's mark, so a resume after this process was killed can tell a live run from a dead one; and
-        # the devices it was given (the visibility variable's value), so the row says where it ran.
-        seen = {running.devices["env_var"]: ",".join(slot)} if running.devices is not None and slot else None
-        with Ledger(ledger) as led:
-            led.merge_meta(run_id, {"worker": process_mark(proc.pid), **({"devices": seen} if seen else {})})
-        try:
-            return proc.wait()
-        except KeyboardInterrupt as exc:  # only when runs go one at a time: the main thread waits here
-            running.stop_all(as_interrupted(exc).how)
-            raise
-        finally:
-            proc.kill()
-            with running.lock:
-                running.procs.pop(run_id, None)
-
-
 def prepare(c: CampaignSpec, base_written: dict | None = None) -> tuple[list[dict], list[str]]:
     """Every planned run's spec, in order (control first); refuses variants that change another key.
 
@@ -374,7 +269,8 @@ def runs_folder(engine: EngineChoice | None, campaign_id: str, folder: Path) -> 
 def engine_meta(engine: EngineChoice | None, run_root: Path) -> dict:
     """What the campaign's row keeps about the engine: which, where (address), and where the runs' files are."""
     e = engine or EngineChoice()
-    return {"name": e.name, "address": e.address, "storage": str(run_root.resolve())}
+    return {"name": e.name, "address": e.address, "storage": str(run_root.resolve()),
+            **({"nodes": e.nodes.group.to_dict()} if e.nodes is not None else {})}
 
 
 def cluster_plan(eng: ClusterEngine, requested: int | None, runs: int, spec, per_run: PerRun | None,
@@ -391,6 +287,11 @@ def cluster_plan(eng: ClusterEngine, requested: int | None, runs: int, spec, per
 @contextmanager
 def engine_for(engine: EngineChoice | None, ledger_path: Path) -> Iterator[ClusterEngine | None]:
     """The engine to hand ``execute``, started for the block (None: the local engine, made by ``execute``)."""
+    if engine is not None and engine.nodes is not None:  # every run spans the nodes: node 0's local engine
+        from .engines.nodes import NodesEngine
+
+        yield NodesEngine(engine.nodes)
+        return
     if engine is None or engine.name == "local":
         yield None
         return
@@ -420,7 +321,7 @@ def execute(runs, c, campaign_id, ledger_path, folder, plan, deadline, parallel,
     ``engine`` runs each one (engines/base.py); None: local worker processes on this machine.
     ``devices``: the parallel plan's device slots (campaign/devices.py); a local run takes a free slot."""
     plan_file = folder / "plan.json"
-    running: Engine = engine if engine is not None else _Running(folder, devices, plan.processes)
+    running: Engine = engine if engine is not None else LocalEngine(folder, devices, plan.processes)
 
     def one(r: dict) -> None:
         with Ledger(ledger_path) as led:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .runner import RunSink
 
 # After the stop file, the program's own should_stop has this long to end the run. Well under the engines' own grace
-# for the whole worker (orchestrate.STOP_GRACE_S, the Ray engine's: 60 s), so the worker kills the program and still
+# for the whole worker (engines/local.STOP_GRACE_S, the Ray engine's: 60 s), so the worker kills the program and still
 # records the run's end, its checkpoint and the reason before its engine gives up on it.
 STOP_GRACE_S = 30.0
 FLUSH_EVERY_S = 2.0

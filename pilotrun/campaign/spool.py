@@ -16,12 +16,26 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..ledger.records import RunEnd, Series
+from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 
 
 def end_item(run_id: str, end: RunEnd, fields: dict) -> tuple:
     """A run's end as plain data (what crosses a process or a Ray boundary)."""
     return ("end", run_id, (str(end.status), end.stop and str(end.stop), end.reason, end.at), fields)
+
+
+def write_item(led, item: tuple | list) -> bool:
+    """One spooled row (``metrics`` or ``end``) into the ledger ``led``; False for a kind this module does not write
+    (an engine's own, such as Ray's ``start``). Only the process that owns the ledger calls it."""
+    kind, run_id, *rest = item
+    if kind == "metrics":
+        led.add_metrics(run_id, Series(rest[0]), rest[1], rank=rest[2])
+    elif kind == "end":
+        (status, stop, reason, at), fields = rest
+        led.finish_campaign_run(run_id, RunEnd(RunStatus(status), stop and StopKind(stop), reason, at), **fields)
+    else:
+        return False
+    return True
 
 
 class SpoolSink:

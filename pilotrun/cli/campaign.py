@@ -10,8 +10,10 @@ from rich.text import Text
 
 from ..campaign.conclude import link_text, stop_text, table, unanswered_failures
 from ..campaign.engines.base import ENGINES, EngineChoice
+from ..campaign.engines.nodes import Leader, NodeError, NodeGroup, follow
 from ..campaign.followup import recover, resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
+from ..interrupt import Interrupted, interruptible
 from ..ledger.records import final_val_loss
 from ..ledger.store import default_ledger_path
 from ..lock import resolve_container_digest
@@ -84,10 +86,62 @@ def add_parser(sub) -> None:
                         "start the campaign, or continue the one this task started (see below)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
+    nodes = p.add_argument_group("every run over several nodes (the same command on each node; see below)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes every run spans (default 1: this machine)")
+    nodes.add_argument("--node-rank", type=int, default=0,
+                       help="this node, 0 .. nnodes-1: node 0 runs the campaign and writes the ledger, the others "
+                            "follow it")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="node 0's address and a free port (torchrun's rendezvous; the next port is the "
+                            "campaign's own)")
+    nodes.add_argument("--nproc-per-node", type=int, help="processes of each run on each node (its accelerators)")
     p.set_defaults(func=main)
 
 
+def node_group(args) -> NodeGroup | None:
+    """The cluster every run spans (``--nnodes`` above 1), checked; None on one machine."""
+    given = args.node_rank or args.rdzv_endpoint or args.nproc_per_node
+    if args.nnodes == 1:
+        if given:
+            raise UsageError("--node-rank, --rdzv-endpoint and --nproc-per-node go with --nnodes N (above 1)")
+        return None
+    if not args.rdzv_endpoint or not args.nproc_per_node:
+        raise UsageError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address, a free port) "
+                         "and --nproc-per-node N (each node's processes)")
+    if args.engine != "local" or args.retry or args.resume:
+        raise UsageError("--nnodes runs the campaign file on the local engine of every node: leave out --engine ray, "
+                         "--retry and --resume (with --task-id a restart continues it)")
+    try:
+        return NodeGroup(args.nnodes, args.node_rank, args.nproc_per_node, args.rdzv_endpoint)
+    except NodeError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def main(args) -> int:
+    group = node_group(args)
+    if group is None:
+        return _campaign(args, None)
+    if group.node_rank > 0:
+        if not Path(args.campaign).is_file():
+            raise UsageError(f"{args.campaign!r} is not a campaign file: every node runs the same campaign file")
+        err_console().print(f"campaign: node {group.node_rank} of {group.nnodes} follows node 0 at "
+                            f"{escape(group.endpoint)}", highlight=False)
+        try:
+            with interruptible():
+                return follow(group, Path(args.campaign), args.out)
+        except NodeError as exc:
+            raise UsageError(str(exc)) from None
+        except CampaignError as exc:
+            raise UsageError(str(exc)) from None
+        except Interrupted as exc:
+            return exc.exit_code
+    with Leader(group) as leader:
+        code = _campaign(args, leader)
+        leader.end(code)
+        return code
+
+
+def _campaign(args, leader: Leader | None) -> int:
     ledger = args.ledger or default_ledger_path()
     console = out_console()
     resolve_container_digest()  # every run's lock reads $PILOTRUN_CONTAINER_DIGEST: refuse a malformed one up front
@@ -102,7 +156,7 @@ def main(args) -> int:
                              "(SkyPilot sets $SKYPILOT_TASK_ID; outside SkyPilot, any name of your own)")
         if args.engine != "ray" and (args.address or args.storage):
             raise UsageError("--address and --storage go with --engine ray")
-        engine = EngineChoice(args.engine, args.address, args.storage)
+        engine = EngineChoice(args.engine, args.address, args.storage, nodes=leader)
         if args.retry:
             result = retry(args.campaign, args.retry, args.overrides, ledger, engine)
         else:

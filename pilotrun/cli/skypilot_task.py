@@ -221,7 +221,8 @@ def _campaign(args, spec, row: dict, overrides) -> CampaignPart | None:
         raise TaskRefused(f"--campaign {args.campaign} is outside the spec's folder {spec.folder}, the task's workdir "
                           "(what SkyPilot uploads; its base must reach the spec there): move the campaign file into "
                           f"{spec.folder} and set its base to {Path(spec.source).name}")
-    return CampaignPart(rel, len(c.values) * len(c.seeds), c.ranks, c.keep.checkpoint, c.keep.export)
+    return CampaignPart(rel, len(c.values) * len(c.seeds), c.ranks, c.keep.checkpoint, c.keep.export,
+                        program=c.program is not None)
 
 
 PLANNED = ".planned"  # the suffix of the spec and campaign files a plan that changes the spec writes

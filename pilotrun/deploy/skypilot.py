@@ -53,7 +53,7 @@ PLAIN_PATH = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
 class TaskRefused(ValueError):
-    """The plan cannot be written as a task (a row that does not fit, a campaign or long run over several nodes, a
+    """The plan cannot be written as a task (a row that does not fit, a program's campaign over several nodes, a
     path SkyPilot would not upload as written): the message names the flag or the file and the fix."""
 
 
@@ -113,6 +113,7 @@ class CampaignPart:
     processes: int
     keep_checkpoint: bool
     keep_export: bool
+    program: bool = False  # a campaign of the user's program (its runs start the program's own launcher)
 
 
 @dataclass
@@ -337,10 +338,11 @@ def in_workdir(rel: str) -> str:
 # Multi-Node Jobs"): the nodes' IPs one a line, the head node's first; this node's rank; the GPUs on each node.
 NODE_SETUP = [
     "# Several nodes: SkyPilot runs this script on every node. Node 0 (the first of $SKYPILOT_NODE_IPS) hosts",
-    "# torchrun's rendezvous; only node 0 writes the ledger and the run folders on the bucket. Another node keeps",
-    "# its ranks' rows in a ledger on its own disk, started from a copy of the bucket's (read, never written), so",
-    "# that --task-id decides on every node what node 0 decides: a preemption of any node relaunches all of them,",
-    "# and the pilot is skipped, stopped again or run again on all of them together.",
+    "# torchrun's rendezvous; only node 0 writes the ledger and the run folders on the bucket. In the pilot another",
+    "# node keeps its ranks' rows in a ledger on its own disk, started from a copy of the bucket's (read, never",
+    "# written), so that --task-id decides on every node what node 0 decides: a preemption of any node relaunches",
+    "# all of them, and the pilot is skipped, stopped again or run again on all of them together. In the campaign",
+    "# node 0 decides alone and the other nodes follow it, handing their ranks' rows to node 0.",
     'NODE="${SKYPILOT_NODE_RANK:?is not set: SkyPilot sets it on every node}"',
     'NNODES="${SKYPILOT_NUM_NODES:?is not set: SkyPilot sets it on every node}"',
     'PER_NODE="${SKYPILOT_NUM_GPUS_PER_NODE:?is not set: SkyPilot sets it on every node}"',
@@ -399,14 +401,18 @@ def _run(inp: TaskInputs) -> Block:
     lines += _pilot(inp, spec, sets)
     if inp.campaign is not None:
         c = inp.campaign
-        how = (f"--engine ray --parallel {max(1, row['gpus'] // c.processes)}   # processes: {c.processes} per run "
+        how = ('--nnodes "$NNODES" --node-rank "$NODE" --rdzv-endpoint "$RDZV" --nproc-per-node "$PER_NODE"'
+               "   # every run over the whole cluster, one at a time: node 0 runs the campaign and writes the ledger, "
+               "the other nodes follow it" if several else
+               f"--engine ray --parallel {max(1, row['gpus'] // c.processes)}   # processes: {c.processes} per run "
                "(the campaign file): each run a torchrun-style group in a Ray task on this node"
                if c.processes > 1 else
                f"--parallel {row['gpus']}   # one run per GPU (a program's run: one per process it launches)")
         lines += [f"# 2. the campaign ({c.runs} declared run(s)): started once; a restart continues it as --resume "
                   "does:",
                   "#    every run kept once, a run the preemption cut short continues as a new run linked to it; a",
-                  "#    run that failed (its job raised, or ended without a result) ends the task (exit 1) after every",
+                  "#    run that failed (its job raised, or ended without a result) ends the task (exit 1"
+                  + (" on every node" if several else "") + ") after every",
                   "#    row is written, before any later step.",
                   f'"$PY" -m pilotrun campaign {in_workdir(c.path_rel)} --task-id "$TASK" {how}']
     if inp.long_run is not None:
@@ -414,8 +420,11 @@ def _run(inp: TaskInputs) -> Block:
         lines += [f"# {step}. the long run (--long-run), once the pilot passed: your command, run again from here on "
                   "a restart,",
                   "#    so it must continue from its own checkpoints under $PILOTRUN_BUCKET"
-                  + (f" (the plan's configuration: {changed})" if changed else ""),
-                  inp.long_run]
+                  + (f" (the plan's configuration: {changed})" if changed else "")]
+        if several:
+            lines.append('#    It runs on every node: start your launcher with --nnodes "$NNODES" --node-rank "$NODE" '
+                         '--rdzv-endpoint "$RDZV" --nproc-per-node "$PER_NODE" (set above), as the pilot did.')
+        lines.append(inp.long_run)
     if inp.campaign is None and inp.long_run is None:
         lines.append("# no campaign (--campaign) or long run (--long-run) given: the task pilots the node and ends")
     return Block("\n".join(lines) + "\n")
@@ -440,11 +449,11 @@ def task_entries(inp: TaskInputs) -> list:
     row = inp.row
     _check_paths(inp)
     n, per_node = nodes(row)
-    if n > 1 and (inp.campaign is not None or inp.long_run is not None):
-        raise TaskRefused(f"the plan runs {row['gpus']} GPUs of {row['accelerator']} over {n} nodes: a task over "
-                          "several nodes pilots the whole cluster, and its campaign or long run is not written yet "
-                          "(one run over several nodes needs the engine to place it there); write the pilot's task "
-                          "without --campaign and --long-run, and run them on the cluster once the pilot passed")
+    if n > 1 and inp.campaign is not None and inp.campaign.program:
+        raise TaskRefused(f"the plan runs {row['gpus']} GPUs of {row['accelerator']} over {n} nodes, and --campaign "
+                          f"{inp.campaign.path_rel} runs your program, whose runs start its own launcher on one node: "
+                          "a campaign over several nodes runs pilotrun's loop only; run the program's campaign as a "
+                          "--long-run that starts its launcher on every node, or plan one node")
     sky_name = row.get("skypilot") or row["accelerator"]
     acc_why = (f"{row['accelerator']}'s SkyPilot name (the catalog's skypilot key) x the plan's {row['gpus']} GPU(s): "
                f"{_config_line(row)}" if row.get("skypilot") else
@@ -488,7 +497,8 @@ def task_entries(inp: TaskInputs) -> list:
                      "their runs read the spec's bucket URIs there"))
     if n > 1:
         envs.append(("PILOTRUN_RDZV_PORT", RDZV_PORT, "the port of torchrun's rendezvous on node 0 (torchrun's "
-                                                      "default; any port the nodes reach each other on)"))
+                                                      "default; any port the nodes reach each other on); the "
+                                                      "campaign's own store takes the next one"))
     header = (f"pilotrun plan --skypilot: {inp.name} on {row['accelerator']}, {_config_line(row)}.\n"
               f"{_cost_line(inp)}.\n"
               "Launch: sky jobs launch THIS_FILE (a managed job: relaunched after a preemption, its run resumes).\n"

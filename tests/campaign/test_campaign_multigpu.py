@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import psutil
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from pilotrun.campaign import orchestrate
+from pilotrun.campaign.engines import local
 from pilotrun.campaign.run_plan import CampaignRunPlan
 from pilotrun.campaign.spec import load_campaign, run_size
 from pilotrun.campaign.stops import tell_ranks
@@ -162,7 +164,7 @@ def test_the_local_engine_starts_a_run_of_the_loop_as_torchrun_ranks_on_its_slot
     folder, the run's two devices visible; and a stop goes to the ranks (tell_ranks), not to torchrun."""
     started, told = [], []
 
-    class FakeTree:  # what orchestrate._start hands the command to (procs.Tree), recorded instead of started
+    class FakeTree:  # what LocalEngine._start hands the command to (procs.Tree), recorded instead of started
         pid = os.getpid()
 
         def __init__(self, cmd, *, env, label, **popen):
@@ -187,15 +189,16 @@ def test_the_local_engine_starts_a_run_of_the_loop_as_torchrun_ranks_on_its_slot
         def merge_meta(self, run_id, meta):
             started.append(meta)
 
-    monkeypatch.setattr(orchestrate, "Tree", FakeTree)
-    monkeypatch.setattr(orchestrate, "Ledger", NoLedger)
-    monkeypatch.setattr(orchestrate, "tell_ranks", lambda pid, signum: told.append((pid, signum)) or 2)
+    monkeypatch.setattr(local, "Tree", FakeTree)
+    monkeypatch.setattr(local, "Ledger", NoLedger)
+    monkeypatch.setattr(local, "tell_ranks", lambda pid, signum: told.append((pid, signum)) or 2)
     devices = {"mode": "per-run", "backend": "cuda", "env_var": "CUDA_VISIBLE_DEVICES", "slots": [["2", "3"]]}
-    running = orchestrate._Running(tmp_path, devices, ranks=2)
+    running = local.LocalEngine(tmp_path, devices, ranks=2)
     out = tmp_path / "r01"
     out.mkdir()
-    assert orchestrate._launch(tmp_path / "spec.json", "r01", out, tmp_path / "l.sqlite", tmp_path / "plan.json", None,
-                               running, threads=1) == 0
+    spec = types.SimpleNamespace(source=str(tmp_path / "pilot.yaml"), written={"name": "x"})
+    running.launch({"run_id": "r01", "out": out, "spec": spec}, tmp_path / "l.sqlite", tmp_path / "plan.json", None,
+                   threads=1)
     (cmd, env), meta = started
     assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
     assert cmd[6] == "pilotrun.campaign.worker" and cmd[cmd.index("--ledger") + 1] == str(tmp_path / "l.sqlite")

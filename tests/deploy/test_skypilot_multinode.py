@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pilotrun.deploy.skypilot import TaskRefused, task_text
+from pilotrun.deploy.skypilot import CampaignPart, TaskRefused, task_text
 from tests.conftest import FIXTURES, TEST_DIGEST, ledger_rows
 from tests.deploy.test_deploy import inputs
 
@@ -39,9 +39,16 @@ def test_a_plan_over_two_nodes_is_a_task_of_two_nodes_whose_every_node_starts_to
     assert 'export PILOTRUN_LEDGER="$LEDGER"' in run and task["envs"]["PILOTRUN_RDZV_PORT"] == 29500
     one = yaml.safe_load(task_text(inputs(campaign=None)))  # one node: the script as it was, no node setup
     assert one["num_nodes"] == 1 and "SKYPILOT_NODE_RANK" not in one["run"] and "PILOTRUN_RDZV_PORT" not in one["envs"]
-    with pytest.raises(TaskRefused, match="over 2 nodes: a task over several nodes pilots the whole cluster, and its "
-                                          "campaign or long run is not written yet"):
-        task_text(inputs(row=inputs().row | TWO_NODES))
+    # the campaign: every node runs it, node 0 leads and the others follow; the long run too, on every node
+    both = yaml.safe_load(task_text(inputs(row=inputs().row | TWO_NODES, long_run="torchrun --nnodes $NNODES x.py")))
+    assert ('-m pilotrun campaign "$WORKDIR/job/sweep.yaml" --task-id "$TASK" --nnodes "$NNODES" --node-rank "$NODE" '
+            '--rdzv-endpoint "$RDZV" --nproc-per-node "$PER_NODE"') in both["run"]
+    assert both["run"].index("pilotrun launch") < both["run"].index("pilotrun campaign") < both["run"].index(
+        "torchrun --nnodes $NNODES x.py")
+    assert "It runs on every node: start your launcher with --nnodes" in both["run"]
+    with pytest.raises(TaskRefused, match="over 2 nodes, and --campaign job/sweep.yaml runs your program"):
+        task_text(inputs(row=inputs().row | TWO_NODES, campaign=CampaignPart("job/sweep.yaml", 3, 16, True, False,
+                                                                             program=True)))
 
 
 def _free_port() -> int:
@@ -51,7 +58,8 @@ def _free_port() -> int:
 
 
 def _two_node_task(tmp_path: Path, monkeypatch) -> tuple[Path, Path, str]:
-    """The toy job, its lock (this machine's), and the run script of a plan of ddp over 2 nodes x 1 GPU."""
+    """The toy job with a 2-run campaign, its lock (this machine's), and the run script of a plan of ddp over 2 nodes
+    x 1 GPU that pilots the cluster and then runs the campaign on it."""
     from pilotrun.config.load import load_spec
     from pilotrun.lock import collect_lock
 
@@ -60,14 +68,19 @@ def _two_node_task(tmp_path: Path, monkeypatch) -> tuple[Path, Path, str]:
     spec_file = work / "pilot.yaml"
     body = yaml.safe_load(spec_file.read_text())
     body["pilot"] = {**body.get("pilot", {}), "gates": ["lock", "load"]}  # as short as the loopback launch test
+    body["distributed"] = {"strategy": "ddp"}  # the plan's strategy, written in the spec (as pilot.planned.yaml is)
     spec_file.write_text(yaml.safe_dump(body, sort_keys=False))
+    (work / "sweep.yaml").write_text(yaml.safe_dump({
+        "name": "sweep", "base": "pilot.yaml", "vary": {"train.optimizer.lr": [3.0e-3, 1.0e-3]}, "seeds": [1],
+        "updates": 4, "eval": {"every": 2}, "stop": {"non_finite": True, "divergence": 50.0, "budget_minutes": 20},
+        "keep": {"checkpoint": False, "export": False, "control_set": 0}}, sort_keys=False))
     lock_file = tmp_path / "task.lock.json"
     monkeypatch.setenv("PILOTRUN_CONTAINER_DIGEST", TEST_DIGEST)  # as the nodes get it: the same container
     lock_file.write_text(json.dumps(collect_lock(load_spec(spec_file))))
     row = inputs().row | {"gpus": 2, "gpus_per_node": 1, "strategy": "ddp", "activation_checkpointing": False,
                           "micro_batch_size": 4, "grad_accum_steps": 1}
-    task = yaml.safe_load(task_text(inputs(row=row, campaign=None, spec_rel="pilot.yaml",
-                                           overrides=[("distributed.strategy", "single", "ddp")])))
+    task = yaml.safe_load(task_text(inputs(row=row, campaign=CampaignPart("sweep.yaml", 2, 1, False, False),
+                                           spec_rel="pilot.yaml", overrides=[])))
     assert task["num_nodes"] == 2
     return work, lock_file, task["run"]
 
@@ -99,7 +112,7 @@ def _start_nodes(tmp_path: Path, work: Path, lock_file: Path, run: str) -> list[
 
 
 @pytest.mark.process
-def test_the_run_script_pilots_the_whole_cluster_from_every_node_and_a_restart_decides_the_same_on_each(tmp_path,
+def test_the_run_script_pilots_the_whole_cluster_then_runs_the_campaign_over_it_and_a_restart_decides_the_same(tmp_path,
                                                                                                       monkeypatch):
     work, lock_file, run = _two_node_task(tmp_path, monkeypatch)
     first = _start_nodes(tmp_path, work, lock_file, run)
@@ -118,11 +131,22 @@ def test_the_run_script_pilots_the_whole_cluster_from_every_node_and_a_restart_d
     assert sorted(p.name for p in bucket.iterdir() if not p.name.startswith("ledger.sqlite")) == ["runs"]
     node1_rows = ledger_rows(local / "ledger.sqlite", "SELECT rank FROM gate_rows WHERE run_id = ?", run_id)
     assert {r["rank"] for r in rows} | {r["rank"] for r in node1_rows} == {0, 1}
+    # the campaign, once the pilot passed: both runs over the two nodes, one at a time; node 0 wrote every rank's
+    # points (node 1's came through the campaign's store), and node 1 follows until node 0 ends
+    runs = ledger_rows(bucket / "ledger.sqlite", "SELECT run_id, status FROM runs WHERE kind = 'campaign-run'")
+    assert [r["status"] for r in runs] == ["finished", "finished"], first[0][1]
+    points = ledger_rows(bucket / "ledger.sqlite", "SELECT run_id, gate, rank, count(*) AS n FROM metrics WHERE "
+                         "gate IN ('train', 'val') GROUP BY run_id, gate, rank")
+    assert {(p["gate"], p["rank"], p["n"]) for p in points} == {("train", 0, 4), ("train", 1, 4), ("val", 0, 2)}
+    assert {p["run_id"] for p in points} == {r["run_id"] for r in runs}
+    assert "follows node 0" in first[1][1] and "task sky-managed" in first[0][1]
+    assert not ledger_rows(local / "ledger.sqlite", "SELECT run_id FROM runs WHERE kind LIKE 'campaign%'")
 
     again = _start_nodes(tmp_path, work, lock_file, run)  # a recovery: every node runs the script again
     for code, out in again:
         assert code == 0 and "not run again" in out, out
-    assert len(ledger_rows(bucket / "ledger.sqlite", "SELECT run_id FROM runs")) == 1
+    assert "has ended (finished): nothing to run" in again[0][1]
+    assert len(ledger_rows(bucket / "ledger.sqlite", "SELECT run_id FROM runs")) == 4  # the pilot, the campaign, 2 runs
 
 
 @pytest.mark.process

@@ -19,7 +19,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from .nodes import Leader
 
 ENGINES = ("local", "ray")
 
@@ -32,11 +35,13 @@ class EngineRefusal(Exception):
 @dataclass(frozen=True)
 class EngineChoice:
     """``--engine``, ``--address`` (an existing Ray cluster; None: a local Ray instance) and ``--storage`` (where
-    the runs' checkpoints, exports and predictions go; None: beside the campaign's own folder)."""
+    the runs' checkpoints, exports and predictions go; None: beside the campaign's own folder). ``nodes``: on node 0
+    of a cluster every run spans (``--nnodes``), its open link to the other nodes (engines/nodes.py)."""
 
     name: Literal["local", "ray"] = "local"
     address: str | None = None
     storage: Path | None = None
+    nodes: Leader | None = None
 
 
 class Engine(Protocol):

@@ -46,7 +46,7 @@ from ..resources import PerRun
 from ..run_plan import CampaignRunPlan
 from ..runner import train_run
 from ..spec import run_device, run_processes
-from ..spool import SpoolReader, end_item
+from ..spool import SpoolReader, end_item, write_item
 from ..stops import STOP_REASON_FILE, STOP_SIGNAL, tell_ranks
 from ..worker import group_command
 from .base import EngineChoice, EngineRefusal
@@ -366,13 +366,9 @@ class RayEngine:
                 return
             with Ledger(self.ledger_path) as led:
                 for kind, run_id, *rest in items:
-                    if kind == "metrics":
-                        led.add_metrics(run_id, Series(rest[0]), rest[1], rank=rest[2])
-                    elif kind == "end":
-                        (status, stop, reason, at), fields = rest
-                        led.finish_campaign_run(run_id, RunEnd(RunStatus(status), stop and StopKind(stop), reason,
-                                                               at), **fields)
-                    elif kind == "start":
+                    if write_item(led, (kind, run_id, *rest)):
+                        continue
+                    if kind == "start":
                         with self.lock:
                             self.started.add(run_id)
                         led.merge_meta(run_id, {"ray": rest[0]})
