@@ -37,6 +37,8 @@ HELP = """examples:
   pilotrun report lr-sweep-2026                  # the HTML report
   pilotrun campaign examples/campaign/lr-sweep.yaml --engine ray                  # a local Ray instance
   pilotrun campaign lr-sweep.yaml --engine ray --address 10.0.0.5:6379 --storage /shared/runs   # a Ray cluster
+  pilotrun campaign sweep.yaml --nnodes 2 --node-rank R --rdzv-endpoint 10.0.0.1:29500 --nproc-per-node 8
+                                                 # on each of 2 nodes: every run over both, node 0 leads
 
 A retry is a new run linked to its parent (never a replacement) and may change only what keeps the
 experiment the same: micro batch with accumulation (examples per update held), activation checkpointing.
@@ -48,6 +50,10 @@ run gets its own N devices, runs side by side never share one. With --engine ray
 process, and a GPU per process unless the spec trains on the CPU, torchrun inside it); only this process
 writes the ledger; a run whose Ray worker or node was lost is kept as stopped at its last recorded update and
 --resume runs it again as a new linked run.
+With --nnodes N every run spans N nodes, one run at a time: node 0 runs the campaign and writes the ledger, the
+other nodes follow it (a store at the endpoint's next port), take a run only when their own campaign file gives the
+same spec, start their ranks under torchrun's static rendezvous and hand their rows to node 0; every node ends with
+node 0's exit code (docs/guides/distributed.md).
 With --task-id ID (a task a scheduler restarts; SkyPilot's $SKYPILOT_TASK_ID stays the same across its recoveries)
 the command is safe to run again: the first start starts the campaign and keeps the id on its row; a restart finds
 that campaign in the ledger and continues it as --resume does (its process, recorded on a node the restart replaced,
@@ -135,8 +141,16 @@ def main(args) -> int:
             raise UsageError(str(exc)) from None
         except Interrupted as exc:
             return exc.exit_code
-    with Leader(group) as leader:
-        code = _campaign(args, leader)
+    try:
+        leader = Leader(group)
+    except NodeError as exc:
+        raise UsageError(str(exc)) from None
+    with leader:  # an exception ends the other nodes with exit 1
+        try:
+            code = _campaign(args, leader)
+        except UsageError:
+            leader.end(2)
+            raise
         leader.end(code)
         return code
 

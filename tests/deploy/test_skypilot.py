@@ -124,11 +124,12 @@ def test_every_generated_task_loads_with_skypilots_parser(tmp_path):
     with_image = lock() | {"container": {"digest": digest, "from": "--container-digest"}}
     sharded.write_text(task_text(inputs(lock=with_image)))
     two_nodes = tmp_path / "two-nodes.yaml"  # a plan over 2 nodes of 8 (tests/deploy/test_skypilot_multinode.py runs it)
-    two_nodes.write_text(task_text(inputs(row=inputs().row | {"gpus": 16}, campaign=None)))
+    two_nodes.write_text(task_text(inputs(row=inputs().row | {"gpus": 16})))  # with its campaign over both nodes
     tasks = parse_with_skypilot(tmp_path, seven_b, cpu, sharded, two_nodes)
     t = tasks["two-nodes.yaml"]
     assert t["num_nodes"] == 2 and t["accelerators"] == {"H100": 8} and t["envs"]["PILOTRUN_RDZV_PORT"] == "29500"
     assert '--nnodes "$NNODES" --node-rank "$NODE" --rdzv-endpoint "$RDZV"' in t["run"]
+    assert '-m pilotrun campaign "$WORKDIR/job/sweep.yaml" --task-id "$TASK" --nnodes "$NNODES"' in t["run"]
 
     t = tasks["7b.yaml"]
     assert t["accelerators"] == {"H100": 1} and t["use_spot"] is True and t["num_nodes"] == 1

@@ -44,7 +44,7 @@ from ...ledger.store import Ledger
 from ...procs import THREAD_VARS, Tree, with_torchrun_folder
 from ...workers.common import write_spec_file
 from ...workers.launch import worker_env
-from ..spec import load_campaign
+from ..spec import load_campaign, run_spec
 from ..spool import SpoolReader, write_item
 from ..stops import STOP_SIGNAL, tell_ranks
 from .base import EngineRefusal
@@ -131,7 +131,12 @@ class Leader:
     def __init__(self, group: NodeGroup) -> None:
         assert group.node_rank == 0
         self.group = group
-        self.store = _store(group, leader=True, wait_s=TAKE_WAIT_S)
+        try:
+            self.store = _store(group, leader=True, wait_s=TAKE_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 — torch's store errors differ by version; each means "cannot listen"
+            raise NodeError(f"--rdzv-endpoint {group.endpoint}: node 0 cannot open the campaign's store on port "
+                            f"{group.store_port} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); give a "
+                            "port whose next one is free too") from None
         self.offered = 0
 
     def __enter__(self) -> Leader:
@@ -247,9 +252,8 @@ class NodesEngine(LocalEngine):
 def follow(group: NodeGroup, campaign: Path, out_root: Path) -> int:
     """Node R's side (R above 0): take each run node 0 offers, run this node's ranks of it, hand their rows back;
     node 0's exit code once its command ended. Raises NodeError when node 0 never answers."""
-    from ..orchestrate import prepare  # the same runs node 0 plans, built from this node's own files
-
-    specs = {r["config_hash"]: r["spec"] for r in prepare(load_campaign(campaign))[0]}
+    c = load_campaign(campaign)  # the runs node 0 plans, built from this node's own files
+    specs = {spec.config_hash(): spec for spec in (run_spec(c, value, seed) for value in c.values for seed in c.seeds)}
     node = group.node_rank
     try:
         store = _store(group, leader=False, wait_s=CONNECT_WAIT_S)
