@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich.table import Table
 from rich.text import Text
 
 from ..config.ids import NAME_MAX
+from ..ledger.records import GateRow
 from ..ledger.store import Ledger, LedgerError
 from ..ledger.tables import TABLES, selected_runs, table, write_csv
 from ..ui.console import STYLE, gate_table
@@ -71,19 +73,20 @@ def main(args) -> int:
                                         f"started {run['started_at']}"))
             if run["kind"] == "campaign":  # a campaign has runs, not gates
                 runs = led.campaign_runs(run["run_id"])
-                summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
+                summaries = {r["run_id"]: led.gate_records(r["run_id"]) for r in runs}
                 print_table(console, *run_table(runs, summaries, {}, console.width))
             elif run["kind"] == "campaign-run":
-                console.print(_result(run, rows), highlight=False)
+                console.print(_result(run, []), highlight=False)
             else:
-                console.print(gate_table(rows, width=console.width, full=args.full))
+                console.print(gate_table([GateRow.from_mapping(r) for r in rows], width=console.width,
+                                         full=args.full))
             return 0
         runs = led.runs(args.name, args.limit)
-        summaries = {r["run_id"]: led.gate_rows(r["run_id"]) for r in runs}
+        summaries = {r["run_id"]: led.gate_records(r["run_id"]) for r in runs}
         children = {r["run_id"]: led.children(r["run_id"]) for r in runs}
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k not in ("lock_json", "meta_json")} |
-                          {"verdicts": {g["gate"]: g["verdict"] for g in summaries[r["run_id"]]}} for r in runs],
+                          {"verdicts": {g.gate: str(g.verdict) for g in summaries[r["run_id"]]}} for r in runs],
                          indent=1, default=str))
         return 0
     if runs:
@@ -123,7 +126,7 @@ def status_text(run: dict, children: list[str]) -> str:
     return status
 
 
-def _result(r: dict, gate_rows: list[dict]) -> str:
+def _result(r: dict, gate_rows: Sequence[GateRow]) -> str:
     """What a run came to: gate verdicts for a pilot; variant, seed, stop or final loss for a campaign run."""
     if r["kind"] == "campaign-run":  # its rows are per-update points, not gates with verdicts
         from ..campaign.conclude import stop_text
@@ -138,7 +141,7 @@ def _result(r: dict, gate_rows: list[dict]) -> str:
         return "see `pilotrun ledger --run " + r["run_id"] + "`"
     counts: dict[str, int] = {}
     for g in gate_rows:
-        counts[g["verdict"]] = counts.get(g["verdict"], 0) + 1
+        counts[str(g.verdict)] = counts.get(str(g.verdict), 0) + 1
     return " · ".join(f"{n} {v}" for v, n in sorted(counts.items()))
 
 
@@ -148,7 +151,7 @@ _RUN_COLUMNS = (Column("run", whole=True), Column("name", "left", 1), Column("ki
                 Column("started", "left", 3), Column("gates / result"))
 
 
-def run_table(runs: list[dict], summaries: dict[str, list[dict]], children: dict[str, list[str]],
+def run_table(runs: list[dict], summaries: Mapping[str, Sequence[GateRow]], children: dict[str, list[str]],
               width: int) -> tuple[Table, list[str], Footnotes]:
     """One line per run within ``width``; a long status (who continued it) or result is a numbered footnote."""
     def rows(notes: Footnotes) -> list[list]:

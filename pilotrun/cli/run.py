@@ -147,7 +147,7 @@ def _run(args) -> tuple[int, str | None]:
         if observer.live is not None:
             observer.live.stop()
     observer.finish(result.status, result.out_dir, result.ledger_path,
-                    rank_summary(result.all_rows) if result.all_rows else None)
+                    rank_summary(result.all_records) if result.all_rows else None)
     _advise_after_oom(spec, result, console)
     report = (result.out_dir / "report.json").read_text() if args.json else None
     # Under `pilotrun launch` the launcher reads the status from report.json: a failed gate is not a crashed

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,13 @@ class PilotResult:
         return [GateRow.from_mapping(r) for r in self.rows]
 
     @property
+    def all_records(self) -> list[GateRow]:
+        """Every rank's rows, typed (rank 0 of a distributed pilot; ``all_rows`` is their JSON form)."""
+        return [GateRow.from_mapping(r) for r in self.all_rows]
+
+    @property
     def failed(self) -> bool:
-        return any(GateRow.from_mapping(r).verdict == Verdict.FAIL for r in (self.all_rows or self.rows))
+        return any(r.verdict == Verdict.FAIL for r in (self.all_records or self.records))
 
     @property
     def exit_code(self) -> int:
@@ -49,7 +55,8 @@ def write_report(result: PilotResult, spec: Spec, extra: dict | None = None) -> 
         _write_json(result, spec, result.rows, result.out_dir / f"report-rank{result.rank}.json", extra)
         if result.rank != 0 or not result.all_rows:
             return result.out_dir / f"report-rank{result.rank}.json"
-        extra = {**(extra or {}), "world_size": result.world_size, "ranks_summary": rank_summary(result.all_rows)}
+        extra = {**(extra or {}), "world_size": result.world_size,
+                 "ranks_summary": [s.to_json() for s in rank_summary(result.all_records)]}
         return _write_json(result, spec, result.all_rows, result.out_dir / "report.json", extra)
     return _write_json(result, spec, result.rows, result.out_dir / "report.json", extra)
 
@@ -71,24 +78,41 @@ def _write_json(result: PilotResult, spec: Spec, rows: list[dict], path: Path, e
     return path
 
 
-def rank_summary(rows: list[dict]) -> list[dict]:
+@dataclass(frozen=True)
+class RankSummary:
+    """One gate over the ranks of a distributed pilot: the worst verdict, the largest peak and time, and any
+    imbalance worth a look (``report.json``'s ``ranks_summary`` entries are its JSON form)."""
+
+    gate: str
+    verdict: Verdict
+    ranks: int
+    max_peak_allocated_bytes: int | None
+    max_seconds: float | None
+    imbalance: tuple[str, ...]
+    worst_rank: int
+
+    def to_json(self) -> dict:
+        return {"gate": self.gate, "verdict": str(self.verdict), "ranks": self.ranks,
+                "max_peak_allocated_bytes": self.max_peak_allocated_bytes, "max_seconds": self.max_seconds,
+                "imbalance": list(self.imbalance), "worst_rank": self.worst_rank}
+
+
+def rank_summary(rows: Sequence[GateRow]) -> list[RankSummary]:
     """Per gate over ranks: the worst verdict, the largest peak and time, and any imbalance worth a look."""
-    by_gate: dict[str, list[dict]] = {}
+    by_gate: dict[str, list[GateRow]] = {}
     for r in rows:
-        by_gate.setdefault(r["gate"], []).append(r)
+        by_gate.setdefault(r.gate, []).append(r)
     out = []
     for gate, rs in by_gate.items():
-        measured = [(r.get("memory") or {}).get("peak_allocated_bytes") for r in rs]
-        peaks: list[int] = [p for p in measured if p]
-        secs: list[float] = [r["seconds"] for r in rs if r.get("seconds")]
+        peaks: list[int] = [p for r in rs if (p := r.memory.get("peak_allocated_bytes"))]
+        secs: list[float] = [r.seconds for r in rs if r.seconds]
         flags = []
         # Relative and absolute: a few KiB of bookkeeping on one rank is not an imbalance.
         if len(peaks) > 1 and min(peaks) and max(peaks) / min(peaks) > 1.10 and max(peaks) - min(peaks) > 16 * 2**20:
             flags.append(f"memory differs across ranks by {max(peaks) / min(peaks) - 1:.0%}")
         if len(secs) > 1 and min(secs) > 0.05 and max(secs) / min(secs) > 1.25:
             flags.append(f"time differs across ranks by {max(secs) / min(secs) - 1:.0%}")
-        worst = min(rs, key=lambda r: Verdict(r["verdict"]).severity)
-        out.append({"gate": gate, "verdict": worst["verdict"], "ranks": len(rs),
-                    "max_peak_allocated_bytes": max(peaks) if peaks else None,
-                    "max_seconds": max(secs) if secs else None, "imbalance": flags, "worst_rank": worst.get("rank")})
+        worst = min(rs, key=lambda r: r.verdict.severity)
+        out.append(RankSummary(gate, worst.verdict, len(rs), max(peaks) if peaks else None,
+                               max(secs) if secs else None, tuple(flags), worst.rank))
     return out

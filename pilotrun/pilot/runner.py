@@ -43,7 +43,7 @@ class Observer(Protocol):
     def on_start(self, run_id: str, out_dir: Path, gates: list[str], notes: list[str]) -> None: ...
     def on_gate_start(self, gate: str) -> None: ...
     def on_progress(self, done: int, total: int, text: str) -> None: ...
-    def on_gate_end(self, row: dict) -> None: ...
+    def on_gate_end(self, row: GateRow) -> None: ...
 
 
 class Quiet:
@@ -249,12 +249,12 @@ def _write_rows(gate: str, rows: list[GateRow], metrics: list[dict], ctx: PilotC
     """A gate's rows (one, or a program's one per rank) to the ledger, the report and the observer; the gate's
     verdict for the gates after it is its worst row's, agreed over this pilot's ranks."""
     for row in rows:
-        out = row.to_dict()  # the JSON form: the report, the ledger and the observer take it
+        out = row.to_dict()  # the JSON form: the report and the ledger keep it
         result.rows.append(out)  # before the ledger: a row a full disk refused is still in the fallback file
         if ctx.ledger is not None:
             ctx.ledger.add_gate_row(ctx.run_id, out, metrics)
         write_report(result, ctx.spec)
-        observer.on_gate_end(out)
+        observer.on_gate_end(row)
     worst = min(rows, key=lambda r: r.verdict.severity)
     progress.verdicts[gate] = _agreed_verdict(ctx.env, worst)
 

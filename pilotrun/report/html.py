@@ -11,13 +11,14 @@ import base64
 import hashlib
 import html
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..estimate.experiments import adapter_line
 from ..gates.registry import job_memory_gates
 from ..humanize import human_bytes, human_seconds, money
 from ..ledger.details import LoadDetails, OverfitDetails
-from ..ledger.records import GateName, Series
+from ..ledger.records import GateName, GateRow, Series
 from ..ledger.store import Ledger
 from ..safefile import FileKind, FileProblem, NonNegative, Optional, read_json
 from .plots import campaign_figure, curve_figure, dynamics_figure, inline_svg, is_retry, memory_figure, png
@@ -125,8 +126,8 @@ def _page(title: str, subtitle: str, body: list[Html]) -> str:
 JOB_STAGES = job_memory_gates()  # their rows measure the job's own memory (declared by each gate)
 
 
-def _memory_plot(rows: list[dict], capacities: dict[str, int]) -> Html:
-    stages = [r for r in rows if r["gate"] in JOB_STAGES and (r.get("memory") or {}).get("peak_allocated_bytes")]
+def _memory_plot(rows: Sequence[GateRow], capacities: dict[str, int]) -> Html:
+    stages = [r for r in rows if r.gate in JOB_STAGES and r.memory.get("peak_allocated_bytes")]
     if not stages:
         return Html("<p class=\"sub\">No stage measured tensor memory.</p>")
     return _plot(inline_svg(memory_figure(stages, capacities),
@@ -250,11 +251,11 @@ def _adapter_line(view: dict) -> str:
         return "the adapter's line is left out: selection.json's 'adapter' is not select --json's"
 
 
-def _adapter_section(rows: list[dict]) -> Html:
+def _adapter_section(rows: Sequence[GateRow]) -> Html:
     """Trainable vs frozen parameters as the load gate measured them, and the export's artifacts, when only part
     of the model trains (an adapter): the share trained, its size, and the merged export's size and time."""
-    load = next((r for r in rows if r["gate"] == GateName.LOAD and r.get("details")), None)
-    d = LoadDetails.of((load or {}).get("details"))
+    load = next((r for r in rows if r.gate == GateName.LOAD and r.details), None)
+    d = LoadDetails.of(load.details if load is not None else None)
     total, trainable = d.parameters, d.trainable_parameters
     if not total or trainable is None or trainable >= total:
         return Html("")
@@ -264,36 +265,36 @@ def _adapter_section(rows: list[dict]) -> Html:
             items.append([name, human_bytes(size)])
     # The export gate's row says what it wrote: the PEFT adapter and, with export.merge, the merged model (or why
     # not), with its time.
-    export = next((r for r in rows if r["gate"] == GateName.EXPORT), None)
+    export = next((r for r in rows if r.gate == GateName.EXPORT), None)
     if export is not None:
-        items.append(["export", f"{export['verdict']}: {export['reason']}"
-                      + (f" ({human_seconds(export['seconds'])})" if export.get("seconds") else "")])
+        items.append(["export", f"{export.verdict}: {export.reason}"
+                      + (f" ({human_seconds(export.seconds)})" if export.seconds else "")])
     return Html("<h2>Adapter</h2>") + _table(["", ""], items)
 
 
 def render_pilot(led: Ledger, run: dict) -> str:
     from ..estimate.catalog import load_catalog
 
-    rows = led.gate_rows(run["run_id"])
+    rows = led.gate_records(run["run_id"])
     body = [Html("<h2>Gates</h2>")]
     table_rows = []
     for r in rows:
-        mem = r.get("memory") or {}
-        table_rows.append([r["gate"] + (f" · rank {r['rank']}" if r.get("world_size", 1) > 1 else ""),
-                           _verdict(r["verdict"]), human_seconds(r.get("seconds")) if r.get("seconds") else "",
+        mem = r.memory
+        table_rows.append([r.gate + (f" · rank {r.rank}" if r.world_size > 1 else ""),
+                           _verdict(r.verdict), human_seconds(r.seconds) if r.seconds else "",
                            human_bytes(mem.get("peak_allocated_bytes")) if mem.get("peak_allocated_bytes") else "",
                            human_bytes(mem.get("peak_reserved_bytes")) if mem.get("peak_reserved_bytes") else "",
                            human_bytes(mem.get("host_rss_peak_bytes")) if mem.get("host_rss_peak_bytes") else "",
-                           r["reason"]])
+                           r.reason or str(r.verdict)])
     body.append(_table(["gate", "verdict", "time", "peak alloc", "peak reserved", "host RSS", "reason"], table_rows))
     body.append(_adapter_section(rows))
     caps = {a.name: a.memory_bytes for a in load_catalog().values()}
     body.append(Html("<h2>Memory per stage against each accelerator</h2>") + _memory_plot(rows, caps))
     share = []
     for r in rows:
-        peak = (r.get("memory") or {}).get("peak_allocated_bytes")
-        if r["gate"] in JOB_STAGES and peak:
-            share.append([r["gate"], human_bytes(peak)] + [f"{peak / c:.2%}" for c in caps.values()])
+        peak = r.memory.get("peak_allocated_bytes")
+        if r.gate in JOB_STAGES and peak:
+            share.append([r.gate, human_bytes(peak)] + [f"{peak / c:.2%}" for c in caps.values()])
     if share:
         body.append(_table(["stage", "peak"] + [f"of {n}" for n in caps], share))
     metrics = led.metrics(run["run_id"])
@@ -302,13 +303,13 @@ def render_pilot(led: Ledger, run: dict) -> str:
     if train:
         body.append(Html("<h2>Updates</h2>") + _curve(train, "training loss per update (the pilot's updates)", "loss"))
     overfit = next((losses for r in rows
-                    if r["gate"] == GateName.OVERFIT and (losses := OverfitDetails.of(r["details"]).losses)), None)
+                    if r.gate == GateName.OVERFIT and (losses := OverfitDetails.of(r.details).losses)), None)
     if overfit:
         body.append(_curve(list(enumerate(overfit, 1)), "overfit: loss on the tiny subset", "loss"))
     body.append(_attachments(Path(run["out_dir"] or ".")))
     body.append(_lock_section(json.loads(run["lock_json"]) if run.get("lock_json") else None))
     body.append(_notes(led, run["run_id"]))
-    counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("pass", "warn", "fail", "skip")}
+    counts = {v: sum(1 for r in rows if r.verdict == v) for v in ("pass", "warn", "fail", "skip")}
     sub = (f"pilot {run['run_id']} · {run['status']} · {counts['pass']} passed, {counts['warn']} warned, "
            f"{counts['fail']} failed, {counts['skip']} skipped · started {run['started_at'][:19].replace('T', ' ')}")
     return _page(f"Pilot: {run['name']}", sub, body)

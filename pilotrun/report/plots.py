@@ -10,8 +10,9 @@ import html
 import io
 import math
 import re
+from collections.abc import Sequence
 
-from ..ledger.records import RunStatus, Series
+from ..ledger.records import GateRow, RunStatus, Series
 from ..ledger.store import Ledger
 
 # Line styles per seed. Dashes are kept for retries (RETRY_DASH) so a retry never looks like a seed of its parent.
@@ -59,13 +60,13 @@ def inline_svg(fig, alt: str) -> str:
 
 # -- pilot ---------------------------------------------------------------------------------------------------------
 
-def memory_figure(stages: list[dict], capacities: dict[str, int]):
+def memory_figure(stages: Sequence[GateRow], capacities: dict[str, int]):
     """Peak allocated/reserved per stage (log GiB) and a dashed line per accelerator's capacity, labelled above the
     axes; labels that would overlap (A100 and H100 are both ~79 GiB) go to rows further up."""
     plt = pyplot()
-    labels = [f"{r['gate']}" + (f" (rank {r['rank']})" if r.get("world_size", 1) > 1 else "") for r in stages]
-    alloc = [r["memory"]["peak_allocated_bytes"] / 2**30 for r in stages]
-    resv = [(r["memory"].get("peak_reserved_bytes") or 0) / 2**30 for r in stages]
+    labels = [r.gate + (f" (rank {r.rank})" if r.world_size > 1 else "") for r in stages]
+    alloc = [r.memory["peak_allocated_bytes"] / 2**30 for r in stages]
+    resv = [(r.memory.get("peak_reserved_bytes") or 0) / 2**30 for r in stages]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(stages) + 1.6))
     y = range(len(stages))
     ax.barh([i + 0.2 for i in y], alloc, height=0.4, label="peak allocated", color="#1a73e8")

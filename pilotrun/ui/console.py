@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -14,17 +15,20 @@ from rich.text import Text
 
 from ..humanize import human_bytes, human_seconds
 from ..ledger.details import SteadyStepDetails
-from ..ledger.records import GateName
+from ..ledger.records import GateName, GateRow, Verdict
 from .tables import Column, Footnotes, fit_noted, print_table
+
+if TYPE_CHECKING:
+    from ..pilot.report import RankSummary
 
 STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip": "dim", "running": "cyan",
          "pending": "dim"}
 MARK = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–", "running": "…", "pending": "·"}
 
 
-def peak_of(row: dict) -> int:
+def peak_of(row: GateRow) -> int:
     """A row's peak allocated bytes (0 when not measured)."""
-    return (row.get("memory") or {}).get("peak_allocated_bytes") or 0
+    return row.memory.get("peak_allocated_bytes") or 0
 
 
 # The narrowest reason worth a column: "out of memo…".
@@ -37,16 +41,15 @@ def _clip(text: str, width: int | None) -> str:
     return text[: max(1, width - 1)] + "…"
 
 
-def gate_label(row: dict, rows: Sequence[dict] = ()) -> str:
+def gate_label(row: GateRow, rows: Sequence[GateRow] = ()) -> str:
     """The gate's name, with its rank where ``rows`` hold that gate for several ranks, or the row is not rank 0's (a
     program under torchrun writes one row per gate and rank: two identical "resume pass" lines said neither rank)."""
-    rank = row.get("rank") or 0
-    if rank > 0 or len({r.get("rank") or 0 for r in rows if r["gate"] == row["gate"]}) > 1:
-        return f"{row['gate']} [rank {rank}]"
-    return row["gate"]
+    if row.rank > 0 or len({r.rank for r in rows if r.gate == row.gate}) > 1:
+        return f"{row.gate} [rank {row.rank}]"
+    return row.gate
 
 
-def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | None = None,
+def gate_table(rows: Sequence[GateRow], pending: Sequence[str] = (), running: str | None = None,
                width: int | None = None, full: bool = False) -> Table:
     """Gates as rows; counters never measured on this device (reserved on CPU) get no column.
 
@@ -54,7 +57,7 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
     whole, wrapped within that width (``pilotrun ledger --run ID --full``)."""
     counters = [("peak alloc", "peak_allocated_bytes"), ("peak resv", "peak_reserved_bytes"),
                 ("host RSS", "host_rss_peak_bytes")]
-    if not any((r.get("memory") or {}).get("peak_reserved_bytes") is not None for r in rows):
+    if not any(r.memory.get("peak_reserved_bytes") is not None for r in rows):
         del counters[1]
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
     # Fixed columns keep their width; only the reason gives way on a narrow terminal.
@@ -77,13 +80,13 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
     # Rich collapses fixed columns when one cell is too wide; clip the reason ourselves instead.
     reason_w = max(MIN_REASON, width - fixed()) if width else None
     for r in rows:
-        v = r["verdict"]
-        mem = r.get("memory") or {}
-        cells: list[Text | str] = [Text(MARK[v], style=STYLE[v]), Text(gate_label(r, rows)), Text(v, style=STYLE[v]),
-                                   human_seconds(r.get("seconds")) if r.get("seconds") is not None else ""]
+        v, mem = r.verdict, r.memory
+        cells: list[Text | str] = [Text(MARK[v], style=STYLE[v]), Text(gate_label(r, rows)),
+                                   Text(str(v), style=STYLE[v]),
+                                   human_seconds(r.seconds) if r.seconds is not None else ""]
         cells += [human_bytes(mem.get(key)) if mem.get(key) is not None else "" for _header, key in counters]
         # Text, not markup: a reason may quote "[...]" from an error.
-        cells.append(Text(r.get("reason", "") if full else _clip(r.get("reason", ""), reason_w)))
+        cells.append(Text(r.reason if full else _clip(r.reason, reason_w)))
         table.add_row(*cells)
     for name in pending:
         state = "running" if name == running else "pending"
@@ -92,8 +95,8 @@ def gate_table(rows: list[dict], pending: Sequence[str] = (), running: str | Non
     return table
 
 
-def headline(rows: list[dict], status: str) -> Text:
-    counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("pass", "warn", "fail", "skip")}
+def headline(rows: Sequence[GateRow], status: str) -> Text:
+    counts = {v: sum(1 for r in rows if r.verdict == v) for v in ("pass", "warn", "fail", "skip")}
     label = {"pass": "PASS", "warn": "PASS with warnings", "fail": "FAIL", "interrupted": "INTERRUPTED",
              "error": "ERROR"}.get(status, status.upper())
     text = Text(label, style=STYLE.get(status, "bold"))
@@ -107,19 +110,20 @@ def headline(rows: list[dict], status: str) -> Text:
     from ..gates.registry import job_memory_gates
 
     job_gates = job_memory_gates()
-    measured = [r for r in rows if peak_of(r) and r["gate"] in job_gates]
+    measured = [r for r in rows if peak_of(r) and r.gate in job_gates]
     if measured:
         top = max(measured, key=peak_of)
-        inp = top.get("inputs") or {}
+        inp = top.inputs
         shape = ", ".join(x for x in (f"length {inp['seq_len']}" if inp.get("seq_len") else "",
                                        f"batch {inp.get('batch_size') or inp.get('micro_batch_size')}"
                                        if inp.get("batch_size") or inp.get("micro_batch_size") else "") if x)
-        text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top['gate']}"
+        text.append(f" · largest tensor peak {human_bytes(peak_of(top))} in {top.gate}"
                     + (f" ({shape})" if shape else ""))
-    steady = next((r for r in rows if r["gate"] == GateName.STEADY_STEP and r["verdict"] in ("pass", "warn")), None)
+    steady = next((r for r in rows if r.gate == GateName.STEADY_STEP and r.verdict in (Verdict.PASS, Verdict.WARN)),
+                  None)
     # A program's steady_step row times the stages the program wrapped, not an update: it has no per-update time,
     # and the headline said "n/a/update" (found piloting a plain loop).
-    per_update = SteadyStepDetails.of(steady.get("details")).seconds_per_update if steady else None
+    per_update = SteadyStepDetails.of(steady.details).seconds_per_update if steady else None
     if per_update is not None:
         text.append(f" · {human_seconds(per_update)}/update")
     return text
@@ -129,15 +133,15 @@ _RANK_COLUMNS = (Column("gate", whole=True), Column("worst"), Column("max peak a
                  Column("max time", "right"), Column("imbalance"))
 
 
-def rank_table(ranks: list[dict], width: int) -> tuple[Table, list[str], Footnotes]:
+def rank_table(ranks: Sequence[RankSummary], width: int) -> tuple[Table, list[str], Footnotes]:
     """The gates over several ranks, one line each within ``width``; a long imbalance is a numbered footnote."""
     def rows(notes: Footnotes) -> list[list]:
-        return [[r["gate"], Text(r["verdict"], style=STYLE[r["verdict"]]),
-                 human_bytes(r["max_peak_allocated_bytes"]) if r["max_peak_allocated_bytes"] else "",
-                 human_seconds(r["max_seconds"]) if r["max_seconds"] else "",
-                 Text(notes.cell("; ".join(r["imbalance"])), style="yellow") if r["imbalance"] else ""] for r in ranks]
+        return [[r.gate, Text(str(r.verdict), style=STYLE[r.verdict]),
+                 human_bytes(r.max_peak_allocated_bytes) if r.max_peak_allocated_bytes else "",
+                 human_seconds(r.max_seconds) if r.max_seconds else "",
+                 Text(notes.cell("; ".join(r.imbalance)), style="yellow") if r.imbalance else ""] for r in ranks]
 
-    return fit_noted(_RANK_COLUMNS, rows, width, title=f"over {ranks[0]['ranks']} ranks")
+    return fit_noted(_RANK_COLUMNS, rows, width, title=f"over {ranks[0].ranks} ranks")
 
 
 class ConsoleObserver:
@@ -146,7 +150,7 @@ class ConsoleObserver:
     def __init__(self, console: Console | None = None, title: str = "") -> None:
         self.console = console or Console(stderr=False)
         self.title = title
-        self.rows: list[dict] = []
+        self.rows: list[GateRow] = []
         self.pending: list[str] = []
         self.running: str | None = None
         self.live: Live | None = None
@@ -181,19 +185,19 @@ class ConsoleObserver:
             self.console.print(f"  {self.running}: {done}/{total} {text}", markup=False)
         self._refresh()
 
-    def on_gate_end(self, row: dict) -> None:
+    def on_gate_end(self, row: GateRow) -> None:
         self.rows.append(row)
-        if row["gate"] in self.pending:
-            self.pending.remove(row["gate"])
+        if row.gate in self.pending:
+            self.pending.remove(row.gate)
         self.running = None
         if self.task is not None:
             self.progress.remove_task(self.task)
             self.task = None
         if self.live is None:
-            v = row["verdict"]
+            v = row.verdict
             self.console.print(Text.assemble((f"{MARK[v]} ", STYLE[v]), (f"{gate_label(row):<18}", "bold"),
-                                             (f"{v:<5}", STYLE[v]), f" {human_seconds(row.get('seconds')):>8}  ",
-                                             row.get("reason", "")))
+                                             (f"{v:<5}", STYLE[v]), f" {human_seconds(row.seconds):>8}  ",
+                                             row.reason))
         self._refresh()
 
     # -- rendering ---------------------------------------------------------------
@@ -204,7 +208,7 @@ class ConsoleObserver:
         if self.live is not None:
             self.live.update(self._render())
 
-    def finish(self, status: str, out_dir: Path, ledger: Path, ranks: list[dict] | None = None) -> None:
+    def finish(self, status: str, out_dir: Path, ledger: Path, ranks: Sequence[RankSummary] | None = None) -> None:
         if self.live is not None:
             self.live.stop()
             self.live = None
@@ -216,8 +220,8 @@ class ConsoleObserver:
         self.console.print()
         self.console.print(headline(self.rows, status))
         for r in self.rows:
-            if r["verdict"] in ("fail", "warn"):
-                v = r["verdict"]
+            if r.verdict in (Verdict.FAIL, Verdict.WARN):
+                v = r.verdict
                 self.console.print(Text.assemble((f"  {MARK[v]} ", STYLE[v]), (gate_label(r, self.rows), "bold"),
-                                                 f": {r['reason']}"))
+                                                 f": {r.reason}"))
         self.console.print(Text(f"report {out_dir / 'report.json'} · ledger {ledger}", style="dim"))

@@ -99,6 +99,7 @@ def test_text_with_square_brackets_is_printed_not_parsed_as_markup(tmp_path):
     # error handler itself (a CI failure). Paths, run ids and gate reasons can hold brackets too.
     from rich.console import Console
 
+    from pilotrun.ledger.records import GateRow
     from pilotrun.ui.console import gate_table
 
     res = pilotrun_cli("run", "[/nope]/pilot.yaml", cwd=tmp_path)
@@ -106,7 +107,7 @@ def test_text_with_square_brackets_is_printed_not_parsed_as_markup(tmp_path):
     assert "Traceback" not in res.stderr
     console = Console(record=True, width=200)
     reason = "RuntimeError: [/__w/pytorch/third_party/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
-    console.print(gate_table([{"gate": "first_step", "verdict": "fail", "reason": reason, "memory": {}}]))
+    console.print(gate_table([GateRow.now("first_step", "fail", reason)]))
     assert "[/__w/pytorch/third_party/gloo/transport/tcp/pair.cc:553]" in console.export_text()
 
 

@@ -264,14 +264,15 @@ def test_select_lists_adapter_experiments_beside_the_full_fine_tune(tmp_path):
 
 
 def test_the_report_shows_an_adapter_jobs_split_and_export():
+    from pilotrun.ledger.records import GateRow
     from pilotrun.report.html import _adapter_section
 
     load = {"gate": "load", "verdict": "pass", "reason": "", "details": {
         "parameters": 1_000_000, "trainable_parameters": 5_000, "trainable_bytes": 20_000, "frozen_bytes": 3_980_000}}
     export = {"gate": "export", "verdict": "pass", "seconds": 2.0,
               "reason": "adapter_model.safetensors; merged model in merged/ (3.8 MiB)", "details": {"merged": True}}
-    html = _adapter_section([load, export])
+    html = _adapter_section([GateRow.from_mapping(load), GateRow.from_mapping(export)])
     assert "<h2>Adapter</h2>" in html and "5,000 of 1,000,000 (0.50%)" in html
     assert "19.5 KiB" in html and "merged model in merged/" in html
     full = dict(load, details={"parameters": 10, "trainable_parameters": 10})
-    assert _adapter_section([full, export]) == ""            # a full fine-tune has no adapter section
+    assert _adapter_section([GateRow.from_mapping(full), GateRow.from_mapping(export)]) == ""            # a full fine-tune has no adapter section

@@ -16,7 +16,7 @@ from pilotrun.cli import main
 from pilotrun.config.load import ProgramSpecRefused, load_spec
 from pilotrun.config.schema import SpecError
 from pilotrun.config.spec import ProgramOnlySpec
-from pilotrun.ledger.records import Failure, Verdict
+from pilotrun.ledger.records import Failure, GateRow, Verdict
 from pilotrun.ledger.store import Ledger
 from pilotrun.pilot import PilotOptions, run_pilot
 from pilotrun.program.compare import Cause, CompareChoice, CompareMode
@@ -79,10 +79,9 @@ def test_a_module_run_with_dash_m_is_the_file_the_lock_hashes(tmp_path):
 def test_the_headline_of_a_program_pilot_shows_no_time_per_update_it_did_not_measure():
     from pilotrun.ui.console import headline
 
-    rows = [{"gate": "steady_step", "verdict": "pass", "details": {"stages": 8}, "memory": {}},
-            {"gate": "resume", "verdict": "pass", "details": {}, "memory": {}}]
+    rows = [GateRow.now("steady_step", "pass", "", details={"stages": 8}), GateRow.now("resume", "pass", "")]
     assert "/update" not in headline(rows, "pass").plain
-    rows[0]["details"]["seconds_per_update"] = 0.25
+    rows[0].details["seconds_per_update"] = 0.25
     assert "250 ms/update" in headline(rows, "pass").plain
 
 
@@ -287,9 +286,9 @@ def test_two_ranks_rows_say_their_rank_and_world_size_in_the_table(tmp_path):
 
     runs = {Role.CONTROL: _two_ranks(Role.CONTROL, [1, 2, 3, 4]), Role.RESUMED: _two_ranks(Role.RESUMED, [3, 4]),
             Role.INTERRUPTED: _two_ranks(Role.INTERRUPTED, [1, 2], killed=True, saved=2, tmp=tmp_path)}
-    rows = [r.to_dict() for r in resume_rows(runs, 2, 2, EXACT)]
-    assert [(r["rank"], r["world_size"], r["verdict"]) for r in rows] == [(0, 2, "pass"), (1, 2, "pass")]
-    lock = {"gate": "lock", "verdict": "pass", "reason": "ok", "rank": 0, "world_size": 1}
+    rows = resume_rows(runs, 2, 2, EXACT)
+    assert [(r.rank, r.world_size, r.verdict) for r in rows] == [(0, 2, "pass"), (1, 2, "pass")]
+    lock = GateRow.now("lock", "pass", "ok")
     console = Console(width=200, record=True)
     console.print(gate_table([lock, *rows]))
     text = console.export_text()

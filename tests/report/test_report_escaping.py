@@ -151,10 +151,11 @@ def test_hostile_values_run_no_script_in_a_real_browser(tmp_path):
 
 def test_hostile_text_in_the_inline_svg_plot_stays_text():
     """The memory plot is inline SVG with its text kept as text: matplotlib's writer escapes what it draws."""
+    from pilotrun.ledger.records import GateRow
     from pilotrun.report.plots import inline_svg, memory_figure
 
-    stages = [{"gate": "first_step", "rank": BAD, "world_size": 2,
-               "memory": {"peak_allocated_bytes": 1 << 30, "peak_reserved_bytes": 2 << 30}}]
+    stages = [GateRow.now(f"first_step {BAD}", "pass", BAD, world_size=2, rank=1,
+                          memory={"peak_allocated_bytes": 1 << 30, "peak_reserved_bytes": 2 << 30})]
     svg = inline_svg(memory_figure(stages, {BAD: 80 << 30}), BAD)
     assert not [p for p in PAYLOADS if p in svg]
     parsed = _Markup()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pilotrun.batching import batch_plan
+from pilotrun.ledger.records import GateRow
 from pilotrun.pilot import rank_summary
 from pilotrun.train.sampler import DataPlan
 from tests.conftest import SPEC_ORDER, copy_example, copy_fixture, gate_rows, pilotrun_cli, steady_verdicts
@@ -35,12 +36,13 @@ def test_rank_summary_flags_real_imbalance_only():
              "memory": {"peak_allocated_bytes": 100 * 2**20}},
             {"gate": "steady_step", "verdict": "warn", "rank": 1, "seconds": 1.6,
              "memory": {"peak_allocated_bytes": 150 * 2**20}}]
-    (s,) = rank_summary(rows)
-    assert s["verdict"] == "warn" and s["worst_rank"] == 1 and s["max_peak_allocated_bytes"] == 150 * 2**20
-    assert any("memory differs" in f for f in s["imbalance"]) and any("time differs" in f for f in s["imbalance"])
+    (s,) = rank_summary([GateRow.from_mapping(r) for r in rows])
+    assert s.verdict == "warn" and s.worst_rank == 1 and s.max_peak_allocated_bytes == 150 * 2**20
+    assert any("memory differs" in f for f in s.imbalance) and any("time differs" in f for f in s.imbalance)
+    assert s.to_json()["imbalance"] == list(s.imbalance)  # report.json's ranks_summary entry
     rows[1]["memory"]["peak_allocated_bytes"] = 100 * 2**20 + 4096
     rows[1]["seconds"] = 1.05
-    assert rank_summary(rows)[0]["imbalance"] == []
+    assert rank_summary([GateRow.from_mapping(r) for r in rows])[0].imbalance == ()
 
 
 @pytest.mark.process

@@ -137,11 +137,11 @@ def test_the_run_summary_keeps_one_line_per_gate(tmp_path, width):
     rows = [_gate(g, v, rank, (1 + rank) * 2**30, f"{g}: " + "a long reason with many words " * 5)
             for g, v in (("load", "pass"), ("accum_equivalence", "warn"), ("steady_step", "fail"))
             for rank in (0, 1)]
-    ranks = rank_summary(rows)
-    assert ranks[0]["imbalance"]  # the rank table has its long note
+    ranks = rank_summary([GateRow.from_mapping(r) for r in rows])
+    assert ranks[0].imbalance  # the rank table has its long note
     out = io.StringIO()
     observer = ConsoleObserver(Console(file=out, width=width, color_system=None))
-    observer.rows = rows
+    observer.rows = [GateRow.from_mapping(r) for r in rows]
     observer.finish("fail", tmp_path, tmp_path / "ledger.sqlite", ranks)
     text = out.getvalue()
     gates = [f"{r['gate']} [rank {r['rank']}]" for r in rows]
