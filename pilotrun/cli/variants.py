@@ -53,10 +53,10 @@ def main(args) -> int:
                 live.update(f"variants: {what}")
 
         result = run_variants(args.spec, args.overrides, ledger, on_progress=progress)
-    failed = any(a.row.get("verdict") == Verdict.FAIL for a in result.arms)
+    failed = any(a.row is not None and a.row.verdict == Verdict.FAIL for a in result.arms)
     if args.json:
         print(json.dumps({"run_id": result.run_id, "device": result.device, "updates": result.updates,
-                          "val_loss_rtol": result.rtol, "rows": [a.row for a in result.arms],
+                          "val_loss_rtol": result.rtol, "rows": [a.row.to_dict() if a.row else {} for a in result.arms],
                           "not_run": {s.name: s.why for s in result.skipped}}, indent=1, default=str))
         return EXIT_GATE_FAILED if failed else EXIT_OK
     _print(console, result)
@@ -77,17 +77,18 @@ def _print(console, result) -> None:
         t.add_column(col, justify="left" if col in ("variant", "verdict", "experiment") else "right")
     style = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
     for arm in result.arms:
-        d = VariantDetails.of(arm.row.get("details"))
+        d = VariantDetails.of(arm.row.details if arm.row else None)
         n = d.numerics or {}
         gn = n.get("grad_norm_ratio_last")
-        t.add_row(arm.name, Text(arm.row.get("verdict", "?"), style=style.get(arm.row.get("verdict", ""), "")),
+        verdict = str(arm.row.verdict) if arm.row else "?"
+        t.add_row(arm.name, Text(verdict, style=style.get(verdict, "")),
                   human_bytes(d.peak_live_bytes), "" if d.peak_ratio is None else f"{d.peak_ratio:.2f}x",
                   "" if d.time_ratio is None else f"{d.time_ratio:.2f}x", _pct(n.get("loss_rel_diff_max")),
                   _pct(n.get("loss_rel_diff_last")), "" if gn is None else f"{gn:.3f}",
                   "n/a" if d.val_loss is None else f"{d.val_loss:.4g}", d.experiment or "")
     console.print(t)
     for arm in result.arms:
-        console.print(f"  {arm.row.get('reason', '')}", highlight=False)
+        console.print(f"  {arm.row.reason if arm.row else ''}", highlight=False)
     for s in result.skipped:
         console.print(Text(f"  not run: {s.name}: {s.why}", style="dim"))
     console.print(Text(f"peak: live tensor bytes of each configuration's model, optimizer and update over its first "

@@ -345,14 +345,14 @@ def stage_rows(name: str, run: RunOutcome, enable: str, combines: bool = True) -
                             details={"on_program": str(OnProgram.STAGE)})]
     out = []
     for rank in run.ranks:
-        rows = [e["row"] for e in run.of(Event.STAGE, rank) if e["row"].get("gate") == name]
+        rows = [GateRow.from_mapping(e["row"]) for e in run.of(Event.STAGE, rank) if e["row"].get("gate") == name]
         if not rows:
             out.append(GateRow.now(name, Verdict.SKIP, f"not measured on rank {rank}: it reported no {name!r} stage "
                                    "(other ranks did)", rank=rank, world_size=run.world_size,
                                    details={"on_program": str(OnProgram.STAGE)}))
             continue
         if not combines or len(rows) == 1:
-            row = GateRow.from_mapping(rows[0])
+            row = rows[0]
             if len(rows) > 1:
                 row.details = {**row.details, "note": f"{len(rows)} {name} stages reported; the first is kept"}
         else:
@@ -376,48 +376,47 @@ def mark_problems(rows: list[GateRow], run: RunOutcome) -> None:
             row.verdict, row.reason = Verdict.WARN, f"{row.reason}; the program reported invalid values: {text}"
 
 
-def combine(name: str, rows: list[dict]) -> GateRow:
+def combine(name: str, rows: list[GateRow]) -> GateRow:
     """Several stages of one name on one rank (steady_step per update, eval per evaluation): the worst verdict, the
     mean time of the stages after the first (what the job pays; the first is the one whose tensors were tracked,
     which slows it: the loop's steady_step leaves its tracked update out the same way; the median is kept beside
     it), each memory counter's largest value (counters stay apart)."""
-    worst = min(rows, key=lambda r: Verdict(r["verdict"]).severity)
+    worst = min(rows, key=lambda r: r.verdict.severity)
     timed = rows[1:] if len(rows) > 1 else rows
-    seconds = [r["seconds"] for r in timed if r.get("seconds") is not None]
+    seconds = [r.seconds for r in timed if r.seconds is not None]
     memory: dict[str, Any] = {}
     for r in rows:
-        for key, value in (r.get("memory") or {}).items():
+        for key, value in r.memory.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 memory[key] = max(value, memory.get(key, value))
             else:
                 memory.setdefault(key, value)
     mean = statistics.fmean(seconds) if seconds else None
-    reason = worst["reason"] if worst["verdict"] != Verdict.PASS else (
+    reason = worst.reason if worst.verdict != Verdict.PASS else (
         f"{len(rows)} stages: mean {human_seconds(mean)} ({human_seconds(min(seconds))}–"
         f"{human_seconds(max(seconds))}); the largest peaks of them: {peaks_phrase(memory) or 'not measured'}"
         if mean is not None else f"{len(rows)} stages; time not measured")
-    details = {k: v for k, v in (worst.get("details") or {}).items() if k not in ("updates_timed", "update_seconds")}
-    details.update(count=len(rows), seconds_each=[r.get("seconds") for r in rows], timed_stages=len(timed),
+    details = {k: v for k, v in worst.details.items() if k not in ("updates_timed", "update_seconds")}
+    details.update(count=len(rows), seconds_each=[r.seconds for r in rows], timed_stages=len(timed),
                    **({"median_seconds": statistics.median(seconds)} if seconds else {}))
     if name == GateName.STEADY_STEP:
         details.update(_per_update(timed))
-    return GateRow(name, Verdict(worst["verdict"]), reason, inputs=rows[0].get("inputs") or {}, memory=memory,
-                   seconds=mean, started_at=rows[0]["started_at"], ended_at=rows[-1]["ended_at"],
-                   details=details, world_size=rows[0].get("world_size", 1))
+    return GateRow(name, worst.verdict, reason, inputs=rows[0].inputs, memory=memory, seconds=mean,
+                   started_at=rows[0].started_at, ended_at=rows[-1].ended_at, details=details,
+                   world_size=rows[0].world_size)
 
 
-def _per_update(rows: list[dict]) -> dict:
+def _per_update(rows: list[GateRow]) -> dict:
     """Seconds per update over the timed steady_step stages, as the loop's row gives them: the mean over all their
     updates (SteadyStepDetails.seconds_per_update, which calibration reads) and the median of the stages'. A stage
     that counted no updates (one stage per update, the documented pattern) is one update."""
     timed = []
     for r in rows:
-        d: dict = r["details"] if isinstance(r.get("details"), dict) else {}
+        d = r.details if isinstance(r.details, dict) else {}
         if d.get("seconds_per_update") is not None:
-            timed.append((d["seconds_per_update"], int(d.get("updates_timed") or (r.get("inputs") or {}).get("updates")
-                                                         or 1)))
-        elif r.get("seconds") is not None:
-            timed.append((r["seconds"], 1))
+            timed.append((d["seconds_per_update"], int(d.get("updates_timed") or r.inputs.get("updates") or 1)))
+        elif r.seconds is not None:
+            timed.append((r.seconds, 1))
     if not timed:
         return {}
     updates = sum(n for _, n in timed)

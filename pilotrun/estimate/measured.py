@@ -101,9 +101,9 @@ def measured_fixes(ledger: Ledger | None, config_hash: str) -> MeasuredFixes | N
     for run_id in ids:  # newest first
         run = ledger.run(run_id) or {}
         meta = json.loads(run.get("meta_json") or "{}")
-        for row in ledger.gate_rows(run_id):
-            d = VariantDetails.of(row.get("details"))
-            if d.variant and d.variant not in fixes and d.control_row is not None and row.get("verdict") in (
+        for row in ledger.gate_records(run_id):
+            d = VariantDetails.of(row.details)
+            if d.variant and d.variant not in fixes and d.control_row is not None and row.verdict in (
                     Verdict.PASS, Verdict.WARN):
                 fixes[d.variant] = d
                 where[d.variant] = (run_id, meta.get("device_name") or meta.get("device"))

@@ -29,7 +29,7 @@ from ..config.exitguard import ExitCalled
 from ..config.factories import FactoryInterrupt, FactoryTimeout
 from ..drivers.base import Capability, NonFiniteError, OnProgram, TrainingCheckError
 from ..interrupt import raised_by_signal
-from ..ledger.records import Failure, Verdict
+from ..ledger.records import Failure, GateRow, Verdict
 from ..measure.meter import StageMeter, is_oom, out_of_memory_reason
 from .products import Product
 from .view import NotMeasured
@@ -131,7 +131,7 @@ class Gate:
     def run(self, ctx: PilotContext, meter: StageMeter) -> Outcome:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def recover(self, ctx: PilotContext, row: dict) -> bool:
+    def recover(self, ctx: PilotContext, row: GateRow) -> bool:
         """For a carried row (``--resume``): put what this gate produced back into ``ctx`` from its parent's row
         and files; False when that is no longer possible (the gate then runs again)."""
         return not self.produces

@@ -79,8 +79,7 @@ class ExportGate(Gate):
     def recover(self, ctx, row) -> bool:
         """The interrupted run's export, only when it is still exactly what its row recorded (every file against
         the manifest, the manifest's sha256 against the row); otherwise the export is written again."""
-        details = row.get("details") or {}
-        path, sha = details.get("path"), details.get("manifest_sha256")
+        path, sha = row.details.get("path"), row.details.get("manifest_sha256")
         if not path or not sha or not Path(path).exists():
             return False
         try:

@@ -157,7 +157,7 @@ class InspectGate(Gate):
         return []
 
     def recover(self, ctx, row) -> bool:
-        ctx.scan = (row.get("details") or {}).get("scan")
+        ctx.scan = row.details.get("scan")
         return ctx.scan is not None
 
     def describe_inputs(self, ctx) -> dict:

@@ -52,7 +52,7 @@ class SaveGate(Gate):
         # checked, which the restore's pinned view must find again. A caller that admitted nothing gets the folder's
         # digest as it is now; the restore worker then admits the folder against it.
         adm = admitted(folder)
-        saved = SaveDetails.of(row.get("details"))
+        saved = SaveDetails.of(row.details)
         manifest = adm.manifest_sha256 if adm is not None else manifest_sha256(folder)
         # The parent's save row vouches for the expect file of the checkpoint it wrote only (its manifest's digest;
         # a later checkpoint may be the one resumed, and the row's path may be relative to another folder).

@@ -146,8 +146,13 @@ class RunStatus(TextEnum):
 
     @staticmethod
     def of_pilot(rows: Iterable[Mapping[str, Any]]) -> RunStatus:
-        """A pilot's status from its gate rows: fail if any failed, warn if any warned, else pass."""
-        verdicts = {Verdict(r["verdict"]) for r in rows}
+        """A pilot's status from its gate rows in their JSON form (see :meth:`of_verdicts`)."""
+        return RunStatus.of_verdicts(r["verdict"] for r in rows)
+
+    @staticmethod
+    def of_verdicts(found: Iterable[Verdict | str]) -> RunStatus:
+        """A pilot's status from its rows' verdicts: fail if any failed, warn if any warned, else pass."""
+        verdicts = {Verdict(v) for v in found}
         if Verdict.FAIL in verdicts:
             return RunStatus.FAIL
         return RunStatus.WARN if Verdict.WARN in verdicts else RunStatus.PASS

@@ -21,7 +21,7 @@ from ..gates.context import PilotContext
 from ..gates.products import Product
 from ..gates.registry import upstream_carried
 from ..ledger.details import SaveDetails
-from ..ledger.records import RESUMABLE, GateName, RunKind, Verdict
+from ..ledger.records import RESUMABLE, GateName, GateRow, RunKind, Verdict
 from ..ledger.store import Ledger
 from ..lock import diff_locks
 
@@ -36,7 +36,7 @@ class ResumeError(Exception):
 class ResumePlan:
     parent_id: str
     checkpoint: Path | None                                   # restore the driver from this after load
-    rows: dict[str, dict] = field(default_factory=dict)       # the parent's rows that did not skip, by gate
+    rows: dict[str, GateRow] = field(default_factory=dict)    # the parent's rows that did not skip, by gate
     notes: list[str] = field(default_factory=list)
     manifest_sha256: str | None = None                        # of ``checkpoint``'s manifest
 
@@ -132,7 +132,7 @@ def plan_resume(ledger: Ledger, name: str, target: str | None, trust: bool, conf
         except LoadRefused as exc:
             refused.append((folder, exc))
             continue
-        rows = {r["gate"]: r for r in ledger.gate_rows(pid) if r["verdict"] != Verdict.SKIP}
+        rows = {r.gate: r for r in ledger.gate_records(pid) if r.verdict != Verdict.SKIP}
         notes = [f"not resumed from {f.name}: " + _refusal_lines(f, exc).strip() for f, exc in refused]
         if refused:
             notes.append(f"{folder.name} is intact and usable: resuming from it (the newer checkpoint(s) above "
@@ -146,14 +146,14 @@ def plan_resume(ledger: Ledger, name: str, target: str | None, trust: bool, conf
                       f"\n{lines}\n{fix}")
 
 
-def carry_rows(plan: ResumePlan, gates: list[type[Gate]], ctx: PilotContext) -> dict[str, dict]:
+def carry_rows(plan: ResumePlan, gates: list[type[Gate]], ctx: PilotContext) -> dict[str, GateRow]:
     """The parent's rows this pilot keeps, by gate, with what each produced put back into ``ctx``.
 
     A row is carried when its gate allows it (``carry``), it did not skip, the gate can recover what it
     produced (``recover``), and every carryable gate whose products it reads was carried too — a kept
     row never rests on one measured again. Everything else runs again.
     """
-    carried: dict[str, dict] = {}
+    carried: dict[str, GateRow] = {}
     if plan.checkpoint is None:
         return carried
     for gate_cls in gates:
@@ -161,7 +161,7 @@ def carry_rows(plan: ResumePlan, gates: list[type[Gate]], ctx: PilotContext) -> 
         if row is None or not gate_cls.carry:
             continue
         if Product.CHECKPOINT in gate_cls.produces and \
-                SaveDetails.of(row.get("details")).manifest_sha256 != plan.manifest_sha256:
+                SaveDetails.of(row.details).manifest_sha256 != plan.manifest_sha256:
             continue  # the row describes another checkpoint than the one resumed (an older one was usable)
         if any(up not in carried for up in upstream_carried(gate_cls)):
             continue

@@ -20,7 +20,7 @@ import contextlib
 import json
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -200,7 +200,7 @@ def _where(spec: Spec, process) -> str:
         f"device: {process.device_reason}"
 
 
-def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, dict], plan: ResumePlan | None,
+def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, GateRow], plan: ResumePlan | None,
               observer: Observer, result: PilotResult, progress: _Progress) -> None:
     """Decide whether the gate runs, is skipped, carried or proven by the driver; write its rows everywhere."""
     started = ctx.driver is not None and not ctx.driver.in_process
@@ -301,12 +301,11 @@ def _close(ctx: PilotContext, result: PilotResult, spec: Spec, ledger: Ledger, n
         distributed.shutdown(ctx.env)
 
 
-def _carried_row(parent_row: dict, parent_id: str) -> GateRow:
-    """A gate the interrupted run already passed: its row, marked as carried, not re-measured."""
-    row = GateRow.from_mapping({k: v for k, v in parent_row.items() if k not in ("rank", "world_size")})
-    row.reason = f"carried from {parent_id}: {parent_row['reason']}"
-    row.details = {**(parent_row.get("details") or {}), "carried_from": parent_id}
-    return row
+def _carried_row(parent_row: GateRow, parent_id: str) -> GateRow:
+    """A gate the interrupted run already passed: its row, marked as carried, not re-measured (this run's rank and
+    world size, not the parent's)."""
+    return replace(parent_row, reason=f"carried from {parent_id}: {parent_row.reason}",
+                   details={**parent_row.details, "carried_from": parent_id}, rank=0, world_size=1)
 
 
 def _skip_row(gate: Gate, ctx: PilotContext, reason: str) -> GateRow:

@@ -12,7 +12,7 @@ configuration, the variants' rows linked to the control's.
 Example::
 
     result = run_variants("examples/tiny-sft/pilot.yaml", ledger_path=Path("runs/ledger.sqlite"))
-    [(a.name, a.row["verdict"]) for a in result.arms]
+    [(a.name, a.row.verdict if a.row else None) for a in result.arms]
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class Arm:
     val: float | None = None
     same_init: bool | None = None
     scaler_calls: int = 0
-    row: dict = field(default_factory=dict)
+    row: GateRow | None = None  # its row, once compared (the ledger keeps its JSON form)
     # Why it was not compared, when that is not the variant's own failure: a policy the model cannot take, or out
     # of memory while the other configurations were resident in this process (then a SKIP row, not a FAIL).
     not_compared: str | None = None
@@ -392,7 +392,7 @@ def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path
         control = arms[0]
         row = _control_row(control, cfg, process.device, val_start)
         control_id = ledger.add_gate_row(run_id, row, _metrics(control))
-        control.row = row.to_dict()
+        control.row = row
         verdicts = [row.verdict]
         ids = {control.name: control_id}
         for arm in arms[1:]:
@@ -400,7 +400,7 @@ def _write(arms: list[Arm], spec, cfg, skipped: list[Skipped], ledger_path: Path
             ref = next((a for a in arms[1:] if a.name == arm.variant.against), control)
             vrow = _variant_row(arm, ref, ids.get(ref.name, control_id), cfg, process.device, val_start)
             ids[arm.name] = ledger.add_gate_row(run_id, vrow, _metrics(arm))
-            arm.row = vrow.to_dict()
+            arm.row = vrow
             verdicts.append(vrow.verdict)
-        ledger.end_run(run_id, RunStatus.of_pilot([{"verdict": v} for v in verdicts]))
+        ledger.end_run(run_id, RunStatus.of_verdicts(verdicts))
     return run_id

@@ -13,7 +13,7 @@ from pilotrun.distributed import DistEnv
 from pilotrun.drivers import Capability, JobProcess, LoopDriver
 from pilotrun.gates import PilotContext, registry
 from pilotrun.gates.save import expect_path
-from pilotrun.ledger.records import Failure
+from pilotrun.ledger.records import Failure, GateRow
 from pilotrun.pilot import ResumePlan, carry_rows
 from tests.conftest import gate_rows
 
@@ -23,8 +23,8 @@ def _ctx(tmp_path: Path, spec=None, restore_from: Path | None = None) -> PilotCo
     return PilotContext(spec=spec, run_id="r", out_dir=tmp_path, process=process, restore_from=restore_from)
 
 
-def _row(gate: str, **details) -> dict:
-    return {"gate": gate, "verdict": "pass", "reason": "ok", "inputs": {}, "memory": {}, "details": details}
+def _row(gate: str, **details) -> GateRow:
+    return GateRow.now(gate, "pass", "ok", details=details)
 
 
 def test_a_driver_without_a_capability_gets_those_gates_skipped_with_the_reason(toy, tmp_path, monkeypatch):

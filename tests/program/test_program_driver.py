@@ -203,10 +203,10 @@ def test_several_steady_stages_give_the_mean_per_update_as_the_loops_row_does():
     rows[0]["details"] = {"seconds_per_update": 3.0, "updates_timed": 3}  # tracked: slower, left out of the time
     rows[1]["details"] = {"seconds_per_update": 1.0, "updates_timed": 3, "update_seconds": [1.0, 1.0, 1.0]}
     rows[2]["details"] = {"seconds_per_update": 1.0 / 3, "updates_timed": 3}
-    row = combine("steady_step", rows)
+    row = combine("steady_step", [GateRow.from_mapping(r) for r in rows])
     assert row.seconds == 2.0 and row.reason.startswith("3 stages: mean 2")
     assert row.details["seconds_per_update"] == pytest.approx(4.0 / 6)  # every timed update weighs the same
     assert row.details["median_seconds_per_update"] == pytest.approx(2.0 / 3) and row.details["updates_timed"] == 6
     assert "update_seconds" not in row.details  # one stage's list would not match the combined figure
-    evals = combine("eval", [_stage("eval", 0, s, 10)["row"] for s in (9.0, 3.0, 1.0)])  # a mean, no per update
+    evals = combine("eval", [GateRow.from_mapping(_stage("eval", 0, s, 10)["row"]) for s in (9.0, 3.0, 1.0)])  # a mean, no per update
     assert evals.seconds == 2.0 and "seconds_per_update" not in evals.details

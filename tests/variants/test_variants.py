@@ -273,7 +273,7 @@ def test_a_policy_the_model_cannot_take_is_not_compared_and_the_rest_still_run(t
     toy = copy_fixture("toy", tmp_path)
     result = run_variants(toy, ["pilot.variants.updates=5", "pilot.variants.run=[checkpointing-every-2, "
                                                             "checkpointing, bf16]"], tmp_path / "l.sqlite")
-    rows = {a.name: a.row for a in result.arms}
+    rows = {a.name: a.row.to_dict() for a in result.arms if a.row}
     assert rows["checkpointing"]["verdict"] == "skip" and "no gradient_checkpointing_enable()" in rows[
         "checkpointing"]["reason"]
     assert rows["checkpointing-every-2"]["verdict"] == "skip"
