@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..ledger.records import RunEnd, RunStatus, Series, StopKind
 from ..ledger.store import Ledger
-from ..program.env import Event, Role, StopRules
+from ..program.env import Event, Role, StopRules, UpdateRecord
 from ..program.runner import EventTail, RunOutcome, RunPlan, kept_events, run_program
 from .run_plan import CampaignRunPlan
 
@@ -44,11 +44,10 @@ def _number(value: Any) -> float | None:
         return None
 
 
-def train_point(event: dict) -> dict:
-    """A ``job.update`` event as a point of the run's ``train`` series."""
-    return {"step": event["update"], "loss": _number(event.get("loss")), "lr": _number(event.get("lr")),
-            "grad_norm": _number(event.get("grad_norm")), "sample_ids": event.get("ids"),
-            "extra": event.get("extra") or {}}
+def train_point(u: UpdateRecord) -> dict:
+    """An update as a point of the run's ``train`` series (the ledger's form)."""
+    return {"step": u.update, "loss": _number(u.loss), "lr": _number(u.lr), "grad_norm": _number(u.grad_norm),
+            "sample_ids": u.ids, "extra": u.extra}
 
 
 class _Watch:
@@ -82,7 +81,7 @@ class _Watch:
             self.saved = (event["update"], str(event.get("path")))
 
     def _update(self, event: dict) -> None:
-        point = train_point(event)
+        point = train_point(UpdateRecord.from_json(event))
         step, loss = point["step"], point["loss"]
         self.last_update = max(self.last_update, step)
         self.pending.append(point)

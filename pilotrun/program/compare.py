@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..ledger.records import TextEnum
-from .env import IDS_ARE, IdKind
+from .env import IDS_ARE, IdKind, UpdateRecord
 
 
 class CompareMode(TextEnum):
@@ -231,11 +231,11 @@ def _number(x: Any) -> Any:
     return x
 
 
-def loop_updates(records: list[dict]) -> list[dict]:
+def loop_updates(records: list[dict]) -> list[UpdateRecord]:
     """pilotrun's loop worker's records (``step``, ``sample_ids``, floats as hex) as the update records compared
-    here (``update``, ``ids``, floats): the same fields, so the loop's resume is judged as a program's is."""
-    return [{"update": int(r["step"]), "ids": r.get("sample_ids"), "loss": _number(r.get("loss")),
-             "lr": _number(r.get("lr")), "grad_norm": _number(r.get("grad_norm"))} for r in records]
+    here: the same fields, so the loop's resume is judged as a program's is."""
+    return [UpdateRecord(int(r["step"]), r.get("sample_ids"), _number(r.get("loss")), _number(r.get("lr")),
+                         _number(r.get("grad_norm"))) for r in records]
 
 
 def first_of(differences: Mapping[int, Difference]) -> tuple[int, Difference] | None:
@@ -247,12 +247,13 @@ def first_of(differences: Mapping[int, Difference]) -> tuple[int, Difference] | 
                                                     kv[1].cause == Cause.OTHER_RANK, kv[0]))
 
 
-def by_update(records: list[dict]) -> dict[int, dict]:
-    return {int(r["update"]): r for r in records}
+def by_update(records: Sequence[UpdateRecord]) -> dict[int, UpdateRecord]:
+    return {r.update: r for r in records}
 
 
-def compare_updates(control: list[dict], other: list[dict], start: int, end: int, exact: bool, rtol: float = 0.0,
-                    other_name: str = "resumed", step_restored_check: bool = True) -> Comparison:
+def compare_updates(control: Sequence[UpdateRecord], other: Sequence[UpdateRecord], start: int, end: int,
+                    exact: bool, rtol: float = 0.0, other_name: str = "resumed",
+                    step_restored_check: bool = True) -> Comparison:
     """Updates ``start..end`` (inclusive) of ``other`` against ``control``; the first difference with its cause.
 
     ``lr`` is always compared exactly when ``exact``; off bitwise it is compared within ``rtol`` like the loss."""
@@ -269,9 +270,9 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
             out.difference.field = f"update (missing in {missing})"
             return out
         ra, rb = a[n], b[n]
-        ids_compared = ra.get("ids") is not None and rb.get("ids") is not None
+        ids_compared = ra.ids is not None and rb.ids is not None
         for name in FIELDS:
-            va, vb = ra.get(name), rb.get(name)
+            va, vb = ra.value(name), rb.value(name)
             if name == "ids" and not ids_compared:
                 continue  # the program did not report ids: nothing to compare (the row says so)
             ok, rel = values_equal(va, vb, exact, rtol)
@@ -282,7 +283,7 @@ def compare_updates(control: list[dict], other: list[dict], start: int, end: int
                 return out
             if math.isfinite(rel):
                 out.largest_rel = max(out.largest_rel, rel)
-        ea, eb = ra.get("extra") or {}, rb.get("extra") or {}
+        ea, eb = ra.extra, rb.extra
         # IDS_ARE says what the ids are (compared above), not a value of the update's own.
         for key in sorted((set(ea) | set(eb)) - {IDS_ARE}):
             ok, rel = values_equal(ea.get(key), eb.get(key), exact, rtol)
@@ -306,13 +307,13 @@ def _cause(name: str, after_equal: bool, ids_compared: bool) -> Cause:
     return FIELD_CAUSE[name]
 
 
-def reproducibility(control: list[dict], interrupted: list[dict], until: int, exact: bool,
+def reproducibility(control: Sequence[UpdateRecord], interrupted: Sequence[UpdateRecord], until: int, exact: bool,
                     rtol: float) -> Comparison:
     """Updates 1..until of two fresh runs (control and the interrupted run before its save) must agree; a
     difference there is the program's non-determinism, whatever the field, not a resume defect."""
     # A loop numbering its updates from 0 is consistent with itself (saved(N) then N+1 resumed); its update 0 is
     # compared too, not skipped.
-    first = min([1, *(int(r["update"]) for r in control)])
+    first = min([1, *(r.update for r in control)])
     diff = compare_updates(control, interrupted, first, until, exact, rtol, other_name="interrupted",
                            step_restored_check=False)
     d = diff.difference

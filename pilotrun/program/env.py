@@ -43,7 +43,7 @@ import hmac
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..ledger.records import StopKind, TextEnum
@@ -110,13 +110,42 @@ class IdKind(TextEnum):
                 IdKind.MIXED: "ids and dataset positions"}[self]
 
     @classmethod
-    def of(cls, record: dict) -> IdKind:
+    def of(cls, record: UpdateRecord) -> IdKind:
         """The kind of one update record's ids (the items' own when the record does not say)."""
-        value = (record.get("extra") or {}).get(IDS_ARE)
+        value = record.extra.get(IDS_ARE)
         try:
             return cls(value) if value is not None else cls.ITEM
         except ValueError:
             return cls.ITEM
+
+
+@dataclass
+class UpdateRecord:
+    """One optimizer update as a run reported it: what a resume is judged by and a campaign run's train series
+    keeps. A program's handle sends it as a ``job.update`` event (:meth:`from_json`); pilotrun's loop worker writes
+    its own record, floats as hex for bitwise comparison (``program.compare.loop_updates``). A non-finite number
+    arrives as its text ("nan", "inf"), as the handle sends it."""
+
+    update: int
+    ids: list | None = None   # the examples' ids (or dataset positions: ``extra[IDS_ARE]``), None when not reported
+    loss: Any = None
+    lr: Any = None
+    grad_norm: Any = None
+    extra: dict = field(default_factory=dict)  # the program's own numbers and strings, compared too
+
+    @classmethod
+    def from_json(cls, e: dict) -> UpdateRecord:
+        extra = e.get("extra")
+        return cls(int(e["update"]), e.get("ids"), e.get("loss"), e.get("lr"), e.get("grad_norm"),
+                   dict(extra) if isinstance(extra, dict) else {})
+
+    def to_json(self) -> dict:
+        return {"update": self.update, "ids": self.ids, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+                "extra": dict(self.extra)}
+
+    def value(self, name: str) -> Any:
+        """One of ``program.compare.FIELDS`` by name."""
+        return getattr(self, name)
 
 
 class Role(TextEnum):

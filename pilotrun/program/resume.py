@@ -7,6 +7,7 @@ killed after reporting ``saved(N)`` and the resumed run must have ended cleanly 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from .compare import (
     compare_updates,
     reproducibility,
 )
-from .env import IDS_ARE, Event, IdKind, Role
+from .env import IDS_ARE, Event, IdKind, Role, UpdateRecord
 from .runner import RunOutcome
 
 GATE = "resume"
@@ -123,7 +124,7 @@ def misnumbered(run: RunOutcome) -> list[Misnumbered]:
 
 
 def _last_update(control: RunOutcome) -> int:
-    return max((int(u["update"]) for r in control.ranks for u in control.updates(r)), default=0)
+    return max((u.update for r in control.ranks for u in control.updates(r)), default=0)
 
 
 def no_own_save_row(control: RunOutcome, within: int) -> GateRow:
@@ -304,22 +305,22 @@ def short_of(control: RunOutcome, end: int) -> tuple[int, int] | None:
     """(rank, last update) of the first rank whose control run ended before update ``end`` (the program's own
     step count is below pilot.resume.before + after), else None: nothing after it can be compared."""
     for rank in control.ranks:
-        updates = [int(u["update"]) for u in control.updates(rank)]
+        updates = [u.update for u in control.updates(rank)]
         if updates and max(updates) < end:
             return rank, max(updates)
     return None
 
 
-def reported_fields(updates: list[dict]) -> list[str]:
+def reported_fields(updates: Sequence[UpdateRecord]) -> list[str]:
     """The fields the program reported a value for (the row names only what was really compared)."""
-    out = [name for name in FIELDS if any(u.get(name) is not None for u in updates)]
-    extra = sorted({key for u in updates for key in (u.get("extra") or {})} - {IDS_ARE})
+    out = [name for name in FIELDS if any(u.value(name) is not None for u in updates)]
+    extra = sorted({key for u in updates for key in u.extra} - {IDS_ARE})
     return out + [f"extra.{key}" for key in extra]
 
 
-def ids_kind(updates: list[dict]) -> IdKind:
+def ids_kind(updates: Sequence[UpdateRecord]) -> IdKind:
     """What the ids the program reported are: the items' own, or (an integration's) their dataset positions."""
-    kinds = {IdKind.of(u) for u in updates if u.get("ids") is not None}
+    kinds = {IdKind.of(u) for u in updates if u.ids is not None}
     return next(iter(kinds)) if len(kinds) == 1 else IdKind.MIXED if kinds else IdKind.ITEM
 
 

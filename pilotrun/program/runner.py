@@ -36,7 +36,7 @@ from ..config.program import (
 from ..procs import KILL_WAIT_S, Tree, leftover_text, with_torchrun_folder
 from ..safefile import FileKind, FileProblem, read_bytes
 from . import env as E
-from .env import Event, Role
+from .env import Event, Role, UpdateRecord
 
 POLL_S = 0.02
 # Variables of an enclosing torchrun that must not leak into the program's own launch.
@@ -211,8 +211,9 @@ class RunOutcome:
         ranks = sorted(self.events) if rank is None else [rank]
         return [e for r in ranks for e in self.events.get(r, []) if e.get("kind") == kind]
 
-    def updates(self, rank: int) -> list[dict]:
-        return self.of(Event.UPDATE, rank)
+    def updates(self, rank: int) -> list[UpdateRecord]:
+        """The rank's ``job.update`` events, typed (their fields were checked when the events were read)."""
+        return [UpdateRecord.from_json(e) for e in self.of(Event.UPDATE, rank)]
 
     @property
     def ranks(self) -> list[int]:

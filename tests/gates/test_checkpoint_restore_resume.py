@@ -15,6 +15,7 @@ from pilotrun.config import load_spec
 from pilotrun.drivers import build_job
 from pilotrun.ledger import Ledger
 from pilotrun.program.compare import Cause, compare_updates, loop_updates
+from pilotrun.program.env import UpdateRecord
 from pilotrun.workers.train_phase import restore_check
 from tests.conftest import TEST_DIGEST, killed_after_export, pilotrun_cli
 from tests.conftest import gate_rows as rows_of
@@ -126,7 +127,7 @@ def test_the_loops_records_are_compared_as_a_programs_are():
     """The loop's worker writes floats as hex (exact); the one resume comparison reads them as the program's."""
     a = [{"step": 3, "sample_ids": ["a"], "lr": (0.1).hex(), "loss": (1.0).hex(), "grad_norm": (2.0).hex()},
          {"step": 4, "sample_ids": ["b"], "lr": (0.1).hex(), "loss": (0.5).hex(), "grad_norm": "nan"}]
-    assert loop_updates(a)[0] == {"update": 3, "ids": ["a"], "loss": 1.0, "lr": 0.1, "grad_norm": 2.0}
+    assert loop_updates(a)[0] == UpdateRecord(3, ["a"], 1.0, 0.1, 2.0)
     assert compare_updates(loop_updates(a), loop_updates(a), 3, 4, exact=True).equal  # nan equals nan, bitwise
     lr = compare_updates(loop_updates(a), loop_updates([dict(a[0], lr=(0.2).hex()), a[1]]), 3, 4, exact=True)
     assert (lr.difference.update, lr.difference.field, lr.difference.other) == (3, "lr", 0.2)

@@ -18,7 +18,7 @@ from pilotrun.program.compare import (
     reproducibility,
     values_equal,
 )
-from pilotrun.program.env import Role
+from pilotrun.program.env import Role, UpdateRecord
 from pilotrun.program.resume import SavePoint, misnumbered, no_room_row, resume_rows, save_point, with_save_point
 from pilotrun.program.runner import RunOutcome
 
@@ -26,8 +26,7 @@ EXACT = CompareChoice(CompareMode.BITWISE, 0.0, "program.compare: bitwise")
 
 
 def _run(n, lr=lambda u: 0.1 / u, loss=lambda u: 1.0 / u, ids=lambda u: [2 * u, 2 * u + 1], start=1, **extra):
-    return [{"update": u, "loss": loss(u), "lr": lr(u), "grad_norm": 0.5, "ids": ids(u), "extra": extra}
-            for u in range(start, n + 1)]
+    return [UpdateRecord(u, ids(u), loss(u), lr(u), 0.5, dict(extra)) for u in range(start, n + 1)]
 
 
 def test_equal_runs_pass_bitwise():
@@ -74,7 +73,7 @@ def test_without_ids_the_first_differing_update_and_field_name_the_likely_cause(
     lr = _first(compare_updates(control, _run(5, start=3, ids=no_ids, lr=lambda u: 0.5), 3, 5, exact=True))
     assert (lr.update, lr.cause) == (3, Cause.SCHEDULER_NOT_RESTORED) and "likely: the learning-rate" in lr.sentence()
     grad = _run(5, start=3, ids=no_ids)
-    grad[0]["grad_norm"] = 9.0
+    grad[0].grad_norm = 9.0
     g = _first(compare_updates(control, grad, 3, 5, exact=True))
     assert (g.update, g.cause) == (3, Cause.GRADIENT_STATE) and "likely: same loss" in g.sentence()
     # The update counter needs no ids: said as it is, not as "likely".
@@ -212,7 +211,7 @@ def test_differing_id_lists_are_shown_from_their_first_difference_with_the_count
     assert ("update 3: ids from position 12 (4 of 16 differ): […, 60, 61, 62, 63] (control) vs […, 0, 1, 2, 3] "
             "(resumed) — the data order was not restored") in text, text
     for record in control + resumed:  # an integration's dataset positions, where the items carry no id
-        record["extra"] = {"ids_are": "dataset-position"}
+        record.extra = {"ids_are": "dataset-position"}
     d = compare_updates(control, resumed, 3, 4, exact=True).difference
     assert d.sentence().startswith("update 3: dataset positions from position 12 (4 of 16 differ)"), d.sentence()
 

@@ -79,7 +79,7 @@ def test_a_finished_run_is_read_back_with_the_key_it_kept_and_not_without_it(tmp
     out = tmp_path / "out"
     run = run_program(ProgramSpec(command=["python", "train.py"], timeout=120.0), tmp_path,
                       RunPlan(Role.STAGES, stop_at=2), out, "r1", tmp_path / "l.sqlite")
-    assert run.ended_cleanly and [e["update"] for e in run.updates(0)] == [1, 2] and not run.event_problems
+    assert run.ended_cleanly and [e.update for e in run.updates(0)] == [1, 2] and not run.event_problems
     key_file = out / "program" / "runs" / "stages.key"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     events = out / "program" / "events" / "stages-rank0.jsonl"
