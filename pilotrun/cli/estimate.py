@@ -114,8 +114,9 @@ def main(args) -> int:
         first = fits[0]
         with console.status("working out variants...") if not args.json else contextlib.nullcontext():
             try:
-                advice[accs[0].name] = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog,
-                                              measured=measured_fixes(ledger, spec.pilot_hash()))
+                offered = advise(spec, traces, accs[0], first["strategy"], first["gpus"], catalog,
+                                 measured=measured_fixes(ledger, spec.pilot_hash()))
+                advice[accs[0].name] = [a.to_json() for a in offered]
             except TraceError as exc:  # a fix's trace failed: the fits above still answer
                 err_console().print(Text(f"no advice: tracing a fix failed: {exc}", style="yellow"))
     report = {"spec": spec.source, "config_hash": spec.config_hash(), "stages": stage_summary(trace),

@@ -251,9 +251,9 @@ def _advise_after_oom(spec, result, console) -> None:
                   "(the maximum length is never cut):[/]")
     lines = []
     for v in variants:
-        slower = f", {v['time_factor']:.2f}x time" if v["time_factor"] else ""
-        line = (f"{'fits' if v['fits'] else 'no  '}  {v['variant']}: {v['device_used_bytes'] / 2**30:.1f} GiB per GPU"
-                f"{slower}; {v['experiment']}")
+        slower = f", {v.time_factor:.2f}x time" if v.time_factor else ""
+        line = (f"{'fits' if v.fits else 'no  '}  {v.variant}: {v.device_used_bytes / 2**30:.1f} GiB per GPU"
+                f"{slower}; {v.experiment}")
         lines.append(line)
         console.print("  " + line, highlight=False)
     with Ledger(result.ledger_path) as led:

@@ -126,17 +126,43 @@ FIX_KEYS = frozenset({"accelerator", "distributed.strategy", "distributed.offloa
                       "train.activation_checkpointing", "train.micro_batch_size", "train.grad_accum_steps"})
 
 
-def _row(c: Combination, fit: dict, base_s: float | None, changes: dict, experiment: str, why: str) -> dict:
+@dataclass
+class Advice:
+    """One combination of fixes the advisor offers for a job that does not fit: what it changes in the spec, its
+    fit and time, and why (``estimate --json``'s ``advice`` entries are its JSON form)."""
+
+    variant: str                # the combination's name ("bf16 + checkpointing")
+    changes: dict               # spec keys it sets (FIX_KEYS only): what a user would write
+    experiment: str             # "same experiment", or why it is a variant of its own
+    reason: str                 # what each fix does here, measured where `pilotrun variants` measured it
+    accelerator: str
+    strategy: str
+    gpus: int
+    device_used_bytes: int
+    peak_allocated_bytes: int
+    capacity_bytes: int
+    fits: bool
+    seconds_per_update: float | None
+    memory_source: MemorySource = MemorySource.TRACE
+    time_factor: float | None = None     # seconds per update against the job as it is
+    cheapest_that_fits: bool = False     # the first that fits in the order of cost (the advisor stops there)
+
+    def to_json(self) -> dict:
+        return {"variant": self.variant, "changes": self.changes, "experiment": self.experiment,
+                "reason": self.reason, "accelerator": self.accelerator, "strategy": self.strategy, "gpus": self.gpus,
+                "device_used_bytes": self.device_used_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
+                "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+                "seconds_per_update": self.seconds_per_update, "memory_source": self.memory_source.value,
+                "time_factor": self.time_factor, "cheapest_that_fits": self.cheapest_that_fits}
+
+
+def _row(c: Combination, fit: dict, base_s: float | None, changes: dict, experiment: str, why: str) -> Advice:
     assert set(changes) <= FIX_KEYS, f"a fix may not change {sorted(set(changes) - FIX_KEYS)}"
     s = fit["seconds_per_update"]
-    return {
-        "variant": c.name(), "changes": changes, "experiment": experiment, "reason": why,
-        "accelerator": fit["accelerator"], "strategy": fit["strategy"], "gpus": fit["gpus"],
-        "device_used_bytes": fit["device_used_bytes"], "peak_allocated_bytes": fit["peak_allocated_bytes"],
-        "capacity_bytes": fit["capacity_bytes"], "fits": fit["fits"], "seconds_per_update": s,
-        "memory_source": fit.get("memory_source", MemorySource.TRACE),
-        "time_factor": (s / base_s) if s and base_s else None, "cheapest_that_fits": False,
-    }
+    return Advice(c.name(), changes, experiment, why, fit["accelerator"], fit["strategy"], fit["gpus"],
+                  fit["device_used_bytes"], fit["peak_allocated_bytes"], fit["capacity_bytes"], fit["fits"], s,
+                  MemorySource(fit.get("memory_source", MemorySource.TRACE)),
+                  (s / base_s) if s and base_s else None)
 
 
 def _micro_batches(spec) -> list[int]:
@@ -147,7 +173,7 @@ def _micro_batches(spec) -> list[int]:
 
 
 def evaluate(spec, traces, c: Combination, strategy: str, base_s: float | None,
-             utilisation: float | None, measured: MeasuredFixes | None = None) -> dict:
+             utilisation: float | None, measured: MeasuredFixes | None = None) -> Advice:
     """One combination's row: the trace it needs, its fit, and what it changes in the spec. Where ``pilotrun
     variants`` measured checkpointing's recompute cost on this accelerator, that ratio replaces the FLOPs ratio in
     the time; elsewhere the measurement is quoted beside the prediction."""
@@ -235,7 +261,7 @@ def _measured_memory(traces, c: Combination, strategy: str, utilisation: float |
 
 
 def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: dict[str, Accelerator],
-           utilisation: float | None = None, measured: MeasuredFixes | None = None) -> list[dict]:
+           utilisation: float | None = None, measured: MeasuredFixes | None = None) -> list[Advice]:
     """Combinations for ``spec`` on ``acc`` (as ``strategy`` over ``gpus``) in order of cost, up to and
     including the cheapest that fits (marked ``cheapest_that_fits``); all of them when none fits. ``measured``:
     what ``pilotrun variants`` measured for this config (:func:`.measured.measured_fixes`)."""
@@ -247,7 +273,7 @@ def advise(spec, traces, acc: Accelerator, strategy: str, gpus: int, catalog: di
             continue
         row = evaluate(spec, traces, c, strategy, base_s, utilisation, measured)
         out.append(row)
-        if row["fits"]:
-            row["cheapest_that_fits"] = True
+        if row.fits:
+            row.cheapest_that_fits = True
             break
     return out

@@ -239,7 +239,7 @@ def test_other_experiments_are_labelled_and_never_advised():
     acc = catalog["A100-80GB"]
     for c in combinations(spec, acc, "single", 1, catalog):
         row = evaluate(spec, Stub(trace), c, "single", None, None)
-        assert set(row["changes"]) <= FIX_KEYS and not any(k.startswith("model.") for k in row["changes"])
+        assert set(row.changes) <= FIX_KEYS and not any(k.startswith("model.") for k in row.changes)
 
 
 @pytest.mark.process
