@@ -272,6 +272,47 @@ def test_no_module_outside_strategies_chooses_or_compares_a_strategy_by_name():
                        f"get(name).shards, one_process(), sharding()): {', '.join(found)}")
 
 
+# Where a spec's sections are read as what they are: the spec's own modules (config/) and the campaign file's, which
+# parse and check them. Everywhere else "program or loop?" is Spec.kind (decided once), and the objects that differ
+# come from one table per layer (drivers.build.DRIVERS, campaign.kinds.KINDS).
+KIND_DECIDED_IN = ("config/", "campaign/spec.py")
+
+
+def kind_tests(source: str) -> list[int]:
+    """Lines that decide a spec's kind from its sections: ``x.program is None`` or ``x.train is not None`` in an
+    ``if``, an expression or a return (an ``assert`` narrowing a type after the decision is not one)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assert):
+            continue
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and \
+                node.left.attr in ("program", "train") and len(node.ops) == 1 and \
+                isinstance(node.ops[0], (ast.Is, ast.IsNot)) and \
+                isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None:
+            out.append(node.lineno)
+    asserted = {n.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assert)
+                for n in ast.walk(node) if hasattr(n, "lineno")}
+    return sorted(set(out) - asserted)
+
+
+def test_the_kind_check_finds_decisions_and_leaves_asserts():
+    source = ("if spec.program is not None:\n    pass\nx = a if c.program is None else b\n"
+              "assert spec.program is not None\nreturn s.train is None\ny = s.program.words\n")
+    assert kind_tests(source) == [1, 3, 5]
+
+
+def test_program_or_loop_is_decided_once():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(KIND_DECIDED_IN):
+            continue
+        found += [f"pilotrun/{rel}:{line}" for line in kind_tests(path.read_text())]
+    assert not found, ("a module decides program or loop from the spec's sections: read spec.kind (config.spec."
+                       f"JobKind) and take what differs from drivers.build.DRIVERS or campaign.kinds.KINDS: "
+                       f"{', '.join(found)}")
+
+
 def test_gate_declarations_are_consistent_and_derive_the_old_dependencies():
     from pilotrun.gates import registry
 

@@ -22,6 +22,7 @@ from ..config.load import parse_override, spec_from_mapping
 from ..ledger.records import CUT_SHORT, RESULTS, RunEnd, RunKind, RunStatus, Series, StopKind, TextEnum
 from ..ledger.store import Ledger
 from ..procs import is_alive, process_mark
+from . import kinds
 from .conclude import attempts
 from .engines.base import EngineChoice
 from .orchestrate import (
@@ -255,7 +256,7 @@ def resume(campaign_ref: str, ledger_path: Path, parallel: int | None = 1, allow
 def _program_continuation(c, parent: dict) -> dict:
     """For a program's run: the checkpoint its program reported last, to continue from (kept in the new run's meta);
     nothing for pilotrun's loop, whose runs start again."""
-    if c.program is None:
+    if not kinds.of(c).continues_from_checkpoint:
         return {}
     from .program_run import first_loss, last_checkpoint
 

@@ -28,6 +28,7 @@ from ..ledger.records import RunEnd, RunKind, RunStatus, StopKind, new_run_id
 from ..ledger.store import Ledger
 from ..lock import collect_lock, diff_locks
 from ..procs import process_mark
+from . import kinds
 from .conclude import conclude, current
 from .devices import DeviceMode, assign_devices
 from .engines.base import ClusterEngine, Engine, EngineChoice, EngineRefusal
@@ -86,7 +87,7 @@ def prepare(c: CampaignSpec, base_written: dict | None = None) -> tuple[list[dic
     for i, value in enumerate(c.values):
         built, canonical = None, {}
         for seed in c.seeds:
-            if built is not None and c.program is None:
+            if built is not None and kinds.of(c).seeds_share_spec:
                 spec = with_seed(built, seed)  # only the seed differs from the spec checked for this value
                 config_hash = canonical_sha256({**canonical, "seed": seed})  # what spec.config_hash() computes
             else:
@@ -123,7 +124,7 @@ def _variant_problems(c: CampaignSpec, value, control, spec) -> list[str]:
     """What a variant's spec changes besides the varied key: another key, or the examples per update."""
     problems = []
     # A program's runs differ in the words and variables the templates filled in, by construction.
-    moved = check_only_varied(control, spec, (c.key,) if c.program is None else ("program.command", "program.env"))
+    moved = check_only_varied(control, spec, kinds.of(c).varied(c.key))
     if moved:
         problems.append(f"{c.key} = {value!r} would also change {', '.join(moved)}")
     if examples_per_update(spec) != examples_per_update(control):
@@ -165,10 +166,10 @@ def parallel_plan(c: CampaignSpec, control_spec, requested: int, ledger_path: Pa
 
 def warnings_for(c: CampaignSpec, runs: list[dict]) -> list[str]:
     """What runs but will not measure what it seems to: said before the start and kept on the campaign's row."""
-    out = []
+    out: list[str] = []
+    if not kinds.of(c).spec_schedule:  # a program's schedule is its own
+        return out
     for r in runs:
-        if r["spec"].train is None:  # a program's schedule is its own
-            continue
         w = r["spec"].train.scheduler.warmup_updates
         if w >= c.updates:
             out.append(f"{c.key} = {r['variant']!r}: the warm-up ({w} updates) is not over by the campaign's "

@@ -23,7 +23,6 @@ from ..ledger.store import Ledger
 from ..program.env import StopRules
 from ..train.batches import autocast_for, logits_of, loss_of, to_device
 from ..train.evaluation import outputs_of
-from .program_run import record_program_run
 from .run_plan import CampaignRunPlan
 from .stops import interrupted
 
@@ -187,8 +186,6 @@ def train_run(spec, run_id: str, out_dir: Path, ledger_path: Path | None, plan: 
     where this process must not write it (a Ray worker: only the campaign's driver writes the ledger).
     """
     assert sink is not None or ledger_path is not None
-    if spec.program is not None:  # the user's program, not pilotrun's loop
-        return record_program_run(spec, run_id, out_dir, ledger_path, plan, deadline, stop_requested, how, sink)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan.threads:  # runs side by side share the cores instead of each taking all of them
         torch.set_num_threads(plan.threads)

@@ -29,7 +29,7 @@ from ..config.limits import CAMPAIGN_BOUNDS, int_problem
 from ..config.load import set_dotted, spec_from_mapping
 from ..config.program import launcher_processes
 from ..config.schema import SpecError, build, doc
-from ..config.spec import Spec, dotted, name_problem
+from ..config.spec import JobKind, Spec, dotted, name_problem
 from ..config.yamlsafe import parse_bounded, read_spec_text
 
 
@@ -193,6 +193,11 @@ class CampaignSpec:
             for i, value in values[b.field]:
                 if (problem := int_problem(b, value, b.field if i is None else f"{b.field}[{i}]")) is not None:
                     yield problem
+
+    @property
+    def kind(self) -> JobKind:
+        """Its base's kind (checked equal when the file was read): a program: section goes with a program base."""
+        return JobKind.PROGRAM if self.program is not None else JobKind.LOOP
 
     @property
     def ranks(self) -> int:

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from ..workers.common import read_spec_file
+from . import kinds
 from .run_plan import CampaignRunPlan
 from .spool import SpoolSink
 from .stops import STOP_REASON_FILE, STOP_SIGNAL
@@ -64,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sink = SpoolSink(args.spool / f"rank{os.environ.get('RANK', '0')}.jsonl") if args.spool else None
     spec = read_spec_file(args.spec)
-    if spec.program is not None:  # this process only supervises the user's program: no torch imported here
-        from .program_run import record_program_run as run
-    else:
-        from .runner import train_run as run
+    run = kinds.of(spec).run()  # a program's run only supervises it: no torch imported here
     result = run(spec, args.run_id, args.out, args.ledger, CampaignRunPlan.from_json(json.loads(args.plan.read_text())),
                  args.deadline,
                  stop.is_set, how, sink=sink)

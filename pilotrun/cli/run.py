@@ -14,6 +14,7 @@ from rich.markup import escape
 from .. import strategies
 from ..config.load import load_spec
 from ..config.schema import SpecError
+from ..config.spec import JobKind
 from ..devices import DeviceUnavailable
 from ..distributed import LaunchError, env_from_os
 from ..gates import UnknownGate
@@ -219,7 +220,7 @@ def _stopped(stop: PilotInterrupted, spec, args, console) -> None:
     words = ["pilotrun", "run", str(args.spec), "--resume", result.run_id]
     words += ["--ledger", str(args.ledger)] if args.ledger else []
     words += [w for item in args.overrides for w in ("--set", item)]  # --resume needs the same config
-    how = ("keeping the runs of the program it finished" if spec.program is not None
+    how = ("keeping the runs of the program it finished" if spec.kind is JobKind.PROGRAM
            else "from its last good checkpoint")
     console.print(f"  continue it, {how}: {escape(shlex.join(words))}", highlight=False)
 
@@ -227,7 +228,7 @@ def _stopped(stop: PilotInterrupted, spec, args, console) -> None:
 def _advise_after_oom(spec, result, console) -> None:
     """A gate that ran out of accelerator memory gets the advisor's variants, and a note in the ledger."""
     oom = [r for r in result.records if r.verdict == Verdict.FAIL and r.failure == Failure.OUT_OF_MEMORY]
-    if not oom or spec.program is not None:  # the advisor traces pilotrun's loop, not a program's
+    if not oom or spec.kind is not JobKind.LOOP:  # the advisor traces pilotrun's loop, not a program's
         return
     from ..estimate.advise import advise
     from ..estimate.catalog import load_catalog, local_accelerator

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from .hub_cache import TokenizerSource
@@ -66,6 +67,18 @@ class BuildContext:
     factory_timeout: float | None = None  # pilot.factory_timeout: seconds a factory's import and call may take
 
 
+class JobKind(str, Enum):
+    """What runs a spec's updates: decided here once (:attr:`Spec.kind`); each layer takes the objects that differ
+    from one table keyed by it (drivers.build.DRIVERS, campaign.kinds.KINDS), as Fabric's connector decides its
+    variant once."""
+
+    LOOP = "loop"        # pilotrun's own loop over the spec's model, data and train sections
+    PROGRAM = "program"  # the user's own program (program: in the spec), which pilotrun starts and watches
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Spec:
     name: str = doc("job name, used in run ids, folders under --out and the ledger: 1 to 81 letters, digits, . _ - "
@@ -89,6 +102,11 @@ class Spec:
     # For the job a program described (estimate/program_job.py): the program spec's config hash, under which its
     # pilots are recorded. Empty: this spec's own.
     piloted_as: str = field(default="", init=False, metadata={"internal": True})
+
+    @property
+    def kind(self) -> JobKind:
+        """The one place that decides whether pilotrun's loop or the user's program runs this spec."""
+        return JobKind.PROGRAM if self.program is not None else JobKind.LOOP
 
     def check(self):
         if (why := name_problem(self.name)) is not None:

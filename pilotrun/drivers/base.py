@@ -178,6 +178,16 @@ class Driver(ABC):
     how_wrapped: str        # the strategy's sentence about how the model runs
 
     @classmethod
+    def job_meta(cls, spec: Spec, process: JobProcess) -> dict:
+        """What the pilot's run row records of how the job runs (pilotrun's processes here)."""
+        return {"world_size": process.env.world_size, "strategy": process.strategy.name}
+
+    @classmethod
+    def where(cls, spec: Spec, process: JobProcess) -> str:
+        """Where the job runs, for the pilot's first lines (the device chosen and why)."""
+        return f"device: {process.device_reason}"
+
+    @classmethod
     @abstractmethod
     def build(cls, spec: Spec, inputs: JobInputs | None, process: JobProcess, on_model=None,
               site: RunSite | None = None) -> Driver:

@@ -20,6 +20,7 @@ import torch
 
 from .. import backends, distributed, strategies
 from ..config.sections import BF16_WEIGHTS
+from ..config.spec import JobKind
 from ..data.bundle import build_data
 from ..devices import device_name, pick_device
 from ..models.loading import load_tokenizer
@@ -28,17 +29,13 @@ from .base import Driver, JobInputs, JobProcess, RunSite
 from .loop import LoopDriver
 from .program import ProgramDriver
 
-# Whatever runs the updates, by name: pilotrun's own loop, or the user's own program (``program:`` in the spec).
-DRIVERS: dict[str, type[Driver]] = {LoopDriver.name: LoopDriver, ProgramDriver.name: ProgramDriver}
-
-
-def driver_name(spec) -> str:
-    """The driver a spec asks for: ``program:`` names the user's program, else pilotrun's loop runs the factories."""
-    return ProgramDriver.name if spec.program is not None else LoopDriver.name
+# Whatever runs the updates, by the spec's kind: pilotrun's own loop, or the user's own program (``program:``).
+DRIVERS: dict[JobKind, type[Driver]] = {JobKind.LOOP: LoopDriver, JobKind.PROGRAM: ProgramDriver}
 
 
 def driver_class(spec) -> type[Driver]:
-    return DRIVERS[driver_name(spec)]
+    """The driver a spec asks for: ``program:`` names the user's program, else pilotrun's loop runs the factories."""
+    return DRIVERS[spec.kind]
 
 
 def join_job(spec) -> JobProcess:

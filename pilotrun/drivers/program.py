@@ -23,7 +23,7 @@ Example::
 
     from pilotrun.pilot import PilotOptions, run_pilot
     result = run_pilot(load_spec("examples/own-loop/pilot.yaml", allow_program=True), PilotOptions())
-    [(r["gate"], r["verdict"]) for r in result.rows]
+    [(r.gate, r.verdict) for r in result.records]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from ..checkpoint.trust import LoadPolicy
 from ..config.load import LOOP_RESUME_BEFORE
 from ..config.paths import GlobRefused
 from ..config.program import program_files
+from ..config.spec import Spec
 from ..devices import query_devices
 from ..humanize import human_seconds
 from ..ledger.records import Failure, GateName, GateRow, Verdict
@@ -77,6 +78,16 @@ class ProgramDriver(Driver):
     name = "program"
     capabilities = frozenset({Capability.UPDATES, Capability.RESTART})
     in_process = False
+
+    @classmethod
+    def job_meta(cls, spec: Spec, process: JobProcess) -> dict:
+        assert spec.program is not None
+        return {"program": spec.program.words}
+
+    @classmethod
+    def where(cls, spec: Spec, process: JobProcess) -> str:
+        assert spec.program is not None
+        return f"program: {' '.join(spec.program.words)}"
 
     def __init__(self, spec, process: JobProcess, site: RunSite) -> None:
         assert spec.program is not None

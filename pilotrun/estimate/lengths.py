@@ -30,6 +30,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.spec import JobKind
 from ..safefile import FileProblem, WriteFailed, read_json, write_atomic
 from .catalog import Accelerator
 from .ops import roofline_seconds
@@ -210,7 +211,7 @@ def data_lengths(spec, cache_dir: Path | None = None, sample: int = SAMPLE) -> D
     why they are not known. ``cache_dir``: where answers are kept, keyed by the file's and tokenizer's stamps (the
     tokenizer alone takes seconds to import and load)."""
     d = spec.data
-    if spec.program is not None:
+    if spec.kind is JobKind.PROGRAM:
         return longest("the program's own collate makes its batches, and its describe run stops before the first "
                        "batch: the data's lengths are not known")
     if d.factory is not None:

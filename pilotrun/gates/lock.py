@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from ..config.spec import JobKind
 from ..ledger.records import GateName
 from ..lock import (
     DriftKind,
@@ -109,7 +110,7 @@ class LockGate(Gate):
         if lock["code"].get("dirty"):
             warnings.append(f"the git checkout at {lock['code']['commit'][:10]} has uncommitted changes: "
                             "the code is not fully recorded")
-        if ctx.spec.program is not None:
+        if ctx.spec.kind is JobKind.PROGRAM:
             program = lock.get("program", {})
             out.details["program"] = program
             info.append(f"program: {len(program.get('files', {}))} file(s) hashed ({program.get('files_from')}), "

@@ -12,7 +12,7 @@ Example::
     from pilotrun.config import load_spec
     from pilotrun.pilot import PilotOptions, run_pilot
     result = run_pilot(load_spec("examples/tiny-sft/pilot.yaml"), PilotOptions())
-    print(result.status, [r["verdict"] for r in result.rows])
+    print(result.status, [r.verdict for r in result.records])
 """
 from __future__ import annotations
 
@@ -135,14 +135,14 @@ def run_pilot(spec: Spec, options: PilotOptions | None = None, observer: Observe
     if env.is_main:
         ledger.start_run(run_id, spec.name, RunKind.PILOT, spec_path=spec.source, out_dir=str(out_dir.resolve()),
                          config_hash=spec.config_hash(), meta={"gates": [g.name for g in gates], "notes": notes,
-                                                               **_job_meta(spec, process),
+                                                               **driver_class(spec).job_meta(spec, process),
                                                                **({"task_id": options.task_id} if options.task_id
                                                                   else {})},
                          parent_id=parent_id)
     distributed.barrier(env)
     node_row = _register_on_this_node(ledger, env, run_id, spec, out_dir, options.task_id)
     distributed.barrier(env)  # this node's ranks write rows only once the run is in its ledger
-    observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [_where(spec, process)])
+    observer.on_start(run_id, out_dir, [g.name for g in gates], notes + [driver_class(spec).where(spec, process)])
     if not in_process:  # the program: built from the spec alone, before its gates
         site = RunSite(run_id, out_dir, ledger.path, progress=lambda text: observer.on_progress(0, 1, text),
                        finished=program_plan.reused if program_plan else {})
@@ -188,16 +188,6 @@ def _fallback(result: PilotResult, exc: LedgerWriteFailed) -> str:
     return str(path)
 
 
-def _job_meta(spec: Spec, process) -> dict:
-    """What the run row records of how the job runs: the program's command, or pilotrun's processes."""
-    if spec.program is not None:
-        return {"program": spec.program.words}
-    return {"world_size": process.env.world_size, "strategy": process.strategy.name}
-
-
-def _where(spec: Spec, process) -> str:
-    return f"program: {' '.join(spec.program.words)}" if spec.program is not None else \
-        f"device: {process.device_reason}"
 
 
 def _one_gate(gate_cls: type[Gate], ctx: PilotContext, carried: dict[str, GateRow], plan: ResumePlan | None,

@@ -42,9 +42,9 @@ def test_a_driver_without_a_capability_gets_those_gates_skipped_with_the_reason(
         name = "no-model"
         capabilities = frozenset({Capability.UPDATES, Capability.FULL_STATE, Capability.RESTART})
 
-    monkeypatch.setitem(build.DRIVERS, "no-export", NoExport)
-    monkeypatch.setitem(build.DRIVERS, "no-model", NoModel)
-    monkeypatch.setattr(build, "driver_name", lambda spec: "no-export")
+    from pilotrun.config.spec import JobKind
+
+    monkeypatch.setitem(build.DRIVERS, JobKind.LOOP, NoExport)  # the spec's kind now gets this driver
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     rows = gate_rows(toy, tmp_path / "a", gates=["first_step", "export", "reload_eval"])
     assert rows["first_step"]["verdict"] == "pass"
@@ -54,7 +54,7 @@ def test_a_driver_without_a_capability_gets_those_gates_skipped_with_the_reason(
     assert rows["reload_eval"]["verdict"] == "skip"
     assert rows["reload_eval"]["reason"] == ("skipped: export was not measured (not measured: the no-export driver "
                                              "cannot write an inference artifact)")
-    monkeypatch.setattr(build, "driver_name", lambda spec: "no-model")
+    monkeypatch.setitem(build.DRIVERS, JobKind.LOOP, NoModel)
     rows = gate_rows(toy, tmp_path / "b", gates=["first_step", "eval"])
     assert rows["load"]["verdict"] == "pass"
     for gate in ("first_step", "eval"):

@@ -44,6 +44,7 @@ from ...ledger.store import Ledger
 from ...procs import THREAD_VARS, Tree, with_torchrun_folder
 from ...workers.common import write_spec_file
 from ...workers.launch import worker_env
+from .. import kinds
 from ..spec import load_campaign, run_spec
 from ..spool import SpoolReader, write_item
 from ..stops import STOP_SIGNAL, tell_ranks
@@ -189,7 +190,7 @@ def plan_nodes(group: NodeGroup, requested: int | None, spec, processes: int, cp
     a program's campaign, a single-process strategy, a ``gpus_per_run`` (``processes``) that is not the world size,
     or ``--parallel`` above 1. Pure."""
     g = group
-    if spec.program is not None:
+    if not kinds.of(spec).over_nodes:
         raise EngineRefusal(f"--nnodes {g.nnodes}: a campaign of your program over several nodes is not supported "
                             "(its runs start the program's own launcher on one node); run it on one node, or "
                             "campaign pilotrun's loop")

@@ -42,9 +42,9 @@ from ...ledger.records import RunEnd, RunStatus, Series, StopKind
 from ...ledger.store import Ledger
 from ...procs import Tree, with_torchrun_folder
 from ...workers.launch import worker_env
+from .. import kinds
 from ..resources import PerRun
 from ..run_plan import CampaignRunPlan
-from ..runner import train_run
 from ..spec import run_device, run_processes
 from ..spool import SpoolReader, end_item, write_item
 from ..stops import STOP_REASON_FILE, STOP_SIGNAL, tell_ranks
@@ -213,8 +213,9 @@ def _run_task(payload: dict, run_id: str, out_dir: str, plan_json: dict, deadlin
     if plan.processes > 1:
         return _run_group(payload, run_id, Path(out_dir), plan, deadline, relay, how)
     spec = spec_from_mapping(payload["written"], payload["source"])
-    result = train_run(spec, run_id, Path(out_dir), None, plan, deadline, lambda: how() is not None,
-                       lambda: how() or "Ctrl-C", sink=RelaySink(relay))
+    run = kinds.of(spec).run()  # pilotrun's loop, or the supervisor of the user's program
+    result = run(spec, run_id, Path(out_dir), None, plan, deadline, lambda: how() is not None,
+                 lambda: how() or "Ctrl-C", sink=RelaySink(relay))
     return str(result["status"])
 
 
