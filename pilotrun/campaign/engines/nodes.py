@@ -55,6 +55,7 @@ from .local import STOP_GRACE_S, LocalEngine
 # failed, and for their rows once its own ranks ended; how long a follower waits for node 0's store to answer.
 TAKE_WAIT_S = 600.0
 ROWS_WAIT_S = 120.0
+STOP_ROWS_WAIT_S = 20.0
 CONNECT_WAIT_S = 900.0
 POLL_S = 0.2
 
@@ -160,13 +161,13 @@ class Leader:
                 problems.append(f"node {node} refused it: {said['refused']}")
         return problems
 
-    def collect(self, run_id: str, ledger: Path) -> list[str]:
+    def collect(self, run_id: str, ledger: Path, wait_s: float = ROWS_WAIT_S) -> list[str]:
         """Every other node's rows of the run, into the ledger; the nodes whose rows did not come, in words."""
         missing = []
         for node in range(1, self.group.nnodes):
-            sent = _wait_for(self.store, f"rows/{run_id}/{node}", ROWS_WAIT_S)
+            sent = _wait_for(self.store, f"rows/{run_id}/{node}", wait_s)
             if sent is None:
-                missing.append(f"node {node}'s ranks' points did not arrive within {ROWS_WAIT_S:g} s (they are in "
+                missing.append(f"node {node}'s ranks' points did not arrive within {wait_s:g} s (they are in "
                                "its spool, on its own disk)")
                 continue
             with Ledger(ledger) as led:
@@ -244,7 +245,9 @@ class NodesEngine(LocalEngine):
         try:
             super().launch(r, ledger, plan_file, deadline, threads)
         finally:
-            missing = self.leader.collect(r["run_id"], ledger)
+            # A campaign that is stopping waits less: its grace (a preemption's SIGTERM) is short.
+            missing = self.leader.collect(r["run_id"], ledger, STOP_ROWS_WAIT_S if self.stopping.is_set() else
+                                          ROWS_WAIT_S)
             if missing:
                 with Ledger(ledger) as led:
                     led.merge_meta(r["run_id"], {"nodes_missing": missing})
