@@ -26,7 +26,7 @@ from . import __version__, backends
 from .config.factories import import_factory
 from .config.paths import bucket_folder, is_bucket_uri, looks_local
 from .config.program import program_files
-from .config.spec import JobKind, Spec, dotted
+from .config.spec import Spec, dotted
 from .errors import ContainerDigestError as ContainerDigestError  # defined there: the CLI catches it without torch
 
 CONTAINER_ENV = "PILOTRUN_CONTAINER_DIGEST"
@@ -255,7 +255,7 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
     else:
         container = {"digest": None, "from": None, "inside_container": in_container()}
 
-    program = {"program": program_lock(spec, cache)} if spec.kind is JobKind.PROGRAM else {}
+    program = {"program": program_lock(spec, cache)} if spec.program is not None else {}
     return {
         **program,
         "pilotrun": __version__,

@@ -14,9 +14,9 @@ from rich.markup import escape
 from .. import strategies
 from ..config.load import load_spec
 from ..config.schema import SpecError
-from ..config.spec import JobKind
 from ..devices import DeviceUnavailable
 from ..distributed import LaunchError, env_from_os
+from ..drivers import driver_class
 from ..gates import UnknownGate
 from ..interrupt import interruptible
 from ..ledger.records import Failure, Verdict
@@ -220,7 +220,7 @@ def _stopped(stop: PilotInterrupted, spec, args, console) -> None:
     words = ["pilotrun", "run", str(args.spec), "--resume", result.run_id]
     words += ["--ledger", str(args.ledger)] if args.ledger else []
     words += [w for item in args.overrides for w in ("--set", item)]  # --resume needs the same config
-    how = ("keeping the runs of the program it finished" if spec.kind is JobKind.PROGRAM
+    how = ("keeping the runs of the program it finished" if not driver_class(spec).in_process
            else "from its last good checkpoint")
     console.print(f"  continue it, {how}: {escape(shlex.join(words))}", highlight=False)
 
@@ -228,7 +228,7 @@ def _stopped(stop: PilotInterrupted, spec, args, console) -> None:
 def _advise_after_oom(spec, result, console) -> None:
     """A gate that ran out of accelerator memory gets the advisor's variants, and a note in the ledger."""
     oom = [r for r in result.records if r.verdict == Verdict.FAIL and r.failure == Failure.OUT_OF_MEMORY]
-    if not oom or spec.kind is not JobKind.LOOP:  # the advisor traces pilotrun's loop, not a program's
+    if not oom or not driver_class(spec).in_process:  # the advisor traces pilotrun's loop, not a program's
         return
     from ..estimate.advise import advise
     from ..estimate.catalog import load_catalog, local_accelerator
@@ -248,7 +248,7 @@ def _advise_after_oom(spec, result, console) -> None:
     except Exception as exc:  # advice is a help, never a second failure
         console.print(f"[yellow]no advice: {type(exc).__name__}: {escape(str(exc))}[/]")
         return
-    console.print(f"[bold yellow]{oom[0]['gate']} ran out of memory on {acc.name}; variants in order "
+    console.print(f"[bold yellow]{oom[0].gate} ran out of memory on {acc.name}; variants in order "
                   "(the maximum length is never cut):[/]")
     lines = []
     for v in variants:

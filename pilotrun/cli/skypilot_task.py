@@ -12,9 +12,9 @@ from pathlib import Path
 
 from .. import __file__ as _pilotrun_init
 from .. import __version__
+from ..campaign import kinds
 from ..campaign.spec import load_campaign
 from ..config.paths import bucket_folder, is_bucket_uri, looks_local
-from ..config.spec import JobKind
 from ..deploy.requirements import NOT_ONE_LINE, NoTorchIndex, Target, Unpinnable, one_line, requirements
 from ..deploy.skypilot import (
     BUCKET_MOUNT,
@@ -223,7 +223,7 @@ def _campaign(args, spec, row: dict, overrides) -> CampaignPart | None:
                           "(what SkyPilot uploads; its base must reach the spec there): move the campaign file into "
                           f"{spec.folder} and set its base to {Path(spec.source).name}")
     return CampaignPart(rel, len(c.values) * len(c.seeds), c.ranks, c.keep.checkpoint, c.keep.export,
-                        program=c.kind is JobKind.PROGRAM)
+                        over_nodes=kinds.of(c).over_nodes)
 
 
 PLANNED = ".planned"  # the suffix of the spec and campaign files a plan that changes the spec writes

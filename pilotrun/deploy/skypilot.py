@@ -113,7 +113,7 @@ class CampaignPart:
     processes: int
     keep_checkpoint: bool
     keep_export: bool
-    program: bool = False  # a campaign of the user's program (its runs start the program's own launcher)
+    over_nodes: bool = True  # its runs may span several nodes (not a program's: it starts its own launcher)
 
 
 @dataclass
@@ -449,7 +449,7 @@ def task_entries(inp: TaskInputs) -> list:
     row = inp.row
     _check_paths(inp)
     n, per_node = nodes(row)
-    if n > 1 and inp.campaign is not None and inp.campaign.program:
+    if n > 1 and inp.campaign is not None and not inp.campaign.over_nodes:
         raise TaskRefused(f"the plan runs {row['gpus']} GPUs of {row['accelerator']} over {n} nodes, and --campaign "
                           f"{inp.campaign.path_rel} runs your program, whose runs start its own launcher on one node: "
                           "a campaign over several nodes runs pilotrun's loop only; run the program's campaign as a "

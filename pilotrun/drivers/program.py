@@ -183,16 +183,14 @@ class ProgramDriver(Driver):
             if gate.name == self.problems_gate:
                 mark_problems(rows, recording)
             return rows
-        recorded = [unvouched(GateRow.from_mapping(e["row"])) for e in recording.of(Event.GATE)
-                    if e["row"].get("gate") == gate.name]
+        recorded = [unvouched(row) for row in reported(recording.of(Event.GATE), gate.name)]
         if not recorded:
             return [_not_on_program(gate, self._integration_needed())]
         if gate.name == GateName.EXPORT:
             for row in recorded:
                 admitted(row, self._export_check(recording, row.details))
         elif gate.name == GateName.RELOAD_EVAL:
-            exports = [GateRow.from_mapping(e["row"]) for e in recording.of(Event.GATE)
-                       if e["row"].get("gate") == GateName.EXPORT]
+            exports = reported(recording.of(Event.GATE), GateName.EXPORT)
             for row in recorded:
                 reload_stands(row, [self._export_check(recording, unvouched(x).details) for x in exports
                                     if x.rank == row.rank and x.verdict in (Verdict.PASS, Verdict.WARN)])
@@ -262,7 +260,7 @@ class ProgramDriver(Driver):
                 f"update {e.get('update')}: {e['problem']}" for e in recording.of(Event.PROBLEM)))
         if self._untold_leftovers():
             out.append(_leftovers_said(self._untold_leftovers()))
-        unknown = sorted({e["row"].get("gate") for e in recording.of(Event.GATE)} - set(self.known))
+        unknown = sorted({row.gate for row in reported(recording.of(Event.GATE))} - set(self.known))
         if unknown:
             out.append(f"the program recorded rows for unknown gate(s) {unknown}; known: {', '.join(self.known)}")
         return out
@@ -338,6 +336,13 @@ def reload_stands(row: GateRow, checks: list[tuple[str | None, str]]) -> None:
     row.reason = f"the export it reloaded did not pass pilotrun's own check: {why} ({row.reason})"
 
 
+def reported(events: list[dict], gate: str | None = None) -> list[GateRow]:
+    """The gate rows the program's ``stage`` or ``gate`` events carry (their shape was checked when the events were
+    read: program.runner), of ``gate`` when given."""
+    rows = [GateRow.from_mapping(e["row"]) for e in events]
+    return [r for r in rows if gate is None or r.gate == gate]
+
+
 def _not_on_program(gate: GateDeclaration, note: str | None = None) -> GateRow:
     return GateRow.now(gate.name, Verdict.SKIP, f"not measured on a program: {note or gate.program_note}",
                        details={"on_program": str(gate.on_program)})
@@ -347,7 +352,7 @@ def stage_rows(name: str, run: RunOutcome, enable: str, combines: bool = True) -
     """One row per rank from the stages the run reported under ``name`` (several combined, or with ``combines``
     False the first kept); skip (or fail, when the run crashed before reporting it) where there is none."""
     name = str(name)  # the gate's name as the program wrote it (a GateName would quote as its repr)
-    if not any(e["row"].get("gate") == name for e in run.of(Event.STAGE)):
+    if not reported(run.of(Event.STAGE), name):
         if not run.ended_cleanly:
             return [GateRow.now(name, Verdict.FAIL, f"the {run.role} run {run.how_it_ended()} before reporting "
                                 f"the {name!r} stage (log: {run.log})", failure=Failure.ERROR,
@@ -356,7 +361,7 @@ def stage_rows(name: str, run: RunOutcome, enable: str, combines: bool = True) -
                             details={"on_program": str(OnProgram.STAGE)})]
     out = []
     for rank in run.ranks:
-        rows = [GateRow.from_mapping(e["row"]) for e in run.of(Event.STAGE, rank) if e["row"].get("gate") == name]
+        rows = reported(run.of(Event.STAGE, rank), name)
         if not rows:
             out.append(GateRow.now(name, Verdict.SKIP, f"not measured on rank {rank}: it reported no {name!r} stage "
                                    "(other ranks did)", rank=rank, world_size=run.world_size,

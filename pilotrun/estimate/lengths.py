@@ -30,7 +30,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.spec import JobKind
 from ..safefile import FileProblem, WriteFailed, read_json, write_atomic
 from .catalog import Accelerator
 from .ops import roofline_seconds
@@ -210,8 +209,10 @@ def data_lengths(spec, cache_dir: Path | None = None, sample: int = SAMPLE) -> D
     """The lengths pilotrun's loop gives the spec's training examples (see the module's docstring), or LONGEST with
     why they are not known. ``cache_dir``: where answers are kept, keyed by the file's and tokenizer's stamps (the
     tokenizer alone takes seconds to import and load)."""
+    from ..drivers.build import driver_class  # here: reading cached lengths imports no torch
+
     d = spec.data
-    if spec.kind is JobKind.PROGRAM:
+    if not driver_class(spec).in_process:  # the job's batches are made outside pilotrun, by the program
         return longest("the program's own collate makes its batches, and its describe run stops before the first "
                        "batch: the data's lengths are not known")
     if d.factory is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-from ..config.spec import JobKind
 from ..ledger.records import GateName
 from ..lock import (
     DriftKind,
@@ -110,8 +109,8 @@ class LockGate(Gate):
         if lock["code"].get("dirty"):
             warnings.append(f"the git checkout at {lock['code']['commit'][:10]} has uncommitted changes: "
                             "the code is not fully recorded")
-        if ctx.spec.kind is JobKind.PROGRAM:
-            program = lock.get("program", {})
+        if "program" in lock:  # the lock records the program's command and files (lock.program_lock)
+            program = lock["program"]
             out.details["program"] = program
             info.append(f"program: {len(program.get('files', {}))} file(s) hashed ({program.get('files_from')}), "
                         "command recorded")

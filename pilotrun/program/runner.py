@@ -33,6 +33,7 @@ from ..config.program import (
     TORCHRUN_WORD,
     ProgramSpec,
 )
+from ..ledger.records import GateRow
 from ..procs import KILL_WAIT_S, Tree, leftover_text, with_torchrun_folder
 from ..safefile import FileKind, FileProblem, read_bytes
 from . import env as E
@@ -144,6 +145,11 @@ def _not_an_event(event: object) -> str | None:
     if field_type and (not isinstance(event.get(field_type[0]), field_type[1]) or isinstance(event.get(field_type[0]),
                                                                                              bool)):
         return f"is a {event['kind']!r} event whose {field_type[0]!r} is not {field_type[1].__name__}"
+    if event["kind"] in (Event.STAGE, Event.GATE):  # read as a GateRow from here on: its shape is checked here
+        try:
+            GateRow.from_mapping(event["row"])
+        except (TypeError, ValueError) as exc:
+            return f"is a {event['kind']!r} event whose row is not a gate row ({str(exc)[:120]})"
     return None
 
 

@@ -29,8 +29,8 @@ import torch
 from .. import strategies
 from ..config.load import load_spec
 from ..config.schema import SpecError
-from ..config.spec import JobKind, Spec
-from ..drivers import build_driver, join_job, load_inputs
+from ..config.spec import Spec
+from ..drivers import build_driver, driver_class, join_job, load_inputs
 from ..drivers.base import NonFiniteError
 from ..drivers.loop import LoopDriver
 from ..humanize import human_bytes
@@ -91,7 +91,7 @@ def _load(path: str | Path, overrides: list[str], extra: list[str], variant: str
             raise
         raise SpecError([(f"pilot.variants ({variant})" + (f": {f}" if f else ""), m) for f, m in exc.problems],
                         exc.source) from None
-    if spec.kind is not JobKind.LOOP:
+    if not driver_class(spec).in_process:  # the variants are built and compared in this process
         raise SpecError([("program", "pilotrun variants runs pilotrun's own loop (model/data/train); a program's "
                                      "variants are not run yet: pilot the program, and vary its flags by hand")],
                         spec.source)

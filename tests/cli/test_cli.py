@@ -248,3 +248,34 @@ def test_torchaos_import_warnings_stay_out_of_pilotruns_own_processes():
     assert loud.returncode == quiet.returncode == 0, (loud.stderr[-1000:], quiet.stderr[-1000:])
     assert "pytree" in loud.stderr   # the noise is there to quiet: this check can fail
     assert "pytree" not in quiet.stderr and "Failed to load" not in quiet.stderr, quiet.stderr[-1000:]
+
+
+def test_a_gate_out_of_memory_gets_the_advisors_variants_on_screen_and_in_the_ledger(tmp_path, monkeypatch):
+    """What `pilotrun run` prints after a gate ran out of accelerator memory (only reachable on a GPU otherwise): the
+    advisor's variants traced for the local accelerator, and the same lines as a note on the run."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from pilotrun.cli.run import _advise_after_oom
+    from pilotrun.config.load import load_spec
+    from pilotrun.estimate import catalog
+    from pilotrun.ledger.records import Failure, GateRow
+    from pilotrun.ledger.store import Ledger
+    from tests.conftest import copy_fixture
+
+    spec = load_spec(copy_fixture("toy", tmp_path))
+    ledger = tmp_path / "l.sqlite"
+    with Ledger(ledger) as led:
+        led.start_run("p1", spec.name, "pilot", config_hash=spec.config_hash())
+    oom = GateRow.now("steady_step", "fail", "CUDA out of memory", failure=Failure.OUT_OF_MEMORY)
+    result = SimpleNamespace(records=[GateRow.now("load", "pass", "ok"), oom], ledger_path=ledger, run_id="p1")
+    monkeypatch.setattr(catalog, "local_accelerator", lambda cat: cat["L4-24GB"])  # as if this machine had one
+    console = Console(record=True, width=200)
+    _advise_after_oom(spec, result, console)
+    text = console.export_text()
+    assert "steady_step ran out of memory on L4-24GB; variants in order" in text, text
+    with Ledger(ledger) as led:
+        (note,) = [n["text"] for n in led.notes("p1")]
+    assert note.startswith("advisor after out of memory:\n") and "GiB per GPU" in note
+    assert note.splitlines()[-1].strip() in text  # the same lines as on screen

@@ -294,7 +294,7 @@ def test_what_the_task_cannot_know_is_said_and_what_cannot_run_is_refused():
     assert "unknown SkyPilot name" in task_text(unnamed) and "H100-80GB:4" in task_text(unnamed)
     with pytest.raises(TaskRefused, match="over 2 nodes, and --campaign job/sweep.yaml runs your program"):
         task_text(inputs(row=inputs().row | {"gpus": 16}, campaign=CampaignPart("job/sweep.yaml", 3, 16, True, False,
-                                                                                 program=True)))
+                                                                                 over_nodes=False)))
     uri = yaml.safe_load(task_text(inputs(bucket=Bucket("s3://team/runs", "--bucket"))))
     assert uri["file_mounts"]["/pilotrun-bucket"] == {"source": "s3://team/runs", "mode": "MOUNT_CACHED"}
     assert bucket_problem("My_Bucket") and bucket_problem("s3://x/y") is None and bucket_problem("runs-1") is None

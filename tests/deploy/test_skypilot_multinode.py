@@ -48,7 +48,7 @@ def test_a_plan_over_two_nodes_is_a_task_of_two_nodes_whose_every_node_starts_to
     assert "It runs on every node: start your launcher with --nnodes" in both["run"]
     with pytest.raises(TaskRefused, match="over 2 nodes, and --campaign job/sweep.yaml runs your program"):
         task_text(inputs(row=inputs().row | TWO_NODES, campaign=CampaignPart("job/sweep.yaml", 3, 16, True, False,
-                                                                             program=True)))
+                                                                             over_nodes=False)))
 
 
 def _free_port() -> int:
