@@ -131,6 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code :func:`main` gives a command that raised ``exc`` (a node tells the others how it ended)."""
+    if isinstance(exc, (SpecError, UsageError, LedgerError, LaunchError, ContainerDigestError, WriteFailed,
+                        ExitCalled)):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, KeyboardInterrupt):
+        return as_interrupted(exc).exit_code
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    return EXIT_INTERNAL
+
+
 def _save_crash(text: str) -> str:
     """Write a crash's traceback to runs/pilotrun-crash.txt, else to the temp folder; say where, or where not."""
     tried = []

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ..campaign.conclude import link_text, stop_text, table, unanswered_failures
 from ..campaign.engines.base import ENGINES, EngineChoice
-from ..campaign.engines.nodes import Leader, NodeError, NodeGroup, follow
+from ..campaign.engines.nodes import Leader, NodeError, NodeGroup, NodeLost, follow
 from ..campaign.followup import recover, resume, retry
 from ..campaign.orchestrate import CampaignError, CampaignInterrupted, run_campaign
 from ..interrupt import Interrupted, interruptible
@@ -19,6 +19,7 @@ from ..ledger.store import default_ledger_path
 from ..lock import resolve_container_digest
 from .common import (
     EXIT_GATE_FAILED,
+    EXIT_INTERNAL,
     EXIT_OK,
     UsageError,
     add_ledger_arg,
@@ -106,7 +107,7 @@ def add_parser(sub) -> None:
 
 def node_group(args) -> NodeGroup | None:
     """The cluster every run spans (``--nnodes`` above 1), checked; None on one machine."""
-    given = args.node_rank or args.rdzv_endpoint or args.nproc_per_node
+    given = args.node_rank or args.rdzv_endpoint is not None or args.nproc_per_node is not None
     if args.nnodes == 1:
         if given:
             raise UsageError("--node-rank, --rdzv-endpoint and --nproc-per-node go with --nnodes N (above 1)")
@@ -128,31 +129,46 @@ def main(args) -> int:
     if group is None:
         return _campaign(args, None)
     if group.node_rank > 0:
-        if not Path(args.campaign).is_file():
-            raise UsageError(f"{args.campaign!r} is not a campaign file: every node runs the same campaign file")
-        err_console().print(f"campaign: node {group.node_rank} of {group.nnodes} follows node 0 at "
-                            f"{escape(group.endpoint)}", highlight=False)
-        try:
-            with interruptible():
-                return follow(group, Path(args.campaign), args.out)
-        except NodeError as exc:
-            raise UsageError(str(exc)) from None
-        except CampaignError as exc:
-            raise UsageError(str(exc)) from None
-        except Interrupted as exc:
-            return exc.exit_code
+        return _follow(args, group)
     try:
         leader = Leader(group)
     except NodeError as exc:
         raise UsageError(str(exc)) from None
-    with leader:  # an exception ends the other nodes with exit 1
-        try:
+    code = EXIT_INTERNAL
+    try:
+        with interruptible():  # a signal while planning, too: the other nodes are told how this one ended
             code = _campaign(args, leader)
-        except UsageError:
-            leader.end(2)
-            raise
-        leader.end(code)
+        if leader.lost:
+            err_console().print(f"[bold red]node lost[/]: {escape('; '.join(leader.lost))}: the runs after it are "
+                                "recorded as not run, and a restart of the task (--task-id) runs them",
+                                highlight=False)
+            code = max(code, EXIT_GATE_FAILED)
         return code
+    except BaseException as exc:
+        from . import exit_code_for
+
+        code = exit_code_for(exc)
+        raise
+    finally:
+        leader.end(code)
+
+
+def _follow(args, group: NodeGroup) -> int:
+    """Node R (above 0): follow node 0's campaign until it ends; its exit code."""
+    if not Path(args.campaign).is_file():
+        raise UsageError(f"{args.campaign!r} is not a campaign file: every node runs the same campaign file")
+    err_console().print(f"campaign: node {group.node_rank} of {group.nnodes} follows node 0 at "
+                        f"{escape(group.endpoint)}", highlight=False)
+    try:
+        with interruptible():
+            return follow(group, Path(args.campaign), args.out)
+    except (NodeError, CampaignError) as exc:
+        raise UsageError(str(exc)) from None
+    except NodeLost as exc:
+        err_console().print(f"[bold red]node 0 lost[/]: {escape(str(exc))}", highlight=False)
+        return EXIT_GATE_FAILED
+    except Interrupted as exc:
+        return exc.exit_code
 
 
 def _campaign(args, leader: Leader | None) -> int:

@@ -148,7 +148,7 @@ def _not_an_event(event: object) -> str | None:
     if event["kind"] in (Event.STAGE, Event.GATE):  # read as a GateRow from here on: its shape is checked here
         try:
             GateRow.from_mapping(event["row"])
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, AttributeError) as exc:
             return f"is a {event['kind']!r} event whose row is not a gate row ({str(exc)[:120]})"
     return None
 

@@ -3,6 +3,7 @@ the store between node 0 and the others, in one process (a real TCPStore on loop
 real processes running a SkyPilot task's script, is tests/deploy/test_skypilot_multinode.py."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from pathlib import Path
@@ -76,11 +77,12 @@ def test_a_node_whose_files_give_another_spec_refuses_the_run_and_every_node_end
         follower.start()
         # node 0's spec differs from what node 1's campaign file gives (another file, another hash): refused, and
         # nothing of it started on node 1
-        refused = leader.offer({"run_id": "c-r01", "config_hash": "0" * 64, "out": str(tmp_path / "c-r01"),
-                                "plan": {"updates": 2, "eval_every": 1}, "deadline": None, "threads": 1})
-        assert len(refused) == 1 and refused[0].startswith("node 1 refused it: its spec (config hash 000000000000) "
-                                                           "is not one that")
-        assert "the nodes' files differ" in refused[0] and not (tmp_path / "node1").exists()
+        said = leader.offer({"run_id": "c-r01", "config_hash": "0" * 64, "out": str(tmp_path / "c-r01"),
+                             "plan": {"updates": 2, "eval_every": 1}, "deadline": None, "threads": 1})
+        assert not said.silent and len(said.refused) == 1
+        assert said.refused[0].startswith("node 1 refused it: its spec (config hash 000000000000) is not one that")
+        assert "the nodes' files differ" in said.refused[0] and not (tmp_path / "node1").exists()
+        assert leader.store.get("go/c-r01") == b'{"go": false}'  # no node starts a rendezvous node 0 will not join
         assert runs[0]["config_hash"] != "0" * 64
         leader.end(3)
     follower.join(timeout=30)
@@ -97,3 +99,50 @@ def test_the_flags_of_a_campaign_over_nodes_are_checked_before_anything_runs(tmp
         res = pilotrun_cli("campaign", str(campaign), *args, cwd=tmp_path)
         assert res.returncode == 2 and said in res.stderr, res.stdout + res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_nodes_rows_go_to_node_0_in_chunks_the_store_takes_and_leave_it_once_read(tmp_path, monkeypatch):
+    from pilotrun.campaign.engines import nodes
+
+    monkeypatch.setattr(nodes, "CHUNK_BYTES", 200)  # the store's limit is 8 MiB; a small one shows the chunks
+    group = NodeGroup(nnodes=2, node_rank=0, per_node=1, endpoint=f"127.0.0.1:{_free_port()}")
+    items = [["metrics", "c-r01", "train", [{"step": i, "loss": 1.0 / i, "sample_ids": list(range(8))}], 1]
+             for i in range(1, 11)]
+    with Leader(group) as leader:
+        nodes.send_rows(leader.store, "rows/c-r01/1", items)
+        assert json.loads(leader.store.get("rows/c-r01/1"))["chunks"] == 10  # one point of ~90 bytes each
+        assert nodes.take_rows(leader.store, "rows/c-r01/1", 1.0) == items
+        assert not leader.store.check(["rows/c-r01/1"]) and not leader.store.check(["rows/c-r01/1/0"])
+        assert nodes.take_rows(leader.store, "rows/c-r02/1", 0.2) is None  # a node that sent nothing
+        leader.lost = ["node 1 stopped answering"]  # nobody to wait for at the end
+
+
+def test_a_node_that_stops_answering_leaves_the_rest_of_the_campaign_not_run_for_a_restart(tmp_path, monkeypatch):
+    from pilotrun.campaign.engines import nodes
+    from pilotrun.campaign.orchestrate import run_row
+    from pilotrun.ledger.records import RunKind, StopKind
+    from pilotrun.ledger.store import Ledger
+
+    monkeypatch.setattr(nodes, "TAKE_WAIT_S", 0.5)
+    campaign = _toy_campaign(tmp_path)
+    runs, _ = prepare(load_campaign(campaign))
+    ledger, plan_file = tmp_path / "l.sqlite", tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({"updates": 2, "eval_every": 1}))
+    with Ledger(ledger) as led:
+        led.start_run("c", "sweep", RunKind.CAMPAIGN)
+        for i, r in enumerate(runs):
+            r["run_id"], r["out"] = f"c-r0{i + 1}", tmp_path / f"c-r0{i + 1}"
+        led.plan_runs([run_row("c", "train.optimizer.lr", r["run_id"], r["spec"], r["out"], r) for r in runs])
+    group = NodeGroup(nnodes=2, node_rank=0, per_node=1, endpoint=f"127.0.0.1:{_free_port()}")
+    with Leader(group) as leader:  # node 1 never started
+        engine = nodes.NodesEngine(leader)
+        for r in runs:
+            engine.launch(r, ledger, plan_file, None, 1)
+        assert leader.lost == ["node 1 stopped answering"] and leader.offered == 1  # the second run was not offered
+    with Ledger(ledger) as led:
+        ends = [led.run(r["run_id"]) for r in runs]
+    metas = [json.loads(e["meta_json"]) for e in ends]
+    assert [e["status"] for e in ends] == ["not-run", "not-run"]  # cut short: --task-id continues them
+    assert {m["stop_kind"] for m in metas} == {str(StopKind.WORKER_LOST)}
+    assert metas[0]["stop_reason"].startswith("not started on the cluster: node 1 did not take the run within 0.5 s")
+    assert metas[1]["stop_reason"] == "node 1 stopped answering: not started"

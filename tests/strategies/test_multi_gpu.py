@@ -192,7 +192,7 @@ def test_each_campaign_worker_is_started_with_its_own_device(tmp_path, monkeypat
             seen[cmd[cmd.index("--run-id") + 1]] = kw["env"].get("CUDA_VISIBLE_DEVICES")
         return real_popen(cmd, *args, **kw)
 
-    monkeypatch.setattr(orchestrate.subprocess, "Popen", spy)
+    monkeypatch.setattr(subprocess, "Popen", spy)  # procs.Tree starts the keeper with it
     copy_example("tiny-sft", tmp_path)
     body = {"name": "gpus", "base": "tiny-sft/pilot.yaml", "vary": {"train.optimizer.lr": [3e-3, 1e-3]},
             "seeds": [1], "updates": 2, "eval": {"every": 2},

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,7 +46,7 @@ from ...procs import THREAD_VARS, Tree, with_torchrun_folder
 from ...workers.common import write_spec_file
 from ...workers.launch import worker_env
 from .. import kinds
-from ..spec import load_campaign, run_spec
+from ..spec import base_spec, load_campaign, run_spec
 from ..spool import SpoolReader, write_item
 from ..stops import STOP_SIGNAL, tell_ranks
 from .base import EngineRefusal
@@ -56,12 +57,21 @@ from .local import STOP_GRACE_S, LocalEngine
 TAKE_WAIT_S = 600.0
 ROWS_WAIT_S = 120.0
 STOP_ROWS_WAIT_S = 20.0
+END_WAIT_S = 120.0
+# A store value stays under this (the libuv store refuses one over 8 MiB).
+CHUNK_BYTES = 4 << 20
+# A run id as node 0 writes it (ledger.records.new_run_id, then -rNN): a path part on every node, so checked.
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 CONNECT_WAIT_S = 900.0
 POLL_S = 0.2
 
 
 class NodeError(Exception):
     """The nodes cannot run the campaign together as given: the message names the flag or file and the fix."""
+
+
+class NodeLost(Exception):
+    """Node 0 went away while this node followed it (exit 1: a task's recovery restarts every node)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,48 @@ def _wait_for(store, key: str, wait_s: float) -> dict | None:
     return json.loads(store.get(key))
 
 
+def send_rows(store, key: str, items: list) -> None:
+    """A node's rows of one run under ``key``, in chunks the store takes (its libuv server refuses a value over
+    8 MiB); the head, written last, says how many there are."""
+    chunks: list[list[str]] = [[]]
+    size = 0
+    for item in items:
+        text = json.dumps(item, default=str)
+        if chunks[-1] and size + len(text) > CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(text)
+        size += len(text) + 1
+    for k, chunk in enumerate(chunks):
+        store.set(f"{key}/{k}", "[" + ",".join(chunk) + "]")
+    store.set(key, json.dumps({"chunks": len(chunks)}))
+
+
+def take_rows(store, key: str, wait_s: float) -> list | None:
+    """The rows :func:`send_rows` put under ``key`` (deleted from the store once read), or None after ``wait_s``."""
+    head = _wait_for(store, key, wait_s)
+    if head is None:
+        return None
+    items: list = []
+    for k in range(int(head["chunks"])):
+        items += json.loads(store.get(f"{key}/{k}"))
+        store.delete_key(f"{key}/{k}")
+    store.delete_key(key)
+    return items
+
+
+@dataclass
+class Offered:
+    """What the other nodes said to one offered run: those that refused it (why) and those that never answered."""
+
+    refused: list[str]
+    silent: list[int]
+
+    def problems(self) -> list[str]:
+        return self.refused + [f"node {n} did not take the run within {TAKE_WAIT_S:g} s (its `pilotrun campaign` "
+                               "ended, or never started with the same --rdzv-endpoint)" for n in self.silent]
+
+
 class Leader:
     """Node 0's side of the store, open for the whole command: ``end(code)`` tells every other node to end."""
 
@@ -136,52 +188,59 @@ class Leader:
         try:
             self.store = _store(group, leader=True, wait_s=TAKE_WAIT_S)
         except Exception as exc:  # noqa: BLE001 — torch's store errors differ by version; each means "cannot listen"
+            first = (str(exc).splitlines() or [""])[0][:120]
             raise NodeError(f"--rdzv-endpoint {group.endpoint}: node 0 cannot open the campaign's store on port "
-                            f"{group.store_port} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); give a "
-                            "port whose next one is free too") from None
+                            f"{group.store_port} ({type(exc).__name__}: {first}); give a port whose next one is "
+                            "free too") from None
         self.offered = 0
+        self.lost: list[str] = []  # the nodes that stopped answering: the runs after are not run (resumable)
 
     def __enter__(self) -> Leader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.end(1 if exc[0] is not None else 0)
+        self.end(1 if exc[0] is not None else 0)  # once only: a second end() does nothing
 
-    def offer(self, run: dict) -> list[str]:
-        """Offer one run to every other node and wait until each took it; the refusals and silences, in words."""
-        self.store.set(f"run/{self.offered}", json.dumps(run))
-        self.offered += 1
-        problems = []
+    def offer(self, run: dict) -> Offered:
+        """Offer one run to every other node; once each took it (or refused, or stayed silent) say whether it goes."""
+        index = self.offered
+        self.offered += 1  # first: an end() after an interrupt here never overwrites the offer
+        self.store.set(f"run/{index}", json.dumps(run))
+        said = Offered([], [])
         for node in range(1, self.group.nnodes):
-            said = _wait_for(self.store, f"took/{run['run_id']}/{node}", TAKE_WAIT_S)
-            if said is None:
-                problems.append(f"node {node} did not take the run within {TAKE_WAIT_S:g} s (is its `pilotrun "
-                                "campaign` running, with the same --rdzv-endpoint?)")
-            elif said.get("refused"):
-                problems.append(f"node {node} refused it: {said['refused']}")
-        return problems
+            answer = _wait_for(self.store, f"took/{run['run_id']}/{node}", TAKE_WAIT_S)
+            if answer is None:
+                said.silent.append(node)
+            elif answer.get("refused"):
+                said.refused.append(f"node {node} refused it: {answer['refused']}")
+        # Every node starts its ranks only on this word: none waits in a rendezvous node 0 will not join.
+        self.store.set(f"go/{run['run_id']}", json.dumps({"go": not said.problems()}))
+        return said
 
     def collect(self, run_id: str, ledger: Path, wait_s: float = ROWS_WAIT_S) -> list[str]:
         """Every other node's rows of the run, into the ledger; the nodes whose rows did not come, in words."""
         missing = []
         for node in range(1, self.group.nnodes):
-            sent = _wait_for(self.store, f"rows/{run_id}/{node}", wait_s)
-            if sent is None:
+            items = take_rows(self.store, f"rows/{run_id}/{node}", wait_s)
+            if items is None:
                 missing.append(f"node {node}'s ranks' points did not arrive within {wait_s:g} s (they are in "
                                "its spool, on its own disk)")
                 continue
             with Ledger(ledger) as led:
-                for item in sent["items"]:
+                for item in items:
                     write_item(led, item)
         return missing
 
     def end(self, code: int) -> None:
-        """Tell the other nodes the command ended (its exit code), and give them a moment to read it."""
+        """Tell the other nodes the command ended (its exit code), and give them a while to read it: a node still
+        finishing its own earlier step (a restart that finds nothing to run) reads it when it gets here."""
         if self.store is None:
             return
         self.store.set(f"run/{self.offered}", json.dumps({"end": code}))
-        for node in range(1, self.group.nnodes):
-            _wait_for(self.store, f"ended/{node}", 30.0)
+        waiting = [] if self.lost else list(range(1, self.group.nnodes))
+        deadline = time.monotonic() + END_WAIT_S
+        for node in waiting:
+            _wait_for(self.store, f"ended/{node}", max(0.0, deadline - time.monotonic()))
         self.store = None
 
 
@@ -234,38 +293,66 @@ class NodesEngine(LocalEngine):
     def launch(self, r: dict, ledger: Path, plan_file: Path, deadline: float | None, threads: int | None) -> None:
         if self.stopping.is_set():
             return
+        if self.leader.lost:  # a node stopped answering: what is left waits for a restart of the whole cluster
+            self._not_run(ledger, r["run_id"], f"{'; '.join(self.leader.lost)}: not started")
+            return
         offer = {"run_id": r["run_id"], "config_hash": r["spec"].config_hash(), "out": str(r["out"]),
                  "plan": json.loads(plan_file.read_text()), "deadline": deadline, "threads": threads}
-        refused = self.leader.offer(offer)
-        if refused:
+        said = self.leader.offer(offer)
+        if said.silent:
+            self.leader.lost += [f"node {n} stopped answering" for n in said.silent]
+            self._not_run(ledger, r["run_id"], "not started on the cluster: " + "; ".join(said.problems()))
+            return
+        if said.refused:
             with Ledger(ledger) as led:
                 led.finish_campaign_run(r["run_id"], RunEnd(RunStatus.FAILED, StopKind.ERROR,
-                                                            "not started on the cluster: " + "; ".join(refused), 0))
+                                                            "not started on the cluster: " + "; ".join(said.refused),
+                                                            0))
             return
         try:
             super().launch(r, ledger, plan_file, deadline, threads)
-        finally:
-            # A campaign that is stopping waits less: its grace (a preemption's SIGTERM) is short.
-            missing = self.leader.collect(r["run_id"], ledger, STOP_ROWS_WAIT_S if self.stopping.is_set() else
-                                          ROWS_WAIT_S)
-            if missing:
-                with Ledger(ledger) as led:
-                    led.merge_meta(r["run_id"], {"nodes_missing": missing})
+        except BaseException:
+            # Stopping (a preemption's SIGTERM has a short grace), or this node's own error: a short wait.
+            self._collect(r["run_id"], ledger, STOP_ROWS_WAIT_S)
+            raise
+        self._collect(r["run_id"], ledger, STOP_ROWS_WAIT_S if self.stopping.is_set() else ROWS_WAIT_S)
+
+    def _collect(self, run_id: str, ledger: Path, wait_s: float) -> None:
+        missing = self.leader.collect(run_id, ledger, wait_s)
+        if missing:
+            with Ledger(ledger) as led:
+                led.merge_meta(run_id, {"nodes_missing": missing})
+
+    @staticmethod
+    def _not_run(ledger: Path, run_id: str, why: str) -> None:
+        """Recorded as not run for a lost worker: ``--task-id`` (or ``--resume``) runs it when the cluster restarts."""
+        with Ledger(ledger) as led:
+            led.finish_campaign_run(run_id, RunEnd(RunStatus.NOT_RUN, StopKind.WORKER_LOST, why, 0))
 
 
 def follow(group: NodeGroup, campaign: Path, out_root: Path) -> int:
     """Node R's side (R above 0): take each run node 0 offers, run this node's ranks of it, hand their rows back;
-    node 0's exit code once its command ended. Raises NodeError when node 0 never answers."""
+    node 0's exit code once its command ended. NodeError when node 0 never answers, NodeLost when it goes away."""
     c = load_campaign(campaign)  # the runs node 0 plans, built from this node's own files
-    specs = {spec.config_hash(): spec for spec in (run_spec(c, value, seed) for value in c.values for seed in c.seeds)}
-    node = group.node_rank
+    written = base_spec(c).written
+    specs = {spec.config_hash(): spec for spec in (run_spec(c, value, seed, base_written=written)
+                                                   for value in c.values for seed in c.seeds)}
     try:
         store = _store(group, leader=False, wait_s=CONNECT_WAIT_S)
     except Exception as exc:  # noqa: BLE001 — torch's store errors differ by version; each means "no node 0"
         raise NodeError(f"node 0's campaign did not answer at {group.host}:{group.store_port} within "
                         f"{CONNECT_WAIT_S:g} s ({type(exc).__name__}): start `pilotrun campaign` on node 0 with "
                         "--node-rank 0 and the same --rdzv-endpoint") from None
-    offered = 0
+    try:
+        return _follow(store, group, campaign, specs, out_root)
+    except RuntimeError as exc:  # torch's DistError (a RuntimeError): the store's server, node 0, went away
+        raise NodeLost(f"node 0 went away ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}); its "
+                       "runs' rows are in its ledger, this node's in its spools under "
+                       f"{out_root.resolve()}") from None
+
+
+def _follow(store, group: NodeGroup, campaign: Path, specs: dict, out_root: Path) -> int:
+    node, offered = group.node_rank, 0
     while True:
         offer = _wait_for(store, f"run/{offered}", math.inf)
         assert offer is not None
@@ -273,19 +360,31 @@ def follow(group: NodeGroup, campaign: Path, out_root: Path) -> int:
         if "end" in offer:
             store.set(f"ended/{node}", "1")
             return int(offer["end"])
-        run_id, spec = offer["run_id"], specs.get(offer["config_hash"])
+        run_id = offer.get("run_id")
+        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+            continue  # not a run node 0 writes: nothing to take (node 0 names the node silent)
+        spec = specs.get(offer.get("config_hash"))
         if spec is None:
             store.set(f"took/{run_id}/{node}", json.dumps({"refused": (
-                f"its spec (config hash {offer['config_hash'][:12]}) is not one that {campaign} gives on node {node}: "
-                "the nodes' files differ (sync the same workdir to every node); nothing node 0 sent was run")}))
+                f"its spec (config hash {str(offer.get('config_hash'))[:12]}) is not one that {campaign} gives on "
+                f"node {node}: the nodes' files differ (sync the same workdir to every node); nothing node 0 sent was "
+                "run")}))
             continue
         store.set(f"took/{run_id}/{node}", json.dumps({"took": True}))
-        items = _run_share(group, spec, offer, out_root / run_id)
-        store.set(f"rows/{run_id}/{node}", json.dumps({"items": items}))
+        if not (_wait_for(store, f"go/{run_id}", math.inf) or {}).get("go"):
+            continue  # another node refused it, or did not answer: node 0 recorded why
+        local = out_root / run_id / f"node{node}"  # this node's own: nodes sharing a disk never share a spool
+        try:
+            _run_share(group, spec, offer, local)
+        except KeyboardInterrupt:  # stopped with the others at an update: its points still go to node 0
+            send_rows(store, f"rows/{run_id}/{node}", SpoolReader(local / "spool").new_items())
+            store.set(f"ended/{node}", "1")
+            raise
+        send_rows(store, f"rows/{run_id}/{node}", SpoolReader(local / "spool").new_items())
 
 
-def _run_share(group: NodeGroup, spec, offer: dict, local: Path) -> list:
-    """This node's ranks of one run, their files in ``local`` (this node's disk); the rows they spooled."""
+def _run_share(group: NodeGroup, spec, offer: dict, local: Path) -> None:
+    """This node's ranks of one run, their files (spool, log, torchrun's) in ``local``, on this node's disk."""
     local.mkdir(parents=True, exist_ok=True)
     spec_file = write_spec_file(spec, local / "spec.json")
     plan_file = local / "plan.json"
@@ -313,4 +412,3 @@ def _run_share(group: NodeGroup, spec, offer: dict, local: Path) -> list:
             raise
         finally:
             proc.kill()
-    return SpoolReader(local / "spool").new_items()
