@@ -41,6 +41,11 @@ def _clip(text: str, width: int | None) -> str:
     return text[: max(1, width - 1)] + "…"
 
 
+def said(row: GateRow) -> str:
+    """A row's reason as the report and the ledger keep it (its verdict where it gave none)."""
+    return row.reason or str(row.verdict)
+
+
 def gate_label(row: GateRow, rows: Sequence[GateRow] = ()) -> str:
     """The gate's name, with its rank where ``rows`` hold that gate for several ranks, or the row is not rank 0's (a
     program under torchrun writes one row per gate and rank: two identical "resume pass" lines said neither rank)."""
@@ -86,7 +91,8 @@ def gate_table(rows: Sequence[GateRow], pending: Sequence[str] = (), running: st
                                    human_seconds(r.seconds) if r.seconds is not None else ""]
         cells += [human_bytes(mem.get(key)) if mem.get(key) is not None else "" for _header, key in counters]
         # Text, not markup: a reason may quote "[...]" from an error.
-        cells.append(Text(r.reason if full else _clip(r.reason, reason_w)))
+        reason = said(r)
+        cells.append(Text(reason if full else _clip(reason, reason_w)))
         table.add_row(*cells)
     for name in pending:
         state = "running" if name == running else "pending"
@@ -197,7 +203,7 @@ class ConsoleObserver:
             v = row.verdict
             self.console.print(Text.assemble((f"{MARK[v]} ", STYLE[v]), (f"{gate_label(row):<18}", "bold"),
                                              (f"{v:<5}", STYLE[v]), f" {human_seconds(row.seconds):>8}  ",
-                                             row.reason))
+                                             said(row)))
         self._refresh()
 
     # -- rendering ---------------------------------------------------------------
@@ -223,5 +229,5 @@ class ConsoleObserver:
             if r.verdict in (Verdict.FAIL, Verdict.WARN):
                 v = r.verdict
                 self.console.print(Text.assemble((f"  {MARK[v]} ", STYLE[v]), (gate_label(r, self.rows), "bold"),
-                                                 f": {r.reason}"))
+                                                 f": {said(r)}"))
         self.console.print(Text(f"report {out_dir / 'report.json'} · ledger {ledger}", style="dim"))
