@@ -38,8 +38,8 @@ HELP = """examples:
   pilotrun report lr-sweep-2026                  # the HTML report
   pilotrun campaign examples/campaign/lr-sweep.yaml --engine ray                  # a local Ray instance
   pilotrun campaign lr-sweep.yaml --engine ray --address 10.0.0.5:6379 --storage /shared/runs   # a Ray cluster
-  pilotrun campaign sweep.yaml --nnodes 2 --node-rank R --rdzv-endpoint 10.0.0.1:29500 --nproc-per-node 8
-                                                 # on each of 2 nodes: every run over both, node 0 leads
+  pilotrun campaign sweep.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29500 --nproc-per-node 8
+                                                 # and --node-rank 1 on the other node: every run over both
 
 A retry is a new run linked to its parent (never a replacement) and may change only what keeps the
 experiment the same: micro batch with accumulation (examples per update held), activation checkpointing.
