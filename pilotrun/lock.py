@@ -255,7 +255,7 @@ def collect_lock(spec: Spec, container_digest: str | None = None, cache: dict | 
     else:
         container = {"digest": None, "from": None, "inside_container": in_container()}
 
-    program = {"program": program_lock(spec, cache)} if spec.program is not None else {}
+    program = {} if spec.program is None else {"program": program_lock(spec, cache)}
     return {
         **program,
         "pilotrun": __version__,

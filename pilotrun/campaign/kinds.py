@@ -35,7 +35,6 @@ def _program_run() -> RunFunction:
 class CampaignKind:
     """One kind's campaign: how a run is run and recorded, and what may differ between its runs."""
 
-    kind: JobKind
     run: Callable[[], RunFunction]   # the function that runs and records one run (imported when asked)
     seeds_share_spec: bool           # a further seed is the value's spec with only the seed set
     templated: tuple[str, ...]       # spec keys the campaign's templates fill per run (they differ by design)
@@ -49,13 +48,12 @@ class CampaignKind:
 
 
 KINDS: dict[JobKind, CampaignKind] = {
-    JobKind.LOOP: CampaignKind(JobKind.LOOP, _loop_run, seeds_share_spec=True, templated=(),
-                               continues_from_checkpoint=False, spec_schedule=True, over_nodes=True),
+    JobKind.LOOP: CampaignKind(_loop_run, seeds_share_spec=True, templated=(), continues_from_checkpoint=False,
+                               spec_schedule=True, over_nodes=True),
     # A program's seed and value reach it through its command and environment, so every run's spec is built from
     # the templates; its schedule is its own, and its runs start its own launcher on one node.
-    JobKind.PROGRAM: CampaignKind(JobKind.PROGRAM, _program_run, seeds_share_spec=False,
-                                  templated=("program.command", "program.env"), continues_from_checkpoint=True,
-                                  spec_schedule=False, over_nodes=False),
+    JobKind.PROGRAM: CampaignKind(_program_run, seeds_share_spec=False, templated=("program.command", "program.env"),
+                                  continues_from_checkpoint=True, spec_schedule=False, over_nodes=False),
 }
 
 

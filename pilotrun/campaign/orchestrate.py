@@ -71,7 +71,6 @@ def _env_drift(a: dict, b: dict) -> list[str]:
     return [k for k, _, _ in diff_locks(a, b) if k.startswith(ENV_FIELDS) and "seed" not in k]
 
 
-# A worker told to stop (STOP_SIGNAL) records where it stopped; it gets this long before SIGKILL.
 NOT_STARTED = RunEnd(RunStatus.NOT_RUN, StopKind.INTERRUPTED, "the campaign was interrupted before this run started", 0)
 def prepare(c: CampaignSpec, base_written: dict | None = None) -> tuple[list[dict], list[str]]:
     """Every planned run's spec, in order (control first); refuses variants that change another key.

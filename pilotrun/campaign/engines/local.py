@@ -34,6 +34,12 @@ from ..worker import group_command
 STOP_GRACE_S = 60
 
 
+def worker_threads_env(threads: int | None) -> dict[str, str]:
+    """A campaign worker's environment: the run's share of the cores as its thread count, unless the user set one
+    (procs.thread_env)."""
+    return worker_env() | {var: str(threads) for var in THREAD_VARS if threads and not os.environ.get(var)}
+
+
 class LocalEngine:
     """The worker processes in flight, so an interrupt reaches every one of them, and the flag that stops new ones.
 
@@ -91,8 +97,7 @@ class LocalEngine:
             with self.lock:
                 if self.stopping.is_set():  # the interrupt came while this run was being prepared
                     return None
-                # The run's share of the cores; a thread count the user set wins (procs.thread_env).
-                env = worker_env() | {var: str(threads) for var in THREAD_VARS if threads and not os.environ.get(var)}
+                env = worker_threads_env(threads)
                 if self.devices is not None and slot is not None:
                     env = worker_device_env(self.devices, env, slot)
                 if self.grouped:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -42,15 +41,14 @@ from ... import strategies
 from ...devices import query_host
 from ...ledger.records import RunEnd, RunStatus, StopKind
 from ...ledger.store import Ledger
-from ...procs import THREAD_VARS, Tree, with_torchrun_folder
+from ...procs import Tree, with_torchrun_folder
 from ...workers.common import write_spec_file
-from ...workers.launch import worker_env
 from .. import kinds
 from ..spec import base_spec, load_campaign, run_spec
 from ..spool import SpoolReader, write_item
 from ..stops import STOP_SIGNAL, tell_ranks
 from .base import EngineRefusal
-from .local import STOP_GRACE_S, LocalEngine
+from .local import STOP_GRACE_S, LocalEngine, worker_threads_env
 
 # How long node 0 waits for every other node to take a run (build its spec, check it) before recording it as
 # failed, and for their rows once its own ranks ended; how long a follower waits for node 0's store to answer.
@@ -376,11 +374,11 @@ def _follow(store, group: NodeGroup, campaign: Path, specs: dict, out_root: Path
         local = out_root / run_id / f"node{node}"  # this node's own: nodes sharing a disk never share a spool
         try:
             _run_share(group, spec, offer, local)
-        except KeyboardInterrupt:  # stopped with the others at an update: its points still go to node 0
-            send_rows(store, f"rows/{run_id}/{node}", SpoolReader(local / "spool").new_items())
+        except KeyboardInterrupt:  # stopped with the others at an update: this node ends with node 0 told so
             store.set(f"ended/{node}", "1")
             raise
-        send_rows(store, f"rows/{run_id}/{node}", SpoolReader(local / "spool").new_items())
+        finally:  # its points go to node 0 whether the run ended or was stopped
+            send_rows(store, f"rows/{run_id}/{node}", SpoolReader(local / "spool").new_items())
 
 
 def _run_share(group: NodeGroup, spec, offer: dict, local: Path) -> None:
@@ -395,9 +393,7 @@ def _run_share(group: NodeGroup, spec, offer: dict, local: Path) -> None:
             str(local / "spool"), "--plan", str(plan_file)]
     if offer.get("deadline") is not None:
         args += ["--deadline", str(offer["deadline"])]
-    threads = offer.get("threads")
-    env = worker_env() | {var: str(threads) for var in THREAD_VARS if threads and not os.environ.get(var)}
-    env = with_torchrun_folder(env, local / "torchrun")
+    env = with_torchrun_folder(worker_threads_env(offer.get("threads")), local / "torchrun")
     with open(local / "worker.log", "w") as log:
         proc = Tree(group.torchrun(args), env=env, label=f"campaign-{offer['run_id']}-node{group.node_rank}",
                     stdout=log, stderr=subprocess.STDOUT)
