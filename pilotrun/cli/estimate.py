@@ -273,6 +273,10 @@ def _print(console, spec, trace, report) -> None:
         comm = first["time"].get("communication_model")
         console.print(Text(f"time: {first['utilisation_source']}" + (f"; communication {comm}" if comm and first[
             "time"].get("communication_seconds") else ""), style="dim"))
+    unaligned = next((r["time"]["unaligned_matmuls"] for r in report["fits"] if r["time"].get("unaligned_matmuls")),
+                     None)
+    if unaligned:   # the same matmuls on every accelerator: said once
+        console.print(Text(f"time is {unaligned['note']}", style="yellow"))
     for acc in dict.fromkeys(r["accelerator"] for r in report["fits"] if r.get("unknown_for_stack")):
         row = next(r for r in report["fits"] if r["accelerator"] == acc)
         console.print(Text(f"{acc}: {', '.join(row['unknown_for_stack'])} unknown for its stack (no measurement "

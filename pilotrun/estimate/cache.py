@@ -35,12 +35,14 @@ from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 9  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
+FORMAT = 10  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
 #             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step,
 #             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride,
 #             7: the attention kernels' op rows apart, for the time at the data's lengths,
 #             8: the experts' grouped matmuls counted (estimate/moe.py): an older MoE trace counted them zero,
-#             9: train.compile's facts (estimate/compiled.py): an eager trace never answers for a compiled job)
+#             9: train.compile's facts (estimate/compiled.py): an eager trace never answers for a compiled job,
+#             10: a cache handed to a block by position dropped (GPT-2's compiled block was "not modelled"), and the
+#             matmuls whose dimensions leave the tensor cores' alignment (ops.OpCosts.unaligned_rows))
 
 
 def default_dir() -> Path:
@@ -180,7 +182,8 @@ _BYTES = NonNegative(integer=True)
 _STAGE = {"peak_bytes": _BYTES, "peak_bytes_rounded": _BYTES, "breakdown": MapOf(_BYTES), "tensors": _BYTES,
           "flops": NonNegative(), "seq_len": _BYTES, "batch_size": _BYTES, "optimizer_step_extra_bytes": _BYTES,
           "phases": MapOf([{"bytes": _BYTES, "breakdown": MapOf(_BYTES)}]),
-          "ops": Optional([list]), "optimizer_ops": Optional([list]), "attention_ops": Optional([list])}
+          "ops": Optional([list]), "optimizer_ops": Optional([list]), "attention_ops": Optional([list]),
+          "unaligned_matmuls": Optional([list])}
 # What the estimate reads of a trace, each number finite and >= 0 (a negative peak printed "-9.1e17 TiB").
 ENTRY_SCHEMA = {"key": dict, "trace": {
     "stages": MapOf(_STAGE), "parameters": _BYTES, "trainable_parameters": _BYTES, "parameter_bytes": _BYTES,

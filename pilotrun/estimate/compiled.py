@@ -59,7 +59,7 @@ class _Captured(Exception):
 
 def capture_block_inputs(model: torch.nn.Module, block: torch.nn.Module, forward: Callable[[], Any]) -> tuple:
     """(args, kwargs) the model's ``forward`` hands ``block`` the first time it runs, the forward stopped there. A
-    key/value cache is dropped (training keeps none)."""
+    key/value cache is dropped (training keeps none), passed by name or by position (None in its place)."""
     seen: dict[str, tuple] = {}
 
     def hook(module, args, kwargs):
@@ -75,9 +75,14 @@ def capture_block_inputs(model: torch.nn.Module, block: torch.nn.Module, forward
     if "call" not in seen:
         raise RuntimeError(f"the block {type(block).__name__} was not called by the model's forward")
     args, kwargs = seen["call"]
-    kept = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "cache", "use_cache")
-            and "Cache" not in type(v).__name__}
-    return args, kept
+    kept = {k: v for k, v in kwargs.items() if not _is_cache(k, v)}
+    # GPT-2 hands its block the cache positionally: kept, each later call would append to it (the compiled block
+    # then saw keys twice as long as its queries).
+    return tuple(None if _is_cache("", a) else a for a in args), kept
+
+
+def _is_cache(name: str, value: Any) -> bool:
+    return name in ("past_key_values", "past_key_value", "cache", "use_cache") or "Cache" in type(value).__name__
 
 
 def _storage(t: torch.Tensor) -> int:

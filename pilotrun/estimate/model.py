@@ -25,6 +25,7 @@ from .. import strategies
 from ..ledger.records import TRAINING_GATES, GateName
 from ..models.attention import AS_TRACED_ON_CPU
 from ..strategies import StageBytes, correction
+from .alignment import unaligned_view
 from .catalog import Accelerator
 from .compiled import compiled_trace
 from .compiled import note as compiled_note
@@ -222,8 +223,10 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
         def expose(compute_seconds: float) -> tuple[float, str]:
             return chosen.exposed_communication(comm, trace, gpus, wire, bw, per_device, compute_seconds)
 
-        return {**_roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops, at),
-                "communication": link, "lengths": at.view}
+        timed = _roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops, at)
+        unaligned = unaligned_view(step)
+        return {**timed, "communication": link, "lengths": at.view,
+                **({"unaligned_matmuls": unaligned} if unaligned and timed.get("seconds") else {})}
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog", "lengths": at.view}
@@ -305,6 +308,10 @@ def time_source(t: dict, measured: str | None = None) -> str:
     lower = f"; communication {link['link']}" if link.get("lower_bound") else ""
     lower += f"; {t['offload']['model']}" if t.get("offload") else ""
     lower += f"; {t['lengths']['note']}" if (t.get("lengths") or {}).get("note") else ""
+    if t.get("unaligned_matmuls"):
+        u = t["unaligned_matmuls"]
+        lower += (f"; a lower bound: {u['flops_share']:.0%} of the FLOPs in matmuls off the tensor cores' alignment "
+                  f"({', '.join(m['module'] for m in u['modules'][:3])}), slower by an amount not modelled")
     if measured:
         return f"{measured}; scaled by FLOPs from the pilot's configuration to this one{lower}"
     if t.get("model") == "roofline":

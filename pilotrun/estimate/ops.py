@@ -110,6 +110,31 @@ def _attention_kernel(func_packet) -> bool:
     return "math" not in name and any(k in name for k in _ATTENTION_KERNELS)
 
 
+# The matrix multiplies whose (M, N, K) a row of ``OpCosts.unaligned_rows`` reads from their operands' shapes, and the
+# multiple of elements each dimension must be for cuBLAS's aligned tensor-core kernels at a dtype (16 bytes: NVIDIA's
+# "Matrix Multiplication Background User's Guide", "Tensor Core Requirements"). fp32 runs without tensor cores
+# (TF32 is off for matmuls by default): not checked.
+_MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
+_ALIGN_ELEMENTS = {"bf16": 8, "fp16": 8, "fp8": 16}
+
+
+def _matmul_dims(name: str, args: tuple) -> tuple[int, int, int] | None:
+    """(M, N, K) of a matmul op's operands, or None for another op."""
+    where = _MATMULS.get(name)
+    if where is None or len(args) <= where[1]:
+        return None
+    a, b = args[where[0]], args[where[1]]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+        return None
+    return int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1])
+
+
+def _module_of(parents: set[str]) -> str:
+    """The innermost module a ModuleTracker names (``GPT2LMHeadModel.lm_head``: ``lm_head``), "" outside any."""
+    inner = max((p for p in parents if p != "Global"), key=lambda p: p.count("."), default="")
+    return inner.partition(".")[2] or inner
+
+
 class OpCosts(FlopCounterMode):
     """``FlopCounterMode`` that also keeps every op's (dtype, FLOPs, bytes moved), counted by signature, and the
     attention kernels' and the experts' grouped matmuls' rows apart (also in ``rows``). ``fp8_modules``: the module
@@ -123,6 +148,7 @@ class OpCosts(FlopCounterMode):
         self.counts: Counter[tuple[str, int, int]] = Counter()
         self.attention: Counter[tuple[str, int, int]] = Counter()
         self.experts: Counter[tuple[str, int, int]] = Counter()
+        self.unaligned: Counter[tuple[str, int, int, int, int, str]] = Counter()
         self._expert_ops = frozenset(expert_ops())
 
     def _count_flops(self, func_packet, out, args, kwargs):
@@ -159,6 +185,10 @@ class OpCosts(FlopCounterMode):
             self.attention[key] += 1
         if func_packet in self._expert_ops:
             self.experts[key] += 1
+        align = _ALIGN_ELEMENTS.get(key[0])
+        dims = _matmul_dims(name, args) if flops and align else None
+        if dims and any(d % align for d in dims):
+            self.unaligned[(key[0], *dims, flops, _module_of(set(self.mod_tracker.parents)))] += 1
         if flops and self.fp8_modules and not self.fp8_modules.isdisjoint(self.mod_tracker.parents):
             self.fp8[(key[0], flops, _nbytes(inputs), written)] += 1
         return out
@@ -175,6 +205,12 @@ class OpCosts(FlopCounterMode):
         """The matmuls of ``fp8_modules`` (a subset of :meth:`rows`), as [[dtype, flops, bytes read, bytes written,
         count], ...]: what estimate/fp8.py re-times at the FP8 peak."""
         return [[d, f, r, w, n] for (d, f, r, w), n in sorted(self.fp8.items(), key=lambda kv: -kv[0][1] * kv[1])]
+
+    def unaligned_rows(self) -> list[list]:
+        """The matmuls of :meth:`rows` with a dimension off the tensor cores' 16-byte alignment (``_ALIGN_ELEMENTS``),
+        as [[dtype, M, N, K, flops, count, module], ...], most FLOPs first: estimate/alignment.py says them."""
+        return [[d, m, n, k, f, c, mod] for (d, m, n, k, f, mod), c in
+                sorted(self.unaligned.items(), key=lambda kv: -kv[0][4] * kv[1])]
 
     def expert_rows(self) -> list[list]:
         """The experts' grouped matmuls' rows of :meth:`rows` (estimate/moe.py): [[dtype, flops, bytes, count], ...]."""

@@ -89,6 +89,9 @@ class StageTrace:
     fp8_ops: list[list] = field(default_factory=list)
     # The experts' grouped matmuls' rows of ``ops`` (estimate/moe.py): their FLOPs and dtype, said in the row.
     expert_ops: list[list] = field(default_factory=list)
+    # The matmuls of ``ops`` with a dimension off the tensor cores' alignment (ops.OpCosts.unaligned_rows): [dtype, M,
+    # N, K, flops, count, module]; estimate/alignment.py says them. Empty in traces written before them.
+    unaligned_matmuls: list[list] = field(default_factory=list)
     # Per phase ("compute": the first micro batch's forward and backward, "accumulating": the later micro batches
     # with the earlier ones' gradients held, "optimizer": the step), the moments that bound the peak at
     # other micro batches: [{"bytes", "breakdown"}]. Under activation checkpointing the stage's overall peak
@@ -306,6 +309,7 @@ def _trace_training(job: _Job, model, opt, spec: Spec, target: str, num_items: i
         traced_stage.attention_ops = counter.attention_rows()
         traced_stage.fp8_ops = counter.fp8_rows()
         traced_stage.expert_ops = counter.expert_rows()
+        traced_stage.unaligned_matmuls = counter.unaligned_rows()
         traced_stage.optimizer_ops = step.rows()
     return stages
 
