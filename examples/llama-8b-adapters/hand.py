@@ -70,6 +70,8 @@ def hand(spec: dict) -> dict:
             n = [i * o for i, o in s["linears"]]
             quantized = L * sum(k // 2 + k // 64 + (k // 64 // 256) * 4 + 1092 for k in n)
             out["quantized_bytes"] = quantized
+            # Of it, what is not the packed weight (absmax, codes): not sharded by FSDP, every rank holds it whole.
+            out["quant_state_bytes"] = quantized - L * sum(k // 2 for k in n)
             parameter_bytes = quantized + (embeddings + norms) * BYTES[base_dtype]
         else:
             parameter_bytes = params * BYTES[base_dtype]

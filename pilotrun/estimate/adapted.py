@@ -40,6 +40,9 @@ class Adaptation:
     adapted_layers: int = 0
     quantized_layers: int = 0
     quantized_bytes: int = 0          # packed weights + quantisation state of every quantised Linear
+    # Of quantized_bytes, the quantisation state (absmax, codes, SCB): attributes of bitsandbytes' parameters, not
+    # parameters, so a sharding strategy neither shards nor offloads them (strategies/fsdp.py).
+    quant_state_bytes: int = 0
     dequantized_peak_bytes: int = 0   # the largest layer's dequantised weight (one layer in flight)
     merged_bytes: int = 0             # export.merge: the merged model's size
     preparation: str = ""             # a quantised base: the QLoRA preparation modelled (peft, none, or not applied)
@@ -112,6 +115,8 @@ def _quantize(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: 
         out.quantized_layers += 1
         out.quantized_bytes += sum(p.numel() * p.element_size() for p in stand_in.parameters()
                                    if p is not stand_in.bias)
+        out.quant_state_bytes += sum(p.numel() * p.element_size() for n, p in stand_in.named_parameters()
+                                     if n not in ("weight", "bias"))
         temp_dtype = compute if q.bits == 4 else base_dtype
         out.dequantized_peak_bytes = max(out.dequantized_peak_bytes, linear.in_features * linear.out_features
                                          * torch.empty((), dtype=temp_dtype).element_size())

@@ -93,6 +93,18 @@ class FSDP(DistributedCheckpoint):
                 f"parameters, gradients and optimizer state ({human_bytes(sharded)} per rank) kept in host memory "
                 f"(distributed.offload: cpu); on the device only {trace['largest_layer']}'s parameter shard copied in "
                 f"before its all-gather{' and one gradient shard before its copy to the host' if training else ''}"))
+        replicated = quant_state_bytes(trace)
+        if replicated:
+            # bitsandbytes keeps a quantised weight's absmax and codes as attributes of its Params4bit (its SCB on
+            # Int8Params), not as parameters: FSDP flattens and shards, or offloads, only the packed weight; every rank
+            # holds the whole state on its device (bitsandbytes issue 1945: quant_state left beside the shard, a
+            # buffer replicated).
+            kept = replicated if self.offload != "none" else replicated - replicated / gpus
+            corrections.append(correction(
+                "quantisation state on every rank", kept, "allocated",
+                f"bitsandbytes' absmax and codes of the quantised weights ({human_bytes(replicated)}) are not "
+                f"parameters: FSDP neither shards {'nor offloads ' if self.offload != 'none' else ''}them"))
+            resident += kept
         return resident + stage.buffers + stage.activations + inflight, corrections
 
     def host_bytes(self, trace, gpus):
@@ -101,7 +113,8 @@ class FSDP(DistributedCheckpoint):
         none, the per-parameter path one tensor's at a time)."""
         if self.offload == "none":
             return 0.0
-        return (trace["parameter_bytes"] + trace["gradient_bytes"] + trace["optimizer_state_bytes"]) / gpus
+        return (trace["parameter_bytes"] - quant_state_bytes(trace) + trace["gradient_bytes"]
+                + trace["optimizer_state_bytes"]) / gpus
 
     def communication_seconds(self, trace, gpus, precision, bytes_per_second, micro_batches=1):
         if gpus < 2 or not bytes_per_second:
@@ -209,3 +222,9 @@ def _host_collective_mesh(device: torch.device):
         return None
     group = dist.new_group(backend=f"{device.type}:{dist.get_backend()},cpu:gloo")
     return DeviceMesh.from_group(group, device.type)
+
+
+def quant_state_bytes(trace: dict) -> int:
+    """The quantisation state of a quantised base (estimate/adapted.Adaptation.quant_state_bytes), 0 without one or
+    in a trace written before it was counted apart."""
+    return int((trace.get("adaptation") or {}).get("quant_state_bytes") or 0)

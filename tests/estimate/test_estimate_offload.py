@@ -123,6 +123,26 @@ def test_offloaded_state_leaves_the_device_and_is_counted_on_the_host():
     assert offloaded.estimate_memory(stage, trace, 8, False)[0] == pytest.approx(off_device - layer / 8 - layer)
 
 
+def test_a_quantised_base_s_state_stays_whole_on_every_rank_sharded_or_offloaded():
+    """bitsandbytes' absmax and codes are attributes, not parameters: FSDP shards and offloads only the packed
+    weights, so every rank holds the whole state beside its shard."""
+    q = GiB // 2
+    trace = {**synthetic_trace(params=4 * GiB, acts=10 * GiB, opt=8 * GiB),
+             "adaptation": {"quant_state_bytes": q}}
+    bare = {k: v for k, v in trace.items() if k != "adaptation"}
+    stage = StageBytes(parameters=4 * GiB, gradients=4 * GiB, optimizer=8 * GiB, buffers=0, activations=10 * GiB,
+                       weight_casts=0)
+    for chosen, kept in ((strategies.get("fsdp"), q - q / 8), (strategies.get("fsdp").configured("cpu"), q)):
+        with_state, corrections = chosen.estimate_memory(stage, trace, 8, True)
+        assert with_state - chosen.estimate_memory(stage, bare, 8, True)[0] == pytest.approx(kept)
+        row = next(c for c in corrections if c["name"] == "quantisation state on every rank")
+        assert row["bytes"] == int(kept) and "not parameters" in row["reason"]
+    offloaded = strategies.get("fsdp").configured("cpu")
+    assert offloaded.host_bytes(bare, 8) - offloaded.host_bytes(trace, 8) == pytest.approx(q / 8)
+    assert not any(c["name"] == "quantisation state on every rank"
+                   for c in strategies.get("fsdp").estimate_memory(stage, bare, 8, True)[1])
+
+
 def test_the_row_reports_host_memory_per_node_and_checks_it_where_the_node_is_known():
     h100 = load_catalog()["H100-80GB"]
     trace = synthetic_trace(params=4 * GiB, acts=10 * GiB, opt=8 * GiB)

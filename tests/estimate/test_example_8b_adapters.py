@@ -41,5 +41,6 @@ def test_hand_arithmetic_matches_the_estimate(name):
         assert trace[key] == hand[key], key
     if "quantized_bytes" in hand:
         assert trace["adaptation"]["quantized_bytes"] == hand["quantized_bytes"]
+        assert trace["adaptation"]["quant_state_bytes"] == hand["quant_state_bytes"]
     peak = trace["stages"]["steady_step"]["peak_bytes"]
     assert abs(peak / hand["steady_step_bytes"] - 1) <= 0.10, (peak, hand["steady_step_bytes"])
