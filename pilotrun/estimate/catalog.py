@@ -47,6 +47,9 @@ class Accelerator:
     # {compute, bandwidth, source}: the shares of the dense peak and of the datasheet bandwidth this accelerator's
     # kernels reach in a training step, where a published measurement gives them; else the catalog defaults.
     efficiency: dict = field(default_factory=dict)
+    # {bf16: TFLOPS, source}: the best-shape bf16 matmul rate measured on this accelerator (Maximum Achievable Matmul
+    # FLOPS); the compute efficiency is then defaults.share_of_mamf of it over the dense peak, not the flat default.
+    mamf: dict = field(default_factory=dict)
     # {link_gb_s, memory_gb, memory_bandwidth_gb_s}: the host side, for CPU offload. link_gb_s is the GPU's host link
     # per direction (its datasheet); the node's memory and memory bandwidth depend on the rental, so null built in.
     host: dict = field(default_factory=dict)
@@ -74,8 +77,18 @@ class Accelerator:
         own = self.efficiency
         if own:
             return Efficiency(float(own["compute"]), float(own["bandwidth"]), str(own.get("source", "")))
-        return Efficiency(float(self.defaults.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)),
-                          float(self.defaults.get("bandwidth_efficiency", DEFAULT_BANDWIDTH_EFFICIENCY)),
+        bandwidth = float(self.defaults.get("bandwidth_efficiency", DEFAULT_BANDWIDTH_EFFICIENCY))
+        measured, peak = self.mamf.get("bf16"), self.peak_flops("bf16")
+        if measured and peak:
+            # Accelerators differ in how close a matmul gets to the datasheet: a flat share of it made an H100 (80% at
+            # its best shape) and an MI300X (51%) as efficient as an A100 (87%).
+            share = float(self.defaults.get("share_of_mamf", DEFAULT_SHARE_OF_MAMF))
+            best = float(measured) * 1e12 / peak
+            return Efficiency(share * best, bandwidth,
+                              f"matmuls at {share:.0%} of {self.name}'s measured best-shape bf16 rate ({float(measured):g} "
+                              f"TFLOPS, {best:.1%} of its peak: {self.mamf.get('source', 'unsourced')}); memory at the "
+                              "catalog's default share of its bandwidth (docs/catalog.md)")
+        return Efficiency(float(self.defaults.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)), bandwidth,
                           "the catalog's default efficiencies (docs/catalog.md)")
 
     def peak_flops(self, precision: str) -> float | None:
@@ -92,13 +105,15 @@ REQUIRED = ("vendor", "stack", "memory_bytes", "bandwidth_tb_s", "peak_tflops", 
 # Every key an entry may have (docs/catalog.md describes each); a misspelt key is an error, not ignored: a
 # silently dropped "price_per_hour" would leave every cost blank with no reason given.
 OPTIONAL = ("aliases", "compute_capability", "memory_spec_gb", "notes", "price_per_gpu_hour", "spot_price_per_gpu_hour",
-            "skypilot", "efficiency", "host")
+            "skypilot", "efficiency", "host", "mamf")
 PRICE_KEYS = ("price_per_gpu_hour", "spot_price_per_gpu_hour")
 HOST_KEYS = ("link_gb_s", "memory_gb", "memory_bandwidth_gb_s")
-DEFAULT_KEYS = ("reserved_margin", "utilisation", "headroom", "compute_efficiency", "bandwidth_efficiency")
+DEFAULT_KEYS = ("reserved_margin", "utilisation", "headroom", "compute_efficiency", "bandwidth_efficiency",
+                "share_of_mamf")
 # Used when the catalog's defaults lack them (a user catalog written before the time model); catalog.yaml says why.
 DEFAULT_COMPUTE_EFFICIENCY = 0.7
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
+DEFAULT_SHARE_OF_MAMF = 0.8
 
 
 def _read(path: Path | None) -> dict:
@@ -162,6 +177,10 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
             raise CatalogError(f"catalog entry {name!r}: efficiency takes compute and bandwidth, each a share in "
                                "(0, 1], and its source, e.g. {compute: 0.7, bandwidth: 0.8, source: ...}; "
                                f"got {eff!r}")
+        mamf = f.get("mamf") or {}
+        bad_mamf = _mamf_problem(mamf, f["peak_tflops"])
+        if bad_mamf:
+            raise CatalogError(f"catalog entry {name!r}: {bad_mamf}")
         bad_host = _host_problem(f.get("host"))
         if bad_host:
             raise CatalogError(f"catalog entry {name!r}: {bad_host}")
@@ -179,9 +198,23 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
             spot_price_per_gpu_hour=None if spot is None else float(spot), skypilot=sky_name,
             compute_capability=str(f.get("compute_capability", "")),
             aliases=tuple(f.get("aliases", [])), defaults=defaults, efficiency=dict(eff),
-            host=dict(f.get("host") or {}),
+            host=dict(f.get("host") or {}), mamf=dict(mamf),
         )
     return out
+
+
+def _mamf_problem(mamf, peak_tflops) -> str | None:
+    """What is wrong with an entry's ``mamf`` mapping, or None (absent is fine: the flat default applies)."""
+    if not mamf:
+        return None
+    peak = peak_tflops.get("bf16") if isinstance(peak_tflops, dict) else None
+    rate = mamf.get("bf16") if isinstance(mamf, dict) else None
+    number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+    if not (number and peak and 0 < rate <= peak and isinstance(mamf.get("source"), str) and mamf["source"]):
+        return ("mamf takes bf16, the best-shape bf16 matmul TFLOPS measured on it (above 0, at most its "
+                f"peak_tflops.bf16, {peak}), and the source of that measurement, e.g. {{bf16: 794.5, source: "
+                f"\"...\"}}; got {mamf!r}")
+    return None
 
 
 def _host_problem(host) -> str | None:

@@ -343,13 +343,13 @@ def test_cutting_the_maximum_length_is_marked_a_different_experiment(tmp_path, m
 def test_every_built_in_entry_is_complete_and_named_as_torch_names_its_device():
     """Every built-in accelerator gives every key with a value but the prices (a rental's, given in a --catalog file;
     a precision it lacks is an explicit null) and its own time-model efficiency (given only with a published
-    measurement; the catalog's defaults otherwise),
+    measurement; the catalog's defaults otherwise) and a measured matmul rate (``mamf``, only where one is published),
     and one alias is the device name torch reports, matching that entry and no other."""
     raw = yaml.safe_load(resources.files("pilotrun.estimate").joinpath("catalog.yaml").read_text())["accelerators"]
     cat = load_catalog()
     for name, entry in raw.items():
-        assert set(entry) == (set(REQUIRED) | set(OPTIONAL)) - {"price_per_gpu_hour", "spot_price_per_gpu_hour",
-                                                               "efficiency"}, name
+        assert set(entry) - {"mamf"} == (set(REQUIRED) | set(OPTIONAL)) - {
+            "price_per_gpu_hour", "spot_price_per_gpu_hour", "efficiency", "mamf"}, name
         assert all(entry[k] is not None for k in REQUIRED + ("compute_capability", "memory_spec_gb")), name
         assert set(entry["peak_tflops"]) == {"fp32", "tf32", "bf16", "fp16", "fp8"}, name
         assert {"kind", "per_gpu_gb_s", "gpus_per_node"} <= set(entry["interconnect"]), name
@@ -358,6 +358,27 @@ def test_every_built_in_entry_is_complete_and_named_as_torch_names_its_device():
         assert device_names, f"{name} has no alias with the torch device name"
         for device in device_names:
             assert [a.name for a in cat.values() if matches(a, device)] == [name], device
+
+
+def test_a_measured_matmul_rate_sets_the_compute_efficiency_and_says_its_source(tmp_path):
+    """Accelerators differ in how near their matmuls come to the datasheet: an entry with ``mamf`` gets
+    share_of_mamf x its measured share of the peak, and the row names the measurement; without one, the flat default."""
+    cat = load_catalog()
+    a100, h100, mi300x, l4 = (cat[n].efficiencies() for n in ("A100-80GB", "H100-80GB", "MI300X-192GB", "L4-24GB"))
+    assert h100.compute == pytest.approx(0.80 * 794.5 / 989)
+    assert mi300x.compute == pytest.approx(0.80 * 668.4 / 1307.4)
+    assert a100.compute == pytest.approx(0.80 * 271.2 / 312) and abs(a100.compute - 0.70) < 0.01
+    assert "794.5 TFLOPS, 80.3% of its peak" in h100.source and "ml-engineering" in h100.source
+    assert l4.compute == 0.70 and l4.source == "the catalog's default efficiencies (docs/catalog.md)"
+    # A user's own efficiency still wins; a rate above the peak or without a source is refused, naming the key.
+    own = tmp_path / "own.yaml"
+    own.write_text("accelerators:\n  H100-80GB:\n    efficiency: {compute: 0.5, bandwidth: 0.9, source: mine}\n")
+    assert load_catalog(own)["H100-80GB"].efficiencies().compute == 0.5
+    for bad in ("{bf16: 1200, source: x}", "{bf16: 700}"):
+        wrong = tmp_path / "wrong.yaml"
+        wrong.write_text(f"accelerators:\n  H100-80GB:\n    mamf: {bad}\n")
+        with pytest.raises(CatalogError, match="catalog entry 'H100-80GB': mamf takes bf16"):
+            load_catalog(wrong)
 
 
 def test_a_short_device_name_does_not_claim_a_longer_one(monkeypatch):
