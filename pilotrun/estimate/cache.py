@@ -191,7 +191,7 @@ ENTRY_SCHEMA = {"key": dict, "trace": {
     "largest_layer_bytes": _BYTES, "largest_layer": str, "layers": _BYTES, "foreach": bool, "precision": str,
     "activation_checkpointing": (bool, str), "seconds": NonNegative(), "grad_accum_steps": _BYTES,
     "max_positions": Optional(_BYTES), "notes": Optional([str]), "optimizer": Optional(str),
-    "adaptation": Optional(dict)}}
+    "adaptation": Optional({"quant_state_bytes": Optional(_BYTES)})}}
 
 
 def _check(entry: object, key: dict) -> str | None:
@@ -211,7 +211,19 @@ def _check(entry: object, key: dict) -> str | None:
             bad = next((r for r in stage.get(part) or [] if not _op_row(r)), None)
             if bad is not None:
                 return f"stages.{name}.{part} holds {bad!r}, expected [dtype, flops, bytes, count] (each >= 0)"
+        bad = next((r for r in stage.get("unaligned_matmuls") or [] if not _unaligned_row(r)), None)
+        if bad is not None:
+            return (f"stages.{name}.unaligned_matmuls holds {bad!r}, expected [dtype, M, N, K, flops, count, "
+                    "[leading dimensions], [modules]]")
     return None
+
+
+def _unaligned_row(row: object) -> bool:
+    """A row of ops.OpCosts.unaligned_rows: [dtype, M, N, K, flops, count, [odd leading dimensions], [modules]]."""
+    return (isinstance(row, list) and len(row) == 8 and isinstance(row[0], str)
+            and all(check(v, _BYTES) is None for v in row[1:6])
+            and isinstance(row[6], list) and all(check(v, _BYTES) is None for v in row[6])
+            and isinstance(row[7], list) and all(isinstance(v, str) for v in row[7]))
 
 
 def _op_row(row: object) -> bool:

@@ -79,10 +79,11 @@ class Accelerator:
             return Efficiency(float(own["compute"]), float(own["bandwidth"]), str(own.get("source", "")))
         bandwidth = float(self.defaults.get("bandwidth_efficiency", DEFAULT_BANDWIDTH_EFFICIENCY))
         measured, peak = self.mamf.get("bf16"), self.peak_flops("bf16")
-        if measured and peak:
+        share = self.defaults.get("share_of_mamf", DEFAULT_SHARE_OF_MAMF)
+        if measured and peak and share is not None:
             # Accelerators differ in how close a matmul gets to the datasheet: a flat share of it made an H100 (80% at
             # its best shape) and an MI300X (51%) as efficient as an A100 (87%).
-            share = float(self.defaults.get("share_of_mamf", DEFAULT_SHARE_OF_MAMF))
+            share = float(share)
             best = float(measured) * 1e12 / peak
             return Efficiency(share * best, bandwidth,
                               f"matmuls at {share:.0%} of {self.name}'s measured best-shape bf16 rate ({float(measured):g} "
@@ -142,13 +143,26 @@ def load_catalog(user: Path | None = None) -> dict[str, Accelerator]:
     entries = copy.deepcopy(base["accelerators"])
     if user is not None:
         extra = _read(user)
-        defaults.update(extra.get("defaults", {}) or {})
+        own = extra.get("defaults", {}) or {}
+        defaults.update(own)
+        if "compute_efficiency" in own and "share_of_mamf" not in own:
+            # The user's own flat efficiency is meant for every accelerator, the measured ones too.
+            defaults["share_of_mamf"] = None
         for name, fields in (extra.get("accelerators") or {}).items():
-            entries[name] = {**entries.get(name, {}), **(fields or {})}
+            fields = fields or {}
+            merged = {**entries.get(name, {}), **fields}
+            if "peak_tflops" in fields and "mamf" not in fields:
+                merged.pop("mamf", None)   # a built-in measured rate is a share of the built-in peak, not of theirs
+            entries[name] = merged
     unknown_defaults = sorted(set(defaults) - set(DEFAULT_KEYS))
     if unknown_defaults:
         raise CatalogError(f"{user or 'the built-in catalog'}: unknown key(s) under defaults: "
                            f"{', '.join(unknown_defaults)}; known: {', '.join(DEFAULT_KEYS)} (docs/catalog.md)")
+    share_of_mamf = defaults.get("share_of_mamf")
+    if share_of_mamf is not None and not (isinstance(share_of_mamf, (int, float)) and not isinstance(
+            share_of_mamf, bool) and 0 < share_of_mamf <= 1):
+        raise CatalogError(f"{user or 'the built-in catalog'}: defaults.share_of_mamf must be a share in (0, 1], e.g. "
+                           f"0.8, or null to use compute_efficiency everywhere; got {share_of_mamf!r}")
     out = {}
     for name, f in entries.items():
         missing = [k for k in REQUIRED if f.get(k) is None]
@@ -213,7 +227,7 @@ def _mamf_problem(mamf, peak_tflops) -> str | None:
     if not (number and peak and 0 < rate <= peak and isinstance(mamf.get("source"), str) and mamf["source"]):
         return ("mamf takes bf16, the best-shape bf16 matmul TFLOPS measured on it (above 0, at most its "
                 f"peak_tflops.bf16, {peak}), and the source of that measurement, e.g. {{bf16: 794.5, source: "
-                f"\"...\"}}; got {mamf!r}")
+                f"\"...\"}}, or mamf: null for none; got {mamf!r}")
     return None
 
 

@@ -25,7 +25,7 @@ from .. import strategies
 from ..ledger.records import TRAINING_GATES, GateName
 from ..models.attention import AS_TRACED_ON_CPU
 from ..strategies import StageBytes, correction
-from .alignment import unaligned_view
+from .alignment import SHOWN_MODULES, short, unaligned_view
 from .catalog import Accelerator
 from .compiled import compiled_trace
 from .compiled import note as compiled_note
@@ -311,7 +311,8 @@ def time_source(t: dict, measured: str | None = None) -> str:
     if t.get("unaligned_matmuls"):
         u = t["unaligned_matmuls"]
         lower += (f"; a lower bound: {u['flops_share']:.0%} of the FLOPs in matmuls off the tensor cores' alignment "
-                  f"({', '.join(m['module'] for m in u['modules'][:3])}), slower by an amount not modelled")
+                  f"({', '.join(u['modules'][:SHOWN_MODULES])}; pad {short(u['dimensions'])}), slower by an amount "
+                  "not modelled")
     if measured:
         return f"{measured}; scaled by FLOPs from the pilot's configuration to this one{lower}"
     if t.get("model") == "roofline":
@@ -343,6 +344,8 @@ def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precis
     t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale, micro_batches, lengths)
     placed = placed_strategy(strategy, trace)
     t = offload_time(t, trace, acc, placed, gpus, precision, collective_bandwidth(acc, gpus)[0])
+    if t.get("seconds") is None:
+        t.pop("unaligned_matmuls", None)   # no time (offload without a host link): nothing to call a lower bound
     host = host_memory(trace, acc, placed, gpus)
     return {
         "accelerator": acc.name, "strategy": strategy, "gpus": gpus, "precision": precision,

@@ -23,6 +23,7 @@ Example::
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from functools import cache
 from typing import Any
@@ -110,29 +111,45 @@ def _attention_kernel(func_packet) -> bool:
     return "math" not in name and any(k in name for k in _ATTENTION_KERNELS)
 
 
-# The matrix multiplies whose (M, N, K) a row of ``OpCosts.unaligned_rows`` reads from their operands' shapes, and the
-# multiple of elements each dimension must be for cuBLAS's aligned tensor-core kernels at a dtype (16 bytes: NVIDIA's
-# "Matrix Multiplication Background User's Guide", "Tensor Core Requirements"). fp32 runs without tensor cores
-# (TF32 is off for matmuls by default): not checked.
+# The matrix multiplies a row of ``OpCosts.unaligned_rows`` reads, with the positions of their two operands, and the
+# multiple of elements a leading dimension must be for cuBLAS's aligned tensor-core kernels (16 bytes: NVIDIA's "Matrix
+# Multiplication Background User's Guide", "Tensor Core Requirements"). A row-major operand's leading dimension is its
+# row stride: a Linear's features (in, out, the vocabulary of a head), never its token count, which only sets how many
+# rows there are; attention's scores have the sequence length as theirs. fp32 runs without tensor cores (TF32 is off
+# for matmuls by default) and FP8 runs through _scaled_mm with dimensions torchao already requires aligned: neither
+# is checked.
 _MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
-_ALIGN_ELEMENTS = {"bf16": 8, "fp16": 8, "fp8": 16}
+_ALIGN_ELEMENTS = {"bf16": 8, "fp16": 8}
 
 
-def _matmul_dims(name: str, args: tuple) -> tuple[int, int, int] | None:
-    """(M, N, K) of a matmul op's operands, or None for another op."""
+def _leading(t: torch.Tensor) -> int | None:
+    """The leading dimension of a matrix (or a batch of them) as BLAS reads it: the stride of its last two dimensions
+    that is not 1 (a transposed view is column-major); None when neither says (a 1 x 1 matrix)."""
+    strides = [st for st, n in zip(t.stride()[-2:], t.shape[-2:]) if st != 1 and n != 1]
+    return strides[0] if strides else None
+
+
+def _unaligned_leading(name: str, args: tuple, out: Any) -> tuple[tuple[int, int, int], tuple[int, ...]] | None:
+    """((M, N, K), the odd leading dimensions of its operands and output) of a matmul op with any, else None."""
     where = _MATMULS.get(name)
     if where is None or len(args) <= where[1]:
         return None
     a, b = args[where[0]], args[where[1]]
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(out, torch.Tensor)) \
+            or a.dim() < 2 or b.dim() < 2:
         return None
-    return int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1])
+    align = _ALIGN_ELEMENTS.get(_PEAK_OF_DTYPE.get(a.dtype) or "")
+    if align is None:
+        return None
+    odd = tuple(sorted({ld for ld in map(_leading, (a, b, out)) if ld is not None and ld % align}))
+    return ((int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1])), odd) if odd else None
 
 
 def _module_of(parents: set[str]) -> str:
-    """The innermost module a ModuleTracker names (``GPT2LMHeadModel.lm_head``: ``lm_head``), "" outside any."""
+    """The innermost module a ModuleTracker names, its layer index as ``*`` (``GPT2LMHeadModel.transformer.h.3.mlp``:
+    ``transformer.h.*.mlp``), "" outside any. In backward the tracker may hold siblings: the name is a hint."""
     inner = max((p for p in parents if p != "Global"), key=lambda p: p.count("."), default="")
-    return inner.partition(".")[2] or inner
+    return re.sub(r"\.\d+(?=\.|$)", ".*", inner.partition(".")[2] or inner)
 
 
 class OpCosts(FlopCounterMode):
@@ -148,7 +165,9 @@ class OpCosts(FlopCounterMode):
         self.counts: Counter[tuple[str, int, int]] = Counter()
         self.attention: Counter[tuple[str, int, int]] = Counter()
         self.experts: Counter[tuple[str, int, int]] = Counter()
-        self.unaligned: Counter[tuple[str, int, int, int, int, str]] = Counter()
+        # (dtype, M, N, K, flops, odd leading dimensions) -> count, and the modules each was seen in.
+        self.unaligned: Counter[tuple] = Counter()
+        self.unaligned_modules: dict[tuple, set[str]] = {}
         self._expert_ops = frozenset(expert_ops())
 
     def _count_flops(self, func_packet, out, args, kwargs):
@@ -185,10 +204,12 @@ class OpCosts(FlopCounterMode):
             self.attention[key] += 1
         if func_packet in self._expert_ops:
             self.experts[key] += 1
-        align = _ALIGN_ELEMENTS.get(key[0])
-        dims = _matmul_dims(name, args) if flops and align else None
-        if dims and any(d % align for d in dims):
-            self.unaligned[(key[0], *dims, flops, _module_of(set(self.mod_tracker.parents)))] += 1
+        found = _unaligned_leading(name, args, out) if flops else None
+        if found:
+            (m, n, k), odd = found
+            unaligned = (key[0], m, n, k, flops, odd)
+            self.unaligned[unaligned] += 1
+            self.unaligned_modules.setdefault(unaligned, set()).add(_module_of(set(self.mod_tracker.parents)))
         if flops and self.fp8_modules and not self.fp8_modules.isdisjoint(self.mod_tracker.parents):
             self.fp8[(key[0], flops, _nbytes(inputs), written)] += 1
         return out
@@ -207,10 +228,12 @@ class OpCosts(FlopCounterMode):
         return [[d, f, r, w, n] for (d, f, r, w), n in sorted(self.fp8.items(), key=lambda kv: -kv[0][1] * kv[1])]
 
     def unaligned_rows(self) -> list[list]:
-        """The matmuls of :meth:`rows` with a dimension off the tensor cores' 16-byte alignment (``_ALIGN_ELEMENTS``),
-        as [[dtype, M, N, K, flops, count, module], ...], most FLOPs first: estimate/alignment.py says them."""
-        return [[d, m, n, k, f, c, mod] for (d, m, n, k, f, mod), c in
-                sorted(self.unaligned.items(), key=lambda kv: -kv[0][4] * kv[1])]
+        """The matmuls of :meth:`rows` with a leading dimension off the tensor cores' 16-byte alignment
+        (``_ALIGN_ELEMENTS``), as [[dtype, M, N, K, flops, count, [odd leading dimensions], [modules]], ...], most FLOPs
+        first: estimate/alignment.py says them."""
+        return [[d, m, n, k, f, c, list(odd), sorted(self.unaligned_modules[key])]
+                for key, c in sorted(self.unaligned.items(), key=lambda kv: -kv[0][4] * kv[1])
+                for d, m, n, k, f, odd in (key,)]
 
     def expert_rows(self) -> list[list]:
         """The experts' grouped matmuls' rows of :meth:`rows` (estimate/moe.py): [[dtype, flops, bytes, count], ...]."""

@@ -94,7 +94,7 @@ class FSDP(DistributedCheckpoint):
                 f"(distributed.offload: cpu); on the device only {trace['largest_layer']}'s parameter shard copied in "
                 f"before its all-gather{' and one gradient shard before its copy to the host' if training else ''}"))
         replicated = quant_state_bytes(trace)
-        if replicated:
+        if replicated and (gpus > 1 or self.offload != "none"):
             # bitsandbytes keeps a quantised weight's absmax and codes as attributes of its Params4bit (its SCB on
             # Int8Params), not as parameters: FSDP flattens and shards, or offloads, only the packed weight; every rank
             # holds the whole state on its device (bitsandbytes issue 1945: quant_state left beside the shard, a

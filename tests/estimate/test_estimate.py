@@ -374,6 +374,23 @@ def test_a_measured_matmul_rate_sets_the_compute_efficiency_and_says_its_source(
     own = tmp_path / "own.yaml"
     own.write_text("accelerators:\n  H100-80GB:\n    efficiency: {compute: 0.5, bandwidth: 0.9, source: mine}\n")
     assert load_catalog(own)["H100-80GB"].efficiencies().compute == 0.5
+    # A user's flat compute_efficiency is for every accelerator; a user's own peak drops the built-in measured rate
+    # (a share of the built-in peak), unless they give their own.
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("defaults: {compute_efficiency: 0.5}\n")
+    assert load_catalog(flat)["H100-80GB"].efficiencies().compute == 0.5
+    peak = tmp_path / "peak.yaml"
+    peak.write_text("accelerators:\n  H100-80GB:\n    peak_tflops: {fp32: 60, tf32: 400, bf16: 756, fp16: 756, "
+                    "fp8: 1500}\n")
+    assert load_catalog(peak)["H100-80GB"].efficiencies().compute == 0.70
+    with_rate = tmp_path / "rate.yaml"
+    with_rate.write_text(peak.read_text() + "    mamf: {bf16: 604.8, source: my mamf-finder run}\n")
+    measured = load_catalog(with_rate)["H100-80GB"].efficiencies()
+    assert measured.compute == pytest.approx(0.8 * 0.8) and "my mamf-finder run" in measured.source
+    bad_share = tmp_path / "share.yaml"
+    bad_share.write_text("defaults: {share_of_mamf: 1.5}\n")
+    with pytest.raises(CatalogError, match="defaults.share_of_mamf must be a share"):
+        load_catalog(bad_share)
     for bad in ("{bf16: 1200, source: x}", "{bf16: 700}"):
         wrong = tmp_path / "wrong.yaml"
         wrong.write_text(f"accelerators:\n  H100-80GB:\n    mamf: {bad}\n")

@@ -141,6 +141,9 @@ def test_a_quantised_base_s_state_stays_whole_on_every_rank_sharded_or_offloaded
     assert offloaded.host_bytes(bare, 8) - offloaded.host_bytes(trace, 8) == pytest.approx(q / 8)
     assert not any(c["name"] == "quantisation state on every rank"
                    for c in strategies.get("fsdp").estimate_memory(stage, bare, 8, True)[1])
+    # FSDP on one GPU without offload holds all of it anyway: no row.
+    assert not any(c["name"] == "quantisation state on every rank"
+                   for c in strategies.get("fsdp").estimate_memory(stage, trace, 1, True)[1])
 
 
 def test_the_row_reports_host_memory_per_node_and_checks_it_where_the_node_is_known():
