@@ -86,9 +86,10 @@ class Accelerator:
             share = float(share)
             best = float(measured) * 1e12 / peak
             return Efficiency(share * best, bandwidth,
-                              f"matmuls at {share:.0%} of {self.name}'s measured best-shape bf16 rate ({float(measured):g} "
-                              f"TFLOPS, {best:.1%} of its peak: {self.mamf.get('source', 'unsourced')}); memory at the "
-                              "catalog's default share of its bandwidth (docs/catalog.md)")
+                              f"matmuls at {share:.0%} of {self.name}'s measured best-shape bf16 rate "
+                              f"({float(measured):g} TFLOPS, {best:.1%} of its peak: "
+                              f"{self.mamf.get('source', 'unsourced')}); memory at the catalog's default share of its "
+                              "bandwidth (docs/catalog.md)")
         return Efficiency(float(self.defaults.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)), bandwidth,
                           "the catalog's default efficiencies (docs/catalog.md)")
 
@@ -223,8 +224,9 @@ def _mamf_problem(mamf, peak_tflops) -> str | None:
         return None
     peak = peak_tflops.get("bf16") if isinstance(peak_tflops, dict) else None
     rate = mamf.get("bf16") if isinstance(mamf, dict) else None
-    number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
-    if not (number and peak and 0 < rate <= peak and isinstance(mamf.get("source"), str) and mamf["source"]):
+    in_range = (isinstance(rate, (int, float)) and not isinstance(rate, bool) and isinstance(peak, (int, float))
+                and 0 < rate <= peak)
+    if not (in_range and isinstance(mamf.get("source"), str) and mamf["source"]):
         return ("mamf takes bf16, the best-shape bf16 matmul TFLOPS measured on it (above 0, at most its "
                 f"peak_tflops.bf16, {peak}), and the source of that measurement, e.g. {{bf16: 794.5, source: "
                 f"\"...\"}}, or mamf: null for none; got {mamf!r}")
