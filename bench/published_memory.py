@@ -49,6 +49,7 @@ FMS = ("https://github.com/foundation-model-stack/fms-acceleration/blob/04702cc5
 TITAN = ("https://github.com/pytorch/torchtitan/blob/31a17bfdb70bab6f62a13d21816a5339b911d6e3/benchmarks/"
          "llama3_h100_202412_torchtitan.md")
 PEFT = "https://github.com/huggingface/peft/blob/e0cfce661a12411bf8587aa168160e44f7ff0034/docs/source/accelerate/fsdp.md"
+TORCHAO = "https://github.com/pytorch/ao/blob/9519bebbc397d60274982a74c084f9dff18e61a6/torchao/float8/README.md"
 SPECS = REPO / "bench" / "published"
 GiB = 2**30
 
@@ -74,6 +75,24 @@ def _titan(gpus: int, gib: float, table: str) -> dict:
             "counter": "reserved", "published_bytes": int(gib * GiB), "source": f"{TITAN} {table}, row FSDP"}
 
 
+def _torchao(accelerator: str, precision: str, gib: float) -> dict:
+    """A row of torchao's float8 "Training benchmarks" (its README): Llama3-8b with torchtitan on one node of 8 GPUs,
+    batch 1 of 8192 tokens, torch.compile, FSDP2, per-op SAC, in bf16 or float8 (tensorwise with float8 all-gather, or
+    rowwise). Its "Peak Memory (GB)" is what torchao's parse_torchtitan_logs.py reads from torchtitan's log: the
+    largest "memory: X GiB", torchtitan's max reserved. The H100 variant is not named (the built-in H100-80GB, SXM,
+    assumed); the MI300X rows ran a newer torch (2.9.0.dev, ROCm 6.4) and torchtitan (2c8b594) than the H100 rows
+    (2.7.0a0, torchtitan 0.0.2)."""
+    name, sets = {"bf16": ("bf16", ["train.precision=bf16"]),
+                  "tensorwise": ("float8 tensorwise", ["train.precision=fp8", "train.fp8_recipe=tensorwise"]),
+                  "rowwise": ("float8 rowwise", ["train.precision=fp8", "train.fp8_recipe=rowwise"])}[precision]
+    gpu = "H100" if accelerator.startswith("H100") else "MI300X"
+    return {"job": f"Llama3-8b, 8192 x 1, op SAC, compile, {name}, 8x {gpu}", "spec": "llama3-8b.yaml",
+            "set": ["train.grad_accum_steps=8", "train.activation_checkpointing=selective-2", "train.compile=blocks",
+                    *sets],
+            "accelerator": accelerator, "strategy": "fsdp", "gpus": 8, "counter": "reserved",
+            "published_bytes": int(gib * GiB), "source": f"{TORCHAO} \"Training benchmarks\", {gpu} table"}
+
+
 def _peft(offload: str, gb: float) -> dict:
     """huggingface/peft's FSDP guide, "Memory usage" of its QLoRA + FSDP section: Llama-2-70B QLoRA over 2 GPUs, FSDP1
     with ``fsdp_offload_params: true`` (19.6 GB per GPU) and without it (35.6 GB). The page names no counter
@@ -96,6 +115,12 @@ RUNS = [
     _titan(128, 67.0, "Table 3"),
     _peft("cpu", 19.6),
     _peft("none", 35.6),
+    _torchao("H100-80GB", "bf16", 47.65),
+    _torchao("H100-80GB", "tensorwise", 47.77),
+    _torchao("H100-80GB", "rowwise", 47.79),
+    _torchao("MI300X-192GB", "bf16", 39.09),
+    _torchao("MI300X-192GB", "tensorwise", 39.07),
+    _torchao("MI300X-192GB", "rowwise", 39.32),
 ]
 # The figures a row whose counter is unknown is set beside: the estimate's allocated, reserved and device-used peaks.
 FIGURES = {"allocated": "peak_allocated_bytes", "reserved": "peak_reserved_bytes", "device": "device_used_bytes"}
@@ -166,7 +191,7 @@ def main() -> None:
           + (f" ({len(rows) - len(counted)} rows with no named counter not counted)" if len(counted) < len(rows)
              else ""))
     write_results("published_memory" + (f"-{args.tag}" if args.tag else ""),
-                  {"sources": [FMS, TITAN, PEFT], "assumed": "fms rows: every sequence 4096 tokens",
+                  {"sources": [FMS, TITAN, PEFT, TORCHAO], "assumed": "fms rows: every sequence 4096 tokens",
                    "only": args.only or None, "within_10_percent": within, "counted_rows": len(counted),
                    "machine": machine(), "rows": rows})
 

@@ -62,8 +62,10 @@ class FSDP(DistributedCheckpoint):
         # compute dtype) and the autocast copies are not made.
         sharded = stage.state / gpus
         # FSDP2's MixedPrecisionPolicy(param_dtype=bf16/fp16) gathers parameters in the compute dtype:
-        # no separate autocast copies, and the gathered layer is half the size of fp32.
-        low = trace["precision"] in ("bf16", "fp16")
+        # no separate autocast copies, and the gathered layer is half the size of fp32. FP8 training gathers in bf16
+        # too (torchtitan's param_dtype under float8; a float8 all-gather would halve it again: an upper bound), as the
+        # communication already counts it (model.seconds_per_update's wire).
+        low = trace["precision"] in ("bf16", "fp16", "fp8")
         scale = 0.5 if low else 1.0
         layer = trace["largest_layer_bytes"]
         root = max(0, trace["parameter_bytes"] - layer * max(trace.get("layers", 0), 1))

@@ -33,10 +33,14 @@ def test_the_published_jobs_specs_load_and_say_what_was_measured():
         catalog = load_catalog(bench.SPECS / run["catalog"]) if run.get("catalog") else load_catalog()
         find(catalog, run["accelerator"])
         assert (run["gpus"] > 1) == strategies.get(run["strategy"]).multi_process
-    for run in (r for r in bench.RUNS if r["spec"] == "llama3-8b.yaml"):   # torchtitan: op SAC, 2 x 8192 per GPU
+    for run in (r for r in bench.RUNS if r["spec"] == "llama3-8b.yaml"):   # torchtitan: op SAC, 8192 per example
         spec = load_spec(bench.SPECS / run["spec"], run["set"], check_files=False)
         assert spec.train.activation_checkpointing == "selective-2" and spec.data.max_length == 8192
-        assert spec.train.micro_batch_size * spec.train.grad_accum_steps == 2 * run["gpus"]
+        # torchtitan's Llama 3.1 tables: local batch 2, eager; torchao's float8 table: batch 1, compiled per block.
+        torchao = run["source"].startswith(bench.TORCHAO)
+        assert spec.train.micro_batch_size * spec.train.grad_accum_steps == (1 if torchao else 2) * run["gpus"]
+        assert spec.train.compile == ("blocks" if torchao else "off")
+        assert (spec.train.precision == "fp8") == ("float8" in run["job"]), run["job"]
     for run in (r for r in bench.RUNS if r["spec"] not in ("llama3-8b.yaml", PEFT_SPEC)):
         name, peak, allocated = run["spec"], run["published_bytes"], run["published_state_bytes"]
         spec = load_spec(bench.SPECS / name, run["set"], check_files=False)
