@@ -44,10 +44,7 @@ def unaligned_view(step: dict) -> dict | None:
         return None
     modules = list(dict.fromkeys(m or "(outside any module)" for r in rows for m in r[7]))
     seq = int(step.get("seq_len") or 0)
-    dims = sorted({d for r in rows for d in r[6]})
-    padded = [{"size": d, "padded": math.ceil(d / (PAD_SEQUENCE if d == seq else PAD_FEATURES))
-               * (PAD_SEQUENCE if d == seq else PAD_FEATURES), "what": "sequence length" if d == seq else "features"}
-              for d in dims]
+    padded = [_padding(d, seq) for d in sorted({d for r in rows for d in r[6]})]
     where = ", ".join(modules[:SHOWN_MODULES]) + (f" and {len(modules) - SHOWN_MODULES} more"
                                                   if len(modules) > SHOWN_MODULES else "")
     fixes = []
@@ -63,6 +60,13 @@ def unaligned_view(step: dict) -> dict | None:
             f"modelled. To fix: {'; '.join(fixes)}. nanoGPT's update on an A100 went from ~113 to ~87 ms with its "
             "vocabulary padded from 50257 to 50304 (pytorch.org blog, 2023)")
     return {"flops_share": share, "modules": modules, "dimensions": padded, "note": note}
+
+
+def _padding(size: int, seq_len: int) -> dict:
+    """An odd leading dimension, what it is (the traced sequence length, else a feature dimension) and what it pads
+    to."""
+    what, step = ("sequence length", PAD_SEQUENCE) if size == seq_len else ("features", PAD_FEATURES)
+    return {"size": size, "padded": math.ceil(size / step) * step, "what": what}
 
 
 def short(dimensions: list[dict]) -> str:

@@ -75,14 +75,17 @@ def capture_block_inputs(model: torch.nn.Module, block: torch.nn.Module, forward
     if "call" not in seen:
         raise RuntimeError(f"the block {type(block).__name__} was not called by the model's forward")
     args, kwargs = seen["call"]
-    kept = {k: v for k, v in kwargs.items() if not _is_cache(k, v)}
+    kept = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYWORDS and not _is_cache(v)}
     # GPT-2 hands its block the cache positionally: kept, each later call would append to it (the compiled block
     # then saw keys twice as long as its queries).
-    return tuple(None if _is_cache("", a) else a for a in args), kept
+    return tuple(None if _is_cache(a) else a for a in args), kept
 
 
-def _is_cache(name: str, value: Any) -> bool:
-    return name in ("past_key_values", "past_key_value", "cache", "use_cache") or "Cache" in type(value).__name__
+_CACHE_KEYWORDS = ("past_key_values", "past_key_value", "cache", "use_cache")
+
+
+def _is_cache(value: Any) -> bool:
+    return "Cache" in type(value).__name__
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -223,10 +223,8 @@ def seconds_per_update(trace: dict, acc: Accelerator, strategy: str, gpus: int, 
         def expose(compute_seconds: float) -> tuple[float, str]:
             return chosen.exposed_communication(comm, trace, gpus, wire, bw, per_device, compute_seconds)
 
-        timed = _roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops, at)
-        unaligned = unaligned_view(step)
-        return {**timed, "communication": link, "lengths": at.view,
-                **({"unaligned_matmuls": unaligned} if unaligned and timed.get("seconds") else {})}
+        return {**_roofline(step, acc, chosen, gpus, peak, (comm, expose), per_device, share, device_flops, at),
+                "communication": link, "lengths": at.view}
     util = utilisation if utilisation is not None else float(acc.defaults.get("utilisation", 0.4))
     if not peak:
         return {"seconds": None, "reason": f"{acc.name} has no {precision} peak in the catalog", "lengths": at.view}
@@ -344,8 +342,12 @@ def estimate_fit(trace: dict, acc: Accelerator, strategy: str, gpus: int, precis
     t = seconds_per_update(trace, acc, strategy, gpus, precision, utilisation, micro_scale, micro_batches, lengths)
     placed = placed_strategy(strategy, trace)
     t = offload_time(t, trace, acc, placed, gpus, precision, collective_bandwidth(acc, gpus)[0])
-    if t.get("seconds") is None:
-        t.pop("unaligned_matmuls", None)   # no time (offload without a host link): nothing to call a lower bound
+    # Said on the per-op model's time only: a pilot's measured utilisation already ran the slow kernels, and a row
+    # without a time (offload without a host link) has nothing to call a lower bound.
+    unaligned = unaligned_view(trace["stages"][GateName.STEADY_STEP]) if (
+        t.get("model") == "roofline" and t.get("seconds") is not None) else None
+    if unaligned:
+        t["unaligned_matmuls"] = unaligned
     host = host_memory(trace, acc, placed, gpus)
     return {
         "accelerator": acc.name, "strategy": strategy, "gpus": gpus, "precision": precision,

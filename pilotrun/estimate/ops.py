@@ -231,9 +231,8 @@ class OpCosts(FlopCounterMode):
         """The matmuls of :meth:`rows` with a leading dimension off the tensor cores' 16-byte alignment
         (``_ALIGN_ELEMENTS``), as [[dtype, M, N, K, flops, count, [odd leading dimensions], [modules]], ...], most FLOPs
         first: estimate/alignment.py says them."""
-        return [[d, m, n, k, f, c, list(odd), sorted(self.unaligned_modules[key])]
-                for key, c in sorted(self.unaligned.items(), key=lambda kv: -kv[0][4] * kv[1])
-                for d, m, n, k, f, odd in (key,)]
+        return [[*key[:5], c, list(key[5]), sorted(self.unaligned_modules[key])]
+                for key, c in sorted(self.unaligned.items(), key=lambda kv: -kv[0][4] * kv[1])]
 
     def expert_rows(self) -> list[list]:
         """The experts' grouped matmuls' rows of :meth:`rows` (estimate/moe.py): [[dtype, flops, bytes, count], ...]."""

@@ -89,8 +89,9 @@ class StageTrace:
     fp8_ops: list[list] = field(default_factory=list)
     # The experts' grouped matmuls' rows of ``ops`` (estimate/moe.py): their FLOPs and dtype, said in the row.
     expert_ops: list[list] = field(default_factory=list)
-    # The matmuls of ``ops`` with a dimension off the tensor cores' alignment (ops.OpCosts.unaligned_rows): [dtype, M,
-    # N, K, flops, count, module]; estimate/alignment.py says them. Empty in traces written before them.
+    # The matmuls of ``ops`` with a leading dimension off the tensor cores' alignment (ops.OpCosts.unaligned_rows):
+    # [dtype, M, N, K, flops, count, [odd leading dimensions], [modules]]; estimate/alignment.py says them. Empty in
+    # traces written before them.
     unaligned_matmuls: list[list] = field(default_factory=list)
     # Per phase ("compute": the first micro batch's forward and backward, "accumulating": the later micro batches
     # with the earlier ones' gradients held, "optimizer": the step), the moments that bound the peak at
