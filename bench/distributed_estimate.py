@@ -1,6 +1,7 @@
 """Per-rank estimate vs measured for DDP and FSDP2 on two CPU processes (gloo).
 
     .venv/bin/python bench/distributed_estimate.py
+    .venv/bin/python bench/distributed_estimate.py --tag lora --set model.adapter.type=lora ...   # a variant
 
 The fake-tensor trace of one rank's work (CPU target) goes through the same per-rank model
 `pilotrun estimate` uses for GPUs, with the GPU-only corrections set to zero (no allocator
@@ -9,6 +10,7 @@ measures each rank's peak live tensor bytes. Prints the ratio per stage and rank
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -38,15 +40,21 @@ def cpu_target():
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a spec override, repeatable")
+    ap.add_argument("--tag", default="", help="results file distributed_estimate-TAG-<device>-<date>.json")
+    args = ap.parse_args()
     acc = cpu_target()
-    trace = trace_in_subprocess(load_spec(SPEC), target="cpu")
+    trace = trace_in_subprocess(load_spec(SPEC, args.set), target="cpu")
+    sets = [x for item in args.set for x in ("--set", item)]
     rows = []
     for strategy in ("ddp", "fsdp"):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "run"
             subprocess.run([sys.executable, "-m", "pilotrun", "launch", "--nproc-per-node", "2", str(SPEC),
-                            "--set", f"distributed.strategy={strategy}", "--gates", "first_step,steady_step,eval",
-                            "--out", str(out), "--ledger", str(Path(tmp) / "l.sqlite"), "--container-digest", "bench"],
+                            *sets, "--set", f"distributed.strategy={strategy}",
+                            "--gates", "first_step,steady_step,eval",
+                            "--out", str(out), "--ledger", str(Path(tmp) / "l.sqlite")],
                            check=True, capture_output=True)
             report = json.loads((out / "report.json").read_text())
         for stage in STAGES:
@@ -59,7 +67,8 @@ def main() -> int:
                              "measured_bytes": real, "ratio": est / real})
                 print(f"{strategy:<5} {stage:<12} rank {g['rank']}  estimated {est / 2**20:7.2f} MiB  "
                       f"measured {real / 2**20:7.2f} MiB  ratio {est / real:.3f}")
-    write_results("distributed_estimate", {"machine": machine(), "spec": str(SPEC.relative_to(REPO)), "rows": rows})
+    write_results("distributed_estimate" + (f"-{args.tag}" if args.tag else ""),
+                  {"machine": machine(), "spec": str(SPEC.relative_to(REPO)), "set": args.set, "rows": rows})
     return 0
 
 

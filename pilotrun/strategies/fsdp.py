@@ -2,6 +2,8 @@
 and with ``distributed.offload: cpu`` kept in host memory (FSDP2's ``CPUOffloadPolicy``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -65,11 +67,10 @@ class FSDP(DistributedCheckpoint):
         # no separate autocast copies, and the gathered layer is half the size of fp32. FP8 training gathers in bf16
         # too (torchtitan's param_dtype under float8; a float8 all-gather would halve it again: an upper bound), as the
         # communication already counts it (model.seconds_per_update's wire).
-        low = trace["precision"] in ("bf16", "fp16", "fp8")
-        scale = 0.5 if low else 1.0
-        layer = trace["largest_layer_bytes"]
-        root = max(0, trace["parameter_bytes"] - layer * max(trace.get("layers", 0), 1))
-        inflight = (root + 2 * layer) * scale + (layer if training else 0)
+        low = _low(trace["precision"])
+        size = _Sizes.of(trace, trace["precision"])
+        inflight = size.root_gathered + 2 * size.gathered + (size.grad if training else 0)
+        frozen = training and size.grad < size.stored
         corrections = [
             correction("FSDP2 sharding", sharded - stage.state, "allocated",
                        f"parameters, gradients and optimizer state split over {gpus} ranks" if gpus > 1 else
@@ -77,7 +78,9 @@ class FSDP(DistributedCheckpoint):
             correction("FSDP2 unsharded layer in flight", inflight, "allocated",
                        f"the root's own parameters stay gathered; {trace['largest_layer']} gathered for compute and "
                        f"the next one prefetched{' in ' + trace['precision'] if low else ''}"
-                       f"{', plus its unsharded fp32 gradient before reduce-scatter' if training else ''}"),
+                       f"{', a quantised base packed as stored' if size.packed else ''}"
+                       f"{', plus its unsharded gradient before reduce-scatter' if training else ''}"
+                       f"{' (its trainable parameters only: frozen weights have none)' if frozen else ''}"),
         ]
         if stage.weight_casts:
             corrections.append(correction("FSDP2 mixed precision instead of autocast copies", -stage.weight_casts,
@@ -89,7 +92,7 @@ class FSDP(DistributedCheckpoint):
             # CPUOffloadPolicy: the shards live on the host. On the device: the shard of the layer being gathered,
             # copied in (in its stored dtype) before its all-gather, and in training one gradient shard out of the
             # reduce-scatter before its copy to the host (FSDP2 _fsdp_param.all_gather_inputs, foreach_reduce).
-            resident = layer / gpus * (2 if training else 1)
+            resident = (size.stored + (size.grad if training else 0)) / gpus
             corrections.append(correction(
                 "FSDP2 CPU offload", resident - sharded, "allocated",
                 f"parameters, gradients and optimizer state ({human_bytes(sharded)} per rank) kept in host memory "
@@ -124,7 +127,7 @@ class FSDP(DistributedCheckpoint):
         # Parameters gathered (in the compute dtype) for forward and again for backward, fp32 gradients
         # reduce-scattered, on every micro batch this rank runs.
         micro_steps = max(1, micro_batches)
-        compute_bytes = trace["parameter_bytes"] * (0.5 if precision in ("bf16", "fp16") else 1.0)
+        compute_bytes = _Sizes.of(trace, precision).total_gathered
         return micro_steps * (2 * compute_bytes + trace["gradient_bytes"]) * (gpus - 1) / gpus / bytes_per_second
 
     def exposed_communication(self, total, trace, gpus, precision, bytes_per_second, micro_batches, compute_seconds):
@@ -185,16 +188,12 @@ class _Chain:
     @classmethod
     def of(cls, trace: dict, gpus: int, precision: str, collective: float, host: float) -> _Chain:
         """``collective``, ``host``: bytes per second (0: that link is not used)."""
-        blocks = max(int(trace.get("layers", 0) or 0), 1)
+        z = _Sizes.of(trace, precision)
         wire = (gpus - 1) / gpus / collective if gpus > 1 and collective else 0.0
-        low = 0.5 if precision in ("bf16", "fp16") else 1.0
-        layer, params = trace["largest_layer_bytes"], max(trace["parameter_bytes"], 1)
-        root = max(0, params - layer * blocks)
-        grad_share = trace["gradient_bytes"] / params   # trainable share: frozen weights send no gradient
         # A shard crosses the host link in its stored dtype: FSDP2 casts to the compute dtype on the device.
         copy = 1 / gpus / host if host else 0.0
-        return cls(blocks, layer * low * wire, layer * grad_share * wire, root * low * wire, root * grad_share * wire,
-                   layer * copy, layer * grad_share * copy, root * copy, root * grad_share * copy)
+        return cls(z.blocks, z.gathered * wire, z.grad * wire, z.root_gathered * wire, z.root_grad * wire,
+                   z.stored * copy, z.grad * copy, z.root_stored * copy, z.root_grad * copy)
 
     def without_d2h(self) -> _Chain:
         return _Chain(self.blocks, self.gather, self.scatter, self.root_gather, self.root_scatter, self.h2d, 0.0,
@@ -230,3 +229,43 @@ def quant_state_bytes(trace: dict) -> int:
     """The quantisation state of a quantised base (estimate/adapted.Adaptation.quant_state_bytes), 0 without one or
     in a trace written before it was counted apart."""
     return int((trace.get("adaptation") or {}).get("quant_state_bytes") or 0)
+
+
+def _low(precision: str) -> bool:
+    """Whether FSDP2 gathers float parameters in a 2-byte compute dtype (MixedPrecisionPolicy's param_dtype; fp8
+    training keeps bf16's)."""
+    return precision in ("bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The largest block's and the root's bytes as FSDP2 moves them. Float parameters are gathered in the compute
+    dtype under a low-precision policy; a quantised base's packed weights as stored (they are not floats to cast);
+    the quantisation state (bitsandbytes' absmax and codes: attributes, not parameters) not at all, every rank keeping
+    it whole ("quantisation state on every rank"). A block's unsharded gradient holds its trainable parameters only:
+    frozen weights (a LoRA or QLoRA base) have none, so it is the block's bytes times the model's trainable share."""
+
+    blocks: int
+    stored: float          # a block's parameters as stored, its quantisation state excluded
+    gathered: float        # a block as gathered for compute
+    grad: float            # a block's unsharded gradient
+    root_stored: float     # the root's own parameters (embeddings, head, final norm)
+    root_gathered: float
+    root_grad: float
+    packed: float          # a block's packed quantised weights (0 without a quantised base)
+    total_gathered: float  # every parameter as gathered
+
+    @classmethod
+    def of(cls, trace: dict, precision: str) -> _Sizes:
+        blocks = max(int(trace.get("layers", 0) or 0), 1)
+        layer, params = trace["largest_layer_bytes"], max(trace["parameter_bytes"], 1)
+        scale = 0.5 if _low(precision) else 1.0
+        quantised = int((trace.get("adaptation") or {}).get("quantized_bytes") or 0)   # packed + state, all blocks
+        state = quant_state_bytes(trace)
+        # bitsandbytes quantises the blocks' Linears (the output head is skipped): each block holds its share.
+        q_layer, s_layer = min(layer, quantised / blocks), min(layer, state / blocks)
+        root = max(0, params - layer * blocks)
+        share = trace["gradient_bytes"] / params
+        packed = max(0.0, q_layer - s_layer)
+        return cls(blocks, layer - s_layer, (layer - q_layer) * scale + packed, layer * share, root, root * scale,
+                   root * share, packed, (params - quantised) * scale + max(0, quantised - state))

@@ -84,6 +84,45 @@ def test_fp8_training_gathers_its_layers_in_bf16_as_bf16_training_does():
     assert fp8 == bf16 < fp32
 
 
+def test_fsdp_moves_a_frozen_or_quantised_block_as_it_is_stored_and_gathers_gradients_only_for_what_trains():
+    """A LoRA base's frozen weights have no gradient, so the unsharded gradient in flight is the trainable share of a
+    block, not the block (two CPU ranks with real FSDP2, bench/distributed_estimate.py --tag lora: 1.098 -> 1.051 of
+    the measured peak); a quantised base's packed weights are gathered and sent as stored, not halved as floats, and
+    its quantisation state is not gathered at all (every rank keeps it whole)."""
+    from pilotrun import strategies
+    from pilotrun.strategies import StageBytes
+
+    fsdp = strategies.get("fsdp")
+    stage = StageBytes(parameters=4 * GiB, gradients=0, optimizer=0, buffers=0, activations=10 * GiB, weight_casts=0)
+    full = synthetic_trace(precision="bf16")                                # every parameter trains
+    layer = full["largest_layer_bytes"]
+    lora = {**full, "gradient_bytes": full["parameter_bytes"] // 100}       # 1% trains
+    trained, frozen = (fsdp.estimate_memory(stage, t, 8, True)[0] for t in (full, lora))
+    assert trained - frozen == pytest.approx(layer * 0.99)
+    row = next(c for c in fsdp.estimate_memory(stage, lora, 8, True)[1] if c["name"].endswith("layer in flight"))
+    assert "frozen weights have none" in row["reason"]
+    # Evaluation holds no gradient: the two agree.
+    assert fsdp.estimate_memory(stage, full, 8, False)[0] == fsdp.estimate_memory(stage, lora, 8, False)[0]
+
+    # QLoRA: the blocks' bytes are packed 4-bit weights (90 of every 100) and their state (2): bf16's halving applies
+    # to the rest only, and the state is neither gathered nor sent.
+    assert layer * 32 == full["parameter_bytes"]   # the synthetic model is its 32 blocks: no root
+    qlora = {**lora, "adaptation": {"quantized_bytes": int(layer * 32 * 0.92), "quant_state_bytes":
+                                    int(layer * 32 * 0.02)}}
+    as_float = fsdp.estimate_memory(stage, lora, 8, False)[0]
+    as_packed = fsdp.estimate_memory(stage, qlora, 8, False)[0]
+    # Two blocks in flight (one computing, one prefetched): 90% of each at its stored size where half was counted,
+    # 2% not at all; the state is its own row, whole on every rank (7/8 of it beyond the even shard).
+    state = qlora["adaptation"]["quant_state_bytes"]
+    assert as_packed - as_float == pytest.approx(2 * layer * (0.90 - 0.92 / 2) + state * 7 / 8, rel=1e-6)
+    wire = 100e9
+    sent = {name: fsdp.communication_seconds(t, 8, "bf16", wire) * wire / (7 / 8) for name, t in
+            (("float", lora), ("quantised", qlora))}
+    params = full["parameter_bytes"]
+    assert sent["float"] == pytest.approx(2 * params / 2 + lora["gradient_bytes"])
+    assert sent["quantised"] == pytest.approx(2 * (params * 0.08 / 2 + params * 0.90) + lora["gradient_bytes"])
+
+
 def test_a_rocm_row_says_which_figures_are_unknown_for_its_stack():
     """Issue 42: the trace serves MI300X and H100 alike; where ROCm's allocator, context or RCCL buffers are not
     measured anywhere, the row says the CUDA figure stands in, never silently."""
