@@ -96,6 +96,41 @@ class QuantizedLinearStandIn(torch.nn.Module):
         return y.to(x.dtype)
 
 
+PARTS = ("fp32", "stored", "state", "trainable")
+
+
+def fsdp_parts(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """Parameter bytes as FSDP2 moves them, for the largest repeated block (``block``, the unit gathered at once),
+    everything outside the blocks (``root``) and the ``model``: ``fp32``, float parameters stored in fp32 (a 2-byte
+    MixedPrecisionPolicy gathers them at half); ``stored``, every other parameter, gathered as stored (bf16/fp16
+    floats, a quantised base's packed weights); ``state``, a quantised base's absmax and codes (bitsandbytes keeps them
+    as attributes, not parameters: never gathered, whole on every rank); ``trainable``, the bytes that require grad
+    (frozen weights make no gradient)."""
+    from ..models.structure import repeated_blocks
+
+    def parts(module: torch.nn.Module, skip: set[int]) -> dict[str, int]:
+        out = dict.fromkeys(PARTS, 0)
+        for m in module.modules():
+            for name, p in m.named_parameters(recurse=False):
+                if id(p) in skip:
+                    continue
+                skip.add(id(p))
+                n = p.numel() * p.element_size()
+                state = isinstance(m, QuantizedLinearStandIn) and name not in ("weight", "bias")
+                out["state" if state else "fp32" if p.dtype == torch.float32 else "stored"] += n
+                out["trainable"] += n if p.requires_grad else 0
+        return out
+
+    _, blocks = repeated_blocks(model)
+    if len(blocks) < 2:
+        whole = parts(model, set())
+        return {"block": whole, "root": dict.fromkeys(PARTS, 0), "model": whole}
+    each = [parts(b, set()) for b in blocks]
+    largest = max(each, key=lambda d: d["fp32"] + d["stored"] + d["state"])
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    return {"block": largest, "root": parts(model, set(in_blocks)), "model": parts(model, set())}
+
+
 def _quantize(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: Adaptation) -> None:
     """Replace every Linear transformers would quantise (all but the output head and LoRA's own) by a stand-in."""
     from ..models.adapters import is_adapter_parameter

@@ -33,16 +33,19 @@ from .. import __version__
 from ..config.spec import Spec
 from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
+from .adapted import PARTS
 
 CACHE_ENV = "PILOTRUN_CACHE"
-FORMAT = 10  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
+FORMAT = 11  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
 #             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step,
 #             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride,
 #             7: the attention kernels' op rows apart, for the time at the data's lengths,
 #             8: the experts' grouped matmuls counted (estimate/moe.py): an older MoE trace counted them zero,
 #             9: train.compile's facts (estimate/compiled.py): an eager trace never answers for a compiled job,
 #             10: a cache handed to a block by position dropped (GPT-2's compiled block was "not modelled"), and the
-#             matmuls whose dimensions leave the tensor cores' alignment (ops.OpCosts.unaligned_rows))
+#             matmuls whose dimensions leave the tensor cores' alignment (ops.OpCosts.unaligned_rows),
+#             11: parameter bytes as FSDP2 moves them (adapted.fsdp_parts): fp32, as stored, quantisation state,
+#             trainable)
 
 
 def default_dir() -> Path:
@@ -191,7 +194,8 @@ ENTRY_SCHEMA = {"key": dict, "trace": {
     "largest_layer_bytes": _BYTES, "largest_layer": str, "layers": _BYTES, "foreach": bool, "precision": str,
     "activation_checkpointing": (bool, str), "seconds": NonNegative(), "grad_accum_steps": _BYTES,
     "max_positions": Optional(_BYTES), "notes": Optional([str]), "optimizer": Optional(str),
-    "adaptation": Optional({"quant_state_bytes": Optional(_BYTES)})}}
+    "adaptation": Optional({"quant_state_bytes": Optional(_BYTES), "quantized_bytes": Optional(_BYTES)}),
+    "fsdp_parts": {part: {kind: _BYTES for kind in PARTS} for part in ("block", "root", "model")}}}
 
 
 def _check(entry: object, key: dict) -> str | None:

@@ -51,6 +51,8 @@ def adapter_view(trace: dict, spec: Spec, disk_mb_s: float = DISK_MB_S) -> dict 
         "adapted_layers": a["adapted_layers"],
         "frozen_base_bytes": trace["parameter_bytes"] - a["adapter_bytes"],
         "quantized_bytes": a["quantized_bytes"],
+        # of quantized_bytes, the absmax and codes: not parameters to FSDP, so whole on every rank
+        "quant_state_bytes": a.get("quant_state_bytes", 0),
         "quantized_layers": a["quantized_layers"],
         "dequantized_peak_bytes": a["dequantized_peak_bytes"],
         "preparation": a.get("preparation", ""),   # a quantised base's QLoRA preparation, as modelled

@@ -32,7 +32,7 @@ from ..models.loading import build_model
 from ..models.structure import largest_block
 from ..train.batches import autocast_for, item_length, seq_len, supervised_count
 from ..train.loss import LossPolicy, decide_loss_policy, window_backward
-from .adapted import Adaptation, adapt, trace_optimizer
+from .adapted import Adaptation, adapt, fsdp_parts, trace_optimizer
 from .autocast_lists import cuda_autocast_lists
 from .compiled import compiled_facts
 from .fp8 import fp8_facts, fp8_modules
@@ -123,6 +123,8 @@ class TraceResult:
     optimizer: str = ""                  # the spec's optimizer name and the path traced
     # Adapter / quantised base / bf16-true: trainable share, adapter and quantised bytes (adapted.Adaptation).
     adaptation: dict = field(default_factory=dict)
+    # Parameter bytes as FSDP2 moves them, of the largest block, the root and the model (adapted.fsdp_parts).
+    fsdp_parts: dict = field(default_factory=dict)
     # The attention kernel modelled (models.attention.AttentionRecord.to_dict): the implementation, the target's
     # kernel, its calls in one micro batch's forward, and what CPU dispatch would have run instead.
     attention: dict = field(default_factory=dict)
@@ -365,6 +367,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     job = _prepare(spec, ac, micro_batch_size or t.micro_batch_size, seq_len)
     moe = _moe_facts(spec, job)
     layer_name, layer_bytes, layers = largest_block(job.model)
+    parts = fsdp_parts(job.model)
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
     # The target's autocast lists too (estimate/autocast_lists.py): CUDA runs softmax, norms and losses in fp32.
@@ -386,7 +389,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
                        attention=attention.to_dict(), fp8=fp8_facts(job.model, spec), moe=with_costs(
                            moe, stages[GateName.STEADY_STEP].expert_ops,
                            job.micro_batch * stages[GateName.STEADY_STEP].seq_len, t.grad_accum_steps),
-                       compiled=compiled, **totals)
+                       compiled=compiled, fsdp_parts=parts, **totals)
 
 
 def _compiled(spec: Spec, job: _Job, model, block: str, layers: int, ac: bool | str) -> dict:

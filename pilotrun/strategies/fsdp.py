@@ -239,11 +239,12 @@ def _low(precision: str) -> bool:
 
 @dataclass(frozen=True)
 class _Sizes:
-    """The largest block's and the root's bytes as FSDP2 moves them. Float parameters are gathered in the compute
-    dtype under a low-precision policy; a quantised base's packed weights as stored (they are not floats to cast);
-    the quantisation state (bitsandbytes' absmax and codes: attributes, not parameters) not at all, every rank keeping
-    it whole ("quantisation state on every rank"). A block's unsharded gradient holds its trainable parameters only:
-    frozen weights (a LoRA or QLoRA base) have none, so it is the block's bytes times the model's trainable share."""
+    """The largest block's and the root's bytes as FSDP2 moves them (the trace's ``fsdp_parts``): float parameters
+    stored in fp32 are gathered in the compute dtype under a 2-byte policy; everything else as stored (bf16 floats, a
+    quantised base's packed weights, which are not floats to cast); a quantised base's state (bitsandbytes' absmax and
+    codes: attributes, not parameters) not at all, every rank keeping it whole ("quantisation state on every rank").
+    A block's unsharded gradient holds its trainable parameters only: frozen weights (a LoRA or QLoRA base) have
+    none."""
 
     blocks: int
     stored: float          # a block's parameters as stored, its quantisation state excluded
@@ -252,20 +253,34 @@ class _Sizes:
     root_stored: float     # the root's own parameters (embeddings, head, final norm)
     root_gathered: float
     root_grad: float
-    packed: float          # a block's packed quantised weights (0 without a quantised base)
+    packed: bool           # a quantised base's packed weights among the block's
     total_gathered: float  # every parameter as gathered
 
     @classmethod
     def of(cls, trace: dict, precision: str) -> _Sizes:
         blocks = max(int(trace.get("layers", 0) or 0), 1)
-        layer, params = trace["largest_layer_bytes"], max(trace["parameter_bytes"], 1)
         scale = 0.5 if _low(precision) else 1.0
-        quantised = int((trace.get("adaptation") or {}).get("quantized_bytes") or 0)   # packed + state, all blocks
-        state = quant_state_bytes(trace)
-        # bitsandbytes quantises the blocks' Linears (the output head is skipped): each block holds its share.
-        q_layer, s_layer = min(layer, quantised / blocks), min(layer, state / blocks)
-        root = max(0, params - layer * blocks)
-        share = trace["gradient_bytes"] / params
-        packed = max(0.0, q_layer - s_layer)
-        return cls(blocks, layer - s_layer, (layer - q_layer) * scale + packed, layer * share, root, root * scale,
-                   root * share, packed, (params - quantised) * scale + max(0, quantised - state))
+        parts = trace.get("fsdp_parts") or _uniform_parts(trace)
+        block, root, model = parts["block"], parts["root"], parts["model"]
+
+        def gathered(p: dict) -> float:
+            return p["fp32"] * scale + p["stored"]
+
+        return cls(blocks, block["fp32"] + block["stored"], gathered(block), block["trainable"],
+                   root["fp32"] + root["stored"], gathered(root), root["trainable"],
+                   bool((trace.get("adaptation") or {}).get("quantized_bytes")), gathered(model))
+
+
+def _uniform_parts(trace: dict) -> dict:
+    """``fsdp_parts`` of a trace written by hand (tests' synthetic traces; every cached trace carries its own): every
+    parameter a float in fp32 unless the weights are bf16 (bf16-true), the blocks holding all but the root's, each
+    block's trainable bytes its share of the model's."""
+    layer, params = trace["largest_layer_bytes"], max(trace["parameter_bytes"], 1)
+    kind = "stored" if trace["precision"].startswith("bf16-true") else "fp32"
+    share = trace["gradient_bytes"] / params
+    root = max(0, params - layer * max(int(trace.get("layers", 0) or 0), 1))
+
+    def part(n: float) -> dict:
+        return {"fp32": 0, "stored": 0, "state": 0, kind: n, "trainable": n * share}
+
+    return {"block": part(layer), "root": part(root), "model": part(params)}

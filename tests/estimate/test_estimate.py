@@ -104,23 +104,28 @@ def test_fsdp_moves_a_frozen_or_quantised_block_as_it_is_stored_and_gathers_grad
     # Evaluation holds no gradient: the two agree.
     assert fsdp.estimate_memory(stage, full, 8, False)[0] == fsdp.estimate_memory(stage, lora, 8, False)[0]
 
-    # QLoRA: the blocks' bytes are packed 4-bit weights (90 of every 100) and their state (2): bf16's halving applies
-    # to the rest only, and the state is neither gathered nor sent.
-    assert layer * 32 == full["parameter_bytes"]   # the synthetic model is its 32 blocks: no root
-    qlora = {**lora, "adaptation": {"quantized_bytes": int(layer * 32 * 0.92), "quant_state_bytes":
-                                    int(layer * 32 * 0.02)}}
+    # QLoRA, as fsdp_parts gives it: of every block, 90% packed 4-bit weights (gathered as stored, not halved as an
+    # fp32 float would be), 2% their quantisation state (never gathered), 8% floats in fp32 (halved), 1% trainable.
+    def part(n):
+        return {"fp32": int(n * 0.08), "stored": int(n * 0.90), "state": int(n * 0.02), "trainable": int(n * 0.01)}
+
+    none = {"fp32": 0, "stored": 0, "state": 0, "trainable": 0}
+    qlora = {**lora, "fsdp_parts": {"block": part(layer), "root": none, "model": part(layer * 32)},
+             "adaptation": {"quantized_bytes": int(layer * 32 * 0.92), "quant_state_bytes": int(layer * 32 * 0.02)}}
     as_float = fsdp.estimate_memory(stage, lora, 8, False)[0]
     as_packed = fsdp.estimate_memory(stage, qlora, 8, False)[0]
-    # Two blocks in flight (one computing, one prefetched): 90% of each at its stored size where half was counted,
-    # 2% not at all; the state is its own row, whole on every rank (7/8 of it beyond the even shard).
+    # Two blocks in flight (one computing, one prefetched) at 0.08 / 2 + 0.90 where 1 / 2 was counted; the state is
+    # its own row, whole on every rank (7/8 of it beyond the even shard).
     state = qlora["adaptation"]["quant_state_bytes"]
-    assert as_packed - as_float == pytest.approx(2 * layer * (0.90 - 0.92 / 2) + state * 7 / 8, rel=1e-6)
+    assert as_packed - as_float == pytest.approx(2 * layer * (0.04 + 0.90 - 0.5) + state * 7 / 8, rel=1e-6)
+    row = next(c for c in fsdp.estimate_memory(stage, qlora, 8, True)[1] if c["name"].endswith("layer in flight"))
+    assert "packed as stored" in row["reason"] and "frozen weights have none" in row["reason"]
     wire = 100e9
     sent = {name: fsdp.communication_seconds(t, 8, "bf16", wire) * wire / (7 / 8) for name, t in
             (("float", lora), ("quantised", qlora))}
     params = full["parameter_bytes"]
     assert sent["float"] == pytest.approx(2 * params / 2 + lora["gradient_bytes"])
-    assert sent["quantised"] == pytest.approx(2 * (params * 0.08 / 2 + params * 0.90) + lora["gradient_bytes"])
+    assert sent["quantised"] == pytest.approx(2 * (params * 0.04 + params * 0.90) + lora["gradient_bytes"], rel=1e-6)
 
 
 def test_a_rocm_row_says_which_figures_are_unknown_for_its_stack():

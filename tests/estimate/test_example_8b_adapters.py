@@ -42,5 +42,15 @@ def test_hand_arithmetic_matches_the_estimate(name):
     if "quantized_bytes" in hand:
         assert trace["adaptation"]["quantized_bytes"] == hand["quantized_bytes"]
         assert trace["adaptation"]["quant_state_bytes"] == hand["quant_state_bytes"]
+    # The bytes as FSDP2 moves them (strategies/fsdp.py): every parameter byte once, in two identical blocks and the
+    # root; a quantised base's state all in the blocks (the head is not quantised), its packed weights as stored.
+    parts = trace["fsdp_parts"]
+    model, block, root = parts["model"], parts["block"], parts["root"]
+    assert model["fp32"] + model["stored"] + model["state"] == trace["parameter_bytes"]
+    assert model["trainable"] == trace["gradient_bytes"]
+    assert all(model[k] == 2 * block[k] + root[k] for k in model)
+    assert model["state"] == hand.get("quant_state_bytes", 0) and root["state"] == 0
+    if "quantized_bytes" in hand:
+        assert block["stored"] >= (hand["quantized_bytes"] - hand["quant_state_bytes"]) // 2
     peak = trace["stages"]["steady_step"]["peak_bytes"]
     assert abs(peak / hand["steady_step_bytes"] - 1) <= 0.10, (peak, hand["steady_step_bytes"])
