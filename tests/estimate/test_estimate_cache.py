@@ -59,7 +59,9 @@ def full_trace() -> dict:
             "trainable_parameters": 2, "parameter_bytes": 8, "gradient_bytes": 8, "optimizer_state_bytes": 16,
             "buffer_bytes": 0, "largest_layer_bytes": 8, "largest_layer": "lin", "layers": 1, "foreach": True,
             "precision": "bf16", "activation_checkpointing": False, "seconds": 1.5, "grad_accum_steps": 1,
-            "max_positions": None, "notes": [], "optimizer": "adamw", "adaptation": {}}
+            "max_positions": None, "notes": [], "optimizer": "adamw", "adaptation": {},
+            "fsdp_parts": {part: {"fp32": 8 if part != "root" else 0, "stored": 0, "state": 0,
+                                  "trainable": 8 if part != "root" else 0} for part in ("block", "root", "model")}}
 
 
 def test_a_cached_trace_that_is_a_fifo_a_device_deep_or_of_the_wrong_shape_is_said_and_traced_again(tmp_path):
