@@ -96,20 +96,18 @@ class QuantizedLinearStandIn(torch.nn.Module):
         return y.to(x.dtype)
 
 
-PARTS = ("fp32", "stored", "state", "trainable")
-
-
-def fsdp_parts(model: torch.nn.Module) -> dict[str, dict[str, int]]:
-    """Parameter bytes as FSDP2 moves them, for the largest repeated block (``block``, the unit gathered at once),
-    everything outside the blocks (``root``) and the ``model``: ``fp32``, float parameters stored in fp32 (a 2-byte
-    MixedPrecisionPolicy gathers them at half); ``stored``, every other parameter, gathered as stored (bf16/fp16
-    floats, a quantised base's packed weights); ``state``, a quantised base's absmax and codes (bitsandbytes keeps them
-    as attributes, not parameters: never gathered, whole on every rank); ``trainable``, the bytes that require grad
-    (frozen weights make no gradient)."""
+def fsdp_parts(model: torch.nn.Module, block_name: str) -> dict[str, dict[str, int]]:
+    """Parameter bytes as FSDP2 moves them, for the largest repeated block (``block_name``, as
+    ``models.structure.largest_block`` names it: the unit gathered at once), everything outside the blocks (``root``)
+    and the ``model``: ``fp32``, float parameters stored in fp32 (a 2-byte MixedPrecisionPolicy gathers them at half);
+    ``stored``, every other parameter, gathered as stored (bf16/fp16 floats, a quantised base's packed weights);
+    ``state``, a quantised base's absmax and codes (bitsandbytes keeps them as attributes, not parameters: never
+    gathered, whole on every rank); ``trainable``, the bytes that require grad (frozen weights make no gradient)."""
     from ..models.structure import repeated_blocks
+    from .cache import FSDP_PART_KINDS
 
     def parts(module: torch.nn.Module, skip: set[int]) -> dict[str, int]:
-        out = dict.fromkeys(PARTS, 0)
+        out = dict.fromkeys(FSDP_PART_KINDS, 0)
         for m in module.modules():
             for name, p in m.named_parameters(recurse=False):
                 if id(p) in skip:
@@ -121,14 +119,12 @@ def fsdp_parts(model: torch.nn.Module) -> dict[str, dict[str, int]]:
                 out["trainable"] += n if p.requires_grad else 0
         return out
 
+    whole = parts(model, set())
     _, blocks = repeated_blocks(model)
-    if len(blocks) < 2:
-        whole = parts(model, set())
-        return {"block": whole, "root": dict.fromkeys(PARTS, 0), "model": whole}
-    each = [parts(b, set()) for b in blocks]
-    largest = max(each, key=lambda d: d["fp32"] + d["stored"] + d["state"])
+    if len(blocks) < 2:   # largest_block's "(whole model)"
+        return {"block": whole, "root": dict.fromkeys(FSDP_PART_KINDS, 0), "model": whole}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    return {"block": largest, "root": parts(model, set(in_blocks)), "model": parts(model, set())}
+    return {"block": parts(model.get_submodule(block_name), set()), "root": parts(model, in_blocks), "model": whole}
 
 
 def _quantize(model: torch.nn.Module, spec: Spec, base_dtype: torch.dtype, out: Adaptation) -> None:

@@ -33,9 +33,10 @@ from .. import __version__
 from ..config.spec import Spec
 from ..ledger.records import GateName
 from ..safefile import FileKind, FileProblem, MapOf, NonNegative, Optional, check, read_json
-from .adapted import PARTS
 
 CACHE_ENV = "PILOTRUN_CACHE"
+# A trace's fsdp_parts (estimate/adapted.fsdp_parts), per block, root and model: the bytes of each kind.
+FSDP_PART_KINDS = ("fp32", "stored", "state", "trainable")
 FORMAT = 11  # bump when TraceResult's fields change meaning: older entries are then simply other keys (3: adapters,
 #             4: each op's FLOPs and bytes for the time model, 5: out= writes, whole kernels, the norm before the step,
 #             6: attention as the target's kernel runs it, per-op checkpointing with a matmul stride,
@@ -195,7 +196,7 @@ ENTRY_SCHEMA = {"key": dict, "trace": {
     "activation_checkpointing": (bool, str), "seconds": NonNegative(), "grad_accum_steps": _BYTES,
     "max_positions": Optional(_BYTES), "notes": Optional([str]), "optimizer": Optional(str),
     "adaptation": Optional({"quant_state_bytes": Optional(_BYTES), "quantized_bytes": Optional(_BYTES)}),
-    "fsdp_parts": {part: {kind: _BYTES for kind in PARTS} for part in ("block", "root", "model")}}}
+    "fsdp_parts": {part: {kind: _BYTES for kind in FSDP_PART_KINDS} for part in ("block", "root", "model")}}}
 
 
 def _check(entry: object, key: dict) -> str | None:

@@ -367,7 +367,7 @@ def trace_job(spec: Spec, target: str = "cuda", activation_checkpointing: bool |
     job = _prepare(spec, ac, micro_batch_size or t.micro_batch_size, seq_len)
     moe = _moe_facts(spec, job)
     layer_name, layer_bytes, layers = largest_block(job.model)
-    parts = fsdp_parts(job.model)
+    parts = fsdp_parts(job.model, layer_name)
     num_items = t.grad_accum_steps * supervised_count(job.train_batch, job.policy.shift_labels)
     shared = _shared_parameters(job.model)
     # The target's autocast lists too (estimate/autocast_lists.py): CUDA runs softmax, norms and losses in fp32.
