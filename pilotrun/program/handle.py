@@ -445,6 +445,13 @@ class ProgramHandle:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+        # A group the program destroyed but torch still holds would be freed during interpreter shutdown and abort
+        # the finished process (pilotrun.distributed.release_destroyed_groups says why); free it while Python lives.
+        if "torch.distributed.nn.functional" in sys.modules:
+            with contextlib.suppress(Exception):
+                from ..distributed import release_destroyed_groups
+
+                release_destroyed_groups()
 
 
 def _any_rank(flag: bool) -> bool:

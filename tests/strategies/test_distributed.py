@@ -141,6 +141,47 @@ def test_shutdown_after_ddp_does_not_deadlock(tmp_path):
     assert not any("reduce_op" in err for _, err in outs), outs
 
 
+# A group destroyed while torch.distributed.nn.functional's default arguments still hold it (the module imported
+# after init_process_group: torch._dynamo imports it, and a torch.optim optimizer imports torch._dynamo) keeps its gloo
+# threads into interpreter shutdown, where freeing the last collective's tensor aborted finished ranks (exit -6,
+# "terminate called without an active exception": the CI run that failed a program campaign).
+GROUP_LEFT = """
+import os, sys, torch
+import torch.distributed as dist
+from pilotrun import distributed
+
+def gloo_threads():
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop" for t in os.listdir("/proc/self/task"))
+
+order, store = sys.argv[1], sys.argv[2]
+if order == "pilotrun":
+    distributed.import_before_group()  # what distributed.init does
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # imports torch._dynamo, which imports the module
+value = torch.ones(3)
+dist.all_reduce(value)
+dist.destroy_process_group()
+held = gloo_threads()
+released = distributed.release_destroyed_groups()
+print(held, released, gloo_threads(), flush=True)
+"""
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the gloo threads in /proc/self/task")
+@pytest.mark.parametrize("order", ["pilotrun", "program"])
+def test_a_destroyed_group_is_freed_before_interpreter_shutdown(tmp_path, order):
+    res = subprocess.run([sys.executable, "-c", GROUP_LEFT, order, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    held, released, left = map(int, res.stdout.split())
+    assert left == 0, "the group's gloo threads outlived destroy_process_group and the release"
+    if order == "pilotrun":  # imported first, the module's defaults never held the group
+        assert (held, released) == (0, 0)
+    else:  # a program that imported it late: torch held the group until the release (torch 2.13 does)
+        assert released == 0 or held > 0, (held, released)
+
+
 def _losses(ledger, run_id=None) -> list[tuple[int, float]]:
     with sqlite3.connect(ledger) as con:
         q = "SELECT rank, loss FROM metrics WHERE gate IN ('first_step', 'steady_step')"
