@@ -365,7 +365,9 @@ class TrainSpec:
     optimizer: OptimizerSpec = doc("optimizer and its hyper-parameters")
     grad_accum_steps: int = doc("micro batches accumulated per optimizer update", 1)
     precision: Precision = doc(
-        "fp32; bf16 autocast over fp32 weights; fp16 autocast with a grad scaler; bf16-true: weights, gradients and "
+        "fp32; bf16 autocast over fp32 weights (under fsdp the blocks are also gathered in bf16 and their gradients "
+        "reduced in fp32: FSDP2's MixedPrecisionPolicy, as for fp16 and fp8); fp16 autocast with a grad scaler; "
+        "bf16-true: weights, gradients and "
         "optimizer state held in bf16, no autocast (torch_dtype=bfloat16 fine-tuning); bf16-true-autocast: the same "
         "bf16 weights with bf16 autocast over them (torch_dtype=bfloat16 with the Trainer's bf16=True, accelerate's "
         "mixed_precision='bf16' or Lightning's 'bf16-mixed'): the ops on autocast's fp32 list (losses; on CUDA also "

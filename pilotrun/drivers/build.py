@@ -49,7 +49,8 @@ def join_job(spec) -> JobProcess:
                           strategy)
     device, reason = pick_device(spec.train.device)
     _, _, world = distributed.env_from_os()
-    strategy = strategies.for_processes(spec.distributed.strategy, world, spec.distributed.offload)
+    strategy = strategies.for_processes(spec.distributed.strategy, world, spec.distributed.offload,
+                                        spec.train.precision)
     env = distributed.init(strategy.name, device.type)
     runtime = backends.for_device(device)
     if env.active and runtime.indexed:  # one device per process

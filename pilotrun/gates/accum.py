@@ -22,9 +22,9 @@ import torch
 
 from ..drivers import Capability
 from ..ledger.records import GateName, TextEnum
-from ..train.batches import supervised_count
+from ..train.batches import cast_floats, supervised_count
 from .base import NEEDS_INTEGRATION, Gate, GateFailure, OnProgram, Outcome, ProbeSite, Product
-from .view import NotMeasured, TrainingView, Window, WindowKind, cast_floats
+from .view import NotMeasured, TrainingView, Window, WindowKind
 
 TOL_FLOAT64 = 1e-5  # relative gradient difference; real bugs give 1e-2 and more
 TOL_FLOAT32 = 1e-3

@@ -15,7 +15,7 @@ import torch
 from .. import strategies
 from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
 from ..drivers import ModelDriver, NonFiniteError
-from ..train.batches import IGNORE, autocast_for, loss_of, to_device
+from ..train.batches import IGNORE, autocast_for, half_name, loss_of, to_device
 from ..train.evaluation import accuracy_counts, outputs_of, shift_convention
 from ..train.fp8 import high_precision_linears, linears_in_high_precision
 from ..train.loss import PolicySource, window_backward
@@ -117,6 +117,7 @@ class LoopView(view.ViewBase):
     scan_limit: int | None = None
     scoring: str | None = None  # the loop scores each example alone (the factory contract takes a batch of one)
     reference_note: str | None = None  # outputs() runs the model as training holds it
+    reference_dtype: torch.dtype | None = None  # set by outputs() under FSDP2's MixedPrecisionPolicy
     # The loop refuses an item without an id (ContractError), so its updates always carry the items' own.
     update_ids = UpdateIds(False, "pilotrun's loop reports the items' own ids and refuses an item without one")
 
@@ -293,11 +294,19 @@ class LoopView(view.ViewBase):
         # high precision, as the export holds them for inference (train/fp8.py).
         model = self.driver.model
         was_training = model.training
+        # FSDP2 under bf16/fp16/fp8 gathers the fp32 master weights in the 2-byte dtype for every forward, this one
+        # too: the model as training runs it computes in that dtype, and the reload does the same with the export.
+        self.reference_dtype = self.driver.strategy.gathered_dtype()
+        notes = []
+        if self.reference_dtype is not None:
+            notes.append(f"FSDP2 computes with its parameters gathered in {half_name(self.reference_dtype)}: the "
+                         "reloaded export's parameters run in it too, compared on the outputs' scale")
         try:
             with linears_in_high_precision(model) as swapped:
                 if swapped:
-                    self.reference_note = (f"fp8: the model's {swapped} float8 Linears run in high precision, as the "
-                                           "export holds them for inference")
+                    notes.append(f"fp8: the model's {swapped} float8 Linears run in high precision, as the export "
+                                 "holds them for inference")
+                self.reference_note = "; ".join(notes) or None
                 return outputs_of(model, to_device(tensors_of(batch), self.ctx.device))
         finally:
             model.train(was_training)
@@ -328,6 +337,8 @@ class LoopView(view.ViewBase):
             args += ["--factory", self.spec.model.factory, "--spec-folder", str(self.spec.folder)]
         if self.spec.model.trust_remote_code:  # the user's own spec asks; the artifact's base.json never decides
             args += ["--remote-code"]
+        if self.reference_dtype is not None:
+            args += ["--param-dtype", half_name(self.reference_dtype)]
         merged_path = work / "reload-merged-outputs.safetensors"
         merged = self.spec.model.adapter is not None and (artifact.folder / MERGED).is_dir()
         if merged:

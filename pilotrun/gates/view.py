@@ -173,6 +173,9 @@ class TrainingView(Protocol):
     scan_limit: int | None        # training examples inspect counts at most (None: all of them)
     scoring: str | None           # how target_scores scored the overfit subset, when not one example at a time
     reference_note: str | None    # how outputs() ran the model, when not as the job holds it (wrappers set aside)
+    # The dtype outputs() computed with in place of the stored float parameters (FSDP2 gathering fp32 master
+    # weights in bf16); the reload runs the export's parameters in it too. None: as stored.
+    reference_dtype: torch.dtype | None
     update_ids: UpdateIds         # what names an update's examples where the items have no id (inspect says it)
 
     @abstractmethod
@@ -248,16 +251,6 @@ def abstract_members(cls: type) -> list[str]:
     declared = {name for base in cls.__mro__ for name, value in vars(base).items()
                 if getattr(value, "__isabstractmethod__", False)}
     return sorted(name for name in declared if getattr(getattr(cls, name, None), "__isabstractmethod__", False))
-
-
-def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
-    """The batch with its floating tensors in ``dtype`` (integer ids and labels unchanged)."""
-    if isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
-        return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(cast_floats(v, dtype) for v in batch)
-    return batch.to(dtype) if isinstance(batch, torch.Tensor) and batch.is_floating_point() else batch
 
 
 def tensors_of(batch: Any) -> dict[str, torch.Tensor]:

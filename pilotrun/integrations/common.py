@@ -324,6 +324,7 @@ class FrameworkView(ViewBase, abstract=True):
     requires_targets: bool = False  # a framework's batch need not follow pilotrun's factory contract
     scoring: str | None = None      # how the overfit subset was scored, when not one example at a time
     reference_note: str | None = None  # how outputs() ran the model, when not as the job holds it
+    reference_dtype: torch.dtype | None = None  # the frameworks' outputs() compute with the weights as stored
     scan_limit: int | None = SCAN_LIMIT
     targets_key: str | None = None
     shift_labels: bool = False

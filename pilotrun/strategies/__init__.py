@@ -84,10 +84,10 @@ def get(name: str) -> Strategy:
     return STRATEGIES[key]
 
 
-def for_processes(name: str, world_size: int, offload: str = "none") -> Strategy:
-    """The strategy that runs ``world_size`` processes of a spec asking for ``name`` (and ``distributed.offload``):
-    one process is always single, which cannot offload, so a spec asking for offload there is refused rather than
-    run without it."""
+def for_processes(name: str, world_size: int, offload: str = "none", precision: str = "fp32") -> Strategy:
+    """The strategy that runs ``world_size`` processes of a spec asking for ``name`` (with ``distributed.offload``
+    and ``train.precision``): one process is always single, which cannot offload, so a spec asking for offload there
+    is refused rather than run without it."""
     declared = get(name)
     if world_size > 1 and not declared.multi_process:
         raise ProcessMismatch(f"{world_size} processes were launched but distributed.strategy is {declared.name!r}: "
@@ -99,7 +99,7 @@ def for_processes(name: str, world_size: int, offload: str = "none") -> Strategy
                               f"state on the device: launch 2 or more processes (pilotrun launch --nproc-per-node N) "
                               f"of distributed.strategy {' or '.join(n for n, s in STRATEGIES.items() if s.offloads)}, "
                               "or set distributed.offload: none")
-    return chosen.configured(offload)
+    return chosen.configured(offload, precision)
 
 
 _problems = vocabulary_problems(STRATEGIES)

@@ -87,17 +87,25 @@ class Strategy(ABC):
     # the registry's objects never offload, :meth:`configured` returns one that does.
     offloads: ClassVar[bool] = False
     offload: str = "none"
+    # train.precision, for a strategy whose wrap depends on it (FSDP2 gathers in the compute dtype: fsdp.py).
+    precision: str = "fp32"
 
-    def configured(self, offload: str = "none") -> Strategy:
-        """This strategy with ``distributed.offload`` applied: itself for ``none``, else a copy that offloads.
-        ValueError where the strategy cannot (the spec refuses that combination before anything runs)."""
-        if offload == "none":
-            return self
-        if not self.offloads:
+    def configured(self, offload: str = "none", precision: str = "fp32") -> Strategy:
+        """This strategy with ``distributed.offload`` and ``train.precision`` applied: itself where they are the
+        defaults, else a copy. ValueError where the strategy cannot offload (the spec refuses that combination
+        before anything runs)."""
+        if offload != "none" and not self.offloads:
             raise ValueError(f"strategy {self.name!r} cannot offload its state to the host (offload {offload!r})")
+        if (offload, precision) == (self.offload, self.precision):
+            return self
         clone = copy.copy(self)
-        clone.offload = offload
+        clone.offload, clone.precision = offload, precision
         return clone
+
+    def gathered_dtype(self) -> torch.dtype | None:
+        """The dtype the wrapped model computes with in place of its stored float parameters (FSDP2's
+        MixedPrecisionPolicy); None: it computes with them as stored. The reload check runs the export alike."""
+        return None
 
     # -- data --------------------------------------------------------------------------------
     def data_replicas(self, world_size: int) -> int:

@@ -22,12 +22,34 @@ class FSDP(DistributedCheckpoint):
         from torch.distributed.fsdp import fully_shard
 
         policy, mesh, said = self._offload_policy(device)
+        mixed, mixed_said = self._mixed_precision()
         _, blocks = repeated_blocks(model)
         for block in blocks:
-            fully_shard(block, mesh=mesh, offload_policy=policy)
-        fully_shard(model, mesh=mesh, offload_policy=policy)
+            fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=mixed)
+        fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mixed)
         return model, (f"FSDP2 over {env.world_size} processes ({dist.get_backend()}): {len(blocks)} blocks and the "
-                       f"root sharded{said}")
+                       f"root sharded{mixed_said}{said}")
+
+    def gathered_dtype(self) -> torch.dtype | None:
+        low = gather_dtype(self.precision)
+        from ..train.batches import HALF_DTYPES
+
+        return None if low is None else HALF_DTYPES[low]
+
+    def _mixed_precision(self):
+        """(FSDP2's MixedPrecisionPolicy for ``train.precision``, what the wrap sentence adds).
+
+        fp32 master weights trained in a 2-byte dtype (bf16, fp16, fp8's bf16) are gathered in that dtype and their
+        gradients reduced in fp32, as torchtitan runs FSDP2 and as the estimate counts it (:func:`gather_dtype`):
+        without it every block would be gathered in fp32 and autocast would copy each weight again."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtype = self.gathered_dtype()
+        if dtype is None:
+            return MixedPrecisionPolicy(), ""
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32), (
+            f"; parameters gathered in {gather_dtype(self.precision)}, gradients reduced in fp32 "
+            "(MixedPrecisionPolicy)")
 
     def _offload_policy(self, device: torch.device):
         """(FSDP2's offload policy, the mesh to shard over (None: the default one), what the wrap sentence adds)."""
@@ -231,10 +253,18 @@ def quant_state_bytes(trace: dict) -> int:
     return int((trace.get("adaptation") or {}).get("quant_state_bytes") or 0)
 
 
+def gather_dtype(precision: str) -> str | None:
+    """The 2-byte dtype FSDP2 gathers fp32 master weights in under ``train.precision`` (MixedPrecisionPolicy's
+    param_dtype, which :meth:`FSDP.wrap` sets: the autocast dtype; fp8 training keeps bf16's); None where the
+    weights are gathered as stored (fp32, or bf16 weights already)."""
+    from ..config.sections import AUTOCAST_DTYPE, BF16_WEIGHTS
+
+    return None if precision in BF16_WEIGHTS else AUTOCAST_DTYPE.get(precision)
+
+
 def _low(precision: str) -> bool:
-    """Whether FSDP2 gathers float parameters in a 2-byte compute dtype (MixedPrecisionPolicy's param_dtype; fp8
-    training keeps bf16's)."""
-    return precision in ("bf16", "fp16", "fp8")
+    """Whether FSDP2 gathers float parameters in a 2-byte compute dtype."""
+    return gather_dtype(precision) is not None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -33,6 +34,25 @@ def to_device(batch, device: torch.device):
     return batch
 
 
+# The 2-byte compute dtypes by the names train.precision and the CLI use.
+HALF_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def half_name(dtype: torch.dtype) -> str:
+    """``HALF_DTYPES``' name for ``dtype``."""
+    return next(name for name, d in HALF_DTYPES.items() if d == dtype)
+
+
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """The batch with its floating tensors in ``dtype`` (integer ids and labels unchanged)."""
+    if isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
+        return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cast_floats(v, dtype) for v in batch)
+    return batch.to(dtype) if isinstance(batch, torch.Tensor) and batch.is_floating_point() else batch
+
+
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """Autocast on the device's type in the dtype ``train.precision`` autocasts to (``config.sections.AUTOCAST_DTYPE``:
     bf16, fp16, and bf16 over bf16 weights for bf16-true-autocast); nothing for fp32 and bf16-true (the weights
@@ -40,7 +60,7 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
     name = AUTOCAST_DTYPE.get(precision)
     if name is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if name == "bf16" else torch.float16)
+    return torch.autocast(device_type=device.type, dtype=HALF_DTYPES[name])
 
 
 def seq_len(batch) -> int:

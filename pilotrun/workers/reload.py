@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint.export import BASE_JSON, MERGED
 from ..checkpoint.pinned import pinned
 from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal, verified_bytes
+from ..train.batches import HALF_DTYPES, cast_floats
 from ..train.evaluation import outputs_of
 from .common import write_error, write_result
 
@@ -104,6 +105,14 @@ def load_hf_folder(folder: Path) -> torch.nn.Module:
     return cls.from_pretrained(str(folder), use_safetensors=True)
 
 
+def params_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The model's float parameters in ``dtype``, its buffers as stored: what FSDP2's MixedPrecisionPolicy
+    computes with (it casts parameters only)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pilotrun.workers.reload")
     ap.add_argument("--export", type=Path, required=True)
@@ -115,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remote-code", action="store_true",
                     help="the job's own spec sets model.trust_remote_code (an artifact's base.json never can)")
     ap.add_argument("--merged-outputs", type=Path, help="also run the merged model (merged/ inside the export)")
+    ap.add_argument("--param-dtype", choices=sorted(HALF_DTYPES),
+                    help="run with the float parameters (and float inputs) in this dtype, as the job's model computed "
+                         "(FSDP2 gathering fp32 master weights in bf16); buffers stay as stored")
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
     try:
@@ -122,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         # merged/ is inside the admitted folder (its files are in the manifest just checked): a plain HF folder.
         model, merged = load_artifacts(args.export, policy, args.spec_folder, merged=args.merged_outputs is not None)
         batch = load_file(str(args.inputs))
+        if args.param_dtype is not None:
+            dtype = HALF_DTYPES[args.param_dtype]
+            for m in (model, merged):
+                if m is not None:
+                    params_in(m, dtype)
+            batch = cast_floats(batch, dtype)
         save_file({"outputs": outputs_of(model, batch).contiguous()}, str(args.outputs))
         result = {"model_class": type(model).__name__}
         if merged is not None:

@@ -256,6 +256,28 @@ def _safetensors_header(path: Path) -> dict:
 
 
 @pytest.mark.process
+def test_fsdp_pilot_in_bf16_gathers_in_bf16_and_passes_every_gate(tmp_path):
+    """bf16 over fp32 master weights as FSDP2 jobs run it (MixedPrecisionPolicy: gathered in bf16, reduced in
+    fp32), which is what the estimate counts: the restore in fresh processes still resumes exactly, and the reload
+    runs the export's parameters in bf16 as the model computed."""
+    spec = copy_example("tiny-sft", tmp_path)
+    out = tmp_path / "fsdp"
+    res = pilotrun_cli("launch", "--nproc-per-node", "2", str(spec), "--set", "distributed.strategy=fsdp",
+                       "--set", "train.precision=bf16", "--out", str(out), "--ledger", str(tmp_path / "l.sqlite"),
+                       cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert {(g["gate"], g["rank"]) for g in report["gates"]} == {(g, r) for g in SPEC_ORDER for r in (0, 1)}
+    assert all(g["verdict"] == "pass" for g in report["gates"] if g["gate"] != "lock"), \
+        [(g["gate"], g["rank"], g["reason"]) for g in report["gates"] if g["verdict"] != "pass"]
+    for rank in (0, 1):
+        load = next(g for g in report["gates"] if g["gate"] == "load" and g["rank"] == rank)
+        assert "parameters gathered in bf16, gradients reduced in fp32" in load["details"]["strategy"]
+    reload = next(g for g in report["gates"] if g["gate"] == "reload_eval" and g["rank"] == 0)
+    assert "gathered in bf16" in reload["details"]["reference"] and "output scale" in reload["details"]["tolerance"]
+
+
+@pytest.mark.process
 def test_ddp_pilot_matches_one_process(tmp_path):
     spec = copy_fixture("toylm", tmp_path)  # micro batch 4 per rank, 3 micro steps per update
     ledger, out = tmp_path / "l.sqlite", tmp_path / "ddp"

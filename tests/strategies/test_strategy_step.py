@@ -184,3 +184,50 @@ def test_the_overfit_gate_steps_its_copy_with_the_one_process_strategy(toylm, tm
     updates = row["details"]["updates"]  # one micro batch per update; the load gate before it runs none
     assert updates > 0 and counting.calls == {"backward": updates, "clip_gradients": updates,
                                               "optimizer_step": updates}
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("precision", "computes"), [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
+                                                      ("fp16", torch.float16), ("fp32", torch.float32),
+                                                      ("bf16-true", torch.bfloat16)])
+def test_fsdp2_gathers_fp32_master_weights_in_the_dtype_the_estimate_counts(tmp_path, precision, computes):
+    """Under bf16/fp16/fp8 the blocks compute with 2-byte copies gathered by FSDP2 (MixedPrecisionPolicy) while the
+    shards stay fp32 and gradients are reduced in fp32: what the fsdp row's in-flight bytes count
+    (fsdp.gather_dtype). fp32, and weights already bf16 (bf16-true: cast here by hand), are gathered as stored."""
+    import torch.distributed as dist
+
+    from pilotrun.distributed import DistEnv
+    from pilotrun.strategies.fsdp import gather_dtype
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _Blocks()
+        stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
+        model.to(stored)
+        seen: list[torch.dtype] = []
+        model.blocks[0].register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
+        chosen = strategies.for_processes("fsdp", 2, "none", precision)
+        assert strategies.get("fsdp").precision == "fp32"  # the registry's object untouched
+        wrapped, how = chosen.wrap(model, DistEnv(0, 0, 1, "fsdp"), torch.device("cpu"))
+        policy = wrapped.blocks[0]._get_fsdp_state()._fsdp_param_group.mp_policy
+        wrapped(torch.ones(3, 4, dtype=stored)).float().sum().backward()
+        low = gather_dtype(precision)
+        assert seen == [computes] and (chosen.gathered_dtype() is None) == (low is None)
+        assert all(p.dtype == stored for p in wrapped.parameters())  # the shards: master weights
+        assert all(p.grad is not None and p.grad.dtype == stored for p in wrapped.parameters())
+        assert policy.reduce_dtype == (torch.float32 if low else None)
+        assert (f"parameters gathered in {low}, gradients reduced in fp32" in how) == (low is not None), how
+    finally:
+        dist.destroy_process_group()
