@@ -6,6 +6,7 @@ Built by :meth:`pilotrun.gates.context.PilotContext.view`; cheap, and lazy: ``in
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,7 @@ class LoopView(view.ViewBase):
     scoring: str | None = None  # the loop scores each example alone (the factory contract takes a batch of one)
     reference_note: str | None = None  # outputs() runs the model as training holds it
     reference_dtype: torch.dtype | None = None  # set by outputs() under FSDP2's MixedPrecisionPolicy
+    reference_device: str = "cpu"  # set by outputs(): where the job's model computed them
     # The loop refuses an item without an id (ContractError), so its updates always carry the items' own.
     update_ids = UpdateIds(False, "pilotrun's loop reports the items' own ids and refuses an item without one")
 
@@ -297,17 +299,22 @@ class LoopView(view.ViewBase):
         # FSDP2 under bf16/fp16/fp8 gathers the fp32 master weights in the 2-byte dtype for every forward, this one
         # too: the model as training runs it computes in that dtype, and the reload does the same with the export.
         self.reference_dtype = self.driver.strategy.gathered_dtype()
+        self.reference_device = self.ctx.device.type
         notes = []
         if self.reference_dtype is not None:
-            notes.append(f"FSDP2 computes with its parameters gathered in {half_name(self.reference_dtype)}: the "
-                         "reloaded export's parameters run in it too, compared on the outputs' scale")
+            notes.append(f"FSDP2 computes with its parameters gathered in {half_name(self.reference_dtype)} under "
+                         "autocast: the reloaded export's run so too")
         try:
             with linears_in_high_precision(model) as swapped:
                 if swapped:
                     notes.append(f"fp8: the model's {swapped} float8 Linears run in high precision, as the export "
                                  "holds them for inference")
                 self.reference_note = "; ".join(notes) or None
-                return outputs_of(model, to_device(tensors_of(batch), self.ctx.device))
+                # Under the policy, as training runs it: with its autocast (modules outside the blocks, such as a
+                # head after a float32 buffer joined the residual stream, take float32 inputs to bf16 weights).
+                with (autocast_for(self.ctx.device, self.spec.train.precision) if self.reference_dtype is not None
+                      else contextlib.nullcontext()):
+                    return outputs_of(model, to_device(tensors_of(batch), self.ctx.device))
         finally:
             model.train(was_training)
 
@@ -346,5 +353,12 @@ class LoopView(view.ViewBase):
         payload = run_worker("pilotrun.workers.reload", args, work / "reload.json", work / "reload.log", "reload")
         what = (f"{payload['model_class']} (the adapter on its rebuilt base, identity checked)"
                 if self.spec.model.adapter is not None else payload["model_class"])
+        # A whole-model export under FSDP2's policy holds the optimizer's masters (the sharded parameters, whatever
+        # is gathered); an adapter export's base is rebuilt from the spec, not read from the export.
+        masters = None
+        if self.reference_dtype is not None and self.spec.model.adapter is None:
+            masters = tuple(sorted({str(p.dtype).removeprefix("torch.") for group in self.driver.optimizer.param_groups
+                                    for p in group["params"] if p.is_floating_point()}))
         return Reloaded(load_file(str(outputs_path))["outputs"], payload["model_class"], what,
-                        load_file(str(merged_path))["outputs"] if merged else None)
+                        load_file(str(merged_path))["outputs"] if merged else None,
+                        tuple(payload.get("stored_float_dtypes", ())), masters)

@@ -159,6 +159,10 @@ class Reloaded:
     model_class: str
     what: str                           # for the reason: what was rebuilt ("LlamaForCausalLM (from_pretrained)")
     merged_outputs: torch.Tensor | None = None
+    stored_float_dtypes: tuple[str, ...] = ()  # the export's float parameters as stored, before any cast
+    # The dtypes the job keeps its trained weights in, where the reload casts them to compute (None: not compared):
+    # an export of the gathered 2-byte copies instead of the masters would otherwise reload as the same outputs.
+    master_dtypes: tuple[str, ...] | None = None
 
 
 class TrainingView(Protocol):
@@ -176,6 +180,7 @@ class TrainingView(Protocol):
     # The dtype outputs() computed with in place of the stored float parameters (FSDP2 gathering fp32 master
     # weights in bf16); the reload runs the export's parameters in it too. None: as stored.
     reference_dtype: torch.dtype | None
+    reference_device: str         # the device type outputs() computed on ("cpu": the reload's own kernels)
     update_ids: UpdateIds         # what names an update's examples where the items have no id (inspect says it)
 
     @abstractmethod

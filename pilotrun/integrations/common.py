@@ -325,6 +325,7 @@ class FrameworkView(ViewBase, abstract=True):
     scoring: str | None = None      # how the overfit subset was scored, when not one example at a time
     reference_note: str | None = None  # how outputs() ran the model, when not as the job holds it
     reference_dtype: torch.dtype | None = None  # the frameworks' outputs() compute with the weights as stored
+    reference_device: str = "cpu"  # the integrations' outputs() run on (a copy moved to) the CPU
     scan_limit: int | None = SCAN_LIMIT
     targets_key: str | None = None
     shift_labels: bool = False

@@ -105,12 +105,36 @@ def load_hf_folder(folder: Path) -> torch.nn.Module:
     return cls.from_pretrained(str(folder), use_safetensors=True)
 
 
-def params_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """The model's float parameters in ``dtype``, its buffers as stored: what FSDP2's MixedPrecisionPolicy
-    computes with (it casts parameters only)."""
+def compute_like_fsdp(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Run ``model`` as FSDP2's MixedPrecisionPolicy(param_dtype=dtype) runs it under pilotrun's fsdp strategy: its
+    float parameters in ``dtype`` (buffers as stored), and the float inputs of the root and of every repeated block
+    (the modules ``FSDP.wrap`` shards: ``cast_forward_inputs``) cast to it, so a float32 buffer added to the residual
+    stream is cast back at the next block as it was in training."""
+    from ..models.structure import repeated_blocks
+
     for p in model.parameters():
         if p.is_floating_point():
             p.data = p.data.to(dtype)
+
+    def cast_inputs(module, args, kwargs):
+        return cast_floats(tuple(args), dtype), cast_floats(dict(kwargs), dtype)
+
+    for module in (model, *repeated_blocks(model)[1]):
+        module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+
+
+def outputs_computed_in(model: torch.nn.Module, batch: dict, dtype: torch.dtype | None) -> torch.Tensor:
+    """``outputs_of`` the model; with ``dtype``, under autocast to it on the CPU, as the job's model computed them
+    (its own modules outside the blocks, an fp32 head after an fp32 residual stream, take their inputs so)."""
+    if dtype is None:
+        return outputs_of(model, batch)
+    with torch.autocast("cpu", dtype=dtype):
+        return outputs_of(model, batch)
+
+
+def float_dtypes(model: torch.nn.Module) -> list[str]:
+    """The dtypes the model's float parameters are stored in ("float32", ...)."""
+    return sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the job's own spec sets model.trust_remote_code (an artifact's base.json never can)")
     ap.add_argument("--merged-outputs", type=Path, help="also run the merged model (merged/ inside the export)")
     ap.add_argument("--param-dtype", choices=sorted(HALF_DTYPES),
-                    help="run with the float parameters (and float inputs) in this dtype, as the job's model computed "
-                         "(FSDP2 gathering fp32 master weights in bf16); buffers stay as stored")
+                    help="run with the float parameters (and float inputs) in this dtype under autocast to it, as the "
+                         "job's model computed (FSDP2 gathering fp32 master weights in bf16); buffers stay as stored")
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
     try:
@@ -134,16 +158,16 @@ def main(argv: list[str] | None = None) -> int:
         # merged/ is inside the admitted folder (its files are in the manifest just checked): a plain HF folder.
         model, merged = load_artifacts(args.export, policy, args.spec_folder, merged=args.merged_outputs is not None)
         batch = load_file(str(args.inputs))
-        if args.param_dtype is not None:
-            dtype = HALF_DTYPES[args.param_dtype]
+        stored = float_dtypes(model)
+        dtype = HALF_DTYPES[args.param_dtype] if args.param_dtype is not None else None
+        if dtype is not None:
             for m in (model, merged):
                 if m is not None:
-                    params_in(m, dtype)
-            batch = cast_floats(batch, dtype)
-        save_file({"outputs": outputs_of(model, batch).contiguous()}, str(args.outputs))
-        result = {"model_class": type(model).__name__}
+                    compute_like_fsdp(m, dtype)
+        save_file({"outputs": outputs_computed_in(model, batch, dtype).contiguous()}, str(args.outputs))
+        result = {"model_class": type(model).__name__, "stored_float_dtypes": stored}
         if merged is not None:
-            save_file({"outputs": outputs_of(merged, batch).contiguous()}, str(args.merged_outputs))
+            save_file({"outputs": outputs_computed_in(merged, batch, dtype).contiguous()}, str(args.merged_outputs))
             result["merged_class"] = type(merged).__name__
         write_result(args.result, result)
         return 0

@@ -273,8 +273,11 @@ def test_fsdp_pilot_in_bf16_gathers_in_bf16_and_passes_every_gate(tmp_path):
     for rank in (0, 1):
         load = next(g for g in report["gates"] if g["gate"] == "load" and g["rank"] == rank)
         assert "parameters gathered in bf16, gradients reduced in fp32" in load["details"]["strategy"]
+    # On the CPU the reload, its parameters cast to bf16 as FSDP2 gathers them, computes the same outputs: the usual
+    # tolerance holds (the outputs' scale is for a GPU's kernels), and the export holds the fp32 masters.
     reload = next(g for g in report["gates"] if g["gate"] == "reload_eval" and g["rank"] == 0)
-    assert "gathered in bf16" in reload["details"]["reference"] and "output scale" in reload["details"]["tolerance"]
+    assert "gathered in bf16" in reload["details"]["reference"]
+    assert reload["details"]["tolerance"] == {"rtol": 1e-4, "atol": 1e-5}
 
 
 @pytest.mark.process

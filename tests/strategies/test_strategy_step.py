@@ -231,3 +231,55 @@ def test_fsdp2_gathers_fp32_master_weights_in_the_dtype_the_estimate_counts(tmp_
         assert (f"parameters gathered in {low}, gradients reduced in fp32" in how) == (low is not None), how
     finally:
         dist.destroy_process_group()
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + torch.tanh(self.mix(x))  # the residual inside the block, as in a transformer layer
+
+
+class _WithBuffer(nn.Module):
+    """A factory-style model whose float32 buffer joins the residual stream before the blocks (FSDP2 casts each
+    block's inputs back to its gather dtype; the reload must too, or float32 meets bf16 weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.register_buffer("pe", torch.linspace(0, 1, 4))
+        self.blocks = nn.ModuleList(_Residual() for _ in range(2))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids) + self.pe
+        for block in self.blocks:
+            x = block(x)
+        return {"logits": self.head(x)}
+
+
+def test_the_reload_computes_as_fsdp2_gathered_whatever_joins_the_residual_stream(tmp_path):
+    import copy
+
+    import torch.distributed as dist
+
+    from pilotrun.distributed import DistEnv
+    from pilotrun.workers.reload import compute_like_fsdp, float_dtypes, outputs_computed_in
+
+    torch.manual_seed(0)
+    model = _WithBuffer()
+    reloaded = copy.deepcopy(model)  # the export: the fp32 masters
+    ids = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 6]])}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        live, _ = strategies.for_processes("fsdp", 2, "none", "bf16").wrap(model, DistEnv(0, 0, 1, "fsdp"),
+                                                                          torch.device("cpu"))
+        expected = outputs_computed_in(live, ids, torch.bfloat16)  # as the loop's view runs it
+    finally:
+        dist.destroy_process_group()
+    assert float_dtypes(reloaded) == ["float32"]
+    compute_like_fsdp(reloaded, torch.bfloat16)
+    assert torch.equal(outputs_computed_in(reloaded, ids, torch.bfloat16), expected)
+    assert reloaded.pe.dtype == torch.float32  # buffers as stored, as FSDP2 leaves them
