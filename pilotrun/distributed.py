@@ -129,16 +129,53 @@ def shutdown(env: DistEnv) -> None:
     which only ends its use for training), and the group is destroyed from Python.
     """
     if env.active and dist.is_initialized():
-        gc.collect()
-        for obj in gc.get_objects():
-            # type(), not isinstance(): isinstance falls back to obj.__class__, and reading any attribute of
-            # torch.distributed.reduce_op (one of these objects) prints its deprecation FutureWarning, once per rank.
-            if issubclass(type(obj), torch.nn.parallel.DistributedDataParallel):
-                for attr in ("logger", "reducer"):  # the C++ Logger holds the Reducer too
-                    obj.__dict__.pop(attr, None)
-        gc.collect()
+        _close_group()
+
+
+def _close_group() -> None:
+    """Free every DDP Reducer, destroy the process groups from Python, drop torch's stale references to them."""
+    _drop_ddp_holds(("logger", "reducer"))  # the C++ Logger holds the Reducer too
+    dist.destroy_process_group()
+    release_destroyed_groups()
+
+
+def _drop_ddp_holds(attrs: tuple[str, ...], backend: str | None = None) -> int:
+    """Remove ``attrs`` from every DDP module (of a group on ``backend``, when given); how many modules."""
+    gc.collect()
+    dropped = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance falls back to obj.__class__, and reading any attribute of
+        # torch.distributed.reduce_op (one of these objects) prints its deprecation FutureWarning, once per rank.
+        if issubclass(type(obj), torch.nn.parallel.DistributedDataParallel):
+            group = obj.__dict__.get("process_group")
+            if backend is not None and not (isinstance(group, dist.ProcessGroup) and group.name() == backend):
+                continue
+            for attr in attrs:
+                obj.__dict__.pop(attr, None)
+            dropped += 1
+    gc.collect()
+    return dropped
+
+
+def close_at_exit() -> str | None:
+    """At the exit of a program pilotrun runs (its handle's atexit hook): a gloo group the program left initialised
+    is closed as :func:`shutdown` closes pilotrun's own, and a destroyed one that torch still holds is freed, so no
+    gloo thread outlives the interpreter (the abort above; a group never destroyed aborts the same way, pytorch PR
+    179291). Destroying a gloo group is local to the process. An NCCL group is left to torch: its destruction may
+    wait on the other ranks. Returns what was done, for the caller's record (None: nothing)."""
+    if not dist.is_available():
+        return None
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return None
+    # A DDP model the program still references holds its group (process_group, and its Reducer): after the
+    # program's own destroy_process_group too. Its training is over.
+    held = _drop_ddp_holds(("logger", "reducer", "process_group"), backend="gloo")
+    if dist.is_initialized():
         dist.destroy_process_group()
         release_destroyed_groups()
+        return "closed the gloo group the program left initialised"
+    released = release_destroyed_groups()
+    return "freed a destroyed gloo group torch or a DDP model still held" if held or released else None
 
 
 # Set by `pilotrun launch` (cli/launch.py): the file where each node's first process writes the run id the ranks

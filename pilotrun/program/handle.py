@@ -445,13 +445,13 @@ class ProgramHandle:
             if self._file is not None:
                 self._file.close()
                 self._file = None
-        # A group the program destroyed but torch still holds would be freed during interpreter shutdown and abort
-        # the finished process (pilotrun.distributed.release_destroyed_groups says why); free it while Python lives.
-        if "torch.distributed.nn.functional" in sys.modules:
+        # A gloo group left initialised, or destroyed but still held by torch, would be freed during interpreter
+        # shutdown and abort the finished process (pilotrun.distributed.close_at_exit); close it while Python lives.
+        if "torch.distributed" in sys.modules:
             with contextlib.suppress(Exception):
-                from ..distributed import release_destroyed_groups
+                from ..distributed import close_at_exit
 
-                release_destroyed_groups()
+                close_at_exit()
 
 
 def _any_rank(flag: bool) -> bool:

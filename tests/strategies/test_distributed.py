@@ -144,7 +144,9 @@ def test_shutdown_after_ddp_does_not_deadlock(tmp_path):
 # A group destroyed while torch.distributed.nn.functional's default arguments still hold it (the module imported
 # after init_process_group: torch._dynamo imports it, and a torch.optim optimizer imports torch._dynamo) keeps its gloo
 # threads into interpreter shutdown, where freeing the last collective's tensor aborted finished ranks (exit -6,
-# "terminate called without an active exception": the CI run that failed a program campaign).
+# "terminate called without an active exception": the CI run that failed a program campaign). A group a program
+# never destroys (a Trainer's) aborts the same way (a CI run's resumed HF Trainer rank): the handle's exit hook
+# closes a gloo group as pilotrun's own shutdown does.
 GROUP_LEFT = """
 import os, sys, torch
 import torch.distributed as dist
@@ -157,17 +159,22 @@ order, store = sys.argv[1], sys.argv[2]
 if order == "pilotrun":
     distributed.import_before_group()  # what distributed.init does
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-if order == "handle":  # a program under pilotrun: its handle's exit hook releases the group
+if order in ("handle", "left"):  # a program under pilotrun: its handle's exit hook closes or releases the group
     from pilotrun.program import ProgramHandle
     job = ProgramHandle({"PILOTRUN_PROGRAM": "1", "PILOTRUN_ROLE": "stages", "PILOTRUN_EVENTS": store + ".events"})
-torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # imports torch._dynamo, which imports the module
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)  # imports torch._dynamo, which imports the module
 value = torch.ones(3)
 dist.all_reduce(value)
-dist.destroy_process_group()
+if order in ("handle", "left"):  # a Trainer's program: a DDP model alive; "left": the group never destroyed
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.ones(1, 2)).sum().backward()
+if order != "left":
+    dist.destroy_process_group()
 held = gloo_threads()
-if order == "handle":
+if order in ("handle", "left"):
     job._at_exit()  # what atexit runs before the interpreter shuts down
-    released = int(held > 0 and gloo_threads() == 0)
+    released = int(held > 0 and gloo_threads() == 0 and not dist.is_initialized())
 else:
     released = distributed.release_destroyed_groups()
 print(held, released, gloo_threads(), flush=True)
@@ -176,8 +183,8 @@ print(held, released, gloo_threads(), flush=True)
 
 @pytest.mark.process
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the gloo threads in /proc/self/task")
-@pytest.mark.parametrize("order", ["pilotrun", "program", "handle"])
-def test_a_destroyed_group_is_freed_before_interpreter_shutdown(tmp_path, order):
+@pytest.mark.parametrize("order", ["pilotrun", "program", "handle", "left"])
+def test_a_gloo_group_is_freed_before_interpreter_shutdown(tmp_path, order):
     res = subprocess.run([sys.executable, "-c", GROUP_LEFT, order, str(tmp_path / "store")], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
