@@ -162,7 +162,7 @@ def close_at_exit() -> str | None:
     is closed as :func:`shutdown` closes pilotrun's own, and a destroyed one that torch still holds is freed, so no
     gloo thread outlives the interpreter (the abort above; a group never destroyed aborts the same way, pytorch PR
     179291). Destroying a gloo group is local to the process. An NCCL group is left to torch: its destruction may
-    wait on the other ranks. Returns what was done, for the caller's record (None: nothing)."""
+    wait on the other ranks. Returns what was done (None: nothing)."""
     if not dist.is_available():
         return None
     if dist.is_initialized() and dist.get_backend() != "gloo":
