@@ -14,6 +14,7 @@ from ..ledger.records import GateName, Verdict
 from ..models.adapters import parameter_split
 from ..models.loading import parameter_count
 from ..models.quantize import KernelUnavailable
+from ..train.batches import dtype_names
 from .base import Gate, OnProgram, Outcome, Product
 
 
@@ -44,7 +45,7 @@ class LoadGate(Gate):
         md = ctx.model_driver()
         model, loaded, policy = md.plain_model, md.loaded, md.policy
         total, trainable = parameter_count(model)
-        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+        dtypes = dtype_names(model.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
         env = ctx.env
         ratio = md.reduction_ratio

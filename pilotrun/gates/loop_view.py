@@ -16,7 +16,7 @@ import torch
 from .. import strategies
 from ..checkpoint.export import BASE_JSON, MERGED, safetensors_tensor_count
 from ..drivers import ModelDriver, NonFiniteError
-from ..train.batches import IGNORE, autocast_for, half_name, loss_of, to_device
+from ..train.batches import IGNORE, autocast_for, dtype_names, half_name, loss_of, to_device
 from ..train.evaluation import accuracy_counts, outputs_of, shift_convention
 from ..train.fp8 import high_precision_linears, linears_in_high_precision
 from ..train.loss import PolicySource, window_backward
@@ -357,8 +357,8 @@ class LoopView(view.ViewBase):
         # is gathered); an adapter export's base is rebuilt from the spec, not read from the export.
         masters = None
         if self.reference_dtype is not None and self.spec.model.adapter is None:
-            masters = tuple(sorted({str(p.dtype).removeprefix("torch.") for group in self.driver.optimizer.param_groups
-                                    for p in group["params"] if p.is_floating_point()}))
+            masters = tuple(dtype_names(p for group in self.driver.optimizer.param_groups for p in group["params"]
+                                        if p.is_floating_point()))
         return Reloaded(load_file(str(outputs_path))["outputs"], payload["model_class"], what,
                         load_file(str(merged_path))["outputs"] if merged else None,
                         tuple(payload.get("stored_float_dtypes", ())), masters)

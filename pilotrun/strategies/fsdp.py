@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..humanize import human_bytes
 from ..models.structure import repeated_blocks
+from ..train.batches import HALF_DTYPES, half_name
 from .base import BufferSync, DistributedCheckpoint, StageBytes, correction, probe_reduction, reduction_probe
 
 
@@ -32,8 +33,6 @@ class FSDP(DistributedCheckpoint):
 
     def gathered_dtype(self) -> torch.dtype | None:
         low = gather_dtype(self.precision)
-        from ..train.batches import HALF_DTYPES
-
         return None if low is None else HALF_DTYPES[low]
 
     def _mixed_precision(self):
@@ -48,7 +47,7 @@ class FSDP(DistributedCheckpoint):
         if dtype is None:
             return MixedPrecisionPolicy(), ""
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32), (
-            f"; parameters gathered in {gather_dtype(self.precision)}, gradients reduced in fp32 "
+            f"; parameters gathered in {half_name(dtype)}, gradients reduced in fp32 "
             "(MixedPrecisionPolicy)")
 
     def _offload_policy(self, device: torch.device):

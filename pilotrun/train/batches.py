@@ -5,7 +5,7 @@ The one place each of these is computed: the loop, the gates and the estimator a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,11 @@ HALF_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.flo
 def half_name(dtype: torch.dtype) -> str:
     """``HALF_DTYPES``' name for ``dtype``."""
     return next(name for name, d in HALF_DTYPES.items() if d == dtype)
+
+
+def dtype_names(tensors: Iterable[torch.Tensor]) -> list[str]:
+    """The distinct dtypes of ``tensors`` by torch's short names ("float32", "bfloat16", "uint8"), sorted."""
+    return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
 
 
 def cast_floats(batch: Any, dtype: torch.dtype) -> Any:

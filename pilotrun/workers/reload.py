@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint.export import BASE_JSON, MERGED
 from ..checkpoint.pinned import pinned
 from ..checkpoint.trust import Admission, LoadPolicy, LoadRefused, Refusal, verified_bytes
-from ..train.batches import HALF_DTYPES, cast_floats
+from ..train.batches import HALF_DTYPES, cast_floats, dtype_names
 from ..train.evaluation import outputs_of
 from .common import write_error, write_result
 
@@ -132,11 +132,6 @@ def outputs_computed_in(model: torch.nn.Module, batch: dict, dtype: torch.dtype 
         return outputs_of(model, batch)
 
 
-def float_dtypes(model: torch.nn.Module) -> list[str]:
-    """The dtypes the model's float parameters are stored in ("float32", ...)."""
-    return sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pilotrun.workers.reload")
     ap.add_argument("--export", type=Path, required=True)
@@ -158,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         # merged/ is inside the admitted folder (its files are in the manifest just checked): a plain HF folder.
         model, merged = load_artifacts(args.export, policy, args.spec_folder, merged=args.merged_outputs is not None)
         batch = load_file(str(args.inputs))
-        stored = float_dtypes(model)
+        stored = dtype_names(p for p in model.parameters() if p.is_floating_point())
         dtype = HALF_DTYPES[args.param_dtype] if args.param_dtype is not None else None
         if dtype is not None:
             for m in (model, merged):

@@ -266,7 +266,8 @@ def test_the_reload_computes_as_fsdp2_gathered_whatever_joins_the_residual_strea
     import torch.distributed as dist
 
     from pilotrun.distributed import DistEnv
-    from pilotrun.workers.reload import compute_like_fsdp, float_dtypes, outputs_computed_in
+    from pilotrun.train.batches import dtype_names
+    from pilotrun.workers.reload import compute_like_fsdp, outputs_computed_in
 
     torch.manual_seed(0)
     model = _WithBuffer()
@@ -279,7 +280,7 @@ def test_the_reload_computes_as_fsdp2_gathered_whatever_joins_the_residual_strea
         expected = outputs_computed_in(live, ids, torch.bfloat16)  # as the loop's view runs it
     finally:
         dist.destroy_process_group()
-    assert float_dtypes(reloaded) == ["float32"]
+    assert dtype_names(reloaded.parameters()) == ["float32"]
     compute_like_fsdp(reloaded, torch.bfloat16)
     assert torch.equal(outputs_computed_in(reloaded, ids, torch.bfloat16), expected)
     assert reloaded.pe.dtype == torch.float32  # buffers as stored, as FSDP2 leaves them
